@@ -1,0 +1,986 @@
+/*
+ * nvme-offload native engine.
+ *
+ * A request is a list of segments (buffer <-> file range). It is cut into pieces of at most
+ * block_size bytes, and the pieces are spread over the workers. Two backends share everything
+ * but the worker loop:
+ *   - io_uring: one ring per worker thread, at most queue_depth pieces in flight per ring,
+ *     read/write-fixed when the buffer was registered;
+ *   - threads: a pool of threads doing pread/pwrite, for kernels or sandboxes without io_uring.
+ *
+ * Every completion is checked: short transfers are queued again for their remainder, -EAGAIN and
+ * -EINTR are retried a bounded number of times, and anything else completes the piece (and so the
+ * request) with -errno. Nothing here prints, exits or aborts.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <time.h>
+#include <linux/stat.h>
+
+#ifdef OFL_HAVE_URING
+#include <liburing.h>
+#endif
+
+#include "offload_engine.h"
+
+#ifndef OFL_VERSION
+#error "OFL_VERSION must be defined by the build (the package version)"
+#endif
+
+#define OFL_MAX_RETRIES 100
+#define OFL_MAX_THREADS 64
+
+typedef struct ofl_piece ofl_piece;
+
+struct ofl_piece {
+    ofl_piece *next;
+    ofl_request *req;
+    int op;
+    int fd;
+    int buf_index;
+    int seg;
+    char *buf;
+    int64_t offset;
+    int64_t len;       /* bytes still to move */
+    int64_t rel;       /* position of buf within the request, for end-of-file prefixes */
+    int retries;
+    int fault_checked;
+};
+
+struct ofl_request {
+    ofl_request *prev, *next;  /* engine's list of live requests */
+    ofl_piece *pieces;
+    int64_t npieces;
+    int64_t pending;
+    int64_t moved;
+    int64_t eof_at;            /* smallest request position where a read met end of file */
+    int error;
+    int err_seg;
+    int64_t err_offset;
+    int done;
+};
+
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ofl_piece *head, *tail;
+    int stop;
+} ofl_queue;
+
+typedef struct {
+    ofl_engine *e;
+    pthread_t thread;
+    int started;
+    ofl_queue *q;
+#ifdef OFL_HAVE_URING
+    struct io_uring ring;
+    int ring_ok;
+#endif
+} ofl_worker;
+
+struct ofl_engine {
+    ofl_config cfg;
+    int backend;
+    int fallback_reason;
+
+    /* Guards requests, stats and faults. Completions broadcast on done_cv. */
+    pthread_mutex_t mu;
+    pthread_cond_t done_cv;
+    ofl_request live;          /* sentinel of the live list */
+    int64_t live_count;
+    ofl_stats stats;
+
+    int fault_op, fault_kind, fault_err;
+    int64_t fault_skip, fault_count;
+    int fault_armed;           /* read without the lock as a cheap filter */
+
+    /* Registered buffers, for validating buf_index. */
+    void **fixed_addrs;
+    int64_t *fixed_lens;
+    int fixed_count;
+
+    int nworkers;
+    ofl_worker *workers;
+    int nqueues;
+    ofl_queue *queues;         /* io_uring: one per worker; threads: one shared */
+    uint64_t rr;               /* round robin start for the next request */
+};
+
+const char *ofl_version(void) { return OFL_VERSION; }
+
+int ofl_have_io_uring(void)
+{
+#ifdef OFL_HAVE_URING
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------- queues */
+
+static int queue_init(ofl_queue *q)
+{
+    memset(q, 0, sizeof(*q));
+    if (pthread_mutex_init(&q->mu, NULL) != 0)
+        return -ENOMEM;
+    if (pthread_cond_init(&q->cv, NULL) != 0) {
+        pthread_mutex_destroy(&q->mu);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+static void queue_destroy(ofl_queue *q)
+{
+    pthread_cond_destroy(&q->cv);
+    pthread_mutex_destroy(&q->mu);
+}
+
+/* Append a chain of pieces (first..last) to a queue and wake its workers. */
+static void queue_push_chain(ofl_queue *q, ofl_piece *first, ofl_piece *last)
+{
+    last->next = NULL;
+    pthread_mutex_lock(&q->mu);
+    if (q->tail)
+        q->tail->next = first;
+    else
+        q->head = first;
+    q->tail = last;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+}
+
+/* Pop up to max pieces without blocking; returns a NULL-terminated chain. */
+static ofl_piece *queue_pop_locked(ofl_queue *q, int max, int *n)
+{
+    ofl_piece *first = q->head, *p = first, *last = NULL;
+    int k = 0;
+    while (p && k < max) {
+        last = p;
+        p = p->next;
+        k++;
+    }
+    if (last) {
+        q->head = p;
+        if (!p)
+            q->tail = NULL;
+        last->next = NULL;
+    } else {
+        first = NULL;
+    }
+    *n = k;
+    return first;
+}
+
+/* ---------------------------------------------------------------- completion */
+
+static void complete_piece(ofl_engine *e, ofl_piece *p, int err, int eof)
+{
+    ofl_request *r = p->req;
+    pthread_mutex_lock(&e->mu);
+    if (err < 0) {
+        e->stats.failures++;
+        if (r->error == 0) {
+            r->error = err;
+            r->err_seg = p->seg;
+            r->err_offset = p->offset;
+        }
+    }
+    if (eof && p->rel < r->eof_at)
+        r->eof_at = p->rel;
+    e->stats.pieces++;
+    if (--r->pending == 0) {
+        r->done = 1;
+        e->stats.requests++;
+        pthread_cond_broadcast(&e->done_cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void account_bytes(ofl_engine *e, ofl_request *r, int64_t n)
+{
+    pthread_mutex_lock(&e->mu);
+    e->stats.bytes += n;
+    r->moved += n;
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void count_stat(ofl_engine *e, int64_t *field)
+{
+    pthread_mutex_lock(&e->mu);
+    (*field)++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/*
+ * Decide whether an injected fault applies to this piece's first submission.
+ * Returns OFL_FAULT_NONE, OFL_FAULT_SHORT or OFL_FAULT_ERROR (with *err set).
+ */
+static int take_fault(ofl_engine *e, ofl_piece *p, int *err)
+{
+    int kind = OFL_FAULT_NONE;
+    if (p->fault_checked)
+        return kind;
+    p->fault_checked = 1;
+    if (!__atomic_load_n(&e->fault_armed, __ATOMIC_ACQUIRE))
+        return kind;
+    pthread_mutex_lock(&e->mu);
+    if (e->fault_kind != OFL_FAULT_NONE && (e->fault_op < 0 || e->fault_op == p->op)) {
+        if (e->fault_skip > 0) {
+            e->fault_skip--;
+        } else if (e->fault_count != 0) {
+            if (e->fault_count > 0 && --e->fault_count == 0)
+                __atomic_store_n(&e->fault_armed, 0, __ATOMIC_RELEASE);
+            kind = e->fault_kind;
+            *err = e->fault_err;
+        }
+    }
+    pthread_mutex_unlock(&e->mu);
+    return kind;
+}
+
+/* Length to submit for a piece: the whole remainder, or half of it under a short fault. */
+static int64_t submit_len(ofl_piece *p, int fault)
+{
+    if (fault == OFL_FAULT_SHORT && p->len >= 8192) {
+        int64_t half = (p->len / 2) & ~(int64_t)4095;
+        return half > 0 ? half : p->len;
+    }
+    return p->len;
+}
+
+/*
+ * Apply a completion result of n bytes (or -errno) to a piece. Returns 1 if the piece must be
+ * submitted again (remainder or retry), 0 if it is finished.
+ */
+static int settle(ofl_engine *e, ofl_piece *p, int64_t n)
+{
+    if (n == -EAGAIN || n == -EINTR) {
+        if (++p->retries <= OFL_MAX_RETRIES) {
+            count_stat(e, &e->stats.retries);
+            return 1;
+        }
+        complete_piece(e, p, (int)n, 0);
+        return 0;
+    }
+    if (n < 0) {
+        complete_piece(e, p, (int)n, 0);
+        return 0;
+    }
+    if (n == 0) {
+        if (p->op == OFL_OP_READ)
+            complete_piece(e, p, 0, 1);   /* end of file: the request reports a prefix */
+        else
+            complete_piece(e, p, -EIO, 0); /* a write that moves nothing would loop forever */
+        return 0;
+    }
+    account_bytes(e, p->req, n);
+    if (n < p->len) {
+        p->buf += n;
+        p->offset += n;
+        p->len -= n;
+        p->rel += n;
+        count_stat(e, &e->stats.resubmits);
+        return 1;
+    }
+    complete_piece(e, p, 0, 0);
+    return 0;
+}
+
+static void fail_chain(ofl_engine *e, ofl_piece *p, int err)
+{
+    while (p) {
+        ofl_piece *next = p->next;
+        complete_piece(e, p, err, 0);
+        p = next;
+    }
+}
+
+/* ---------------------------------------------------------------- threads backend */
+
+static void *thread_worker(void *arg)
+{
+    ofl_worker *w = arg;
+    ofl_engine *e = w->e;
+    ofl_queue *q = w->q;
+    for (;;) {
+        pthread_mutex_lock(&q->mu);
+        while (!q->head && !q->stop)
+            pthread_cond_wait(&q->cv, &q->mu);
+        if (!q->head && q->stop) {
+            pthread_mutex_unlock(&q->mu);
+            return NULL;
+        }
+        int n;
+        ofl_piece *p = queue_pop_locked(q, 1, &n);
+        pthread_mutex_unlock(&q->mu);
+
+        int again = 1;
+        while (again) {
+            int ferr = 0;
+            int fault = take_fault(e, p, &ferr);
+            if (fault == OFL_FAULT_ERROR) {
+                complete_piece(e, p, -ferr, 0);
+                break;
+            }
+            int64_t len = submit_len(p, fault);
+            ssize_t res = p->op == OFL_OP_READ ? pread(p->fd, p->buf, (size_t)len, p->offset)
+                                               : pwrite(p->fd, p->buf, (size_t)len, p->offset);
+            again = settle(e, p, res < 0 ? -(int64_t)errno : (int64_t)res);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- io_uring backend */
+
+#ifdef OFL_HAVE_URING
+
+static unsigned ring_entries(int queue_depth)
+{
+    unsigned n = 1;
+    while (n < (unsigned)queue_depth)
+        n <<= 1;
+    return n;
+}
+
+/* Prepare one SQE for a piece. Returns 1 if prepared, 0 if the piece was settled instead. */
+static int prep_piece(ofl_engine *e, struct io_uring *ring, ofl_piece *p)
+{
+    int ferr = 0;
+    int fault = take_fault(e, p, &ferr);
+    if (fault == OFL_FAULT_ERROR) {
+        complete_piece(e, p, -ferr, 0);
+        return 0;
+    }
+    struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+    /* Never NULL: the ring has at least queue_depth entries and we keep at most that many. */
+    unsigned len = (unsigned)submit_len(p, fault);
+    int fixed = p->buf_index >= 0 && e->fixed_count > 0;
+    if (p->op == OFL_OP_READ) {
+        if (fixed)
+            io_uring_prep_read_fixed(sqe, p->fd, p->buf, len, (uint64_t)p->offset, p->buf_index);
+        else
+            io_uring_prep_read(sqe, p->fd, p->buf, len, (uint64_t)p->offset);
+    } else {
+        if (fixed)
+            io_uring_prep_write_fixed(sqe, p->fd, p->buf, len, (uint64_t)p->offset, p->buf_index);
+        else
+            io_uring_prep_write(sqe, p->fd, p->buf, len, (uint64_t)p->offset);
+    }
+    io_uring_sqe_set_data(sqe, p);
+    return 1;
+}
+
+static void sleep_briefly(void)
+{
+    struct timespec ts = {0, 100000}; /* 100 us */
+    nanosleep(&ts, NULL);
+}
+
+/*
+ * Fail every piece that was prepared but whose SQE could not be handed to the kernel, then
+ * start a fresh ring: SQEs cannot be taken back out of a ring, so the old one is unusable.
+ */
+static int ring_reset(ofl_worker *w, ofl_piece *unsent, int err)
+{
+    fail_chain(w->e, unsent, err);
+    io_uring_queue_exit(&w->ring);
+    w->ring_ok = 0;
+    int rc = io_uring_queue_init(ring_entries(w->e->cfg.queue_depth), &w->ring, 0);
+    if (rc == 0) {
+        w->ring_ok = 1;
+        if (w->e->fixed_count > 0) {
+            struct iovec *iov = calloc((size_t)w->e->fixed_count, sizeof(*iov));
+            if (iov) {
+                for (int i = 0; i < w->e->fixed_count; i++) {
+                    iov[i].iov_base = w->e->fixed_addrs[i];
+                    iov[i].iov_len = (size_t)w->e->fixed_lens[i];
+                }
+                io_uring_register_buffers(&w->ring, iov, (unsigned)w->e->fixed_count);
+                free(iov);
+            }
+        }
+    }
+    return rc;
+}
+
+static void *uring_worker(void *arg)
+{
+    ofl_worker *w = arg;
+    ofl_engine *e = w->e;
+    ofl_queue *q = w->q;
+    const int qd = e->cfg.queue_depth;
+    int inflight = 0;
+    ofl_piece *again = NULL;      /* pieces to submit again (remainders, retries) */
+    int nagain = 0;
+
+    for (;;) {
+        /* Take new work: when idle, block; with overlap_events, top the ring up. */
+        ofl_piece *fresh = NULL;
+        int nfresh = 0;
+        int room = qd - inflight - nagain;
+        pthread_mutex_lock(&q->mu);
+        while (!q->head && inflight == 0 && nagain == 0 && !q->stop)
+            pthread_cond_wait(&q->cv, &q->mu);
+        if (q->stop && !q->head && inflight == 0 && nagain == 0) {
+            pthread_mutex_unlock(&q->mu);
+            break;
+        }
+        if (room > 0 && (e->cfg.overlap_events || inflight == 0))
+            fresh = queue_pop_locked(q, room, &nfresh);
+        pthread_mutex_unlock(&q->mu);
+
+        if (!w->ring_ok) {
+            /* A ring reset failed earlier: nothing can be submitted on this worker any more. */
+            fail_chain(e, again, -EIO);
+            fail_chain(e, fresh, -EIO);
+            again = NULL;
+            nagain = 0;
+            continue;
+        }
+
+        /* Prepare SQEs: remainders first, then new pieces. */
+        ofl_piece *batch = NULL, *batch_tail = NULL;
+        int prepared = 0;
+        for (int pass = 0; pass < 2; pass++) {
+            ofl_piece *p = pass == 0 ? again : fresh;
+            while (p) {
+                ofl_piece *next = p->next;
+                p->next = NULL;
+                if (prep_piece(e, &w->ring, p)) {
+                    prepared++;
+                    if (batch_tail)
+                        batch_tail->next = p;
+                    else
+                        batch = p;
+                    batch_tail = p;
+                    if (e->cfg.single_submit) {
+                        int rc;
+                        do {
+                            rc = io_uring_submit(&w->ring);
+                        } while (rc == -EINTR);
+                    }
+                }
+                p = next;
+            }
+        }
+        again = NULL;
+        nagain = 0;
+
+        /* Hand the batch to the kernel and wait: for one completion, or for all of them. */
+        if (prepared > 0 || inflight > 0) {
+            int want = e->cfg.overlap_events ? 1 : inflight + prepared;
+            int rc, tries = 0;
+            for (;;) {
+                rc = io_uring_submit_and_wait(&w->ring, (unsigned)want);
+                if (rc >= 0)
+                    break;
+                if ((rc == -EINTR || rc == -EAGAIN || rc == -EBUSY) && ++tries <= OFL_MAX_RETRIES) {
+                    sleep_briefly();
+                    continue;
+                }
+                break;
+            }
+            if (rc < 0 && io_uring_sq_ready(&w->ring) > 0) {
+                /*
+                 * The kernel refused the batch. Let what is already in flight land first (its
+                 * buffers are in use), then fail the refused pieces and start a clean ring.
+                 */
+                while (inflight > 0) {
+                    struct io_uring_cqe *cqe;
+                    int wrc = io_uring_wait_cqe(&w->ring, &cqe);
+                    if (wrc == -EINTR || wrc == -EAGAIN)
+                        continue;
+                    if (wrc < 0)
+                        break;
+                    ofl_piece *p = io_uring_cqe_get_data(cqe);
+                    int64_t res = cqe->res;
+                    io_uring_cqe_seen(&w->ring, cqe);
+                    inflight--;
+                    if (settle(e, p, res)) {
+                        p->next = again;
+                        again = p;
+                        nagain++;
+                    }
+                }
+                ring_reset(w, batch, rc);
+                continue;
+            }
+            inflight += prepared;
+        }
+
+        /* Reap: with overlap, whatever is ready; without, everything in flight. */
+        while (inflight > 0) {
+            struct io_uring_cqe *cqe;
+            int rc = io_uring_peek_cqe(&w->ring, &cqe);
+            if (rc == -EAGAIN) {
+                if (e->cfg.overlap_events && (again || __atomic_load_n(&q->head, __ATOMIC_RELAXED)))
+                    break;
+                rc = io_uring_wait_cqe(&w->ring, &cqe);
+                if (rc == -EINTR || rc == -EAGAIN)
+                    continue;
+                if (rc < 0)
+                    break;
+            } else if (rc < 0) {
+                break;
+            }
+            ofl_piece *p = io_uring_cqe_get_data(cqe);
+            int64_t res = cqe->res;
+            io_uring_cqe_seen(&w->ring, cqe);
+            inflight--;
+            if (settle(e, p, res)) {
+                p->next = again;
+                again = p;
+                nagain++;
+            }
+            if (e->cfg.overlap_events && inflight > 0 && io_uring_cq_ready(&w->ring) == 0)
+                break; /* go top up the ring */
+        }
+    }
+    return NULL;
+}
+
+#endif /* OFL_HAVE_URING */
+
+/* ---------------------------------------------------------------- engine */
+
+static void engine_stop_workers(ofl_engine *e)
+{
+    for (int i = 0; i < e->nqueues; i++) {
+        pthread_mutex_lock(&e->queues[i].mu);
+        e->queues[i].stop = 1;
+        pthread_cond_broadcast(&e->queues[i].cv);
+        pthread_mutex_unlock(&e->queues[i].mu);
+    }
+    for (int i = 0; i < e->nworkers; i++) {
+        if (e->workers[i].started)
+            pthread_join(e->workers[i].thread, NULL);
+#ifdef OFL_HAVE_URING
+        if (e->workers[i].ring_ok)
+            io_uring_queue_exit(&e->workers[i].ring);
+#endif
+    }
+}
+
+static void engine_free(ofl_engine *e)
+{
+    for (int i = 0; i < e->nqueues; i++)
+        queue_destroy(&e->queues[i]);
+    free(e->queues);
+    free(e->workers);
+    free(e->fixed_addrs);
+    free(e->fixed_lens);
+    pthread_cond_destroy(&e->done_cv);
+    pthread_mutex_destroy(&e->mu);
+    free(e);
+}
+
+static int start_threads(ofl_engine *e)
+{
+    int n = e->cfg.thread_count * e->cfg.queue_depth;
+    if (n > OFL_MAX_THREADS)
+        n = OFL_MAX_THREADS;
+    if (n < e->cfg.thread_count)
+        n = e->cfg.thread_count;
+    e->queues = calloc(1, sizeof(ofl_queue));
+    e->workers = calloc((size_t)n, sizeof(ofl_worker));
+    if (!e->queues || !e->workers)
+        return -ENOMEM;
+    int rc = queue_init(&e->queues[0]);
+    if (rc)
+        return rc;
+    e->nqueues = 1;
+    e->nworkers = n;
+    for (int i = 0; i < n; i++) {
+        e->workers[i].e = e;
+        e->workers[i].q = &e->queues[0];
+        rc = -pthread_create(&e->workers[i].thread, NULL, thread_worker, &e->workers[i]);
+        if (rc)
+            return rc;
+        e->workers[i].started = 1;
+    }
+    e->backend = OFL_BACKEND_THREADS;
+    return 0;
+}
+
+#ifdef OFL_HAVE_URING
+static int start_urings(ofl_engine *e)
+{
+    int n = e->cfg.thread_count;
+    e->queues = calloc((size_t)n, sizeof(ofl_queue));
+    e->workers = calloc((size_t)n, sizeof(ofl_worker));
+    if (!e->queues || !e->workers)
+        return -ENOMEM;
+    /* Rings first: if the kernel refuses io_uring we learn it before any thread runs. */
+    for (int i = 0; i < n; i++) {
+        int rc = queue_init(&e->queues[i]);
+        if (rc)
+            return rc;
+        e->nqueues++;
+        e->nworkers++;
+        e->workers[i].e = e;
+        e->workers[i].q = &e->queues[i];
+        rc = io_uring_queue_init(ring_entries(e->cfg.queue_depth), &e->workers[i].ring, 0);
+        if (rc)
+            return rc;
+        e->workers[i].ring_ok = 1;
+    }
+    for (int i = 0; i < n; i++) {
+        int rc = -pthread_create(&e->workers[i].thread, NULL, uring_worker, &e->workers[i]);
+        if (rc)
+            return rc;
+        e->workers[i].started = 1;
+    }
+    e->backend = OFL_BACKEND_IO_URING;
+    return 0;
+}
+
+/* Undo a partial start_urings so that threads can be tried instead. */
+static void undo_start(ofl_engine *e)
+{
+    engine_stop_workers(e);
+    for (int i = 0; i < e->nqueues; i++)
+        queue_destroy(&e->queues[i]);
+    free(e->queues);
+    free(e->workers);
+    e->queues = NULL;
+    e->workers = NULL;
+    e->nqueues = e->nworkers = 0;
+}
+#endif
+
+int ofl_engine_create(const ofl_config *cfg, ofl_engine **out)
+{
+    if (!cfg || !out)
+        return -EINVAL;
+    *out = NULL;
+    if (cfg->thread_count < 1 || cfg->queue_depth < 1 || cfg->queue_depth > 4096 || cfg->block_size < 4096 ||
+        cfg->block_size > (1LL << 30) || cfg->backend < OFL_BACKEND_AUTO || cfg->backend > OFL_BACKEND_THREADS)
+        return -EINVAL;
+    ofl_engine *e = calloc(1, sizeof(*e));
+    if (!e)
+        return -ENOMEM;
+    e->cfg = *cfg;
+    if (pthread_mutex_init(&e->mu, NULL) != 0) {
+        free(e);
+        return -ENOMEM;
+    }
+    if (pthread_cond_init(&e->done_cv, NULL) != 0) {
+        pthread_mutex_destroy(&e->mu);
+        free(e);
+        return -ENOMEM;
+    }
+    e->live.next = e->live.prev = &e->live;
+
+    int rc;
+#ifdef OFL_HAVE_URING
+    if (cfg->backend != OFL_BACKEND_THREADS) {
+        rc = start_urings(e);
+        if (rc == 0)
+            goto started;
+        undo_start(e);
+        if (cfg->backend == OFL_BACKEND_IO_URING) {
+            engine_free(e);
+            return rc;
+        }
+        e->fallback_reason = rc;
+    }
+#else
+    if (cfg->backend == OFL_BACKEND_IO_URING) {
+        engine_free(e);
+        return -ENOSYS;
+    }
+    e->fallback_reason = -ENOSYS;
+#endif
+    rc = start_threads(e);
+    if (rc) {
+        engine_stop_workers(e);
+        engine_free(e);
+        return rc;
+    }
+#ifdef OFL_HAVE_URING
+started:
+#endif
+    e->stats.workers = e->nworkers;
+    *out = e;
+    return 0;
+}
+
+int ofl_engine_backend(ofl_engine *e) { return e ? e->backend : -EINVAL; }
+
+int ofl_engine_fallback_reason(ofl_engine *e) { return e ? e->fallback_reason : -EINVAL; }
+
+int ofl_engine_register_buffers(ofl_engine *e, void **addrs, int64_t *lens, int count)
+{
+    if (!e || count < 0 || (count > 0 && (!addrs || !lens)))
+        return -EINVAL;
+    pthread_mutex_lock(&e->mu);
+    if (e->live_count > 0) {
+        pthread_mutex_unlock(&e->mu);
+        return -EBUSY;
+    }
+    void **new_addrs = NULL;
+    int64_t *new_lens = NULL;
+    if (count > 0) {
+        new_addrs = calloc((size_t)count, sizeof(void *));
+        new_lens = calloc((size_t)count, sizeof(int64_t));
+        if (!new_addrs || !new_lens) {
+            free(new_addrs);
+            free(new_lens);
+            pthread_mutex_unlock(&e->mu);
+            return -ENOMEM;
+        }
+        memcpy(new_addrs, addrs, (size_t)count * sizeof(void *));
+        memcpy(new_lens, lens, (size_t)count * sizeof(int64_t));
+    }
+    int rc = 0;
+#ifdef OFL_HAVE_URING
+    if (e->backend == OFL_BACKEND_IO_URING) {
+        struct iovec *iov = count ? calloc((size_t)count, sizeof(*iov)) : NULL;
+        if (count && !iov) {
+            rc = -ENOMEM;
+        } else {
+            for (int i = 0; i < count; i++) {
+                iov[i].iov_base = addrs[i];
+                iov[i].iov_len = (size_t)lens[i];
+            }
+            for (int i = 0; i < e->nworkers && rc == 0; i++) {
+                if (e->fixed_count > 0)
+                    io_uring_unregister_buffers(&e->workers[i].ring);
+                if (count > 0)
+                    rc = io_uring_register_buffers(&e->workers[i].ring, iov, (unsigned)count);
+            }
+            if (rc < 0) {
+                /* All or nothing: a ring without the table would reject buf_index. */
+                for (int i = 0; i < e->nworkers; i++)
+                    io_uring_unregister_buffers(&e->workers[i].ring);
+            }
+            free(iov);
+        }
+    }
+#endif
+    free(e->fixed_addrs);
+    free(e->fixed_lens);
+    if (rc < 0) {
+        free(new_addrs);
+        free(new_lens);
+        e->fixed_addrs = NULL;
+        e->fixed_lens = NULL;
+        e->fixed_count = 0;
+    } else {
+        e->fixed_addrs = new_addrs;
+        e->fixed_lens = new_lens;
+        e->fixed_count = count;
+    }
+    e->stats.fixed_buffers = e->backend == OFL_BACKEND_IO_URING ? e->fixed_count : 0;
+    pthread_mutex_unlock(&e->mu);
+    return rc;
+}
+
+int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_request **out)
+{
+    if (!e || !out || nsegs < 0 || (nsegs > 0 && !segs) || (op != OFL_OP_READ && op != OFL_OP_WRITE))
+        return -EINVAL;
+    *out = NULL;
+    const int64_t bs = e->cfg.block_size;
+    int64_t npieces = 0;
+    for (int i = 0; i < nsegs; i++) {
+        if (segs[i].len < 0 || segs[i].offset < 0 || segs[i].fd < 0 || (!segs[i].buf && segs[i].len > 0))
+            return -EINVAL;
+        if (segs[i].buf_index >= 0) {
+            /* A fixed op on memory outside its registered buffer would fault in the kernel. */
+            int ok = 0;
+            pthread_mutex_lock(&e->mu);
+            if (segs[i].buf_index < e->fixed_count) {
+                char *base = e->fixed_addrs[segs[i].buf_index];
+                char *b = segs[i].buf;
+                ok = b >= base && b + segs[i].len <= base + e->fixed_lens[segs[i].buf_index];
+            } else if (e->fixed_count == 0) {
+                ok = 1; /* registration failed or is off: plain ops are used */
+            }
+            pthread_mutex_unlock(&e->mu);
+            if (!ok)
+                return -EINVAL;
+        }
+        npieces += (segs[i].len + bs - 1) / bs;
+    }
+
+    ofl_request *r = calloc(1, sizeof(*r));
+    ofl_piece *pieces = npieces ? calloc((size_t)npieces, sizeof(ofl_piece)) : NULL;
+    if (!r || (npieces && !pieces)) {
+        free(r);
+        free(pieces);
+        return -ENOMEM;
+    }
+    r->pieces = pieces;
+    r->npieces = npieces;
+    r->pending = npieces;
+    int64_t total = 0, k = 0;
+    for (int i = 0; i < nsegs; i++) {
+        for (int64_t pos = 0; pos < segs[i].len; pos += bs, k++) {
+            ofl_piece *p = &pieces[k];
+            p->req = r;
+            p->op = op;
+            p->fd = segs[i].fd;
+            p->buf_index = segs[i].buf_index;
+            p->seg = i;
+            p->buf = (char *)segs[i].buf + pos;
+            p->offset = segs[i].offset + pos;
+            p->len = segs[i].len - pos < bs ? segs[i].len - pos : bs;
+            p->rel = total + pos;
+        }
+        total += segs[i].len;
+    }
+    r->eof_at = total;
+
+    pthread_mutex_lock(&e->mu);
+    r->next = &e->live;
+    r->prev = e->live.prev;
+    e->live.prev->next = r;
+    e->live.prev = r;
+    e->live_count++;
+    if (npieces == 0) {
+        r->done = 1;
+        e->stats.requests++;
+    }
+    uint64_t start = e->rr++;
+    pthread_mutex_unlock(&e->mu);
+
+    /* Contiguous runs of pieces go to the same queue, so each ring sees sequential offsets. */
+    int nq = e->nqueues;
+    int64_t i = 0;
+    while (i < npieces) {
+        int qi = (int)((start + (uint64_t)((i * nq) / npieces)) % (uint64_t)nq);
+        int64_t j = i;
+        while (j + 1 < npieces && (int)((start + (uint64_t)(((j + 1) * nq) / npieces)) % (uint64_t)nq) == qi)
+            j++;
+        for (int64_t t = i; t < j; t++)
+            pieces[t].next = &pieces[t + 1];
+        queue_push_chain(&e->queues[qi], &pieces[i], &pieces[j]);
+        i = j + 1;
+    }
+    *out = r;
+    return 0;
+}
+
+int ofl_request_wait(ofl_engine *e, ofl_request *r, int64_t *result, int *err_seg, int64_t *err_offset)
+{
+    if (!e || !r)
+        return -EINVAL;
+    pthread_mutex_lock(&e->mu);
+    while (!r->done)
+        pthread_cond_wait(&e->done_cv, &e->mu);
+    int err = r->error;
+    if (result)
+        *result = err ? r->moved : r->eof_at;
+    if (err_seg)
+        *err_seg = err ? r->err_seg : -1;
+    if (err_offset)
+        *err_offset = err ? r->err_offset : -1;
+    pthread_mutex_unlock(&e->mu);
+    return err;
+}
+
+int ofl_request_done(ofl_engine *e, ofl_request *r)
+{
+    if (!e || !r)
+        return -EINVAL;
+    pthread_mutex_lock(&e->mu);
+    int done = r->done;
+    pthread_mutex_unlock(&e->mu);
+    return done;
+}
+
+static void request_unlink_free(ofl_engine *e, ofl_request *r)
+{
+    r->prev->next = r->next;
+    r->next->prev = r->prev;
+    e->live_count--;
+    free(r->pieces);
+    free(r);
+}
+
+void ofl_request_free(ofl_engine *e, ofl_request *r)
+{
+    if (!e || !r)
+        return;
+    pthread_mutex_lock(&e->mu);
+    while (!r->done)
+        pthread_cond_wait(&e->done_cv, &e->mu);
+    request_unlink_free(e, r);
+    pthread_mutex_unlock(&e->mu);
+}
+
+int ofl_engine_inject_fault(ofl_engine *e, int op, int kind, int64_t skip, int64_t count, int err)
+{
+    if (!e || kind < OFL_FAULT_NONE || kind > OFL_FAULT_ERROR || skip < 0 || count < -1 ||
+        (kind == OFL_FAULT_ERROR && err <= 0) || op < -1 || op > OFL_OP_WRITE)
+        return -EINVAL;
+    pthread_mutex_lock(&e->mu);
+    e->fault_op = op;
+    e->fault_kind = kind;
+    e->fault_skip = skip;
+    e->fault_count = count;
+    e->fault_err = err;
+    __atomic_store_n(&e->fault_armed, kind != OFL_FAULT_NONE && count != 0, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&e->mu);
+    return 0;
+}
+
+void ofl_engine_stats(ofl_engine *e, ofl_stats *out)
+{
+    if (!e || !out)
+        return;
+    pthread_mutex_lock(&e->mu);
+    *out = e->stats;
+    pthread_mutex_unlock(&e->mu);
+}
+
+void ofl_engine_destroy(ofl_engine *e)
+{
+    if (!e)
+        return;
+    /* Buffers may still be the target of I/O: wait for every request before anything goes. */
+    pthread_mutex_lock(&e->mu);
+    for (ofl_request *r = e->live.next; r != &e->live; r = r->next)
+        while (!r->done)
+            pthread_cond_wait(&e->done_cv, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+    engine_stop_workers(e);
+    while (e->live.next != &e->live)
+        request_unlink_free(e, e->live.next);
+    engine_free(e);
+}
+
+int ofl_dio_alignment(int fd, uint32_t *mem_align, uint32_t *offset_align)
+{
+    if (mem_align)
+        *mem_align = 0;
+    if (offset_align)
+        *offset_align = 0;
+#if defined(SYS_statx) && defined(STATX_DIOALIGN)
+    struct statx stx;
+    memset(&stx, 0, sizeof(stx));
+    if (syscall(SYS_statx, fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) != 0)
+        return -errno;
+    if (stx.stx_mask & STATX_DIOALIGN) {
+        if (mem_align)
+            *mem_align = stx.stx_dio_mem_align;
+        if (offset_align)
+            *offset_align = stx.stx_dio_offset_align;
+    }
+    return 0;
+#else
+    (void)fd;
+    return -EOPNOTSUPP;
+#endif
+}

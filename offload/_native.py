@@ -1,0 +1,30 @@
+"""The only importer of the compiled engine (``offload._engine``).
+
+It refuses to load a build whose compiled-in version differs from the package's: with editable
+installs, a stale extension otherwise runs silently against newer Python code.
+"""
+
+from ._version import __version__
+
+try:
+    from . import _engine
+except ImportError as err:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "nvme-offload's native engine is not built. Build it with `pip install -e .` "
+        "(or `make install`) from the source tree."
+    ) from err
+
+ffi = _engine.ffi
+lib = _engine.lib
+
+BUILT_VERSION = ffi.string(lib.ofl_version()).decode()
+if BUILT_VERSION != __version__:
+    raise ImportError(
+        f"nvme-offload's native engine is a stale build (built for {BUILT_VERSION}, package is "
+        f"{__version__}). Rebuild it with `pip install -e .` (or `make install`)."
+    )
+
+HAVE_IO_URING = bool(lib.ofl_have_io_uring())
+
+BACKENDS = {"auto": lib.OFL_BACKEND_AUTO, "io_uring": lib.OFL_BACKEND_IO_URING, "threads": lib.OFL_BACKEND_THREADS}
+BACKEND_NAMES = {lib.OFL_BACKEND_IO_URING: "io_uring", lib.OFL_BACKEND_THREADS: "threads"}

@@ -1,0 +1,474 @@
+"""The asynchronous I/O engine: moves bytes between host buffers and files.
+
+# NOTE: this is the only layer that talks to the native engine (through offload._native). A request
+# is a list of segments (file range <-> buffer range); the native side cuts it into ``block_size``
+# pieces, keeps ``queue_depth`` of them in flight per worker and checks every completion. A Future
+# stands for one request: ``wait()`` returns the bytes moved or raises ``OSError(errno, strerror,
+# path)``. Waiting happens in C with the GIL released, so Python threads keep running meanwhile.
+
+Example::
+
+    with Engine(AioConfig(queue_depth=32)) as engine, BufferPool(1, 1 << 20) as pool:
+        with engine.open("/mnt/nvme/data", "w+") as f:
+            engine.write(f, pool[0], offset=0)
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+import threading
+import warnings
+import weakref
+from typing import NamedTuple, Sequence, Union
+
+from ._native import BACKEND_NAMES, BACKENDS, HAVE_IO_URING, ffi, lib
+from .buffers import HostBuffer
+from .config import AioConfig
+
+READ = lib.OFL_OP_READ
+WRITE = lib.OFL_OP_WRITE
+_OP_NAMES = {READ: "read", WRITE: "write"}
+
+_MODES = {
+    "r": os.O_RDONLY,
+    "r+": os.O_RDWR,
+    "w+": os.O_RDWR | os.O_CREAT,
+    "x+": os.O_RDWR | os.O_CREAT | os.O_EXCL,
+}
+DEFAULT_ALIGNMENT = 4096
+
+_warned_devices: set = set()
+_warn_lock = threading.Lock()
+
+
+class AioFile:
+    """A file opened for the engine. Use as a context manager, or call :meth:`close`.
+
+    Attributes:
+        path: the path it was opened with.
+        fd: the file descriptor.
+        o_direct: whether the file is open with O_DIRECT.
+        alignment: bytes that offsets, lengths and buffer addresses must be multiples of
+            (1 when not O_DIRECT).
+    """
+
+    def __init__(self, path: str, fd: int, o_direct: bool, alignment: int):
+        self.path = path
+        self.fd = fd
+        self.o_direct = o_direct
+        self.alignment = alignment
+
+    def fileno(self) -> int:
+        if self.fd < 0:
+            raise ValueError(f"I/O operation on closed file {self.path}")
+        return self.fd
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> AioFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"AioFile({self.path!r}, o_direct={self.o_direct}, alignment={self.alignment})"
+
+
+def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool, str] = "auto") -> AioFile:
+    """Open a file for the engine.
+
+    Args:
+        path: the file.
+        mode: ``"r"`` read-only, ``"r+"`` read-write, ``"w+"`` read-write created if missing (never
+            truncated), ``"x+"`` read-write, must not exist.
+        o_direct: ``"auto"`` tries O_DIRECT and falls back to buffered I/O with one warning per file
+            system; ``True`` requires it; ``False`` never uses it.
+
+    Raises:
+        OSError: from ``open(2)``, with the path (``FileNotFoundError``, ``PermissionError``, ...).
+        ValueError: a bad mode or o_direct value.
+    """
+    path = os.fspath(path)
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    if o_direct not in ("auto", True, False):
+        raise ValueError(f'o_direct must be "auto", true or false, got {o_direct!r}')
+    flags = _MODES[mode] | os.O_CLOEXEC
+    if o_direct is not False:
+        try:
+            fd = os.open(path, flags | os.O_DIRECT, 0o600)
+        except OSError as err:
+            if err.errno != _errno.EINVAL:
+                raise
+            if o_direct is True:
+                raise OSError(
+                    _errno.EINVAL,
+                    "the file system refuses O_DIRECT; set o_direct to \"auto\" or false to use buffered I/O",
+                    path,
+                ) from err
+            fd = os.open(path, flags, 0o600)
+            _warn_no_o_direct(path, fd)
+            return AioFile(path, fd, False, 1)
+        return AioFile(path, fd, True, _dio_alignment(fd))
+    fd = os.open(path, flags, 0o600)
+    return AioFile(path, fd, False, 1)
+
+
+def _warn_no_o_direct(path: str, fd: int) -> None:
+    dev = os.fstat(fd).st_dev
+    with _warn_lock:
+        if dev in _warned_devices:
+            return
+        _warned_devices.add(dev)
+    warnings.warn(
+        f"the file system holding {path} refuses O_DIRECT; using buffered I/O there "
+        "(slower, and it fills the page cache). Set o_direct=false to silence this.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _dio_alignment(fd: int) -> int:
+    mem = ffi.new("uint32_t *")
+    off = ffi.new("uint32_t *")
+    lib.ofl_dio_alignment(fd, mem, off)
+    return max(DEFAULT_ALIGNMENT, int(mem[0]), int(off[0]))
+
+
+class Segment(NamedTuple):
+    """One contiguous transfer of a request: ``nbytes`` between ``buffer[buffer_offset:]`` and
+    ``file`` at ``file_offset``."""
+
+    file: AioFile
+    file_offset: int
+    buffer: object  # HostBuffer, or any object exposing a contiguous buffer
+    buffer_offset: int
+    nbytes: int
+
+
+def _io_error(err: int, op: int, path: str, offset: int) -> OSError:
+    return OSError(err, f"{os.strerror(err)} ({_OP_NAMES[op]} at offset {offset})", path)
+
+
+class Future:
+    """One request in flight. ``wait()`` returns the bytes moved or raises ``OSError``.
+
+    A read that meets the end of the file returns the length of the prefix it read.
+    """
+
+    def __init__(self, engine: Engine, op: int, request, segments: Sequence[Segment], keepalive):
+        self._engine = engine
+        self._op = op
+        self._request = request
+        self._segments = segments
+        self._keepalive = keepalive  # buffers must outlive the I/O that targets them
+        self._result: int | None = None
+        self._error: OSError | None = None
+
+    def done(self) -> bool:
+        """True if the request has completed (successfully or not). Never blocks."""
+        if self._request is None:
+            return True
+        return bool(lib.ofl_request_done(self._engine._handle, self._request))
+
+    def wait(self) -> int:
+        """Block until the request completes; return the bytes moved.
+
+        Raises:
+            OSError: the first piece that failed, with errno, the file's path and the offset.
+        """
+        if self._request is not None:
+            self._finish()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self) -> None:
+        result = ffi.new("int64_t *")
+        seg = ffi.new("int *")
+        offset = ffi.new("int64_t *")
+        handle = self._engine._handle
+        rc = lib.ofl_request_wait(handle, self._request, result, seg, offset)
+        lib.ofl_request_free(handle, self._request)
+        self._request = None
+        self._engine._futures.discard(self)
+        if rc < 0:
+            path = self._segments[seg[0]].file.path if 0 <= seg[0] < len(self._segments) else None
+            self._error = _io_error(-rc, self._op, path, int(offset[0]))
+        self._result = int(result[0])
+        self._keepalive = None
+
+    def __del__(self):
+        if self._request is not None and not self._engine.closed:
+            self._finish()
+            if self._error is not None:
+                warnings.warn(f"an I/O error nobody waited for: {self._error}", RuntimeWarning, stacklevel=2)
+
+
+class FutureGroup:
+    """Several futures seen as one: ``wait()`` waits for all, then raises the first error."""
+
+    def __init__(self, futures: Sequence):
+        self._futures = list(futures)
+
+    def done(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> int:
+        total, first = 0, None
+        for f in self._futures:
+            try:
+                total += f.wait()
+            except OSError as err:
+                first = first or err
+        if first is not None:
+            raise first
+        return total
+
+
+class Engine:
+    """The native I/O engine.
+
+    Args:
+        config: an :class:`AioConfig` (or ``None`` for the defaults).
+        **overrides: fields of ``AioConfig`` to change, e.g. ``backend="threads"``.
+
+    Attributes:
+        config: the settings in force.
+        backend: ``"io_uring"`` or ``"threads"``, the one actually running.
+        fallback_reason: why ``"auto"`` fell back to threads (an ``OSError``), or ``None``.
+
+    Raises:
+        OSError: the native engine could not start (``backend="io_uring"`` where the kernel refuses it).
+        ValueError: a bad setting.
+    """
+
+    def __init__(self, config: AioConfig | None = None, **overrides):
+        config = config or AioConfig()
+        if overrides:
+            config = config.replace(**overrides)
+        _check_config(config)
+        self.config = config
+        self._futures: weakref.WeakSet = weakref.WeakSet()
+        self._lock = threading.Lock()
+        self._registered: list[HostBuffer] = []
+        cfg = ffi.new("ofl_config *")
+        cfg.backend = BACKENDS[config.backend]
+        cfg.thread_count = config.thread_count
+        cfg.queue_depth = config.queue_depth
+        cfg.block_size = config.block_size
+        cfg.single_submit = int(bool(config.single_submit))
+        cfg.overlap_events = int(bool(config.overlap_events))
+        out = ffi.new("ofl_engine **")
+        rc = lib.ofl_engine_create(cfg, out)
+        if rc < 0:
+            what = "io_uring is not available" if config.backend == "io_uring" else "cannot start the engine"
+            hint = "" if HAVE_IO_URING else " (built without liburing: apt-get install liburing-dev, then reinstall)"
+            raise OSError(-rc, f"{os.strerror(-rc)}: {what}{hint}")
+        self._handle = out[0]
+        self.backend = BACKEND_NAMES[lib.ofl_engine_backend(self._handle)]
+        reason = lib.ofl_engine_fallback_reason(self._handle)
+        self.fallback_reason = OSError(-reason, os.strerror(-reason)) if reason < 0 else None
+
+    # -- files and buffers ------------------------------------------------------------------
+
+    def open(self, path: str | os.PathLike, mode: str = "r", *, o_direct=None) -> AioFile:
+        """Open a file for this engine; ``o_direct`` defaults to the config's. See :func:`open_file`."""
+        return open_file(path, mode, o_direct=self.config.o_direct if o_direct is None else o_direct)
+
+    def register_buffers(self, buffers: Sequence[HostBuffer]) -> bool:
+        """Register pool buffers with every ring so reads and writes use them as fixed buffers.
+
+        Buffers must carry their position in the sequence as ``index``. Returns False (and the
+        engine goes on with plain reads and writes) where the kernel refuses, e.g. for lack of
+        locked memory.
+        """
+        self._check_open()
+        buffers = list(buffers)
+        for i, b in enumerate(buffers):
+            if b.index != i:
+                raise ValueError(f"buffer {b!r} is at position {i} but has index {b.index}")
+        addrs = ffi.new("void *[]", [ffi.cast("void *", b.address) for b in buffers])
+        lens = ffi.new("int64_t[]", [b.nbytes for b in buffers])
+        rc = lib.ofl_engine_register_buffers(self._handle, addrs, lens, len(buffers))
+        if rc == -_errno.EBUSY:
+            raise RuntimeError("cannot register buffers while requests are in flight")
+        self._registered = buffers if rc == 0 else []
+        return rc == 0
+
+    # -- I/O --------------------------------------------------------------------------------
+
+    def submit(self, op: int, segments: Sequence[Segment]) -> Future:
+        """Queue one request of several segments (``op`` is ``READ`` or ``WRITE``)."""
+        self._check_open()
+        segs = ffi.new("ofl_segment[]", max(1, len(segments)))
+        keepalive = []
+        for i, s in enumerate(segments):
+            address, index, keep = self._address(s, op)
+            keepalive.append(keep)
+            f = s.file
+            segs[i].fd = f.fileno()
+            segs[i].buf_index = index
+            segs[i].buf = ffi.cast("void *", address)
+            segs[i].len = s.nbytes
+            segs[i].offset = s.file_offset
+            if f.o_direct:
+                a = f.alignment
+                for name, value in (("file offset", s.file_offset), ("length", s.nbytes), ("buffer address", address)):
+                    if value % a:
+                        raise ValueError(
+                            f"{name} {value} is not a multiple of {a}, which O_DIRECT on {f.path} requires"
+                        )
+        out = ffi.new("ofl_request **")
+        rc = lib.ofl_engine_submit(self._handle, op, segs, len(segments), out)
+        if rc < 0:
+            raise OSError(-rc, os.strerror(-rc), segments[0].file.path if segments else None)
+        future = Future(self, op, out[0], list(segments), keepalive)
+        self._futures.add(future)
+        return future
+
+    def read_async(self, file: AioFile, buffer, offset: int, nbytes: int | None = None, *,
+                   buffer_offset: int = 0) -> Future:
+        """Start reading ``nbytes`` (default: the rest of the buffer) at ``offset`` into the buffer."""
+        return self.submit(READ, [self._segment(file, buffer, offset, nbytes, buffer_offset)])
+
+    def write_async(self, file: AioFile, buffer, offset: int, nbytes: int | None = None, *,
+                    buffer_offset: int = 0) -> Future:
+        """Start writing ``nbytes`` (default: the rest of the buffer) of the buffer at ``offset``."""
+        return self.submit(WRITE, [self._segment(file, buffer, offset, nbytes, buffer_offset)])
+
+    def read(self, file: AioFile, buffer, offset: int, nbytes: int | None = None, *,
+             buffer_offset: int = 0) -> int:
+        """Read and wait; returns the bytes read (fewer at end of file)."""
+        return self.read_async(file, buffer, offset, nbytes, buffer_offset=buffer_offset).wait()
+
+    def write(self, file: AioFile, buffer, offset: int, nbytes: int | None = None, *,
+              buffer_offset: int = 0) -> int:
+        """Write and wait; returns the bytes written."""
+        return self.write_async(file, buffer, offset, nbytes, buffer_offset=buffer_offset).wait()
+
+    # -- introspection and testing ----------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters since the engine started: requests, pieces, bytes, resubmits, retries, ..."""
+        self._check_open()
+        st = ffi.new("ofl_stats *")
+        lib.ofl_engine_stats(self._handle, st)
+        return {name: int(getattr(st, name)) for name in
+                ("requests", "pieces", "bytes", "resubmits", "retries", "failures", "fixed_buffers", "workers")}
+
+    def inject_fault(self, kind: str, *, op: str | None = None, skip: int = 0, count: int = 1,
+                     errno: int = _errno.EIO) -> None:
+        """Testing hook: make upcoming pieces fail or come back short.
+
+        Args:
+            kind: ``"error"`` (the piece fails with ``errno`` without being sent), ``"short"`` (half
+                the piece is sent, so the engine must resubmit the rest) or ``"none"`` (disarm).
+            op: ``"read"``, ``"write"`` or ``None`` for both.
+            skip: matching pieces to let through first.
+            count: pieces to affect; -1 for all of them.
+        """
+        self._check_open()
+        kinds = {"none": lib.OFL_FAULT_NONE, "short": lib.OFL_FAULT_SHORT, "error": lib.OFL_FAULT_ERROR}
+        ops = {None: -1, "read": READ, "write": WRITE}
+        if kind not in kinds or op not in ops:
+            raise ValueError(f"kind must be one of {sorted(kinds)} and op one of read, write, None")
+        rc = lib.ofl_engine_inject_fault(self._handle, ops[op], kinds[kind], skip, count, errno)
+        if rc < 0:
+            raise ValueError(f"bad fault: skip={skip}, count={count}, errno={errno}")
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def close(self) -> None:
+        """Wait for everything in flight, then stop the workers. Futures keep their results."""
+        with self._lock:
+            if self._handle is None:
+                return
+            for f in list(self._futures):
+                if f._request is not None:
+                    f._finish()
+            lib.ofl_engine_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_handle", None) is not None:
+            self.close()
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Engine(backend={self.backend!r}, block_size={c.block_size}, queue_depth={c.queue_depth}, "
+                f"thread_count={c.thread_count})")
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._handle is None:
+            raise ValueError("I/O operation on a closed engine")
+
+    @staticmethod
+    def _segment(file, buffer, offset, nbytes, buffer_offset) -> Segment:
+        size = buffer.nbytes if isinstance(buffer, HostBuffer) else memoryview(buffer).nbytes
+        if nbytes is None:
+            nbytes = size - buffer_offset
+        if buffer_offset < 0 or nbytes < 0 or buffer_offset + nbytes > size:
+            raise ValueError(
+                f"{nbytes} bytes at buffer offset {buffer_offset} do not fit in a buffer of {size} bytes"
+            )
+        if offset < 0:
+            raise ValueError(f"file offset must not be negative, got {offset}")
+        return Segment(file, offset, buffer, buffer_offset, nbytes)
+
+    def _address(self, s: Segment, op: int):
+        """(address, fixed-buffer index or -1, object to keep alive) for a segment's buffer range."""
+        b = s.buffer
+        if isinstance(b, HostBuffer):
+            if b.closed:
+                raise ValueError(f"{b!r} is closed")
+            if s.buffer_offset < 0 or s.buffer_offset + s.nbytes > b.nbytes:
+                raise ValueError(f"{s.nbytes} bytes at offset {s.buffer_offset} overflow {b!r}")
+            index = b.index if (0 <= b.index < len(self._registered) and self._registered[b.index] is b) else -1
+            return b.address + s.buffer_offset, index, b
+        cdata = ffi.from_buffer(b, require_writable=(op == READ))
+        if s.buffer_offset < 0 or s.buffer_offset + s.nbytes > len(cdata):
+            raise ValueError(f"{s.nbytes} bytes at offset {s.buffer_offset} overflow a buffer of {len(cdata)}")
+        return int(ffi.cast("uintptr_t", cdata)) + s.buffer_offset, -1, (cdata, b)
+
+
+def _check_config(c: AioConfig) -> None:
+    problems = []
+    if not isinstance(c.block_size, int) or c.block_size < 4096 or c.block_size % 4096:
+        problems.append(f"block_size must be a positive multiple of 4096, got {c.block_size!r}")
+    if not isinstance(c.queue_depth, int) or not 1 <= c.queue_depth <= 4096:
+        problems.append(f"queue_depth must be between 1 and 4096, got {c.queue_depth!r}")
+    if not isinstance(c.thread_count, int) or not 1 <= c.thread_count <= 64:
+        problems.append(f"thread_count must be between 1 and 64, got {c.thread_count!r}")
+    if c.backend not in BACKENDS:
+        problems.append(f"backend must be one of {sorted(BACKENDS)}, got {c.backend!r}")
+    if c.o_direct not in ("auto", True, False):
+        problems.append(f'o_direct must be "auto", true or false, got {c.o_direct!r}')
+    if c.use_gds:
+        problems.append("use_gds (GPUDirect Storage) is not supported; set it to false")
+    if problems:
+        raise ValueError("bad aio settings: " + "; ".join(problems))

@@ -1,0 +1,25 @@
+"""The library's exceptions: one small hierarchy.
+
+I/O failures are raised as ``OSError(errno, strerror, path)`` itself (so Python maps them to
+``FileNotFoundError``, ``PermissionError``, ...); the classes here are for everything else.
+"""
+
+
+class OffloadError(Exception):
+    """Base class of the errors this library raises (besides ``OSError`` for I/O)."""
+
+
+class ConfigError(OffloadError, ValueError):
+    """A configuration value or key is wrong; the message names every problem found."""
+
+
+class StateError(OffloadError, RuntimeError):
+    """Offloaded state cannot be used: a step failed part-way, or state was lost or corrupted.
+
+    The optimizer refuses to step until its state is restored (``load_state_dict`` or
+    ``load_checkpoint``), so it never trains on half-written state.
+    """
+
+
+class PoolTooSmallError(OffloadError, ValueError):
+    """The host buffer pool cannot hold what was asked of it; the message says what to set."""
