@@ -1,0 +1,30 @@
+# Two commands set everything up on a fresh Debian/Ubuntu machine:
+#   make demo   installs what is missing, then trains a small model with OffloadedAdamW
+#   make test   installs what is missing, then runs the whole suite (ruff included)
+PYTHON ?= python3
+SCRATCH ?= $(shell $(PYTHON) -c 'import tempfile; print(tempfile.gettempdir())')/nvme-offload-demo
+STAMP := build/.installed
+
+.PHONY: install demo test lint bench clean
+
+# Reinstall when the native sources, the build script or the metadata change.
+$(STAMP): scripts/install-deps.sh pyproject.toml setup.py offload/_build.py offload/_version.py native/offload_engine.c native/offload_engine.h
+	PYTHON=$(PYTHON) bash scripts/install-deps.sh
+	@mkdir -p build && touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) -m offload.demo --path $(SCRATCH)
+
+lint: $(STAMP)
+	$(PYTHON) -m ruff check .
+
+test: lint
+	$(PYTHON) -m pytest -q
+
+bench: $(STAMP)
+	$(PYTHON) -m offload.bench io --size 1GiB --fio
+
+clean:
+	rm -rf build dist *.egg-info offload/_engine.c offload/*.so offload/*.o .pytest_cache .ruff_cache

@@ -1,0 +1,150 @@
+"""Where each parameter's offloaded state lives: chunks packed into pool-buffer-sized units.
+
+# NOTE: the swap unit is one pool buffer's worth of state, stored as ONE contiguous extent, so a unit
+# moves with one read and one write at full request size. A parameter larger than a buffer is split
+# into chunks across several units; small parameters share a unit. Within a unit, each chunk holds
+# one slice per state tensor (exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad, then the fp32
+# master copy for fp16/bf16 parameters), each slice starting on a 64-byte boundary so the vectorised
+# kernels see aligned data. Chunks are cut on multiples of GRAIN elements (except a parameter's last
+# chunk) so that a chunked update goes through the same kernel paths as a whole-tensor one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+SLICE_ALIGN = 64
+GRAIN = 1024
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def state_dtype_for(param: torch.Tensor) -> torch.dtype:
+    """The dtype offloaded state is kept in: fp64 for fp64 parameters, else fp32."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
+def state_keys_for(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
+    """Names of the state tensors stored for a parameter, in slice order."""
+    keys = ["exp_avg", "exp_avg_sq"]
+    if amsgrad:
+        keys.append("max_exp_avg_sq")
+    if param.dtype in HALF_DTYPES:
+        keys.append("master")
+    return tuple(keys)
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Elements ``[start, start + numel)`` of one parameter's flattened state, inside a unit."""
+
+    slot: "ParamSlot"
+    start: int
+    numel: int
+    offset: int = 0  # byte offset of the first slice within the unit
+    stride: int = 0  # bytes from one slice to the next
+
+    def slice(self, buffer, key: str) -> torch.Tensor:
+        """The state tensor ``key`` of this chunk, as a view into ``buffer`` (a HostBuffer)."""
+        i = self.slot.keys.index(key)
+        return buffer.view(self.slot.dtype, self.offset + i * self.stride, self.numel)
+
+    @property
+    def nbytes(self) -> int:
+        return self.stride * len(self.slot.keys)
+
+
+@dataclass(eq=False)
+class Unit:
+    """Chunks that travel together: one extent on disk, one pool buffer in memory."""
+
+    chunks: list[Chunk] = field(default_factory=list)
+    nbytes: int = 0
+    extent: object = None  # space.Extent once allocated
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One offloaded parameter: its chunks and whether its state exists yet."""
+
+    param: torch.Tensor
+    group: dict
+    keys: tuple[str, ...]
+    dtype: torch.dtype
+    chunks: list[Chunk] = field(default_factory=list)
+    initialized: bool = False
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param.numel() * len(self.keys) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class Layout:
+    """Packs parameters' state into units of at most ``unit_bytes`` bytes, in order.
+
+    Every unit but the last one opened is filled as far as chunk boundaries allow, so the number of
+    units (and I/O requests) per step is close to total state bytes / unit_bytes.
+    """
+
+    def __init__(self, unit_bytes: int):
+        self.unit_bytes = unit_bytes
+        self.units: list[Unit] = []
+        self.slots: dict[torch.Tensor, ParamSlot] = {}
+
+    def min_unit_bytes(self, keys: int, itemsize: int) -> int:
+        return keys * _round_up(GRAIN * itemsize, SLICE_ALIGN)
+
+    def add(self, params: Iterable[tuple[torch.Tensor, dict, bool]]) -> list[Unit]:
+        """Lay out parameters ``(param, group, amsgrad)``; returns the units opened for them.
+
+        Raises:
+            ValueError: a unit cannot hold even one grain of a parameter's state.
+        """
+        new_units: list[Unit] = []
+        unit = None
+        for param, group, amsgrad in params:
+            if param in self.slots:
+                continue
+            keys = state_keys_for(param, amsgrad)
+            dtype = state_dtype_for(param)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            need = self.min_unit_bytes(len(keys), itemsize)
+            if need > self.unit_bytes:
+                raise ValueError(
+                    f"buffer_size {self.unit_bytes} bytes is too small for one chunk of state "
+                    f"({need} bytes); set buffer_size to at least {need}"
+                )
+            slot = ParamSlot(param, group, keys, dtype)
+            self.slots[param] = slot
+            start, n = 0, param.numel()
+            while start < n:
+                if unit is None:
+                    unit = Unit()
+                    new_units.append(unit)
+                free = self.unit_bytes - unit.nbytes
+                fits = (free // len(keys)) // SLICE_ALIGN * SLICE_ALIGN // itemsize
+                take = min(n - start, fits)
+                if take < n - start:
+                    take = take // GRAIN * GRAIN
+                if take == 0:
+                    unit = None
+                    continue
+                stride = _round_up(take * itemsize, SLICE_ALIGN)
+                chunk = Chunk(slot, start, take, unit.nbytes, stride)
+                unit.chunks.append(chunk)
+                unit.nbytes += chunk.nbytes
+                slot.chunks.append(chunk)
+                start += take
+        self.units.extend(new_units)
+        return new_units
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(u.nbytes for u in self.units)
