@@ -366,9 +366,10 @@ class SwapSpace:
                     os.posix_fallocate(f.fd, self._per_file, per_file - self._per_file)
                     grown.append(f)
             except OSError as err:
-                for g in grown:
+                # Give back what this call took, on the file that failed too (it may have grown part-way).
+                for g in self._res.files[:len(grown) + 1]:
                     try:
-                        os.ftruncate(g.fd, self._per_file)  # give back what this call took
+                        os.ftruncate(g.fd, self._per_file)
                     except OSError:
                         pass
                 if err.errno in (_errno.ENOSPC, _errno.EDQUOT):
@@ -591,7 +592,7 @@ class SwapSpace:
             lines.append(f"{where}: needs {need} bytes ({_human(need)}), "
                          f"has {free} bytes ({_human(free)}) free")
         total = per_file_more * len(self.paths)
-        return (f"not enough disk space to reserve {total} bytes ({_human(total)}) of swap: "
+        return (f"not enough disk space for {total} more bytes ({_human(total)}) of swap: "
                 + "; ".join(lines) + ". Free some space, add or choose a larger nvme_path, or offload less.")
 
     # -- lifetime ---------------------------------------------------------------------------------
