@@ -431,7 +431,7 @@ def _locate_blocks(doc: Mapping, problems: list) -> dict[str, tuple[str, Any]]:
             continue
         if key in block_keys:
             problems.append((key, f'belongs inside "{block_keys[key]}", not at the top level'))
-        elif hint := _did_you_mean(key, _CONTAINERS, cutoff=0.85):
+        elif hint := _did_you_mean(key, [*_CONTAINERS, *block_keys], cutoff=0.85):
             problems.append((key, "unknown top-level key" + hint))
     for key in zero or ():
         if key not in BLOCKS and not key.startswith("cpu_offload"):  # DeepSpeed's own deprecated keys

@@ -1,0 +1,445 @@
+"""Configuration: defaults, shipped presets, DeepSpeed layouts, lenient JSON, errors, round trips."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import pathlib
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.config import (
+    AioConfig,
+    Config,
+    OptimizerOffloadConfig,
+    ParamOffloadConfig,
+    config_to_dict,
+    load_config,
+)
+from offload.errors import ConfigError
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PRESETS = sorted((REPO / "configs").glob("*.json"))
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _write(tmp_path: pathlib.Path, text: str, name: str = "ds_config.json") -> pathlib.Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# --- defaults and presets -------------------------------------------------------------------------
+
+
+def test_defaults_are_the_documented_values():
+    """Every block's defaults are the values the docs promise (DeepSpeed's where we follow it)."""
+    c = load_config(None)
+    assert c == Config()
+    assert c.aio == AioConfig(
+        block_size=MiB, queue_depth=32, thread_count=1, single_submit=False, overlap_events=True,
+        use_gds=False, backend="auto", o_direct="auto",
+    )  # fmt: skip
+    o = c.offload_optimizer
+    assert (o.device, o.nvme_path, o.buffer_count, o.buffer_size) == ("nvme", None, 4, 64 * MiB)
+    assert (o.pin_memory, o.pipeline_read, o.pipeline_write, o.fast_init) == (False, True, True, False)
+    assert (o.ratio, o.small_param_threshold, o.nvme_paths) == (1.0, 4096, ())
+    p = c.offload_param
+    assert (p.device, p.nvme_path, p.buffer_count, p.buffer_size) == ("nvme", None, 5, 100_000_000)
+    assert (p.max_in_cpu, p.pin_memory) == (1_000_000_000, False)
+
+
+def test_empty_sources_mean_defaults():
+    """None, an empty dict and an empty JSON object all give the defaults."""
+    assert load_config({}) == load_config(None) == Config()
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_shipped_preset_loads(path):
+    """Each file in configs/ loads without error."""
+    assert isinstance(load_config(path), Config)
+
+
+def test_the_three_documented_presets_are_shipped():
+    """configs/ holds the default, the DeepSpeed example and the tiny preset."""
+    assert {"default.json", "deepspeed_example.json", "tiny.json"} <= {p.name for p in PRESETS}
+
+
+def test_default_preset_equals_the_builtin_defaults():
+    """configs/default.json spells out exactly the dataclasses' defaults."""
+    assert load_config(REPO / "configs" / "default.json") == Config()
+
+
+def test_tiny_preset_has_small_buffers():
+    """configs/tiny.json keeps blocks and pool buffers small enough for quick tests."""
+    c = load_config(str(REPO / "configs" / "tiny.json"))
+    assert (c.aio.block_size, c.aio.queue_depth) == (64 * KiB, 8)
+    assert (c.offload_optimizer.buffer_size, c.offload_optimizer.buffer_count) == (MiB, 4)
+
+
+def test_deepspeed_example_reads_the_zero_blocks_and_aio():
+    """The DeepSpeed example's offload blocks, its aio block and its 1e8-style counts are read."""
+    c = load_config(REPO / "configs" / "deepspeed_example.json")
+    assert c.aio.queue_depth == 8 and c.aio.thread_count == 1
+    assert c.offload_optimizer.nvme_path == "/local_nvme" and c.offload_optimizer.pin_memory is True
+    assert c.offload_param.buffer_size == 100_000_000 and c.offload_param.max_in_cpu == 1_000_000_000
+
+
+# --- DeepSpeed layouts and lenient JSON -----------------------------------------------------------
+
+DS_BODY = {
+    "train_batch_size": 16,
+    "fp16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+    "scheduler": {"type": "WarmupLR"},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_prefetch_bucket_size": "auto",
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 6},
+        "offload_param": {"device": "nvme", "nvme_path": "/nvme", "buffer_size": 2e8},
+    },
+}
+
+
+def test_aio_at_top_level_of_a_deepspeed_config_is_read():
+    """A ds_config with aio at the top level gives that aio block and the zero_optimization offload blocks."""
+    c = load_config({**DS_BODY, "aio": {"block_size": 262144, "queue_depth": 4}})
+    assert (c.aio.block_size, c.aio.queue_depth) == (262144, 4)
+    assert c.offload_optimizer.buffer_count == 6 and c.offload_param.buffer_size == 200_000_000
+
+
+def test_aio_inside_zero_optimization_is_read():
+    """Examples that nest aio inside zero_optimization load the same as with aio at the top level."""
+    nested = {**DS_BODY, "zero_optimization": {**DS_BODY["zero_optimization"], "aio": {"queue_depth": 4}}}
+    assert load_config(nested) == load_config({**DS_BODY, "aio": {"queue_depth": 4}})
+
+
+def test_aio_given_identically_in_both_places_is_accepted():
+    """The same aio block at the top level and inside zero_optimization is not a conflict."""
+    aio = {"queue_depth": 4}
+    doc = {"aio": aio, "zero_optimization": {"aio": dict(aio)}}
+    assert load_config(doc).aio.queue_depth == 4
+
+
+def test_unrelated_deepspeed_keys_are_ignored():
+    """train_batch_size, fp16, optimizer, scheduler, zero_optimization.stage... change and break nothing."""
+    assert load_config(DS_BODY) == load_config({"zero_optimization": {
+        k: DS_BODY["zero_optimization"][k] for k in ("offload_optimizer", "offload_param")}})  # fmt: skip
+
+
+def test_intra_op_parallelism_is_thread_count():
+    """DeepSpeed's newer name intra_op_parallelism sets thread_count; both with one value is fine."""
+    assert load_config({"aio": {"intra_op_parallelism": 4}}).aio.thread_count == 4
+    assert load_config({"intra_op_parallelism": 3, "thread_count": 3}).aio.thread_count == 3
+
+
+def test_a_bare_aio_block_is_read():
+    """A mapping of aio keys only (no "aio" wrapper) is read as an aio block."""
+    c = load_config({"block_size": "256KiB", "queue_depth": 16, "single_submit": True})
+    assert (c.aio.block_size, c.aio.queue_depth, c.aio.single_submit) == (256 * KiB, 16, True)
+    assert c.offload_optimizer == OptimizerOffloadConfig()
+
+
+def test_comments_and_trailing_commas_are_accepted(tmp_path):
+    """//, /* */ and # comments and trailing commas in objects and lists are read, as hjson reads them."""
+    text = """
+    // leading comment
+    {
+      /* block
+         comment */
+      "aio": {"queue_depth": 16, /* inline */ "block_size": 8192,},  # hash comment
+      "zero_optimization": {
+        "offload_optimizer": {"nvme_path": ["/a", "/b",], },
+      },
+    }
+    """
+    c = load_config(_write(tmp_path, text))
+    assert (c.aio.queue_depth, c.aio.block_size) == (16, 8192)
+    assert c.offload_optimizer.nvme_path == ("/a", "/b")
+
+
+def test_strings_containing_comment_markers_are_left_intact(tmp_path):
+    """Markers "//", "/*", "#" and ",}" inside strings (paths, URLs) are data, not comments or commas."""
+    text = r"""{
+      "offload_optimizer": {"nvme_path": "/mnt//nvme/*run#1*/,}"},  // real comment
+      "offload_param": {"nvme_path": "C:\\dir\\\"quoted\"//x"},
+      "wandb": {"url": "https://example.com/a,]"},
+    }"""
+    c = load_config(_write(tmp_path, text))
+    assert c.offload_optimizer.nvme_path == "/mnt//nvme/*run#1*/,}"
+    assert c.offload_param.nvme_path == 'C:\\dir\\"quoted"//x'
+
+
+def test_human_sizes_and_counts_are_read():
+    """Byte sizes take "64MiB"-style strings; element counts take 1e8 and "100M"."""
+    c = load_config({
+        "aio": {"block_size": "4 KiB"},
+        "offload_optimizer": {"buffer_size": "128MiB", "small_param_threshold": "10K"},
+        "offload_param": {"buffer_size": "50M", "max_in_cpu": 2e9},
+    })  # fmt: skip
+    assert c.aio.block_size == 4096 and c.offload_optimizer.buffer_size == 128 * MiB
+    assert c.offload_optimizer.small_param_threshold == 10_000
+    assert (c.offload_param.buffer_size, c.offload_param.max_in_cpu) == (50_000_000, 2_000_000_000)
+
+
+@pytest.mark.parametrize(
+    ("block", "key", "expected"),
+    [
+        ("aio", "block_size", MiB),
+        ("aio", "queue_depth", 32),
+        ("aio", "thread_count", 1),
+        ("aio", "backend", "auto"),
+        ("aio", "o_direct", "auto"),
+        ("offload_optimizer", "buffer_count", 4),
+        ("offload_optimizer", "buffer_size", 64 * MiB),
+        ("offload_optimizer", "ratio", 1.0),
+        ("offload_param", "buffer_size", 100_000_000),
+        ("offload_param", "max_in_cpu", 1_000_000_000),
+    ],
+)
+def test_auto_in_a_numeric_key_means_its_default(block, key, expected):
+    """HF-style "auto" in a tuning number (or in backend/o_direct, where it is a value) gives the default."""
+    c = load_config({block: {key: "auto"}})
+    assert getattr(getattr(c, block), key) == expected
+
+
+def test_other_sources_pass_through():
+    """A Config is returned as is, an AioConfig is wrapped, and a path may be a str or a PathLike."""
+    c = Config(aio=AioConfig(queue_depth=2))
+    assert load_config(c) is c
+    assert load_config(AioConfig(queue_depth=2)) == c
+
+
+# --- errors, as a table ---------------------------------------------------------------------------
+
+CE = ConfigError
+BAD = [
+    # (source: a dict, or ("file", text), exception, message pattern)
+    ({"aio": {"blok_size": 4096}}, CE, r'aio\.blok_size: unknown key in "aio"; did you mean "block_size"'),
+    ({"aio": {"queue_dept": 4}}, CE, r'did you mean "queue_depth"'),
+    ({"offload_optimizer": {"bufer_count": 4}}, CE, r'offload_optimizer\.bufer_count.*"buffer_count"'),
+    ({"offload_param": {"max_in_gpu": 1}}, CE, r'offload_param\.max_in_gpu.*did you mean "max_in_cpu"'),
+    ({"aio": {"zzz": 1}}, CE, r'unknown key in "aio"; valid keys: block_size, queue_depth'),
+    ({"aio": {"buffer_count": 4}}, CE, r'aio\.buffer_count: .*a key of "offload_optimizer"'),
+    ({"queue_dept": 4, "block_size": 4096}, CE, r'aio\.queue_dept.*did you mean "queue_depth"'),
+    ({"aio": {"queue_depth": True}}, CE, r"aio\.queue_depth: must be an integer.*true \(a boolean\)"),
+    ({"aio": {"queue_depth": "8"}}, CE, r'aio\.queue_depth: must be an integer.*"8" \(a string\)'),
+    ({"aio": {"queue_depth": 8.0}}, CE, r"aio\.queue_depth: must be an integer.*8\.0 \(a float\)"),
+    ({"aio": {"single_submit": "yes"}}, CE, r'aio\.single_submit: must be true or false, got "yes"'),
+    ({"aio": {"overlap_events": 1}}, CE, r"aio\.overlap_events: must be true or false, got 1"),
+    ({"aio": {"block_size": 1048576.0}}, CE, r"aio\.block_size: .*1048576\.0 \(a float\)"),
+    ({"aio": {"block_size": 5000}}, CE, r"aio\.block_size: must be a multiple of 4096.*try 4096 or 8192"),
+    ({"aio": {"block_size": 0}}, CE, r"aio\.block_size: must be between 4096 and"),
+    ({"aio": {"block_size": "2GiB"}}, CE, r"aio\.block_size: must be between 4096 and .*1\.00 GiB"),
+    ({"aio": {"block_size": "1.5.3M"}}, CE, r"aio\.block_size: invalid size '1\.5\.3M'"),
+    ({"aio": {"queue_depth": 0}}, CE, r"aio\.queue_depth: must be between 1 and 4096, got 0"),
+    ({"aio": {"queue_depth": 4097}}, CE, r"aio\.queue_depth: must be between 1 and 4096"),
+    ({"aio": {"thread_count": 65}}, CE, r"aio\.thread_count: must be between 1 and 64"),
+    ({"aio": {"use_gds": True}}, CE, r"aio\.use_gds: GPUDirect Storage is not supported"),
+    ({"aio": {"backend": "uring"}}, CE, r'aio\.backend: must be one of .*did you mean "io_uring"'),
+    ({"aio": {"o_direct": "true"}}, CE, r'aio\.o_direct: must be "auto", true or false \(without quotes'),
+    ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, CE, r"mean the same \(thread_count\)"),
+    ({"offload_optimizer": {"buffer_count": 1}}, CE, r"offload_optimizer\.buffer_count: must be at least 2"),
+    ({"offload_param": {"buffer_count": 1}}, CE, r"offload_param\.buffer_count: must be at least 2"),
+    ({"offload_optimizer": {"buffer_size": "1000KB"}}, CE, r"buffer_size: must be a multiple of 4096"),
+    ({"offload_optimizer": {"ratio": 0.5}}, CE, r"ratio: only 1\.0 is supported, got 0\.5: all optimizer"),
+    ({"offload_optimizer": {"ratio": 1.5}}, CE, r"ratio: must be in \(0, 1\], got 1\.5"),
+    ({"offload_optimizer": {"ratio": 0}}, CE, r"ratio: must be in \(0, 1\], got 0\.0"),
+    ({"offload_optimizer": {"device": "gpu"}}, CE, r'device: must be one of "nvme", "cpu", "none"'),
+    ({"offload_optimizer": {"device": "NVMe"}}, CE, r'did you mean "nvme"'),
+    ({"offload_optimizer": {"nvme_path": []}}, CE, r"nvme_path: must not be an empty list"),
+    ({"offload_optimizer": {"nvme_path": ""}}, CE, r"nvme_path: must not be empty"),
+    ({"offload_optimizer": {"nvme_path": ["/a", "/a"]}}, CE, r"nvme_path: lists '/a' more than once"),
+    ({"offload_optimizer": {"nvme_path": 5}}, CE, r"nvme_path: must be a directory .*got 5"),
+    ({"offload_param": {"buffer_size": 1.5e3 + 0.5}}, CE, r"offload_param\.buffer_size: .*whole number"),
+    ({"offload_param": {"buffer_size": 0}}, CE, r"offload_param\.buffer_size: must be at least 1"),
+    ({"offload_param": {"max_in_cpu": -1}}, CE, r"offload_param\.max_in_cpu: must be at least 0"),
+    # HF-style "auto" where no default is safe
+    ({"offload_optimizer": {"pin_memory": "auto"}}, CE, r'offload_optimizer\.pin_memory: "auto" is not'),
+    ({"offload_param": {"device": "auto"}}, CE, r'offload_param\.device: "auto" is not accepted.*"nvme"'),
+    ({"offload_optimizer": {"nvme_path": "auto"}}, CE, r'nvme_path: "auto" is not accepted.*directory'),
+    # several problems at once, each with its JSON path
+    (
+        {"aio": {"queue_depth": 0, "blok_size": 1},
+         "zero_optimization": {"offload_optimizer": {"buffer_count": 1}}},
+        CE,
+        r"(?s)\(3 problems\).*aio\.queue_depth.*aio\.blok_size"
+        r".*zero_optimization\.offload_optimizer\.buffer_count",
+    ),
+    # layout problems
+    ({"aio": 5}, CE, r"aio: must be an object of aio settings, got 5"),
+    ({"zero_optimization": []}, CE, r"zero_optimization: must be an object"),
+    ({"offload_optimiser": {}}, CE, r'offload_optimiser: unknown top-level key; did you mean "offload_optim'),
+    ({"zero_optimization": {"offload_params": {}}}, CE, r'did you mean "offload_param"'),
+    ({"aio": {}, "queue_depth": 8}, CE, r'queue_depth: belongs inside "aio"'),
+    ({"queue_dept": 8}, CE, r'queue_dept: unknown top-level key; did you mean "queue_depth"'),
+    (
+        {"aio": {"queue_depth": 8}, "zero_optimization": {"aio": {"queue_depth": 4}}},
+        CE,
+        r"zero_optimization\.aio: aio is also given at the top level, differently",
+    ),
+    # file syntax
+    (("file", '{\n  "aio": {\n    "queue_depth": 8\n    "block_size": 4096\n  }\n}'), CE,
+     r"ds_config\.json: invalid JSON at line 4, column 5: Expecting ','"),
+    (("file", '{"aio": {"queue_depth": 8, "queue_depth": 4}}'), CE,
+     r"ds_config\.json.*aio\.queue_depth: duplicate key"),
+    (("file", '{"fp16": {"enabled": true, "enabled": false}}'), CE, r"fp16\.enabled: duplicate key"),
+    (("file", '{"aio": {}\n /* never closed'), CE, r"unterminated /\* comment at line 2, column 2"),
+    (("file", "[1, 2]"), CE, r"the top level must be a JSON object"),
+    (("file", ""), CE, r"invalid JSON at line 1, column 1"),
+    # not a config source at all
+    (42, TypeError, r"load_config expects None, a Config"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("source", "error", "pattern"), BAD)
+def test_bad_input_raises_with_a_message_naming_the_problem(tmp_path, source, error, pattern):
+    """Each bad input raises the listed exception, whose message names the key (by JSON path) and the fix."""
+    if isinstance(source, tuple):
+        source = _write(tmp_path, source[1])
+    with pytest.raises(error, match=pattern):
+        load_config(source)
+
+
+def test_config_error_is_a_value_error_with_each_problem_listed():
+    """ConfigError is also a ValueError, and .problems pairs each JSON path with its message."""
+    with pytest.raises(ValueError) as info:
+        load_config({"aio": {"queue_depth": 0, "thread_count": 0}})
+    assert isinstance(info.value, ConfigError)
+    assert [path for path, _ in info.value.problems] == ["aio.queue_depth", "aio.thread_count"]
+
+
+def test_a_missing_file_is_an_os_error(tmp_path):
+    """A config path that does not exist raises FileNotFoundError naming it."""
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        load_config(tmp_path / "nope.json")
+
+
+# --- the dataclasses ------------------------------------------------------------------------------
+
+
+def test_constructors_report_every_bad_field_at_once():
+    """Building a block directly checks every field and names each bad one in one ConfigError."""
+    with pytest.raises(ConfigError, match=r"(?s)2 problems.*aio\.block_size.*aio\.queue_depth"):
+        AioConfig(queue_depth=0, block_size=100)
+    with pytest.raises(ConfigError, match=r"offload_param\.buffer_count"):
+        ParamOffloadConfig(buffer_count=0)
+
+
+def test_constructors_are_strict_about_types():
+    """Python construction takes exact types: no human-size strings, no 1 for True."""
+    with pytest.raises(ConfigError, match="block_size: must be an integer number of bytes"):
+        AioConfig(block_size="1MiB")
+    with pytest.raises(ConfigError, match="pin_memory: must be true or false"):
+        OptimizerOffloadConfig(pin_memory=1)
+
+
+def test_constructors_normalize_numpy_ints_and_path_lists(tmp_path):
+    """numpy ints become ints and path lists (str or PathLike) become tuples, so blocks hash and compare."""
+    a = AioConfig(block_size=np.int64(8192))
+    assert type(a.block_size) is int and a == AioConfig(block_size=8192)
+    o = OptimizerOffloadConfig(nvme_path=[tmp_path / "a", str(tmp_path / "b")])
+    assert o.nvme_path == (str(tmp_path / "a"), str(tmp_path / "b")) and o.nvme_paths == o.nvme_path
+    assert hash(o) == hash(OptimizerOffloadConfig(nvme_path=o.nvme_path))
+
+
+def test_replace_variants_are_validated():
+    """dataclasses.replace and the replace methods make variants, each checked like a fresh construction."""
+    base = load_config(REPO / "configs" / "tiny.json")
+    assert dataclasses.replace(base.aio, queue_depth=2).queue_depth == 2
+    assert base.aio.replace(backend="threads").backend == "threads"
+    with pytest.raises(ConfigError, match="queue_depth"):
+        base.aio.replace(queue_depth=0)
+    c = base.replace(offload_optimizer={"buffer_size": "2MiB", "nvme_path": ["/x", "/y"]})
+    assert c.offload_optimizer.buffer_size == 2 * MiB and c.offload_optimizer.nvme_paths == ("/x", "/y")
+    assert c.offload_optimizer.buffer_count == base.offload_optimizer.buffer_count and c.aio == base.aio
+    assert base.replace(aio={"intra_op_parallelism": 3}).aio.thread_count == 3
+    with pytest.raises(ConfigError, match=r'offload_optimizer\.bufer_size.*did you mean "buffer_size"'):
+        base.replace(offload_optimizer={"bufer_size": 1})
+    with pytest.raises(ConfigError, match=r'aoi: unknown block; did you mean "aio"'):
+        base.replace(aoi={})
+
+
+def test_config_takes_blocks_as_mappings():
+    """Config(aio={...}) reads the mapping with the loader's rules (human sizes)."""
+    assert Config(aio={"block_size": "256KiB"}).aio.block_size == 256 * KiB
+    with pytest.raises(ConfigError, match="aio: must be an AioConfig or a mapping"):
+        Config(aio=5)
+
+
+def test_config_module_imports_neither_the_engine_nor_torch():
+    """config.py and units.py import only the standard library and offload.errors/units (no native code)."""
+    allowed_local = {"errors", "units"}
+    for name in ("config.py", "units.py"):
+        tree = ast.parse((REPO / "offload" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.module in allowed_local, f"{name} imports .{node.module}"
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                assert not any(re.match(r"(torch|offload|numpy|cffi)\b", m) for m in mods), mods
+
+
+# --- round trips ----------------------------------------------------------------------------------
+
+
+def test_config_to_dict_round_trips_through_json(tmp_path):
+    """config_to_dict -> json file -> load_config gives back an equal Config, for every block."""
+    c = Config(
+        aio=AioConfig(block_size=256 * KiB, queue_depth=7, thread_count=3, single_submit=True,
+                      overlap_events=False, backend="threads", o_direct=False),
+        offload_optimizer=OptimizerOffloadConfig(nvme_path=("/a", "/b"), buffer_count=3, buffer_size=8 * MiB,
+                                                 pin_memory=True, pipeline_read=False,
+                                                 small_param_threshold=0),
+        offload_param=ParamOffloadConfig(device="cpu", nvme_path="/p", buffer_count=2, buffer_size=10,
+                                         max_in_cpu=0, pin_memory=True),
+    )  # fmt: skip
+    path = _write(tmp_path, json.dumps(config_to_dict(c, only=None)), "all.json")
+    assert load_config(path) == c
+
+
+def test_config_to_dict_emits_only_the_asked_blocks_with_json_types():
+    """The default only=("aio",) gives {"aio": {...}} with real booleans, which loads back to that aio."""
+    aio = AioConfig(queue_depth=16, o_direct=True)
+    d = config_to_dict(Config(aio=aio))
+    assert list(d) == ["aio"] and d["aio"]["o_direct"] is True and d["aio"]["use_gds"] is False
+    assert load_config(json.loads(json.dumps({"aio": d["aio"]}))) == Config(aio=aio)
+    assert list(config_to_dict(OptimizerOffloadConfig())) == ["offload_optimizer"]
+    with pytest.raises(ValueError, match="unknown block"):
+        config_to_dict(Config(), only=("aoi",))
+
+
+_sizes = st.integers(min_value=1, max_value=1 << 18).map(lambda n: n * 4096)
+_aio_values = {
+    "block_size": st.one_of(_sizes, _sizes.map(lambda n: f"{n // KiB}KiB"), _sizes.map(lambda n: f"{n} B")),
+    "queue_depth": st.integers(min_value=1, max_value=4096),
+    "thread_count": st.integers(min_value=1, max_value=64),
+    "intra_op_parallelism": st.integers(min_value=1, max_value=64),
+    "single_submit": st.booleans(),
+    "overlap_events": st.booleans(),
+    "use_gds": st.just(False),
+    "backend": st.sampled_from(["auto", "io_uring", "threads"]),
+    "o_direct": st.sampled_from(["auto", True, False]),
+}
+_aio_blocks = st.fixed_dictionaries({}, optional=_aio_values).filter(
+    lambda b: not ("thread_count" in b and "intra_op_parallelism" in b)
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_aio_blocks, st.booleans())
+def test_random_valid_aio_blocks_round_trip(block, wrapped):
+    """Any valid aio block (bare or wrapped) loads, and config_to_dict -> JSON -> load_config returns it."""
+    c = load_config({"aio": block} if wrapped else block)
+    for key, value in block.items():
+        field_name = "thread_count" if key == "intra_op_parallelism" else key
+        expected = value
+        if key == "block_size" and isinstance(value, str):
+            expected = int(value[:-3]) * KiB if value.endswith("KiB") else int(value[:-2])
+        assert getattr(c.aio, field_name) == expected
+    assert load_config(json.loads(json.dumps(config_to_dict(c)))) == c
