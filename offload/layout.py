@@ -45,7 +45,7 @@ def state_keys_for(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
 class Chunk:
     """Elements ``[start, start + numel)`` of one parameter's flattened state, inside a unit."""
 
-    slot: "ParamSlot"
+    slot: ParamSlot
     start: int
     numel: int
     offset: int = 0  # byte offset of the first slice within the unit

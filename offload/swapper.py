@@ -75,7 +75,7 @@ class Swapper:
         writes: list = []
         next_read = 0
         try:
-            for i, unit in enumerate(units):
+            for i in range(len(units)):
                 while next_read < len(units) and free and next_read <= i + self.lookahead:
                     buf, pending = free.popleft()
                     if pending is not None:

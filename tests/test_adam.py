@@ -1,0 +1,521 @@
+"""OffloadedAdam / OffloadedAdamW: parity with torch's optimizers, state interchange, errors, faults.
+
+Buffers are kept small (256 KiB) and the small-parameter threshold low, so that even these small
+tensors are split across several units and several pool buffers, which is what must not change the
+results.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import io
+import os
+
+import pytest
+import torch
+
+from offload import ConfigError, OffloadedAdam, OffloadedAdamW, StateError
+
+SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
+SIZES = (10, 100, 5000, 70_000, 300_001)  # 300_001 > one buffer's worth of state: split across units
+
+
+def make_params(sizes=SIZES, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
+
+
+def set_grads(*param_lists, seed, skip=()):
+    g = torch.Generator().manual_seed(seed)
+    for i, p in enumerate(param_lists[0]):
+        grad = None if i in skip else torch.randn(p.shape, generator=g).to(p.dtype)
+        for params in param_lists:
+            params[i].grad = None if grad is None else grad.clone()
+
+
+def assert_same(a, b):
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert torch.equal(p, q), f"parameter {i} differs (max abs diff {(p - q).abs().max().item()})"
+
+
+@pytest.fixture
+def nvme(tmp_path):
+    path = tmp_path / "nvme"
+    yield str(path)
+    leftovers = [f for f in os.listdir(path) if f.endswith(".swap")] if path.exists() else []
+    assert not leftovers, f"swap files left behind: {leftovers}"
+
+
+PARITY_CASES = [
+    pytest.param(OffloadedAdamW, torch.optim.AdamW, dict(fused=True), id="adamw-fused"),
+    pytest.param(OffloadedAdamW, torch.optim.AdamW, dict(fused=False), id="adamw-forloop"),
+    pytest.param(OffloadedAdamW, torch.optim.AdamW, dict(foreach=True), id="adamw-foreach"),
+    pytest.param(OffloadedAdam, torch.optim.Adam, dict(fused=True), id="adam-fused"),
+    pytest.param(OffloadedAdam, torch.optim.Adam, dict(fused=False, weight_decay=0.1), id="adam-l2"),
+    pytest.param(OffloadedAdamW, torch.optim.AdamW, dict(fused=True, amsgrad=True), id="adamw-amsgrad"),
+    pytest.param(OffloadedAdam, torch.optim.Adam, dict(fused=False, amsgrad=True, maximize=True),
+                 id="adam-amsgrad-max"),
+    pytest.param(OffloadedAdamW, torch.optim.AdamW, dict(fused=True, maximize=True, weight_decay=0.3,
+                                                         betas=(0.8, 0.99), eps=1e-6), id="adamw-hyper"),
+]
+
+
+@pytest.mark.parametrize("ours_cls, torch_cls, kw", PARITY_CASES)
+def test_fp32_cpu_steps_are_bitwise_equal_to_torch(nvme, ours_cls, torch_cls, kw):
+    """Six steps, one with a parameter lacking a grad, give bit-identical parameters and state."""
+    a, b = make_params(), make_params()
+    ours = ours_cls(a, lr=1e-2, nvme_path=nvme, **SMALL, **kw)
+    ref = torch_cls(b, lr=1e-2, **kw)
+    for step in range(6):
+        set_grads(a, b, seed=step, skip={2} if step in (1, 4) else ())
+        ours.step()
+        ref.step()
+        assert_same(a, b)
+    sd, rsd = ours.state_dict(), ref.state_dict()
+    assert sd["state"].keys() == rsd["state"].keys()
+    for i, entry in rsd["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(sd["state"][i][key].to(value.device), value), (i, key)
+    ours.close()
+
+
+def test_default_kernel_is_torchs_fused_one(nvme):
+    """With fused=None, the result equals torch's fused AdamW bit for bit."""
+    a, b = make_params(), make_params()
+    ours = OffloadedAdamW(a, lr=3e-3, nvme_path=nvme, **SMALL)
+    ref = torch.optim.AdamW(b, lr=3e-3, fused=True)
+    for step in range(3):
+        set_grads(a, b, seed=step)
+        ours.step()
+        ref.step()
+    assert_same(a, b)
+    ours.close()
+
+
+def test_param_groups_with_different_hyperparameters_frozen_and_empty_params(nvme):
+    """Groups with their own lr/betas/decay, a frozen param, a zero-size param and one never given a grad."""
+    def groups(params):
+        return [
+            {"params": params[:2], "lr": 1e-2, "weight_decay": 0.0},
+            {"params": params[2:4], "lr": 5e-3, "betas": (0.5, 0.9), "amsgrad": True},
+            {"params": params[4:], "lr": 2e-2, "weight_decay": 0.5},
+        ]
+
+    sizes = (100, 0, 5000, 70_000, 300_001, 2048)
+    a, b = make_params(sizes), make_params(sizes)
+    a[3].requires_grad_(False)
+    b[3].requires_grad_(False)
+    ours = OffloadedAdamW(groups(a), nvme_path=nvme, fused=True, **SMALL)
+    ref = torch.optim.AdamW(groups(b), fused=True)
+    for step in range(4):
+        set_grads(a, b, seed=step, skip={3, 5})
+        ours.step()
+        ref.step()
+        assert_same(a, b)
+    assert len(ours.state_dict()["state"]) == len(ref.state_dict()["state"])
+    ours.close()
+
+
+def test_param_frozen_at_construction_and_unfrozen_later_gets_state(nvme):
+    """A parameter that had no space at construction (frozen) is laid out when its first grad arrives."""
+    a, b = make_params(), make_params()
+    for p in (a[3], b[3]):
+        p.requires_grad_(False)
+    ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
+    ref = torch.optim.AdamW(b, fused=True)
+    set_grads(a, b, seed=0, skip={3})
+    ours.step()
+    ref.step()
+    for p in (a[3], b[3]):
+        p.requires_grad_(True)
+    for step in range(1, 3):
+        set_grads(a, b, seed=step)
+        ours.step()
+        ref.step()
+    assert_same(a, b)
+    ours.close()
+
+
+@pytest.mark.parametrize("schedule", ["onecycle", "cosine", "lambda"])
+def test_lr_schedulers_drive_the_offloaded_optimizer_like_torchs(nvme, schedule):
+    """LR schedulers see real param_groups: the schedule and the resulting weights match torch's."""
+    def scheduler(opt):
+        if schedule == "onecycle":
+            return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=5)
+        if schedule == "cosine":
+            return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=5)
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+
+    a, b = make_params(), make_params()
+    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    s1, s2 = scheduler(ours), scheduler(ref)
+    for step in range(5):
+        set_grads(a, b, seed=step)
+        ours.step()
+        ref.step()
+        s1.step()
+        s2.step()
+        assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
+    assert_same(a, b)
+    ours.close()
+
+
+def test_grad_accumulation_and_clipping_and_closure(nvme):
+    """Accumulated grads, clip_grad_norm_ and step(closure) behave as with torch's AdamW."""
+    torch.manual_seed(0)
+    model_a = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
+    model_b = copy.deepcopy(model_a)
+    ours = OffloadedAdamW(model_a.parameters(), lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ref = torch.optim.AdamW(model_b.parameters(), lr=1e-2, fused=True)
+    data = [(torch.randn(16, 64), torch.randn(16, 8)) for _ in range(6)]
+    for start in range(0, 6, 3):
+        for model in (model_a, model_b):
+            for x, y in data[start:start + 3]:
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+        def closure_a():
+            return torch.tensor(1.0)
+
+        assert ours.step(closure_a).item() == 1.0
+        ref.step()
+        ours.zero_grad()
+        ref.zero_grad()
+    assert_same(list(model_a.parameters()), list(model_b.parameters()))
+    ours.close()
+
+
+def test_grad_scaler_on_cpu_unscales_and_skips_inf_steps_like_torch(nvme):
+    """GradScaler: unscale_ then step matches torch, and a step with inf grads is skipped."""
+    a, b = make_params(), make_params()
+    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=False, **SMALL)
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=False)
+    sa = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    sb = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)
+        directions = [torch.randn(p.shape, generator=g) for p in a]
+        if step == 2:
+            directions[3][0] = float("inf")
+        before = [p.detach().clone() for p in a]
+        for scaler, opt, params in ((sa, ours, a), (sb, ref, b)):
+            opt.zero_grad()
+            loss = sum((p * d).sum() for p, d in zip(params, directions))
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+        if step == 2:
+            assert_same(a, before)
+        assert_same(a, b)
+    assert sa.get_scale() == sb.get_scale()
+    ours.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_params_keep_an_fp32_master_and_track_torch_on_fp32(nvme, dtype):
+    """Offloaded bf16/fp16 params are updated from an fp32 master (equal to torch's fp32 AdamW, rounded);
+    small ones kept in memory behave exactly like torch's AdamW on the half-precision params."""
+    a = make_params(dtype=dtype)
+    b = [torch.nn.Parameter(p.detach().float()) for p in a]
+    c = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ref32 = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    ref16 = torch.optim.AdamW(c, lr=1e-2, fused=True)
+    for step in range(5):
+        set_grads(a, c, seed=step)
+        for p, q in zip(a, b):
+            q.grad = p.grad.float()
+        ours.step()
+        ref32.step()
+        ref16.step()
+    small = [i for i, p in enumerate(a) if p.numel() < SMALL["small_param_threshold"]]
+    assert small and len(small) < len(a)
+    sd = ours.state_dict()
+    for i, (p, q, r) in enumerate(zip(a, b, c)):
+        assert p.dtype == dtype
+        if i in small:
+            assert torch.equal(p, r)
+        else:
+            assert torch.equal(p, q.detach().to(dtype))
+            assert sd["state"][i]["master"].dtype == torch.float32
+            assert torch.equal(sd["state"][i]["master"], q.detach())
+    ours.close()
+
+
+def test_state_dict_loads_into_torch_and_torch_state_loads_into_ours(nvme):
+    """A state_dict moves both ways between OffloadedAdamW and torch.optim.AdamW, and training goes on equal."""
+    a, b, c = make_params(), make_params(), make_params()
+    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    for step in range(3):
+        set_grads(a, b, seed=step)
+        ours.step()
+        ref.step()
+    # ours -> torch
+    other = torch.optim.AdamW(c, lr=1e-2, fused=True)
+    for p, q in zip(c, a):
+        p.data.copy_(q.data)
+    other.load_state_dict(copy.deepcopy(ours.state_dict()))  # torch aliases same-device tensors
+    # torch -> ours
+    d = make_params()
+    for p, q in zip(d, b):
+        p.data.copy_(q.data)
+    ours2 = OffloadedAdamW(d, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ours2.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for step in range(3, 6):
+        set_grads(a, b, c, d, seed=step)
+        for opt in (ours, ref, other, ours2):
+            opt.step()
+    assert_same(a, b)
+    assert_same(c, b)
+    assert_same(d, b)
+    ours.close()
+    ours2.close()
+
+
+def test_torch_save_and_load_of_state_dict_resumes_identically(nvme):
+    """state_dict through torch.save/torch.load into a fresh optimizer resumes the same trajectory."""
+    a, b = make_params(), make_params()
+    ours = OffloadedAdam(a, lr=1e-2, nvme_path=nvme, amsgrad=True, fused=True, **SMALL)
+    ref = torch.optim.Adam(b, lr=1e-2, amsgrad=True, fused=True)
+    for step in range(2):
+        set_grads(a, b, seed=step)
+        ours.step()
+        ref.step()
+    blob = io.BytesIO()
+    torch.save(ours.state_dict(), blob)
+    ours.close()
+    resumed = OffloadedAdam(a, lr=1e-2, nvme_path=nvme, amsgrad=True, fused=True, **SMALL)
+    blob.seek(0)
+    resumed.load_state_dict(torch.load(blob))
+    for step in range(2, 5):
+        set_grads(a, b, seed=step)
+        resumed.step()
+        ref.step()
+    assert_same(a, b)
+    resumed.close()
+
+
+def test_load_state_dict_rejects_mismatches_without_changing_anything(nvme):
+    """Wrong group count, parameter count or shapes are refused and the optimizer is unchanged."""
+    a = make_params()
+    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, **SMALL)
+    set_grads(a, seed=0)
+    ours.step()
+    good = ours.state_dict()
+    bad_groups = copy.deepcopy(good)
+    bad_groups["param_groups"].append(copy.deepcopy(bad_groups["param_groups"][0]))
+    bad_count = copy.deepcopy(good)
+    bad_count["param_groups"][0]["params"] = bad_count["param_groups"][0]["params"][:-1]
+    bad_shape = copy.deepcopy(good)
+    bad_shape["state"][4]["exp_avg"] = torch.zeros(7)
+    bad_shape["param_groups"][0]["lr"] = 123.0
+    for sd, pattern in ((bad_groups, "parameter groups"), (bad_count, "has 5 parameters"),
+                        (bad_shape, r"shape \(7,\)")):
+        with pytest.raises(ValueError, match=pattern):
+            ours.load_state_dict(sd)
+    assert ours.param_groups[0]["lr"] == 1e-2
+    after = ours.state_dict()
+    for i in good["state"]:
+        for k in good["state"][i]:
+            assert torch.equal(after["state"][i][k], good["state"][i][k])
+    ours.close()
+
+
+def test_host_memory_is_the_pool_whatever_the_model_size(nvme):
+    """The pool is buffer_count x buffer_size and state many times larger lives on disk."""
+    a = make_params(sizes=(1_000_000, 1_000_000))
+    ours = OffloadedAdamW(a, nvme_path=nvme, **SMALL)
+    assert ours.host_pool_bytes == 3 * 256 * 1024
+    assert ours.offloaded_state_bytes >= 2 * 2 * 1_000_000 * 4
+    set_grads(a, seed=0)
+    ours.step()
+    read, written = ours.io_bytes()
+    assert written >= 2 * 2 * 1_000_000 * 4 and read == 0  # the first step has nothing to read
+    set_grads(a, seed=1)
+    ours.step()
+    read2, _ = ours.io_bytes()
+    assert read2 >= 2 * 2 * 1_000_000 * 4
+    ours.close()
+
+
+@pytest.mark.parametrize("pipeline_read, pipeline_write, count", [(False, False, 2), (True, False, 3), (True, True, 5)])
+def test_pipeline_settings_do_not_change_results(nvme, pipeline_read, pipeline_write, count):
+    """Serial, half-pipelined and deeply pipelined swapping give the same bits."""
+    a, b = make_params(), make_params()
+    ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, pipeline_read=pipeline_read, pipeline_write=pipeline_write,
+                          **{**SMALL, "buffer_count": count})
+    ref = torch.optim.AdamW(b, fused=True)
+    for step in range(3):
+        set_grads(a, b, seed=step)
+        ours.step()
+        ref.step()
+    assert_same(a, b)
+    ours.close()
+
+
+def test_config_from_deepspeed_file_and_keyword_overrides(nvme, tmp_path):
+    """A ds_config.json drives the optimizer; keyword arguments override it."""
+    cfg = tmp_path / "ds_config.json"
+    cfg.write_text("""{
+      // DeepSpeed reads comments
+      "train_batch_size": 8,
+      "aio": {"block_size": 262144, "queue_depth": 8, "thread_count": 1},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "NVME",
+                            "buffer_count": 5, "pin_memory": false}}
+    }""".replace("NVME", nvme))
+    ours = OffloadedAdamW(make_params(), config=str(cfg), buffer_count=3, buffer_size=256 * 1024)
+    assert ours.config.aio.block_size == 262144
+    assert ours.config.offload_optimizer.buffer_count == 3
+    assert ours.host_pool_bytes == 3 * 256 * 1024
+    ours.close()
+
+
+BAD_ARGUMENTS = [
+    (dict(lr=-1.0), ValueError, "Invalid learning rate"),
+    (dict(betas=(1.0, 0.9)), ValueError, "Invalid beta parameter at index 0"),
+    (dict(eps=-1e-8), ValueError, "Invalid epsilon"),
+    (dict(weight_decay=-0.1), ValueError, "Invalid weight_decay"),
+    (dict(nvme_path=None), ConfigError, "nvme_path is required"),
+    (dict(buffer_count=1), ConfigError, "buffer_count"),
+    (dict(buffer_size=1000), ConfigError, "buffer_size"),
+    (dict(config={"offload_optimizer": {"device": "cpu"}}), ConfigError, "NVMe only"),
+    (dict(config={"aio": {"queue_depht": 8}}), ConfigError, "did you mean"),
+    (dict(capturable=True), ValueError, "capturable"),
+]
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", BAD_ARGUMENTS, ids=[p for _, _, p in BAD_ARGUMENTS])
+def test_bad_arguments_are_refused_with_a_clear_message(nvme, kwargs, exc, pattern):
+    """Each bad argument raises the documented exception naming the problem."""
+    kwargs = {"nvme_path": nvme, **kwargs}
+    with pytest.raises(exc, match=pattern):
+        OffloadedAdam(make_params(), **kwargs)
+
+
+def test_sparse_and_complex_are_refused(nvme):
+    """Sparse grads fail at step and complex params at construction, with a message saying so."""
+    with pytest.raises(ValueError, match="complex"):
+        OffloadedAdam([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))], nvme_path=nvme)
+    p = torch.nn.Parameter(torch.randn(100, 10))
+    opt = OffloadedAdam([p], nvme_path=nvme, **SMALL)
+    p.grad = torch.randn(100, 10).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    opt.close()
+
+
+def test_io_failure_mid_step_names_the_file_and_blocks_further_steps(nvme):
+    """An EIO during a step surfaces with the swap file's path; step() then refuses until state is restored."""
+    a = make_params()
+    opt = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
+    set_grads(a, seed=0)
+    opt.step()
+    saved = opt.state_dict()
+    params_saved = [p.detach().clone() for p in a]
+    opt.swap_space.inject_fault("error", op="write", skip=1, count=1, errno=errno.EIO)
+    set_grads(a, seed=1)
+    with pytest.raises(OSError) as info:
+        opt.step()
+    assert info.value.errno == errno.EIO
+    assert info.value.filename in opt.swap_space.files
+    with pytest.raises(StateError, match="load_state_dict"):
+        opt.step()
+    # Restoring state (and the weights, which the failed step partly updated) makes it usable again,
+    # and it then follows the same trajectory as an optimizer that never failed.
+    for p, q in zip(a, params_saved):
+        p.data.copy_(q)
+    opt.load_state_dict(saved)
+    b = [torch.nn.Parameter(q.clone()) for q in params_saved]
+    ref = OffloadedAdamW(b, nvme_path=nvme, fused=True, **SMALL)
+    ref.load_state_dict(saved)
+    set_grads(a, b, seed=1)
+    opt.step()
+    ref.step()
+    assert_same(a, b)
+    opt.close()
+    ref.close()
+
+
+def test_a_failed_read_is_reported_too(nvme):
+    """An EIO while reading state is an OSError, and the optimizer is marked failed."""
+    a = make_params()
+    opt = OffloadedAdamW(a, nvme_path=nvme, **SMALL)
+    set_grads(a, seed=0)
+    opt.step()
+    opt.swap_space.inject_fault("error", op="read", count=1)
+    set_grads(a, seed=1)
+    with pytest.raises(OSError, match="read"):
+        opt.step()
+    with pytest.raises(StateError):
+        opt.step()
+    opt.close()
+
+
+def test_add_param_group_after_construction_gets_swap_space(nvme):
+    """add_param_group lays out the new parameters on disk and they train like torch's."""
+    a, b = make_params(), make_params()
+    extra_a, extra_b = make_params((50_000,), seed=9), make_params((50_000,), seed=9)
+    ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
+    ref = torch.optim.AdamW(b, fused=True)
+    before = ours.offloaded_state_bytes
+    ours.add_param_group({"params": extra_a, "lr": 0.05})
+    ref.add_param_group({"params": extra_b, "lr": 0.05})
+    assert ours.offloaded_state_bytes > before
+    for step in range(3):
+        set_grads(a + extra_a, b + extra_b, seed=step)
+        ours.step()
+        ref.step()
+    assert_same(a + extra_a, b + extra_b)
+    ours.close()
+
+
+def test_closed_optimizer_refuses_to_step_and_leaves_no_files(nvme):
+    """close() deletes the swap files; later use is a clear error."""
+    a = make_params()
+    opt = OffloadedAdamW(a, nvme_path=nvme, **SMALL)
+    files = list(opt.swap_space.files)
+    opt.close()
+    assert not any(os.path.exists(f) for f in files)
+    set_grads(a, seed=0)
+    with pytest.raises(ValueError, match="closed"):
+        opt.step()
+
+
+class TinyTransformer(torch.nn.Module):
+    def __init__(self, vocab=128, dim=64, heads=4, layers=2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        layer = torch.nn.TransformerEncoderLayer(dim, heads, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
+        self.blocks = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.blocks(self.embed(tokens)))
+
+
+def test_small_transformer_trains_to_the_same_losses_as_torch_adamw(nvme):
+    """End to end: a small transformer's loss curve and final weights equal torch AdamW's exactly."""
+    torch.manual_seed(0)
+    model_a = TinyTransformer()
+    model_b = copy.deepcopy(model_a)
+    ours = OffloadedAdamW(model_a.parameters(), lr=3e-3, nvme_path=nvme, fused=True, **SMALL)
+    ref = torch.optim.AdamW(model_b.parameters(), lr=3e-3, fused=True)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128, (4, 16), generator=g)
+    target = torch.roll(tokens, 1, dims=1)
+    losses_a, losses_b = [], []
+    for _ in range(8):
+        for model, opt, losses in ((model_a, ours, losses_a), (model_b, ref, losses_b)):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), target.flatten())
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert losses_a == losses_b
+    assert losses_a[-1] < losses_a[0]
+    assert_same(list(model_a.parameters()), list(model_b.parameters()))
+    ours.close()
