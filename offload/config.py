@@ -334,7 +334,8 @@ def load_config(source: Config | AioConfig | Mapping | str | os.PathLike | None 
 
     Raises:
         ConfigError: a syntax error (with file, line and column), a duplicate key, an unknown key, a wrong
-            type or a value out of range; the message lists every problem found.
+            type or a value out of range; the message lists every problem found, and its ``problems``
+            attribute holds them as (JSON path, message) pairs.
         OSError: the file cannot be read (e.g. ``FileNotFoundError``).
         TypeError: ``source`` is none of the above.
     """
