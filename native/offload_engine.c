@@ -53,6 +53,7 @@ struct ofl_piece {
     int64_t rel;       /* position of buf within the request, for end-of-file prefixes */
     int retries;
     int fault_checked;
+    ofl_piece *fprev, *fnext;  /* io_uring: the worker's list of pieces the kernel holds */
 };
 
 struct ofl_request {
@@ -83,6 +84,7 @@ typedef struct {
 #ifdef OFL_HAVE_URING
     struct io_uring ring;
     int ring_ok;
+    int fixed_ok;              /* this ring holds the engine's fixed-buffer table */
 #endif
 } ofl_worker;
 
@@ -353,18 +355,19 @@ static unsigned ring_entries(int queue_depth)
 }
 
 /* Prepare one SQE for a piece. Returns 1 if prepared, 0 if the piece was settled instead. */
-static int prep_piece(ofl_engine *e, struct io_uring *ring, ofl_piece *p)
+static int prep_piece(ofl_worker *w, ofl_piece *p)
 {
+    ofl_engine *e = w->e;
     int ferr = 0;
     int fault = take_fault(e, p, &ferr);
     if (fault == OFL_FAULT_ERROR) {
         complete_piece(e, p, -ferr, 0);
         return 0;
     }
-    struct io_uring_sqe *sqe = io_uring_get_sqe(ring);
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&w->ring);
     /* Never NULL: the ring has at least queue_depth entries and we keep at most that many. */
     unsigned len = (unsigned)submit_len(p, fault);
-    int fixed = p->buf_index >= 0 && e->fixed_count > 0;
+    int fixed = p->buf_index >= 0 && w->fixed_ok;
     if (p->op == OFL_OP_READ) {
         if (fixed)
             io_uring_prep_read_fixed(sqe, p->fd, p->buf, len, (uint64_t)p->offset, p->buf_index);
@@ -386,31 +389,126 @@ static void sleep_briefly(void)
     nanosleep(&ts, NULL);
 }
 
-/*
- * Fail every piece that was prepared but whose SQE could not be handed to the kernel, then
- * start a fresh ring: SQEs cannot be taken back out of a ring, so the old one is unusable.
- */
-static int ring_reset(ofl_worker *w, ofl_piece *unsent, int err)
+/* Register the engine's fixed-buffer table with one ring; returns 0 or -errno. */
+static int ring_register(ofl_worker *w)
 {
-    fail_chain(w->e, unsent, err);
+    ofl_engine *e = w->e;
+    w->fixed_ok = 0;
+    if (e->fixed_count <= 0)
+        return 0;
+    struct iovec *iov = calloc((size_t)e->fixed_count, sizeof(*iov));
+    if (!iov)
+        return -ENOMEM;
+    for (int i = 0; i < e->fixed_count; i++) {
+        iov[i].iov_base = e->fixed_addrs[i];
+        iov[i].iov_len = (size_t)e->fixed_lens[i];
+    }
+    int rc = io_uring_register_buffers(&w->ring, iov, (unsigned)e->fixed_count);
+    free(iov);
+    w->fixed_ok = rc == 0;
+    return rc;
+}
+
+/*
+ * The state of one worker's loop. Pieces move: queue -> batch (SQE prepared, not yet taken by
+ * the kernel) -> flight (the kernel holds them) -> settled, or back to `again` for a remainder.
+ * Knowing exactly which pieces the kernel holds is what lets a broken ring fail them instead of
+ * leaving their requests waiting forever.
+ */
+typedef struct {
+    ofl_worker *w;
+    ofl_piece flight;          /* sentinel of the in-flight list */
+    int inflight;
+    ofl_piece *batch, *batch_tail;
+    int nbatch;
+    ofl_piece *again;          /* remainders and retries to submit next */
+    int nagain;
+} uring_loop;
+
+static void batch_push(uring_loop *L, ofl_piece *p)
+{
+    p->next = NULL;
+    if (L->batch_tail)
+        L->batch_tail->next = p;
+    else
+        L->batch = p;
+    L->batch_tail = p;
+    L->nbatch++;
+}
+
+/* The kernel consumes SQEs in order: move the ones it took from the batch to the flight list. */
+static void launch_consumed(uring_loop *L)
+{
+    int unsent = (int)io_uring_sq_ready(&L->w->ring);
+    while (L->nbatch > unsent) {
+        ofl_piece *p = L->batch;
+        L->batch = p->next;
+        if (!L->batch)
+            L->batch_tail = NULL;
+        L->nbatch--;
+        p->next = NULL;
+        p->fnext = &L->flight;
+        p->fprev = L->flight.fprev;
+        L->flight.fprev->fnext = p;
+        L->flight.fprev = p;
+        L->inflight++;
+    }
+}
+
+/* Apply one completion: settle its piece, keeping it for resubmission if it needs more. */
+static void reap_one(uring_loop *L, struct io_uring_cqe *cqe)
+{
+    ofl_piece *p = io_uring_cqe_get_data(cqe);
+    int64_t res = cqe->res;
+    io_uring_cqe_seen(&L->w->ring, cqe);
+    p->fprev->fnext = p->fnext;
+    p->fnext->fprev = p->fprev;
+    p->fprev = p->fnext = NULL;
+    L->inflight--;
+    if (settle(L->w->e, p, res)) {
+        p->next = L->again;
+        L->again = p;
+        L->nagain++;
+    }
+}
+
+/*
+ * The ring refused a submission or a wait with err. Let what the kernel holds land first (its
+ * buffers are in use), fail what it never took, then start a clean ring: SQEs cannot be taken
+ * back out of a ring. If even waiting fails, the pieces still held are failed too, so that no
+ * request waits forever on a broken ring.
+ */
+static void ring_fail(uring_loop *L, int err)
+{
+    ofl_worker *w = L->w;
+    ofl_engine *e = w->e;
+    while (L->inflight > 0) {
+        struct io_uring_cqe *cqe;
+        int rc = io_uring_wait_cqe(&w->ring, &cqe);
+        if (rc == -EINTR)
+            continue;
+        if (rc < 0)
+            break;
+        reap_one(L, cqe);
+    }
+    while (L->flight.fnext != &L->flight) {
+        ofl_piece *p = L->flight.fnext;
+        p->fprev->fnext = p->fnext;
+        p->fnext->fprev = p->fprev;
+        p->fprev = p->fnext = NULL;
+        complete_piece(e, p, err, 0);
+    }
+    L->inflight = 0;
+    fail_chain(e, L->batch, err);
+    L->batch = L->batch_tail = NULL;
+    L->nbatch = 0;
     io_uring_queue_exit(&w->ring);
     w->ring_ok = 0;
-    int rc = io_uring_queue_init(ring_entries(w->e->cfg.queue_depth), &w->ring, 0);
-    if (rc == 0) {
+    w->fixed_ok = 0;
+    if (io_uring_queue_init(ring_entries(e->cfg.queue_depth), &w->ring, 0) == 0) {
         w->ring_ok = 1;
-        if (w->e->fixed_count > 0) {
-            struct iovec *iov = calloc((size_t)w->e->fixed_count, sizeof(*iov));
-            if (iov) {
-                for (int i = 0; i < w->e->fixed_count; i++) {
-                    iov[i].iov_base = w->e->fixed_addrs[i];
-                    iov[i].iov_len = (size_t)w->e->fixed_lens[i];
-                }
-                io_uring_register_buffers(&w->ring, iov, (unsigned)w->e->fixed_count);
-                free(iov);
-            }
-        }
+        ring_register(w); /* without the table, this ring uses plain reads and writes */
     }
-    return rc;
 }
 
 static void *uring_worker(void *arg)
@@ -419,130 +517,93 @@ static void *uring_worker(void *arg)
     ofl_engine *e = w->e;
     ofl_queue *q = w->q;
     const int qd = e->cfg.queue_depth;
-    int inflight = 0;
-    ofl_piece *again = NULL;      /* pieces to submit again (remainders, retries) */
-    int nagain = 0;
+    uring_loop L;
+    memset(&L, 0, sizeof(L));
+    L.w = w;
+    L.flight.fnext = L.flight.fprev = &L.flight;
 
     for (;;) {
         /* Take new work: when idle, block; with overlap_events, top the ring up. */
         ofl_piece *fresh = NULL;
         int nfresh = 0;
-        int room = qd - inflight - nagain;
+        int room = qd - L.inflight - L.nagain;
         pthread_mutex_lock(&q->mu);
-        while (!q->head && inflight == 0 && nagain == 0 && !q->stop)
+        while (!q->head && L.inflight == 0 && L.nagain == 0 && !q->stop)
             pthread_cond_wait(&q->cv, &q->mu);
-        if (q->stop && !q->head && inflight == 0 && nagain == 0) {
+        if (q->stop && !q->head && L.inflight == 0 && L.nagain == 0) {
             pthread_mutex_unlock(&q->mu);
             break;
         }
-        if (room > 0 && (e->cfg.overlap_events || inflight == 0))
+        if (room > 0 && (e->cfg.overlap_events || L.inflight == 0))
             fresh = queue_pop_locked(q, room, &nfresh);
         pthread_mutex_unlock(&q->mu);
 
+        ofl_piece *again = L.again;
+        L.again = NULL;
+        L.nagain = 0;
         if (!w->ring_ok) {
             /* A ring reset failed earlier: nothing can be submitted on this worker any more. */
             fail_chain(e, again, -EIO);
             fail_chain(e, fresh, -EIO);
-            again = NULL;
-            nagain = 0;
             continue;
         }
 
         /* Prepare SQEs: remainders first, then new pieces. */
-        ofl_piece *batch = NULL, *batch_tail = NULL;
-        int prepared = 0;
         for (int pass = 0; pass < 2; pass++) {
             ofl_piece *p = pass == 0 ? again : fresh;
             while (p) {
                 ofl_piece *next = p->next;
-                p->next = NULL;
-                if (prep_piece(e, &w->ring, p)) {
-                    prepared++;
-                    if (batch_tail)
-                        batch_tail->next = p;
-                    else
-                        batch = p;
-                    batch_tail = p;
+                if (prep_piece(w, p)) {
+                    batch_push(&L, p);
                     if (e->cfg.single_submit) {
-                        int rc;
-                        do {
-                            rc = io_uring_submit(&w->ring);
-                        } while (rc == -EINTR);
+                        /* What this leaves unsent goes with the submit below. */
+                        io_uring_submit(&w->ring);
+                        launch_consumed(&L);
                     }
                 }
                 p = next;
             }
         }
-        again = NULL;
-        nagain = 0;
 
         /* Hand the batch to the kernel and wait: for one completion, or for all of them. */
-        if (prepared > 0 || inflight > 0) {
-            int want = e->cfg.overlap_events ? 1 : inflight + prepared;
+        if (L.nbatch > 0 || L.inflight > 0) {
+            int want = e->cfg.overlap_events ? 1 : L.inflight + L.nbatch;
             int rc, tries = 0;
             for (;;) {
                 rc = io_uring_submit_and_wait(&w->ring, (unsigned)want);
+                launch_consumed(&L);
                 if (rc >= 0)
                     break;
                 if ((rc == -EINTR || rc == -EAGAIN || rc == -EBUSY) && ++tries <= OFL_MAX_RETRIES) {
                     sleep_briefly();
+                    want = e->cfg.overlap_events ? 1 : L.inflight + L.nbatch;
                     continue;
                 }
                 break;
             }
-            if (rc < 0 && io_uring_sq_ready(&w->ring) > 0) {
-                /*
-                 * The kernel refused the batch. Let what is already in flight land first (its
-                 * buffers are in use), then fail the refused pieces and start a clean ring.
-                 */
-                while (inflight > 0) {
-                    struct io_uring_cqe *cqe;
-                    int wrc = io_uring_wait_cqe(&w->ring, &cqe);
-                    if (wrc == -EINTR || wrc == -EAGAIN)
-                        continue;
-                    if (wrc < 0)
-                        break;
-                    ofl_piece *p = io_uring_cqe_get_data(cqe);
-                    int64_t res = cqe->res;
-                    io_uring_cqe_seen(&w->ring, cqe);
-                    inflight--;
-                    if (settle(e, p, res)) {
-                        p->next = again;
-                        again = p;
-                        nagain++;
-                    }
-                }
-                ring_reset(w, batch, rc);
+            if (rc < 0 && L.nbatch > 0) {
+                ring_fail(&L, rc);
                 continue;
             }
-            inflight += prepared;
         }
 
         /* Reap: with overlap, whatever is ready; without, everything in flight. */
-        while (inflight > 0) {
+        while (L.inflight > 0) {
             struct io_uring_cqe *cqe;
             int rc = io_uring_peek_cqe(&w->ring, &cqe);
             if (rc == -EAGAIN) {
-                if (e->cfg.overlap_events && (again || __atomic_load_n(&q->head, __ATOMIC_RELAXED)))
+                if (e->cfg.overlap_events && (L.again || __atomic_load_n(&q->head, __ATOMIC_RELAXED)))
                     break;
                 rc = io_uring_wait_cqe(&w->ring, &cqe);
-                if (rc == -EINTR || rc == -EAGAIN)
+                if (rc == -EINTR)
                     continue;
-                if (rc < 0)
-                    break;
-            } else if (rc < 0) {
+            }
+            if (rc < 0) {
+                ring_fail(&L, rc);
                 break;
             }
-            ofl_piece *p = io_uring_cqe_get_data(cqe);
-            int64_t res = cqe->res;
-            io_uring_cqe_seen(&w->ring, cqe);
-            inflight--;
-            if (settle(e, p, res)) {
-                p->next = again;
-                again = p;
-                nagain++;
-            }
-            if (e->cfg.overlap_events && inflight > 0 && io_uring_cq_ready(&w->ring) == 0)
+            reap_one(&L, cqe);
+            if (e->cfg.overlap_events && L.inflight > 0 && io_uring_cq_ready(&w->ring) == 0)
                 break; /* go top up the ring */
         }
     }
@@ -754,15 +815,21 @@ int ofl_engine_register_buffers(ofl_engine *e, void **addrs, int64_t *lens, int 
                 iov[i].iov_len = (size_t)lens[i];
             }
             for (int i = 0; i < e->nworkers && rc == 0; i++) {
-                if (e->fixed_count > 0)
+                if (e->workers[i].fixed_ok)
                     io_uring_unregister_buffers(&e->workers[i].ring);
-                if (count > 0)
+                e->workers[i].fixed_ok = 0;
+                if (count > 0) {
                     rc = io_uring_register_buffers(&e->workers[i].ring, iov, (unsigned)count);
+                    e->workers[i].fixed_ok = rc == 0;
+                }
             }
             if (rc < 0) {
-                /* All or nothing: a ring without the table would reject buf_index. */
-                for (int i = 0; i < e->nworkers; i++)
-                    io_uring_unregister_buffers(&e->workers[i].ring);
+                /* All or nothing: the engine then uses plain reads and writes everywhere. */
+                for (int i = 0; i < e->nworkers; i++) {
+                    if (e->workers[i].fixed_ok)
+                        io_uring_unregister_buffers(&e->workers[i].ring);
+                    e->workers[i].fixed_ok = 0;
+                }
             }
             free(iov);
         }
@@ -796,21 +863,6 @@ int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_r
     for (int i = 0; i < nsegs; i++) {
         if (segs[i].len < 0 || segs[i].offset < 0 || segs[i].fd < 0 || (!segs[i].buf && segs[i].len > 0))
             return -EINVAL;
-        if (segs[i].buf_index >= 0) {
-            /* A fixed op on memory outside its registered buffer would fault in the kernel. */
-            int ok = 0;
-            pthread_mutex_lock(&e->mu);
-            if (segs[i].buf_index < e->fixed_count) {
-                char *base = e->fixed_addrs[segs[i].buf_index];
-                char *b = segs[i].buf;
-                ok = b >= base && b + segs[i].len <= base + e->fixed_lens[segs[i].buf_index];
-            } else if (e->fixed_count == 0) {
-                ok = 1; /* registration failed or is off: plain ops are used */
-            }
-            pthread_mutex_unlock(&e->mu);
-            if (!ok)
-                return -EINVAL;
-        }
         npieces += (segs[i].len + bs - 1) / bs;
     }
 
@@ -842,7 +894,28 @@ int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_r
     }
     r->eof_at = total;
 
+    /*
+     * Checked under the same lock that makes the request live, so the table cannot change in
+     * between (registration waits for no live requests): a fixed op on memory outside its
+     * registered buffer would fail in the kernel.
+     */
     pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < nsegs; i++) {
+        if (segs[i].buf_index < 0 || e->fixed_count == 0)
+            continue; /* no table (off, or registration failed): plain ops are used */
+        int ok = 0;
+        if (segs[i].buf_index < e->fixed_count) {
+            char *base = e->fixed_addrs[segs[i].buf_index];
+            char *b = segs[i].buf;
+            ok = b >= base && b + segs[i].len <= base + e->fixed_lens[segs[i].buf_index];
+        }
+        if (!ok) {
+            pthread_mutex_unlock(&e->mu);
+            free(pieces);
+            free(r);
+            return -EINVAL;
+        }
+    }
     r->next = &e->live;
     r->prev = e->live.prev;
     e->live.prev->next = r;

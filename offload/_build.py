@@ -33,7 +33,10 @@ def _liburing_links() -> bool:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return False
-    probe = "#include <liburing.h>\nint main(void){struct io_uring r; return io_uring_queue_init(2,&r,0) < -1000;}\n"
+    probe = (
+        "#include <liburing.h>\n"
+        "int main(void){struct io_uring r; return io_uring_queue_init(2,&r,0) < -1000;}\n"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         src = pathlib.Path(tmp) / "probe.c"
         src.write_text(probe)
@@ -59,7 +62,8 @@ ffibuilder.set_source(
     '#include "offload_engine.h"',
     sources=[str(SOURCE.relative_to(ROOT))],
     include_dirs=[str(NATIVE.relative_to(ROOT))],
-    define_macros=[("OFL_VERSION", '"%s"' % _read_version())] + ([("OFL_HAVE_URING", "1")] if HAVE_URING else []),
+    define_macros=[("OFL_VERSION", f'"{_read_version()}"')]
+    + ([("OFL_HAVE_URING", "1")] if HAVE_URING else []),
     libraries=(["uring"] if HAVE_URING else []) + ["pthread"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )

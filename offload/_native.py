@@ -26,5 +26,9 @@ if BUILT_VERSION != __version__:
 
 HAVE_IO_URING = bool(lib.ofl_have_io_uring())
 
-BACKENDS = {"auto": lib.OFL_BACKEND_AUTO, "io_uring": lib.OFL_BACKEND_IO_URING, "threads": lib.OFL_BACKEND_THREADS}
+BACKENDS = {
+    "auto": lib.OFL_BACKEND_AUTO,
+    "io_uring": lib.OFL_BACKEND_IO_URING,
+    "threads": lib.OFL_BACKEND_THREADS,
+}
 BACKEND_NAMES = {lib.OFL_BACKEND_IO_URING: "io_uring", lib.OFL_BACKEND_THREADS: "threads"}

@@ -25,6 +25,7 @@ from typing import NamedTuple, Sequence, Union
 from ._native import BACKEND_NAMES, BACKENDS, HAVE_IO_URING, ffi, lib
 from .buffers import HostBuffer
 from .config import AioConfig
+from .errors import ConfigError
 
 READ = lib.OFL_OP_READ
 WRITE = lib.OFL_OP_WRITE
@@ -176,12 +177,22 @@ class Future:
         self._keepalive = keepalive  # buffers must outlive the I/O that targets them
         self._result: int | None = None
         self._error: OSError | None = None
+        # Whoever finishes the request frees it in C: a second waiter (another thread, or the
+        # engine closing) must wait for the first rather than free it twice.
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         """True if the request has completed (successfully or not). Never blocks."""
         if self._request is None:
             return True
-        return bool(lib.ofl_request_done(self._engine._handle, self._request))
+        if not self._lock.acquire(blocking=False):
+            return False  # another thread is finishing it right now
+        try:
+            if self._request is None:
+                return True
+            return bool(lib.ofl_request_done(self._engine._handle, self._request))
+        finally:
+            self._lock.release()
 
     def wait(self) -> int:
         """Block until the request completes; return the bytes moved.
@@ -196,6 +207,11 @@ class Future:
         return self._result
 
     def _finish(self) -> None:
+        with self._lock:
+            if self._request is not None:
+                self._finish_locked()
+
+    def _finish_locked(self) -> None:
         result = ffi.new("int64_t *")
         seg = ffi.new("int *")
         offset = ffi.new("int64_t *")
@@ -211,7 +227,7 @@ class Future:
         self._keepalive = None
 
     def __del__(self):
-        if self._request is not None and not self._engine.closed:
+        if getattr(self, "_request", None) is not None and not self._engine.closed:
             self._finish()
             if self._error is not None:
                 warnings.warn(f"an I/O error nobody waited for: {self._error}", RuntimeWarning, stacklevel=2)
@@ -264,6 +280,8 @@ class Engine:
         self._futures: weakref.WeakSet = weakref.WeakSet()
         self._lock = threading.Lock()
         self._registered: list[HostBuffer] = []
+        self._registered_memory: list = []
+        self._handle = None
         cfg = ffi.new("ofl_config *")
         cfg.backend = BACKENDS[config.backend]
         cfg.thread_count = config.thread_count
@@ -275,7 +293,8 @@ class Engine:
         rc = lib.ofl_engine_create(cfg, out)
         if rc < 0:
             what = "io_uring is not available" if config.backend == "io_uring" else "cannot start the engine"
-            hint = "" if HAVE_IO_URING else " (built without liburing: apt-get install liburing-dev, then reinstall)"
+            hint = "" if HAVE_IO_URING else (
+                " (built without liburing: apt-get install liburing-dev, then reinstall)")
             raise OSError(-rc, f"{os.strerror(-rc)}: {what}{hint}")
         self._handle = out[0]
         self.backend = BACKEND_NAMES[lib.ofl_engine_backend(self._handle)]
@@ -300,12 +319,19 @@ class Engine:
         for i, b in enumerate(buffers):
             if b.index != i:
                 raise ValueError(f"buffer {b!r} is at position {i} but has index {b.index}")
+            if b.closed:
+                raise ValueError(f"{b!r} is closed")
         addrs = ffi.new("void *[]", [ffi.cast("void *", b.address) for b in buffers])
         lens = ffi.new("int64_t[]", [b.nbytes for b in buffers])
-        rc = lib.ofl_engine_register_buffers(self._handle, addrs, lens, len(buffers))
-        if rc == -_errno.EBUSY:
-            raise RuntimeError("cannot register buffers while requests are in flight")
-        self._registered = buffers if rc == 0 else []
+        with self._lock:
+            self._check_open()
+            rc = lib.ofl_engine_register_buffers(self._handle, addrs, lens, len(buffers))
+            if rc == -_errno.EBUSY:
+                raise RuntimeError(
+                    "cannot register buffers while requests are in flight; wait for them first")
+            self._registered = buffers if rc == 0 else []
+            # The kernel holds the registered pages: keep their mappings alive while registered.
+            self._registered_memory = [b.tensor for b in self._registered]
         return rc == 0
 
     # -- I/O --------------------------------------------------------------------------------
@@ -326,17 +352,20 @@ class Engine:
             segs[i].offset = s.file_offset
             if f.o_direct:
                 a = f.alignment
-                for name, value in (("file offset", s.file_offset), ("length", s.nbytes), ("buffer address", address)):
+                checks = (("file offset", s.file_offset), ("length", s.nbytes), ("buffer address", address))
+                for name, value in checks:
                     if value % a:
                         raise ValueError(
                             f"{name} {value} is not a multiple of {a}, which O_DIRECT on {f.path} requires"
                         )
         out = ffi.new("ofl_request **")
-        rc = lib.ofl_engine_submit(self._handle, op, segs, len(segments), out)
-        if rc < 0:
-            raise OSError(-rc, os.strerror(-rc), segments[0].file.path if segments else None)
-        future = Future(self, op, out[0], list(segments), keepalive)
-        self._futures.add(future)
+        with self._lock:  # close() must not free the engine between the check and the call
+            self._check_open()
+            rc = lib.ofl_engine_submit(self._handle, op, segs, len(segments), out)
+            if rc < 0:
+                raise OSError(-rc, os.strerror(-rc), segments[0].file.path if segments else None)
+            future = Future(self, op, out[0], list(segments), keepalive)
+            self._futures.add(future)
         return future
 
     def read_async(self, file: AioFile, buffer, offset: int, nbytes: int | None = None, *,
@@ -366,8 +395,9 @@ class Engine:
         self._check_open()
         st = ffi.new("ofl_stats *")
         lib.ofl_engine_stats(self._handle, st)
-        return {name: int(getattr(st, name)) for name in
-                ("requests", "pieces", "bytes", "resubmits", "retries", "failures", "fixed_buffers", "workers")}
+        names = ("requests", "pieces", "bytes", "resubmits", "retries", "failures", "fixed_buffers",
+                 "workers")
+        return {name: int(getattr(st, name)) for name in names}
 
     def inject_fault(self, kind: str, *, op: str | None = None, skip: int = 0, count: int = 1,
                      errno: int = _errno.EIO) -> None:
@@ -405,6 +435,8 @@ class Engine:
                     f._finish()
             lib.ofl_engine_destroy(self._handle)
             self._handle = None
+            self._registered = []
+            self._registered_memory = []
 
     def __enter__(self) -> Engine:
         return self
@@ -448,15 +480,18 @@ class Engine:
                 raise ValueError(f"{b!r} is closed")
             if s.buffer_offset < 0 or s.buffer_offset + s.nbytes > b.nbytes:
                 raise ValueError(f"{s.nbytes} bytes at offset {s.buffer_offset} overflow {b!r}")
-            index = b.index if (0 <= b.index < len(self._registered) and self._registered[b.index] is b) else -1
-            return b.address + s.buffer_offset, index, b
+            registered = 0 <= b.index < len(self._registered) and self._registered[b.index] is b
+            index = b.index if registered else -1
+            return b.address + s.buffer_offset, index, (b, b.tensor)
         cdata = ffi.from_buffer(b, require_writable=(op == READ))
         if s.buffer_offset < 0 or s.buffer_offset + s.nbytes > len(cdata):
-            raise ValueError(f"{s.nbytes} bytes at offset {s.buffer_offset} overflow a buffer of {len(cdata)}")
+            raise ValueError(
+                f"{s.nbytes} bytes at offset {s.buffer_offset} overflow a buffer of {len(cdata)}")
         return int(ffi.cast("uintptr_t", cdata)) + s.buffer_offset, -1, (cdata, b)
 
 
 def _check_config(c: AioConfig) -> None:
+    """Raise ConfigError naming every bad setting at once."""
     problems = []
     if not isinstance(c.block_size, int) or c.block_size < 4096 or c.block_size % 4096:
         problems.append(f"block_size must be a positive multiple of 4096, got {c.block_size!r}")
@@ -471,4 +506,4 @@ def _check_config(c: AioConfig) -> None:
     if c.use_gds:
         problems.append("use_gds (GPUDirect Storage) is not supported; set it to false")
     if problems:
-        raise ValueError("bad aio settings: " + "; ".join(problems))
+        raise ConfigError("bad aio settings: " + "; ".join(problems))

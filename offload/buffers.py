@@ -62,7 +62,7 @@ class HostBuffer:
         if numel is None:
             numel = (self.nbytes - offset) // itemsize
         end = offset + numel * itemsize
-        if offset < 0 or end > self.nbytes:
+        if offset < 0 or numel < 0 or end > self.nbytes:
             raise ValueError(f"view [{offset}, {end}) is outside the buffer of {self.nbytes} bytes")
         return self.tensor[offset:end].view(dtype)
 
@@ -71,22 +71,29 @@ class HostBuffer:
         return self.tensor.numpy()
 
     def close(self) -> None:
-        """Release the memory (unpinning it first). Views still alive keep it mapped."""
+        """Release the memory (unpinning it first). Views still alive keep it mapped.
+
+        The mapping is never closed explicitly: torch tensors over it do not hold a buffer export,
+        so ``mmap.close()`` would succeed and leave them pointing at unmapped memory. Dropping our
+        references unmaps it at once when nothing else holds it, or when the last view goes.
+        """
         if self._tensor is None:
             return
         if self.pinned:
             _cuda_host_unregister(self.address)
             self.pinned = False
         self._tensor = None
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # a view outlives the buffer; the mapping goes when the last view does
         self._mmap = None
 
     @property
     def closed(self) -> bool:
         return self._tensor is None
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         return f"HostBuffer(nbytes={self.nbytes}, index={self.index}, pinned={self.pinned})"
