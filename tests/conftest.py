@@ -1,0 +1,68 @@
+"""Shared fixtures: a scratch directory on a disk that takes O_DIRECT, and the engine backends.
+
+A backend the kernel (or the build) refuses is skipped, not failed: io_uring may be disabled by
+sysctl ``kernel.io_uring_disabled``, refused by seccomp (ENOSYS/EPERM), or not compiled in.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from offload._native import HAVE_IO_URING
+from offload.aio import Engine
+
+
+def _io_uring_refusal() -> str | None:
+    """Why the io_uring backend cannot run here, or None if it can."""
+    if not HAVE_IO_URING:
+        return "built without liburing"
+    try:
+        Engine(backend="io_uring").close()
+    except OSError as err:
+        if err.errno in (errno.ENOSYS, errno.EPERM, errno.EACCES):
+            return f"the kernel refuses io_uring: {err}"
+        raise
+    return None
+
+
+IO_URING_REFUSAL = _io_uring_refusal()
+BACKENDS = ["threads"] + ([] if IO_URING_REFUSAL else ["io_uring"])
+
+
+@pytest.fixture
+def backends() -> list[str]:
+    """The backends that run on this machine ("threads" always)."""
+    return list(BACKENDS)
+
+
+@pytest.fixture(params=["io_uring", "threads"])
+def backend(request) -> str:
+    """Each backend in turn; io_uring is skipped where it cannot run."""
+    if request.param == "io_uring" and IO_URING_REFUSAL:
+        pytest.skip(IO_URING_REFUSAL)
+    return request.param
+
+
+@pytest.fixture
+def scratch(tmp_path) -> str:
+    """A directory on a real disk (O_DIRECT works there), removed after the test."""
+    probe = tmp_path / ".odirect"
+    try:
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError as err:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT ({err}); point --basetemp at a real disk")
+    probe.unlink()
+    return str(tmp_path)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,517 @@
+"""The native engine, through offload.aio: data arrives intact, and every failure is surfaced.
+
+Each test is run for every backend that works here (see conftest.py). The file contents are
+checked with plain ``os.pread`` as well, so a bug shared by the engine's read and write paths
+cannot hide itself.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+import offload
+from offload import aio
+from offload._native import ffi, lib
+from offload.aio import READ, WRITE, Engine, FutureGroup, Segment
+from offload.buffers import BufferPool, HostBuffer
+
+KiB, MiB = 1 << 10, 1 << 20
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(offload.__file__)))
+
+
+def random_bytes(n: int, seed: int = 0) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(n), dtype=np.uint8)
+
+
+def fill(buf: HostBuffer, data: np.ndarray, offset: int = 0) -> None:
+    buf.numpy()[offset:offset + len(data)] = data
+
+
+def file_bytes(path: str, offset: int, n: int) -> np.ndarray:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return np.frombuffer(os.pread(fd, n, offset), dtype=np.uint8)
+    finally:
+        os.close(fd)
+
+
+def run_python(code: str, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=kw.pop("pythonpath", REPO))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=120, **kw)
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+SHAPES = {
+    # name: (block_size, queue_depth, thread_count, nbytes, file_offset, buffer_offset)
+    "one_block": (64 * KiB, 4, 1, 64 * KiB, 0, 0),
+    "many_blocks": (64 * KiB, 8, 1, 1 * MiB, 128 * KiB, 4 * KiB),
+    "short_tail": (64 * KiB, 4, 1, 3 * 64 * KiB + 12 * KiB, 4 * KiB, 8 * KiB),
+    "more_pieces_than_queue_depth": (64 * KiB, 2, 1, 5 * MiB, 0, 0),
+    "three_workers": (64 * KiB, 4, 3, 3 * MiB + 4 * KiB, 8 * KiB, 0),
+}
+
+
+@pytest.mark.parametrize("overlap_events", [True, False], ids=["overlap", "batch"])
+@pytest.mark.parametrize("single_submit", [False, True], ids=["batched", "single"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_round_trip_is_identical(scratch, backend, shape, single_submit, overlap_events):
+    """Random bytes written at an aligned offset read back identical, whatever the request shape."""
+    block_size, qd, threads, nbytes, file_offset, buffer_offset = SHAPES[shape]
+    data = random_bytes(nbytes, seed=nbytes)
+    path = os.path.join(scratch, "f")
+    with Engine(backend=backend, block_size=block_size, queue_depth=qd, thread_count=threads,
+                single_submit=single_submit, overlap_events=overlap_events) as e, \
+            BufferPool(2, nbytes + buffer_offset) as pool, e.open(path, "w+") as f:
+        assert f.o_direct
+        fill(pool[0], data, buffer_offset)
+        assert e.write(f, pool[0], file_offset, nbytes, buffer_offset=buffer_offset) == nbytes
+        assert np.array_equal(file_bytes(path, file_offset, nbytes), data)
+        assert e.read(f, pool[1], file_offset, nbytes, buffer_offset=buffer_offset) == nbytes
+        assert np.array_equal(pool[1].numpy()[buffer_offset:buffer_offset + nbytes], data)
+        assert e.stats()["resubmits"] == 0
+
+
+def test_vectored_request_moves_every_segment(scratch, backend):
+    """One request of several segments, each at its own file and buffer offset, moves them all."""
+    path = os.path.join(scratch, "f")
+    layout = [(0, 8 * KiB, 68 * KiB), (1 * MiB, 0, 4 * KiB), (256 * KiB, 200 * KiB, 128 * KiB)]
+    data = random_bytes(512 * KiB, seed=1)
+    with Engine(backend=backend, block_size=16 * KiB, queue_depth=4) as e, \
+            BufferPool(2, 512 * KiB) as pool, e.open(path, "w+") as f:
+        fill(pool[0], data)
+        segs = [Segment(f, fo, pool[0], bo, n) for fo, bo, n in layout]
+        assert e.submit(WRITE, segs).wait() == sum(n for *_, n in layout)
+        for fo, bo, n in layout:
+            assert np.array_equal(file_bytes(path, fo, n), data[bo:bo + n])
+        segs = [Segment(f, fo, pool[1], bo, n) for fo, bo, n in layout]
+        assert e.submit(READ, segs).wait() == sum(n for *_, n in layout)
+        for _, bo, n in layout:
+            assert np.array_equal(pool[1].numpy()[bo:bo + n], data[bo:bo + n])
+
+
+@pytest.mark.slow
+def test_256_mib_of_random_bytes_survive_o_direct(scratch, backend):
+    """256 MiB of random bytes written with O_DIRECT at 1 MiB blocks, queue depth 32, read back identical."""
+    n = 256 * MiB
+    path = os.path.join(scratch, "big")
+    with Engine(backend=backend, block_size=1 * MiB, queue_depth=32) as e, BufferPool(2, n) as pool, \
+            e.open(path, "w+", o_direct=True) as f:
+        e.register_buffers(pool)
+        fill(pool[0], random_bytes(n, seed=256))
+        assert e.write(f, pool[0], 0) == n
+        assert e.read(f, pool[1], 0) == n
+        assert np.array_equal(pool[0].numpy(), pool[1].numpy())
+        assert e.stats()["failures"] == 0
+
+
+def test_concurrent_submissions_from_python_threads(scratch, backend):
+    """Eight Python threads writing and reading their own regions at once all get their own data back."""
+    path = os.path.join(scratch, "f")
+    region, rounds, nthreads = 256 * KiB, 4, 8
+    errors: list[BaseException] = []
+    with Engine(backend=backend, block_size=64 * KiB, queue_depth=4, thread_count=2) as e, \
+            e.open(path, "w+") as f:
+
+        def worker(t: int) -> None:
+            try:
+                with BufferPool(2, region) as pool:
+                    for r in range(rounds):
+                        data = random_bytes(region, seed=t * 100 + r)
+                        fill(pool[0], data)
+                        e.write(f, pool[0], t * region)
+                        e.read(f, pool[1], t * region)
+                        assert np.array_equal(pool[1].numpy(), data), f"thread {t} round {r}"
+            except BaseException as err:  # collected, raised in the main thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(nthreads)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+
+
+def test_read_past_end_of_file_returns_the_prefix(scratch, backend):
+    """A read crossing end of file returns the bytes that exist; one entirely past it returns 0."""
+    path = os.path.join(scratch, "f")
+    data = random_bytes(12 * KiB + 1808, seed=2)  # not a multiple of 4096: the tail is short
+    with open(path, "wb") as fh:
+        fh.write(data.tobytes())
+    with Engine(backend=backend, block_size=8 * KiB) as e, BufferPool(1, 64 * KiB) as pool, \
+            e.open(path, "r") as f:
+        assert f.o_direct
+        assert e.read(f, pool[0], 0) == len(data)
+        assert np.array_equal(pool[0].numpy()[:len(data)], data)
+        assert e.read(f, pool[0], 8 * KiB, 16 * KiB) == len(data) - 8 * KiB
+        assert e.read(f, pool[0], 1 * MiB, 16 * KiB) == 0
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+def test_missing_file_is_file_not_found(scratch, backend):
+    """Opening a missing file read-only raises FileNotFoundError naming the path."""
+    path = os.path.join(scratch, "missing")
+    with Engine(backend=backend) as e, pytest.raises(FileNotFoundError) as info:
+        e.open(path, "r")
+    assert info.value.filename == path
+
+
+def test_file_without_permission_is_permission_error(scratch):
+    """A 0600 file of root opened by another user raises PermissionError naming the path."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a file another user may not read")
+    d = os.path.join(scratch, "d")
+    os.mkdir(d, 0o711)  # others may enter, but not read the file
+    path = os.path.join(d, "secret")
+    with open(path, "wb") as fh:
+        fh.write(b"\0" * 4096)
+    os.chmod(path, 0o600)
+    done = run_python(f"""
+        import os
+        from offload.aio import open_file
+        os.chdir({d!r})
+        os.setgid(65534)
+        os.setuid(65534)
+        try:
+            open_file("secret", "r")
+        except PermissionError as err:
+            print("PermissionError", err.filename)
+    """)
+    assert done.stdout.strip() == "PermissionError secret", done.stderr
+
+
+def test_write_to_read_only_file_is_ebadf_naming_the_path(scratch, backend):
+    """Writing through a file opened read-only fails with EBADF and the path, not silently."""
+    path = os.path.join(scratch, "f")
+    with open(path, "wb") as fh:
+        fh.write(b"\0" * 8192)
+    with Engine(backend=backend) as e, HostBuffer(8192) as buf, e.open(path, "r") as f:
+        with pytest.raises(OSError) as info:
+            e.write(f, buf, 0)
+    assert info.value.errno == errno.EBADF
+    assert info.value.filename == path
+
+
+def test_closed_engine_refuses_work_and_futures_keep_results(scratch, backend):
+    """After close, calls raise ValueError, while futures submitted before still return their result."""
+    path = os.path.join(scratch, "f")
+    e = Engine(backend=backend, block_size=64 * KiB)
+    with HostBuffer(1 * MiB) as buf, e.open(path, "w+") as f:
+        futures = [e.write_async(f, buf, i * MiB) for i in range(4)]
+        e.close()
+        assert [fu.wait() for fu in futures] == [1 * MiB] * 4
+        assert all(fu.done() for fu in futures)
+        for call in (lambda: e.write(f, buf, 0), lambda: e.read_async(f, buf, 0), e.stats,
+                     lambda: e.inject_fault("none"), lambda: e.register_buffers([])):
+            with pytest.raises(ValueError, match="closed engine"):
+                call()
+        e.close()  # twice is fine
+
+
+# -- faults -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_short_transfer_is_resubmitted(scratch, backend, op):
+    """Every piece coming back half done is resubmitted for its remainder: the bytes are right."""
+    path = os.path.join(scratch, "f")
+    n = 2 * MiB
+    data = random_bytes(n, seed=3)
+    with Engine(backend=backend, block_size=256 * KiB, queue_depth=4) as e, BufferPool(2, n) as pool, \
+            e.open(path, "w+") as f:
+        fill(pool[0], data)
+        e.inject_fault("short", op=op, count=-1)
+        assert e.write(f, pool[0], 0) == n
+        assert np.array_equal(file_bytes(path, 0, n), data)
+        assert e.read(f, pool[1], 0) == n
+        assert np.array_equal(pool[1].numpy(), data)
+        assert e.stats()["resubmits"] >= n // (256 * KiB)
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_failed_request_is_eio_with_path_and_offset(scratch, backend, op):
+    """An injected failure surfaces as OSError EIO naming the file and offset; the engine goes on working."""
+    path = os.path.join(scratch, "f")
+    offset = 3 * MiB
+    with Engine(backend=backend, block_size=64 * KiB) as e, HostBuffer(64 * KiB) as buf, \
+            e.open(path, "w+") as f:
+        e.write(f, buf, offset)
+        e.inject_fault("error", op=op)
+        call = e.write if op == "write" else e.read
+        with pytest.raises(OSError) as info:
+            call(f, buf, offset)
+        assert info.value.errno == errno.EIO
+        assert info.value.filename == path
+        assert f"{op} at offset {offset}" in str(info.value)
+        assert e.stats()["failures"] == 1
+        fill(buf, random_bytes(64 * KiB, seed=4))
+        assert e.write(f, buf, offset) == 64 * KiB
+        assert e.read(f, buf, offset) == 64 * KiB
+
+
+def test_failure_of_one_segment_fails_the_whole_request(scratch, backend):
+    """A request whose second segment fails raises, naming that segment's file, though the others succeed."""
+    a, b = os.path.join(scratch, "a"), os.path.join(scratch, "b")
+    with Engine(backend=backend, block_size=64 * KiB, thread_count=1) as e, HostBuffer(192 * KiB) as buf, \
+            e.open(a, "w+") as fa, e.open(b, "w+") as fb:
+        segs = [Segment(fa, 0, buf, 0, 64 * KiB), Segment(fb, 0, buf, 64 * KiB, 64 * KiB),
+                Segment(fa, 64 * KiB, buf, 128 * KiB, 64 * KiB)]
+        e.inject_fault("error", op="write", errno=errno.ENOSPC)
+        fut = e.submit(WRITE, segs[1:2])
+        with pytest.raises(OSError) as info:
+            FutureGroup([e.submit(WRITE, segs[:1]), fut, e.submit(WRITE, segs[2:])]).wait()
+        assert info.value.errno == errno.ENOSPC and info.value.filename == b
+        e.inject_fault("error", op="write", skip=1, errno=errno.ENOSPC)
+        with pytest.raises(OSError) as info:
+            e.submit(WRITE, segs).wait()
+        assert info.value.errno == errno.ENOSPC
+        assert e.submit(WRITE, segs).wait() == 192 * KiB
+
+
+def test_unwaited_failure_is_not_swallowed(scratch, backend):
+    """A failed future dropped without wait() still reports its error, as a warning."""
+    path = os.path.join(scratch, "f")
+    with Engine(backend=backend) as e, HostBuffer(4096) as buf, e.open(path, "w+") as f:
+        e.inject_fault("error", op="write")
+        fut = e.write_async(f, buf, 0)
+        with pytest.warns(RuntimeWarning, match="nobody waited"):
+            del fut
+
+
+# -- the GIL ----------------------------------------------------------------------------------
+
+def test_waiting_releases_the_gil(scratch, backend):
+    """A Python thread keeps counting while the main thread waits on 128 MiB of I/O."""
+    n = 128 * MiB
+    path = os.path.join(scratch, "f")
+    count = 0
+    stop = threading.Event()
+
+    def counter() -> None:
+        nonlocal count
+        while not stop.is_set():
+            count += 1
+
+    with Engine(backend=backend, block_size=1 * MiB, queue_depth=8) as e, HostBuffer(n) as buf, \
+            e.open(path, "w+") as f:
+        t = threading.Thread(target=counter)
+        t.start()
+        try:
+            advanced = []
+            for call in (e.write_async, e.read_async):
+                fut = call(f, buf, 0)
+                before = count
+                fut.wait()  # with the GIL held here, `count` could not move at all
+                advanced.append(count - before)
+        finally:
+            stop.set()
+            t.join()
+    assert min(advanced) > 1000, advanced
+
+
+# -- argument checks --------------------------------------------------------------------------
+
+def test_misaligned_o_direct_request_names_value_and_alignment(scratch, backend):
+    """Misaligned offsets, lengths and buffer addresses under O_DIRECT are ValueErrors naming the need."""
+    path = os.path.join(scratch, "f")
+    with Engine(backend=backend) as e, HostBuffer(64 * KiB) as buf, e.open(path, "w+") as f:
+        with pytest.raises(ValueError, match="file offset 100 is not a multiple of 4096"):
+            e.write(f, buf, 100, 4096)
+        with pytest.raises(ValueError, match="length 1000 is not a multiple of 4096"):
+            e.write(f, buf, 0, 1000)
+        with pytest.raises(ValueError, match=f"buffer address {buf.address + 512} is not a multiple of 4096"):
+            e.write(f, buf, 0, 4096, buffer_offset=512)
+        with pytest.raises(ValueError, match="do not fit in a buffer of 65536 bytes"):
+            e.read(f, buf, 0, 128 * KiB)
+        with pytest.raises(ValueError, match="do not fit"):
+            e.read(f, buf, 0, 4096, buffer_offset=64 * KiB)
+        with pytest.raises(ValueError, match="must not be negative"):
+            e.read(f, buf, -4096, 4096)
+        assert e.stats()["requests"] == 0
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("block_size", 1000), ("block_size", 0), ("queue_depth", 0), ("queue_depth", 5000),
+    ("thread_count", 0), ("backend", "spdk"), ("o_direct", "yes"), ("use_gds", True),
+])
+def test_bad_config_is_value_error_naming_it(setting, value):
+    """Each bad aio setting is refused with a ValueError naming the setting and the value."""
+    with pytest.raises(ValueError, match=setting) as info:
+        Engine(**{setting: value})
+    if not isinstance(value, bool):
+        assert str(value) in str(info.value)
+
+
+def test_io_uring_not_available_is_enosys_or_runs():
+    """Asking for io_uring either gets it, or an OSError saying why (never a silent fallback)."""
+    try:
+        e = Engine(backend="io_uring")
+    except OSError as err:
+        assert err.errno in (errno.ENOSYS, errno.EPERM, errno.EACCES)
+    else:
+        with e:
+            assert e.backend == "io_uring" and e.fallback_reason is None
+
+
+# -- O_DIRECT refused -------------------------------------------------------------------------
+
+@pytest.fixture
+def no_o_direct_dir(tmp_path):
+    """A ramfs mount (it refuses O_DIRECT), or skip where mounting is not possible."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a file system that refuses O_DIRECT")
+    done = subprocess.run(["mount", "-t", "ramfs", "none", str(mnt)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount ramfs: {done.stderr.strip()}")
+    try:
+        probe = mnt / "probe"
+        try:
+            os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+        except OSError:
+            pass
+        else:
+            pytest.skip("ramfs accepts O_DIRECT on this kernel")
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_o_direct_required_on_refusing_fs_is_clear_error(no_o_direct_dir, backend):
+    """o_direct=True where the file system refuses it raises EINVAL saying what to set."""
+    with Engine(backend=backend, o_direct=True) as e, \
+            pytest.raises(OSError, match="refuses O_DIRECT") as info:
+        e.open(os.path.join(no_o_direct_dir, "f"), "w+")
+    assert info.value.errno == errno.EINVAL
+
+
+def test_o_direct_auto_falls_back_to_buffered_with_one_warning(no_o_direct_dir, backend, monkeypatch):
+    """o_direct="auto" on a refusing file system warns once, then buffered I/O (any alignment) works."""
+    monkeypatch.setattr(aio, "_warned_devices", set())
+    data = random_bytes(10_000, seed=5)
+    with Engine(backend=backend, block_size=4096) as e, BufferPool(2, 16 * KiB) as pool:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            f = e.open(os.path.join(no_o_direct_dir, "f"), "w+")
+            g = e.open(os.path.join(no_o_direct_dir, "g"), "w+")
+        assert [w.category for w in caught] == [RuntimeWarning]
+        assert "refuses O_DIRECT" in str(caught[0].message)
+        with f, g:
+            assert not f.o_direct and f.alignment == 1
+            fill(pool[0], data)
+            assert e.write(f, pool[0], 3, len(data), buffer_offset=1) == len(data)
+            assert e.read(f, pool[1], 3, len(data) + 100) == len(data)
+            assert np.array_equal(pool[1].numpy()[:len(data)], pool[0].numpy()[1:1 + len(data)])
+
+
+# -- fixed buffers ----------------------------------------------------------------------------
+
+def test_registered_pool_is_used_as_fixed_buffers(scratch, backend):
+    """A registered pool is reported as fixed buffers on io_uring, and data still round trips through it."""
+    path = os.path.join(scratch, "f")
+    with Engine(backend=backend, block_size=64 * KiB, thread_count=2) as e, \
+            BufferPool(3, 256 * KiB) as pool, e.open(path, "w+") as f:
+        assert e.register_buffers(pool)
+        assert e.stats()["fixed_buffers"] == (len(pool) if backend == "io_uring" else 0)
+        data = random_bytes(256 * KiB, seed=6)
+        fill(pool[0], data)
+        e.write(f, pool[0], 0)
+        e.read(f, pool[2], 0, 192 * KiB, buffer_offset=64 * KiB)
+        assert np.array_equal(pool[2].numpy()[64 * KiB:], data[:192 * KiB])
+        assert e.register_buffers([])
+        assert e.stats()["fixed_buffers"] == 0
+        e.read(f, pool[1], 0)
+        assert np.array_equal(pool[1].numpy(), data)
+
+
+def test_segment_outside_its_registered_buffer_is_rejected(scratch, backend):
+    """The native engine refuses a fixed-buffer segment that is not inside the buffer it names."""
+    path = os.path.join(scratch, "f")
+    with Engine(backend=backend) as e, BufferPool(2, 64 * KiB) as pool, e.open(path, "w+") as f:
+        assert e.register_buffers(pool)
+        segs = ffi.new("ofl_segment[]", 1)
+        out = ffi.new("ofl_request **")
+        for address, nbytes in ((pool[1].address, 4096), (pool[0].address + 60 * KiB, 8192)):
+            segs[0].fd, segs[0].buf_index, segs[0].offset = f.fd, 0, 0
+            segs[0].buf, segs[0].len = ffi.cast("void *", address), nbytes
+            assert lib.ofl_engine_submit(e._handle, lib.OFL_OP_WRITE, segs, 1, out) == -errno.EINVAL
+        assert e.write(f, pool[0], 0) == 64 * KiB
+
+
+def test_registering_is_refused_while_requests_are_live(scratch, backend):
+    """Registering buffers while a request is in flight is a clear error, not a race with the kernel."""
+    path = os.path.join(scratch, "f")
+    with Engine(backend=backend, block_size=64 * KiB, queue_depth=1) as e, BufferPool(1, 64 * MiB) as pool, \
+            e.open(path, "w+") as f:
+        fut = e.write_async(f, pool[0], 0)
+        try:
+            if not fut.done():
+                with pytest.raises(RuntimeError, match="in flight"):
+                    e.register_buffers(pool)
+        finally:
+            fut.wait()
+        assert e.register_buffers(pool)
+
+
+# -- the build --------------------------------------------------------------------------------
+
+def test_stale_build_is_refused():
+    """An extension built for another package version refuses to import, saying it is stale."""
+    done = run_python("""
+        import importlib, sys
+        import offload._version
+        offload._version.__version__ = "0.0.0+other"
+        sys.modules.pop("offload._native", None)  # the package's __init__ may have loaded it already
+        try:
+            importlib.import_module("offload._native")
+        except ImportError as err:
+            print("ImportError:", err)
+    """)
+    assert "ImportError:" in done.stdout and "stale" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_build_without_liburing_runs_on_threads(tmp_path):
+    """Built without liburing, the engine runs on threads, refuses io_uring with ENOSYS, and moves data."""
+    shutil.copytree(os.path.join(REPO, "native"), tmp_path / "native",
+                    ignore=shutil.ignore_patterns("*.o"))
+    shutil.copytree(os.path.join(REPO, "offload"), tmp_path / "offload",
+                    ignore=shutil.ignore_patterns("*.so", "*.o", "_engine.c", "__pycache__"))
+    env = dict(os.environ, OFFLOAD_NO_URING="1")
+    env.pop("PYTHONPATH", None)
+    built = subprocess.run([sys.executable, "offload/_build.py"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-2000:]
+    done = run_python("""
+        import errno, os
+        import offload.aio as aio
+        from offload.aio import Engine
+        from offload.buffers import HostBuffer
+        assert os.path.dirname(aio.__file__) == os.path.join(os.getcwd(), "offload"), aio.__file__
+        try:
+            Engine(backend="io_uring")
+        except OSError as err:
+            assert err.errno == errno.ENOSYS, err
+        else:
+            raise AssertionError("io_uring started in a build without it")
+        with Engine() as e, HostBuffer(1 << 20) as a, HostBuffer(1 << 20) as b, e.open("f", "w+") as f:
+            a.numpy()[:] = 7
+            e.write(f, a, 0)
+            e.read(f, b, 0)
+            assert (b.numpy() == 7).all()
+            print(e.backend, e.fallback_reason.errno == errno.ENOSYS)
+    """, cwd=tmp_path, pythonpath=str(tmp_path))
+    assert done.stdout.strip() == "threads True", done.stdout + done.stderr
