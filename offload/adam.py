@@ -515,13 +515,16 @@ def _release(space, pool) -> None:
 
 def _resolve_config(config, **overrides) -> Config:
     cfg = load_config(config)
-    oc = cfg.offload_optimizer
-    changes = {k: v for k, v in overrides.items() if v is not None}
+    changes = {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items() if v is not None}
+    path = changes.get("nvme_path")
+    if isinstance(path, os.PathLike):
+        changes["nvme_path"] = os.fspath(path)
+    elif isinstance(path, list):
+        changes["nvme_path"] = [os.fspath(x) if isinstance(x, os.PathLike) else x for x in path]
     if changes:
-        try:
-            oc = oc.replace(**changes)
-        except TypeError as err:
-            raise ConfigError(str(err)) from err
+        # Read with the loader's rules: human sizes ("256MiB"), ranges, one ConfigError for all problems.
+        cfg = cfg.replace(offload_optimizer=changes)
+    oc = cfg.offload_optimizer
     if oc.device != "nvme":
         raise ConfigError(
             f'offload_optimizer.device is "{oc.device}"; OffloadedAdam keeps state on NVMe only. '
@@ -529,9 +532,7 @@ def _resolve_config(config, **overrides) -> Config:
         )
     if not oc.nvme_path:
         raise ConfigError("nvme_path is required: pass nvme_path=... or set offload_optimizer.nvme_path")
-    if isinstance(oc.nvme_path, (str, os.PathLike)):
-        oc = oc.replace(nvme_path=os.fspath(oc.nvme_path))
-    return cfg.replace(offload_optimizer=oc)
+    return cfg
 
 
 def _check_param(p: torch.Tensor) -> None:
