@@ -1,0 +1,111 @@
+"""The ``offload-ckpt`` command line: export, import, inspect and verify checkpoints.
+
+Exit codes: 0 success, 1 a corrupt, incomplete or unreadable checkpoint (or an I/O error),
+2 a bad argument.
+
+Examples::
+
+    offload-ckpt inspect /ckpt/step-0000001000
+    offload-ckpt verify /ckpt/step-0000001000
+    offload-ckpt export /ckpt/step-0000001000 adamw.pt       # torch.optim.AdamW.load_state_dict(torch.load(...))
+    offload-ckpt import adamw.pt /ckpt/imported --like /ckpt/step-0000001000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from . import checkpoint
+
+PROG = "offload-ckpt"
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect, verify, export and import nvme-offload optimizer checkpoints.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("export", help="write a checkpoint as a torch optimizer state_dict (torch.save)")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("out", metavar="OUT.pt", help="file to write (replaced atomically)")
+    p.add_argument("--no-master", action="store_true",
+                   help="leave out the fp32 master copy of fp16/bf16 parameters (torch's optimizers ignore it)")
+
+    p = sub.add_parser("import", help="write a torch optimizer state_dict file as a checkpoint")
+    p.add_argument("state_dict", metavar="IN.pt", help="a file torch.save wrote (an optimizer state_dict)")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory to write (replaced atomically)")
+    p.add_argument("--like", metavar="CKPT_OR_CONFIG",
+                   help="a checkpoint of the same model (shapes, dtypes and settings are taken from it), or "
+                        "a config file (JSON, DeepSpeed ds_config.json works) for the unit size and threshold")
+
+    p = sub.add_parser("inspect", help="print a summary of a checkpoint's manifest")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
+
+    p = sub.add_parser("verify", help="check every file's size and checksum")
+    p.add_argument("checkpoints", metavar="CKPT", nargs="+", help="checkpoint directories")
+    return parser
+
+
+def _run(args) -> int:
+    if args.command == "export":
+        checkpoint.export_checkpoint(args.checkpoint, args.out, include_master=not args.no_master)
+        print(f"wrote {args.out}")
+    elif args.command == "import":
+        like, config = None, None
+        if args.like is not None:
+            if os.path.isdir(args.like):
+                like = args.like
+            elif os.path.isfile(args.like):
+                config = args.like
+            else:
+                print(f"{PROG} import: error: --like {args.like} is neither a checkpoint directory nor a "
+                      "config file", file=sys.stderr)
+                return EXIT_USAGE
+        if not os.path.isfile(args.state_dict):
+            print(f"{PROG} import: error: {args.state_dict} is not a file", file=sys.stderr)
+            return EXIT_USAGE
+        path = checkpoint.import_state_dict(args.state_dict, args.checkpoint, like=like, config=config)
+        print(f"wrote {path}")
+    elif args.command == "inspect":
+        if args.json:
+            print(json.dumps(checkpoint.read_manifest(args.checkpoint), indent=1, sort_keys=True))
+        else:
+            print(checkpoint.inspect_checkpoint(args.checkpoint))
+    elif args.command == "verify":
+        failed = 0
+        for path in args.checkpoints:
+            try:
+                checkpoint.verify_checkpoint(path)
+            except (checkpoint.CheckpointError, OSError) as err:
+                print(f"{path}: FAILED: {err}")
+                failed += 1
+            else:
+                print(f"{path}: OK")
+        return EXIT_FAILURE if failed else EXIT_OK
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``offload-ckpt``; returns the exit code.
+
+    Args:
+        argv: the arguments after the program name (default: ``sys.argv[1:]``).
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (checkpoint.CheckpointError, OSError) as err:
+        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
