@@ -1,0 +1,190 @@
+"""``offload-bench`` run as a user runs it: in a subprocess, on tiny sizes, JSON output checked."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from offload.bench.cli import main
+from offload.config import config_to_dict, load_config
+
+TINY = ["--size", "8MiB", "--block-size", "64KiB", "--runs", "2"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "offload.bench", *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=REPO)
+
+
+def bench_in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """main() in this process (argument errors need no subprocess): exit code, stdout, stderr."""
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def check_result(r: dict) -> None:
+    assert r["op"] in ("write", "read")
+    assert r["gib_s"] > 0
+    assert len(r["gib_s_runs"]) == 2 and all(x > 0 for x in r["gib_s_runs"])
+    assert min(r["gib_s_runs"]) <= r["gib_s"] <= max(r["gib_s_runs"])
+
+
+def test_io_verifies_and_writes_a_json_report(tmp_path):
+    """`io --verify --json` succeeds, reads back what it wrote, and reports positive GiB/s per run."""
+    out = tmp_path / "io.json"
+    p = bench("io", "--path", str(tmp_path / "swap"), *TINY, "--verify", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "verify: every byte read back equals the byte written" in p.stdout
+    doc = json.loads(out.read_text())
+    assert doc["config"]["size"] == 8 << 20 and doc["config"]["block_size"] == 64 << 10
+    assert doc["config"]["runs"] == 2 and doc["config"]["verify"] is True
+    assert doc["machine"]["cpu_count"] >= 1 and doc["machine"]["kernel"]
+    assert [r["op"] for r in doc["results"]] == ["write", "read"]
+    for r in doc["results"]:
+        check_result(r)
+        assert r["verified"] is True
+        assert r["fio_gib_s"] is None and r["ratio_to_fio"] is None
+    assert not (tmp_path / "swap").exists(), "the directory the benchmark created is removed"
+
+
+def test_io_stripes_over_two_paths(tmp_path):
+    """Two paths give a striped swap space whose data reads back intact."""
+    p = bench("io", "--path", str(tmp_path / "a"), str(tmp_path / "b"), *TINY, "--verify")
+    assert p.returncode == 0, p.stderr
+    assert "over 2 paths" in p.stdout
+
+
+def test_sweep_ranks_a_grid_and_emits_a_config_the_loader_reads_back(tmp_path):
+    """A 2x2 sweep reports every point, its best is the top mean, and --emit-config loads back unchanged."""
+    out, cfg = tmp_path / "sweep.json", tmp_path / "aio.json"
+    p = bench("sweep", "--path", str(tmp_path), "--size", "8MiB", "--runs", "1", "--block-sizes", "64KiB,256KiB",
+              "--queue-depths", "4,16", "--threads", "1", "--json", str(out), "--emit-config", str(cfg))
+    assert p.returncode == 0, p.stderr
+    assert "4/4" in p.stderr, "the progress bar reaches the end"
+    doc = json.loads(out.read_text())
+    points = {(r["block_size"], r["queue_depth"], r["threads"]) for r in doc["results"]}
+    assert points == {(b, q, 1) for b in (64 << 10, 256 << 10) for q in (4, 16)}
+    assert len(doc["results"]) == 8
+    for r in doc["results"]:
+        assert r["gib_s"] > 0 and r["op"] in ("write", "read")
+    best = doc["best"]
+    means = {}
+    for r in doc["results"]:
+        means.setdefault((r["block_size"], r["queue_depth"], r["threads"]), []).append(r["gib_s"])
+    top = max(means, key=lambda k: sum(means[k]) / 2)
+    assert (best["block_size"], best["queue_depth"], best["threads"]) == top
+    emitted = json.loads(cfg.read_text())
+    loaded = load_config(str(cfg))
+    assert config_to_dict(loaded) == emitted, "the loader reads the emitted block back unchanged"
+    assert (loaded.aio.block_size, loaded.aio.queue_depth, loaded.aio.thread_count) == top
+    assert emitted["aio"]["single_submit"] is False and emitted["aio"]["overlap_events"] is True
+
+
+def test_verification_catches_a_chunk_read_from_the_wrong_place():
+    """Stamps make every 4 KiB block distinct, so a chunk landing in another chunk's place fails."""
+    import numpy as np
+
+    from offload.bench.io import Data, VerifyError
+    from offload.buffers import BufferPool
+
+    with BufferPool(2, 64 << 10) as pool:
+        data = Data(pool, 64 << 10)
+        data.fill()
+        data.new_pass()
+        data.stamp(1, pool[0], 64 << 10)
+        data.check(1, pool[0], 64 << 10)  # intact: passes (and restores the reference bytes)
+        data.stamp(1, pool[0], 64 << 10)
+        with pytest.raises(VerifyError, match="chunk 2"):
+            data.check(2, pool[0], 64 << 10)
+        data.stamp(3, pool[1], 64 << 10)
+        pool[1].numpy()[5000] ^= 0xFF
+        with pytest.raises(VerifyError, match="differ"):
+            data.check(3, pool[1], 64 << 10)
+        assert np.any(pool[1].numpy())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--size", "lots"], "invalid size 'lots'"),
+        (["--block-size", "5000"], "not a multiple of 4096"),
+        (["--size", "64KiB", "--block-size", "1MiB"], "smaller than the block size"),
+        (["--size", "1000000"], "not a multiple of 4096"),
+        (["--queue-depth", "0"], "must be between 1 and 4096"),
+        (["--path", "/nonexistent-parent-dir/swap"], "parent directory /nonexistent-parent-dir does not exist"),
+        (["--backend", "spdk"], "invalid choice: 'spdk'"),
+        (["--json", "/nonexistent-dir/out.json"], "directory /nonexistent-dir does not exist"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_problem(tmp_path, capsys, args, message):
+    """Each bad argument stops the run before any I/O with exit code 2 and a message naming it."""
+    if "--path" not in args:
+        args = [*args, "--path", str(tmp_path)]
+    code, out, err = bench_in_process(capsys, "io", *args)
+    assert code == 2, (out, err)
+    assert message in err
+    assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_rejects_a_bad_list(tmp_path, capsys):
+    """A malformed comma-separated list is an argument error (exit code 2)."""
+    code, _, err = bench_in_process(capsys, "sweep", "--path", str(tmp_path), "--queue-depths", "8,,32")
+    assert code == 2 and "comma-separated" in err
+
+
+def test_default_scratch_directory_is_removed_after_the_run(tmp_path):
+    """Without --path the benchmark works in a scratch directory under TMPDIR and removes it."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    p = bench("io", *TINY, env={"TMPDIR": str(tmp)})
+    assert p.returncode == 0, p.stderr
+    assert f"scratch directory: {tmp}" in p.stdout
+    assert list(tmp.iterdir()) == []
+
+
+def test_io_error_is_one_clean_line_and_exit_1(tmp_path):
+    """A failing run (no room for the swap file) exits 1 with the error on one line, no traceback."""
+    if shutil.disk_usage(tmp_path).free > 1 << 50:
+        pytest.skip("needs a file system smaller than 1024 TiB")
+    p = bench("io", "--path", str(tmp_path), "--size", "1024TiB", "--block-size", "1MiB")
+    assert p.returncode == 1
+    assert "offload-bench: error:" in p.stderr and "needs" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_missing_fio_is_explained_and_fails(tmp_path):
+    """--fio without fio on PATH says how to install it and exits non-zero before any I/O."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    p = bench("io", "--path", str(tmp_path), *TINY, "--fio", env={"PATH": str(empty)})
+    assert p.returncode != 0
+    assert "fio is not installed" in p.stderr and "apt-get install fio" in p.stderr
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_fio_comparison_gives_ratios(tmp_path):
+    """With --fio each operation gets fio's GiB/s and our/fio ratio, and fio's files are removed."""
+    out = tmp_path / "io.json"
+    swap = tmp_path / "swap"
+    swap.mkdir()
+    p = bench("io", "--path", str(swap), *TINY, "--fio", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    for r in json.loads(out.read_text())["results"]:
+        check_result(r)
+        assert r["fio_gib_s"] > 0 and r["ratio_to_fio"] > 0
+        assert len(r["fio_gib_s_runs"]) == 2
+    assert list(swap.iterdir()) == [], "neither swap nor fio files are left behind"
