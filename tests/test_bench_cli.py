@@ -95,8 +95,6 @@ def test_sweep_ranks_a_grid_and_emits_a_config_the_loader_reads_back(tmp_path):
 
 def test_verification_catches_a_chunk_read_from_the_wrong_place():
     """Stamps make every 4 KiB block distinct, so a chunk landing in another chunk's place fails."""
-    import numpy as np
-
     from offload.bench.io import Data, VerifyError
     from offload.buffers import BufferPool
 
@@ -113,7 +111,6 @@ def test_verification_catches_a_chunk_read_from_the_wrong_place():
         pool[1].numpy()[5000] ^= 0xFF
         with pytest.raises(VerifyError, match="differ"):
             data.check(3, pool[1], 64 << 10)
-        assert np.any(pool[1].numpy())
 
 
 @pytest.mark.parametrize(
