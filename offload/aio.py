@@ -59,20 +59,45 @@ class AioFile:
         self.fd = fd
         self.o_direct = o_direct
         self.alignment = alignment
+        # Requests carry the descriptor number: closing it under them would let a newly opened
+        # file take the number and receive their bytes. close() defers to the last request.
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._closing = False
 
     def fileno(self) -> int:
-        if self.fd < 0:
+        if self.closed:
             raise ValueError(f"I/O operation on closed file {self.path}")
         return self.fd
 
     @property
     def closed(self) -> bool:
-        return self.fd < 0
+        return self.fd < 0 or self._closing
 
     def close(self) -> None:
+        """Close the file; with requests still in flight, once the last of them has finished."""
+        with self._lock:
+            self._closing = True
+            if self._pending == 0:
+                self._close_fd()
+
+    def _close_fd(self) -> None:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
+
+    def _acquire(self) -> int:
+        with self._lock:
+            if self.closed:
+                raise ValueError(f"I/O operation on closed file {self.path}")
+            self._pending += 1
+            return self.fd
+
+    def _release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            if self._pending == 0 and self._closing:
+                self._close_fd()
 
     def __enter__(self) -> AioFile:
         return self
@@ -81,7 +106,8 @@ class AioFile:
         self.close()
 
     def __del__(self):
-        self.close()
+        if getattr(self, "_lock", None) is not None:
+            self.close()
 
     def __repr__(self) -> str:
         return f"AioFile({self.path!r}, o_direct={self.o_direct}, alignment={self.alignment})"
@@ -225,6 +251,8 @@ class Future:
             self._error = _io_error(-rc, self._op, path, int(offset[0]))
         self._result = int(result[0])
         self._keepalive = None
+        for s in self._segments:
+            s.file._release()
 
     def __del__(self):
         if getattr(self, "_request", None) is not None and not self._engine.closed:
@@ -359,13 +387,22 @@ class Engine:
                             f"{name} {value} is not a multiple of {a}, which O_DIRECT on {f.path} requires"
                         )
         out = ffi.new("ofl_request **")
-        with self._lock:  # close() must not free the engine between the check and the call
-            self._check_open()
-            rc = lib.ofl_engine_submit(self._handle, op, segs, len(segments), out)
-            if rc < 0:
-                raise OSError(-rc, os.strerror(-rc), segments[0].file.path if segments else None)
-            future = Future(self, op, out[0], list(segments), keepalive)
-            self._futures.add(future)
+        held: list[AioFile] = []
+        try:
+            for s in segments:
+                s.file._acquire()  # the descriptor stays open until the request is over
+                held.append(s.file)
+            with self._lock:  # close() must not free the engine between the check and the call
+                self._check_open()
+                rc = lib.ofl_engine_submit(self._handle, op, segs, len(segments), out)
+                if rc < 0:
+                    raise OSError(-rc, os.strerror(-rc), segments[0].file.path if segments else None)
+                future = Future(self, op, out[0], list(segments), keepalive)
+                self._futures.add(future)
+        except BaseException:
+            for f in held:
+                f._release()
+            raise
         return future
 
     def read_async(self, file: AioFile, buffer, offset: int, nbytes: int | None = None, *,

@@ -515,3 +515,24 @@ def test_build_without_liburing_runs_on_threads(tmp_path):
             print(e.backend, e.fallback_reason.errno == errno.ENOSYS)
     """, cwd=tmp_path, pythonpath=str(tmp_path))
     assert done.stdout.strip() == "threads True", done.stdout + done.stderr
+
+
+def test_closing_a_file_waits_for_its_requests(scratch, backend):
+    """A file closed while its writes are in flight keeps its descriptor until they finish: no other
+    file opened meanwhile can receive their bytes."""
+    path, other = os.path.join(scratch, "f"), os.path.join(scratch, "other")
+    n = 32 * MiB
+    with Engine(backend=backend, block_size=1 * MiB, queue_depth=2) as e, HostBuffer(n) as buf:
+        fill(buf, random_bytes(n, seed=7))
+        f = e.open(path, "w+")
+        fut = e.write_async(f, buf, 0)
+        f.close()
+        assert f.closed
+        with pytest.raises(ValueError, match="closed file"):
+            e.write(f, buf, 0)
+        assert f.fd >= 0  # held open for the request, whose future has not been waited on
+        with e.open(other, "w+"):
+            assert fut.wait() == n
+        assert f.fd < 0
+        assert os.path.getsize(other) == 0
+        assert np.array_equal(file_bytes(path, 0, n), buf.numpy())
