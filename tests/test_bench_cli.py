@@ -185,3 +185,34 @@ def test_fio_comparison_gives_ratios(tmp_path):
         assert r["fio_gib_s"] > 0 and r["ratio_to_fio"] > 0
         assert len(r["fio_gib_s_runs"]) == 2
     assert list(swap.iterdir()) == [], "neither swap nor fio files are left behind"
+
+
+ADAM_KEYS = {"params", "step_s_median", "bytes_read_per_step", "bytes_written_per_step", "peak_rss_bytes",
+             "host_pool_bytes", "torch_step_s_median", "torch_peak_rss_bytes"}
+
+
+def test_adam_reports_step_time_io_and_memory_against_torch(tmp_path):
+    """`adam` on a tiny model writes the issue's JSON keys with consistent values, and cleans its path."""
+    out = tmp_path / "adam.json"
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"offload_optimizer": {"buffer_count": 3, "buffer_size": "1MiB"},
+                               "aio": {"block_size": "256KiB", "queue_depth": 8}}))
+    nvme = tmp_path / "nvme"
+    p = bench("adam", "--params", "1M", "--steps", "3", "--no-fio", "--config", str(cfg),
+              "--path", str(nvme), "--json", str(out), timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert ADAM_KEYS <= r.keys()
+    assert r["params"] == 1_000_000
+    assert r["host_pool_bytes"] == 3 << 20
+    # fp32 moments: 8 bytes per parameter read and written by every step after the first.
+    assert r["bytes_read_per_step"] >= 8 * r["params"] and r["bytes_written_per_step"] >= 8 * r["params"]
+    assert r["step_s_median"] > 0 and r["torch_step_s_median"] > 0
+    assert not nvme.exists() or not os.listdir(nvme)
+
+
+def test_adam_rejects_a_bad_parameter_count(tmp_path):
+    """A count that is not a number exits 2 and names the problem."""
+    p = bench("adam", "--params", "lots", "--path", str(tmp_path))
+    assert p.returncode == 2
+    assert "lots" in p.stderr
