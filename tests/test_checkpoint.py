@@ -1,0 +1,293 @@
+"""Streaming checkpoints: bit-for-bit round trips, re-chunking, atomic replacement, export/import, CLI.
+
+Buffers are small (256 KiB) so that the state of these small tensors is split over many units, and
+the small-parameter threshold keeps one parameter's state in memory, so both kinds are checkpointed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from offload import OffloadedAdam, OffloadedAdamW
+from offload import checkpoint as ckpt
+from offload.ckpt_cli import main as ckpt_main
+
+SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
+SIZES = (10, 100, 5000, 70_000, 300_001)  # 10: state in memory; 300_001: split across units
+
+
+def make_params(dtype=torch.float32, seed=0, sizes=SIZES):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
+
+
+def set_grads(params, seed, skip=()):
+    g = torch.Generator().manual_seed(seed)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = None if i in skip else grad
+
+
+def train(opt, params, steps, skip=()):
+    for s in steps:
+        set_grads(params, s, skip)
+        opt.step()
+
+
+def snapshot(params):
+    return [p.detach().clone() for p in params]
+
+
+def restore(params, values):
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+
+
+def assert_same_state(a: dict, b: dict):
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i in a["state"]:
+        assert sorted(a["state"][i]) == sorted(b["state"][i]), f"parameter {i}: different state keys"
+        for k, v in a["state"][i].items():
+            w = b["state"][i][k]
+            assert torch.equal(torch.as_tensor(v).cpu().float(), torch.as_tensor(w).cpu().float()), \
+                f"parameter {i}: state {k!r} differs"
+    for ga, gb in zip(a["param_groups"], b["param_groups"]):
+        assert {k: v for k, v in ga.items() if k != "params"} == {k: v for k, v in gb.items() if k != "params"}
+
+
+def assert_same(a, b):
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert torch.equal(p, q), f"parameter {i} differs"
+
+
+@pytest.fixture
+def nvme(tmp_path):
+    return str(tmp_path / "nvme")
+
+
+def make_opt(params, nvme, cls=OffloadedAdamW, **kw):
+    return cls(params, lr=1e-2, nvme_path=nvme, **{**SMALL, **kw})
+
+
+CASES = [
+    pytest.param(OffloadedAdamW, {}, torch.float32, id="adamw"),
+    pytest.param(OffloadedAdam, dict(amsgrad=True, fused=False, weight_decay=0.1), torch.float32, id="adam-amsgrad"),
+    pytest.param(OffloadedAdamW, {}, torch.bfloat16, id="adamw-bf16-master"),
+]
+
+
+@pytest.mark.parametrize("cls, kw, dtype", CASES)
+def test_save_then_load_resumes_bit_for_bit(tmp_path, nvme, cls, kw, dtype):
+    """A fresh optimizer loaded from a checkpoint continues exactly as the one that saved it."""
+    params = make_params(dtype)
+    opt = make_opt(params, nvme, cls, **kw)
+    train(opt, params, range(3))
+    ckpt.save_checkpoint(opt, tmp_path / "c", extra={"params": snapshot(params)})
+    train(opt, params, range(3, 5))
+
+    other = make_params(dtype, seed=1)
+    opt2 = make_opt(other, nvme, cls, **kw)
+    extra = ckpt.load_checkpoint(opt2, tmp_path / "c")
+    restore(other, extra["params"])
+    train(opt2, other, range(3, 5))
+    assert_same(params, other)
+    assert_same_state(opt.state_dict(), opt2.state_dict())
+    opt.close()
+    opt2.close()
+
+
+@pytest.mark.parametrize("buffer_size, threshold", [(512 * 1024, 64), (128 * 1024, 6000), (256 * 1024, 0)])
+def test_load_into_other_buffer_size_or_threshold_rechunks_state(tmp_path, nvme, buffer_size, threshold):
+    """State saved with one unit packing loads into another (bigger or smaller buffers, state moving
+    between memory and disk) and training continues bit for bit."""
+    params = make_params()
+    opt = make_opt(params, nvme)
+    train(opt, params, range(3))
+    ckpt.save_checkpoint(opt, tmp_path / "c", extra={"params": snapshot(params)})
+    train(opt, params, range(3, 5))
+
+    other = make_params(seed=1)
+    opt2 = make_opt(other, nvme, buffer_size=buffer_size, small_param_threshold=threshold)
+    restore(other, ckpt.load_checkpoint(opt2, tmp_path / "c")["params"])
+    train(opt2, other, range(3, 5))
+    assert_same(params, other)
+    assert_same_state(opt.state_dict(), opt2.state_dict())
+    opt.close()
+    opt2.close()
+
+
+def test_params_without_state_stay_without_state(tmp_path, nvme):
+    """A parameter that never had a grad is saved as stateless and starts from zero state after load,
+    as it would have without the checkpoint."""
+    params = make_params()
+    opt = make_opt(params, nvme)
+    train(opt, params, range(2), skip={3})
+    ckpt.save_checkpoint(opt, tmp_path / "c", extra={"params": snapshot(params)})
+    manifest = ckpt.read_manifest(tmp_path / "c")
+    assert [e["initialized"] for e in manifest["params"]] == [True, True, True, False, True]
+    train(opt, params, range(2, 4))
+
+    other = make_params(seed=1)
+    opt2 = make_opt(other, nvme)
+    restore(other, ckpt.load_checkpoint(opt2, tmp_path / "c")["params"])
+    assert not opt2._layout.slots[other[3]].initialized
+    train(opt2, other, range(2, 4))
+    assert_same(params, other)
+    assert_same_state(opt.state_dict(), opt2.state_dict())
+    opt.close()
+    opt2.close()
+
+
+def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme):
+    """A second save over an existing checkpoint replaces it whole and leaves no temporary siblings."""
+    params = make_params()
+    opt = make_opt(params, nvme)
+    train(opt, params, range(1))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    train(opt, params, range(1, 3))
+    ckpt.save_checkpoint(opt, tmp_path / "c", extra={"marker": 2})
+    assert sorted(os.listdir(tmp_path)) == ["c", "nvme"]
+    assert ckpt.read_manifest(tmp_path / "c")["step"] == 3
+    assert sorted(os.listdir(tmp_path / "c")) == ["extra.pt", "manifest.json", "memory.pt", "state.bin"]
+    ckpt.verify_checkpoint(tmp_path / "c")
+    opt.close()
+
+
+def test_manifest_describes_groups_params_config_and_files(tmp_path, nvme):
+    """The manifest holds the format version, step, groups with hyperparameters and indices, per
+    parameter shape/dtype/keys/chunks, the offload config, and each file's size and checksum."""
+    params = make_params()
+    opt = OffloadedAdamW([{"params": params[:2], "lr": 0.5}, {"params": params[2:]}], lr=1e-2,
+                         nvme_path=nvme, **SMALL)
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    m = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert m["version"] == ckpt.FORMAT_VERSION and m["step"] == 2
+    assert [g["params"] for g in m["param_groups"]] == [[0, 1], [2, 3, 4]]
+    assert m["param_groups"][0]["lr"] == 0.5 and m["param_groups"][1]["betas"] == [0.9, 0.999]
+    big = m["params"][4]
+    assert big["shape"] == [300_001] and big["dtype"] == "float32" and big["keys"] == ["exp_avg", "exp_avg_sq"]
+    assert sum(c[2] for c in big["chunks"]) == 300_001 and len(big["chunks"]) > 1
+    assert m["params"][0]["where"] == "memory"
+    assert m["config"]["offload_optimizer"]["buffer_size"] == 256 * 1024
+    for name, f in m["files"].items():
+        assert os.path.getsize(tmp_path / "c" / name) == f["bytes"] and len(f["xxh3_64"]) == 16
+    opt.close()
+
+
+def test_mismatched_optimizer_is_refused_naming_the_parameter_and_nothing_changes(tmp_path, nvme):
+    """Loading into an optimizer whose parameter shapes differ names the parameter with both shapes,
+    and the optimizer keeps its own state and keeps stepping."""
+    params = make_params()
+    opt = make_opt(params, nvme)
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    other = make_params(sizes=(10, 100, 5000, 70_001, 300_001))
+    opt2 = make_opt(other, nvme)
+    train(opt2, other, range(1))
+    before = opt2.state_dict()
+    with pytest.raises(ckpt.CheckpointError, match=r"parameter 3 has shape \(70000,\) in the checkpoint, "
+                                                   r"\(70001,\) in this optimizer"):
+        ckpt.load_checkpoint(opt2, tmp_path / "c")
+    assert_same_state(before, opt2.state_dict())
+    train(opt2, other, range(1, 2))
+    amsgrad = make_opt(make_params(), nvme, amsgrad=True)
+    with pytest.raises(ckpt.CheckpointError, match="amsgrad"):
+        ckpt.load_checkpoint(amsgrad, tmp_path / "c")
+    for o in (opt, opt2, amsgrad):
+        o.close()
+
+
+def test_export_loads_into_torch_adamw_which_continues_identically(tmp_path, nvme):
+    """An exported checkpoint is a torch state_dict: torch's own AdamW loads it and then steps to the
+    same parameters as the offloaded optimizer."""
+    params = make_params()
+    opt = make_opt(params, nvme, fused=True)
+    train(opt, params, range(3))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    assert ckpt_main(["export", str(tmp_path / "c"), str(tmp_path / "out.pt")]) == 0
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
+    torch_opt.load_state_dict(torch.load(tmp_path / "out.pt", weights_only=True))
+    train(opt, params, range(3, 5))
+    train(torch_opt, theirs, range(3, 5))
+    assert_same(params, theirs)
+    opt.close()
+
+
+@pytest.mark.parametrize("via", ["config", "like", "cli"])
+def test_import_of_a_torch_adamw_state_dict_resumes_identically(tmp_path, nvme, via):
+    """torch's AdamW state, imported as a checkpoint (API with a config or a reference checkpoint, or
+    the CLI), loads into the offloaded optimizer, which then steps exactly as torch's would."""
+    theirs = make_params()
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2, fused=True)
+    train(torch_opt, theirs, range(3))
+    sd = torch_opt.state_dict()
+    target = tmp_path / "imported"
+    if via == "config":
+        ckpt.import_state_dict(sd, target, config={"offload_optimizer": {"buffer_size": 128 * 1024}})
+    else:
+        ref = make_opt(make_params(), nvme)
+        train(ref, ref.param_groups[0]["params"], range(1))
+        ckpt.save_checkpoint(ref, tmp_path / "ref")
+        ref.close()
+        if via == "like":
+            ckpt.import_state_dict(sd, target, like=tmp_path / "ref")
+        else:
+            torch.save(sd, tmp_path / "in.pt")
+            assert ckpt_main(["import", str(tmp_path / "in.pt"), str(target), "--like", str(tmp_path / "ref")]) == 0
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    opt = make_opt(ours, nvme, fused=True)
+    ckpt.load_checkpoint(opt, target)
+    train(opt, ours, range(3, 5))
+    train(torch_opt, theirs, range(3, 5))
+    assert_same(ours, theirs)
+    opt.close()
+
+
+def test_cli_inspect_and_verify_report_and_exit_codes(tmp_path, nvme, capsys):
+    """`inspect` summarises the manifest, `verify` says OK for a good checkpoint and exits 1 with the
+    reason for a corrupt or missing one."""
+    params = make_params()
+    opt = make_opt(params, nvme)
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    opt.close()
+    assert ckpt_main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "step: 2" in out and "state.bin" in out and "group 0: 5 params" in out
+    assert ckpt_main(["inspect", "--json", str(tmp_path / "c")]) == 0
+    assert json.loads(capsys.readouterr().out)["version"] == ckpt.FORMAT_VERSION
+    assert ckpt_main(["verify", str(tmp_path / "c")]) == 0
+    assert "OK" in capsys.readouterr().out
+    with open(tmp_path / "c" / "state.bin", "r+b") as f:
+        f.seek(5000)
+        byte = f.read(1)
+        f.seek(5000)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert ckpt_main(["verify", str(tmp_path / "c"), str(tmp_path / "missing")]) == 1
+    out = capsys.readouterr().out
+    assert "state.bin: bytes [0, " in out and "FAILED" in out and "no checkpoint directory" in out
+
+
+def test_retention_keeps_the_last_n_and_milestones(tmp_path, nvme):
+    """Only the newest keep_last checkpoints survive, plus milestones by rule or by mark; latest()
+    names the newest."""
+    params = make_params(sizes=(10, 5000))
+    opt = make_opt(params, nvme)
+    keep = ckpt.Retention(tmp_path / "ckpts", keep_last=2, milestones=lambda step: step % 4 == 0)
+    for step in range(1, 8):
+        train(opt, params, [step])
+        keep.save(opt, step, milestone=(step == 3))
+    steps = [int(os.path.basename(p).split("-")[1]) for p in keep.checkpoints()]
+    assert steps == [3, 4, 6, 7]
+    assert keep.latest() == keep.path_for(7)
+    ckpt.save_with_retention(opt, tmp_path / "ckpts", 8, keep_last=1)
+    assert [os.path.basename(p) for p in keep.checkpoints()] == ["step-0000000003", "step-0000000008"]
+    assert not [n for n in os.listdir(tmp_path / "ckpts") if ".tmp-" in n]
+    opt.close()

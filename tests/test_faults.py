@@ -1,0 +1,402 @@
+"""Faults: I/O errors during steps, saves and loads; corrupt checkpoint files; crashes in the middle
+of a save; SIGKILL at random points of a training loop with periodic checkpoints.
+
+What must hold every time: a clear error (file, offset, errno), no half checkpoint that loads, the
+previous checkpoint intact, and an optimizer that refuses to step on state it could not read or
+write fully until a checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from offload import OffloadedAdamW, StateError
+from offload import checkpoint as ckpt
+from offload.aio import Engine
+
+SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
+SIZES = (10, 5000, 70_000, 300_001)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
+
+
+def train(opt, params, steps):
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def snapshot(params):
+    return [p.detach().clone() for p in params]
+
+
+def restore(params, values):
+    with torch.no_grad():
+        for p, v in zip(params, values):
+            p.copy_(v)
+
+
+def assert_same(a, b):
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert torch.equal(p, q), f"parameter {i} differs"
+
+
+def assert_same_state(a, b):
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i in a["state"]:
+        for k, v in a["state"][i].items():
+            assert torch.equal(v, b["state"][i][k]), f"parameter {i}: state {k!r} differs"
+
+
+@pytest.fixture
+def opt_and_params(tmp_path):
+    params = make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "nvme"), **SMALL)
+    yield opt, params
+    opt.close()
+
+
+def faulty_engines(monkeypatch, kind, **kw):
+    """Make the checkpoint code's engines arm a fault as they are created."""
+
+    def make(aio):
+        engine = Engine(aio)
+        engine.inject_fault(kind, **kw)
+        return engine
+
+    monkeypatch.setattr(ckpt, "_make_engine", make)
+
+
+def flip_bit(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+# -- faults during a step -------------------------------------------------------------------------
+
+
+def test_write_error_in_a_step_blocks_steps_and_saves_until_a_checkpoint_is_loaded(tmp_path, opt_and_params):
+    """An EIO while a step writes state names the swap file, offset and errno; the optimizer then
+    refuses to step or save, and loading the last checkpoint makes it continue exactly as a run
+    without the fault."""
+    opt, params = opt_and_params
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "c", extra=snapshot(params))
+    ref = make_params()
+    ref_opt = OffloadedAdamW(ref, lr=1e-2, nvme_path=str(tmp_path / "nvme"), **SMALL)
+    restore(ref, snapshot(params))
+    ckpt.load_checkpoint(ref_opt, tmp_path / "c")
+
+    opt.swap_space.inject_fault("error", op="write", skip=1, count=1, errno=errno.EIO)
+    with pytest.raises(OSError) as info:
+        train(opt, params, [2])
+    assert info.value.errno == errno.EIO
+    assert info.value.filename.endswith(".swap") and "offset" in str(info.value)
+    with pytest.raises(StateError, match="load_checkpoint"):
+        train(opt, params, [2])
+    with pytest.raises(StateError, match="not saving"):
+        ckpt.save_checkpoint(opt, tmp_path / "c")
+
+    restore(params, ckpt.load_checkpoint(opt, tmp_path / "c"))
+    train(opt, params, range(2, 4))
+    train(ref_opt, ref, range(2, 4))
+    assert_same(params, ref)
+    assert_same_state(opt.state_dict(), ref_opt.state_dict())
+    ref_opt.close()
+
+
+# -- faults while saving --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
+def test_write_error_while_saving_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch,
+                                                                      opt_and_params, err):
+    """EIO or ENOSPC on the checkpoint's data file: an OSError naming state.bin, the offset and the
+    errno; the previous checkpoint still loads with its own contents and nothing temporary is left."""
+    opt, params = opt_and_params
+    train(opt, params, range(1))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    before = ckpt.read_manifest(tmp_path / "c")
+    train(opt, params, range(1, 3))
+    faulty_engines(monkeypatch, "error", op="write", skip=3, count=1, errno=err)
+    with pytest.raises(OSError) as info:
+        ckpt.save_checkpoint(opt, tmp_path / "c")
+    assert info.value.errno == err
+    assert info.value.filename.endswith("state.bin") and "write at offset" in str(info.value)
+    assert sorted(os.listdir(tmp_path)) == ["c", "nvme"]
+    assert ckpt.verify_checkpoint(tmp_path / "c")["files"] == before["files"]
+    # The failed save did not disturb the optimizer: a later save works.
+    monkeypatch.undo()
+    train(opt, params, range(3, 4))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    assert ckpt.read_manifest(tmp_path / "c")["step"] == 4
+
+
+def test_short_writes_while_saving_are_completed(tmp_path, monkeypatch, opt_and_params):
+    """Writes that come back short are resubmitted for the rest: the checkpoint is whole and loads."""
+    opt, params = opt_and_params
+    train(opt, params, range(2))
+    faulty_engines(monkeypatch, "short", op="write", count=-1)
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    monkeypatch.undo()
+    ckpt.verify_checkpoint(tmp_path / "c")
+    expected = opt.state_dict()
+    ckpt.load_checkpoint(opt, tmp_path / "c")
+    assert_same_state(expected, opt.state_dict())
+
+
+def test_read_error_while_loading_blocks_steps_until_a_good_load(tmp_path, monkeypatch, opt_and_params):
+    """An EIO reading the checkpoint mid-load is reported with the file; the optimizer, whose state
+    is now partly overwritten, refuses to step until a load succeeds."""
+    opt, params = opt_and_params
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    faulty_engines(monkeypatch, "error", op="read", skip=2, count=1)
+    with pytest.raises(OSError) as info:
+        ckpt.load_checkpoint(opt, tmp_path / "c")
+    assert info.value.filename.endswith("state.bin") and info.value.errno == errno.EIO
+    with pytest.raises(StateError):
+        train(opt, params, [2])
+    monkeypatch.undo()
+    ckpt.load_checkpoint(opt, tmp_path / "c")
+    train(opt, params, [2])
+
+
+# -- corrupt files --------------------------------------------------------------------------------
+
+
+def test_a_flipped_bit_in_the_data_is_found_and_named(tmp_path, opt_and_params):
+    """One flipped bit in state.bin fails the load with the file, byte range and parameters it holds;
+    the optimizer then refuses to step until a good checkpoint is loaded."""
+    opt, params = opt_and_params
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "good")
+    ckpt.save_checkpoint(opt, tmp_path / "bad")
+    m = ckpt.read_manifest(tmp_path / "bad")
+    unit = m["units"][3]
+    flip_bit(tmp_path / "bad" / "state.bin", unit["offset"] + 1234)
+    end = unit["offset"] + unit["length"]
+    where = rf"state\.bin: bytes \[{unit['offset']}, {end}\) \(unit 3, state of parameter\(s\) 3\)"
+    with pytest.raises(ckpt.ChecksumError, match=where):
+        ckpt.load_checkpoint(opt, tmp_path / "bad")
+    with pytest.raises(StateError):
+        train(opt, params, [2])
+    with pytest.raises(ckpt.ChecksumError, match="unit 3"):
+        ckpt.verify_checkpoint(tmp_path / "bad")
+    ckpt.load_checkpoint(opt, tmp_path / "good")
+    train(opt, params, [2])
+
+
+@pytest.mark.parametrize("name", ["memory.pt", "extra.pt", "manifest.json"])
+def test_a_flipped_bit_in_a_small_file_is_found_before_anything_changes(tmp_path, opt_and_params, name):
+    """Corruption of the manifest, the in-memory state or the extra file is caught before the
+    optimizer is touched: it keeps its state and keeps stepping."""
+    opt, params = opt_and_params
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "c", extra={"params": snapshot(params)})
+    path = tmp_path / "c" / name
+    flip_bit(path, os.path.getsize(path) // 2)
+    before = opt.state_dict()
+    with pytest.raises(ckpt.CheckpointError, match=name.replace(".", r"\.") + "|manifest"):
+        ckpt.load_checkpoint(opt, tmp_path / "c")
+    assert_same_state(before, opt.state_dict())
+    train(opt, params, [2])
+
+
+def test_a_truncated_data_file_is_found(tmp_path, opt_and_params):
+    """A data file shorter than the manifest says (a lost tail) is refused with both sizes."""
+    opt, params = opt_and_params
+    train(opt, params, range(1))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    size = os.path.getsize(tmp_path / "c" / "state.bin")
+    os.truncate(tmp_path / "c" / "state.bin", size - 4096)
+    with pytest.raises(ckpt.ChecksumError, match=f"{size - 4096} bytes, the manifest says {size}"):
+        ckpt.load_checkpoint(opt, tmp_path / "c")
+    train(opt, params, [1])
+
+
+# -- crashes in the middle of a save ---------------------------------------------------------------
+
+
+class Crash(BaseException):
+    """Stands for the process dying: nothing after it runs, no clean-up either."""
+
+
+@pytest.mark.parametrize("point", ["before-exchange", "after-exchange", "aside-before-rename", "no-exchange-done"])
+def test_a_crash_at_any_commit_point_leaves_the_old_or_the_new_checkpoint(tmp_path, monkeypatch,
+                                                                         opt_and_params, point):
+    """Dying at each step of replacing a checkpoint leaves, under its name, either the old or the new
+    one complete (with or without renameat2's exchange), never a mix or nothing loadable."""
+    opt, params = opt_and_params
+    train(opt, params, range(1))
+    target = tmp_path / "c"
+    ckpt.save_checkpoint(opt, target)
+    train(opt, params, range(1, 3))
+    monkeypatch.setattr(ckpt._Staged, "abort", lambda self: None)  # a dead process cleans nothing
+    real_rename, real_exchange = ckpt._rename, ckpt._exchange
+    if point == "before-exchange":
+        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: (_ for _ in ()).throw(Crash()))
+        expected = 1
+    elif point == "after-exchange":
+        def exchange_then_die(a, b):
+            assert real_exchange(a, b)
+            raise Crash()
+        monkeypatch.setattr(ckpt, "_exchange", exchange_then_die)
+        expected = 3
+    else:
+        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        calls = []
+
+        def rename(src, dst):
+            calls.append(src)
+            if point == "aside-before-rename" and len(calls) == 2:
+                raise Crash()
+            real_rename(src, dst)
+            if point == "no-exchange-done" and len(calls) == 2:
+                raise Crash()
+        monkeypatch.setattr(ckpt, "_rename", rename)
+        expected = 1 if point == "aside-before-rename" else 3
+    with pytest.raises(Crash):
+        ckpt.save_checkpoint(opt, target)
+    monkeypatch.undo()
+    assert ckpt.verify_checkpoint(target)["step"] == expected
+    ckpt.load_checkpoint(opt, target)
+    # The next save cleans what the dead one left once its process is gone; here it is this very
+    # process, so only the checkpoint's own name is checked to be sound.
+    ckpt.save_checkpoint(opt, target)
+    assert ckpt.verify_checkpoint(target)["step"] == expected
+
+
+# -- SIGKILL during training with periodic checkpoints ---------------------------------------------
+
+LOOP = textwrap.dedent('''
+    """A small training loop with a checkpoint after every step, resumable from the latest."""
+    import torch
+
+    from offload import OffloadedAdamW
+    from offload.checkpoint import Retention, load_checkpoint
+
+    STEPS = 12
+
+    def run(root, nvme, stop=STEPS):
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 64))
+        opt = OffloadedAdamW(model.parameters(), lr=1e-2, nvme_path=nvme, buffer_size=256 * 1024,
+                             buffer_count=3, small_param_threshold=300)
+        keep = Retention(root, keep_last=2) if root else None
+        start = 0
+        if keep is not None and keep.latest() is not None:
+            extra = load_checkpoint(opt, keep.latest())
+            model.load_state_dict(extra["model"])
+            start = extra["step"]
+        for step in range(start, stop):
+            g = torch.Generator().manual_seed(1000 + step)
+            x, y = torch.randn(32, 64, generator=g), torch.randn(32, 64, generator=g)
+            loss = ((model(x) - y) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if keep is not None:
+                keep.save(opt, step + 1, extra={"model": model.state_dict(), "step": step + 1})
+        return model, opt
+''')
+
+ZYGOTE = textwrap.dedent('''
+    # Imports torch and warms up once, then forks one training run per request, so that each trial
+    # starts training at once and the kill lands somewhere in the loop.
+    import os, shutil, sys, time
+    sys.path.insert(0, sys.argv[1])
+    import loop
+    warm = os.path.join(sys.argv[1], "warm")
+    loop.run(warm, warm + "-nvme")[1].close()
+    shutil.rmtree(warm)
+    t0 = time.monotonic()
+    loop.run(warm, warm + "-nvme")[1].close()
+    print("ready", time.monotonic() - t0, flush=True)
+    for line in sys.stdin:
+        root, nvme = line.split()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                loop.run(root, nvme)
+            finally:
+                os._exit(0)
+        print(pid, flush=True)
+        sys.stdin.readline()  # reap only when told, so the pid cannot be reused before the kill
+        os.waitpid(pid, 0)
+        print("reaped", flush=True)
+''')
+
+
+def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_path):
+    """Training killed with SIGKILL at random moments (mid-step, mid-save, mid-commit) and resumed from
+    the latest checkpoint ends with the same parameters and optimizer state, bit for bit, as a run
+    that was never interrupted."""
+    (tmp_path / "loop.py").write_text(LOOP)
+    (tmp_path / "zygote.py").write_text(ZYGOTE)
+    spec = importlib.util.spec_from_file_location("ckpt_test_loop", tmp_path / "loop.py")
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+
+    threads = torch.get_num_threads()
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    zygote = subprocess.Popen([sys.executable, str(tmp_path / "zygote.py"), str(tmp_path)], cwd=REPO, env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        # The reference run, while the zygote imports torch.
+        ref_model, ref_opt = loop.run(None, str(tmp_path / "nvme-ref"))
+        word, seconds = zygote.stdout.readline().split()
+        assert word == "ready"
+        duration = float(seconds)  # of a whole run with its checkpoints: kills land across it
+        rng = random.Random(1234)
+        resumed_from = []
+        for trial in range(5):
+            root = tmp_path / f"trial{trial}"
+            zygote.stdin.write(f"{root} {tmp_path / f'nvme-kill{trial}'}\n")
+            zygote.stdin.flush()
+            pid = int(zygote.stdout.readline())
+            time.sleep(rng.uniform(0.0, 0.8 * duration))
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            zygote.stdin.write("reap\n")
+            zygote.stdin.flush()
+            assert zygote.stdout.readline().strip() == "reaped"
+            latest = ckpt.Retention(root).latest()
+            resumed_from.append(None if latest is None else os.path.basename(latest))
+            model, opt = loop.run(str(root), str(tmp_path / f"nvme-resume{trial}"))
+            for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+                assert torch.equal(p, q), f"trial {trial} (resumed from {latest}): {name} differs"
+            a, b = opt.state_dict(), ref_opt.state_dict()
+            for i in a["state"]:
+                for k in a["state"][i]:
+                    assert torch.equal(a["state"][i][k], b["state"][i][k]), f"trial {trial}: state {i}.{k}"
+            opt.close()
+        print("resumed from:", resumed_from)
+        ref_opt.close()
+    finally:
+        torch.set_num_threads(threads)
+        zygote.stdin.close()
+        zygote.wait(timeout=30)
