@@ -20,12 +20,11 @@ import os
 import threading
 import warnings
 import weakref
-from typing import NamedTuple, Sequence, Union
+from typing import Mapping, NamedTuple, Sequence, Union
 
 from ._native import BACKEND_NAMES, BACKENDS, HAVE_IO_URING, ffi, lib
 from .buffers import HostBuffer
-from .config import AioConfig
-from .errors import ConfigError
+from .config import AioConfig, Config
 
 READ = lib.OFL_OP_READ
 WRITE = lib.OFL_OP_WRITE
@@ -286,7 +285,7 @@ class Engine:
     """The native I/O engine.
 
     Args:
-        config: an :class:`AioConfig` (or ``None`` for the defaults).
+        config: an :class:`AioConfig`, an ``aio`` block as a mapping, or ``None`` for the defaults.
         **overrides: fields of ``AioConfig`` to change, e.g. ``backend="threads"``.
 
     Attributes:
@@ -299,11 +298,15 @@ class Engine:
         ValueError: a bad setting.
     """
 
-    def __init__(self, config: AioConfig | None = None, **overrides):
-        config = config or AioConfig()
+    def __init__(self, config: AioConfig | Mapping | None = None, **overrides):
+        # AioConfig validates itself (ConfigError naming every bad field); a mapping is read with the
+        # config loader's rules (human sizes, DeepSpeed's key names).
+        if config is None:
+            config = AioConfig()
+        elif isinstance(config, Mapping):
+            config = Config(aio=dict(config)).aio
         if overrides:
-            config = config.replace(**overrides)
-        _check_config(config)
+            config = Config(aio=config).replace(aio=overrides).aio
         self.config = config
         self._futures: weakref.WeakSet = weakref.WeakSet()
         self._lock = threading.Lock()
@@ -525,22 +528,3 @@ class Engine:
             raise ValueError(
                 f"{s.nbytes} bytes at offset {s.buffer_offset} overflow a buffer of {len(cdata)}")
         return int(ffi.cast("uintptr_t", cdata)) + s.buffer_offset, -1, (cdata, b)
-
-
-def _check_config(c: AioConfig) -> None:
-    """Raise ConfigError naming every bad setting at once."""
-    problems = []
-    if not isinstance(c.block_size, int) or c.block_size < 4096 or c.block_size % 4096:
-        problems.append(f"block_size must be a positive multiple of 4096, got {c.block_size!r}")
-    if not isinstance(c.queue_depth, int) or not 1 <= c.queue_depth <= 4096:
-        problems.append(f"queue_depth must be between 1 and 4096, got {c.queue_depth!r}")
-    if not isinstance(c.thread_count, int) or not 1 <= c.thread_count <= 64:
-        problems.append(f"thread_count must be between 1 and 64, got {c.thread_count!r}")
-    if c.backend not in BACKENDS:
-        problems.append(f"backend must be one of {sorted(BACKENDS)}, got {c.backend!r}")
-    if c.o_direct not in ("auto", True, False):
-        problems.append(f'o_direct must be "auto", true or false, got {c.o_direct!r}')
-    if c.use_gds:
-        problems.append("use_gds (GPUDirect Storage) is not supported; set it to false")
-    if problems:
-        raise ConfigError("bad aio settings: " + "; ".join(problems))
