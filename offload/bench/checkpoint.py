@@ -1,0 +1,240 @@
+"""``offload-bench checkpoint``: streaming checkpoint save/load against fio and torch.save/torch.load.
+
+# NOTE: the figures are GiB of optimizer state per second. Save moves state from the swap space to
+# the checkpoint directory (a read and a write per byte), load the other way, so where both live on
+# one drive the drive's bound is 1 / (1/read + 1/write) GiB/s, not fio's write or read alone; both
+# are reported. torch.save/torch.load write and read the same state materialised in memory (what
+# ``state_dict()`` gives), fsynced like ours, and the file's pages are dropped from the page cache
+# before torch.load so it reads the disk as ours does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from .. import checkpoint as ckpt
+from ..adam import OffloadedAdamW
+from ..config import load_config
+from ..units import format_size, parse_count
+from . import report
+from .cli import UsageError, add_path_option, bench_paths, check_free_space, positive_int_arg
+from .fio import Fio, FioError
+
+GIB = float(1 << 30)
+TENSOR_ELEMENTS = 4 << 20  # split the model into 4M-element tensors, like a stack of layers
+JSON_KEYS = ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s",
+             "fio_write_gib_s", "fio_read_gib_s")
+
+
+def add_parser(sub: argparse._SubParsersAction,
+               common: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Add the ``checkpoint`` subcommand; its ``run`` is :func:`run`."""
+    p = sub.add_parser(
+        "checkpoint", parents=[common] if common is not None else [],
+        help="checkpoint save/load GiB/s vs fio and torch.save/torch.load",
+        description="Build a model-sized OffloadedAdamW state, then time save_checkpoint and load_checkpoint "
+                    "next to fio write/read on the checkpoint path and torch.save/torch.load of the same state.",
+    )
+    p.add_argument("--params", type=_count_arg, default=256_000_000, metavar="N",
+                   help="number of fp32 parameters, e.g. 64M, 1G (default 256M; state is 8 bytes each)")
+    add_path_option(p)
+    p.add_argument("--ckpt-dir", metavar="DIR",
+                   help="where checkpoints are written (default: the first --path); a scratch "
+                        "subdirectory is made there and removed afterwards")
+    p.add_argument("--repeat", type=positive_int_arg(1, 20), default=2, metavar="N",
+                   help="saves and loads to time; the median is reported (default 2)")
+    p.add_argument("--config", metavar="FILE", help="a JSON config (ours or a DeepSpeed ds_config.json)")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch.save/torch.load comparison")
+    p.add_argument("--no-fio", action="store_true", help="skip fio")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.set_defaults(run=run)
+    return p
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add the ``checkpoint`` subcommand (the hook ``offload.bench.cli`` calls)."""
+    add_parser(sub, common)
+
+
+def _count_arg(text: str) -> int:
+    try:
+        n = parse_count(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"--params must be at least 1, got {text!r}")
+    return n
+
+
+def _make_model(n: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    sizes = [TENSOR_ELEMENTS] * (n // TENSOR_ELEMENTS) + ([n % TENSOR_ELEMENTS] if n % TENSOR_ELEMENTS else [])
+    params = []
+    for s in sizes:
+        p = torch.nn.Parameter(torch.randn(s, generator=g))
+        p.grad = torch.randn(s, generator=g)
+        params.append(p)
+    return params
+
+
+def _drop_cache(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def run(args: argparse.Namespace) -> int:
+    """``offload-bench checkpoint``; returns the exit code."""
+    try:
+        cfg = load_config(args.config)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--config: {err}") from err
+    if args.ckpt_dir is not None and not os.path.isdir(args.ckpt_dir):
+        raise UsageError(f"--ckpt-dir {args.ckpt_dir} is not a directory; create it first")
+    with bench_paths(args.paths) as paths:
+        cfg = cfg.replace(offload_optimizer=cfg.offload_optimizer.replace(nvme_path=tuple(paths)))
+        scratch = tempfile.mkdtemp(prefix="offload-bench-ckpt-", dir=args.ckpt_dir or paths[0])
+        try:
+            return _run(args, cfg, paths, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args, cfg, paths, scratch) -> int:
+    oc, aio = cfg.offload_optimizer, cfg.aio
+    machine = report.machine_info(sorted({*paths, scratch}))
+    report.print_header("checkpoint", machine, [
+        ("params", f"{args.params:,} fp32 in tensors of {TENSOR_ELEMENTS:,}"),
+        ("swap path(s)", ", ".join(paths)),
+        ("checkpoint dir", scratch),
+        ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}"),
+        ("aio", f"block size {format_size(aio.block_size)}, queue depth {aio.queue_depth}, "
+                f"{aio.thread_count} thread(s), backend {aio.backend}"),
+        ("repeat", str(args.repeat)),
+    ])
+    state_estimate = args.params * 8
+    check_free_space([scratch], 2 * state_estimate + (state_estimate if not args.no_torch else 0),
+                     "two checkpoints (and torch.save's copy)")
+
+    params = _make_model(args.params)
+    opt = OffloadedAdamW(params, lr=1e-3, config=cfg)
+    target = os.path.join(scratch, "ckpt")
+    try:
+        opt.step()  # creates the state
+        for p in params:
+            p.grad = None
+        gc.collect()
+        saves, loads = [], []
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            ckpt.save_checkpoint(opt, target)
+            saves.append(time.perf_counter() - t)
+        manifest = ckpt.read_manifest(target)
+        state_bytes = sum(f["bytes"] for f in manifest["files"].values())
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            ckpt.load_checkpoint(opt, target)
+            loads.append(time.perf_counter() - t)
+        backend = opt.swap_space.backend
+        sd = None if args.no_torch else opt.state_dict()
+    finally:
+        opt.close()
+    del opt, params
+    gc.collect()
+
+    torch_save = torch_load = None
+    if sd is not None:
+        path = os.path.join(scratch, "torch.pt")
+
+        def save():
+            with open(path, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())  # as durable as our checkpoint
+
+        torch_save = _timed(save)
+        del sd
+        gc.collect()
+        _drop_cache(path)
+        torch_load = _timed(lambda: torch.load(path, weights_only=True))
+        os.unlink(path)
+        gc.collect()
+    shutil.rmtree(target, ignore_errors=True)
+
+    fio_write = fio_read = None
+    if not args.no_fio:
+        try:
+            fio = Fio([scratch], max(aio.block_size, min(state_bytes, 4 << 30)), aio.block_size,
+                      aio.queue_depth, aio.thread_count)
+            try:
+                fio_write = fio.run("write").gib_s
+                fio_read = fio.run("read").gib_s
+            finally:
+                fio.cleanup()
+        except FioError as err:
+            print(f"fio skipped: {err}")
+
+    def rate(seconds):
+        return state_bytes / seconds / GIB if seconds else None
+
+    save_med, load_med = statistics.median(saves), statistics.median(loads)
+    same_drive = len({os.stat(p).st_dev for p in (*paths, scratch)}) == 1
+    copy_bound = 1 / (1 / fio_read + 1 / fio_write) if fio_read and fio_write else None
+    result: dict[str, Any] = {
+        "state_bytes": state_bytes,
+        "save_gib_s": rate(save_med),
+        "load_gib_s": rate(load_med),
+        "torch_save_gib_s": rate(torch_save),
+        "torch_load_gib_s": rate(torch_load),
+        "fio_write_gib_s": fio_write,
+        "fio_read_gib_s": fio_read,
+        "params": args.params,
+        "save_s_runs": saves,
+        "load_s_runs": loads,
+        "torch_save_s": torch_save,
+        "torch_load_s": torch_load,
+        "save_vs_fio_write": rate(save_med) / fio_write if fio_write else None,
+        "load_vs_fio_read": rate(load_med) / fio_read if fio_read else None,
+        "swap_and_checkpoint_on_one_drive": same_drive,
+        "copy_bound_gib_s": copy_bound if same_drive else None,
+        "backend": backend,
+        "config": {"buffer_count": oc.buffer_count, "buffer_size": oc.buffer_size,
+                   "block_size": aio.block_size, "queue_depth": aio.queue_depth},
+        "machine": machine,
+    }
+    rows = [
+        ["state", format_size(state_bytes), ""],
+        ["save_checkpoint", f"{report.fmt_gib(result['save_gib_s'])} GiB/s",
+         f"{result['save_vs_fio_write']:.2f}x fio write" if fio_write else ""],
+        ["load_checkpoint", f"{report.fmt_gib(result['load_gib_s'])} GiB/s",
+         f"{result['load_vs_fio_read']:.2f}x fio read" if fio_read else ""],
+        ["torch.save (+fsync)", f"{report.fmt_gib(result['torch_save_gib_s'])} GiB/s", "state in memory"],
+        ["torch.load (cold)", f"{report.fmt_gib(result['torch_load_gib_s'])} GiB/s", "state in memory"],
+        ["fio write / read", f"{report.fmt_gib(fio_write)} / {report.fmt_gib(fio_read)} GiB/s", ""],
+    ]
+    if same_drive and copy_bound:
+        rows.append(["copy bound, one drive", f"{report.fmt_gib(copy_bound)} GiB/s",
+                     f"save {result['save_gib_s'] / copy_bound:.2f}x, load {result['load_gib_s'] / copy_bound:.2f}x"])
+    print(report.table(["", "rate", "note"], rows))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
