@@ -216,3 +216,18 @@ def test_adam_rejects_a_bad_parameter_count(tmp_path):
     p = bench("adam", "--params", "lots", "--path", str(tmp_path))
     assert p.returncode == 2
     assert "lots" in p.stderr
+
+
+def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
+    """`checkpoint` on a tiny state writes the issue's JSON keys with positive rates, and cleans up."""
+    out = tmp_path / "ckpt.json"
+    nvme = tmp_path / "nvme"
+    p = bench("checkpoint", "--params", "1M", "--repeat", "1", "--no-fio", "--path", str(nvme),
+              "--json", str(out), timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    for key in ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s"):
+        assert r[key] > 0, key
+    assert {"fio_write_gib_s", "fio_read_gib_s"} <= r.keys()
+    assert r["state_bytes"] >= 8 * 1_000_000
+    assert not nvme.exists() or not os.listdir(nvme)

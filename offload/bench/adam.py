@@ -20,13 +20,13 @@ import torch
 
 from ..adam import OffloadedAdamW
 from ..config import load_config
-from ..units import format_size, parse_count
+from ..units import format_size
 from . import report
-from .cli import BenchFailure, UsageError, add_path_option, bench_paths, positive_int_arg
+from .cli import BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
 from .fio import Fio, FioError
+from .workload import TENSOR_ELEMENTS, synthetic_params
 
 GIB = float(1 << 30)
-TENSOR_ELEMENTS = 4 << 20  # split the model into 4M-element tensors, like a stack of layers
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         description="Build a model-sized set of parameters with random grads, time OffloadedAdamW steps and, "
                     "in the same run, torch.optim.AdamW(fused=True) on the same tensors and fio on the same path.",
     )
-    p.add_argument("--params", type=_count_arg, default=64_000_000, metavar="N",
+    p.add_argument("--params", type=count_arg, default=64_000_000, metavar="N",
                    help="number of parameters, e.g. 64M, 1.5G (default 64M)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="parameter dtype; bf16 keeps an fp32 master copy on disk (default fp32)")
@@ -50,14 +50,6 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.set_defaults(run=run_adam)
 
 
-def _count_arg(text: str) -> int:
-    try:
-        n = parse_count(text)
-    except (ValueError, TypeError) as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--params must be at least 1, got {text!r}")
-    return n
 
 
 def _rss_now() -> int:
@@ -81,15 +73,6 @@ def _reset_peak() -> None:
         f.write("5")  # resets VmHWM to the current RSS
 
 
-def _make_model(n: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(0)
-    sizes = [TENSOR_ELEMENTS] * (n // TENSOR_ELEMENTS) + ([n % TENSOR_ELEMENTS] if n % TENSOR_ELEMENTS else [])
-    params = []
-    for s in sizes:
-        p = torch.nn.Parameter(torch.randn(s, generator=g).to(dtype))
-        p.grad = torch.randn(s, generator=g).to(dtype)
-        params.append(p)
-    return params
 
 
 def _time_steps(opt, steps: int) -> list[float]:
@@ -120,7 +103,7 @@ def run_adam(args: argparse.Namespace) -> int:
                     f"{aio.thread_count} thread(s), backend {aio.backend}"),
         ])
 
-        params = _make_model(args.params, dtype)
+        params = synthetic_params(args.params, dtype)
         # Building any torch optimizer imports torch._dynamo once (about 70 MiB here): pay that before
         # the baseline so the peak measures optimizer state, for ours and torch's alike.
         torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])

@@ -24,13 +24,13 @@ import torch
 from .. import checkpoint as ckpt
 from ..adam import OffloadedAdamW
 from ..config import load_config
-from ..units import format_size, parse_count
+from ..units import format_size
 from . import report
-from .cli import UsageError, add_path_option, bench_paths, check_free_space, positive_int_arg
+from .cli import UsageError, add_path_option, bench_paths, check_free_space, count_arg, positive_int_arg
 from .fio import Fio, FioError
+from .workload import TENSOR_ELEMENTS, synthetic_params
 
 GIB = float(1 << 30)
-TENSOR_ELEMENTS = 4 << 20  # split the model into 4M-element tensors, like a stack of layers
 JSON_KEYS = ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s",
              "fio_write_gib_s", "fio_read_gib_s")
 
@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction,
         description="Build a model-sized OffloadedAdamW state, then time save_checkpoint and load_checkpoint "
                     "next to fio write/read on the checkpoint path and torch.save/torch.load of the same state.",
     )
-    p.add_argument("--params", type=_count_arg, default=256_000_000, metavar="N",
+    p.add_argument("--params", type=count_arg, default=256_000_000, metavar="N",
                    help="number of fp32 parameters, e.g. 64M, 1G (default 256M; state is 8 bytes each)")
     add_path_option(p)
     p.add_argument("--ckpt-dir", metavar="DIR",
@@ -65,25 +65,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     add_parser(sub, common)
 
 
-def _count_arg(text: str) -> int:
-    try:
-        n = parse_count(text)
-    except (ValueError, TypeError) as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"--params must be at least 1, got {text!r}")
-    return n
 
 
-def _make_model(n: int) -> list[torch.nn.Parameter]:
-    g = torch.Generator().manual_seed(0)
-    sizes = [TENSOR_ELEMENTS] * (n // TENSOR_ELEMENTS) + ([n % TENSOR_ELEMENTS] if n % TENSOR_ELEMENTS else [])
-    params = []
-    for s in sizes:
-        p = torch.nn.Parameter(torch.randn(s, generator=g))
-        p.grad = torch.randn(s, generator=g)
-        params.append(p)
-    return params
 
 
 def _drop_cache(path: str) -> None:
@@ -134,7 +117,7 @@ def _run(args, cfg, paths, scratch) -> int:
     check_free_space([scratch], 2 * state_estimate + (state_estimate if not args.no_torch else 0),
                      "two checkpoints (and torch.save's copy)")
 
-    params = _make_model(args.params)
+    params = synthetic_params(args.params)
     opt = OffloadedAdamW(params, lr=1e-3, config=cfg)
     target = os.path.join(scratch, "ckpt")
     try:

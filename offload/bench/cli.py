@@ -21,12 +21,12 @@ import traceback
 from typing import Callable, Iterator, Sequence
 
 from ..errors import OffloadError
-from ..units import format_size, parse_size
+from ..units import format_size, parse_count, parse_size
 
 PROG = "offload-bench"
 
 # Modules holding subcommands, in the order ``--help`` lists them.
-COMMANDS = ("offload.bench.io", "offload.bench.adam")
+COMMANDS = ("offload.bench.io", "offload.bench.adam", "offload.bench.checkpoint")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -81,6 +81,17 @@ def positive_int_arg(low: int = 1, high: int | None = None) -> Callable[[str], i
 
     parse.__name__ = "integer"  # argparse names the type in its messages
     return parse
+
+
+def count_arg(text: str) -> int:
+    """An argparse type: a positive count with decimal suffixes (``64M``, ``1.5G``, ``1e8``)."""
+    try:
+        n = parse_count(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"count must be at least 1, got {text!r}")
+    return n
 
 
 def list_arg(item: Callable[[str], int]) -> Callable[[str], list[int]]:
