@@ -12,6 +12,7 @@ from .aio import Engine
 from .buffers import BufferPool
 from .config import AioConfig, Config, load_config
 from .errors import ConfigError, OffloadError, PoolTooSmallError, StateError
+from .params import offload_parameters, restore_parameters
 from .space import SwapSpace
 
 __all__ = [
@@ -28,4 +29,6 @@ __all__ = [
     "SwapSpace",
     "__version__",
     "load_config",
+    "offload_parameters",
+    "restore_parameters",
 ]

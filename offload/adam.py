@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from typing import Any, Callable, Iterable, Optional
@@ -25,6 +26,7 @@ from .buffers import BufferPool
 from .config import Config, load_config
 from .errors import ConfigError, StateError
 from .layout import Layout, ParamSlot
+from .params.store import store_of
 from .space import SwapSpace
 from .swapper import Swapper
 
@@ -165,7 +167,10 @@ class OffloadedAdam(torch.optim.Adam):
             self._lay_out(self._offload_candidates(self.param_groups, restrict=set(late)))
         slots = [self._layout.slots[p] for p in offloaded]
 
-        self._step_in_memory(in_memory)
+        # Parameters whose weights live on NVMe (offload_parameters) are fetched for the update and
+        # written back after it; ordinary parameters are untouched by this.
+        with _resident([p for _, p in in_memory], dirty=True):
+            self._step_in_memory(in_memory)
         if slots:
             try:
                 self._step_offloaded(slots)
@@ -359,16 +364,32 @@ class OffloadedAdam(torch.optim.Adam):
         def needs_read(unit) -> bool:
             return any(c.slot.initialized for c in unit.chunks)
 
+        # Weights on NVMe (offload_parameters): a parameter is fetched at its first chunk and written
+        # back at its last, so about one unit's worth of them is resident at a time. With an fp32
+        # master copy already on disk the old weights are not read: the update rewrites all of them.
+        held: dict = {}
+
         def update(unit, buf) -> bool:
             by_group: dict[int, list] = {}
             for c in unit.chunks:
                 if id(c.slot) in active:
                     by_group.setdefault(id(c.slot.group), []).append(c)
+                    store = store_of(c.slot.param)
+                    if store is not None and c.slot not in held:
+                        store.fetch(c.slot.param, read=not ("master" in c.slot.keys and c.slot.initialized))
+                        held[c.slot] = store
             for chunks in by_group.values():
                 self._update_chunks(chunks, buf)
+            for c in unit.chunks:
+                if c.slot in held and c is c.slot.chunks[-1]:
+                    held.pop(c.slot).release(c.slot.param, dirty=True)
             return True
 
-        self._swapper.run(units, update, needs_read=needs_read)
+        try:
+            self._swapper.run(units, update, needs_read=needs_read)
+        finally:
+            for slot, store in held.items():
+                store.release(slot.param, dirty=True)
         for s in slots:
             s.initialized = True
             self.state[s.param]["step"] += 1
@@ -476,8 +497,11 @@ class OffloadedAdam(torch.optim.Adam):
             return True
 
         # Units also holding chunks of other initialized parameters must keep their bytes.
-        self._swapper.run(units, copy_in, needs_read=lambda u: any(
-            c.slot.initialized and c.slot not in by_slot for c in u.chunks))
+        # A master copy made from the weights needs them resident if they live on NVMe.
+        seeds = [s.param for s, e in by_slot.items() if "master" in s.keys and e.get("master") is None]
+        with _resident(seeds, dirty=False):
+            self._swapper.run(units, copy_in, needs_read=lambda u: any(
+                c.slot.initialized and c.slot not in by_slot for c in u.chunks))
         for slot in by_slot:
             slot.initialized = True
 
@@ -552,6 +576,22 @@ def _resolve_config(config, **overrides) -> Config:
     if not oc.nvme_path:
         raise ConfigError("nvme_path is required: pass nvme_path=... or set offload_optimizer.nvme_path")
     return cfg
+
+
+@contextlib.contextmanager
+def _resident(params, *, dirty: bool):
+    """Fetch the parameters among ``params`` whose weights are on NVMe; release them afterwards."""
+    held = []
+    try:
+        for p in params:
+            store = store_of(p)
+            if store is not None:
+                store.fetch(p)
+                held.append((store, p))
+        yield
+    finally:
+        for store, p in held:
+            store.release(p, dirty=dirty)
 
 
 def _check_param(p: torch.Tensor) -> None:

@@ -1,0 +1,206 @@
+"""``offload_parameters`` / ``restore_parameters``: a model's weights on NVMe, and back."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Mapping
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from ..config import Config, ParamOffloadConfig, load_config
+from ..errors import ConfigError
+from .hooks import Scheduler
+from .store import ParamStore
+
+__all__ = ["ParamOffload", "materialized", "offload_parameters", "offloaded", "restore_parameters"]
+
+_ATTR = "_nvme_offload_params"
+_BLOCK_KEYS = {f.name for f in ParamOffloadConfig.__dataclass_fields__.values()}
+
+
+class ParamOffload:
+    """What :func:`offload_parameters` attached to a model: its store and its hooks.
+
+    Attributes:
+        store: the :class:`offload.params.store.ParamStore` (I/O counters, ``resident_bytes``,
+            ``resident_bytes_max``, ``bytes_read``, ``bytes_written``, ``swap_space``).
+        scheduler: the hooks and the recorded execution order (``trace``, ``order_changes``).
+        config: the configuration in use.
+    """
+
+    def __init__(self, store: ParamStore, scheduler: Scheduler, config: Config):
+        self.store = store
+        self.scheduler = scheduler
+        self.config = config
+
+
+def offload_parameters(
+    model: nn.Module,
+    nvme_path=None,
+    config=None,
+    *,
+    max_in_cpu: Optional[int] = None,
+    prefetch: int = 2,
+    buffer_count: Optional[int] = None,
+    buffer_size: Optional[int] = None,
+    pin_memory: Optional[bool] = None,
+) -> nn.Module:
+    """Move ``model``'s parameters to NVMe; each submodule's are fetched for its forward and backward.
+
+    The model is changed in place and returned. Parameters keep their objects, shapes, dtypes, devices
+    and ``requires_grad``; between uses their storage is empty (zero bytes). Buffers stay in memory.
+    Move the model to its device before calling this (``model.to()`` afterwards is not supported).
+
+    Args:
+        model: the module whose parameters (all of them, recursively) are offloaded.
+        nvme_path: a directory, or a list of directories (one per drive, striped), for the swap file.
+        config: a path to a JSON file, a dict, a :class:`offload.config.Config` or a
+            :class:`offload.config.ParamOffloadConfig`; a whole DeepSpeed ``ds_config.json`` works (its
+            ``aio`` block and ``zero_optimization.offload_param`` are used). A dict holding only
+            ``offload_param`` keys is read as that block.
+        max_in_cpu: parameter elements kept in host memory instead of on NVMe (smallest parameters
+            first). On a CPU model they simply stay in place; on a GPU model a host copy is kept and
+            copied to the device on each fetch. Default: the config's (1e9, as in DeepSpeed).
+        prefetch: how many upcoming submodules (in the order recorded on the first call) to read ahead.
+        buffer_count, buffer_size, pin_memory: override the config's ``offload_param`` settings
+            (``buffer_size`` in elements).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+        ConfigError: no ``nvme_path``, or a bad setting.
+        ValueError: the model is offloaded already, its parameters are on several devices or on the meta
+            device, or two parameters share storage.
+        OSError: the swap file cannot be created or the disk cannot hold the parameters.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload_parameters expects a torch.nn.Module, got {type(model).__name__}")
+    if getattr(model, _ATTR, None) is not None:
+        raise ValueError("this model's parameters are offloaded already; call restore_parameters(model) first")
+    if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+        raise ValueError(f"prefetch must be a non-negative number of submodules, got {prefetch!r}")
+    cfg = _resolve_config(config, nvme_path=nvme_path, max_in_cpu=max_in_cpu, buffer_count=buffer_count,
+                          buffer_size=buffer_size, pin_memory=pin_memory)
+    params = _check_params(model)
+    store = ParamStore(params, cfg, name="params")
+    try:
+        scheduler = Scheduler(model, store, prefetch)
+    except BaseException:
+        store.restore()
+        raise
+    setattr(model, _ATTR, ParamOffload(store, scheduler, cfg))
+    return model
+
+
+def restore_parameters(model: nn.Module) -> nn.Module:
+    """Undo :func:`offload_parameters`: every weight back in memory, hooks removed, swap file deleted.
+
+    Returns:
+        ``model``, with ordinary parameters holding their latest values.
+
+    Raises:
+        ValueError: the model's parameters are not offloaded.
+    """
+    state = offloaded(model)
+    if state is None:
+        raise ValueError("this model's parameters are not offloaded (offload_parameters was not called on it)")
+    state.scheduler.remove()
+    state.store.restore()
+    delattr(model, _ATTR)
+    return model
+
+
+def offloaded(model: nn.Module) -> Optional[ParamOffload]:
+    """The :class:`ParamOffload` of an offloaded model, or ``None``."""
+    return getattr(model, _ATTR, None)
+
+
+@contextlib.contextmanager
+def materialized(model: nn.Module, *, modified: bool = False) -> Iterator[nn.Module]:
+    """Hold every offloaded parameter of ``model`` in memory for the ``with`` block.
+
+    Use it to read or change weights outside forward/backward (printing a weight, custom init, EMA).
+    Needs memory for the whole model. With ``modified=True`` the parameters are written back to NVMe
+    afterwards (change them in place, under ``torch.no_grad()``).
+
+    Touching a released parameter's data outside this block or a forward/backward is not allowed
+    (its storage is empty, as with FSDP).
+    """
+    state = offloaded(model)
+    if state is None:
+        yield model
+        return
+    store = state.store
+    held = []
+    try:
+        for p in list(store.records):
+            store.fetch(p)
+            held.append(p)
+        yield model
+    finally:
+        for p in held:
+            store.release(p, dirty=modified)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _resolve_config(config, **overrides) -> Config:
+    if isinstance(config, ParamOffloadConfig):
+        cfg = Config(offload_param=config)
+    elif isinstance(config, Mapping) and config and set(config) <= _BLOCK_KEYS:
+        cfg = Config(offload_param=dict(config))
+    else:
+        cfg = load_config(config)
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    path = changes.get("nvme_path")
+    if isinstance(path, os.PathLike):
+        changes["nvme_path"] = os.fspath(path)
+    elif isinstance(path, (list, tuple)):
+        changes["nvme_path"] = [os.fspath(x) if isinstance(x, os.PathLike) else x for x in path]
+    if changes:
+        cfg = cfg.replace(offload_param=changes)
+    pc = cfg.offload_param
+    if pc.device != "nvme":
+        raise ConfigError(
+            f'offload_param.device is "{pc.device}"; offload_parameters keeps parameters on NVMe only. '
+            'Set it to "nvme" (or leave the model as it is to keep parameters in memory).'
+        )
+    if not pc.nvme_path:
+        raise ConfigError("nvme_path is required: pass nvme_path=... or set offload_param.nvme_path")
+    return cfg
+
+
+def _check_params(model: nn.Module) -> list[torch.Tensor]:
+    params = [p for p in model.parameters() if p.numel() > 0]
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
+            "move the model to one device before offloading its parameters"
+        )
+    if any(d.type == "meta" for d in devices):
+        raise ValueError("the model's parameters are on the meta device; materialise them before offloading")
+    owners: dict = {}
+    for p in params:
+        if p.is_sparse:
+            raise ValueError(f"sparse parameter of shape {tuple(p.shape)} cannot be offloaded")
+        st = p.untyped_storage()
+        key = (st.device, st.data_ptr())
+        if key in owners:
+            raise ValueError(
+                f"two parameters (shapes {tuple(owners[key].shape)} and {tuple(p.shape)}) share storage; "
+                "give each its own (p.data = p.data.clone()) or tie them as one Parameter object"
+            )
+        owners[key] = p
+        if (not p.is_contiguous() or p.storage_offset() != 0
+                or st.nbytes() != p.numel() * p.element_size()):
+            # Our bytes move as one flat block: give the parameter a storage of exactly its own.
+            with torch.no_grad():
+                p.data = p.data.clone(memory_format=torch.contiguous_format)
+    return params

@@ -1,0 +1,217 @@
+"""Module hooks that fetch a submodule's parameters around its forward and backward, and prefetch.
+
+# NOTE: residency is counted per parameter by the store: every fetch is one user, every release one
+# fewer, and the storage is freed when none is left. Forward: a pre-hook fetches the module's own
+# parameters (``recurse=False``), a post-hook releases them. Backward: the post-hook also puts a
+# tensor hook on each output that requires grad; the first of them to fire (before the module's own
+# backward nodes run, since it fires when the output's grad is complete) fetches the parameters again
+# and holds them in ``_held`` (a set, so a module called twice holds them once). Each parameter is
+# released by its post-accumulate-grad hook, which fires once per backward after every node that
+# produces its grad (the nodes that read it) has run. An end-of-backward callback releases whatever is
+# still held (frozen parameters, ``autograd.grad`` that accumulates nothing).
+#
+# Prefetch: the sequence of fetch events (module, forward or backward) between two calls of the root
+# module is recorded once; afterwards each event that matches the recording issues reads for the
+# parameters of the next ``prefetch`` events. An event that does not match stops prefetching and
+# starts a new recording from there, used from the next root call on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .store import ParamStore
+
+FORWARD, BACKWARD = 0, 1
+
+
+def own_params(module: nn.Module) -> list[torch.Tensor]:
+    """The module's own parameters (not its children's), without duplicates."""
+    out, seen = [], set()
+    for p in module._parameters.values():
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
+
+
+def _tensors(value: Any, out: list) -> list:
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors(v, out)
+    return out
+
+
+class Scheduler:
+    """Installs the hooks on ``root``'s submodules and runs the prefetch recording.
+
+    Args:
+        root: the model.
+        store: the store holding every parameter of ``root`` that is offloaded.
+        prefetch: how many upcoming fetch events to read ahead for (0: none).
+    """
+
+    def __init__(self, root: nn.Module, store: ParamStore, prefetch: int):
+        self.root = root
+        self.store = store
+        self.prefetch = prefetch
+        self.modules: list[nn.Module] = []
+        self.params: list[list[torch.Tensor]] = []
+        self._handles: list = []
+        self._held: set = set()
+        self._calls: dict[int, list] = {}
+        self._callback_queued = False
+        self.trace: list[tuple[int, int]] = []
+        self._recording: list[tuple[int, int]] = []
+        self._pos = 0
+        self._following = False
+        self.order_changes = 0
+
+        self._handles.append(root.register_forward_pre_hook(self._on_root_call, prepend=True))
+        for module in root.modules():
+            mine = [p for p in own_params(module) if p in store.records]
+            index = len(self.modules)
+            self.modules.append(module)
+            self.params.append(mine)
+            if mine:
+                self._handles.append(module.register_forward_pre_hook(self._pre_forward(index)))
+                self._handles.append(module.register_forward_hook(self._post_forward(index), always_call=True))
+            # Every module: state_dict() and load_state_dict() must see weights, one module at a time.
+            # (torch marks its hooks with an attribute, which bound methods cannot take: wrap them.)
+            self._handles.append(module.register_state_dict_post_hook(
+                lambda *a: self._state_dict_hook(*a)))
+            self._handles.append(module.register_load_state_dict_pre_hook(
+                lambda *a: self._load_pre_hook(*a)))
+            self._handles.append(module.register_load_state_dict_post_hook(
+                lambda *a: self._load_post_hook(*a)))
+        for p in store.records:
+            if p.requires_grad:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def remove(self) -> None:
+        """Take every hook off and release what the backward still holds."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self._release_held()
+
+    # -- order and prefetch -------------------------------------------------------------------
+
+    def _on_root_call(self, module, args) -> None:
+        if self._following and self._pos != len(self.trace):
+            self._following = False  # the last call stopped early: the order changed
+            self.order_changes += 1
+            self._recording = self.trace[:self._pos]
+        if not self._following and self._recording:
+            self.trace = self._recording
+        self._recording = []
+        self._pos = 0
+        self._following = bool(self.trace)
+        if self._following:
+            self._prefetch_from(0)
+
+    def _event(self, key: tuple[int, int]) -> None:
+        if self._following:
+            if self._pos < len(self.trace) and self.trace[self._pos] == key:
+                self._pos += 1
+                self._prefetch_from(self._pos)
+                return
+            # Not the recorded order: fetch on demand and record the new order from here.
+            self._following = False
+            self.order_changes += 1
+            self._recording = self.trace[:self._pos]
+        self._recording.append(key)
+
+    def _prefetch_from(self, pos: int) -> None:
+        for index, _ in self.trace[pos:pos + self.prefetch]:
+            for p in self.params[index]:
+                self.store.prefetch(p)
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _pre_forward(self, index: int):
+        def hook(module, args):
+            self._event((index, FORWARD))
+            # What this call fetched, for its post-hook, which also runs when a fetch here fails.
+            fetched: list = []
+            self._calls.setdefault(index, []).append(fetched)
+            for p in self.params[index]:
+                self.store.fetch(p)
+                fetched.append(p)
+        return hook
+
+    def _post_forward(self, index: int):
+        def hook(module, args, output):
+            stack = self._calls.get(index)
+            for p in stack.pop() if stack else ():
+                self.store.release(p)
+            if torch.is_grad_enabled():
+                outs = [t for t in _tensors(output, []) if t.requires_grad]
+                if outs:
+                    fired = [False]
+                    for t in outs:
+                        t.register_hook(self._before_backward(index, fired))
+        return hook
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _before_backward(self, index: int, fired: list):
+        def hook(grad):
+            if fired[0]:
+                return None
+            fired[0] = True
+            self._event((index, BACKWARD))
+            for p in self.params[index]:
+                if p not in self._held:
+                    self.store.fetch(p)
+                    self._held.add(p)
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            return None
+        return hook
+
+    def _on_grad_accumulated(self, p: torch.Tensor) -> None:
+        if p in self._held:
+            self._held.discard(p)
+            self.store.release(p)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._release_held()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, set()
+        for p in held:
+            self.store.release(p)
+
+    # -- state dicts ----------------------------------------------------------------------------
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
+        for name, p in module._parameters.items():
+            key = prefix + name
+            if p is None or p not in self.store.records or state_dict.get(key) is p:
+                continue  # keep_vars=True hands out the Parameter itself
+            self.store.fetch(p)
+            try:
+                state_dict[key] = p.detach().clone()
+            finally:
+                self.store.release(p)
+
+    def _load_pre_hook(self, module, state_dict, prefix, *args) -> None:
+        for p in own_params(module):
+            if p in self.store.records:
+                self.store.fetch(p)
+
+    def _load_post_hook(self, module, incompatible_keys) -> None:
+        for p in own_params(module):
+            if p in self.store.records:
+                self.store.release(p, dirty=True)

@@ -1,0 +1,427 @@
+"""Parameter offload: training and inference parity with the in-memory model, hooks, prefetch, undo, errors.
+
+Pools are tiny (a few 8 KiB buffers) so that every weight is larger than the pool and moves in pieces,
+and max_in_cpu is 0 unless a test is about the host cache, so that every weight goes through the disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from offload import ConfigError, OffloadedAdamW, offload_parameters, restore_parameters
+from offload.params import materialized, offloaded, store_of
+
+TINY = dict(max_in_cpu=0, buffer_count=3, buffer_size=2048)
+OPT = dict(lr=1e-2, buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
+
+
+@pytest.fixture
+def nvme(tmp_path):
+    path = tmp_path / "nvme"
+    yield str(path)
+    leftovers = [f for f in os.listdir(path) if f.endswith(".swap")] if path.exists() else []
+    assert not leftovers, f"swap files left behind: {leftovers}"
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class Net(nn.Module):
+    """Blocks plus a head with an 8-element bias (below the optimizer's small-parameter threshold)."""
+
+    def __init__(self, d=32, h=128, layers=4, ckpt=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(layers))
+        self.head = nn.Linear(d, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.ckpt = ckpt
+        self.order = None
+
+    def forward(self, x):
+        order = self.order or range(len(self.blocks))
+        for i in order:
+            b = self.blocks[i]
+            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+        return self.head(x) * self.scale
+
+
+def make_pair(seed=0, dtype=torch.float32, **kw):
+    torch.manual_seed(seed)
+    ref = Net(**kw).to(dtype)
+    return ref, copy.deepcopy(ref)
+
+
+def batch(step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 32, generator=g).to(dtype), torch.randn(16, 8, generator=g).to(dtype)
+
+
+def loss_of(model, step, dtype=torch.float32):
+    x, y = batch(step, dtype)
+    return (model(x) - y).float().square().mean()
+
+
+def assert_same_weights(a, b):
+    with materialized(b):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p, q), f"{name} differs"
+
+
+def train_side_by_side(ref, off, nvme, steps=4, dtype=torch.float32, micro=1, before_step=None):
+    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
+    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    try:
+        for step in range(steps):
+            if before_step:
+                before_step(step, ref, off)
+            for m in range(micro):
+                la, lb = loss_of(ref, step * micro + m, dtype), loss_of(off, step * micro + m, dtype)
+                assert torch.equal(la, lb), f"step {step}: loss {la.item()} != {lb.item()}"
+                la.backward()
+                lb.backward()
+            for p, q in zip(ref.parameters(), off.parameters()):
+                assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+            opt_ref.step()
+            opt_off.step()
+            opt_ref.zero_grad()
+            opt_off.zero_grad()
+        assert_same_weights(ref, off)
+    finally:
+        opt_ref.close()
+        opt_off.close()
+
+
+def model_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# -- training and inference parity ----------------------------------------------------------------
+
+
+def test_training_matches_in_memory_model_bitwise(nvme):
+    """A model far larger than the pool trains to the same losses, grads and weights, bit for bit."""
+    ref, off = make_pair()
+    offload_parameters(off, nvme, **TINY)
+    store = offloaded(off).store
+    assert model_bytes(off) > 4 * store.pool.nbytes
+    assert store.resident_bytes == 0
+    train_side_by_side(ref, off, nvme, steps=5)
+    assert store.bytes_read > 0 and store.bytes_written > model_bytes(off)
+    restore_parameters(off)
+
+
+def test_training_matches_torch_fused_adamw(nvme):
+    """OffloadedAdamW over offloaded weights equals torch.optim.AdamW(fused=True) over in-memory ones."""
+    ref, off = make_pair(seed=1)
+    offload_parameters(off, nvme, **TINY)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    for step in range(4):
+        for model, opt in ((ref, opt_ref), (off, opt_off)):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(ref, off)
+    opt_off.close()
+    restore_parameters(off)
+
+
+def test_bf16_training_writes_weights_from_the_fp32_master(nvme):
+    """bf16 weights on NVMe, updated from the fp32 master copy, match the in-memory bf16 model bitwise."""
+    ref, off = make_pair(seed=2, dtype=torch.bfloat16)
+    offload_parameters(off, nvme, **TINY)
+    train_side_by_side(ref, off, nvme, steps=3, dtype=torch.bfloat16)
+    restore_parameters(off)
+
+
+def test_gradient_accumulation_over_micro_batches(nvme):
+    """Two forward/backward passes per step accumulate the same grads as the in-memory model."""
+    ref, off = make_pair(seed=3)
+    offload_parameters(off, nvme, **TINY)
+    train_side_by_side(ref, off, nvme, steps=2, micro=2)
+    restore_parameters(off)
+
+
+def test_inference_output_is_identical(nvme):
+    """model.eval() under torch.no_grad() gives the same output, and no parameter stays resident."""
+    ref, off = make_pair(seed=4)
+    offload_parameters(off, nvme, **TINY)
+    ref.eval()
+    off.eval()
+    with torch.no_grad():
+        for step in range(3):
+            x, _ = batch(step)
+            assert torch.equal(ref(x), off(x))
+    assert offloaded(off).store.resident_bytes == 0
+    restore_parameters(off)
+
+
+# -- execution order and prefetch --------------------------------------------------------------------
+
+
+def test_changed_execution_order_falls_back_and_rerecords(nvme):
+    """Reordering blocks between steps keeps results exact, is detected, re-recorded and prefetched again."""
+    ref, off = make_pair(seed=5)
+    offload_parameters(off, nvme, **TINY)
+    sched, store = offloaded(off).scheduler, offloaded(off).store
+    orders = [None, None, [3, 1, 0, 2], [3, 1, 0, 2], [2, 0], None]
+
+    def reorder(step, a, b):
+        a.order = b.order = orders[step]
+
+    train_side_by_side(ref, off, nvme, steps=len(orders), before_step=reorder)
+    assert sched.order_changes >= 3
+    assert store.prefetch_hits > 0
+    restore_parameters(off)
+
+
+def test_prefetch_uses_the_recorded_order(nvme):
+    """From the second step on, fetches find their reads already issued (prefetch hits)."""
+    _, off = make_pair(seed=6)
+    offload_parameters(off, nvme, max_in_cpu=0, buffer_count=4, buffer_size=8192, prefetch=3)
+    store = offloaded(off).store
+    loss_of(off, 0).backward()
+    assert store.prefetch_hits == 0
+    loss_of(off, 1).backward()
+    assert store.prefetch_hits > 0
+    restore_parameters(off)
+
+
+# -- sharing, reuse, checkpointing ---------------------------------------------------------------------
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.mid = nn.Linear(32, 32)
+        self.lm_head = nn.Linear(32, 64, bias=False)
+        self.lm_head.weight = self.embed.weight  # the same Parameter in two modules
+
+    def forward(self, idx):
+        h = self.embed(idx)
+        h = self.mid(torch.tanh(self.mid(h)))  # a submodule called twice in one forward
+        return self.lm_head(h)
+
+
+def test_tied_weights_and_a_submodule_called_twice(nvme):
+    """A Parameter shared by two modules is fetched once and released when unused; reuse is exact."""
+    torch.manual_seed(7)
+    ref = Tied()
+    off = copy.deepcopy(ref)
+    offload_parameters(off, nvme, **TINY)
+    store = offloaded(off).store
+    n_records = len(store.records)
+    assert n_records == 3  # the embed/lm_head weight once, mid's weight and bias
+    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
+    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    idx = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        for model, opt in ((ref, opt_ref), (off, opt_off)):
+            nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(store.users(p) == 0 for p in store.records)
+        assert store.resident_bytes == 0
+    assert off.lm_head.weight is off.embed.weight
+    assert_same_weights(ref, off)
+    opt_ref.close()
+    opt_off.close()
+    restore_parameters(off)
+
+
+def test_activation_checkpointing_recomputes_with_fetched_weights(nvme):
+    """torch.utils.checkpoint (use_reentrant=False) over offloaded blocks gives the in-memory grads."""
+    ref, off = make_pair(seed=8, ckpt=True)
+    offload_parameters(off, nvme, **TINY)
+    train_side_by_side(ref, off, nvme, steps=3)
+    assert offloaded(off).store.resident_bytes == 0
+    restore_parameters(off)
+
+
+def test_resident_parameter_bytes_stay_bounded(nvme):
+    """Over forward, backward and the step, resident weights stay near one block's, not the model's."""
+    torch.manual_seed(9)
+    off = Net(layers=8)
+    offload_parameters(off, nvme, **TINY)
+    store = offloaded(off).store
+    unit = 32 * 1024  # the optimizer's unit: 4096 fp32 weights' state (exp_avg, exp_avg_sq)
+    opt = OffloadedAdamW(off.parameters(), nvme_path=nvme, **{**OPT, "buffer_size": unit})
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in off.modules())
+    for step in range(2):
+        loss_of(off, step).backward()
+        assert store.resident_bytes_max <= 2 * largest  # forward and backward: about one module
+        opt.step()
+        opt.zero_grad()
+    # The step holds the weights of the optimizer unit in hand (one parameter may span several units).
+    assert store.resident_bytes_max <= 2 * largest + unit // 2
+    assert store.resident_bytes_max < model_bytes(off) / 4
+    assert store.resident_bytes == 0
+    opt.close()
+    restore_parameters(off)
+
+
+# -- what users see ---------------------------------------------------------------------------------
+
+
+def test_released_parameters_keep_their_metadata(nvme):
+    """Printing the model, shapes, dtypes, requires_grad and named_parameters work while weights are out."""
+    ref, off = make_pair(seed=10)
+    off.blocks[0].up.weight.requires_grad_(False)
+    before = [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in off.named_parameters()]
+    offload_parameters(off, nvme, **TINY)
+    assert repr(off) == repr(ref)
+    assert [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in off.named_parameters()] == before
+    assert all(p.untyped_storage().nbytes() == 0 for p in off.parameters())
+    assert torch.equal(off.scale, ref.scale)  # buffers stay in memory
+    restore_parameters(off)
+
+
+def test_state_dict_and_load_state_dict_materialise_one_module_at_a_time(nvme):
+    """state_dict() holds real copies of the weights; load_state_dict() writes new weights to NVMe."""
+    ref, off = make_pair(seed=11)
+    offload_parameters(off, nvme, **TINY)
+    store = offloaded(off).store
+    sd = off.state_dict()
+    for key, value in ref.state_dict().items():
+        assert torch.equal(sd[key], value), key
+    assert store.resident_bytes == 0
+    other = Net()
+    off.load_state_dict(other.state_dict())
+    assert store.resident_bytes == 0
+    x, _ = batch(0)
+    with torch.no_grad():
+        assert torch.equal(off(x), other(x))
+    restore_parameters(off)
+
+
+def test_restore_brings_back_identical_weights_and_removes_swap_files(nvme):
+    """restore_parameters gives ordinary parameters with the latest values, no hooks and no swap file."""
+    ref, off = make_pair(seed=12)
+    offload_parameters(off, nvme, **TINY)
+    files = offloaded(off).store.space.files
+    assert all(os.path.exists(f) for f in files)
+    train_side_by_side(ref, off, nvme, steps=2)
+    params = list(off.parameters())
+    assert restore_parameters(off) is off
+    assert not any(os.path.exists(f) for f in files)
+    assert offloaded(off) is None and all(store_of(p) is None for p in params)
+    assert list(off.parameters()) == params  # the same Parameter objects
+    for p, q in zip(ref.parameters(), off.parameters()):
+        assert torch.equal(p, q)
+    assert not off._forward_pre_hooks and not off.blocks[0].up._forward_hooks
+    x, _ = batch(0)
+    assert torch.equal(ref(x), off(x))
+    offload_parameters(off, nvme, **TINY)  # and it can be offloaded again
+    restore_parameters(off)
+
+
+def test_host_cache_keeps_small_parameters_off_the_disk(nvme):
+    """With max_in_cpu, the smallest parameters stay in memory and are never read from the swap space."""
+    ref, off = make_pair(seed=13)
+    biases = sum(m.bias.numel() for m in off.modules() if isinstance(m, (nn.Linear, nn.LayerNorm)))
+    norms = sum(m.weight.numel() for m in off.modules() if isinstance(m, nn.LayerNorm))
+    offload_parameters(off, nvme, max_in_cpu=biases + norms, buffer_count=3, buffer_size=2048)
+    store = offloaded(off).store
+    assert all(p.dim() == 2 for p in store.records)  # only the weight matrices are on NVMe
+    assert all(store_of(m.bias) is None for m in off.modules() if isinstance(m, nn.Linear))
+    train_side_by_side(ref, off, nvme, steps=2)
+    restore_parameters(off)
+
+
+def test_a_read_error_surfaces_as_oserror_naming_the_swap_file(nvme):
+    """A failed read during a forward raises OSError with the swap file's path; the pool stays usable."""
+    _, off = make_pair(seed=14)
+    offload_parameters(off, nvme, **TINY)
+    store = offloaded(off).store
+    store.space.inject_fault("error", op="read")
+    with pytest.raises(OSError) as info:
+        loss_of(off, 0)
+    assert info.value.filename in store.space.files
+    store.space.inject_fault("none")
+    loss_of(off, 0).backward()
+    restore_parameters(off)
+
+
+def test_bad_input_gives_clear_errors(tmp_path, nvme):
+    """No path, a non-module, a missing parent directory, offloading twice and undoing nothing are named."""
+    with pytest.raises(ConfigError, match="nvme_path is required"):
+        offload_parameters(nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        offload_parameters([nn.Parameter(torch.zeros(3))], nvme)
+    with pytest.raises(FileNotFoundError):
+        offload_parameters(nn.Linear(2, 2), str(tmp_path / "no" / "such" / "dir"))
+    with pytest.raises(ValueError, match="prefetch"):
+        offload_parameters(nn.Linear(2, 2), nvme, prefetch=-1)
+    with pytest.raises(ValueError, match="not offloaded"):
+        restore_parameters(nn.Linear(2, 2))
+    m = offload_parameters(nn.Linear(2, 2), nvme)
+    with pytest.raises(ValueError, match="offloaded already"):
+        offload_parameters(m, nvme)
+    restore_parameters(m)
+
+
+def test_config_block_and_deepspeed_layout_are_accepted(nvme):
+    """A bare offload_param dict and a ds_config-style document both configure the pool."""
+    m = offload_parameters(nn.Linear(64, 64), config={"nvme_path": nvme, "buffer_count": 4,
+                                                      "buffer_size": 1024, "max_in_cpu": 0})
+    assert len(offloaded(m).store.pool) == 4 and offloaded(m).store.pool.buffer_size == 4096
+    restore_parameters(m)
+    ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme,
+                                                              "buffer_count": 6, "max_in_cpu": 0}}}
+    m = offload_parameters(nn.Linear(64, 64), config=ds, buffer_size=1000)
+    assert len(offloaded(m).store.pool) == 6
+    restore_parameters(m)
+
+
+# -- CUDA ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pin", [False, True])
+def test_cuda_training_matches_in_memory_model(nvme, pin):
+    """On a GPU, weights come through the (pinned) pool into device memory; training matches bitwise."""
+    ref, off = make_pair(seed=15)
+    ref, off = ref.cuda(), off.cuda()
+    offload_parameters(off, nvme, max_in_cpu=0, buffer_count=3, buffer_size=2048, pin_memory=pin)
+    assert all(p.is_cuda for p in off.parameters())
+    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
+    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    for step in range(3):
+        for model, opt in ((ref, opt_ref), (off, opt_off)):
+            x, y = (t.cuda() for t in batch(step))
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_same_weights(ref, off)
+    opt_ref.close()
+    opt_off.close()
+    restore_parameters(off)
+
+
+@pytest.mark.gpu
+def test_cuda_host_cache_and_inference(nvme):
+    """A GPU model with its small parameters in the host cache infers exactly like the in-memory one."""
+    ref, off = make_pair(seed=16)
+    ref, off = ref.cuda().eval(), off.cuda().eval()
+    offload_parameters(off, nvme, max_in_cpu=2000, buffer_count=3, buffer_size=2048)
+    assert offloaded(off).store.host_cache_bytes > 0
+    with torch.no_grad():
+        x = batch(0)[0].cuda()
+        assert torch.equal(ref(x), off(x))
+    assert offloaded(off).store.cache_hits > 0
+    restore_parameters(off)
