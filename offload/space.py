@@ -37,6 +37,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence, Union
 
+from ._proc import pid_alive
 from .aio import DEFAULT_ALIGNMENT, READ, WRITE, AioFile, Engine, FutureGroup, Segment
 from .buffers import HostBuffer
 from .config import AioConfig
@@ -540,7 +541,7 @@ class SwapSpace:
                     continue  # held by a live space (or flock unsupported: cannot tell, so not stale)
                 age = time.time() - os.fstat(fd).st_ctime
                 if age < _STALE_MIN_AGE_S and (m["host"] != re.sub(r"[^A-Za-z0-9.\-]", "", host)
-                                               or _pid_alive(int(m["pid"]))):
+                                               or pid_alive(int(m["pid"]))):
                     continue
                 stale.append(full)
             finally:
@@ -662,16 +663,6 @@ def _check_paths(paths: PathsLike) -> list[str]:
                              "directory once (one per drive)")
         seen[key] = p
     return paths
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _allocated(path: str) -> int:
