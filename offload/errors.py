@@ -23,3 +23,11 @@ class StateError(OffloadError, RuntimeError):
 
 class PoolTooSmallError(OffloadError, ValueError):
     """The host buffer pool cannot hold what was asked of it; the message says what to set."""
+
+
+class CheckpointError(OffloadError, ValueError):
+    """A checkpoint is incomplete, corrupt, or does not fit the optimizer; the message says where."""
+
+
+class ChecksumError(CheckpointError):
+    """A checkpoint file's bytes differ from what was saved (bit rot, truncation, tampering)."""

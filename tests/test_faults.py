@@ -24,6 +24,8 @@ import torch
 from offload import OffloadedAdamW, StateError
 from offload import checkpoint as ckpt
 from offload.aio import Engine
+from offload.checkpoint import commit as ckpt_commit
+from offload.checkpoint import stream as ckpt_stream
 
 SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
 SIZES = (10, 5000, 70_000, 300_001)
@@ -81,7 +83,7 @@ def faulty_engines(monkeypatch, kind, **kw):
         engine.inject_fault(kind, **kw)
         return engine
 
-    monkeypatch.setattr(ckpt, "_make_engine", make)
+    monkeypatch.setattr(ckpt_stream, "_make_engine", make)
 
 
 def flip_bit(path, offset):
@@ -252,19 +254,19 @@ def test_a_crash_at_any_commit_point_leaves_the_old_or_the_new_checkpoint(tmp_pa
     target = tmp_path / "c"
     ckpt.save_checkpoint(opt, target)
     train(opt, params, range(1, 3))
-    monkeypatch.setattr(ckpt._Staged, "abort", lambda self: None)  # a dead process cleans nothing
-    real_rename, real_exchange = ckpt._rename, ckpt._exchange
+    monkeypatch.setattr(ckpt_commit._Staged, "abort", lambda self: None)  # a dead process cleans nothing
+    real_rename, real_exchange = ckpt_commit._rename, ckpt_commit._exchange
     if point == "before-exchange":
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: (_ for _ in ()).throw(Crash()))
+        monkeypatch.setattr(ckpt_commit, "_exchange", lambda a, b: (_ for _ in ()).throw(Crash()))
         expected = 1
     elif point == "after-exchange":
         def exchange_then_die(a, b):
             assert real_exchange(a, b)
             raise Crash()
-        monkeypatch.setattr(ckpt, "_exchange", exchange_then_die)
+        monkeypatch.setattr(ckpt_commit, "_exchange", exchange_then_die)
         expected = 3
     else:
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(ckpt_commit, "_exchange", lambda a, b: False)
         calls = []
 
         def rename(src, dst):
@@ -274,7 +276,7 @@ def test_a_crash_at_any_commit_point_leaves_the_old_or_the_new_checkpoint(tmp_pa
             real_rename(src, dst)
             if point == "no-exchange-done" and len(calls) == 2:
                 raise Crash()
-        monkeypatch.setattr(ckpt, "_rename", rename)
+        monkeypatch.setattr(ckpt_commit, "_rename", rename)
         expected = 1 if point == "aside-before-rename" else 3
     with pytest.raises(Crash):
         ckpt.save_checkpoint(opt, target)

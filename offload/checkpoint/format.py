@@ -1,0 +1,281 @@
+"""The checkpoint format: file names, the manifest's building blocks, checksums and file checks.
+
+# NOTE: a checkpoint is a directory of four files:
+#
+#   state.bin     the offloaded state, unit by unit, each unit padded to 4096 bytes. A unit is copied
+#                 byte for byte from the swap space through the optimizer's own pool buffers with the
+#                 native engine (O_DIRECT), so host memory stays the pool whatever the model size.
+#   memory.pt     torch.save of what lives in memory: the param_groups (torch's layout, params as
+#                 indices), the state of small parameters, and the step of every offloaded parameter.
+#   extra.pt      optional: anything the caller passes as ``extra`` (the model's state_dict, the
+#                 data loader's position, ...), saved in the same atomic directory.
+#   manifest.json format version, param groups, per parameter its index, shape, dtype, state keys
+#                 and where each chunk of its state lies in state.bin, the optimizer's config, and
+#                 the size and xxh3_64 of every file and of every unit. Written last.
+#
+# What is here is pure or reads and writes whole small files (manifest digest, memory.pt, extra.pt):
+# committing the directory is ``commit``'s job, moving state.bin's bytes is ``stream``'s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+import xxhash
+
+from .._version import __version__
+from ..errors import CheckpointError, ChecksumError
+
+FORMAT = "nvme-offload-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+DATA = "state.bin"
+MEMORY = "memory.pt"
+EXTRA = "extra.pt"
+ALIGN = 4096
+
+
+# -- small helpers ----------------------------------------------------------------------------
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    value = getattr(torch, str(name), None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the manifest")
+    return value
+
+
+
+def _jsonable(value: Any) -> Any:
+    """Hyperparameters as JSON (tensors become numbers); exact values live in memory.pt."""
+    if torch.is_tensor(value):
+        return value.item() if value.numel() == 1 else value.tolist()
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def _step_tensor(step) -> torch.Tensor:
+    if torch.is_tensor(step):
+        return step.detach().to("cpu", torch.float32).clone()
+    return torch.tensor(float(step), dtype=torch.float32)
+
+
+def _cpu_state(state: dict) -> dict:
+    """A parameter's in-memory state copied to the CPU, as memory.pt holds it."""
+    return {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in state.items()}
+
+
+# -- checksums --------------------------------------------------------------------------------
+
+
+def _manifest_digest(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "manifest_xxh3_64"}
+    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+
+def _unit_params(manifest: dict) -> list[list[int]]:
+    """For each unit, the indices of the parameters with a chunk in it."""
+    out: list[list[int]] = [[] for _ in manifest["units"]]
+    for p in manifest["params"]:
+        for c in p.get("chunks", ()):
+            if p["index"] not in out[c[0]]:
+                out[c[0]].append(p["index"])
+    return out
+
+
+def _check_unit(manifest: dict, path: str, u: int, buf) -> None:
+    found = xxhash.xxh3_64(buf.tensor[: manifest["units"][u]["length"]].numpy()).hexdigest()
+    _check_digest(manifest, path, u, found)
+
+
+def _check_digest(manifest: dict, path: str, u: int, found: str) -> None:
+    unit = manifest["units"][u]
+    if found != unit["xxh3_64"]:
+        holders = ", ".join(str(i) for i in _unit_params(manifest)[u]) or "none"
+        raise ChecksumError(
+            f"{path}: bytes [{unit['offset']}, {unit['offset'] + unit['length']}) (unit {u}, state of "
+            f"parameter(s) {holders}) have xxh3_64 {found}, the manifest says {unit['xxh3_64']}; the "
+            "checkpoint is corrupt, load an older one")
+
+
+def _check_data_digest(manifest: dict, path: str, found: str) -> None:
+    """``found``, the xxh3_64 of the whole data file, against the manifest's."""
+    if found != manifest["files"][DATA]["xxh3_64"]:
+        raise ChecksumError(f"{path}: xxh3_64 is {found}, the manifest says "
+                            f"{manifest['files'][DATA]['xxh3_64']}")
+
+
+def _check_data_size(directory: str, manifest: dict) -> str:
+    path = os.path.join(directory, DATA)
+    expected = manifest["files"][DATA]["bytes"]
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {directory} is missing {DATA}, which its manifest lists") from None
+    if size != expected:
+        raise ChecksumError(f"{path}: {size} bytes, the manifest says {expected} (truncated or extended); the "
+                            "checkpoint is corrupt, load an older one")
+    return path
+
+
+def _check_file_hash(directory: str, name: str, entry: dict) -> None:
+    path = os.path.join(directory, name)
+    h, n = xxhash.xxh3_64(), 0
+    try:
+        with open(path, "rb") as f:
+            while block := f.read(8 << 20):
+                h.update(block)
+                n += len(block)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {directory} is missing {name}, which its manifest lists") from None
+    if n != entry["bytes"] or h.hexdigest() != entry["xxh3_64"]:
+        raise ChecksumError(f"{path}: {n} bytes with xxh3_64 {h.hexdigest()}, the manifest says "
+                            f"{entry['bytes']} bytes with {entry['xxh3_64']}; the file is corrupt")
+
+
+# -- memory.pt and extra.pt -------------------------------------------------------------------
+
+
+class _HashingWriter:
+    """A file object that hashes what passes through it (for torch.save)."""
+
+    def __init__(self, f):
+        self.f = f
+        self.hash = xxhash.xxh3_64()
+        self.nbytes = 0
+
+    def write(self, b) -> int:
+        self.hash.update(b)
+        self.nbytes += len(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_torch(obj: Any, path: str) -> dict:
+    with open(path, "xb") as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": w.nbytes, "xxh3_64": w.hash.hexdigest()}
+
+
+def _read_torch(directory: str, name: str, entry: dict) -> Any:
+    path = os.path.join(directory, name)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {directory} is missing {name}, which its manifest lists") from None
+    if len(data) != entry["bytes"]:
+        raise ChecksumError(f"{path}: {len(data)} bytes, the manifest says {entry['bytes']} (truncated or "
+                            "replaced); the checkpoint is corrupt, load an older one")
+    found = xxhash.xxh3_64(data).hexdigest()
+    if found != entry["xxh3_64"]:
+        raise ChecksumError(f"{path}: xxh3_64 is {found}, the manifest says {entry['xxh3_64']}; the file is "
+                            "corrupt, load an older checkpoint")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+# -- building the manifest --------------------------------------------------------------------
+
+
+def _torch_groups(param_groups: list[dict], index: dict) -> list[dict]:
+    """param_groups as torch's state_dict writes them: params as indices, the rest copied."""
+    out = []
+    for g in param_groups:
+        d = {k: v for k, v in g.items() if k != "params"}
+        d["params"] = [index[p] for p in g["params"]]
+        out.append(d)
+    return out
+
+
+def _chunk_table(units: Iterable, index_of: Callable[[Any], int]) -> dict[int, list]:
+    """Per parameter index, where its chunks lie: ``[unit, start, numel, offset, stride]`` each."""
+    chunks_of: dict[int, list] = {}
+    for ui, u in enumerate(units):
+        for c in u.chunks:
+            chunks_of.setdefault(index_of(c.slot.param), []).append([ui, c.start, c.numel, c.offset, c.stride])
+    return chunks_of
+
+
+def _groups_json(groups: list[dict]) -> list[dict]:
+    return [{k: _jsonable(v) for k, v in g.items()} for g in groups]
+
+
+def _write_memory_and_manifest(staged, *, kind: str, groups: list[dict], entries: list, memory_state: dict,
+                               steps: dict, extra: Any, config: dict, unit_bytes: int, threshold: int,
+                               data: dict) -> dict:
+    """Write memory.pt (and extra.pt) into ``staged`` beside state.bin; returns the manifest to commit.
+
+    Args:
+        staged: the checkpoint being written (``commit._Staged``).
+        kind: the optimizer's class name, or ``"imported"``.
+        groups: torch-layout param groups (params as indices).
+        entries: the manifest's per-parameter entries.
+        memory_state: small parameters' state, by index.
+        steps: offloaded parameters' steps, by index.
+        extra: the caller's ``extra`` (None: no extra.pt).
+        config: the optimizer's config as a dict.
+        unit_bytes: the unit (buffer) size.
+        threshold: the small-parameter threshold.
+        data: what ``stream._write_data`` returned.
+    """
+    files = {DATA: data["file"]}
+    files[MEMORY] = _write_torch({"param_groups": groups, "state": memory_state, "steps": steps},
+                                 staged.path(MEMORY))
+    if extra is not None:
+        files[EXTRA] = _write_torch(extra, staged.path(EXTRA))
+    manifest = _base_manifest(kind, _groups_json(groups), entries, config, unit_bytes)
+    manifest["threshold"] = threshold
+    manifest["units"] = data["units"]
+    manifest["files"] = files
+    return manifest
+
+
+def _base_manifest(kind: str, groups_json: list, params: list, config: dict, unit_bytes: int) -> dict:
+    steps = sorted({p["step"] for p in params if p.get("step") is not None})
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "library_version": __version__,
+        "torch_version": torch.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "optimizer": kind,
+        "step": max(steps) if steps else 0,
+        "steps": steps,
+        "param_groups": groups_json,
+        "params": params,
+        "config": config,
+        "buffer_size": unit_bytes,
+    }
+

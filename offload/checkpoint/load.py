@@ -1,0 +1,284 @@
+"""Loading a checkpoint into an offloaded optimizer: check everything first, then stream the state back.
+
+# NOTE: loading checks the manifest, the sizes and every unit's checksum as the bytes pass, and the
+# shapes, dtypes and param groups against the optimizer before touching it. When the optimizer
+# packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
+# space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+import xxhash
+
+from ..aio import Engine
+from ..errors import CheckpointError
+from ..layout import state_keys_for
+from . import stream
+from .format import (
+    DATA,
+    EXTRA,
+    MEMORY,
+    _check_data_digest,
+    _check_data_size,
+    _check_unit,
+    _dtype,
+    _dtype_name,
+    _read_torch,
+)
+from .stream import _RangeReader, _stream
+from .verify import _verify_data, read_manifest
+
+
+def load_checkpoint(optimizer, directory: str | os.PathLike) -> Any:
+    """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
+
+    Everything that can be checked without touching the optimizer is checked first: the manifest,
+    file sizes, ``memory.pt``'s checksum, param groups, and every parameter's shape and dtype. The
+    data then streams back to the swap space with each unit's checksum verified before it is
+    written. Works across buffer sizes and small-parameter thresholds (state is re-chunked by
+    parameter element ranges). Clears a failed step.
+
+    Raises:
+        CheckpointError: the checkpoint does not fit this optimizer (the message names the first
+            mismatch: parameter index, expected and found) or is incomplete; nothing was changed.
+        ChecksumError: a file is corrupt. If the data file's corruption is found while streaming,
+            the optimizer refuses to step until a good checkpoint is loaded.
+        OSError: reading or writing failed (same consequence).
+    """
+    optimizer._check_usable()
+    directory = os.path.abspath(os.fspath(directory))
+    manifest = read_manifest(directory)
+    _check_data_size(directory, manifest)
+    memory = _read_torch(directory, MEMORY, manifest["files"][MEMORY])
+    extra = None
+    if EXTRA in manifest["files"]:
+        extra = _read_torch(directory, EXTRA, manifest["files"][EXTRA])
+    params = _match(optimizer, manifest, memory, directory)
+
+    try:
+        _load_into(optimizer, directory, manifest, memory, params)
+    except BaseException as err:
+        for slot in optimizer._layout.slots.values():
+            slot.initialized = False
+        optimizer._error = err
+        raise
+    return extra
+
+
+def _match(opt, manifest: dict, memory: dict, directory: str) -> list:
+    """Check the checkpoint against the optimizer; return its parameters in index order."""
+    groups = opt.param_groups
+    saved = memory["param_groups"]
+    where = f"checkpoint {directory}"
+    if len(saved) != len(groups):
+        raise CheckpointError(f"{where} has {len(saved)} parameter groups, this optimizer has {len(groups)}")
+    for gi, (g, s) in enumerate(zip(groups, saved)):
+        if len(g["params"]) != len(s["params"]):
+            raise CheckpointError(f"{where}: parameter group {gi} has {len(s['params'])} parameters, this "
+                                  f"optimizer's has {len(g['params'])}")
+        if bool(g["amsgrad"]) != bool(s.get("amsgrad", False)):
+            raise CheckpointError(f"{where}: parameter group {gi} has amsgrad={s.get('amsgrad')}, this "
+                                  f"optimizer's has amsgrad={g['amsgrad']}; build the optimizer with the same")
+    params = [None] * len(manifest["params"])
+    for s, g in zip(saved, groups):
+        for i, p in zip(s["params"], g["params"]):
+            if not 0 <= i < len(params):
+                raise CheckpointError(f"{where}: parameter index {i} is out of range")
+            params[i] = p
+    for entry in manifest["params"]:
+        i, p = entry["index"], params[entry["index"]]
+        if entry.get("shape") is not None and tuple(entry["shape"]) != tuple(p.shape):
+            raise CheckpointError(f"{where}: parameter {i} has shape {tuple(entry['shape'])} in the checkpoint, "
+                                  f"{tuple(p.shape)} in this optimizer")
+        if entry.get("dtype") is not None and _dtype(entry["dtype"]) != p.dtype:
+            raise CheckpointError(f"{where}: parameter {i} has dtype {entry['dtype']} in the checkpoint, "
+                                  f"{_dtype_name(p.dtype)} in this optimizer")
+        if entry.get("initialized"):
+            amsgrad = bool(opt.param_groups[_group_of(saved, i)]["amsgrad"])
+            want = set(state_keys_for(p, amsgrad)) - {"master"}
+            have = set(entry.get("keys", ()))
+            if entry["where"] == "memory":
+                have = set(memory["state"][i]) - {"step"}
+            if not want <= have:
+                raise CheckpointError(f"{where}: parameter {i} lacks state {sorted(want - have)} in the "
+                                      "checkpoint")
+    return params
+
+
+def _group_of(saved: list, i: int) -> int:
+    for gi, s in enumerate(saved):
+        if i in s["params"]:
+            return gi
+    raise CheckpointError(f"parameter {i} is in no group")
+
+
+def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) -> None:
+    entries = manifest["params"]
+    # Parameters frozen when the optimizer was built have no place yet.
+    late = {params[e["index"]] for e in entries if e.get("initialized") and not opt._is_small(params[e["index"]])
+            and params[e["index"]] not in opt._layout.slots}
+    if late:
+        opt._lay_out(opt._offload_candidates(opt.param_groups, restrict=late))
+    slots = opt._layout.slots
+    path = os.path.join(directory, DATA)
+    units = manifest["units"]
+    aio = opt.config.aio
+    engine = stream._make_engine(aio)
+    new_state: dict = {}
+    try:
+        with engine.open(path, "r") as f:
+            plan = _same_packing(opt, manifest, params)
+            buffers = list(opt._pool)
+            if plan is not None:
+                whole = xxhash.xxh3_64()
+
+                def read(item, buf):
+                    u = units[item[0]]
+                    return engine.read_async(f, buf, u["offset"], u["length"])
+
+                def process(item, buf):
+                    _check_unit(manifest, path, item[0], buf)
+                    whole.update(buf.tensor[: units[item[0]]["length"]].numpy())
+                    return True
+
+                def write(item, buf):
+                    return opt._space.write(item[1].extent, buf, nbytes=item[1].nbytes)
+
+                _stream(plan, buffers, read=read, process=process, write=write)
+                _check_data_digest(manifest, path, whole.hexdigest())
+                small_from_swap = []
+            else:
+                _verify_data(directory, manifest, engine, buffers)
+                small_from_swap = _rechunk(opt, manifest, memory, params, engine, f, buffers)
+            for i, tensors in small_from_swap:
+                new_state[i] = tensors
+    finally:
+        engine.close()
+
+    # The data is in place: now the in-memory side, which cannot fail half way.
+    groups = opt.param_groups
+    for g, s in zip(groups, memory["param_groups"]):
+        for k, v in s.items():
+            if k != "params":
+                g[k] = v
+    opt.state.clear()
+    for slot in slots.values():
+        slot.initialized = False
+    for e in entries:
+        if not e.get("initialized"):
+            continue
+        i = e["index"]
+        p = params[i]
+        step = memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", torch.tensor(0.0))
+        step = step if torch.is_tensor(step) else torch.tensor(float(step), dtype=torch.float32)
+        if opt._is_small(p):
+            source = memory["state"][i] if e["where"] == "memory" else new_state[i]
+            st = {"step": step.detach().to("cpu", torch.float32).clone()}
+            for k, v in source.items():
+                if k in ("step", "master"):
+                    continue
+                st[k] = v.detach().to(device=p.device, dtype=p.dtype).clone() if torch.is_tensor(v) else v
+            opt.state[p] = st
+        else:
+            opt.state[p] = {"step": step.detach().to("cpu", torch.float32).clone()}
+            slots[p].initialized = True
+    opt._error = None
+
+
+def _same_packing(opt, manifest: dict, params: list) -> Optional[list]:
+    """[(checkpoint unit, optimizer unit)] when every saved unit is packed exactly like one of the
+    optimizer's, so bytes can move as they are; None when state must be re-chunked."""
+    if manifest.get("buffer_size") != opt._layout.unit_bytes:
+        return None
+    index = {p: i for i, p in enumerate(params)}
+    signature: list[list] = [[] for _ in manifest["units"]]
+    for e in manifest["params"]:
+        p = params[e["index"]]
+        if e.get("initialized"):
+            slot = opt._layout.slots.get(p)
+            if (e["where"] == "memory") != (slot is None):
+                return None  # small here and offloaded there, or the other way round
+            if slot is not None and list(slot.keys) != list(e["keys"]):
+                return None  # e.g. an imported state without the fp32 master copy
+        for u, start, numel, offset, stride in e.get("chunks", ()):
+            signature[u].append((e["index"], start, numel, offset, stride))
+    by_sig = {}
+    for unit in opt._layout.units:
+        sig = tuple(sorted((index[c.slot.param], c.start, c.numel, c.offset, c.stride) for c in unit.chunks))
+        by_sig[sig] = unit
+    plan = []
+    for u, sig in enumerate(signature):
+        target = by_sig.get(tuple(sorted(sig)))
+        if target is None or target.nbytes != manifest["units"][u]["nbytes"]:
+            return None
+        plan.append((u, target))
+    return plan
+
+
+def _rechunk(opt, manifest: dict, memory: dict, params: list, engine: Engine, f, buffers: list) -> list:
+    """Fill the optimizer's units from the checkpoint by parameter element ranges.
+
+    Returns ``[(index, {key: tensor})]`` for parameters small here whose state the checkpoint holds
+    on disk.
+    """
+    reader = _RangeReader(engine, f, buffers[0], manifest["files"][DATA]["bytes"])
+    units = manifest["units"]
+    entries = {e["index"]: e for e in manifest["params"]}
+    index = {p: i for i, p in enumerate(params)}
+
+    def copy_from_disk(dest: torch.Tensor, e: dict, key: str, lo: int, hi: int) -> None:
+        k = e["keys"].index(key)
+        itemsize = dest.element_size()
+        for u, start, numel, offset, stride in e["chunks"]:
+            a, b = max(lo, start), min(hi, start + numel)
+            if a >= b:
+                continue
+            pos = units[u]["offset"] + offset + k * stride + (a - start) * itemsize
+            reader.copy(dest[a - lo: b - lo], pos)
+
+    def wanted(p) -> Optional[dict]:
+        e = entries.get(index[p])
+        return e if e is not None and e.get("initialized") else None
+
+    todo = [u for u in opt._layout.units if any(wanted(c.slot.param) for c in u.chunks)]
+
+    def fill(unit, buf) -> bool:
+        for c in unit.chunks:
+            e = wanted(c.slot.param)
+            if e is None:
+                continue
+            i = e["index"]
+            lo, hi = c.start, c.start + c.numel
+            for key in c.slot.keys:
+                view = c.slice(buf, key)
+                if e["where"] == "swap" and key in e["keys"]:
+                    copy_from_disk(view, e, key, lo, hi)
+                elif e["where"] == "memory" and key in memory["state"][i]:
+                    view.copy_(memory["state"][i][key].detach().reshape(-1)[lo:hi])
+                elif key == "master":
+                    view.copy_(c.slot.param.detach().reshape(-1)[lo:hi])
+                else:
+                    raise CheckpointError(f"parameter {i}: state {key!r} is not in the checkpoint")
+        return True
+
+    space = opt._space
+    _stream(todo, buffers[1:], process=fill,
+            write=lambda unit, buf: space.write(unit.extent, buf, nbytes=unit.nbytes))
+
+    out = []
+    for p in params:
+        e = wanted(p)
+        if e is None or e["where"] != "swap" or not opt._is_small(p):
+            continue
+        dtype = _dtype(e["state_dtype"])
+        tensors = {}
+        for key in e["keys"]:
+            t = torch.empty(p.numel(), dtype=dtype)
+            copy_from_disk(t, e, key, 0, p.numel())
+            tensors[key] = t.view(p.shape)
+        out.append((e["index"], tensors))
+    return out

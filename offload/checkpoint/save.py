@@ -1,0 +1,81 @@
+"""Saving an offloaded optimizer: its swapped state streams through its own pool into state.bin."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..config import config_to_dict
+from ..errors import StateError
+from .commit import _Staged, _write_atomically
+from .format import _chunk_table, _cpu_state, _dtype_name, _torch_groups, _write_memory_and_manifest
+from .stream import _write_data
+
+
+def save_checkpoint(optimizer, directory: str | os.PathLike, *, extra: Any = None) -> str:
+    """Save an offloaded optimizer's whole state to ``directory``, atomically, without materialising it.
+
+    Offloaded state streams from the swap space through the optimizer's pool to ``state.bin`` with
+    the native engine; small parameters' state and the steps go to ``memory.pt``; ``extra`` (e.g.
+    ``{"model": model.state_dict(), "step": step}``) to ``extra.pt`` in the same directory, so model
+    and optimizer are always saved together. An existing checkpoint at ``directory`` is replaced
+    only once the new one is complete on disk.
+
+    Args:
+        optimizer: an :class:`offload.OffloadedAdam` or ``OffloadedAdamW``.
+        directory: the checkpoint directory; its parent is created if missing.
+        extra: anything ``torch.save`` can write and ``torch.load(weights_only=True)`` can read back.
+
+    Returns:
+        The checkpoint directory (absolute).
+
+    Raises:
+        StateError: the optimizer's last step failed part-way, so its state must not be saved.
+        OSError: writing failed (the message names file, offset and errno); the previous checkpoint
+            at ``directory``, if any, is left as it was and nothing half written remains.
+    """
+    optimizer._check_usable()
+    if optimizer._error is not None:
+        raise StateError(f"not saving: the optimizer's last step failed part-way ({optimizer._error}), so "
+                         "its offloaded state may be half written. Load the last good checkpoint instead.")
+    return _write_atomically(directory, lambda staged: _save_into(optimizer, staged, extra))
+
+
+def _save_into(opt, staged: _Staged, extra: Any) -> dict:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    index = {p: i for i, p in enumerate(params)}
+    slots = opt._layout.slots
+    units = [u for u in opt._layout.units if any(c.slot.initialized for c in u.chunks)]
+
+    space = opt._space
+    data = _write_data(
+        staged, opt.config.aio, list(opt._pool), units,
+        read=lambda u, buf: space.read(u.extent, buf, nbytes=u.nbytes),
+        fill=None, nbytes_of=lambda u: u.nbytes)
+
+    entries = []
+    chunks_of = _chunk_table(units, index.__getitem__)
+    memory_state, steps = {}, {}
+    for i, p in enumerate(params):
+        slot = slots.get(p)
+        st = opt.state.get(p, {})
+        entry = {"index": i, "shape": list(p.shape), "dtype": _dtype_name(p.dtype), "numel": p.numel()}
+        if slot is not None and (slot.initialized or i in chunks_of):
+            entry.update(where="swap", initialized=slot.initialized, keys=list(slot.keys),
+                         state_dtype=_dtype_name(slot.dtype), chunks=chunks_of.get(i, []))
+            if slot.initialized:
+                steps[i] = st["step"].detach().to("cpu", copy=True)
+        elif slot is None and len(st) > 0:
+            memory_state[i] = _cpu_state(st)
+            entry.update(where="memory", initialized=True, keys=sorted(k for k in st if k != "step"),
+                         state_dtype=_dtype_name(p.dtype))
+        else:
+            entry.update(where="none", initialized=False)
+        if entry["initialized"]:
+            entry["step"] = float(steps[i] if i in steps else memory_state[i].get("step", 0.0))
+        entries.append(entry)
+
+    return _write_memory_and_manifest(
+        staged, kind=type(opt).__name__, groups=_torch_groups(opt.param_groups, index), entries=entries,
+        memory_state=memory_state, steps=steps, extra=extra, config=config_to_dict(opt.config, only=None),
+        unit_bytes=opt._layout.unit_bytes, threshold=opt._threshold, data=data)

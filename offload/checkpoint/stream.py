@@ -1,0 +1,192 @@
+"""Moving a checkpoint's data file through host buffers: the pipelined loop, ranged reads, the writer.
+
+# NOTE: save, load, verify, export and import all move state.bin with the native engine through a
+# few page-aligned buffers (the optimizer's pool, or a small one of the tools' own), never holding
+# more than those buffers in host memory. ``_stream`` overlaps the reads ahead, the processing of
+# one buffer and the writes behind; ``_write_data`` lays units out in state.bin and hashes them as
+# they pass. ``_make_engine`` builds every engine that touches a data file (the fault tests replace
+# it; other modules call it as ``stream._make_engine`` so that one replacement reaches them all).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import xxhash
+
+from ..aio import Engine
+from ..buffers import BufferPool
+from ..config import AioConfig, load_config
+from ..errors import CheckpointError, ChecksumError
+from .commit import _Staged
+from .format import ALIGN, DATA, _round_up
+
+# Pool for tools that read a checkpoint without an optimizer (verify, export): per buffer.
+_TOOL_BUFFER_MAX = 64 << 20
+
+
+def _make_engine(aio: AioConfig) -> Engine:
+    """The engine that writes or reads a checkpoint's data file (tests replace it to inject faults)."""
+    return Engine(aio)
+
+
+def _tool_pool(manifest: dict) -> BufferPool:
+    longest = max([u["length"] for u in manifest["units"]] + [ALIGN])
+    return BufferPool(3, min(longest, _TOOL_BUFFER_MAX))
+
+
+def _aio_of(manifest: dict) -> AioConfig:
+    try:
+        return load_config({"aio": manifest["config"]["aio"]}).aio
+    except Exception:  # noqa: BLE001 - a config this version cannot read: the defaults do
+        return AioConfig()
+
+
+# -- the streaming loop -----------------------------------------------------------------------
+
+
+class _Done:
+    def wait(self) -> int:
+        return 0
+
+    def done(self) -> bool:
+        return True
+
+
+_DONE = _Done()
+
+
+def _quiet_wait(fut) -> None:
+    try:
+        fut.wait()
+    except OSError:
+        pass
+
+
+def _stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,
+            process: Callable[[Any, Any], bool], write: Optional[Callable] = None) -> None:
+    """For each item in order: ``read(item, buf)``, ``process(item, buf)``, ``write(item, buf)`` if
+    process returned True; reads run ahead and writes land behind, as far as the buffers allow.
+
+    ``read`` and ``write`` return futures; every request in flight lands before an error leaves.
+    """
+    free = deque(buffers)
+    reads: deque = deque()
+    writes: deque = deque()
+    n, next_i = len(items), 0
+    try:
+        for _ in range(n):
+            while next_i < n:
+                if free:
+                    buf = free.popleft()
+                elif writes and (not reads or writes[0][1].done()):
+                    buf, fut = writes.popleft()
+                    fut.wait()
+                else:
+                    break
+                item = items[next_i]
+                reads.append((item, buf, read(item, buf) if read is not None else _DONE))
+                next_i += 1
+            item, buf, fut = reads.popleft()
+            fut.wait()
+            if process(item, buf) and write is not None:
+                writes.append((buf, write(item, buf)))
+            else:
+                free.append(buf)
+        while writes:
+            writes.popleft()[1].wait()
+    except BaseException:
+        for _, _, fut in reads:
+            _quiet_wait(fut)
+        for _, fut in writes:
+            _quiet_wait(fut)
+        raise
+
+
+class _RangeReader:
+    """Copies byte ranges of a checkpoint's data file into tensors through one staging buffer."""
+
+    def __init__(self, engine: Engine, file, buffer, file_bytes: int):
+        self.engine, self.file, self.buffer, self.file_bytes = engine, file, buffer, file_bytes
+        self.start, self.end = 0, 0  # the window of the file the buffer holds
+
+    def copy(self, dest: torch.Tensor, offset: int) -> None:
+        """Fill the 1-D tensor ``dest`` from the file's bytes at ``offset``."""
+        itemsize = dest.element_size()
+        done, total = 0, dest.numel() * itemsize
+        while done < total:
+            pos = offset + done
+            if not (self.start <= pos < self.end):
+                self.start = pos // ALIGN * ALIGN
+                length = min(self.buffer.nbytes, self.file_bytes - self.start)
+                got = self.engine.read(self.file, self.buffer, self.start, length)
+                self.end = self.start + got
+                if got < itemsize:
+                    raise ChecksumError(f"{self.file.path}: ends at byte {self.end}, data expected at {pos}")
+            take = min(total - done, self.end - pos)
+            n = take // itemsize
+            dest[done // itemsize: done // itemsize + n].copy_(self.buffer.view(dest.dtype, pos - self.start, n))
+            done += n * itemsize
+
+
+# -- writing state.bin ------------------------------------------------------------------------
+
+
+def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Sequence, *,
+                read: Optional[Callable], fill: Optional[Callable], nbytes_of: Callable[[Any], int]) -> dict:
+    """Write ``units`` to state.bin in order through ``buffers``; returns the file entry and units."""
+    lengths = [_round_up(nbytes_of(u), ALIGN) for u in units]
+    offsets, pos = [], 0
+    for n in lengths:
+        offsets.append(pos)
+        pos += n
+    total = pos
+    path = staged.path(DATA)
+    engine = _make_engine(aio)
+    try:
+        if all(b.index == i for i, b in enumerate(buffers)):
+            try:
+                engine.register_buffers(list(buffers))
+            except (ValueError, RuntimeError, OSError):
+                pass  # fixed buffers only save a little CPU
+        with engine.open(path, "x+") as f:
+            if f.alignment > ALIGN:
+                raise CheckpointError(f"{path}: the file system wants {f.alignment}-byte direct I/O; "
+                                      f"checkpoints use {ALIGN}. Set aio.o_direct to false for this path")
+            if total:
+                try:
+                    os.posix_fallocate(f.fd, 0, total)
+                except OSError as err:
+                    st = os.statvfs(staged.parent)
+                    raise OSError(err.errno, f"cannot reserve {total} bytes for the checkpoint data "
+                                  f"({err.strerror}; {st.f_bavail * st.f_frsize} bytes free)", path) from err
+            whole = xxhash.xxh3_64()
+            digests: list[str] = [""] * len(units)
+            index = {id(u): i for i, u in enumerate(units)}
+
+            def process(u, buf) -> bool:
+                i = index[id(u)]
+                if fill is not None:
+                    fill(u, buf)
+                n = nbytes_of(u)
+                buf.tensor[n: lengths[i]].zero_()  # padding: same state, same bytes
+                data = buf.tensor[: lengths[i]].numpy()
+                digests[i] = xxhash.xxh3_64(data).hexdigest()
+                whole.update(data)
+                return True
+
+            def write(u, buf):
+                i = index[id(u)]
+                return engine.write_async(f, buf, offsets[i], lengths[i])
+
+            _stream(list(units), list(buffers), read=read, process=process, write=write)
+            os.fsync(f.fd)
+    finally:
+        engine.close()
+    entry = {"bytes": total, "xxh3_64": whole.hexdigest()}
+    table = [{"offset": o, "nbytes": nbytes_of(u), "length": n, "xxh3_64": d}
+             for u, o, n, d in zip(units, offsets, lengths, digests)]
+    return {"file": entry, "units": table}
