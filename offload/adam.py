@@ -368,8 +368,16 @@ class OffloadedAdam(torch.optim.Adam):
         # back at its last, so about one unit's worth of them is resident at a time. With an fp32
         # master copy already on disk the old weights are not read: the update rewrites all of them.
         held: dict = {}
+        position = {id(u): i for i, u in enumerate(units)}
 
         def update(unit, buf) -> bool:
+            # Start reading the next unit's weights while this one is updated (never waits for a buffer).
+            i = position[id(unit)]
+            for c in units[i + 1].chunks if i + 1 < len(units) else ():
+                store = store_of(c.slot.param)
+                if store is not None and id(c.slot) in active and c.slot not in held and not (
+                        "master" in c.slot.keys and c.slot.initialized):
+                    store.prefetch(c.slot.param)
             by_group: dict[int, list] = {}
             for c in unit.chunks:
                 if id(c.slot) in active:

@@ -425,3 +425,28 @@ def test_cuda_host_cache_and_inference(nvme):
         assert torch.equal(ref(x), off(x))
     assert offloaded(off).store.cache_hits > 0
     restore_parameters(off)
+
+
+# -- the benchmark --------------------------------------------------------------------------------
+
+
+def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
+    """``offload-bench params`` on a tiny model exits 0 and writes every documented key."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "params.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "offload.bench", "params", "--layers", "2", "--hidden", "64", "--steps", "2",
+         "--path", str(tmp_path / "scratch"), "--json", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    keys = {"params", "step_s_median", "fetch_bytes_per_step", "write_bytes_per_step", "io_only_s",
+            "compute_only_s", "peak_rss_bytes", "resident_param_bytes_max"}
+    assert keys <= doc.keys()
+    assert doc["params"] == 2 * (8 * 64 * 64 + 4 * 64 + 64 + 2 * 64)
+    assert doc["fetch_bytes_per_step"] > 0 and doc["write_bytes_per_step"] > 0
+    assert not (tmp_path / "scratch").exists()

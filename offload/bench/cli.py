@@ -26,7 +26,7 @@ from ..units import format_size, parse_count, parse_size
 PROG = "offload-bench"
 
 # Modules holding subcommands, in the order ``--help`` lists them.
-COMMANDS = ("offload.bench.io", "offload.bench.adam", "offload.bench.checkpoint")
+COMMANDS = ("offload.bench.io", "offload.bench.adam", "offload.bench.checkpoint", "offload.bench.params")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

@@ -1,0 +1,221 @@
+"""``offload-bench params``: training steps of a block stack whose weights live on NVMe.
+
+# NOTE: a step here is forward + backward + OffloadedAdamW step with offload_parameters on the model.
+# Two references are measured in the same run: ``io_only_s``, the time the same swap space takes to
+# read and write the bytes one step moved (weights and optimizer state, reads and writes overlapped,
+# no compute), and ``compute_only_s``, the same model fully in memory stepped by torch's fused AdamW.
+# A step cannot be faster than the larger of the two; the target is within 1.2x of it. Memory:
+# ``resident_param_bytes_max`` is the store's count of weight bytes materialised at once, which must
+# stay near one block's, not the model's; gradients are ordinary full-size tensors (see docs/params.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..adam import OffloadedAdamW
+from ..buffers import BufferPool
+from ..config import load_config
+from ..params import offload_parameters, offloaded, restore_parameters
+from ..space import SwapSpace
+from ..units import format_size
+from . import report
+from .adam import _reset_peak, _rss_peak
+from .cli import UsageError, add_path_option, bench_paths, positive_int_arg
+
+IO_PIECE = 8 << 20  # request size of the I/O-only reference
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add the ``params`` subcommand."""
+    p = sub.add_parser(
+        "params", parents=[common], help="training steps with weights on NVMe vs I/O alone and compute alone",
+        description="Train a stack of transformer-like blocks (Linear h->4h, GELU, Linear 4h->h, LayerNorm) "
+                    "with offload_parameters and OffloadedAdamW; compare the step with the same bytes moved "
+                    "without compute and the same model stepped in memory by torch AdamW(fused).",
+    )
+    p.add_argument("--layers", type=positive_int_arg(1), default=24, metavar="N", help="blocks (default 24)")
+    p.add_argument("--hidden", type=positive_int_arg(8), default=2048, metavar="H",
+                   help="hidden size; each block has 8*H*H weights (default 2048)")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="weight dtype; bf16 keeps an fp32 master copy with the optimizer state (default bf16)")
+    p.add_argument("--steps", type=positive_int_arg(2), default=5, metavar="N",
+                   help="training steps; the first (records the order, creates state) is reported apart")
+    p.add_argument("--batch", type=positive_int_arg(1), default=16, metavar="N", help="rows per batch (16)")
+    p.add_argument("--prefetch", type=positive_int_arg(0), default=2, metavar="N",
+                   help="submodules read ahead (default 2)")
+    add_path_option(p)
+    p.add_argument("--config", metavar="FILE", help="a JSON config (ours or a DeepSpeed ds_config.json)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.set_defaults(run=run_params)
+
+
+class _Block(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.up = nn.Linear(h, 4 * h)
+        self.down = nn.Linear(4 * h, h)
+        self.norm = nn.LayerNorm(h)
+
+    def forward(self, x):
+        return self.norm(x + self.down(nn.functional.gelu(self.up(x))))
+
+
+def _model(layers: int, h: int, dtype: torch.dtype) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(_Block(h) for _ in range(layers))).to(dtype)
+
+
+def _train_step(model, opt, x) -> float:
+    t = time.perf_counter()
+    model(x).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t
+
+
+def io_only(paths, aio, read_bytes: int, write_bytes: int, buffers: int = 4) -> float:
+    """Seconds to read ``read_bytes`` and write ``write_bytes`` on a fresh swap space, overlapped."""
+    size = max(read_bytes, write_bytes, IO_PIECE)
+    with BufferPool(buffers, IO_PIECE) as pool, SwapSpace(paths, size, aio=aio, buffers=pool, name="iobench") as sp:
+        extent = sp.alloc(size)
+        # Lay the bytes down first, so the reads read real blocks (not holes of the preallocation).
+        ops = [("w", off, min(IO_PIECE, size - off)) for off in range(0, size, IO_PIECE)]
+        _run_ops(sp, pool, extent, ops)
+        reads = [("r", off, min(IO_PIECE, read_bytes - off)) for off in range(0, read_bytes, IO_PIECE)]
+        writes = [("w", off, min(IO_PIECE, write_bytes - off)) for off in range(0, write_bytes, IO_PIECE)]
+        mixed = [op for pair in zip(reads, writes) for op in pair]
+        n = min(len(reads), len(writes))
+        mixed += reads[n:] + writes[n:]
+        t = time.perf_counter()
+        _run_ops(sp, pool, extent, mixed)
+        return time.perf_counter() - t
+
+
+def _run_ops(sp, pool, extent, ops) -> None:
+    from ..space import Extent
+
+    free = deque(pool)
+    inflight: deque = deque()
+    for kind, off, n in ops:
+        if not free:
+            buf, fut = inflight.popleft()
+            fut.wait()
+            free.append(buf)
+        buf = free.popleft()
+        ext = Extent(extent.offset + off, -(-n // sp.alignment) * sp.alignment, extent.owner)
+        fut = (sp.read if kind == "r" else sp.write)(ext, buf, nbytes=n)
+        inflight.append((buf, fut))
+    for _, fut in inflight:
+        fut.wait()
+
+
+def run_params(args: argparse.Namespace) -> int:
+    """``offload-bench params``."""
+    dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    try:
+        cfg = load_config(args.config)
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--config: {err}") from err
+    h = args.hidden
+    with bench_paths(args.paths) as paths:
+        # Every weight goes through the disk; buffers of one H x 4H matrix unless the config says otherwise.
+        pc = {"nvme_path": list(paths), "max_in_cpu": 0}
+        if args.config is None:
+            pc.update(buffer_size=4 * h * h, buffer_count=5)
+        cfg = cfg.replace(offload_param=pc, offload_optimizer={"nvme_path": list(paths)})
+        machine = report.machine_info(paths)
+        model = _model(args.layers, h, dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        report.print_header("params", machine, [
+            ("model", f"{args.layers} blocks, hidden {h}, {n_params:,} {args.dtype} parameters "
+                      f"({format_size(n_params * model[0].up.weight.element_size())})"),
+            ("steps", f"{args.steps}, batch {args.batch}, prefetch {args.prefetch}"),
+            ("param pool", f"{cfg.offload_param.buffer_count} x {cfg.offload_param.buffer_size:,} elements"),
+            ("optimizer pool", f"{cfg.offload_optimizer.buffer_count} x "
+                               f"{format_size(cfg.offload_optimizer.buffer_size)}"),
+        ])
+        x = torch.randn(args.batch, h, generator=torch.Generator().manual_seed(1)).to(dtype)
+
+        # Compute alone: the same model in memory, torch's fused AdamW.
+        ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        compute = [_train_step(model, ref_opt, x) for _ in range(args.steps)]
+        compute_s = statistics.median(compute[1:])
+        del ref_opt
+        model = _model(args.layers, h, dtype)
+        gc.collect()
+
+        offload_parameters(model, config=cfg, prefetch=args.prefetch)
+        store = offloaded(model).store
+        opt = OffloadedAdamW(model.parameters(), lr=1e-4, config=cfg)
+        try:
+            first = _train_step(model, opt, x)
+            r0, w0 = store.bytes_read, store.bytes_written
+            or0, ow0 = opt.io_bytes()
+            store.reset_peak()
+            _reset_peak()
+            times = [_train_step(model, opt, x) for _ in range(args.steps - 1)]
+            peak = _rss_peak()
+            steady = len(times)
+            fetch = (store.bytes_read - r0) // steady
+            write = (store.bytes_written - w0) // steady
+            or1, ow1 = opt.io_bytes()
+            opt_read, opt_write = (or1 - or0) // steady, (ow1 - ow0) // steady
+            resident_max = store.resident_bytes_max
+            pool_bytes = store.pool.nbytes
+            hits, dropped = store.prefetch_hits, store.prefetches_dropped
+        finally:
+            opt.close()
+            restore_parameters(model)
+        step_med = statistics.median(times)
+        io_s = io_only(paths, cfg.aio, fetch + opt_read, write + opt_write)
+
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    bound = max(io_s, compute_s)
+    result: dict[str, Any] = {
+        "params": n_params,
+        "step_s_median": step_med,
+        "fetch_bytes_per_step": fetch,
+        "write_bytes_per_step": write,
+        "io_only_s": io_s,
+        "compute_only_s": compute_s,
+        "peak_rss_bytes": peak,
+        "resident_param_bytes_max": resident_max,
+        "dtype": args.dtype,
+        "layers": args.layers,
+        "hidden": h,
+        "step_s_runs": times,
+        "first_step_s": first,
+        "optimizer_read_bytes_per_step": opt_read,
+        "optimizer_write_bytes_per_step": opt_write,
+        "ratio_to_bound": step_med / bound,
+        "param_pool_bytes": pool_bytes,
+        "largest_module_param_bytes": largest,
+        "prefetch_hits": hits,
+        "prefetches_dropped": dropped,
+        "machine": machine,
+    }
+    print(report.table(["", "value"], [
+        ["step (median of steady steps)", f"{step_med:.3f} s"],
+        ["first step (records order, creates state)", f"{first:.3f} s"],
+        ["weights read / written per step", f"{format_size(fetch)} / {format_size(write)}"],
+        ["optimizer state read / written per step", f"{format_size(opt_read)} / {format_size(opt_write)}"],
+        ["same bytes, I/O only", f"{io_s:.3f} s"],
+        ["same model in memory, torch AdamW(fused)", f"{compute_s:.3f} s"],
+        ["step / max(I/O, compute)", f"{step_med / bound:.2f}x"],
+        ["resident weights, peak", f"{format_size(resident_max)} (largest module {format_size(largest)}, "
+                                   f"param pool {format_size(pool_bytes)})"],
+        ["peak RSS", format_size(peak)],
+    ]))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
