@@ -260,6 +260,32 @@ class Future:
                 warnings.warn(f"an I/O error nobody waited for: {self._error}", RuntimeWarning, stacklevel=2)
 
 
+class CompletedFuture:
+    """A future for work that needed no I/O (e.g. a read of state that does not exist yet)."""
+
+    def __init__(self, result: int = 0):
+        self._result = result
+
+    def wait(self) -> int:
+        return self._result
+
+    def done(self) -> bool:
+        return True
+
+
+def wait_quietly(futures) -> None:
+    """Wait for every future, ignoring I/O errors.
+
+    For error paths: a buffer may be the target of requests still in flight, so they must all land
+    before the buffer is reused or the first error is raised; their own errors add nothing.
+    """
+    for fut in futures:
+        try:
+            fut.wait()
+        except OSError:
+            pass
+
+
 class FutureGroup:
     """Several futures seen as one: ``wait()`` waits for all, then raises the first error."""
 

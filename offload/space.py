@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence, Union
 
 from ._proc import pid_alive
-from .aio import DEFAULT_ALIGNMENT, READ, WRITE, AioFile, Engine, FutureGroup, Segment
+from .aio import DEFAULT_ALIGNMENT, READ, WRITE, AioFile, Engine, FutureGroup, Segment, wait_quietly
 from .buffers import HostBuffer
 from .config import AioConfig
 from .errors import ConfigError
@@ -461,11 +461,7 @@ class SwapSpace:
                     if segs:
                         futures.append(self._res.engines[i].submit(op, segs))
             except BaseException:
-                for fut in futures:  # don't leave half a request running against the caller's buffer
-                    try:
-                        fut.wait()
-                    except OSError:
-                        pass
+                wait_quietly(futures)  # don't leave half a request running against the caller's buffer
                 raise
             return FutureGroup(futures)
 

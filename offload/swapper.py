@@ -13,18 +13,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Sequence
 
+from .aio import CompletedFuture, wait_quietly
 from .buffers import BufferPool, HostBuffer
 from .errors import PoolTooSmallError
-
-
-class _Done:
-    """A future that is already complete (a read that was not needed)."""
-
-    def wait(self) -> int:
-        return 0
-
-    def done(self) -> bool:
-        return True
 
 
 class Swapper:
@@ -81,7 +72,7 @@ class Swapper:
                     if pending is not None:
                         pending.wait()
                     u = units[next_read]
-                    fut = self.space.read(u.extent, buf, nbytes=u.nbytes) if needs_read(u) else _Done()
+                    fut = self.space.read(u.extent, buf, nbytes=u.nbytes) if needs_read(u) else CompletedFuture()
                     reads.append((u, buf, fut))
                     next_read += 1
                 u, buf, fut = reads.popleft()
@@ -100,15 +91,6 @@ class Swapper:
                 self.bytes_written += wfut.wait()
         except BaseException:
             # Buffers may still be targets of I/O: let everything land before the error leaves.
-            for _, _, fut in reads:
-                _quiet_wait(fut)
-            for wfut in writes:
-                _quiet_wait(wfut)
+            wait_quietly(fut for _, _, fut in reads)
+            wait_quietly(writes)
             raise
-
-
-def _quiet_wait(fut) -> None:
-    try:
-        fut.wait()
-    except OSError:
-        pass

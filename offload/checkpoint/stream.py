@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import xxhash
 
-from ..aio import Engine
+from ..aio import CompletedFuture, Engine, wait_quietly
 from ..buffers import BufferPool
 from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
@@ -48,22 +48,8 @@ def _aio_of(manifest: dict) -> AioConfig:
 # -- the streaming loop -----------------------------------------------------------------------
 
 
-class _Done:
-    def wait(self) -> int:
-        return 0
+_DONE = CompletedFuture()
 
-    def done(self) -> bool:
-        return True
-
-
-_DONE = _Done()
-
-
-def _quiet_wait(fut) -> None:
-    try:
-        fut.wait()
-    except OSError:
-        pass
 
 
 def _stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,
@@ -99,10 +85,8 @@ def _stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = No
         while writes:
             writes.popleft()[1].wait()
     except BaseException:
-        for _, _, fut in reads:
-            _quiet_wait(fut)
-        for _, fut in writes:
-            _quiet_wait(fut)
+        wait_quietly(fut for _, _, fut in reads)
+        wait_quietly(fut for _, fut in writes)
         raise
 
 
