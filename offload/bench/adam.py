@@ -23,7 +23,7 @@ from ..config import load_config
 from ..units import format_size
 from . import report
 from .cli import BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
-from .fio import Fio, FioError
+from .fio import write_read_gib_s
 from .workload import TENSOR_ELEMENTS, synthetic_params
 
 GIB = float(1 << 30)
@@ -131,16 +131,8 @@ def run_adam(args: argparse.Namespace) -> int:
 
         fio_read = fio_write = None
         if not args.no_fio:
-            try:
-                fio = Fio(paths, max(aio.block_size, min(state_bytes, 1 << 30)), aio.block_size, aio.queue_depth,
-                          aio.thread_count)
-                try:
-                    fio_write = fio.run("write").gib_s
-                    fio_read = fio.run("read").gib_s
-                finally:
-                    fio.cleanup()
-            except FioError as err:
-                print(f"fio bound skipped: {err}")
+            fio_write, fio_read = write_read_gib_s(paths, min(state_bytes, 1 << 30), aio.block_size,
+                                                   aio.queue_depth, aio.thread_count)
 
         torch_med = torch_peak = None
         if not args.no_torch:

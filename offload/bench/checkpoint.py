@@ -27,7 +27,7 @@ from ..config import load_config
 from ..units import format_size
 from . import report
 from .cli import UsageError, add_path_option, bench_paths, check_free_space, count_arg, positive_int_arg
-from .fio import Fio, FioError
+from .fio import write_read_gib_s
 from .workload import TENSOR_ELEMENTS, synthetic_params
 
 GIB = float(1 << 30)
@@ -164,16 +164,8 @@ def _run(args, cfg, paths, scratch) -> int:
 
     fio_write = fio_read = None
     if not args.no_fio:
-        try:
-            fio = Fio([scratch], max(aio.block_size, min(state_bytes, 4 << 30)), aio.block_size,
-                      aio.queue_depth, aio.thread_count)
-            try:
-                fio_write = fio.run("write").gib_s
-                fio_read = fio.run("read").gib_s
-            finally:
-                fio.cleanup()
-        except FioError as err:
-            print(f"fio skipped: {err}")
+        fio_write, fio_read = write_read_gib_s([scratch], min(state_bytes, 4 << 30), aio.block_size,
+                                               aio.queue_depth, aio.thread_count)
 
     def rate(seconds):
         return state_bytes / seconds / GIB if seconds else None

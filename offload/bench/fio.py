@@ -164,3 +164,18 @@ def parse_output(text: str, op: str) -> tuple[int, float]:
         raise FioError(f"fio moved no bytes for {op}")
     # A pass under a millisecond reads as 0 ms; count it as half a millisecond.
     return nbytes, max(runtime_ms, 0.5) / 1000.0
+
+
+def write_read_gib_s(paths: Sequence[str], size: int, block_size: int, queue_depth: int, threads: int,
+                     ) -> tuple[float | None, float | None]:
+    """fio's (write, read) GiB/s on ``paths`` for one pass each, or ``(None, None)`` with the reason
+    printed where fio is missing or fails; its files are removed either way."""
+    try:
+        fio = Fio(paths, max(block_size, size), block_size, queue_depth, threads)
+        try:
+            return fio.run("write").gib_s, fio.run("read").gib_s
+        finally:
+            fio.cleanup()
+    except FioError as err:
+        print(f"fio skipped: {err}")
+        return None, None
