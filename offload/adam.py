@@ -14,18 +14,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
+from collections import deque
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.optim.adam import adam as _torch_adam
 
+from .aio import wait_quietly
 from .buffers import BufferPool
 from .config import Config, load_config
 from .errors import ConfigError, StateError
 from .layout import Layout, ParamSlot
+from .params.store import resident as _resident
 from .params.store import store_of
 from .space import SwapSpace
 from .swapper import Swapper
@@ -125,7 +127,10 @@ class OffloadedAdam(torch.optim.Adam):
             self._space, self._pool, pipeline_read=oc.pipeline_read, pipeline_write=oc.pipeline_write
         )
         self._lay_out(candidates)
-        self._finalizer = weakref.finalize(self, _release, self._space, self._pool)
+        # Host buffers that offloaded gradients (offload_parameters' grad store) are read into, sized
+        # and made at the first step that needs them; a list, so the finalizer sees a later one.
+        self._grad_pools: list = []
+        self._finalizer = weakref.finalize(self, _release, self._space, self._pool, self._grad_pools)
 
     # -- what users call ---------------------------------------------------------------------
 
@@ -178,6 +183,15 @@ class OffloadedAdam(torch.optim.Adam):
                 self._error = err
                 raise
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's; gradients held in a parameter grad store are dropped (or marked zero) too."""
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                store = store_of(p)
+                if store is not None:
+                    store.forget_grad(p)
 
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group (as torch); its state gets space on the swap files at once."""
@@ -296,6 +310,11 @@ class OffloadedAdam(torch.optim.Adam):
         return self._pool.nbytes
 
     @property
+    def grad_pool_bytes(self) -> int:
+        """Host memory held for reading offloaded gradients (0 until a step needed it)."""
+        return sum(p.nbytes for p in self._grad_pools)
+
+    @property
     def offloaded_state_bytes(self) -> int:
         """Bytes of state stored on the swap space (all units)."""
         return self._layout.state_bytes
@@ -345,7 +364,9 @@ class OffloadedAdam(torch.optim.Adam):
                         st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 if self._kernel_flags(group, p.device)["fused"] and st["step"].device != p.device:
                     st["step"] = st["step"].to(p.device)
-                lists[0].append(p.grad)
+                store = store_of(p)
+                # A gradient in the grad store is read whole: these parameters are small.
+                lists[0].append(store.load_grad(p) if store is not None and store.holds_grad(p) else p.grad)
                 lists[1].append(st["exp_avg"])
                 lists[2].append(st["exp_avg_sq"])
                 if group["amsgrad"]:
@@ -369,10 +390,14 @@ class OffloadedAdam(torch.optim.Adam):
         # master copy already on disk the old weights are not read: the update rewrites all of them.
         held: dict = {}
         position = {id(u): i for i, u in enumerate(units)}
+        # Offloaded gradients: each unit's are read into a grad buffer ahead of its update, as far
+        # ahead as the swapper reads the state.
+        grads = _GradReader(units, active, self._grad_pool_for, self._swapper.lookahead)
 
         def update(unit, buf) -> bool:
             # Start reading the next unit's weights while this one is updated (never waits for a buffer).
             i = position[id(unit)]
+            grad_views = grads.begin(i)
             for c in units[i + 1].chunks if i + 1 < len(units) else ():
                 store = store_of(c.slot.param)
                 if store is not None and id(c.slot) in active and c.slot not in held and not (
@@ -387,7 +412,7 @@ class OffloadedAdam(torch.optim.Adam):
                         store.fetch(c.slot.param, read=not ("master" in c.slot.keys and c.slot.initialized))
                         held[c.slot] = store
             for chunks in by_group.values():
-                self._update_chunks(chunks, buf)
+                self._update_chunks(chunks, buf, grad_views)
             for c in unit.chunks:
                 if c.slot in held and c is c.slot.chunks[-1]:
                     held.pop(c.slot).release(c.slot.param, dirty=True)
@@ -396,13 +421,26 @@ class OffloadedAdam(torch.optim.Adam):
         try:
             self._swapper.run(units, update, needs_read=needs_read)
         finally:
+            grads.close()
             for slot, store in held.items():
                 store.release(slot.param, dirty=True)
         for s in slots:
             s.initialized = True
             self.state[s.param]["step"] += 1
 
-    def _update_chunks(self, chunks, buf) -> None:
+    def _grad_pool_for(self, count: int, size: int) -> BufferPool:
+        """A pool of at least ``count`` buffers of ``size`` bytes for offloaded gradients (kept for later steps)."""
+        if self._grad_pools:
+            pool = self._grad_pools[0]
+            if len(pool) >= count and pool.buffer_size >= size:
+                return pool
+            pool.close()
+            self._grad_pools.clear()
+        pool = BufferPool(count, size, pin_memory=self.config.offload_optimizer.pin_memory)
+        self._grad_pools.append(pool)
+        return pool
+
+    def _update_chunks(self, chunks, buf, grad_views=None) -> None:
         group = chunks[0].slot.group
         amsgrad = group["amsgrad"]
         params, grads, m, v, vmax, steps, writeback = [], [], [], [], [], [], []
@@ -411,7 +449,11 @@ class OffloadedAdam(torch.optim.Adam):
             p = slot.param
             lo, hi = c.start, c.start + c.numel
             flat_p = p.detach().view(-1)[lo:hi]
-            flat_g = p.grad.reshape(-1)[lo:hi]
+            flat_g = grad_views.get(c) if grad_views else None
+            if flat_g is None:
+                flat_g = p.grad.reshape(-1)[lo:hi]
+            elif flat_g.device != p.device:
+                flat_g = flat_g.to(p.device, non_blocking=True)
             exp_avg, exp_avg_sq = c.slice(buf, "exp_avg"), c.slice(buf, "exp_avg_sq")
             max_sq = c.slice(buf, "max_exp_avg_sq") if amsgrad else None
             master = c.slice(buf, "master") if "master" in slot.keys else None
@@ -559,9 +601,74 @@ class OffloadedAdamW(OffloadedAdam):
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _release(space, pool) -> None:
+def _release(space, pool, grad_pools) -> None:
     space.close()
     pool.close()
+    for p in grad_pools:
+        p.close()
+    grad_pools.clear()
+
+
+class _GradReader:
+    """Reads each unit's offloaded gradients (one request per chunk) into a buffer, ahead of its update.
+
+    ``begin(i)`` hands back the buffer of unit ``i - 1``, issues the reads of the units up to
+    ``i + ahead`` that buffers allow, waits for unit ``i``'s and returns ``{chunk: gradient view}``.
+    """
+
+    def __init__(self, units, active, make_pool, ahead: int):
+        self.plans = []
+        size = 0
+        for u in units:
+            plan, need = [], 0
+            for c in u.chunks:
+                store = store_of(c.slot.param)
+                if id(c.slot) in active and store is not None and store.holds_grad(c.slot.param):
+                    align = store.space.alignment
+                    itemsize = c.slot.param.element_size()
+                    lo, hi = c.start * itemsize, (c.start + c.numel) * itemsize
+                    need = -(-need // align) * align + (-(-hi // align) - lo // align) * align
+                    plan.append((c, store))
+            self.plans.append(plan)
+            size = max(size, need)
+        self.active = size > 0
+        self.ahead = ahead
+        self.free: deque = deque(make_pool(ahead + 1, size) if self.active else ())
+        self.pending: dict = {}  # unit index -> (buffer, [(chunk, GradRead)])
+        self.in_use = None
+        self.next = 0
+
+    def _issue(self, i: int) -> None:
+        buf = self.free.popleft()
+        reads, offset = [], 0
+        try:
+            for c, store in self.plans[i]:
+                align = store.space.alignment
+                offset = -(-offset // align) * align
+                read, span = store.read_grad(c.slot.param, c.start, c.start + c.numel, buf, offset)
+                reads.append((c, read))
+                offset += span
+        finally:
+            self.pending[i] = (buf, reads)
+
+    def begin(self, i: int) -> dict:
+        if not self.active:
+            return {}
+        if self.in_use is not None:
+            self.free.append(self.in_use)
+            self.in_use = None
+        while self.next < len(self.plans) and self.next <= i + self.ahead and self.free:
+            self._issue(self.next)
+            self.next += 1
+        buf, reads = self.pending.pop(i)
+        self.in_use = buf
+        return {c: read.wait() for c, read in reads}
+
+    def close(self) -> None:
+        """Let every read still in flight land (the buffers are reused by the next step)."""
+        for _, reads in self.pending.values():
+            wait_quietly(read for _, read in reads)
+        self.pending.clear()
 
 
 def _resolve_config(config, **overrides) -> Config:
@@ -584,22 +691,6 @@ def _resolve_config(config, **overrides) -> Config:
     if not oc.nvme_path:
         raise ConfigError("nvme_path is required: pass nvme_path=... or set offload_optimizer.nvme_path")
     return cfg
-
-
-@contextlib.contextmanager
-def _resident(params, *, dirty: bool):
-    """Fetch the parameters among ``params`` whose weights are on NVMe; release them afterwards."""
-    held = []
-    try:
-        for p in params:
-            store = store_of(p)
-            if store is not None:
-                store.fetch(p)
-                held.append((store, p))
-        yield
-    finally:
-        for store, p in held:
-            store.release(p, dirty=dirty)
 
 
 def _check_param(p: torch.Tensor) -> None:

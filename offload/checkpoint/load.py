@@ -17,6 +17,7 @@ import xxhash
 from ..aio import Engine
 from ..errors import CheckpointError
 from ..layout import state_keys_for
+from ..params.store import store_of
 from . import stream
 from .format import (
     DATA,
@@ -245,6 +246,21 @@ def _rechunk(opt, manifest: dict, memory: dict, params: list, engine: Engine, f,
         return e if e is not None and e.get("initialized") else None
 
     todo = [u for u in opt._layout.units if any(wanted(c.slot.param) for c in u.chunks)]
+    # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
+    # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
+    fetched: dict = {}
+
+    def weights(c) -> torch.Tensor:
+        p = c.slot.param
+        store = store_of(p)
+        if store is not None and p not in fetched:
+            store.fetch(p)
+            fetched[p] = store
+        return p.detach().reshape(-1)
+
+    def done_with(c) -> None:
+        if c.slot.param in fetched and c is c.slot.chunks[-1]:
+            fetched.pop(c.slot.param).release(c.slot.param)
 
     def fill(unit, buf) -> bool:
         for c in unit.chunks:
@@ -260,14 +276,19 @@ def _rechunk(opt, manifest: dict, memory: dict, params: list, engine: Engine, f,
                 elif e["where"] == "memory" and key in memory["state"][i]:
                     view.copy_(memory["state"][i][key].detach().reshape(-1)[lo:hi])
                 elif key == "master":
-                    view.copy_(c.slot.param.detach().reshape(-1)[lo:hi])
+                    view.copy_(weights(c)[lo:hi])
                 else:
                     raise CheckpointError(f"parameter {i}: state {key!r} is not in the checkpoint")
+            done_with(c)
         return True
 
     space = opt._space
-    _stream(todo, buffers[1:], process=fill,
-            write=lambda unit, buf: space.write(unit.extent, buf, nbytes=unit.nbytes))
+    try:
+        _stream(todo, buffers[1:], process=fill,
+                write=lambda unit, buf: space.write(unit.extent, buf, nbytes=unit.nbytes))
+    finally:
+        for p, store in fetched.items():
+            store.release(p)
 
     out = []
     for p in params:

@@ -1,18 +1,35 @@
 """Parameter offload: a model's weights on NVMe, fetched per submodule ahead of compute, released after.
 
-Layers: :mod:`.store` (bytes on the swap space, the pool, the host cache), :mod:`.hooks` (module
-hooks, backward hooks, execution-order recording and prefetch), :mod:`.api` (what users call).
+Layers: :mod:`.store` (bytes on the swap space, the pool, the host cache, the grad store),
+:mod:`.guard` (the guarded classes of released parameters and offloaded gradients), :mod:`.hooks`
+(module hooks, backward hooks, execution-order recording and prefetch), :mod:`.api` and
+:mod:`.grads` (what users call).
 """
 
-from .api import ParamOffload, materialized, offload_parameters, offloaded, restore_parameters
-from .store import ParamStore, store_of
+from .api import (
+    ParamOffload,
+    materialized,
+    offload_parameters,
+    offloaded,
+    register_external_parameter,
+    restore_parameters,
+)
+from .grads import clip_grad_norm_, load_grad
+from .guard import OffloadedGrad, OffloadedParameter
+from .store import ParamStore, resident, store_of
 
 __all__ = [
+    "OffloadedGrad",
+    "OffloadedParameter",
     "ParamOffload",
     "ParamStore",
+    "clip_grad_norm_",
+    "load_grad",
     "materialized",
     "offload_parameters",
     "offloaded",
+    "register_external_parameter",
+    "resident",
     "restore_parameters",
     "store_of",
 ]

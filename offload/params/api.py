@@ -12,10 +12,13 @@ from torch import nn
 
 from ..config import Config, ParamOffloadConfig, load_config
 from ..errors import ConfigError
-from .hooks import Scheduler
-from .store import ParamStore
+from .hooks import _EXTERNAL, Scheduler
+from .store import ParamStore, store_of
 
-__all__ = ["ParamOffload", "materialized", "offload_parameters", "offloaded", "restore_parameters"]
+__all__ = [
+    "ParamOffload", "materialized", "offload_parameters", "offloaded", "register_external_parameter",
+    "restore_parameters",
+]
 
 _ATTR = "_nvme_offload_params"
 _BLOCK_KEYS = {f.name for f in ParamOffloadConfig.__dataclass_fields__.values()}
@@ -47,12 +50,16 @@ def offload_parameters(
     buffer_count: Optional[int] = None,
     buffer_size: Optional[int] = None,
     pin_memory: Optional[bool] = None,
+    offload_grads: bool = True,
 ) -> nn.Module:
     """Move ``model``'s parameters to NVMe; each submodule's are fetched for its forward and backward.
 
     The model is changed in place and returned. Parameters keep their objects, shapes, dtypes, devices
-    and ``requires_grad``; between uses their storage is empty (zero bytes). Buffers stay in memory.
-    Move the model to its device before calling this (``model.to()`` afterwards is not supported).
+    and ``requires_grad``; between uses their storage is empty (zero bytes) and their class is
+    :class:`offload.params.guard.OffloadedParameter`, a ``Parameter`` subclass on which any torch
+    use while released raises ``RuntimeError`` instead of reading freed memory. Buffers stay in
+    memory. Move the model to its device before calling this (``model.to()`` afterwards is not
+    supported).
 
     Args:
         model: the module whose parameters (all of them, recursively) are offloaded.
@@ -67,6 +74,11 @@ def offload_parameters(
         prefetch: how many upcoming submodules (in the order recorded on the first call) to read ahead.
         buffer_count, buffer_size, pin_memory: override the config's ``offload_param`` settings
             (``buffer_size`` in elements).
+        offload_grads: move each offloaded parameter's gradient to NVMe as backward produces it,
+            leaving a placeholder in ``p.grad`` (read it with :func:`load_grad`; clip with
+            :func:`clip_grad_norm_`; step with ``OffloadedAdam``), so grads need no memory for the
+            whole model. ``False``: ordinary ``p.grad`` tensors, every torch utility works, and the
+            grads of all parameters are resident at once.
 
     Returns:
         ``model``.
@@ -86,13 +98,16 @@ def offload_parameters(
         raise ValueError(f"prefetch must be a non-negative number of submodules, got {prefetch!r}")
     cfg = _resolve_config(config, nvme_path=nvme_path, max_in_cpu=max_in_cpu, buffer_count=buffer_count,
                           buffer_size=buffer_size, pin_memory=pin_memory)
+    if not isinstance(offload_grads, bool):
+        raise TypeError(f"offload_grads must be True or False, got {offload_grads!r}")
     params = _check_params(model)
-    store = ParamStore(params, cfg, name="params")
+    store = ParamStore(params, cfg, name="params", offload_grads=offload_grads, names=_names(model))
     try:
         scheduler = Scheduler(model, store, prefetch)
     except BaseException:
         store.restore()
         raise
+    store.scheduler = scheduler
     setattr(model, _ATTR, ParamOffload(store, scheduler, cfg))
     return model
 
@@ -115,6 +130,31 @@ def restore_parameters(model: nn.Module) -> nn.Module:
     return model
 
 
+def register_external_parameter(module: nn.Module, param: torch.Tensor) -> None:
+    """Declare that ``module``'s forward uses ``param``, a parameter owned by another module.
+
+    The parameter is then fetched before ``module``'s forward and backward and released after, like
+    the module's own (e.g. a parent calling ``F.linear(x, self.child.weight)``, or a head using an
+    embedding's weight without holding it as its own Parameter). Call it before or after
+    :func:`offload_parameters`; for a model that is not offloaded it only takes note.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or ``param`` not a tensor.
+        ValueError: the model is offloaded and ``module`` is not part of the one holding ``param``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_external_parameter expects a torch.nn.Module, got {type(module).__name__}")
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"register_external_parameter expects a parameter tensor, got {type(param).__name__}")
+    declared = module.__dict__.setdefault(_EXTERNAL, [])
+    if not any(q is param for q in declared):
+        declared.append(param)
+    store = store_of(param)
+    scheduler = getattr(store, "scheduler", None) if store is not None else None
+    if scheduler is not None:
+        scheduler.add_external(module, param)
+
+
 def offloaded(model: nn.Module) -> Optional[ParamOffload]:
     """The :class:`ParamOffload` of an offloaded model, or ``None``."""
     return getattr(model, _ATTR, None)
@@ -128,7 +168,7 @@ def materialized(model: nn.Module, *, modified: bool = False) -> Iterator[nn.Mod
     Needs memory for the whole model. With ``modified=True`` the parameters are written back to NVMe
     afterwards (change them in place, under ``torch.no_grad()``).
 
-    Touching a released parameter's data outside this block or a forward/backward is not allowed
+    Touching a released parameter outside this block or a forward/backward raises ``RuntimeError``
     (its storage is empty, as with FSDP).
     """
     state = offloaded(model)
@@ -176,6 +216,17 @@ def _resolve_config(config, **overrides) -> Config:
     return cfg
 
 
+def _names(model: nn.Module) -> dict:
+    """Each parameter's first qualified name and its owner's class, for error messages."""
+    names: dict = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, p in module._parameters.items():
+            if p is not None and p not in names:
+                full = f"{prefix}.{name}" if prefix else name
+                names[p] = f"'{full}' (of {type(module).__name__})"
+    return names
+
+
 def _check_params(model: nn.Module) -> list[torch.Tensor]:
     params = [p for p in model.parameters() if p.numel() > 0]
     devices = {p.device for p in params}
@@ -188,6 +239,11 @@ def _check_params(model: nn.Module) -> list[torch.Tensor]:
         raise ValueError("the model's parameters are on the meta device; materialise them before offloading")
     owners: dict = {}
     for p in params:
+        if type(p) is not nn.Parameter:
+            raise ValueError(
+                f"parameter of shape {tuple(p.shape)} is a {type(p).__name__}, not a torch.nn.Parameter; "
+                "only plain Parameters can be offloaded"
+            )
         if p.is_sparse:
             raise ValueError(f"sparse parameter of shape {tuple(p.shape)} cannot be offloaded")
         st = p.untyped_storage()

@@ -10,6 +10,14 @@
 # produces its grad (the nodes that read it) has run. An end-of-backward callback releases whatever is
 # still held (frozen parameters, ``autograd.grad`` that accumulates nothing).
 #
+# Gradients (``store.offload_grads``): a tensor hook on each parameter (before torch accumulates into
+# ``p.grad``) and the post-accumulate-grad hook (after) hand the gradient to the store, which moves it
+# to NVMe and leaves a placeholder in ``p.grad`` (see ParamStore.begin_grad/put_grad).
+#
+# External parameters: a module that uses another module's parameter in its forward declares it
+# (``register_external_parameter``); the parameter is then fetched and released around that
+# module's forward and backward exactly like its own.
+#
 # Prefetch: the sequence of fetch events (module, forward or backward) between two calls of the root
 # module is recorded once; afterwards each event that matches the recording issues reads for the
 # parameters of the next ``prefetch`` events. An event that does not match stops prefetching and
@@ -23,7 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .store import ParamStore
+from .store import ParamStore, resident
+
+_EXTERNAL = "_nvme_external_params"  # a module's declared external parameters (a list)
 
 FORWARD, BACKWARD = 0, 1
 
@@ -74,33 +84,65 @@ class Scheduler:
         self._pos = 0
         self._following = False
         self.order_changes = 0
+        self._index: dict[int, int] = {}  # id(module) -> its index
+        self._hooked: set[int] = set()  # indices of modules with forward hooks
+        self._wrapped: list[nn.Module] = []  # modules whose _save_to_state_dict is wrapped
 
         self._handles.append(root.register_forward_pre_hook(self._on_root_call, prepend=True))
         for module in root.modules():
+            if id(module) in self._index:
+                continue
             mine = [p for p in own_params(module) if p in store.records]
             index = len(self.modules)
+            self._index[id(module)] = index
             self.modules.append(module)
             self.params.append(mine)
             if mine:
-                self._handles.append(module.register_forward_pre_hook(self._pre_forward(index)))
-                self._handles.append(module.register_forward_hook(self._post_forward(index), always_call=True))
-            # Every module: state_dict() and load_state_dict() must see weights, one module at a time.
-            # (torch marks its hooks with an attribute, which bound methods cannot take: wrap them.)
-            self._handles.append(module.register_state_dict_post_hook(
-                lambda *a: self._state_dict_hook(*a)))
+                self._hook_forward(index)
+                # state_dict(): fetch around torch's own copy-out, keep a clone, release.
+                module._save_to_state_dict = self._save_wrapper(module, module._save_to_state_dict)
+                self._wrapped.append(module)
+            # load_state_dict() must see weights, one module at a time. (torch marks its hooks with
+            # an attribute, which bound methods cannot take: wrap them.)
             self._handles.append(module.register_load_state_dict_pre_hook(
                 lambda *a: self._load_pre_hook(*a)))
             self._handles.append(module.register_load_state_dict_post_hook(
                 lambda *a: self._load_post_hook(*a)))
+        for module in root.modules():
+            for p in getattr(module, _EXTERNAL, ()):
+                self.add_external(module, p)
         for p in store.records:
             if p.requires_grad:
+                if store.offload_grads:
+                    self._handles.append(p.register_hook(self._grad_pre_hook(p)))
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+
+    def add_external(self, module: nn.Module, param: torch.Tensor) -> None:
+        """Fetch ``param`` around ``module``'s forward and backward too (it uses it but does not own it)."""
+        index = self._index.get(id(module))
+        if index is None:
+            raise ValueError(f"{type(module).__name__} is not a submodule of the offloaded model")
+        if param not in self.store.records or any(q is param for q in self.params[index]):
+            return
+        self.params[index].append(param)
+        self._hook_forward(index)
+
+    def _hook_forward(self, index: int) -> None:
+        if index in self._hooked:
+            return
+        self._hooked.add(index)
+        module = self.modules[index]
+        self._handles.append(module.register_forward_pre_hook(self._pre_forward(index)))
+        self._handles.append(module.register_forward_hook(self._post_forward(index), always_call=True))
 
     def remove(self) -> None:
         """Take every hook off and release what the backward still holds."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for module in self._wrapped:
+            module.__dict__.pop("_save_to_state_dict", None)
+        self._wrapped.clear()
         self._release_held()
 
     # -- order and prefetch -------------------------------------------------------------------
@@ -179,7 +221,15 @@ class Scheduler:
             return None
         return hook
 
+    def _grad_pre_hook(self, p: torch.Tensor):
+        def hook(grad):
+            self.store.begin_grad(p)
+            return None
+        return hook
+
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
+        if self.store.offload_grads:
+            self.store.put_grad(p)
         if p in self._held:
             self._held.discard(p)
             self.store.release(p)
@@ -195,16 +245,20 @@ class Scheduler:
 
     # -- state dicts ----------------------------------------------------------------------------
 
-    def _state_dict_hook(self, module, state_dict, prefix, local_metadata) -> None:
-        for name, p in module._parameters.items():
-            key = prefix + name
-            if p is None or p not in self.store.records or state_dict.get(key) is p:
-                continue  # keep_vars=True hands out the Parameter itself
-            self.store.fetch(p)
-            try:
-                state_dict[key] = p.detach().clone()
-            finally:
-                self.store.release(p)
+    def _save_wrapper(self, module: nn.Module, save):
+        store = self.store
+
+        def save_to_state_dict(destination, prefix, keep_vars):
+            if keep_vars:  # the Parameters themselves, not their values
+                return save(destination, prefix, keep_vars)
+            mine = [p for p in own_params(module) if p in store.records]
+            with resident(mine):
+                save(destination, prefix, keep_vars)
+                for name, p in module._parameters.items():
+                    if p is not None and p in store.records and prefix + name in destination:
+                        # torch stored a detached alias of storage about to be freed: keep a copy.
+                        destination[prefix + name] = destination[prefix + name].clone()
+        return save_to_state_dict
 
     def _load_pre_hook(self, module, state_dict, prefix, *args) -> None:
         for p in own_params(module):

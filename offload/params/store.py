@@ -17,19 +17,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
+from ..aio import CompletedFuture, wait_quietly
 from ..buffers import BufferPool, HostBuffer
 from ..config import Config
 from ..space import Extent, SwapSpace
+from .guard import OffloadedParameter, make_placeholder
 
-__all__ = ["ParamStore", "store_of"]
+__all__ = ["GradRead", "ParamStore", "resident", "store_of"]
 
 _ALIGN = 4096
 
@@ -49,6 +52,27 @@ def store_of(param: torch.Tensor) -> Optional[ParamStore]:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+_NONE, _ZERO, _STORED = 0, 1, 2  # what a grad extent holds
+
+
+class GradRead:
+    """A read of part of a stored gradient into a host buffer; ``wait()`` returns it as a typed view."""
+
+    def __init__(self, future, view: torch.Tensor, zero: bool, scales: list):
+        self._future, self._view, self._zero, self._scales = future, view, zero, scales
+
+    def wait(self) -> torch.Tensor:
+        self._future.wait()
+        if self._zero:
+            self._view.zero_()
+        for coef in self._scales:
+            self._view.mul_(coef)  # pending clip factors, applied in order as torch would have
+        return self._view
+
+    def done(self) -> bool:
+        return self._future.done()
 
 
 @dataclass(eq=False)
@@ -73,6 +97,15 @@ class _Record:
     dirty: bool = False
     prefetched: dict = field(default_factory=dict)  # piece index -> (_Slot, read future)
     writes: list = field(default_factory=list)  # write futures of this record's extent
+    cls: type = None  # the parameter's class before offload, restored on undo
+    name: str = "?"
+    # The gradient store (offload_grads): its own extent; what it holds is valid only while p.grad is
+    # the placeholder (torch's zero_grad(set_to_none=True) or a user's assignment replaces it).
+    grad_extent: Optional[Extent] = None
+    placeholder: Optional[torch.Tensor] = None
+    grad_state: int = 0  # _NONE, _ZERO or _STORED
+    grad_writes: list = field(default_factory=list)  # write futures of the grad extent
+    grad_scales: list = field(default_factory=list)  # clip factors not yet applied to the stored bytes
 
 
 class ParamStore:
@@ -83,15 +116,25 @@ class ParamStore:
         config: a :class:`offload.config.Config`; its ``offload_param`` block (nvme_path, buffer_count,
             buffer_size in elements, max_in_cpu, pin_memory) and ``aio`` block are used.
         name: a tag in the swap file name.
+        offload_grads: give each parameter that requires grad an extent for its gradient (see
+            :meth:`begin_grad` / :meth:`put_grad`).
+        names: parameter -> a name for error messages.
 
     Every parameter is written to the swap space (or copied into the host cache) and released before
     this returns. The pool holds ``buffer_count`` buffers of ``buffer_size`` elements of the widest
     parameter dtype, rounded up to 4 KiB.
     """
 
-    def __init__(self, params: Iterable[torch.Tensor], config: Config, *, name: str = "params"):
+    def __init__(self, params: Iterable[torch.Tensor], config: Config, *, name: str = "params",
+                 offload_grads: bool = False, names: Optional[dict] = None):
         pc = config.offload_param
         params = list(params)
+        self.offload_grads = offload_grads
+        self._names = names or {}
+        self.grad_bytes_read = 0
+        self.grad_bytes_written = 0
+        self.grad_resident_bytes = 0
+        self.grad_resident_bytes_max = 0
         self.device = params[0].device if params else torch.device("cpu")
         self.records: dict[torch.Tensor, _Record] = {}
         self.kept_bytes = 0  # host-cache parameters of a CPU model: left in place, never offloaded
@@ -118,6 +161,9 @@ class ParamStore:
             cached.add(p)
         on_disk = [p for p in params if p not in cached]
         reserve = sum(_round_up(p.numel() * p.element_size(), _ALIGN) for p in on_disk)
+        if offload_grads:
+            reserve += sum(_round_up(p.numel() * p.element_size(), _ALIGN) for p in params
+                           if p.requires_grad and not (p in cached and not self._cuda))
         try:
             self.space = SwapSpace(pc.nvme_path, reserve, aio=config.aio, buffers=self.pool, name=name)
         except BaseException:
@@ -188,6 +234,131 @@ class ParamStore:
             if rec.prefetched:
                 self._issued.append(rec)
 
+    # -- gradients (offload_grads) ------------------------------------------------------------
+    #
+    # A parameter's gradient lives in its grad extent while p.grad is the record's placeholder. The
+    # backward calls begin_grad (a tensor hook, before torch accumulates into p.grad) and put_grad (a
+    # post-accumulate-grad hook, after): begin_grad empties p.grad if it holds the placeholder, so
+    # torch stores the new gradient alone; put_grad then writes it out, adding the stored one first
+    # (buffer = stored; buffer += new, the same operation torch's accumulation does) and puts the
+    # placeholder back. Anything else in p.grad at begin_grad (None after zero_grad(set_to_none=True),
+    # or a tensor a user assigned) means the stored bytes are stale: torch's accumulation then starts
+    # from that, and put_grad writes the result afresh.
+
+    def holds_grad(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient is in the grad store (``param.grad`` is its placeholder)."""
+        rec = self.records.get(param)
+        return rec is not None and rec.placeholder is not None and param.grad is rec.placeholder
+
+    def begin_grad(self, param: torch.Tensor) -> None:
+        """Before torch accumulates a new gradient into ``param.grad``: step the placeholder aside."""
+        with self._lock:
+            rec = self.records[param]
+            if rec.placeholder is not None and param.grad is rec.placeholder:
+                param.grad = None
+            else:
+                rec.grad_state, rec.grad_scales = _NONE, []
+
+    def put_grad(self, param: torch.Tensor) -> None:
+        """After torch accumulated into ``param.grad``: move it to the grad store, leave the placeholder."""
+        with self._lock:
+            rec = self.records[param]
+            g = param.grad
+            if rec.grad_extent is None or g is None or g is rec.placeholder:
+                return
+            self._count_grad(rec.nbytes)
+            try:
+                self._write_grad(rec, g.detach())
+            finally:
+                self._count_grad(-rec.nbytes)
+            param.grad = rec.placeholder
+            rec.grad_state, rec.grad_scales = _STORED, []
+
+    def mark_grad_zero(self, param: torch.Tensor) -> None:
+        """``param.grad.zero_()`` on the placeholder: the stored gradient is zero from now on."""
+        with self._lock:
+            rec = self.records[param]
+            rec.grad_state, rec.grad_scales = _ZERO, []
+
+    def forget_grad(self, param: torch.Tensor) -> None:
+        """The stored gradient is gone (``param.grad`` was set to None)."""
+        with self._lock:
+            rec = self.records.get(param)
+            if rec is not None and param.grad is not rec.placeholder:
+                rec.grad_state, rec.grad_scales = _NONE, []
+
+    def scale_grad(self, param: torch.Tensor, coef: torch.Tensor) -> None:
+        """Multiply the stored gradient by the 0-dim ``coef`` (applied when it is next read)."""
+        with self._lock:
+            rec = self.records[param]
+            if rec.grad_state == _STORED:
+                rec.grad_scales.append(coef.detach().to("cpu"))
+
+    def read_grad(self, param: torch.Tensor, lo: int, hi: int, buffer: HostBuffer,
+                  buffer_offset: int) -> tuple[GradRead, int]:
+        """Start reading elements ``[lo, hi)`` of the stored gradient into ``buffer`` at ``buffer_offset``.
+
+        ``buffer_offset`` must be a multiple of the swap space's alignment. Returns the read (whose
+        ``wait()`` gives the elements as a view into ``buffer``) and the bytes of ``buffer`` it spans.
+        """
+        with self._lock:
+            rec = self.records[param]
+            if not self.holds_grad(param):
+                raise RuntimeError(f"parameter {rec.name} has no gradient in the grad store")
+            align = self.space.alignment
+            size = param.element_size()
+            first, end = lo * size, hi * size
+            a, b = first // align * align, _round_up(end, align)
+            view = buffer.view(param.dtype, buffer_offset + first - a, hi - lo)
+            if rec.grad_state == _ZERO:
+                return GradRead(CompletedFuture(), view, True, []), b - a
+            for fut in rec.grad_writes:
+                fut.wait()  # the read must see the latest bytes
+            rec.grad_writes.clear()
+            ext = Extent(rec.grad_extent.offset + a, b - a, rec.grad_extent.owner)
+            fut = self.space.read(ext, buffer, buffer_offset=buffer_offset, nbytes=b - a)
+            self.grad_bytes_read += b - a
+            return GradRead(fut, view, False, list(rec.grad_scales)), b - a
+
+    def load_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """A new tensor holding ``param``'s stored gradient (None without one), read through the pool."""
+        with self._lock:
+            rec = self.records.get(param)
+            if rec is None or not self.holds_grad(param):
+                return None
+            out = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            self._count_grad(rec.nbytes)
+            self._count_grad(-rec.nbytes)  # the caller holds it; counted as one gradient resident at a time
+            with torch._C.DisableTorchFunctionSubclass():
+                if rec.grad_state == _ZERO:
+                    return out.zero_()
+                for fut in rec.grad_writes:
+                    fut.wait()
+                rec.grad_writes.clear()
+                dst = out.view(-1).view(torch.uint8)
+                for k in range(self._pieces(rec)):
+                    slot = self._take_free(wait=True)
+                    try:
+                        ext, n = self._piece_extent(rec, k, rec.grad_extent)
+                        self.space.read(ext, slot.buffer, nbytes=n).wait()
+                        self.grad_bytes_read += ext.nbytes
+                        start = k * self.piece
+                        dst[start:start + n].copy_(slot.buffer.tensor[:n])
+                    finally:
+                        self._free.append(slot)
+                for coef in rec.grad_scales:
+                    out.mul_(coef)
+            return out
+
+    def reset_grad_peak(self) -> None:
+        """Restart ``grad_resident_bytes_max`` from the gradient bytes resident now."""
+        self.grad_resident_bytes_max = self.grad_resident_bytes
+
+    @property
+    def grad_swap_bytes(self) -> int:
+        """Bytes of the swap space reserved for gradients."""
+        return sum(r.grad_extent.nbytes for r in self.records.values() if r.grad_extent is not None)
+
     def is_resident(self, param: torch.Tensor) -> bool:
         return self.records[param].resident
 
@@ -208,20 +379,30 @@ class ParamStore:
         return sum(r.host.numel() for r in self.records.values() if r.host is not None)
 
     def restore(self) -> None:
-        """Bring every parameter back into its own storage for good, then close."""
+        """Bring every parameter (and its offloaded gradient) back into memory for good, then close."""
         with self._lock:
             for rec in self.records.values():
                 if not rec.resident:
                     self.fetch(rec.param)
+                if rec.placeholder is not None and rec.param.grad is rec.placeholder:
+                    rec.param.grad = self.load_grad(rec.param)
             self._drain()
         self.close()
 
     def close(self) -> None:
-        """Forget the parameters (released ones stay empty), remove the swap file, free the pool."""
+        """Forget the parameters, remove the swap file, free the pool.
+
+        Resident parameters get their own class back; released ones stay empty and guarded (any use
+        raises), as do gradient placeholders left in ``p.grad``.
+        """
         with self._lock:
             for rec in self.records.values():
                 if store_of(rec.param) is self:
                     del _STORES[id(rec.param)]
+                if rec.resident and type(rec.param) is OffloadedParameter:
+                    rec.param.__class__ = rec.cls
+                    rec.param.__dict__.pop("_nvme_resident", None)
+                    rec.param.__dict__.pop("_nvme_name", None)
             self._drain()
             self.records = {}
             if hasattr(self, "space"):
@@ -232,7 +413,10 @@ class ParamStore:
 
     def _add(self, p: torch.Tensor, *, cached: bool) -> None:
         nbytes = p.numel() * p.element_size()
-        rec = _Record(p, nbytes)
+        rec = _Record(p, nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
+        if self.offload_grads and p.requires_grad:
+            rec.grad_extent = self.space.alloc(nbytes)
+            rec.placeholder = make_placeholder(p, rec.name)
         if cached:
             host = self._data(rec).to("cpu", copy=True)
             rec.host = host.pin_memory() if self._cuda and self.pool[0].pinned else host
@@ -242,6 +426,9 @@ class ParamStore:
         self.records[p] = rec
         _STORES[id(p)] = (weakref.ref(p), self)
         self.resident_bytes += nbytes
+        # From here on a use of the released parameter raises instead of reading freed memory.
+        p._nvme_name = rec.name
+        p.__class__ = OffloadedParameter
         self._shrink(rec)
 
     def _data(self, rec: _Record) -> torch.Tensor:
@@ -251,21 +438,24 @@ class ParamStore:
     def _pieces(self, rec: _Record) -> int:
         return -(-rec.nbytes // self.piece)
 
-    def _piece_extent(self, rec: _Record, k: int) -> tuple[Extent, int]:
+    def _piece_extent(self, rec: _Record, k: int, extent: Optional[Extent] = None) -> tuple[Extent, int]:
+        extent = rec.extent if extent is None else extent
         start = k * self.piece
         n = min(self.piece, rec.nbytes - start)
-        ext = Extent(rec.extent.offset + start, _round_up(n, self.space.alignment), rec.extent.owner)
+        ext = Extent(extent.offset + start, _round_up(n, self.space.alignment), extent.owner)
         return ext, n
 
     def _grow(self, rec: _Record) -> None:
         rec.param.untyped_storage().resize_(rec.nbytes)
         rec.resident = True
+        rec.param._nvme_resident = True
         self.resident_bytes += rec.nbytes
         self.resident_bytes_max = max(self.resident_bytes_max, self.resident_bytes)
 
     def _shrink(self, rec: _Record) -> None:
-        rec.param.untyped_storage().resize_(0)
         rec.resident = False
+        rec.param._nvme_resident = False
+        rec.param.untyped_storage().resize_(0)
         self.resident_bytes -= rec.nbytes
 
     def _evict(self, rec: _Record) -> None:
@@ -308,7 +498,7 @@ class ParamStore:
 
     def _drop_prefetch(self, rec: _Record) -> None:
         for slot, fut in rec.prefetched.values():
-            _quiet_wait(fut)  # a failed read nobody needs is no error; the buffer must be idle
+            wait_quietly([fut])  # a failed read nobody needs is no error; the buffer must be idle
             self._free.append(slot)
         rec.prefetched.clear()
         if rec in self._issued:
@@ -358,7 +548,7 @@ class ParamStore:
                 self._free.append(slot)
         finally:
             for slot, fut in pending.values():
-                _quiet_wait(fut)
+                wait_quietly([fut])
                 self._free.append(slot)
 
     def _store(self, rec: _Record) -> None:
@@ -379,6 +569,48 @@ class ParamStore:
             rec.writes.append(fut)
             self._free.append(slot)
 
+    def _count_grad(self, nbytes: int) -> None:
+        self.grad_resident_bytes += nbytes
+        self.grad_resident_bytes_max = max(self.grad_resident_bytes_max, self.grad_resident_bytes)
+
+    def _write_grad(self, rec: _Record, grad: torch.Tensor) -> None:
+        """Write ``grad`` to ``rec``'s grad extent, added to what is stored there (per ``rec.grad_state``)."""
+        for fut in rec.grad_writes:
+            fut.wait()  # earlier writes of this extent land first: a read-add must see them, a rewrite follow them
+        rec.grad_writes.clear()
+        with torch._C.DisableTorchFunctionSubclass():
+            src = grad.reshape(-1)
+            if not src.is_contiguous():
+                src = src.contiguous()
+            raw = src.view(torch.uint8)
+            size = src.element_size()
+            for k in range(self._pieces(rec)):
+                slot = self._take_free(wait=True)
+                try:
+                    ext, n = self._piece_extent(rec, k, rec.grad_extent)
+                    start = k * self.piece
+                    if rec.grad_state == _NONE:
+                        slot.buffer.tensor[:n].copy_(raw[start:start + n])
+                    else:
+                        view = slot.buffer.view(src.dtype, 0, n // size)
+                        if rec.grad_state == _STORED:
+                            self.space.read(ext, slot.buffer, nbytes=n).wait()
+                            self.grad_bytes_read += ext.nbytes
+                            for coef in rec.grad_scales:
+                                view.mul_(coef)
+                        else:
+                            view.zero_()  # zero_grad(set_to_none=False): torch adds into zeros, so do we
+                        piece = src[start // size:(start + n) // size]
+                        view.add_(piece if piece.device.type == "cpu" else piece.to("cpu"))
+                    if n % self.space.alignment:
+                        slot.buffer.tensor[n:_round_up(n, self.space.alignment)].zero_()
+                    fut = self.space.write(ext, slot.buffer, nbytes=n)
+                    self.grad_bytes_written += ext.nbytes
+                    slot.pending = fut
+                    rec.grad_writes.append(fut)
+                finally:
+                    self._free.append(slot)
+
     def _drain(self) -> None:
         """Let every write and prefetch land (before closing, or before the files are read elsewhere)."""
         for rec in list(self._issued):
@@ -386,11 +618,24 @@ class ParamStore:
         for slot in self._free:
             self._settle(slot)
         for rec in self.records.values():
-            rec.writes.clear()
+            rec.writes.clear()  # every write's source is a pool buffer, settled above
+            rec.grad_writes.clear()
 
 
-def _quiet_wait(fut) -> None:
+@contextlib.contextmanager
+def resident(params: Iterable[torch.Tensor], *, dirty: bool = False) -> Iterator[None]:
+    """Fetch those of ``params`` whose weights are on NVMe for the block; release them after it.
+
+    Ordinary parameters are left alone. ``dirty=True`` writes the fetched ones back afterwards.
+    """
+    held = []
     try:
-        fut.wait()
-    except OSError:
-        pass
+        for p in params:
+            store = store_of(p)
+            if store is not None:
+                store.fetch(p)
+                held.append((store, p))
+        yield
+    finally:
+        for store, p in held:
+            store.release(p, dirty=dirty)
