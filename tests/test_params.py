@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from offload import ConfigError, OffloadedAdamW, offload_parameters, restore_parameters
-from offload.params import materialized, offloaded, store_of
+from offload.params import clip_grad_norm_, load_grad, materialized, offloaded, store_of
 
 TINY = dict(max_in_cpu=0, buffer_count=3, buffer_size=2048)
 OPT = dict(lr=1e-2, buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
@@ -76,12 +76,21 @@ def loss_of(model, step, dtype=torch.float32):
 
 
 def assert_same_weights(a, b):
-    with materialized(b):
+    with materialized(a), materialized(b):
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(p, q), f"{name} differs"
 
 
-def train_side_by_side(ref, off, nvme, steps=4, dtype=torch.float32, micro=1, before_step=None):
+def assert_same_grads(ref, off):
+    for (name, p), q in zip(ref.named_parameters(), off.parameters()):
+        g = load_grad(q)
+        assert (p.grad is None) == (g is None), f"{name}: grad presence differs"
+        assert p.grad is None or torch.equal(p.grad, g), f"{name}: grad differs"
+
+
+def train_side_by_side(ref, off, nvme, steps=4, dtype=torch.float32, micro=1, before_step=None, clip=None,
+                       set_to_none=True):
+    """Train both models in lockstep; ``clip``: max norm for torch's clip (ref) and ours (off)."""
     opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
     opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
     try:
@@ -93,12 +102,16 @@ def train_side_by_side(ref, off, nvme, steps=4, dtype=torch.float32, micro=1, be
                 assert torch.equal(la, lb), f"step {step}: loss {la.item()} != {lb.item()}"
                 la.backward()
                 lb.backward()
-            for p, q in zip(ref.parameters(), off.parameters()):
-                assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+            assert_same_grads(ref, off)
+            if clip is not None:
+                na = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                nb = clip_grad_norm_(off, clip)
+                assert torch.equal(na, nb), f"step {step}: norm {na.item()} != {nb.item()}"
+                assert_same_grads(ref, off)
             opt_ref.step()
             opt_off.step()
-            opt_ref.zero_grad()
-            opt_off.zero_grad()
+            opt_ref.zero_grad(set_to_none=set_to_none)
+            opt_off.zero_grad(set_to_none=set_to_none)
         assert_same_weights(ref, off)
     finally:
         opt_ref.close()
@@ -386,6 +399,277 @@ def test_config_block_and_deepspeed_layout_are_accepted(nvme):
     m = offload_parameters(nn.Linear(64, 64), config=ds, buffer_size=1000)
     assert len(offloaded(m).store.pool) == 6
     restore_parameters(m)
+
+
+# -- guarded parameters --------------------------------------------------------------------------------
+
+GUARD_SCRIPT = r"""
+import sys
+import torch
+from torch import nn
+from offload import offload_parameters, restore_parameters
+from offload.params import OffloadedParameter, materialized
+
+class Parent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.child = nn.Linear(8, 8)
+    def forward(self, x):
+        return nn.functional.linear(x, self.child.weight)  # a weight it does not own
+
+model = Parent()
+offload_parameters(model, sys.argv[1], max_in_cpu=0, buffer_count=3, buffer_size=2048)
+p = model.child.weight
+assert isinstance(p, nn.Parameter) and type(p) is OffloadedParameter
+assert p.shape == (8, 8) and p.dtype == torch.float32 and p.device.type == "cpu" and p.requires_grad
+print(repr(p))
+print(f"{p}")
+attempts = {
+    "print": lambda: print(p.data),
+    "sum": lambda: p.sum(),
+    "parent": lambda: model(torch.randn(2, 8)),
+    "torch.equal": lambda: torch.equal(p, p),
+    "dict": lambda: print(torch.stack(list(dict(model.named_parameters()).values()))),
+}
+for name, attempt in attempts.items():
+    try:
+        attempt()
+    except RuntimeError as err:
+        assert "offloaded to NVMe and not resident" in str(err), err
+        assert "'child.weight'" in str(err) and "materialized" in str(err), err
+        print("refused", name)
+    else:
+        raise SystemExit(f"{name} was not refused")
+with materialized(model):
+    print(float(p.sum()))
+restore_parameters(model)
+assert type(p) is nn.Parameter
+print(float(model.child.weight.sum()))
+"""
+
+
+def test_touching_a_released_parameter_raises_a_clear_error_instead_of_crashing(tmp_path, nvme):
+    """Printing, p.sum(), torch.equal and a parent using a child's weight raise a RuntimeError naming
+    the parameter and the fix; the process exits normally (run apart, so a crash fails only this test)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, nvme], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("print", "sum", "parent", "torch.equal", "dict"):
+        assert f"refused {name}" in proc.stdout
+    assert "OffloadedParameter('child.weight'" in proc.stdout and "not resident" in proc.stdout
+
+
+def test_guard_keeps_parameter_identity_and_undo_restores_the_class(nvme):
+    """Offloaded parameters stay Parameters (same objects, named_parameters, optimizers accept them);
+    restore_parameters gives back plain nn.Parameter objects."""
+    _, off = make_pair(seed=20)
+    params = list(off.parameters())
+    offload_parameters(off, nvme, **TINY)
+    assert list(off.parameters()) == params
+    assert all(isinstance(p, nn.Parameter) for p in params)
+    assert next(off.parameters()).device == torch.device("cpu")
+    torch.optim.SGD(off.parameters(), lr=0.1)  # construction reads only metadata
+    restore_parameters(off)
+    assert all(type(p) is nn.Parameter for p in params)
+
+
+class UsesChildWeight(nn.Module):
+    """A parent whose forward uses its child's weight directly (DeepSpeed's "external parameter")."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(32, 32)
+        self.proj = nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.inner(x))
+        return self.proj(nn.functional.linear(h, self.inner.weight))
+
+
+@pytest.mark.parametrize("before", [False, True], ids=["after-offload", "before-offload"])
+def test_registered_external_parameter_is_fetched_for_the_parent(nvme, before):
+    """After register_external_parameter, a parent using its child's weight trains exactly as in memory."""
+    from offload.params import register_external_parameter
+
+    torch.manual_seed(21)
+    ref = UsesChildWeight()
+    off = copy.deepcopy(ref)
+    if before:
+        register_external_parameter(off, off.inner.weight)
+    offload_parameters(off, nvme, **TINY)
+    if not before:
+        register_external_parameter(off, off.inner.weight)
+    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
+    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    for step in range(3):
+        x, _ = batch(step)
+        for model in (ref, off):
+            model(x).square().mean().backward()
+        assert_same_grads(ref, off)
+        for opt in (opt_ref, opt_off):
+            opt.step()
+            opt.zero_grad()
+    assert offloaded(off).store.resident_bytes == 0
+    assert_same_weights(ref, off)
+    opt_ref.close()
+    opt_off.close()
+    restore_parameters(off)
+
+
+# -- offloaded gradients --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("micro", [1, 3])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_offloaded_grads_train_bitwise_like_the_in_memory_model(nvme, micro, clip):
+    """With grads in the grad store, training (accumulating over micro-batches, clipping with our
+    clip_grad_norm_ against torch's) gives the in-memory model's grads, norms and weights bit for bit."""
+    ref, off = make_pair(seed=22)
+    for m in (ref, off):
+        m.blocks[1].up.weight.requires_grad_(False)  # a frozen parameter: no grad, not stepped
+    offload_parameters(off, nvme, **TINY)
+    store = offloaded(off).store
+    train_side_by_side(ref, off, nvme, steps=3, micro=micro, clip=clip)
+    assert store.grad_bytes_written > 0 and store.grad_bytes_read > 0
+    assert off.blocks[1].up.weight.grad is None
+    restore_parameters(off)
+
+
+@pytest.mark.parametrize("how", ["optimizer-zero", "optimizer-none", "model-zero", "model-none", "assigned"])
+def test_zero_grad_variants_start_the_grad_store_fresh(nvme, how):
+    """zero_grad(set_to_none=True/False) from the optimizer or the model, or a user-assigned grad,
+    leave the stored grads in the state torch's would be in, so accumulation goes on exactly."""
+    ref, off = make_pair(seed=23)
+    offload_parameters(off, nvme, **TINY)
+    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
+    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    for step in range(3):
+        for m in (ref, off):
+            loss_of(m, 2 * step).backward()
+            loss_of(m, 2 * step + 1).backward()
+        assert_same_grads(ref, off)
+        for model, opt in ((ref, opt_ref), (off, opt_off)):
+            opt.step()
+            if how == "optimizer-zero":
+                opt.zero_grad(set_to_none=False)
+            elif how == "optimizer-none":
+                opt.zero_grad(set_to_none=True)
+            elif how == "model-zero":
+                model.zero_grad(set_to_none=False)
+            elif how == "model-none":
+                model.zero_grad()
+            else:
+                for p in model.parameters():
+                    p.grad = torch.full_like(p, 0.01) if p.dim() == 2 else None
+    if how.endswith("zero"):
+        assert all(torch.equal(load_grad(q), torch.zeros_like(q)) for q in off.parameters())
+    elif how.endswith("none"):
+        assert all(q.grad is None for q in off.parameters())
+    assert_same_weights(ref, off)
+    opt_ref.close()
+    opt_off.close()
+    restore_parameters(off)
+
+
+def test_resident_grad_bytes_stay_below_the_largest_module(nvme):
+    """While a model 5x the pool trains, gradient bytes resident at once stay within one module's grads."""
+    torch.manual_seed(24)
+    off = Net(layers=8)
+    offload_parameters(off, nvme, **TINY)
+    store = offloaded(off).store
+    assert model_bytes(off) > 5 * store.pool.nbytes
+    largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in off.modules())
+    opt = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    for step in range(3):
+        for micro in range(2):
+            loss_of(off, 2 * step + micro).backward()
+        clip_grad_norm_(off, 1.0)
+        opt.step()
+        opt.zero_grad()
+    assert 0 < store.grad_resident_bytes_max <= largest
+    assert store.grad_resident_bytes == 0
+    assert all(q.grad is None for q in off.parameters())
+    opt.close()
+    restore_parameters(off)
+
+
+def test_torch_utilities_that_would_misread_offloaded_grads_raise_clearly(nvme):
+    """torch's clip_grad_norm_, GradScaler.unscale_ and plain tensor math on an offloaded grad raise a
+    RuntimeError pointing to our helpers; offload_grads=False keeps ordinary grads for them."""
+    _, off = make_pair(seed=25)
+    offload_parameters(off, nvme, **TINY)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
+    scaler.scale(loss_of(off, 0)).backward()
+    g = off.head.weight.grad
+    assert g.shape == off.head.weight.shape and g.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="offloaded to NVMe.*load_grad"):
+        torch.nn.utils.clip_grad_norm_(off.parameters(), 1.0)
+    opt = torch.optim.SGD(off.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="clip_grad_norm_"):
+        scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="offload_grads=False"):
+        g.sum()
+    assert "OffloadedGrad" in repr(g)
+    restore_parameters(off)
+    assert type(off.head.weight.grad) is torch.Tensor  # undo brings the grads back as tensors
+
+    _, plain = make_pair(seed=25)
+    offload_parameters(plain, nvme, offload_grads=False, **TINY)
+    loss_of(plain, 0).backward()
+    assert torch.equal(plain.head.weight.grad, off.head.weight.grad)
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+    restore_parameters(plain)
+
+
+def test_checkpoint_of_adamw_over_offloaded_bf16_model_resumes_bit_for_bit(tmp_path, nvme):
+    """save_checkpoint/load_checkpoint of OffloadedAdamW over an offloaded bf16 model resumes exactly,
+    and a checkpoint without fp32 masters seeds them from the offloaded weights (fetched for it)."""
+    from offload import checkpoint as ckpt
+
+    def build(seed):
+        torch.manual_seed(seed)
+        m = Net().to(torch.bfloat16)
+        offload_parameters(m, nvme, **TINY)
+        return m, OffloadedAdamW(m.parameters(), nvme_path=nvme, **OPT)
+
+    def train(m, opt, steps):
+        for step in steps:
+            loss_of(m, step, torch.bfloat16).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build(26)
+    train(model, opt, range(3))
+    ckpt.save_checkpoint(opt, tmp_path / "c", extra={"model": model.state_dict()})
+    train(model, opt, range(3, 5))
+
+    other, opt2 = build(27)
+    other.load_state_dict(ckpt.load_checkpoint(opt2, tmp_path / "c")["model"])
+    train(other, opt2, range(3, 5))
+    assert_same_weights(model, other)
+
+    # Without masters in the checkpoint, load seeds them from the (offloaded) bf16 weights.
+    sd = ckpt.export_state_dict(tmp_path / "c", include_master=False)
+    ckpt.import_state_dict(sd, tmp_path / "nomaster", like=tmp_path / "c")
+    third, opt3 = build(28)
+    ref, opt_ref = build(28)
+    state = ckpt.load_checkpoint(opt2, tmp_path / "c")["model"]
+    for m in (third, ref):
+        m.load_state_dict(state)
+    ckpt.load_checkpoint(opt3, tmp_path / "nomaster")
+    restore_parameters(ref)  # the same, with weights in memory
+    ckpt.load_checkpoint(opt_ref, tmp_path / "nomaster")
+    assert offloaded(third).store.resident_bytes == 0
+    train(third, opt3, range(3, 5))
+    train(ref, opt_ref, range(3, 5))
+    assert_same_weights(ref, third)
+    for o in (opt, opt2, opt3, opt_ref):
+        o.close()
+    for m in (model, other, third):
+        restore_parameters(m)
 
 
 # -- CUDA ---------------------------------------------------------------------------------------------
