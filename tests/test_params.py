@@ -729,7 +729,7 @@ def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     keys = {"params", "step_s_median", "fetch_bytes_per_step", "write_bytes_per_step", "io_only_s",
-            "compute_only_s", "peak_rss_bytes", "resident_param_bytes_max"}
+            "compute_only_s", "peak_rss_bytes", "resident_param_bytes_max", "grad_bytes_resident_max"}
     assert keys <= doc.keys()
     assert doc["params"] == 2 * (8 * 64 * 64 + 4 * 64 + 64 + 2 * 64)
     assert doc["fetch_bytes_per_step"] > 0 and doc["write_bytes_per_step"] > 0

@@ -4,9 +4,10 @@
 # Two references are measured in the same run: ``io_only_s``, the time the same swap space takes to
 # read and write the bytes one step moved (weights and optimizer state, reads and writes overlapped,
 # no compute), and ``compute_only_s``, the same model fully in memory stepped by torch's fused AdamW.
-# A step cannot be faster than the larger of the two; the target is within 1.2x of it. Memory:
-# ``resident_param_bytes_max`` is the store's count of weight bytes materialised at once, which must
-# stay near one block's, not the model's; gradients are ordinary full-size tensors (see docs/params.md).
+# A step cannot be faster than the larger of the two; the target is within 1.2x of it. The grads'
+# own traffic (written in backward, read by the optimizer) counts in ``io_only_s``. Memory:
+# ``resident_param_bytes_max`` and ``grad_bytes_resident_max`` are the store's counts of weight and
+# gradient bytes materialised at once, which must stay near one block's, not the model's.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--batch", type=positive_int_arg(1), default=16, metavar="N", help="rows per batch (16)")
     p.add_argument("--prefetch", type=positive_int_arg(0), default=2, metavar="N",
                    help="submodules read ahead (default 2)")
+    p.add_argument("--no-grad-offload", dest="offload_grads", action="store_false",
+                   help="keep ordinary full-size grads in memory (offload_grads=False)")
     add_path_option(p)
     p.add_argument("--config", metavar="FILE", help="a JSON config (ours or a DeepSpeed ds_config.json)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -138,7 +141,8 @@ def run_params(args: argparse.Namespace) -> int:
         report.print_header("params", machine, [
             ("model", f"{args.layers} blocks, hidden {h}, {n_params:,} {args.dtype} parameters "
                       f"({format_size(n_params * model[0].up.weight.element_size())})"),
-            ("steps", f"{args.steps}, batch {args.batch}, prefetch {args.prefetch}"),
+            ("steps", f"{args.steps}, batch {args.batch}, prefetch {args.prefetch}, "
+                      f"grads {'on NVMe' if args.offload_grads else 'in memory'}"),
             ("param pool", f"{cfg.offload_param.buffer_count} x {cfg.offload_param.buffer_size:,} elements"),
             ("optimizer pool", f"{cfg.offload_optimizer.buffer_count} x "
                                f"{format_size(cfg.offload_optimizer.buffer_size)}"),
@@ -153,30 +157,38 @@ def run_params(args: argparse.Namespace) -> int:
         model = _model(args.layers, h, dtype)
         gc.collect()
 
-        offload_parameters(model, config=cfg, prefetch=args.prefetch)
+        offload_parameters(model, config=cfg, prefetch=args.prefetch, offload_grads=args.offload_grads)
         store = offloaded(model).store
         opt = OffloadedAdamW(model.parameters(), lr=1e-4, config=cfg)
         try:
             first = _train_step(model, opt, x)
             r0, w0 = store.bytes_read, store.bytes_written
+            gr0, gw0 = store.grad_bytes_read, store.grad_bytes_written
             or0, ow0 = opt.io_bytes()
             store.reset_peak()
+            store.reset_grad_peak()
             _reset_peak()
             times = [_train_step(model, opt, x) for _ in range(args.steps - 1)]
             peak = _rss_peak()
             steady = len(times)
             fetch = (store.bytes_read - r0) // steady
             write = (store.bytes_written - w0) // steady
+            grad_read = (store.grad_bytes_read - gr0) // steady
+            grad_write = (store.grad_bytes_written - gw0) // steady
             or1, ow1 = opt.io_bytes()
             opt_read, opt_write = (or1 - or0) // steady, (ow1 - ow0) // steady
             resident_max = store.resident_bytes_max
+            # Without grad offload every trainable parameter's grad is resident at the step.
+            grad_max = (store.grad_resident_bytes_max if args.offload_grads else
+                        sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
+            grad_pool = opt.grad_pool_bytes
             pool_bytes = store.pool.nbytes
             hits, dropped = store.prefetch_hits, store.prefetches_dropped
         finally:
             opt.close()
             restore_parameters(model)
         step_med = statistics.median(times)
-        io_s = io_only(paths, cfg.aio, fetch + opt_read, write + opt_write)
+        io_s = io_only(paths, cfg.aio, fetch + opt_read + grad_read, write + opt_write + grad_write)
 
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
     bound = max(io_s, compute_s)
@@ -189,6 +201,11 @@ def run_params(args: argparse.Namespace) -> int:
         "compute_only_s": compute_s,
         "peak_rss_bytes": peak,
         "resident_param_bytes_max": resident_max,
+        "grad_bytes_resident_max": grad_max,
+        "grad_read_bytes_per_step": grad_read,
+        "grad_write_bytes_per_step": grad_write,
+        "grad_pool_bytes": grad_pool,
+        "offload_grads": args.offload_grads,
         "dtype": args.dtype,
         "layers": args.layers,
         "hidden": h,
@@ -208,11 +225,13 @@ def run_params(args: argparse.Namespace) -> int:
         ["first step (records order, creates state)", f"{first:.3f} s"],
         ["weights read / written per step", f"{format_size(fetch)} / {format_size(write)}"],
         ["optimizer state read / written per step", f"{format_size(opt_read)} / {format_size(opt_write)}"],
+        ["grads read / written per step", f"{format_size(grad_read)} / {format_size(grad_write)}"],
         ["same bytes, I/O only", f"{io_s:.3f} s"],
         ["same model in memory, torch AdamW(fused)", f"{compute_s:.3f} s"],
         ["step / max(I/O, compute)", f"{step_med / bound:.2f}x"],
         ["resident weights, peak", f"{format_size(resident_max)} (largest module {format_size(largest)}, "
                                    f"param pool {format_size(pool_bytes)})"],
+        ["resident grads, peak", f"{format_size(grad_max)} (optimizer's grad buffers {format_size(grad_pool)})"],
         ["peak RSS", format_size(peak)],
     ]))
     if args.json:
