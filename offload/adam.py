@@ -207,8 +207,16 @@ class OffloadedAdam(torch.optim.Adam):
         Offloaded state is read back into memory (one tensor per state entry, shaped like its
         parameter), so this needs host memory for the whole state. fp16/bf16 parameters also carry
         their fp32 master copy as ``"master"``.
+
+        Raises:
+            StateError: the last step failed part-way, so the offloaded state may be half written.
         """
         self._check_usable()
+        if self._error is not None:
+            raise StateError(
+                f"a previous step failed part-way ({self._error}); its state may be half written and is not "
+                "exported. Restore it with load_state_dict() or load_checkpoint() first."
+            ) from self._error
         sd = super().state_dict()
         index = {}
         for i, p in enumerate(p for g in self.param_groups for p in g["params"]):

@@ -424,6 +424,8 @@ def test_io_failure_mid_step_names_the_file_and_blocks_further_steps(nvme):
     assert info.value.filename in opt.swap_space.files
     with pytest.raises(StateError, match="load_state_dict"):
         opt.step()
+    with pytest.raises(StateError, match="half written"):
+        opt.state_dict()
     # Restoring state (and the weights, which the failed step partly updated) makes it usable again,
     # and it then follows the same trajectory as an optimizer that never failed.
     for p, q in zip(a, params_saved):
