@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def backend(request) -> str:
 
 
 @pytest.fixture
-def scratch(tmp_path) -> str:
+def scratch(tmp_path):
     """A directory on a real disk (O_DIRECT works there), removed after the test."""
     probe = tmp_path / ".odirect"
     try:
@@ -56,7 +57,9 @@ def scratch(tmp_path) -> str:
     except OSError as err:
         pytest.skip(f"{tmp_path} refuses O_DIRECT ({err}); point --basetemp at a real disk")
     probe.unlink()
-    return str(tmp_path)
+    yield str(tmp_path)
+    # The engine tests write hundreds of MiB; do not leave them for pytest's retention to hold.
+    shutil.rmtree(tmp_path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
