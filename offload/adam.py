@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections import deque
 from typing import Any, Callable, Iterable, Optional
@@ -24,8 +23,8 @@ from torch.optim.adam import adam as _torch_adam
 
 from .aio import wait_quietly
 from .buffers import BufferPool
-from .config import Config, load_config
-from .errors import ConfigError, StateError
+from .config import offload_config
+from .errors import StateError
 from .layout import Layout, ParamSlot
 from .params.store import resident as _resident
 from .params.store import store_of
@@ -100,10 +99,11 @@ class OffloadedAdam(torch.optim.Adam):
         # the fused kernel's in-kernel unscaling would need grads and state on one device.
         self._step_supports_amp_scaling = False
 
-        cfg = _resolve_config(
-            config, nvme_path=nvme_path, buffer_count=buffer_count, buffer_size=buffer_size,
-            pin_memory=pin_memory, pipeline_read=pipeline_read, pipeline_write=pipeline_write,
-            small_param_threshold=small_param_threshold,
+        cfg = offload_config(
+            config, "offload_optimizer", user=type(self).__name__, what="state",
+            otherwise="or use torch.optim.Adam for state in memory",
+            nvme_path=nvme_path, buffer_count=buffer_count, buffer_size=buffer_size, pin_memory=pin_memory,
+            pipeline_read=pipeline_read, pipeline_write=pipeline_write, small_param_threshold=small_param_threshold,
         )
         oc = cfg.offload_optimizer
         self.config = cfg
@@ -677,28 +677,6 @@ class _GradReader:
         for _, reads in self.pending.values():
             wait_quietly(read for _, read in reads)
         self.pending.clear()
-
-
-def _resolve_config(config, **overrides) -> Config:
-    cfg = load_config(config)
-    changes = {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items() if v is not None}
-    path = changes.get("nvme_path")
-    if isinstance(path, os.PathLike):
-        changes["nvme_path"] = os.fspath(path)
-    elif isinstance(path, list):
-        changes["nvme_path"] = [os.fspath(x) if isinstance(x, os.PathLike) else x for x in path]
-    if changes:
-        # Read with the loader's rules: human sizes ("256MiB"), ranges, one ConfigError for all problems.
-        cfg = cfg.replace(offload_optimizer=changes)
-    oc = cfg.offload_optimizer
-    if oc.device != "nvme":
-        raise ConfigError(
-            f'offload_optimizer.device is "{oc.device}"; OffloadedAdam keeps state on NVMe only. '
-            'Set it to "nvme" (or use torch.optim.Adam for state in memory).'
-        )
-    if not oc.nvme_path:
-        raise ConfigError("nvme_path is required: pass nvme_path=... or set offload_optimizer.nvme_path")
-    return cfg
 
 
 def _check_param(p: torch.Tensor) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "ParamOffloadConfig",
     "config_to_dict",
     "load_config",
+    "offload_config",
 ]
 
 BLOCKS = ("aio", "offload_optimizer", "offload_param")
@@ -355,6 +356,44 @@ def load_config(source: Config | AioConfig | Mapping | str | os.PathLike | None 
     raise TypeError(
         f"load_config expects None, a Config, an AioConfig, a dict or a path to a JSON file; got {source!r}"
     )
+
+
+def offload_config(source, block: str, *, user: str, what: str, otherwise: str, **overrides: Any) -> Config:
+    """The configuration an offloading component runs with: ``source`` plus keyword overrides, checked for use.
+
+    Args:
+        source: anything :func:`load_config` reads, or an instance of ``block``'s class, or a mapping of
+            that block's keys alone.
+        block: ``"offload_optimizer"`` or ``"offload_param"``.
+        user, what, otherwise: for the error message (who refuses which device, and what to do instead).
+        **overrides: keys of ``block``; ``None`` means not given. Paths may be ``os.PathLike``.
+
+    Raises:
+        ConfigError: bad values (all named at once), a device other than ``"nvme"``, or no ``nvme_path``.
+    """
+    cls = _CLASSES[block]
+    if isinstance(source, cls):
+        cfg = Config(**{block: source})
+    elif isinstance(source, Mapping) and source and set(source) <= set(cls.__dataclass_fields__):
+        cfg = Config(**{block: dict(source)})
+    else:
+        cfg = load_config(source)
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    path = changes.get("nvme_path")
+    if isinstance(path, os.PathLike):
+        changes["nvme_path"] = os.fspath(path)
+    elif isinstance(path, (list, tuple)):
+        changes["nvme_path"] = [os.fspath(x) if isinstance(x, os.PathLike) else x for x in path]
+    if changes:
+        # Read with the loader's rules: human sizes ("256MiB"), ranges, one ConfigError for all problems.
+        cfg = cfg.replace(**{block: changes})
+    b = getattr(cfg, block)
+    if b.device != "nvme":
+        raise ConfigError(f'{block}.device is "{b.device}"; {user} keeps {what} on NVMe only. '
+                          f'Set it to "nvme" ({otherwise}).')
+    if not b.nvme_path:
+        raise ConfigError(f"nvme_path is required: pass nvme_path=... or set {block}.nvme_path")
+    return cfg
 
 
 def config_to_dict(

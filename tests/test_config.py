@@ -443,3 +443,22 @@ def test_random_valid_aio_blocks_round_trip(block, wrapped):
             expected = int(value[:-3]) * KiB if value.endswith("KiB") else int(value[:-2])
         assert getattr(c.aio, field_name) == expected
     assert load_config(json.loads(json.dumps(config_to_dict(c)))) == c
+
+
+def test_offload_config_applies_overrides_with_loader_rules_and_checks_use(tmp_path):
+    """offload_config reads a bare block, applies PathLike and human-size overrides, and refuses
+    a non-NVMe device or a missing path with a message saying what to do."""
+    from offload.config import offload_config
+
+    kw = dict(user="Thing", what="state", otherwise="or keep it in memory")
+    cfg = offload_config({"buffer_count": 3}, "offload_optimizer", nvme_path=[tmp_path / "a", str(tmp_path / "b")],
+                         buffer_size="1MiB", **kw)
+    oc = cfg.offload_optimizer
+    assert (oc.buffer_count, oc.buffer_size) == (3, 1 << 20)
+    assert oc.nvme_paths == (str(tmp_path / "a"), str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match=r'Thing keeps state on NVMe only.*"nvme" \(or keep it in memory\)'):
+        offload_config({"device": "cpu"}, "offload_optimizer", nvme_path=str(tmp_path), **kw)
+    with pytest.raises(ConfigError, match="nvme_path is required.*offload_param.nvme_path"):
+        offload_config(None, "offload_param", **kw)
+    with pytest.raises(ConfigError, match="buffer_count"):
+        offload_config(None, "offload_param", nvme_path=str(tmp_path), buffer_count=1, **kw)

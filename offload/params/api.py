@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Mapping
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-from ..config import Config, ParamOffloadConfig, load_config
-from ..errors import ConfigError
+from ..config import Config, offload_config
 from .hooks import _EXTERNAL, Scheduler
 from .store import ParamStore, store_of
 
@@ -21,7 +18,6 @@ __all__ = [
 ]
 
 _ATTR = "_nvme_offload_params"
-_BLOCK_KEYS = {f.name for f in ParamOffloadConfig.__dataclass_fields__.values()}
 
 
 class ParamOffload:
@@ -96,8 +92,10 @@ def offload_parameters(
         raise ValueError("this model's parameters are offloaded already; call restore_parameters(model) first")
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative number of submodules, got {prefetch!r}")
-    cfg = _resolve_config(config, nvme_path=nvme_path, max_in_cpu=max_in_cpu, buffer_count=buffer_count,
-                          buffer_size=buffer_size, pin_memory=pin_memory)
+    cfg = offload_config(config, "offload_param", user="offload_parameters", what="parameters",
+                         otherwise="or leave the model as it is to keep parameters in memory",
+                         nvme_path=nvme_path, max_in_cpu=max_in_cpu, buffer_count=buffer_count,
+                         buffer_size=buffer_size, pin_memory=pin_memory)
     if not isinstance(offload_grads, bool):
         raise TypeError(f"offload_grads must be True or False, got {offload_grads!r}")
     params = _check_params(model)
@@ -188,32 +186,6 @@ def materialized(model: nn.Module, *, modified: bool = False) -> Iterator[nn.Mod
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def _resolve_config(config, **overrides) -> Config:
-    if isinstance(config, ParamOffloadConfig):
-        cfg = Config(offload_param=config)
-    elif isinstance(config, Mapping) and config and set(config) <= _BLOCK_KEYS:
-        cfg = Config(offload_param=dict(config))
-    else:
-        cfg = load_config(config)
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    path = changes.get("nvme_path")
-    if isinstance(path, os.PathLike):
-        changes["nvme_path"] = os.fspath(path)
-    elif isinstance(path, (list, tuple)):
-        changes["nvme_path"] = [os.fspath(x) if isinstance(x, os.PathLike) else x for x in path]
-    if changes:
-        cfg = cfg.replace(offload_param=changes)
-    pc = cfg.offload_param
-    if pc.device != "nvme":
-        raise ConfigError(
-            f'offload_param.device is "{pc.device}"; offload_parameters keeps parameters on NVMe only. '
-            'Set it to "nvme" (or leave the model as it is to keep parameters in memory).'
-        )
-    if not pc.nvme_path:
-        raise ConfigError("nvme_path is required: pass nvme_path=... or set offload_param.nvme_path")
-    return cfg
 
 
 def _names(model: nn.Module) -> dict:
