@@ -69,3 +69,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def nvme(tmp_path):
+    """A swap directory (created by what uses it) that must hold no swap file once the test is done."""
+    path = tmp_path / "nvme"
+    yield str(path)
+    leftovers = [f for f in os.listdir(path) if f.endswith(".swap")] if path.exists() else []
+    assert not leftovers, f"swap files left behind: {leftovers}"

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from helpers import assert_same
 
 from offload import ConfigError, OffloadedAdam, OffloadedAdamW, StateError
 
@@ -32,19 +33,6 @@ def set_grads(*param_lists, seed, skip=()):
         grad = None if i in skip else torch.randn(p.shape, generator=g).to(p.dtype)
         for params in param_lists:
             params[i].grad = None if grad is None else grad.clone()
-
-
-def assert_same(a, b):
-    for i, (p, q) in enumerate(zip(a, b)):
-        assert torch.equal(p, q), f"parameter {i} differs (max abs diff {(p - q).abs().max().item()})"
-
-
-@pytest.fixture
-def nvme(tmp_path):
-    path = tmp_path / "nvme"
-    yield str(path)
-    leftovers = [f for f in os.listdir(path) if f.endswith(".swap")] if path.exists() else []
-    assert not leftovers, f"swap files left behind: {leftovers}"
 
 
 PARITY_CASES = [

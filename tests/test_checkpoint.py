@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from helpers import assert_same, assert_same_state, restore, snapshot
 
 from offload import OffloadedAdam, OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -36,38 +37,6 @@ def train(opt, params, steps, skip=()):
     for s in steps:
         set_grads(params, s, skip)
         opt.step()
-
-
-def snapshot(params):
-    return [p.detach().clone() for p in params]
-
-
-def restore(params, values):
-    with torch.no_grad():
-        for p, v in zip(params, values):
-            p.copy_(v)
-
-
-def assert_same_state(a: dict, b: dict):
-    assert sorted(a["state"]) == sorted(b["state"])
-    for i in a["state"]:
-        assert sorted(a["state"][i]) == sorted(b["state"][i]), f"parameter {i}: different state keys"
-        for k, v in a["state"][i].items():
-            w = b["state"][i][k]
-            assert torch.equal(torch.as_tensor(v).cpu().float(), torch.as_tensor(w).cpu().float()), \
-                f"parameter {i}: state {k!r} differs"
-    for ga, gb in zip(a["param_groups"], b["param_groups"]):
-        assert {k: v for k, v in ga.items() if k != "params"} == {k: v for k, v in gb.items() if k != "params"}
-
-
-def assert_same(a, b):
-    for i, (p, q) in enumerate(zip(a, b)):
-        assert torch.equal(p, q), f"parameter {i} differs"
-
-
-@pytest.fixture
-def nvme(tmp_path):
-    return str(tmp_path / "nvme")
 
 
 def make_opt(params, nvme, cls=OffloadedAdamW, **kw):

@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same, assert_same_state, restore, snapshot
 
 from offload import OffloadedAdamW, StateError
 from offload import checkpoint as ckpt
@@ -43,28 +44,6 @@ def train(opt, params, steps):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
-
-
-def snapshot(params):
-    return [p.detach().clone() for p in params]
-
-
-def restore(params, values):
-    with torch.no_grad():
-        for p, v in zip(params, values):
-            p.copy_(v)
-
-
-def assert_same(a, b):
-    for i, (p, q) in enumerate(zip(a, b)):
-        assert torch.equal(p, q), f"parameter {i} differs"
-
-
-def assert_same_state(a, b):
-    assert sorted(a["state"]) == sorted(b["state"])
-    for i in a["state"]:
-        for k, v in a["state"][i].items():
-            assert torch.equal(v, b["state"][i][k]), f"parameter {i}: state {k!r} differs"
 
 
 @pytest.fixture

@@ -21,14 +21,6 @@ TINY = dict(max_in_cpu=0, buffer_count=3, buffer_size=2048)
 OPT = dict(lr=1e-2, buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
 
 
-@pytest.fixture
-def nvme(tmp_path):
-    path = tmp_path / "nvme"
-    yield str(path)
-    leftovers = [f for f in os.listdir(path) if f.endswith(".swap")] if path.exists() else []
-    assert not leftovers, f"swap files left behind: {leftovers}"
-
-
 class Block(nn.Module):
     def __init__(self, d, h):
         super().__init__()
