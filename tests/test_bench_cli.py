@@ -231,3 +231,21 @@ def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
     assert {"fio_write_gib_s", "fio_read_gib_s"} <= r.keys()
     assert r["state_bytes"] >= 8 * 1_000_000
     assert not nvme.exists() or not os.listdir(nvme)
+
+
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_engine_vs_fio_script_reports_ratios_and_removes_its_file(tmp_path):
+    """bench/engine_vs_fio.py on a tiny file gives positive rates and ratios and leaves nothing behind."""
+    out = tmp_path / "evf.json"
+    data = tmp_path / "data"
+    data.mkdir()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.run([sys.executable, os.path.join(root, "bench", "engine_vs_fio.py"), "--path", str(data),
+                        "--size", "8MiB", "--chunk", "1MiB", "--rounds", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    for op in ("write", "read"):
+        assert r[op]["ours_gib_s"] > 0 and r[op]["fio_gib_s"] > 0 and len(r[op]["ratio_runs"]) == 2
+    assert os.listdir(data) == []
