@@ -287,24 +287,24 @@ class OffloadedAdam(torch.optim.Adam):
         self._write_all_state(by_slot)
         self._error = None
 
-    def save_checkpoint(self, directory, *, extra=None) -> str:
+    def save_checkpoint(self, directory, *, model=None, extra=None) -> str:
         """Save the whole optimizer state to ``directory`` atomically, streaming it through the pool.
 
-        Host memory stays bounded by the pool whatever the model size; ``extra`` (for instance
-        ``{"model": model.state_dict()}``) is saved beside it. See :func:`offload.checkpoint.save_checkpoint`.
+        Host memory stays bounded by the pool whatever the model size. ``model``'s weights are saved
+        beside it (offloaded ones streamed through the parameter pool), and ``extra`` (for instance
+        ``{"step": step}``). See :func:`offload.checkpoint.save_checkpoint`.
         """
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, directory, extra=extra)
+        return save_checkpoint(self, directory, model=model, extra=extra)
 
-    def load_checkpoint(self, directory):
-        """Restore state saved by :meth:`save_checkpoint` (checksums verified); returns its ``extra``.
-
-        See :func:`offload.checkpoint.load_checkpoint`.
+    def load_checkpoint(self, directory, *, model=None):
+        """Restore state saved by :meth:`save_checkpoint` (checksums verified), and ``model``'s
+        weights if given; returns its ``extra``. See :func:`offload.checkpoint.load_checkpoint`.
         """
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, directory)
+        return load_checkpoint(self, directory, model=model)
 
     def close(self) -> None:
         """Delete the swap files and free the pool. The optimizer cannot step afterwards."""

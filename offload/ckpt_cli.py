@@ -8,6 +8,7 @@ Examples::
     offload-ckpt inspect /ckpt/step-0000001000
     offload-ckpt verify /ckpt/step-0000001000
     offload-ckpt export /ckpt/step-0000001000 adamw.pt       # torch.optim.AdamW.load_state_dict(torch.load(...))
+    offload-ckpt export /ckpt/step-0000001000 --model-out model.pt   # model.load_state_dict(torch.load(...))
     offload-ckpt import adamw.pt /ckpt/imported --like /ckpt/step-0000001000
 """
 
@@ -28,15 +29,20 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect, verify, export and import nvme-offload optimizer checkpoints.",
+        description="Inspect, verify, export and import nvme-offload checkpoints (optimizer state, model weights).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    p = sub.add_parser("export", help="write a checkpoint as a torch optimizer state_dict (torch.save)")
+    p = sub.add_parser("export", help="write a checkpoint as a torch optimizer state_dict (torch.save), and "
+                                      "its model weights as a model state_dict")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
-    p.add_argument("out", metavar="OUT.pt", help="file to write (replaced atomically)")
+    p.add_argument("out", metavar="OUT.pt", nargs="?",
+                   help="file for the optimizer state_dict (replaced atomically)")
     p.add_argument("--no-master", action="store_true",
                    help="leave out the fp32 master copy of fp16/bf16 parameters (torch's optimizers ignore it)")
+    p.add_argument("--model-out", metavar="MODEL.pt",
+                   help="file for the model's state_dict (model.load_state_dict accepts it); needs host "
+                        "memory for every weight at once")
 
     p = sub.add_parser("import", help="write a torch optimizer state_dict file as a checkpoint")
     p.add_argument("state_dict", metavar="IN.pt", help="a file torch.save wrote (an optimizer state_dict)")
@@ -56,8 +62,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args) -> int:
     if args.command == "export":
-        checkpoint.export_checkpoint(args.checkpoint, args.out, include_master=not args.no_master)
-        print(f"wrote {args.out}")
+        if args.out is None and args.model_out is None:
+            print(f"{PROG} export: error: give OUT.pt (the optimizer), --model-out MODEL.pt (the model), or both",
+                  file=sys.stderr)
+            return EXIT_USAGE
+        if args.out is not None:
+            checkpoint.export_checkpoint(args.checkpoint, args.out, include_master=not args.no_master)
+            print(f"wrote {args.out}")
+        if args.model_out is not None:
+            checkpoint.export_model_checkpoint(args.checkpoint, args.model_out)
+            print(f"wrote {args.model_out}")
     elif args.command == "import":
         like, config = None, None
         if args.like is not None:

@@ -1,4 +1,5 @@
-"""Streaming checkpoints of offloaded optimizer state: save, load, verify, export, import, retention.
+"""Streaming checkpoints of offloaded optimizer state and model weights: save, load, verify, export,
+import, retention.
 
 The package's modules, lowest layer first:
 
@@ -7,22 +8,29 @@ The package's modules, lowest layer first:
   exchange), recovery after a crash between renames, and the lock that serialises saves.
 - ``stream``: moving state.bin through a few host buffers with the native engine.
 - ``verify``: reading a checkpoint without an optimizer (manifest, full verification, summary).
-- ``save`` and ``load``: an offloaded optimizer to and from a checkpoint.
-- ``export``: to and from torch's optimizer state_dict layout.
+- ``model``: a model's weights (offloaded parameters streamed through their store's pool).
+- ``save`` and ``load``: an offloaded optimizer, and optionally its model, to and from a checkpoint.
+- ``export``: to and from torch's optimizer state_dict layout; a model's weights to its state_dict.
 - ``retention``: keep the last N checkpoints plus milestones.
 
 Example::
 
     from offload.checkpoint import load_checkpoint, save_checkpoint
 
-    save_checkpoint(opt, "/ckpt/run1", extra={"model": model.state_dict()})
-    extra = load_checkpoint(opt, "/ckpt/run1")
+    save_checkpoint(opt, "/ckpt/run1", model=model, extra={"step": step})
+    extra = load_checkpoint(opt, "/ckpt/run1", model=model)
 """
 
 from __future__ import annotations
 
 from ..errors import CheckpointError, ChecksumError
-from .export import export_checkpoint, export_state_dict, import_state_dict
+from .export import (
+    export_checkpoint,
+    export_model_checkpoint,
+    export_model_state_dict,
+    export_state_dict,
+    import_state_dict,
+)
 from .format import FORMAT_VERSION
 from .load import load_checkpoint
 from .retention import Retention, save_with_retention
@@ -35,6 +43,8 @@ __all__ = [
     "FORMAT_VERSION",
     "Retention",
     "export_checkpoint",
+    "export_model_checkpoint",
+    "export_model_state_dict",
     "export_state_dict",
     "import_state_dict",
     "inspect_checkpoint",

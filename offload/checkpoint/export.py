@@ -1,9 +1,11 @@
-"""Export to and import from torch's optimizer state_dict layout (what ``offload-ckpt`` runs)."""
+"""Export to and import from torch's optimizer state_dict layout, and export of a model's weights
+(what ``offload-ckpt`` runs)."""
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from .format import (
     _torch_groups,
     _write_memory_and_manifest,
 )
+from .model import _model_section, _read_state_dict
 from .stream import _aio_of, _stream, _tool_pool, _write_data
 from .verify import read_manifest
 
@@ -48,6 +51,9 @@ def export_state_dict(directory: str | os.PathLike, *, include_master: bool = Tr
     """
     directory = os.path.abspath(os.fspath(directory))
     manifest = read_manifest(directory)
+    if manifest.get("optimizer") is None:
+        raise CheckpointError(f"checkpoint {directory} holds model weights only, no optimizer state to export; "
+                              "export the model with export_model_checkpoint (offload-ckpt export --model-out)")
     path = _check_data_size(directory, manifest)
     memory = _read_torch(directory, MEMORY, manifest["files"][MEMORY])
     state: dict = {}
@@ -99,12 +105,40 @@ def export_state_dict(directory: str | os.PathLike, *, include_master: bool = Tr
 
 def export_checkpoint(directory: str | os.PathLike, out: str | os.PathLike, *, include_master: bool = True) -> None:
     """Write :func:`export_state_dict` of ``directory`` to ``out`` with ``torch.save`` (atomically)."""
-    sd = export_state_dict(directory, include_master=include_master)
+    _save_file(export_state_dict(directory, include_master=include_master), out)
+
+
+def export_model_state_dict(directory: str | os.PathLike) -> OrderedDict:
+    """The model weights of a checkpoint (saved with ``model=`` or ``save_parameters``) as the
+    model's ``state_dict``: ``model.load_state_dict()`` of a plain model of the same architecture
+    accepts it.
+
+    Unlike saving and loading, this materialises every weight in host memory: the whole dict is
+    built (offloaded parameters read one at a time from params.bin, each checksum verified) before
+    it is returned.
+
+    Raises:
+        CheckpointError: no model in the checkpoint, or it is incomplete or corrupt.
+    """
+    directory = os.path.abspath(os.fspath(directory))
+    manifest = read_manifest(directory)
+    _model_section(manifest, directory)
+    return _read_state_dict(directory, manifest, _aio_of(manifest))
+
+
+def export_model_checkpoint(directory: str | os.PathLike, out: str | os.PathLike) -> None:
+    """Write :func:`export_model_state_dict` of ``directory`` to ``out`` with ``torch.save``
+    (atomically); needs host memory for the whole model."""
+    _save_file(export_model_state_dict(directory), out)
+
+
+def _save_file(obj: Any, out: str | os.PathLike) -> None:
+    """``torch.save(obj, out)``, fsynced, under a temporary name until complete."""
     out = os.path.abspath(os.fspath(out))
     tmp = f"{out}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "xb") as f:
-            torch.save(sd, f)
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)

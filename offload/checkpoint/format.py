@@ -1,6 +1,7 @@
 """The checkpoint format: file names, the manifest's building blocks, checksums and file checks.
 
-# NOTE: a checkpoint is a directory of four files:
+# NOTE: a checkpoint is a directory of these files (state.bin and memory.pt when it holds an
+# optimizer, params.bin and model.pt when it holds a model's weights, or all of them):
 #
 #   state.bin     the offloaded state, unit by unit, each unit padded to 4096 bytes. A unit is copied
 #                 byte for byte from the swap space through the optimizer's own pool buffers with the
@@ -9,9 +10,13 @@
 #                 indices), the state of small parameters, and the step of every offloaded parameter.
 #   extra.pt      optional: anything the caller passes as ``extra`` (the model's state_dict, the
 #                 data loader's position, ...), saved in the same atomic directory.
+#   params.bin    with a model: each offloaded parameter's bytes, streamed from the parameter
+#                 store's swap space through its pool, at a 4096-aligned offset (see ``model``).
+#   model.pt      with a model: torch.save of its other parameters and its persistent buffers.
 #   manifest.json format version, param groups, per parameter its index, shape, dtype, state keys
-#                 and where each chunk of its state lies in state.bin, the optimizer's config, and
-#                 the size and xxh3_64 of every file and of every unit. Written last.
+#                 and where each chunk of its state lies in state.bin, the optimizer's config, the
+#                 model's tensors (name, shape, dtype, and offset, length and xxh3_64 in params.bin),
+#                 and the size and xxh3_64 of every file and of every unit. Written last.
 #
 # What is here is pure or reads and writes whole small files (manifest digest, memory.pt, extra.pt):
 # committing the directory is ``commit``'s job, moving state.bin's bytes is ``stream``'s.
@@ -37,6 +42,8 @@ MANIFEST = "manifest.json"
 DATA = "state.bin"
 MEMORY = "memory.pt"
 EXTRA = "extra.pt"
+PARAMS_DATA = "params.bin"  # with a model: offloaded parameters' bytes (see ``model``)
+MODEL_MEMORY = "model.pt"  # with a model: its other parameters and its buffers
 ALIGN = 4096
 
 

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 import xxhash
+from torch import nn
 
 from ..aio import Engine
 from ..errors import CheckpointError
@@ -30,11 +31,12 @@ from .format import (
     _dtype_name,
     _read_torch,
 )
+from .model import _load_model, _model_section
 from .stream import _RangeReader, _stream
 from .verify import _verify_data, read_manifest
 
 
-def load_checkpoint(optimizer, directory: str | os.PathLike) -> Any:
+def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None) -> Any:
     """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
 
     Everything that can be checked without touching the optimizer is checked first: the manifest,
@@ -43,9 +45,16 @@ def load_checkpoint(optimizer, directory: str | os.PathLike) -> Any:
     written. Works across buffer sizes and small-parameter thresholds (state is re-chunked by
     parameter element ranges). Clears a failed step.
 
+    With ``model`` (the checkpoint must have been saved with one), the model's weights are loaded
+    first: names, shapes, dtypes and every parameter's checksum in ``params.bin`` are checked (one
+    read of the file) before anything changes, then the weights stream into the parameter store's
+    swap space through its pool (a resident or cached copy is overwritten too) and the model's
+    other tensors are copied in. Offloaded gradients are cleared.
+
     Raises:
-        CheckpointError: the checkpoint does not fit this optimizer (the message names the first
-            mismatch: parameter index, expected and found) or is incomplete; nothing was changed.
+        CheckpointError: the checkpoint does not fit this optimizer or ``model`` (the message names
+            the first mismatch: parameter index or name, expected and found) or is incomplete;
+            nothing was changed.
         ChecksumError: a file is corrupt. If the data file's corruption is found while streaming,
             the optimizer refuses to step until a good checkpoint is loaded.
         OSError: reading or writing failed (same consequence).
@@ -53,12 +62,23 @@ def load_checkpoint(optimizer, directory: str | os.PathLike) -> Any:
     optimizer._check_usable()
     directory = os.path.abspath(os.fspath(directory))
     manifest = read_manifest(directory)
+    if manifest.get("optimizer") is None:
+        raise CheckpointError(f"checkpoint {directory} holds model weights only (offload.params.save_parameters), "
+                              "no optimizer state; load it with offload.params.load_parameters(model, ...)")
+    if model is not None:
+        _model_section(manifest, directory)  # before anything is read: a checkpoint without the model
     _check_data_size(directory, manifest)
     memory = _read_torch(directory, MEMORY, manifest["files"][MEMORY])
     extra = None
     if EXTRA in manifest["files"]:
         extra = _read_torch(directory, EXTRA, manifest["files"][EXTRA])
     params = _match(optimizer, manifest, memory, directory)
+    if model is not None:
+        # Weights first: a checkpoint without fp32 masters seeds them from the weights at load.
+        def half_loaded(err: BaseException) -> None:
+            optimizer._error = err  # its state is intact, but the weights it updates are half loaded
+
+        _load_model(model, directory, manifest, optimizer.config.aio, on_partial=half_loaded)
 
     try:
         _load_into(optimizer, directory, manifest, memory, params)

@@ -33,9 +33,9 @@ class Retention:
 
         keep = Retention("/ckpt", keep_last=2, milestones=lambda step: step % 10_000 == 0)
         if keep.latest() is not None:
-            extra = load_checkpoint(opt, keep.latest())
+            extra = load_checkpoint(opt, keep.latest(), model=model)
         ...
-        keep.save(opt, step, extra={"model": model.state_dict(), "step": step})
+        keep.save(opt, step, model=model, extra={"step": step})
     """
 
     _NAME = re.compile(r"^step-(\d+)$")
@@ -74,10 +74,11 @@ class Retention:
         m = self._NAME.match(os.path.basename(path))
         return os.path.exists(path + ".keep") or (m is not None and bool(self._is_milestone(int(m[1]))))
 
-    def save(self, optimizer, step: int, *, extra: Any = None, milestone: bool = False) -> str:
-        """Save ``step``, verify it, then delete what is no longer kept; returns its directory."""
+    def save(self, optimizer, step: int, *, model=None, extra: Any = None, milestone: bool = False) -> str:
+        """Save ``step`` (with ``model``'s weights if given), verify it, then delete what is no longer
+        kept; returns its directory."""
         os.makedirs(self.root, exist_ok=True)
-        path = save_checkpoint(optimizer, self.path_for(step), extra=extra)
+        path = save_checkpoint(optimizer, self.path_for(step), model=model, extra=extra)
         if milestone:
             with open(path + ".keep", "w"):
                 pass
@@ -101,7 +102,8 @@ class Retention:
 
 
 def save_with_retention(optimizer, root: str | os.PathLike, step: int, *, keep_last: int = 2,
-                        milestones: Iterable[int] | Callable[[int], bool] = (), extra: Any = None,
+                        milestones: Iterable[int] | Callable[[int], bool] = (), model=None, extra: Any = None,
                         milestone: bool = False) -> str:
     """``Retention(root, keep_last, milestones).save(optimizer, step, ...)`` in one call."""
-    return Retention(root, keep_last, milestones).save(optimizer, step, extra=extra, milestone=milestone)
+    return Retention(root, keep_last, milestones).save(optimizer, step, model=model, extra=extra,
+                                                       milestone=milestone)

@@ -1,36 +1,44 @@
-"""Saving an offloaded optimizer: its swapped state streams through its own pool into state.bin."""
+"""Saving an offloaded optimizer (its swapped state streams through its own pool into state.bin), and a model."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+from torch import nn
+
 from ..config import config_to_dict
 from ..errors import StateError
 from .commit import _Staged, _write_atomically
 from .format import _chunk_table, _cpu_state, _dtype_name, _torch_groups, _write_memory_and_manifest
+from .model import _save_model
 from .stream import _write_data
 
 
-def save_checkpoint(optimizer, directory: str | os.PathLike, *, extra: Any = None) -> str:
+def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
+                    extra: Any = None) -> str:
     """Save an offloaded optimizer's whole state to ``directory``, atomically, without materialising it.
 
     Offloaded state streams from the swap space through the optimizer's pool to ``state.bin`` with
-    the native engine; small parameters' state and the steps go to ``memory.pt``; ``extra`` (e.g.
-    ``{"model": model.state_dict(), "step": step}``) to ``extra.pt`` in the same directory, so model
-    and optimizer are always saved together. An existing checkpoint at ``directory`` is replaced
-    only once the new one is complete on disk.
+    the native engine; small parameters' state and the steps go to ``memory.pt``. With ``model``,
+    its weights go into the same directory: offloaded parameters stream from the parameter store's
+    swap space through the store's pool to ``params.bin`` (nothing is fetched), the rest of the
+    model (other parameters, persistent buffers) to ``model.pt``. ``extra`` (e.g. ``{"step": step}``)
+    goes to ``extra.pt``. Model and optimizer are thus always saved together; an existing checkpoint
+    at ``directory`` is replaced only once the new one is complete on disk.
 
     Args:
         optimizer: an :class:`offload.OffloadedAdam` or ``OffloadedAdamW``.
         directory: the checkpoint directory; its parent is created if missing.
+        model: the model whose weights to save too (offloaded with ``offload_parameters`` or not).
         extra: anything ``torch.save`` can write and ``torch.load(weights_only=True)`` can read back.
 
     Returns:
         The checkpoint directory (absolute).
 
     Raises:
-        StateError: the optimizer's last step failed part-way, so its state must not be saved.
+        StateError: the optimizer's last step failed part-way, so its state must not be saved (or
+            loading weights into ``model`` failed part-way).
         OSError: writing failed (the message names file, offset and errno); the previous checkpoint
             at ``directory``, if any, is left as it was and nothing half written remains.
     """
@@ -38,7 +46,17 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, extra: Any = Non
     if optimizer._error is not None:
         raise StateError(f"not saving: the optimizer's last step failed part-way ({optimizer._error}), so "
                          "its offloaded state may be half written. Load the last good checkpoint instead.")
-    return _write_atomically(directory, lambda staged: _save_into(optimizer, staged, extra))
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+    def write(staged: _Staged) -> dict:
+        manifest = _save_into(optimizer, staged, extra)
+        if model is not None:
+            manifest["model"], files = _save_model(model, staged)
+            manifest["files"].update(files)
+        return manifest
+
+    return _write_atomically(directory, write)
 
 
 def _save_into(opt, staged: _Staged, extra: Any) -> dict:

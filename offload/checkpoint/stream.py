@@ -116,22 +116,25 @@ class _RangeReader:
             done += n * itemsize
 
 
-# -- writing state.bin ------------------------------------------------------------------------
+# -- writing a data file (state.bin, params.bin) -------------------------------------------
 
 
 def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Sequence, *,
-                read: Optional[Callable], fill: Optional[Callable], nbytes_of: Callable[[Any], int]) -> dict:
-    """Write ``units`` to state.bin in order through ``buffers``; returns the file entry and units."""
+                read: Optional[Callable], fill: Optional[Callable], nbytes_of: Callable[[Any], int],
+                name: str = DATA, unit_digests: bool = True) -> dict:
+    """Write ``units`` to the data file ``name`` in order through ``buffers``, each at a 4096-aligned
+    offset; returns the file entry and the units' table (offsets, lengths and, with
+    ``unit_digests``, each unit's xxh3_64 over its padded length)."""
     lengths = [_round_up(nbytes_of(u), ALIGN) for u in units]
     offsets, pos = [], 0
     for n in lengths:
         offsets.append(pos)
         pos += n
     total = pos
-    path = staged.path(DATA)
+    path = staged.path(name)
     engine = _make_engine(aio)
     try:
-        if all(b.index == i for i, b in enumerate(buffers)):
+        if buffers and all(b.index == i for i, b in enumerate(buffers)):
             try:
                 engine.register_buffers(list(buffers))
             except (ValueError, RuntimeError, OSError):
@@ -158,7 +161,8 @@ def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Seque
                 n = nbytes_of(u)
                 buf.tensor[n: lengths[i]].zero_()  # padding: same state, same bytes
                 data = buf.tensor[: lengths[i]].numpy()
-                digests[i] = xxhash.xxh3_64(data).hexdigest()
+                if unit_digests:
+                    digests[i] = xxhash.xxh3_64(data).hexdigest()
                 whole.update(data)
                 return True
 
@@ -173,4 +177,7 @@ def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Seque
     entry = {"bytes": total, "xxh3_64": whole.hexdigest()}
     table = [{"offset": o, "nbytes": nbytes_of(u), "length": n, "xxh3_64": d}
              for u, o, n, d in zip(units, offsets, lengths, digests)]
+    if not unit_digests:
+        for t in table:
+            del t["xxh3_64"]
     return {"file": entry, "units": table}

@@ -1,4 +1,4 @@
-"""Reading a checkpoint without an optimizer: its manifest, a full verification, a summary."""
+"""Reading a checkpoint without an optimizer or model: its manifest, a full verification, a summary."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ from .format import (
     FORMAT_VERSION,
     MANIFEST,
     MEMORY,
+    MODEL_MEMORY,
+    PARAMS_DATA,
     _check_data_digest,
     _check_data_size,
     _check_digest,
@@ -25,6 +27,7 @@ from .format import (
     _manifest_digest,
     _read_torch,
 )
+from .model import _verify_model
 from .stream import _aio_of, _stream, _tool_pool
 
 
@@ -94,7 +97,8 @@ def _verify_data(directory: str, manifest: dict, engine: Engine, buffers: Sequen
 
 
 def verify_checkpoint(directory: str | os.PathLike) -> dict:
-    """Check a checkpoint's manifest, every file's size and checksum, and every unit's checksum.
+    """Check a checkpoint's manifest, every file's size and checksum, every unit's checksum and, with
+    a model, every parameter's checksum in params.bin.
 
     Returns:
         The manifest.
@@ -102,20 +106,23 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict:
     Raises:
         FileNotFoundError: no such directory.
         CheckpointError: incomplete or unreadable; ``ChecksumError`` names the first bad file and
-            byte range (and the parameters whose state it holds).
+            byte range (and the parameters whose state it holds, or the model parameter).
         OSError: the data could not be read.
     """
     directory = os.path.abspath(os.fspath(directory))
     manifest = read_manifest(directory)
-    _read_torch(directory, MEMORY, manifest["files"][MEMORY])
     if EXTRA in manifest["files"]:
         _check_file_hash(directory, EXTRA, manifest["files"][EXTRA])
-    with _tool_pool(manifest) as pool:
-        engine = Engine(_aio_of(manifest))
-        try:
-            _verify_data(directory, manifest, engine, list(pool))
-        finally:
-            engine.close()
+    if MEMORY in manifest["files"]:
+        _read_torch(directory, MEMORY, manifest["files"][MEMORY])
+        with _tool_pool(manifest) as pool:
+            engine = Engine(_aio_of(manifest))
+            try:
+                _verify_data(directory, manifest, engine, list(pool))
+            finally:
+                engine.close()
+    if "model" in manifest:
+        _verify_model(directory, manifest, _aio_of(manifest))
     return manifest
 
 
@@ -127,12 +134,24 @@ def inspect_checkpoint(directory: str | os.PathLike) -> str:
     lines = [
         f"checkpoint: {os.path.abspath(os.fspath(directory))}",
         f"format: {m['format']} v{m['version']} (library {m.get('library_version')}, torch {m.get('torch_version')})",
-        f"created: {m.get('created')}   optimizer: {m.get('optimizer')}   step: {m.get('step')}"
-        + (f" (steps {m['steps']})" if len(m.get("steps", [])) > 1 else ""),
-        f"parameters: {len(m['params'])} ({len(offloaded)} with state on disk, {len(in_memory)} in memory, "
-        f"{len(m['params']) - len(offloaded) - len(in_memory)} without state)",
-        f"units: {len(m['units'])} of up to {m.get('buffer_size')} bytes",
     ]
+    if m.get("optimizer") is None:
+        lines.append(f"created: {m.get('created')}   optimizer: none (model weights only)")
+    else:
+        lines += [
+            f"created: {m.get('created')}   optimizer: {m.get('optimizer')}   step: {m.get('step')}"
+            + (f" (steps {m['steps']})" if len(m.get("steps", [])) > 1 else ""),
+            f"parameters: {len(m['params'])} ({len(offloaded)} with state on disk, {len(in_memory)} in memory, "
+            f"{len(m['params']) - len(offloaded) - len(in_memory)} without state)",
+            f"units: {len(m['units'])} of up to {m.get('buffer_size')} bytes",
+        ]
+    if "model" in m:
+        tensors = m["model"]["tensors"]
+        on_disk = [e for e in tensors if e.get("where") == PARAMS_DATA]
+        tied = [e for e in tensors if "same_as" in e]
+        lines.append(f"model: {len(tensors)} tensors ({len(on_disk)} offloaded parameters in {PARAMS_DATA}, "
+                     f"{sum(e['length'] for e in on_disk)} bytes; {len(tensors) - len(on_disk) - len(tied)} in "
+                     f"{MODEL_MEMORY}; {len(tied)} tied names)")
     for gi, g in enumerate(m["param_groups"]):
         hyper = ", ".join(f"{k}={g[k]}" for k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
                                                    "decoupled_weight_decay") if k in g)

@@ -3,16 +3,19 @@
 Layers: :mod:`.store` (bytes on the swap space, the pool, the host cache, the grad store),
 :mod:`.guard` (the guarded classes of released parameters and offloaded gradients), :mod:`.hooks`
 (module hooks, backward hooks, execution-order recording and prefetch), :mod:`.api` and
-:mod:`.grads` (what users call).
+:mod:`.grads` (what users call; ``save_parameters``/``load_parameters`` stream weights to and from a
+checkpoint directory through :mod:`offload.checkpoint`).
 """
 
 from .api import (
     ParamOffload,
+    load_parameters,
     materialized,
     offload_parameters,
     offloaded,
     register_external_parameter,
     restore_parameters,
+    save_parameters,
 )
 from .grads import clip_grad_norm_, load_grad
 from .guard import OffloadedGrad, OffloadedParameter
@@ -25,11 +28,13 @@ __all__ = [
     "ParamStore",
     "clip_grad_norm_",
     "load_grad",
+    "load_parameters",
     "materialized",
     "offload_parameters",
     "offloaded",
     "register_external_parameter",
     "resident",
     "restore_parameters",
+    "save_parameters",
     "store_of",
 ]

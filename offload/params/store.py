@@ -29,6 +29,7 @@ import torch
 from ..aio import CompletedFuture, wait_quietly
 from ..buffers import BufferPool, HostBuffer
 from ..config import Config
+from ..errors import StateError
 from ..space import Extent, SwapSpace
 from .guard import OffloadedParameter, make_placeholder
 
@@ -129,7 +130,10 @@ class ParamStore:
                  offload_grads: bool = False, names: Optional[dict] = None):
         pc = config.offload_param
         params = list(params)
+        self.config = config
         self.offload_grads = offload_grads
+        # Set when a load of saved weights failed part-way: some extents hold old bytes, some new.
+        self.error: Optional[BaseException] = None
         self._names = names or {}
         self.grad_bytes_read = 0
         self.grad_bytes_written = 0
@@ -189,6 +193,11 @@ class ParamStore:
         """Make ``param`` resident (one more user); ``read=False``: the caller overwrites every element."""
         with self._lock:
             rec = self.records[param]
+            if self.error is not None and not rec.resident:
+                raise StateError(
+                    f"parameter {rec.name} cannot be fetched: loading saved weights into this model failed "
+                    f"part-way ({self.error}), so its weights are a mix of old and new. Load a checkpoint "
+                    "(load_parameters, or load_checkpoint with model=) again.")
             rec.users += 1
             if rec.resident:
                 return
@@ -408,6 +417,67 @@ class ParamStore:
             if hasattr(self, "space"):
                 self.space.close()
             self.pool.close()
+
+    # -- checkpoints (offload.checkpoint streams weights through the pool) ---------------------
+    #
+    # A checkpoint moves each parameter's bytes between its extent and a file through this store's
+    # own pool, so saving or loading a model needs no memory beyond the pool, and nothing is fetched.
+    # ``exclusive()`` holds the store still meanwhile (every write landed, no prefetch in flight);
+    # ``current_bytes`` says where a parameter's latest bytes are (a resident or host-cached copy may
+    # be newer than its extent), ``load_targets`` where new bytes must go so no stale copy survives.
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[list[HostBuffer]]:
+        """Hold the store still for the block and lend the caller every pool buffer.
+
+        Every write has landed and no prefetch is in flight when the block starts; no fetch,
+        release or gradient write of another thread runs until it ends (they wait on the lock).
+        """
+        with self._lock:
+            self._drain()
+            slots = list(self._free)
+            self._free.clear()
+            try:
+                yield [s.buffer for s in slots]
+            finally:
+                self._free.extend(slots)
+
+    def current_bytes(self, param: torch.Tensor) -> tuple[Optional[Extent], Optional[torch.Tensor]]:
+        """Where ``param``'s latest bytes are: ``(extent, None)`` or ``(None, flat uint8 tensor)``.
+
+        A resident parameter's own storage (changed or not since the fetch) and the host cache's copy
+        are newer than, or the only copy of, what is on disk. Call inside :meth:`exclusive`.
+        """
+        rec = self.records[param]
+        if rec.resident:
+            return None, self._data(rec)
+        if rec.host is not None:
+            return None, rec.host.reshape(-1)
+        return rec.extent, None
+
+    def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
+        """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
+        overwrite with them (its storage while resident, the host cache's copy). Call inside
+        :meth:`exclusive`, then :meth:`loaded`."""
+        rec = self.records[param]
+        copies = []
+        if rec.resident:
+            copies.append(self._data(rec))
+        if rec.host is not None:
+            copies.append(rec.host.reshape(-1))
+        return rec.extent, copies
+
+    def loaded(self, params: Iterable[torch.Tensor]) -> None:
+        """New weights of ``params`` are in place: their in-memory copies equal their extents now, and
+        the stored gradients, which belonged to the old weights, are gone (as after ``zero_grad``)."""
+        with self._lock:
+            for p in params:
+                rec = self.records[p]
+                rec.dirty = False
+                if rec.placeholder is not None and p.grad is rec.placeholder:
+                    p.grad = None
+                rec.grad_state, rec.grad_scales = _NONE, []
+            self.error = None
 
     # -- internals ----------------------------------------------------------------------------
 
