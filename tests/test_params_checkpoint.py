@@ -341,3 +341,27 @@ def test_failed_load_blocks_fetches_until_a_load_succeeds(tmp_path, nvme, monkey
     assert_same_tensors(weights(model), weights(other))
     train(other, opt2, range(2, 3), torch.float32)
     close(opt, opt2, model, other)
+
+
+# -- CUDA -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_cuda_model_weights_round_trip_through_disk_and_host_cache(tmp_path, nvme):
+    """On a GPU, weights on NVMe and in the (pinned) host cache save and load through the pool, into
+    another GPU model offloaded differently and into a plain GPU model, bit for bit."""
+    torch.manual_seed(20)
+    model = Net().cuda()
+    offload_parameters(model, nvme, max_in_cpu=2000, buffer_count=3, buffer_size=2048, pin_memory=True)
+    assert offloaded(model).store.host_cache_bytes > 0
+    save_parameters(model, tmp_path / "p")
+    expected = weights(model)
+    for offload in (True, False):
+        torch.manual_seed(21)
+        other = Net().cuda()
+        if offload:
+            offload_parameters(other, nvme, **TINY)
+        load_parameters(other, tmp_path / "p")
+        assert_same_tensors(expected, weights(other))
+        close(other)
+    close(model)
