@@ -41,7 +41,7 @@ from ..errors import CheckpointError, ChecksumError, StateError
 from ..params.store import store_of
 from ..space import Extent
 from . import stream
-from .commit import _Staged
+from .commit import _Staged, _write_atomically
 from .format import (
     ALIGN,
     MODEL_MEMORY,
@@ -205,7 +205,6 @@ def _cpu_copy(t: torch.Tensor, name: str) -> torch.Tensor:
 
 def _save_model_only(model: nn.Module, directory: str | os.PathLike) -> str:
     """A checkpoint of ``model``'s weights alone (``offload.params.save_parameters``)."""
-    from .commit import _write_atomically
 
     def write(staged: _Staged) -> dict:
         section, files = _save_model(model, staged)
