@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -270,9 +271,15 @@ def test_failure_of_one_segment_fails_the_whole_request(scratch, backend):
                 Segment(fa, 64 * KiB, buf, 128 * KiB, 64 * KiB)]
         e.inject_fault("error", op="write", errno=errno.ENOSPC)
         fut = e.submit(WRITE, segs[1:2])
+        # Let the armed fault land on b's piece, the only one queued: with several workers, a piece
+        # submitted next could otherwise reach the fault first.
+        while not fut.done():
+            time.sleep(0.001)
+        others = [e.submit(WRITE, segs[:1]), e.submit(WRITE, segs[2:])]
         with pytest.raises(OSError) as info:
-            FutureGroup([e.submit(WRITE, segs[:1]), fut, e.submit(WRITE, segs[2:])]).wait()
+            FutureGroup([others[0], fut, others[1]]).wait()
         assert info.value.errno == errno.ENOSPC and info.value.filename == b
+        assert [o.wait() for o in others] == [64 * KiB, 64 * KiB]
         e.inject_fault("error", op="write", skip=1, errno=errno.ENOSPC)
         with pytest.raises(OSError) as info:
             e.submit(WRITE, segs).wait()
