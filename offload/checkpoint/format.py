@@ -139,13 +139,14 @@ def _check_data_digest(manifest: dict, path: str, found: str) -> None:
                             f"{manifest['files'][DATA]['xxh3_64']}")
 
 
-def _check_data_size(directory: str, manifest: dict) -> str:
-    path = os.path.join(directory, DATA)
-    expected = manifest["files"][DATA]["bytes"]
+def _check_data_size(directory: str, manifest: dict, name: str = DATA) -> str:
+    """The path of data file ``name``, after checking it exists with the size the manifest gives."""
+    path = os.path.join(directory, name)
+    expected = manifest["files"][name]["bytes"]
     try:
         size = os.stat(path).st_size
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {directory} is missing {DATA}, which its manifest lists") from None
+        raise CheckpointError(f"checkpoint {directory} is missing {name}, which its manifest lists") from None
     if size != expected:
         raise ChecksumError(f"{path}: {size} bytes, the manifest says {expected} (truncated or extended); the "
                             "checkpoint is corrupt, load an older one")

@@ -47,6 +47,7 @@ from .format import (
     MODEL_MEMORY,
     PARAMS_DATA,
     _base_manifest,
+    _check_data_size,
     _dtype,
     _dtype_name,
     _read_torch,
@@ -233,16 +234,7 @@ def _on_disk(section: dict) -> list[dict]:
 
 
 def _params_path(directory: str, manifest: dict) -> str:
-    path = os.path.join(directory, PARAMS_DATA)
-    expected = manifest["files"][PARAMS_DATA]["bytes"]
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {directory} is missing {PARAMS_DATA}, which its manifest lists") from None
-    if size != expected:
-        raise ChecksumError(f"{path}: {size} bytes, the manifest says {expected} (truncated or extended); the "
-                            "checkpoint is corrupt, load an older one")
-    return path
+    return _check_data_size(directory, manifest, PARAMS_DATA)
 
 
 def _bad_param(path: str, e: dict, found: str) -> ChecksumError:
