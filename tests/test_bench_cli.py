@@ -249,3 +249,14 @@ def test_engine_vs_fio_script_reports_ratios_and_removes_its_file(tmp_path):
     for op in ("write", "read"):
         assert r[op]["ours_gib_s"] > 0 and r[op]["fio_gib_s"] > 0 and len(r[op]["ratio_runs"]) == 2
     assert os.listdir(data) == []
+
+
+@pytest.mark.parametrize("command", ["adam", "checkpoint", "params"])
+def test_a_bad_config_file_is_an_argument_error(tmp_path, command):
+    """A --config with an unknown key exits 2 before any work, naming the key and a correction."""
+    cfg = tmp_path / "bad.json"
+    cfg.write_text('{"aio": {"queue_depht": 8}}')
+    p = bench(command, "--config", str(cfg), "--path", str(tmp_path / "nvme"))
+    assert p.returncode == 2
+    assert "queue_depht" in p.stderr and "queue_depth" in p.stderr
+    assert not (tmp_path / "nvme").exists()

@@ -19,10 +19,9 @@ from typing import Any
 import torch
 
 from ..adam import OffloadedAdamW
-from ..config import load_config
 from ..units import format_size
 from . import report
-from .cli import BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
+from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, count_arg, positive_int_arg
 from .fio import write_read_gib_s
 from .workload import TENSOR_ELEMENTS, synthetic_params
 
@@ -43,7 +42,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--steps", type=positive_int_arg(2), default=5, metavar="N",
                    help="optimizer steps to time; the first (no state to read) is reported apart (default 5)")
     add_path_option(p)
-    p.add_argument("--config", metavar="FILE", help="a JSON config (ours or a DeepSpeed ds_config.json)")
+    add_config_option(p)
     p.add_argument("--no-torch", action="store_true", help="skip the torch AdamW comparison")
     p.add_argument("--no-fio", action="store_true", help="skip the fio bound")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -87,10 +86,7 @@ def _time_steps(opt, steps: int) -> list[float]:
 def run_adam(args: argparse.Namespace) -> int:
     """``offload-bench adam``."""
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    try:
-        cfg = load_config(args.config)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--config: {err}") from err
+    cfg = args.config
     with bench_paths(args.paths) as paths:
         cfg = cfg.replace(offload_optimizer=cfg.offload_optimizer.replace(nvme_path=tuple(paths)))
         oc, aio = cfg.offload_optimizer, cfg.aio

@@ -23,10 +23,17 @@ import torch
 
 from .. import checkpoint as ckpt
 from ..adam import OffloadedAdamW
-from ..config import load_config
 from ..units import format_size
 from . import report
-from .cli import UsageError, add_path_option, bench_paths, check_free_space, count_arg, positive_int_arg
+from .cli import (
+    UsageError,
+    add_config_option,
+    add_path_option,
+    bench_paths,
+    check_free_space,
+    count_arg,
+    positive_int_arg,
+)
 from .fio import write_read_gib_s
 from .workload import TENSOR_ELEMENTS, synthetic_params
 
@@ -52,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction,
                         "subdirectory is made there and removed afterwards")
     p.add_argument("--repeat", type=positive_int_arg(1, 20), default=2, metavar="N",
                    help="saves and loads to time; the median is reported (default 2)")
-    p.add_argument("--config", metavar="FILE", help="a JSON config (ours or a DeepSpeed ds_config.json)")
+    add_config_option(p)
     p.add_argument("--no-torch", action="store_true", help="skip the torch.save/torch.load comparison")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
@@ -86,10 +93,7 @@ def _timed(fn) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """``offload-bench checkpoint``; returns the exit code."""
-    try:
-        cfg = load_config(args.config)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--config: {err}") from err
+    cfg = args.config
     if args.ckpt_dir is not None and not os.path.isdir(args.ckpt_dir):
         raise UsageError(f"--ckpt-dir {args.ckpt_dir} is not a directory; create it first")
     with bench_paths(args.paths) as paths:

@@ -20,6 +20,7 @@ import tempfile
 import traceback
 from typing import Callable, Iterator, Sequence
 
+from ..config import load_config
 from ..errors import OffloadError
 from ..units import format_size, parse_count, parse_size
 
@@ -127,6 +128,20 @@ def common_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--debug", action="store_true", help="show a traceback on errors")
     return p
+
+
+def add_config_option(parser: argparse.ArgumentParser) -> None:
+    """``--config FILE``, read with :func:`offload.config.load_config` at parse time (``args.config`` is a
+    ``Config``; the defaults without the option). A bad file is an argument error (exit code 2)."""
+
+    def read(path: str):
+        try:
+            return load_config(path)
+        except (OSError, ValueError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    parser.add_argument("--config", metavar="FILE", type=read, default=load_config(None),
+                        help="a JSON config (ours or a DeepSpeed ds_config.json)")
 
 
 def add_path_option(parser: argparse.ArgumentParser) -> None:

@@ -24,13 +24,12 @@ from torch import nn
 
 from ..adam import OffloadedAdamW
 from ..buffers import BufferPool
-from ..config import load_config
 from ..params import offload_parameters, offloaded, restore_parameters
 from ..space import SwapSpace
 from ..units import format_size
 from . import report
 from .adam import _reset_peak, _rss_peak
-from .cli import UsageError, add_path_option, bench_paths, positive_int_arg
+from .cli import add_config_option, add_path_option, bench_paths, positive_int_arg
 
 IO_PIECE = 8 << 20  # request size of the I/O-only reference
 
@@ -56,7 +55,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--no-grad-offload", dest="offload_grads", action="store_false",
                    help="keep ordinary full-size grads in memory (offload_grads=False)")
     add_path_option(p)
-    p.add_argument("--config", metavar="FILE", help="a JSON config (ours or a DeepSpeed ds_config.json)")
+    add_config_option(p)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.set_defaults(run=run_params)
 
@@ -124,10 +123,7 @@ def _run_ops(sp, pool, extent, ops) -> None:
 def run_params(args: argparse.Namespace) -> int:
     """``offload-bench params``."""
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    try:
-        cfg = load_config(args.config)
-    except (OSError, ValueError) as err:
-        raise UsageError(f"--config: {err}") from err
+    cfg = args.config
     h = args.hidden
     with bench_paths(args.paths) as paths:
         # Every weight goes through the disk; buffers of one H x 4H matrix unless the config says otherwise.
