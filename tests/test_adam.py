@@ -35,6 +35,14 @@ def set_grads(*param_lists, seed, skip=()):
             params[i].grad = None if grad is None else grad.clone()
 
 
+
+def step_together(ours, ref, a, b, steps):
+    """Give both parameter lists the same grads and step both optimizers, once per seed in ``steps``."""
+    for step in steps:
+        set_grads(a, b, seed=step)
+        ours.step()
+        ref.step()
+
 PARITY_CASES = [
     pytest.param(OffloadedAdamW, torch.optim.AdamW, dict(fused=True), id="adamw-fused"),
     pytest.param(OffloadedAdamW, torch.optim.AdamW, dict(fused=False), id="adamw-forloop"),
@@ -73,10 +81,7 @@ def test_default_kernel_is_torchs_fused_one(nvme):
     a, b = make_params(), make_params()
     ours = OffloadedAdamW(a, lr=3e-3, nvme_path=nvme, **SMALL)
     ref = torch.optim.AdamW(b, lr=3e-3, fused=True)
-    for step in range(3):
-        set_grads(a, b, seed=step)
-        ours.step()
-        ref.step()
+    step_together(ours, ref, a, b, range(3))
     assert_same(a, b)
     ours.close()
 
@@ -117,10 +122,7 @@ def test_param_frozen_at_construction_and_unfrozen_later_gets_state(nvme):
     ref.step()
     for p in (a[3], b[3]):
         p.requires_grad_(True)
-    for step in range(1, 3):
-        set_grads(a, b, seed=step)
-        ours.step()
-        ref.step()
+    step_together(ours, ref, a, b, range(1, 3))
     assert_same(a, b)
     ours.close()
 
@@ -238,10 +240,7 @@ def test_state_dict_loads_into_torch_and_torch_state_loads_into_ours(nvme):
     a, b, c = make_params(), make_params(), make_params()
     ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
     ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
-    for step in range(3):
-        set_grads(a, b, seed=step)
-        ours.step()
-        ref.step()
+    step_together(ours, ref, a, b, range(3))
     # ours -> torch
     other = torch.optim.AdamW(c, lr=1e-2, fused=True)
     for p, q in zip(c, a):
@@ -269,10 +268,7 @@ def test_torch_save_and_load_of_state_dict_resumes_identically(nvme):
     a, b = make_params(), make_params()
     ours = OffloadedAdam(a, lr=1e-2, nvme_path=nvme, amsgrad=True, fused=True, **SMALL)
     ref = torch.optim.Adam(b, lr=1e-2, amsgrad=True, fused=True)
-    for step in range(2):
-        set_grads(a, b, seed=step)
-        ours.step()
-        ref.step()
+    step_together(ours, ref, a, b, range(2))
     blob = io.BytesIO()
     torch.save(ours.state_dict(), blob)
     ours.close()
@@ -337,10 +333,7 @@ def test_pipeline_settings_do_not_change_results(nvme, pipeline_read, pipeline_w
     ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, pipeline_read=pipeline_read, pipeline_write=pipeline_write,
                           **{**SMALL, "buffer_count": count})
     ref = torch.optim.AdamW(b, fused=True)
-    for step in range(3):
-        set_grads(a, b, seed=step)
-        ours.step()
-        ref.step()
+    step_together(ours, ref, a, b, range(3))
     assert_same(a, b)
     ours.close()
 
