@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim.adam import adam as _torch_adam
 
-from .aio import wait_quietly
+from .aio import DEFAULT_ALIGNMENT, wait_quietly
 from .buffers import BufferPool
 from .config import offload_config
 from .errors import StateError
@@ -116,8 +116,9 @@ class OffloadedAdam(torch.optim.Adam):
 
         self._pool = BufferPool(oc.buffer_count, oc.buffer_size, pin_memory=oc.pin_memory)
         self._layout = Layout(self._pool.buffer_size)
-        candidates = self._offload_candidates(self.param_groups, only_trainable=True)
-        reserve = self._estimate_bytes(candidates)
+        units = self._layout.add(self._offload_candidates(self.param_groups, only_trainable=True))
+        # Reserve the whole layout up front, so a full disk is reported here and not at step 4000.
+        reserve = sum(-(-u.nbytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT for u in units)
         try:
             self._space = SwapSpace(oc.nvme_path, reserve, aio=cfg.aio, buffers=self._pool, name="adam")
         except BaseException:
@@ -126,7 +127,7 @@ class OffloadedAdam(torch.optim.Adam):
         self._swapper = Swapper(
             self._space, self._pool, pipeline_read=oc.pipeline_read, pipeline_write=oc.pipeline_write
         )
-        self._lay_out(candidates)
+        self._allocate(units)
         # Host buffers that offloaded gradients (offload_parameters' grad store) are read into, sized
         # and made at the first step that needs them; a list, so the finalizer sees a later one.
         self._grad_pools: list = []
@@ -269,6 +270,11 @@ class OffloadedAdam(torch.optim.Adam):
                 if k != "params":
                     g[k] = v
 
+        missing = {id_map[k] for k in state_dict["state"]
+                   if not self._is_small(id_map[k]) and id_map[k] not in self._layout.slots}
+        if missing:
+            # Parameters frozen at construction get their place now, together, as step() does.
+            self._lay_out(self._offload_candidates(self.param_groups, restrict=missing))
         self.state.clear()
         for slot in self._layout.slots.values():
             slot.initialized = False
@@ -280,11 +286,14 @@ class OffloadedAdam(torch.optim.Adam):
             if self._is_small(p):
                 self.state[p] = _in_memory_state(p, entry, step)
             else:
-                if p not in self._layout.slots:
-                    self._lay_out(self._offload_candidates(self.param_groups, restrict={p}))
                 self.state[p] = {"step": step.detach().to("cpu", torch.float32).clone()}
                 by_slot[self._layout.slots[p]] = entry
-        self._write_all_state(by_slot)
+        try:
+            self._write_all_state(by_slot)
+        except BaseException as err:
+            # Part of the state is written, the rest is stale: refuse to step until a load succeeds.
+            self._error = err
+            raise
         self._error = None
 
     def save_checkpoint(self, directory, *, model=None, extra=None) -> str:
@@ -579,13 +588,11 @@ class OffloadedAdam(torch.optim.Adam):
                 out.append((p, g, bool(g["amsgrad"])))
         return out
 
-    def _estimate_bytes(self, candidates) -> int:
-        probe = Layout(self._layout.unit_bytes)
-        probe.add(candidates)
-        return sum(-(-u.nbytes // 4096) * 4096 for u in probe.units)
-
     def _lay_out(self, candidates) -> None:
-        for unit in self._layout.add(candidates):
+        self._allocate(self._layout.add(candidates))
+
+    def _allocate(self, units) -> None:
+        for unit in units:
             unit.extent = self._space.alloc(unit.nbytes)
 
     def _check_usable(self) -> None:

@@ -502,3 +502,22 @@ def test_small_transformer_trains_to_the_same_losses_as_torch_adamw(nvme):
     assert losses_a[-1] < losses_a[0]
     assert_same(list(model_a.parameters()), list(model_b.parameters()))
     ours.close()
+
+
+def test_a_load_that_fails_while_writing_state_blocks_steps_until_a_good_load(nvme):
+    """load_state_dict failing part-way leaves half-written state: step() refuses instead of training on it."""
+    a, b = make_params(), make_params()
+    ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
+    ref = torch.optim.AdamW(b, fused=True)
+    step_together(ours, ref, a, b, range(3))
+    saved = copy.deepcopy(ours.state_dict())
+    ours.swap_space.inject_fault("error", op="write", count=1)
+    with pytest.raises(OSError):
+        ours.load_state_dict(saved)
+    set_grads(a, seed=3)
+    with pytest.raises(StateError):
+        ours.step()
+    ours.load_state_dict(saved)
+    step_together(ours, ref, a, b, range(3, 5))
+    assert_same(a, b)
+    ours.close()
