@@ -726,3 +726,44 @@ def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
     assert doc["params"] == 2 * (8 * 64 * 64 + 4 * 64 + 64 + 2 * 64)
     assert doc["fetch_bytes_per_step"] > 0 and doc["write_bytes_per_step"] > 0
     assert not (tmp_path / "scratch").exists()
+
+
+class _LazyFuture:
+    """Reports not-done until waited on, so a write left un-waited stays 'in flight' for the test."""
+
+    def __init__(self, fut):
+        self.fut, self.waited = fut, False
+
+    def wait(self):
+        self.waited = True
+        return self.fut.wait()
+
+    def done(self):
+        return self.waited
+
+
+def test_a_weight_is_never_written_while_an_earlier_write_of_it_is_in_flight(nvme, monkeypatch):
+    """Writes of one weight's extent are ordered: requests complete in any order, so a new write is
+    only issued once every earlier write of that extent has landed (else stale bytes could land last)."""
+    torch.manual_seed(0)
+    model = offload_parameters(nn.Linear(256, 256), nvme_path=nvme, max_in_cpu=0)
+    store = store_of(model.weight)
+    issued: dict[int, list] = {}
+    real_write = store.space.write
+
+    def write(extent, buffer, **kw):
+        earlier = issued.setdefault(extent.offset, [])
+        assert all(f.waited for f in earlier), f"extent at {extent.offset} rewritten with a write in flight"
+        fut = _LazyFuture(real_write(extent, buffer, **kw))
+        earlier.append(fut)
+        return fut
+
+    monkeypatch.setattr(store.space, "write", write)
+    for value in (1.0, 2.0):
+        store.fetch(model.weight, read=False)
+        model.weight.data.fill_(value)
+        store.release(model.weight, dirty=True)
+    monkeypatch.undo()
+    with materialized(model):
+        assert torch.equal(model.weight, torch.full((256, 256), 2.0))
+    restore_parameters(model)

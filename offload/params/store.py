@@ -624,7 +624,11 @@ class ParamStore:
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
         src = self._data(rec)
-        rec.writes = [f for f in rec.writes if not f.done()]
+        # Earlier writes of this extent land first: requests complete in any order, and an old write
+        # landing after this one would leave stale weights on disk.
+        for fut in rec.writes:
+            fut.wait()
+        rec.writes.clear()
         for k in range(self._pieces(rec)):
             slot = self._take_free(wait=True)
             ext, n = self._piece_extent(rec, k)
