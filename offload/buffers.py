@@ -56,7 +56,7 @@ class HostBuffer:
 
     def view(self, dtype: torch.dtype, offset: int = 0, numel: int | None = None) -> torch.Tensor:
         """A typed 1-D tensor over ``[offset, offset + numel * itemsize)`` of the buffer."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         if offset % itemsize:
             raise ValueError(f"offset {offset} is not a multiple of {dtype}'s size {itemsize}")
         if numel is None:

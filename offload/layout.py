@@ -81,10 +81,6 @@ class ParamSlot:
     chunks: list[Chunk] = field(default_factory=list)
     initialized: bool = False
 
-    @property
-    def state_bytes(self) -> int:
-        return self.param.numel() * len(self.keys) * torch.empty((), dtype=self.dtype).element_size()
-
 
 class Layout:
     """Packs parameters' state into units of at most ``unit_bytes`` bytes, in order.
@@ -114,7 +110,7 @@ class Layout:
                 continue
             keys = state_keys_for(param, amsgrad)
             dtype = state_dtype_for(param)
-            itemsize = torch.empty((), dtype=dtype).element_size()
+            itemsize = dtype.itemsize
             need = self.min_unit_bytes(len(keys), itemsize)
             if need > self.unit_bytes:
                 raise ValueError(
