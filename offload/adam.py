@@ -428,8 +428,13 @@ class OffloadedAdam(torch.optim.Adam):
                     if store is not None and c.slot not in held:
                         store.fetch(c.slot.param, read=not ("master" in c.slot.keys and c.slot.initialized))
                         held[c.slot] = store
+            devices = set()
             for chunks in by_group.values():
-                self._update_chunks(chunks, buf, grad_views)
+                devices |= self._update_chunks(chunks, buf, grad_views)
+            for dev in devices:
+                # The state copied back from the device must be in the buffer before the swapper writes
+                # it: one wait per unit, after every group's copies are queued.
+                torch.cuda.current_stream(dev).synchronize()
             for c in unit.chunks:
                 if c.slot in held and c is c.slot.chunks[-1]:
                     held.pop(c.slot).release(c.slot.param, dirty=True)
@@ -457,7 +462,9 @@ class OffloadedAdam(torch.optim.Adam):
         self._grad_pools.append(pool)
         return pool
 
-    def _update_chunks(self, chunks, buf, grad_views=None) -> None:
+    def _update_chunks(self, chunks, buf, grad_views=None) -> set:
+        """Update ``chunks`` (one group's) in ``buf``; returns the CUDA devices whose copies back to
+        ``buf`` are queued and must be waited for before the buffer is written."""
         group = chunks[0].slot.group
         amsgrad = group["amsgrad"]
         params, grads, m, v, vmax, steps, writeback = [], [], [], [], [], [], []
@@ -504,15 +511,16 @@ class OffloadedAdam(torch.optim.Adam):
                 vmax.append(max_sq)
             step = self.state[p]["step"]
             # A copy per chunk: the kernel increments it, and a parameter may span several chunks.
-            steps.append(step.to(dev, copy=True) if self._kernel_flags(group, dev)["fused"] else step.clone())
+            # non_blocking: a blocking copy would wait for every state copy queued before it.
+            steps.append(step.to(dev, copy=True, non_blocking=True) if self._kernel_flags(group, dev)["fused"]
+                         else step.clone())
         self._adam(group, params, grads, m, v, vmax, steps)
         for c, target in zip(chunks, params):
             if "master" in c.slot.keys:
                 c.slot.param.detach().view(-1)[c.start:c.start + c.numel].copy_(target)
         for host, dev_t in writeback:
             host.copy_(dev_t, non_blocking=True)
-        if writeback:
-            torch.cuda.current_stream(writeback[0][1].device).synchronize()
+        return {dev_t.device for _, dev_t in writeback}
 
     # -- materialising state -----------------------------------------------------------------
 
