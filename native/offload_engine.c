@@ -59,7 +59,6 @@ struct ofl_piece {
 struct ofl_request {
     ofl_request *prev, *next;  /* engine's list of live requests */
     ofl_piece *pieces;
-    int64_t npieces;
     int64_t pending;
     int64_t moved;
     int64_t eof_at;            /* smallest request position where a read met end of file */
@@ -185,10 +184,13 @@ static ofl_piece *queue_pop_locked(ofl_queue *q, int max, int *n)
 
 /* ---------------------------------------------------------------- completion */
 
-static void complete_piece(ofl_engine *e, ofl_piece *p, int err, int eof)
+/* Finish a piece: its last `moved` bytes, its error or end of file, and its request if it was the last. */
+static void complete_piece(ofl_engine *e, ofl_piece *p, int err, int eof, int64_t moved)
 {
     ofl_request *r = p->req;
     pthread_mutex_lock(&e->mu);
+    e->stats.bytes += moved;
+    r->moved += moved;
     if (err < 0) {
         e->stats.failures++;
         if (r->error == 0) {
@@ -271,22 +273,22 @@ static int settle(ofl_engine *e, ofl_piece *p, int64_t n)
             count_stat(e, &e->stats.retries);
             return 1;
         }
-        complete_piece(e, p, (int)n, 0);
+        complete_piece(e, p, (int)n, 0, 0);
         return 0;
     }
     if (n < 0) {
-        complete_piece(e, p, (int)n, 0);
+        complete_piece(e, p, (int)n, 0, 0);
         return 0;
     }
     if (n == 0) {
         if (p->op == OFL_OP_READ)
-            complete_piece(e, p, 0, 1);   /* end of file: the request reports a prefix */
+            complete_piece(e, p, 0, 1, 0);   /* end of file: the request reports a prefix */
         else
-            complete_piece(e, p, -EIO, 0); /* a write that moves nothing would loop forever */
+            complete_piece(e, p, -EIO, 0, 0); /* a write that moves nothing would loop forever */
         return 0;
     }
-    account_bytes(e, p->req, n);
     if (n < p->len) {
+        account_bytes(e, p->req, n);
         p->buf += n;
         p->offset += n;
         p->len -= n;
@@ -294,7 +296,7 @@ static int settle(ofl_engine *e, ofl_piece *p, int64_t n)
         count_stat(e, &e->stats.resubmits);
         return 1;
     }
-    complete_piece(e, p, 0, 0);
+    complete_piece(e, p, 0, 0, n); /* one lock for the bytes and the completion */
     return 0;
 }
 
@@ -302,7 +304,7 @@ static void fail_chain(ofl_engine *e, ofl_piece *p, int err)
 {
     while (p) {
         ofl_piece *next = p->next;
-        complete_piece(e, p, err, 0);
+        complete_piece(e, p, err, 0, 0);
         p = next;
     }
 }
@@ -331,7 +333,7 @@ static void *thread_worker(void *arg)
             int ferr = 0;
             int fault = take_fault(e, p, &ferr);
             if (fault == OFL_FAULT_ERROR) {
-                complete_piece(e, p, -ferr, 0);
+                complete_piece(e, p, -ferr, 0, 0);
                 break;
             }
             int64_t len = submit_len(p, fault);
@@ -361,7 +363,7 @@ static int prep_piece(ofl_worker *w, ofl_piece *p)
     int ferr = 0;
     int fault = take_fault(e, p, &ferr);
     if (fault == OFL_FAULT_ERROR) {
-        complete_piece(e, p, -ferr, 0);
+        complete_piece(e, p, -ferr, 0, 0);
         return 0;
     }
     struct io_uring_sqe *sqe = io_uring_get_sqe(&w->ring);
@@ -394,16 +396,23 @@ static int ring_register(ofl_worker *w)
 {
     ofl_engine *e = w->e;
     w->fixed_ok = 0;
-    if (e->fixed_count <= 0)
-        return 0;
-    struct iovec *iov = calloc((size_t)e->fixed_count, sizeof(*iov));
-    if (!iov)
-        return -ENOMEM;
-    for (int i = 0; i < e->fixed_count; i++) {
+    /*
+     * Copy the table under the lock: a ring rebuilt after a failure does this on the worker thread,
+     * when the failed request may already be freed and a registration may be replacing the table.
+     */
+    pthread_mutex_lock(&e->mu);
+    int count = e->fixed_count;
+    struct iovec *iov = count > 0 ? calloc((size_t)count, sizeof(*iov)) : NULL;
+    for (int i = 0; iov && i < count; i++) {
         iov[i].iov_base = e->fixed_addrs[i];
         iov[i].iov_len = (size_t)e->fixed_lens[i];
     }
-    int rc = io_uring_register_buffers(&w->ring, iov, (unsigned)e->fixed_count);
+    pthread_mutex_unlock(&e->mu);
+    if (count <= 0)
+        return 0;
+    if (!iov)
+        return -ENOMEM;
+    int rc = io_uring_register_buffers(&w->ring, iov, (unsigned)count);
     free(iov);
     w->fixed_ok = rc == 0;
     return rc;
@@ -496,7 +505,7 @@ static void ring_fail(uring_loop *L, int err)
         p->fprev->fnext = p->fnext;
         p->fnext->fprev = p->fprev;
         p->fprev = p->fnext = NULL;
-        complete_piece(e, p, err, 0);
+        complete_piece(e, p, err, 0, 0);
     }
     L->inflight = 0;
     fail_chain(e, L->batch, err);
@@ -874,7 +883,6 @@ int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_r
         return -ENOMEM;
     }
     r->pieces = pieces;
-    r->npieces = npieces;
     r->pending = npieces;
     int64_t total = 0, k = 0;
     for (int i = 0; i < nsegs; i++) {
