@@ -426,13 +426,20 @@ class SwapSpace:
         """
         return self._submit(READ, extent, buffer, buffer_offset, nbytes)
 
-    def locate(self, offset: int) -> tuple[int, int]:
-        """Where a logical offset lives: ``(file index, file offset)``."""
-        n = len(self.paths)
-        if n == 1:
-            return 0, offset
-        stripe, within = divmod(offset, self.stripe_unit)
-        return stripe % n, (stripe // n) * self.stripe_unit + within
+    def sub(self, extent: Extent, start: int, nbytes: int) -> Extent:
+        """The part of ``extent`` from ``start`` (a multiple of the alignment) holding ``nbytes`` bytes,
+        its length rounded up to the alignment, for I/O on a piece of a larger extent.
+
+        Raises:
+            ValueError: ``start`` is not aligned, or the part does not lie inside ``extent``.
+        """
+        length = _round_up(nbytes, self.alignment)
+        if start % self.alignment or start < 0 or nbytes < 0 or start + length > extent.nbytes:
+            raise ValueError(
+                f"[{start}, {start + length}) is not an aligned part of an extent of {extent.nbytes} bytes "
+                f"(alignment {self.alignment})"
+            )
+        return Extent(extent.offset + start, length, extent.owner)
 
     def _submit(self, op, extent, buffer, buffer_offset, nbytes) -> FutureGroup:
         with self._lock:

@@ -169,8 +169,7 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
             if pc.extent is None:
                 return _DONE
             space = pc.store.space
-            ext = Extent(pc.extent.offset + pc.start, _round_up(pc.n, space.alignment), pc.extent.owner)
-            return space.read(ext, buf, nbytes=pc.n)
+            return space.read(space.sub(pc.extent, pc.start, pc.n), buf, nbytes=pc.n)
 
         def fill(pc: _Piece, buf) -> None:
             if pc.memory is not None:
@@ -464,8 +463,7 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
 
         def write(pc: _Piece, buf):
             space = pc.store.space
-            ext = Extent(pc.extent.offset + pc.start, _round_up(pc.n, space.alignment), pc.extent.owner)
-            return space.write(ext, buf, nbytes=pc.n)
+            return space.write(space.sub(pc.extent, pc.start, pc.n), buf, nbytes=pc.n)
 
         _stream(pieces, buffers, read=read, process=process, write=write)
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():

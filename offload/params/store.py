@@ -321,10 +321,8 @@ class ParamStore:
             view = buffer.view(param.dtype, buffer_offset + first - a, hi - lo)
             if rec.grad_state == _ZERO:
                 return GradRead(CompletedFuture(), view, True, []), b - a
-            for fut in rec.grad_writes:
-                fut.wait()  # the read must see the latest bytes
-            rec.grad_writes.clear()
-            ext = Extent(rec.grad_extent.offset + a, b - a, rec.grad_extent.owner)
+            _land(rec.grad_writes)  # the read must see the latest bytes
+            ext = self.space.sub(rec.grad_extent, a, b - a)
             fut = self.space.read(ext, buffer, buffer_offset=buffer_offset, nbytes=b - a)
             self.grad_bytes_read += b - a
             return GradRead(fut, view, False, list(rec.grad_scales)), b - a
@@ -512,7 +510,7 @@ class ParamStore:
         extent = rec.extent if extent is None else extent
         start = k * self.piece
         n = min(self.piece, rec.nbytes - start)
-        ext = Extent(extent.offset + start, _round_up(n, self.space.alignment), extent.owner)
+        ext = self.space.sub(extent, start, n)
         return ext, n
 
     def _grow(self, rec: _Record) -> None:
@@ -582,9 +580,7 @@ class ParamStore:
 
     def _load(self, rec: _Record) -> None:
         """Fill ``rec``'s (grown) storage from the swap space, pieces pipelined over free buffers."""
-        for fut in rec.writes:
-            fut.wait()  # the read must see the latest bytes
-        rec.writes.clear()
+        _land(rec.writes)  # the read must see the latest bytes
         pending = rec.prefetched
         rec.prefetched = {}
         if rec in self._issued:
@@ -624,24 +620,25 @@ class ParamStore:
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
         src = self._data(rec)
-        # Earlier writes of this extent land first: requests complete in any order, and an old write
-        # landing after this one would leave stale weights on disk.
-        for fut in rec.writes:
-            fut.wait()
-        rec.writes.clear()
+        _land(rec.writes)  # requests complete in any order: an old write must not land after this one
         for k in range(self._pieces(rec)):
             slot = self._take_free(wait=True)
             ext, n = self._piece_extent(rec, k)
             start = k * self.piece
             slot.buffer.tensor[:n].copy_(src[start:start + n])
-            if n % self.space.alignment:
-                # The tail of the last block goes to disk too: make it deterministic, not stale bytes.
-                slot.buffer.tensor[n:_round_up(n, self.space.alignment)].zero_()
-            fut = self.space.write(ext, slot.buffer, nbytes=n)
-            self.bytes_written += ext.nbytes
-            slot.pending = fut
-            rec.writes.append(fut)
+            self.bytes_written += self._write_piece(slot, ext, n, rec.writes)
             self._free.append(slot)
+
+    def _write_piece(self, slot, ext: Extent, n: int, futures: list) -> int:
+        """Write the first ``n`` bytes of ``slot``'s buffer to ``ext``; the future goes to the slot and
+        to ``futures``. Returns the bytes that reach the disk (``n`` rounded up to the alignment)."""
+        if n < ext.nbytes:
+            # The tail of the last block goes to disk too: make it deterministic, not stale bytes.
+            slot.buffer.tensor[n:ext.nbytes].zero_()
+        fut = self.space.write(ext, slot.buffer, nbytes=n)
+        slot.pending = fut
+        futures.append(fut)
+        return ext.nbytes
 
     def _count_grad(self, nbytes: int) -> None:
         self.grad_resident_bytes += nbytes
@@ -649,9 +646,7 @@ class ParamStore:
 
     def _write_grad(self, rec: _Record, grad: torch.Tensor) -> None:
         """Write ``grad`` to ``rec``'s grad extent, added to what is stored there (per ``rec.grad_state``)."""
-        for fut in rec.grad_writes:
-            fut.wait()  # earlier writes of this extent land first: a read-add must see them, a rewrite follow them
-        rec.grad_writes.clear()
+        _land(rec.grad_writes)  # earlier writes of this extent first: a read-add sees them, a rewrite follows them
         with torch._C.DisableTorchFunctionSubclass():
             src = grad.reshape(-1)
             if not src.is_contiguous():
@@ -676,12 +671,7 @@ class ParamStore:
                             view.zero_()  # zero_grad(set_to_none=False): torch adds into zeros, so do we
                         piece = src[start // size:(start + n) // size]
                         view.add_(piece if piece.device.type == "cpu" else piece.to("cpu"))
-                    if n % self.space.alignment:
-                        slot.buffer.tensor[n:_round_up(n, self.space.alignment)].zero_()
-                    fut = self.space.write(ext, slot.buffer, nbytes=n)
-                    self.grad_bytes_written += ext.nbytes
-                    slot.pending = fut
-                    rec.grad_writes.append(fut)
+                    self.grad_bytes_written += self._write_piece(slot, ext, n, rec.grad_writes)
                 finally:
                     self._free.append(slot)
 
@@ -713,3 +703,10 @@ def resident(params: Iterable[torch.Tensor], *, dirty: bool = False) -> Iterator
     finally:
         for store, p in held:
             store.release(p, dirty=dirty)
+
+
+def _land(futures: list) -> None:
+    """Wait for every write of an extent, in the order issued, and forget them."""
+    for fut in futures:
+        fut.wait()
+    futures.clear()
