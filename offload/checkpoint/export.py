@@ -65,7 +65,7 @@ def export_state_dict(directory: str | os.PathLike, *, include_master: bool = Tr
             state[i] = {k: v for k, v in memory["state"][i].items()}
             continue
         dtype = _dtype(e["state_dtype"])
-        entry = {"step": memory["steps"][i].detach().to("cpu", torch.float32).clone()}
+        entry = {"step": _step_tensor(memory["steps"][i])}
         for k in e["keys"]:
             if k == "master" and not include_master:
                 continue

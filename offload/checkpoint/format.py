@@ -132,11 +132,11 @@ def _check_digest(manifest: dict, path: str, u: int, found: str) -> None:
             "checkpoint is corrupt, load an older one")
 
 
-def _check_data_digest(manifest: dict, path: str, found: str) -> None:
-    """``found``, the xxh3_64 of the whole data file, against the manifest's."""
-    if found != manifest["files"][DATA]["xxh3_64"]:
+def _check_data_digest(manifest: dict, path: str, found: str, name: str = DATA) -> None:
+    """``found``, the xxh3_64 of the whole data file ``name``, against the manifest's."""
+    if found != manifest["files"][name]["xxh3_64"]:
         raise ChecksumError(f"{path}: xxh3_64 is {found}, the manifest says "
-                            f"{manifest['files'][DATA]['xxh3_64']}")
+                            f"{manifest['files'][name]['xxh3_64']}")
 
 
 def _check_data_size(directory: str, manifest: dict, name: str = DATA) -> str:

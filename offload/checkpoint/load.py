@@ -15,6 +15,7 @@ import torch
 import xxhash
 from torch import nn
 
+from ..adam import _in_memory_state
 from ..aio import Engine
 from ..errors import CheckpointError
 from ..layout import state_keys_for
@@ -30,6 +31,7 @@ from .format import (
     _dtype,
     _dtype_name,
     _read_torch,
+    _step_tensor,
 )
 from .model import _load_model, _model_section
 from .stream import _RangeReader, _stream
@@ -194,18 +196,12 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) 
             continue
         i = e["index"]
         p = params[i]
-        step = memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", torch.tensor(0.0))
-        step = step if torch.is_tensor(step) else torch.tensor(float(step), dtype=torch.float32)
+        step = _step_tensor(memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", 0.0))
         if opt._is_small(p):
             source = memory["state"][i] if e["where"] == "memory" else new_state[i]
-            st = {"step": step.detach().to("cpu", torch.float32).clone()}
-            for k, v in source.items():
-                if k in ("step", "master"):
-                    continue
-                st[k] = v.detach().to(device=p.device, dtype=p.dtype).clone() if torch.is_tensor(v) else v
-            opt.state[p] = st
+            opt.state[p] = _in_memory_state(p, source, step)
         else:
-            opt.state[p] = {"step": step.detach().to("cpu", torch.float32).clone()}
+            opt.state[p] = {"step": step}
             slots[p].initialized = True
     opt._error = None
 

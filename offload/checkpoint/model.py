@@ -34,7 +34,7 @@ import torch
 import xxhash
 from torch import nn
 
-from ..aio import CompletedFuture, Engine
+from ..aio import Engine
 from ..buffers import BufferPool
 from ..config import AioConfig, config_to_dict
 from ..errors import CheckpointError, ChecksumError, StateError
@@ -47,6 +47,7 @@ from .format import (
     MODEL_MEMORY,
     PARAMS_DATA,
     _base_manifest,
+    _check_data_digest,
     _check_data_size,
     _dtype,
     _dtype_name,
@@ -54,9 +55,7 @@ from .format import (
     _round_up,
     _write_torch,
 )
-from .stream import _TOOL_BUFFER_MAX, _stream, _write_data
-
-_DONE = CompletedFuture()
+from .stream import _DONE, _TOOL_BUFFER_MAX, _stream, _write_data
 
 
 def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
@@ -272,9 +271,7 @@ def _scan_params(directory: str, manifest: dict, engine: Engine, buffers: Sequen
             return False
 
         _stream(pieces, list(buffers), read=read, process=process)
-    expected = manifest["files"][PARAMS_DATA]["xxh3_64"]
-    if whole.hexdigest() != expected:
-        raise ChecksumError(f"{path}: xxh3_64 is {whole.hexdigest()}, the manifest says {expected}")
+    _check_data_digest(manifest, path, whole.hexdigest(), PARAMS_DATA)
 
 
 def _tool_pool(manifest: dict, directory: str) -> BufferPool:
