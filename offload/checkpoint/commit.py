@@ -22,11 +22,15 @@ import os
 import re
 import secrets
 import shutil
+import threading
 from typing import Callable
 
 from .._proc import pid_alive
 from .format import MANIFEST, _manifest_digest
 
+# Parents whose lock a save in this process holds (directory -> count), see recover_for_reading.
+_HELD: dict[str, int] = {}
+_HELD_LOCK = threading.Lock()
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -91,6 +95,32 @@ def _recover(directory: str) -> None:
             return
 
 
+def recover_for_reading(directory: str) -> None:
+    """:func:`_recover` for readers, under the parent's lock as saves take it, so that it never runs
+    between a save's two renames (where it would put the old checkpoint back under the new one's name).
+
+    Only a missing directory needs it. A parent this process already locks (a save in progress here)
+    is not locked again: flock on a second descriptor would wait for ourselves.
+    """
+    if os.path.exists(directory):
+        return
+    parent = os.path.dirname(directory)
+    with _HELD_LOCK:
+        held = parent in _HELD
+    if held:
+        _recover(directory)
+        return
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _recover(directory)
+    finally:
+        os.close(fd)
+
+
 def _clean_stale(directory: str) -> None:
     """Remove temporary siblings of ``directory`` left by saves whose process is gone."""
     parent, name = os.path.split(directory)
@@ -115,13 +145,15 @@ class _Staged:
         self._lock_fd = os.open(parent, os.O_RDONLY | os.O_CLOEXEC)
         # Saves of one directory from several processes queue here rather than race on the renames.
         fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        with _HELD_LOCK:
+            _HELD[parent] = _HELD.get(parent, 0) + 1
         try:
             _recover(self.directory)
             _clean_stale(self.directory)
             self.tmp = f"{self.directory}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             os.mkdir(self.tmp, 0o755)
         except BaseException:
-            os.close(self._lock_fd)
+            self.close()
             raise
 
     def path(self, name: str) -> str:
@@ -155,6 +187,10 @@ class _Staged:
 
     def close(self) -> None:
         if self._lock_fd >= 0:
+            with _HELD_LOCK:
+                _HELD[self.parent] -= 1
+                if not _HELD[self.parent]:
+                    del _HELD[self.parent]
             os.close(self._lock_fd)
             self._lock_fd = -1
 

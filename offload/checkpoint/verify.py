@@ -11,7 +11,7 @@ import xxhash
 
 from ..aio import Engine
 from ..errors import CheckpointError, ChecksumError
-from .commit import _recover
+from .commit import recover_for_reading
 from .format import (
     EXTRA,
     FORMAT,
@@ -39,7 +39,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         CheckpointError: not a (complete) checkpoint, or a format this version cannot read.
     """
     directory = os.path.abspath(os.fspath(directory))
-    _recover(directory)
+    recover_for_reading(directory)
     if not os.path.isdir(directory):
         raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
     path = os.path.join(directory, MANIFEST)
