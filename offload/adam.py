@@ -648,9 +648,7 @@ class _GradReader:
                 store = store_of(c.slot.param)
                 if id(c.slot) in active and store is not None and store.holds_grad(c.slot.param):
                     align = store.space.alignment
-                    itemsize = c.slot.param.element_size()
-                    lo, hi = c.start * itemsize, (c.start + c.numel) * itemsize
-                    need = -(-need // align) * align + (-(-hi // align) - lo // align) * align
+                    need = -(-need // align) * align + store.grad_span(c.slot.param, c.start, c.start + c.numel)
                     plan.append((c, store))
             self.plans.append(plan)
             size = max(size, need)

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import Config, offload_config
 from .hooks import _EXTERNAL, Scheduler
-from .store import ParamStore, store_of
+from .store import ParamStore, resident, store_of
 
 __all__ = [
     "ParamOffload", "load_parameters", "materialized", "offload_parameters", "offloaded",
@@ -149,7 +149,7 @@ def register_external_parameter(module: nn.Module, param: torch.Tensor) -> None:
     if not any(q is param for q in declared):
         declared.append(param)
     store = store_of(param)
-    scheduler = getattr(store, "scheduler", None) if store is not None else None
+    scheduler = store.scheduler if store is not None else None
     if scheduler is not None:
         scheduler.add_external(module, param)
 
@@ -174,16 +174,8 @@ def materialized(model: nn.Module, *, modified: bool = False) -> Iterator[nn.Mod
     if state is None:
         yield model
         return
-    store = state.store
-    held = []
-    try:
-        for p in list(store.records):
-            store.fetch(p)
-            held.append(p)
+    with resident(list(state.store.records), dirty=modified):
         yield model
-    finally:
-        for p in held:
-            store.release(p, dirty=modified)
 
 
 def save_parameters(model: nn.Module, directory) -> str:

@@ -150,6 +150,7 @@ class ParamStore:
         self.prefetches_dropped = 0
         self.resident_bytes = 0
         self.resident_bytes_max = 0
+        self.scheduler = None  # the module hooks using this store (set by offload_parameters)
 
         itemsize = max((p.element_size() for p in params), default=4)
         size = _round_up(pc.buffer_size * itemsize, _ALIGN)
@@ -302,6 +303,11 @@ class ParamStore:
             rec = self.records[param]
             if rec.grad_state == _STORED:
                 rec.grad_scales.append(coef.detach().to("cpu"))
+
+    def grad_span(self, param: torch.Tensor, lo: int, hi: int) -> int:
+        """Bytes of a buffer that :meth:`read_grad` of elements ``[lo, hi)`` occupies (whole aligned blocks)."""
+        align, size = self.space.alignment, param.element_size()
+        return _round_up(hi * size, align) - (lo * size) // align * align
 
     def read_grad(self, param: torch.Tensor, lo: int, hi: int, buffer: HostBuffer,
                   buffer_offset: int) -> tuple[GradRead, int]:
