@@ -177,6 +177,11 @@ class ParamStore:
         self.piece = self.pool.buffer_size // self.space.alignment * self.space.alignment
         self._free: deque[_Slot] = deque(_Slot(b) for b in self.pool)
         self._issued: list[_Record] = []  # records with prefetches in flight, oldest first
+        # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
+        # (torch's pinned allocator would round each parameter up to a power of two).
+        cache_bytes = sum(_round_up(p.numel() * p.element_size(), 64) for p in cached) if self._cuda else 0
+        self._host_cache = HostBuffer(cache_bytes, pin_memory=self.pool[0].pinned) if cache_bytes else None
+        self._host_used = 0
         try:
             for p in params:
                 if p in cached and not self._cuda:
@@ -420,6 +425,8 @@ class ParamStore:
             self.records = {}
             if hasattr(self, "space"):
                 self.space.close()
+            if getattr(self, "_host_cache", None) is not None:
+                self._host_cache.close()
             self.pool.close()
 
     # -- checkpoints (offload.checkpoint streams weights through the pool) ---------------------
@@ -492,8 +499,9 @@ class ParamStore:
             rec.grad_extent = self.space.alloc(nbytes)
             rec.placeholder = make_placeholder(p, rec.name)
         if cached:
-            host = self._data(rec).to("cpu", copy=True)
-            rec.host = host.pin_memory() if self._cuda and self.pool[0].pinned else host
+            rec.host = self._host_cache.tensor[self._host_used:self._host_used + nbytes]
+            self._host_used += _round_up(nbytes, 64)
+            rec.host.copy_(self._data(rec))
         else:
             rec.extent = self.space.alloc(nbytes)
             self._store(rec)
