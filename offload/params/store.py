@@ -350,20 +350,8 @@ class ParamStore:
             with torch._C.DisableTorchFunctionSubclass():
                 if rec.grad_state == _ZERO:
                     return out.zero_()
-                for fut in rec.grad_writes:
-                    fut.wait()
-                rec.grad_writes.clear()
-                dst = out.view(-1).view(torch.uint8)
-                for k in range(self._pieces(rec)):
-                    slot = self._take_free(wait=True)
-                    try:
-                        ext, n = self._piece_extent(rec, k, rec.grad_extent)
-                        self.space.read(ext, slot.buffer, nbytes=n).wait()
-                        self.grad_bytes_read += ext.nbytes
-                        start = k * self.piece
-                        dst[start:start + n].copy_(slot.buffer.tensor[:n])
-                    finally:
-                        self._free.append(slot)
+                _land(rec.grad_writes)  # the read must see the latest bytes
+                self.grad_bytes_read += self._read_into(rec, out.view(-1).view(torch.uint8), rec.grad_extent)
                 for coef in rec.grad_scales:
                     out.mul_(coef)
             return out
@@ -601,7 +589,21 @@ class ParamStore:
             self._issued.remove(rec)
         if pending:
             self.prefetch_hits += 1
-        dst = self._data(rec)
+        self.bytes_read += self._read_into(rec, self._data(rec), rec.extent, pending)
+
+    def _read_into(self, rec: _Record, dst: torch.Tensor, extent: Extent, pending: Optional[dict] = None) -> int:
+        """Fill ``dst`` (``rec.nbytes`` flat bytes) from ``extent``, pieces read ahead over free buffers;
+        ``pending`` holds pieces already in flight (prefetches, counted when issued). Returns the bytes
+        this call read from disk."""
+        pending = {} if pending is None else pending
+        moved = 0
+
+        def issue(k: int, slot: _Slot):
+            nonlocal moved
+            ext, nb = self._piece_extent(rec, k, extent)
+            moved += ext.nbytes
+            return self.space.read(ext, slot.buffer, nbytes=nb)
+
         n = self._pieces(rec)
         try:
             for k in range(n):
@@ -611,12 +613,12 @@ class ParamStore:
                         slot = self._take_free(wait=False)
                         if slot is None:
                             break
-                        pending[j] = (slot, self._read_piece(rec, j, slot))
+                        pending[j] = (slot, issue(j, slot))
                     j += 1
                 if k not in pending:
                     # We hold no buffer now (pieces are issued in order): one is free or can be taken.
                     slot = self._take_free(wait=True)
-                    pending[k] = (slot, self._read_piece(rec, k, slot))
+                    pending[k] = (slot, issue(k, slot))
                 slot, fut = pending.pop(k)
                 fut.wait()
                 start = k * self.piece
@@ -630,6 +632,7 @@ class ParamStore:
             for slot, fut in pending.values():
                 wait_quietly([fut])
                 self._free.append(slot)
+        return moved
 
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
