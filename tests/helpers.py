@@ -1,8 +1,18 @@
-"""Assertions and small utilities shared by the optimizer, checkpoint, fault and parameter tests."""
+"""Assertions, models and small utilities shared by the test modules (which never import each other)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# The checkout under test: subprocesses import offload from here, whatever else is installed.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def snapshot(params):
@@ -34,3 +44,79 @@ def assert_same_state(a: dict, b: dict):
                 f"parameter {i}: state {k!r} differs"
     for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True):
         assert {k: v for k, v in ga.items() if k != "params"} == {k: v for k, v in gb.items() if k != "params"}
+
+
+def flip_bit(path, offset: int, mask: int = 0x01) -> None:
+    """Corrupt one byte of a file in place: XOR the byte at ``offset`` with ``mask``."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+# -- subprocesses ---------------------------------------------------------------------------------
+
+
+def python_env(path: str = REPO, **extra: str) -> dict:
+    """``os.environ`` with ``path`` first on PYTHONPATH (and ``extra`` variables set)."""
+    rest = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": path + (os.pathsep + rest if rest else ""), **extra}
+
+
+def run_python(*args: str, pythonpath: str = REPO, env: dict | None = None, timeout: float = 120,
+               **kw) -> subprocess.CompletedProcess:
+    """``python ARGS...`` with this checkout importable; output captured as text."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env=python_env(pythonpath, **(env or {})), **kw)
+
+
+def run_code(code: str, *argv: str, **kw) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGV...`` (code dedented), as :func:`run_python`."""
+    return run_python("-c", textwrap.dedent(code), *argv, **kw)
+
+
+# -- a small model for the offloaded-parameter tests ----------------------------------------------
+
+TINY = dict(max_in_cpu=0, buffer_count=3, buffer_size=2048)
+OPT = dict(lr=1e-2, buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
+
+
+class Block(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.down = nn.Linear(h, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.relu(self.up(x))))
+
+
+class Net(nn.Module):
+    """Blocks plus a head with an 8-element bias (below the optimizer's small-parameter threshold)."""
+
+    def __init__(self, d=32, h=128, layers=4, ckpt=False):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(layers))
+        self.head = nn.Linear(d, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5))
+        self.ckpt = ckpt
+        self.order = None
+
+    def forward(self, x):
+        order = self.order or range(len(self.blocks))
+        for i in order:
+            b = self.blocks[i]
+            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
+        return self.head(x) * self.scale
+
+
+def batch(step, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(16, 32, generator=g).to(dtype), torch.randn(16, 8, generator=g).to(dtype)
+
+
+def loss_of(model, step, dtype=torch.float32):
+    x, y = batch(step, dtype)
+    return (model(x) - y).float().square().mean()

@@ -6,23 +6,18 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
+from helpers import REPO, run_python
 
 from offload.bench.cli import main
 from offload.config import config_to_dict, load_config
 
 TINY = ["--size", "8MiB", "--block-size", "64KiB", "--runs", "2"]
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = REPO + os.pathsep + full_env.get("PYTHONPATH", "")
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "offload.bench", *args], capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=REPO)
+    return run_python("-m", "offload.bench", *args, env=env, timeout=timeout, cwd=REPO)
 
 
 def bench_in_process(capsys, *args: str) -> tuple[int, str, str]:
@@ -239,11 +234,8 @@ def test_engine_vs_fio_script_reports_ratios_and_removes_its_file(tmp_path):
     out = tmp_path / "evf.json"
     data = tmp_path / "data"
     data.mkdir()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    p = subprocess.run([sys.executable, os.path.join(root, "bench", "engine_vs_fio.py"), "--path", str(data),
-                        "--size", "8MiB", "--chunk", "1MiB", "--rounds", "2", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120, env=env)
+    p = run_python(os.path.join(REPO, "bench", "engine_vs_fio.py"), "--path", str(data),
+                   "--size", "8MiB", "--chunk", "1MiB", "--rounds", "2", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     for op in ("write", "read"):

@@ -12,10 +12,10 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers import run_code
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.aio import Engine
 from offload.buffers import BufferPool, HostBuffer
 from offload.config import AioConfig
 from offload.errors import ConfigError
@@ -26,19 +26,6 @@ MiB = 1 << 20
 UNIT = 64 * KiB  # small stripes so a few MiB cross many stripe boundaries
 AIO = AioConfig(block_size=UNIT, queue_depth=8)
 
-
-def _io_uring_works() -> bool:
-    try:
-        with Engine(backend="io_uring") as e:
-            return e.backend == "io_uring"
-    except OSError:
-        return False
-
-
-BACKENDS = [
-    pytest.param("io_uring", marks=pytest.mark.skipif(not _io_uring_works(), reason="io_uring unavailable")),
-    "threads",
-]
 
 # A script of allocator operations: ("alloc", nbytes) or ("free", index into the live extents).
 _ops = st.lists(
@@ -173,7 +160,6 @@ def _raw_logical_bytes(files: list[str], unit: int, offset: int, nbytes: int) ->
     return bytes(out)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("npaths", [1, 2, 3])
 def test_striped_round_trip_returns_the_bytes_written(tmp_path, backend, npaths):
     """Random data of odd lengths written through 1-3 striped paths reads back unchanged, and the raw
@@ -337,7 +323,6 @@ def test_two_spaces_in_one_directory_use_different_files_removed_on_close(tmp_pa
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_engine_fault_surfaces_as_oserror_naming_the_swap_file(tmp_path, backend):
     """An injected write failure comes back from wait() as OSError with errno and the swap file path."""
     with SwapSpace([tmp_path / "a", tmp_path / "b"], MiB, aio=AIO.replace(backend=backend)) as space:
@@ -383,10 +368,11 @@ def test_files_are_removed_at_exit_and_a_crash_leaves_a_stale_file(tmp_path):
         if sys.argv[1] == "crash":
             os._exit(0)
     """)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    subprocess.run([sys.executable, "-c", script, "exit"], check=True, env=env)
-    assert os.listdir(tmp_path) == []
-    subprocess.run([sys.executable, "-c", script, "crash"], check=True, env=env)
+    for how in ("exit", "crash"):
+        done = run_code(script, how)
+        assert done.returncode == 0, done.stderr
+        if how == "exit":
+            assert os.listdir(tmp_path) == []
     left = [str(tmp_path / f) for f in os.listdir(tmp_path)]
     assert len(left) == 1 and SwapSpace.find_stale(tmp_path) == left
     SwapSpace.remove_stale(tmp_path)

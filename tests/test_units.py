@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -136,8 +138,12 @@ def test_format_size_rejects_non_integers():
 
 @given(st.integers(min_value=0, max_value=1 << 50))
 @example(8320)  # 8.125 KiB, an exact tie at two decimals: the error is the whole half unit
+@example(5 * KiB // 4)  # "1.25 KiB" and "1.50 MiB": whole numbers of bytes, read back exactly
+@example(3 * MiB // 2)
 def test_format_size_reads_back_within_rounding(nbytes):
-    """What format_size prints, parse_size reads back to within the half-unit rounding of two decimals."""
+    """What format_size prints is within the half-unit rounding of two decimals, and parse_size reads
+    it back as exactly the number shown (so within that rounding of ``nbytes``; exactly below 1 KiB)
+    or, where the number shown is a fraction of a byte, refuses it rather than rounding."""
     text = format_size(nbytes)
     number, unit = text.split()
     scale = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": TiB, "PiB": TiB * KiB}[unit]
@@ -145,3 +151,12 @@ def test_format_size_reads_back_within_rounding(nbytes):
     assert abs(float(number) * scale - nbytes) <= 0.005 * scale * (1 + 1e-12)
     if unit == "B":
         assert parse_size(text.replace(" ", "")) == nbytes
+    if unit == "PiB":
+        return  # parse_size's units stop at TiB
+    shown = Fraction(number) * scale  # the exact value of the printed text
+    if shown.denominator == 1:
+        assert parse_size(text) == shown
+        assert abs(shown - nbytes) <= Fraction(scale, 200)
+    else:
+        with pytest.raises(ValueError, match="not a whole number of bytes"):
+            parse_size(text)
