@@ -11,60 +11,17 @@ import os
 
 import pytest
 import torch
+from helpers import OPT, TINY, Net, batch, loss_of, run_code, run_python
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from offload import ConfigError, OffloadedAdamW, offload_parameters, restore_parameters
 from offload.params import clip_grad_norm_, load_grad, materialized, offloaded, store_of
-
-TINY = dict(max_in_cpu=0, buffer_count=3, buffer_size=2048)
-OPT = dict(lr=1e-2, buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
-
-
-class Block(nn.Module):
-    def __init__(self, d, h):
-        super().__init__()
-        self.up = nn.Linear(d, h)
-        self.down = nn.Linear(h, d)
-        self.norm = nn.LayerNorm(d)
-
-    def forward(self, x):
-        return self.norm(x + self.down(torch.relu(self.up(x))))
-
-
-class Net(nn.Module):
-    """Blocks plus a head with an 8-element bias (below the optimizer's small-parameter threshold)."""
-
-    def __init__(self, d=32, h=128, layers=4, ckpt=False):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d, h) for _ in range(layers))
-        self.head = nn.Linear(d, 8)
-        self.register_buffer("scale", torch.full((8,), 0.5))
-        self.ckpt = ckpt
-        self.order = None
-
-    def forward(self, x):
-        order = self.order or range(len(self.blocks))
-        for i in order:
-            b = self.blocks[i]
-            x = checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x)
-        return self.head(x) * self.scale
 
 
 def make_pair(seed=0, dtype=torch.float32, **kw):
     torch.manual_seed(seed)
     ref = Net(**kw).to(dtype)
     return ref, copy.deepcopy(ref)
-
-
-def batch(step, dtype=torch.float32):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(16, 32, generator=g).to(dtype), torch.randn(16, 8, generator=g).to(dtype)
-
-
-def loss_of(model, step, dtype=torch.float32):
-    x, y = batch(step, dtype)
-    return (model(x) - y).float().square().mean()
 
 
 def assert_same_weights(a, b):
@@ -443,11 +400,7 @@ print(float(model.child.weight.sum()))
 def test_touching_a_released_parameter_raises_a_clear_error_instead_of_crashing(tmp_path, nvme):
     """Printing, p.sum(), torch.equal and a parent using a child's weight raise a RuntimeError naming
     the parameter and the fix; the process exits normally (run apart, so a crash fails only this test)."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-c", GUARD_SCRIPT, nvme], capture_output=True, text=True,
-                          timeout=120)
+    proc = run_code(GUARD_SCRIPT, nvme)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for name in ("print", "sum", "parent", "torch.equal", "dict"):
         assert f"refused {name}" in proc.stdout
@@ -616,6 +569,18 @@ def test_torch_utilities_that_would_misread_offloaded_grads_raise_clearly(nvme):
     restore_parameters(plain)
 
 
+def assert_masters_are_the_weights(model, opt):
+    """Every offloaded bf16 parameter's fp32 master equals its weight, widened: the bits a master
+    seeded from the weights must have (zeros, or stale values, would still train without error)."""
+    masters = opt.state_dict()["state"]
+    with materialized(model):
+        params = list(model.parameters())
+        seeded = [i for i, p in enumerate(params) if "master" in masters.get(i, {})]
+        assert len(seeded) == sum(p.numel() >= OPT["small_param_threshold"] for p in params)
+        for i in seeded:
+            assert torch.equal(masters[i]["master"], params[i].detach().float()), f"parameter {i}: master"
+
+
 def test_checkpoint_of_adamw_over_offloaded_bf16_model_resumes_bit_for_bit(tmp_path, nvme):
     """save_checkpoint/load_checkpoint of OffloadedAdamW over an offloaded bf16 model resumes exactly,
     and a checkpoint without fp32 masters seeds them from the offloaded weights (fetched for it)."""
@@ -652,15 +617,21 @@ def test_checkpoint_of_adamw_over_offloaded_bf16_model_resumes_bit_for_bit(tmp_p
     for m in (third, ref):
         m.load_state_dict(state)
     ckpt.load_checkpoint(opt3, tmp_path / "nomaster")
+    assert offloaded(third).store.resident_bytes == 0
+    assert_masters_are_the_weights(third, opt3)
+    # load_state_dict of the same master-less state seeds them from the offloaded weights as well.
+    fourth, opt4 = build(28)
+    fourth.load_state_dict(state)
+    opt4.load_state_dict(sd)
+    assert_masters_are_the_weights(fourth, opt4)
     restore_parameters(ref)  # the same, with weights in memory
     ckpt.load_checkpoint(opt_ref, tmp_path / "nomaster")
-    assert offloaded(third).store.resident_bytes == 0
     train(third, opt3, range(3, 5))
     train(ref, opt_ref, range(3, 5))
     assert_same_weights(ref, third)
-    for o in (opt, opt2, opt3, opt_ref):
+    for o in (opt, opt2, opt3, opt4, opt_ref):
         o.close()
-    for m in (model, other, third):
+    for m in (model, other, third, fourth):
         restore_parameters(m)
 
 
@@ -709,15 +680,10 @@ def test_cuda_host_cache_and_inference(nvme):
 def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
     """``offload-bench params`` on a tiny model exits 0 and writes every documented key."""
     import json
-    import subprocess
-    import sys
 
     out = tmp_path / "params.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "offload.bench", "params", "--layers", "2", "--hidden", "64", "--steps", "2",
-         "--path", str(tmp_path / "scratch"), "--json", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )
+    proc = run_python("-m", "offload.bench", "params", "--layers", "2", "--hidden", "64", "--steps", "2",
+                      "--path", str(tmp_path / "scratch"), "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     keys = {"params", "step_s_median", "fetch_bytes_per_step", "write_bytes_per_step", "io_only_s",

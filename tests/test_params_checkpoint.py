@@ -6,13 +6,13 @@ model is several times the pool: a save or load that materialised the weights co
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
 import pytest
 import torch
-from helpers import assert_same_state
-from test_params import OPT, TINY, Net, loss_of
+from helpers import OPT, TINY, Net, assert_same_state, flip_bit, loss_of
 
 from offload import OffloadedAdamW, StateError, offload_parameters, restore_parameters
 from offload import checkpoint as ckpt
@@ -62,14 +62,6 @@ def close(*things):
             t.close()
         elif offloaded(t) is not None:
             restore_parameters(t)
-
-
-def flip_bit(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x04]))
 
 
 def count_fetches(monkeypatch, store) -> list:
@@ -145,11 +137,11 @@ def test_flipped_bit_in_params_bin_is_named_and_nothing_changes(tmp_path, nvme):
     opt.save_checkpoint(tmp_path / "c", model=model)
     entry = next(e for e in ckpt.read_manifest(tmp_path / "c")["model"]["tensors"]
                  if e["name"] == "blocks.1.up.weight")
-    flip_bit(tmp_path / "c" / "params.bin", entry["offset"] + 100)
+    flip_bit(tmp_path / "c" / "params.bin", entry["offset"] + 100, 0x04)
 
     other, opt2 = build(nvme, 6)
     train(other, opt2, range(1), torch.float32)
-    before, state = weights(other), opt2.state_dict()
+    before, state = weights(other), copy.deepcopy(opt2.state_dict())  # in-memory state comes back live
     with pytest.raises(ckpt.ChecksumError, match=r"params.bin: parameter 'blocks.1.up.weight' \(bytes "
                                                  rf"\[{entry['offset']}, {entry['offset'] + entry['length']}\)\)"):
         opt2.load_checkpoint(tmp_path / "c", model=other)
@@ -174,12 +166,18 @@ def test_a_different_model_is_refused_before_anything_changes(tmp_path, nvme):
         load_parameters(wider, tmp_path / "c")
     assert_same_tensors(before, weights(wider))
 
+    # Its first four blocks match the checkpoint: a load that wrote them before finding blocks.4
+    # missing would change them.
     deeper, _ = build(nvme, 9, optimizer=False, layers=5)
+    before = weights(deeper)
     with pytest.raises(ckpt.CheckpointError, match=r"has no param 'blocks.4.up.weight', which this model has"):
         load_parameters(deeper, tmp_path / "c")
+    assert_same_tensors(before, weights(deeper))
     halfprec, _ = build(nvme, 9, optimizer=False, dtype=torch.bfloat16)
+    before = weights(halfprec)
     with pytest.raises(ckpt.CheckpointError, match=r"dtype float32 in the checkpoint, bfloat16 in this model"):
         load_parameters(halfprec, tmp_path / "c")
+    assert_same_tensors(before, weights(halfprec))
     close(model, wider, deeper, halfprec)
 
 
