@@ -8,7 +8,9 @@ results.
 from __future__ import annotations
 
 import copy
+import ctypes
 import errno
+import gc
 import io
 import os
 
@@ -18,6 +20,7 @@ from helpers import assert_same
 
 from offload import ConfigError, OffloadedAdam, OffloadedAdamW, StateError
 
+MiB = 1 << 20
 SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
 SIZES = (10, 100, 5000, 70_000, 300_001)  # 300_001 > one buffer's worth of state: split across units
 
@@ -160,20 +163,30 @@ def test_grad_accumulation_and_clipping_and_closure(nvme):
     ours = OffloadedAdamW(model_a.parameters(), lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
     ref = torch.optim.AdamW(model_b.parameters(), lr=1e-2, fused=True)
     data = [(torch.randn(16, 64), torch.randn(16, 8)) for _ in range(6)]
-    for start in range(0, 6, 3):
-        for model in (model_a, model_b):
-            for x, y in data[start:start + 3]:
-                torch.nn.functional.mse_loss(model(x), y).backward()
+
+    def closure(model, opt, batches):
+        """What step() re-evaluates: fresh grads accumulated over micro-batches, clipped; their loss."""
+        def run():
+            opt.zero_grad()
+            total = torch.zeros(())
+            for x, y in batches:
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                total += loss.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            return total
+        return run
 
-        def closure_a():
-            return torch.tensor(1.0)
-
-        assert ours.step(closure_a).item() == 1.0
-        ref.step()
-        ours.zero_grad()
-        ref.zero_grad()
-    assert_same(list(model_a.parameters()), list(model_b.parameters()))
+    losses = []
+    for start in range(0, 6, 3):
+        # Called under no_grad, as a training loop may: step() must enable grad for the closure.
+        with torch.no_grad():
+            la = ours.step(closure(model_a, ours, data[start:start + 3]))
+            lb = ref.step(closure(model_b, ref, data[start:start + 3]))
+        assert torch.equal(la, lb), f"closure losses {la.item()} != {lb.item()}"
+        losses.append(la.item())
+        assert_same(list(model_a.parameters()), list(model_b.parameters()))
+    assert losses[1] != losses[0]  # the closures saw the updated weights
     ours.close()
 
 
@@ -289,7 +302,7 @@ def test_load_state_dict_rejects_mismatches_without_changing_anything(nvme):
     ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, **SMALL)
     set_grads(a, seed=0)
     ours.step()
-    good = ours.state_dict()
+    good = copy.deepcopy(ours.state_dict())  # in-memory state comes back live: "unchanged" needs a copy
     bad_groups = copy.deepcopy(good)
     bad_groups["param_groups"].append(copy.deepcopy(bad_groups["param_groups"][0]))
     bad_count = copy.deepcopy(good)
@@ -309,21 +322,59 @@ def test_load_state_dict_rejects_mismatches_without_changing_anything(nvme):
     ours.close()
 
 
-def test_host_memory_is_the_pool_whatever_the_model_size(nvme):
-    """The pool is buffer_count x buffer_size and state many times larger lives on disk."""
-    a = make_params(sizes=(1_000_000, 1_000_000))
+def _peak_rss() -> int:
+    """The process's resident-set high-water mark (VmHWM), in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    """Make VmHWM start again from the current RSS (Linux's clear_refs, value 5), after giving freed
+    heap memory back (glibc's malloc_trim), so that reusing it cannot hide an allocation."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass  # not glibc: the measurement is only less strict
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+@pytest.mark.parametrize("numel", [4_200_000, 8_400_000], ids=["64MiB-state", "128MiB-state"])
+def test_host_memory_is_the_pool_whatever_the_model_size(nvme, numel):
+    """The pool is buffer_count x buffer_size and state many times larger lives on disk: a step's
+    peak host memory grows by about the pool, not by the state, whatever the model size."""
+    try:
+        _reset_peak_rss()
+    except OSError as err:
+        pytest.skip(f"cannot reset the peak RSS here (/proc/self/clear_refs: {err})")
+    a = make_params(sizes=(numel, numel))
+    state_bytes = 2 * 2 * numel * 4  # exp_avg and exp_avg_sq of two fp32 parameters
+    assert state_bytes >= 64 * MiB
     ours = OffloadedAdamW(a, nvme_path=nvme, **SMALL)
-    assert ours.host_pool_bytes == 3 * 256 * 1024
-    assert ours.offloaded_state_bytes >= 2 * 2 * 1_000_000 * 4
-    set_grads(a, seed=0)
-    ours.step()
-    read, written = ours.io_bytes()
-    assert written >= 2 * 2 * 1_000_000 * 4 and read == 0  # the first step has nothing to read
-    set_grads(a, seed=1)
-    ours.step()
-    read2, _ = ours.io_bytes()
-    assert read2 >= 2 * 2 * 1_000_000 * 4
-    ours.close()
+    try:
+        assert ours.host_pool_bytes == 3 * 256 * 1024
+        assert ours.offloaded_state_bytes >= state_bytes
+        set_grads(a, seed=0)
+        ours.step()
+        read, written = ours.io_bytes()
+        assert written >= state_bytes and read == 0  # the first step has nothing to read
+        set_grads(a, seed=1)
+        # Measured on the second step (the first may import or set up things once), after
+        # everything this test allocates for it exists.
+        _reset_peak_rss()
+        base = _peak_rss()
+        ours.step()
+        growth = _peak_rss() - base
+        read2, _ = ours.io_bytes()
+        assert read2 >= state_bytes
+        assert growth < 16 * MiB, f"a step over {state_bytes / MiB:.0f} MiB of state grew the peak RSS by " \
+                                  f"{growth / MiB:.1f} MiB"
+    finally:
+        ours.close()
 
 
 @pytest.mark.parametrize("pipeline_read, pipeline_write, count", [(False, False, 2), (True, False, 3), (True, True, 5)])
@@ -333,6 +384,9 @@ def test_pipeline_settings_do_not_change_results(nvme, pipeline_read, pipeline_w
     ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, pipeline_read=pipeline_read, pipeline_write=pipeline_write,
                           **{**SMALL, "buffer_count": count})
     ref = torch.optim.AdamW(b, fused=True)
+    swapper = ours._swapper
+    assert (swapper.pipeline_read, swapper.pipeline_write) == (pipeline_read, pipeline_write)
+    assert swapper.lookahead == (max(1, count - 2) if pipeline_read else 0)
     step_together(ours, ref, a, b, range(3))
     assert_same(a, b)
     ours.close()
@@ -395,7 +449,7 @@ def test_io_failure_mid_step_names_the_file_and_blocks_further_steps(nvme):
     opt = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
     set_grads(a, seed=0)
     opt.step()
-    saved = opt.state_dict()
+    saved = copy.deepcopy(opt.state_dict())  # a snapshot, not the live in-memory state the step changes
     params_saved = [p.detach().clone() for p in a]
     opt.swap_space.inject_fault("error", op="write", skip=1, count=1, errno=errno.EIO)
     set_grads(a, seed=1)
