@@ -2,7 +2,7 @@
 
 Two different conventions live here on purpose:
 
-* **Sizes** (bytes) follow what storage people type: ``KiB``/``MiB``/``GiB``/``TiB`` and the bare
+* **Sizes** (bytes) follow what storage people type: ``KiB``/``MiB``/``GiB``/``TiB``/``PiB`` and the bare
   letters ``K``/``M``/``G``/``T`` are binary (powers of 1024, as in fio, dd and ``torch`` memory stats);
   ``KB``/``MB``/``GB``/``TB`` are decimal (powers of 1000, as on a drive's label).
 * **Counts** (numbers of parameters or elements) are decimal: ``K`` = 1e3, ``M`` = 1e6, ``G`` or ``B``
@@ -27,6 +27,8 @@ _SIZE_UNITS = {
     "m": _KIB**2, "mi": _KIB**2, "mib": _KIB**2, "mb": 10**6,
     "g": _KIB**3, "gi": _KIB**3, "gib": _KIB**3, "gb": 10**9,
     "t": _KIB**4, "ti": _KIB**4, "tib": _KIB**4, "tb": 10**12,
+    "p": _KIB**5, "pi": _KIB**5, "pib": _KIB**5, "pb": 10**15,
+    "e": _KIB**6, "ei": _KIB**6, "eib": _KIB**6, "eb": 10**18,
 }  # fmt: skip
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
 
@@ -39,7 +41,7 @@ _MAX_EXPONENT = 30
 
 _SIZE_EXAMPLES = '"4096", "4 KiB", "512MiB", "1G", "1.5GiB", "100MB" or "1e8"'
 _COUNT_EXAMPLES = '"4096", "64M", "1.5G", "7B" or "1e8"'
-_SIZE_UNIT_NAMES = "B, K/KiB, M/MiB, G/GiB, T/TiB (binary) or KB, MB, GB, TB (decimal)"
+_SIZE_UNIT_NAMES = "B, K/KiB, M/MiB, G/GiB, T/TiB, P/PiB, E/EiB (binary) or KB, MB, GB, TB, PB, EB (decimal)"
 _COUNT_UNIT_NAMES = "K (1e3), M (1e6), G or B (1e9), T (1e12)"
 
 
@@ -49,8 +51,9 @@ def parse_size(value: int | str) -> int:
     Args:
         value: a non-negative ``int``, or a string: a number (``"1048576"``, ``"1e8"``, ``"1.5"``) with
             an optional unit, spaces allowed between them. Units, case-insensitive: ``B``;
-            ``K``/``Ki``/``KiB``, ``M``/``Mi``/``MiB``, ``G``/``Gi``/``GiB``, ``T``/``Ti``/``TiB``
-            (binary, powers of 1024); ``KB``, ``MB``, ``GB``, ``TB`` (decimal, powers of 1000).
+            ``K``/``Ki``/``KiB``, ``M``/``Mi``/``MiB``, ``G``/``Gi``/``GiB``, ``T``/``Ti``/``TiB``,
+            ``P``/``Pi``/``PiB``, ``E``/``Ei``/``EiB`` (binary, powers of 1024); ``KB``, ``MB``, ``GB``,
+            ``TB``, ``PB``, ``EB`` (decimal, powers of 1000).
 
     Returns:
         The number of bytes.
