@@ -376,3 +376,23 @@ def test_files_are_removed_at_exit_and_a_crash_leaves_a_stale_file(tmp_path):
     left = [str(tmp_path / f) for f in os.listdir(tmp_path)]
     assert len(left) == 1 and SwapSpace.find_stale(tmp_path) == left
     SwapSpace.remove_stale(tmp_path)
+
+
+def test_sub_extent_addresses_the_bytes_of_its_part_and_refuses_to_leave_it(tmp_path):
+    """space.sub(extent, start, n) reads and writes exactly bytes [start, start + n) of the extent
+    (its length rounded to the alignment), and a misaligned or overflowing part is refused."""
+    with SwapSpace(str(tmp_path), 1 << 20) as space, HostBuffer(64 * 1024) as buf:
+        a = space.alignment
+        ext = space.alloc(4 * a)
+        rng = np.random.default_rng(0)
+        whole = rng.integers(0, 256, 4 * a, dtype=np.uint8)
+        buf.numpy()[:4 * a] = whole
+        space.write(ext, buf).wait()
+        part = space.sub(ext, a, a + 100)
+        assert (part.offset, part.nbytes) == (ext.offset + a, 2 * a)
+        buf.numpy()[:] = 0
+        space.read(part, buf, nbytes=a + 100).wait()
+        assert np.array_equal(buf.numpy()[:a + 100], whole[a:2 * a + 100])
+        for start, n in ((a // 2, 10), (3 * a, a + 1), (-a, 10)):
+            with pytest.raises(ValueError, match="aligned part"):
+                space.sub(ext, start, n)
