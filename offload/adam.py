@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim.adam import adam as _torch_adam
 
-from .aio import DEFAULT_ALIGNMENT, wait_quietly
+from .aio import wait_quietly
 from .buffers import BufferPool
 from .config import offload_config
 from .errors import StateError
@@ -30,6 +30,7 @@ from .params.store import resident as _resident
 from .params.store import store_of
 from .space import SwapSpace
 from .swapper import Swapper
+from .units import ALIGNMENT, round_up
 
 _FUSED_DEVICES = ("cpu", "cuda")
 
@@ -118,7 +119,7 @@ class OffloadedAdam(torch.optim.Adam):
         self._layout = Layout(self._pool.buffer_size)
         units = self._layout.add(self._offload_candidates(self.param_groups, only_trainable=True))
         # Reserve the whole layout up front, so a full disk is reported here and not at step 4000.
-        reserve = sum(-(-u.nbytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT for u in units)
+        reserve = sum(round_up(u.nbytes, ALIGNMENT) for u in units)
         try:
             self._space = SwapSpace(oc.nvme_path, reserve, aio=cfg.aio, buffers=self._pool, name="adam")
         except BaseException:

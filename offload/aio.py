@@ -25,6 +25,7 @@ from typing import Mapping, NamedTuple, Sequence, Union
 from ._native import BACKEND_NAMES, BACKENDS, HAVE_IO_URING, ffi, lib
 from .buffers import HostBuffer
 from .config import AioConfig, Config
+from .units import ALIGNMENT
 
 READ = lib.OFL_OP_READ
 WRITE = lib.OFL_OP_WRITE
@@ -36,7 +37,6 @@ _MODES = {
     "w+": os.O_RDWR | os.O_CREAT,
     "x+": os.O_RDWR | os.O_CREAT | os.O_EXCL,
 }
-DEFAULT_ALIGNMENT = 4096
 
 _warned_devices: set = set()
 _warn_lock = threading.Lock()
@@ -170,7 +170,7 @@ def _dio_alignment(fd: int) -> int:
     mem = ffi.new("uint32_t *")
     off = ffi.new("uint32_t *")
     lib.ofl_dio_alignment(fd, mem, off)
-    return max(DEFAULT_ALIGNMENT, int(mem[0]), int(off[0]))
+    return max(ALIGNMENT, int(mem[0]), int(off[0]))
 
 
 class Segment(NamedTuple):

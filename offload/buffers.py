@@ -16,12 +16,10 @@ from typing import Iterator
 import torch
 
 from .errors import PoolTooSmallError
+from .units import round_up
 
 PAGE_SIZE = mmap.PAGESIZE
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 class HostBuffer:
@@ -36,7 +34,7 @@ class HostBuffer:
     def __init__(self, nbytes: int, *, pin_memory: bool = False, index: int = -1):
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"buffer size must be a positive number of bytes, got {nbytes!r}")
-        self.nbytes = _round_up(nbytes, PAGE_SIZE)
+        self.nbytes = round_up(nbytes, PAGE_SIZE)
         self.index = index
         self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)

@@ -16,14 +16,13 @@ from typing import Iterable
 
 import torch
 
+from .units import round_up
+
 SLICE_ALIGN = 64
 GRAIN = 1024
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def state_dtype_for(param: torch.Tensor) -> torch.dtype:
@@ -95,7 +94,7 @@ class Layout:
         self.slots: dict[torch.Tensor, ParamSlot] = {}
 
     def min_unit_bytes(self, keys: int, itemsize: int) -> int:
-        return keys * _round_up(GRAIN * itemsize, SLICE_ALIGN)
+        return keys * round_up(GRAIN * itemsize, SLICE_ALIGN)
 
     def add(self, params: Iterable[tuple[torch.Tensor, dict, bool]]) -> list[Unit]:
         """Lay out parameters ``(param, group, amsgrad)``; returns the units opened for them.
@@ -132,7 +131,7 @@ class Layout:
                 if take == 0:
                     unit = None
                     continue
-                stride = _round_up(take * itemsize, SLICE_ALIGN)
+                stride = round_up(take * itemsize, SLICE_ALIGN)
                 chunk = Chunk(slot, start, take, unit.nbytes, stride)
                 unit.chunks.append(chunk)
                 unit.nbytes += chunk.nbytes

@@ -38,10 +38,11 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence, Union
 
 from ._proc import pid_alive
-from .aio import DEFAULT_ALIGNMENT, READ, WRITE, AioFile, Engine, FutureGroup, Segment, wait_quietly
+from .aio import READ, WRITE, AioFile, Engine, FutureGroup, Segment, wait_quietly
 from .buffers import HostBuffer
 from .config import AioConfig
 from .errors import ConfigError
+from .units import ALIGNMENT, format_size, round_up
 
 __all__ = ["Extent", "ExtentAllocator", "SwapSpace"]
 
@@ -59,15 +60,6 @@ _owner_ids = itertools.count(1)
 PathsLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _human(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 @dataclass(frozen=True)
@@ -103,7 +95,7 @@ class ExtentAllocator:
         owner: id stamped on the extents handed out (see :attr:`Extent.owner`).
     """
 
-    def __init__(self, capacity: int = 0, alignment: int = DEFAULT_ALIGNMENT, owner: int = 0):
+    def __init__(self, capacity: int = 0, alignment: int = ALIGNMENT, owner: int = 0):
         if alignment <= 0 or capacity < 0 or capacity % alignment:
             raise ValueError(f"capacity {capacity} must be a non-negative multiple of alignment {alignment}")
         self.alignment = alignment
@@ -117,7 +109,7 @@ class ExtentAllocator:
 
     def size_for(self, nbytes: int) -> int:
         """``nbytes`` rounded up to the alignment (what an extent of that request reserves)."""
-        return _round_up(nbytes, self.alignment)
+        return round_up(nbytes, self.alignment)
 
     def alloc(self, nbytes: int) -> Extent | None:
         """An extent of at least ``nbytes``, or ``None`` if no free range is large enough."""
@@ -322,7 +314,7 @@ class SwapSpace:
         self.files = list(self._res.names)
         self.backend = self._res.engines[0].backend
         self.o_direct = all(f.o_direct for f in self._res.files)
-        self.alignment = max([DEFAULT_ALIGNMENT] + [f.alignment for f in self._res.files])
+        self.alignment = max([ALIGNMENT] + [f.alignment for f in self._res.files])
         unit = aio.block_size if stripe_unit is None else stripe_unit
         if (not isinstance(unit, int) or isinstance(unit, bool) or unit <= 0 or unit % aio.block_size
                 or unit % self.alignment):
@@ -358,7 +350,7 @@ class SwapSpace:
         with self._lock:
             self._check_open()
             n = len(self.paths)
-            per_file = _round_up(nbytes, n * self.stripe_unit) // n
+            per_file = round_up(nbytes, n * self.stripe_unit) // n
             if per_file <= self._per_file:
                 return
             grown = []
@@ -433,7 +425,7 @@ class SwapSpace:
         Raises:
             ValueError: ``start`` is not aligned, or the part does not lie inside ``extent``.
         """
-        length = _round_up(nbytes, self.alignment)
+        length = round_up(nbytes, self.alignment)
         if start % self.alignment or start < 0 or nbytes < 0 or start + length > extent.nbytes:
             raise ValueError(
                 f"[{start}, {start + length}) is not an aligned part of an extent of {extent.nbytes} bytes "
@@ -448,7 +440,7 @@ class SwapSpace:
                 raise TypeError(f"expected an Extent, got {type(extent).__name__}")
             if extent.owner not in (0, self._owner):
                 raise ValueError(f"{extent} belongs to another swap space")
-            length = extent.nbytes if nbytes is None else _round_up(nbytes, self.alignment)
+            length = extent.nbytes if nbytes is None else round_up(nbytes, self.alignment)
             if (nbytes is not None and nbytes < 0) or length > extent.nbytes:
                 raise ValueError(f"nbytes={nbytes} does not fit in {extent} (rounded to alignment "
                                  f"{self.alignment}: {length})")
@@ -577,7 +569,7 @@ class SwapSpace:
         parts = []
         for p, files in found.items():
             held = sum(_allocated(f) for f in files)
-            parts.append(f"{p}: {len(files)} file(s) holding {_human(held)}")
+            parts.append(f"{p}: {len(files)} file(s) holding {format_size(held)}")
         warnings.warn(
             "stale swap files from runs that did not clean up (not reused): " + "; ".join(parts)
             + ". Remove them with SwapSpace.remove_stale(path) or `rm` once no run uses them.",
@@ -593,10 +585,10 @@ class SwapSpace:
             free = st.f_bavail * st.f_frsize
             need = per_file_more * len(group)
             where = group[0] if len(group) == 1 else " and ".join(group) + " (one file system)"
-            lines.append(f"{where}: needs {need} bytes ({_human(need)}), "
-                         f"has {free} bytes ({_human(free)}) free")
+            lines.append(f"{where}: needs {need} bytes ({format_size(need)}), "
+                         f"has {free} bytes ({format_size(free)}) free")
         total = per_file_more * len(self.paths)
-        return (f"not enough disk space for {total} more bytes ({_human(total)}) of swap: "
+        return (f"not enough disk space for {total} more bytes ({format_size(total)}) of swap: "
                 + "; ".join(lines) + ". Free some space, add or choose a larger nvme_path, or offload less.")
 
     # -- lifetime ---------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Human-readable sizes and counts: ``"512MiB"`` -> 536870912, ``"64M"`` params -> 64000000.
+"""Sizes and counts: the size constants, one round_up, and sizes written for humans (``"512MiB"`` -> 536870912).
 
 Two different conventions live here on purpose:
 
@@ -18,9 +18,15 @@ import numbers
 import re
 from fractions import Fraction
 
-__all__ = ["format_size", "parse_count", "parse_size"]
+__all__ = ["ALIGNMENT", "GIB", "KIB", "MIB", "format_size", "parse_count", "parse_size", "round_up"]
 
-_KIB = 1 << 10
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+# Direct I/O alignment assumed until a file system says otherwise (statx): every extent offset and
+# length, every buffer address and every checkpoint data offset is a multiple of it.
+ALIGNMENT = 4096
+_KIB = KIB
 _SIZE_UNITS = {
     "": 1, "b": 1, "byte": 1, "bytes": 1,
     "k": _KIB, "ki": _KIB, "kib": _KIB, "kb": 10**3,
@@ -88,6 +94,11 @@ def parse_count(value: int | float | str) -> int:
             raise ValueError(f"invalid count {value!r}: not a whole number")
         value = int(value)
     return _parse(value, _COUNT_UNITS, "count", "", _COUNT_EXAMPLES, _COUNT_UNIT_NAMES)
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (a positive int)."""
+    return -(-n // multiple) * multiple
 
 
 def format_size(nbytes: int) -> str:

@@ -352,7 +352,7 @@ def test_stale_file_is_found_warned_about_and_removable(tmp_path):
     with pytest.warns(RuntimeWarning, match=r"stale swap files.*remove_stale") as record:
         with SwapSpace(tmp_path, MiB, aio=AIO) as space:
             assert str(stale) not in space.files
-    assert "8.0 KiB" in str(record[0].message)
+    assert "8.00 KiB" in str(record[0].message)
     assert SwapSpace.remove_stale(tmp_path) == [str(stale)]
     assert sorted(os.listdir(tmp_path)) == ["unrelated.swap"]
 

@@ -15,10 +15,10 @@ from ..buffers import BufferPool
 from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
 from ..layout import Layout
+from ..units import ALIGNMENT
 from . import stream
 from .commit import _fsync_dir, _Staged, _write_atomically
 from .format import (
-    ALIGN,
     MEMORY,
     _check_data_digest,
     _check_data_size,
@@ -243,7 +243,7 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
 
     def write(staged: _Staged) -> dict:
         units = layout.units
-        with BufferPool(3, max(unit_bytes, ALIGN)) as pool:
+        with BufferPool(3, max(unit_bytes, ALIGNMENT)) as pool:
             data = _write_data(staged, cfg.aio, list(pool), units, read=None, fill=fill,
                                nbytes_of=lambda u: u.nbytes)
         chunks_of = _chunk_table(units, lambda param: meta_index[id(param)])

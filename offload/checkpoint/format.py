@@ -44,14 +44,10 @@ MEMORY = "memory.pt"
 EXTRA = "extra.pt"
 PARAMS_DATA = "params.bin"  # with a model: offloaded parameters' bytes (see ``model``)
 MODEL_MEMORY = "model.pt"  # with a model: its other parameters and its buffers
-ALIGN = 4096
 
 
 # -- small helpers ----------------------------------------------------------------------------
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

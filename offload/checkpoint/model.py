@@ -40,10 +40,10 @@ from ..config import AioConfig, config_to_dict
 from ..errors import CheckpointError, ChecksumError, StateError
 from ..params.store import store_of
 from ..space import Extent
+from ..units import ALIGNMENT, round_up
 from . import stream
 from .commit import _Staged, _write_atomically
 from .format import (
-    ALIGN,
     MODEL_MEMORY,
     PARAMS_DATA,
     _base_manifest,
@@ -52,7 +52,6 @@ from .format import (
     _dtype,
     _dtype_name,
     _read_torch,
-    _round_up,
     _write_torch,
 )
 from .stream import _DONE, _TOOL_BUFFER_MAX, _stream, _write_data
@@ -84,7 +83,7 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
 def _piece_size(buffers: Sequence, stores: Sequence) -> int:
     """Bytes per request: fits every buffer, a multiple of the checkpoint's and every swap space's
     alignment (so a parameter's pieces lie back to back in params.bin and in its extent)."""
-    step = max([ALIGN] + [s.space.alignment for s in stores])
+    step = max([ALIGNMENT] + [s.space.alignment for s in stores])
     piece = min(b.nbytes for b in buffers) // step * step
     if piece <= 0:
         raise CheckpointError(f"the parameter pool's buffers ({min(b.nbytes for b in buffers)} bytes) are "
@@ -248,8 +247,8 @@ def _scan_params(directory: str, manifest: dict, engine: Engine, buffers: Sequen
     path = _params_path(directory, manifest)
     entries = _on_disk(_model_section(manifest, directory))
     piece = _piece_size(buffers, ())
-    pieces = [(e, off, min(piece, _round_up(e["length"], ALIGN) - off))
-              for e in entries for off in range(0, _round_up(e["length"], ALIGN), piece)]
+    pieces = [(e, off, min(piece, round_up(e["length"], ALIGNMENT) - off))
+              for e in entries for off in range(0, round_up(e["length"], ALIGNMENT), piece)]
     whole = xxhash.xxh3_64()
     hashes = {id(e): xxhash.xxh3_64() for e in entries}
     with engine.open(path, "r") as f:
@@ -275,8 +274,8 @@ def _scan_params(directory: str, manifest: dict, engine: Engine, buffers: Sequen
 
 
 def _tool_pool(manifest: dict, directory: str) -> BufferPool:
-    longest = max([e["length"] for e in _on_disk(_model_section(manifest, directory))] + [ALIGN])
-    return BufferPool(3, min(_round_up(longest, ALIGN), _TOOL_BUFFER_MAX))
+    longest = max([e["length"] for e in _on_disk(_model_section(manifest, directory))] + [ALIGNMENT])
+    return BufferPool(3, min(round_up(longest, ALIGNMENT), _TOOL_BUFFER_MAX))
 
 
 def _verify_model(directory: str, manifest: dict, aio: AioConfig) -> None:
@@ -439,7 +438,7 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
         def read(pc: _Piece, buf):
             if not pc.from_file:
                 return _DONE
-            return engine.read_async(f, buf, pc.entry["offset"] + pc.start, _round_up(pc.n, ALIGN))
+            return engine.read_async(f, buf, pc.entry["offset"] + pc.start, round_up(pc.n, ALIGNMENT))
 
         def process(pc: _Piece, buf) -> bool:
             data = buf.tensor[:pc.n]
@@ -455,7 +454,7 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
             if pc.extent is None:
                 return False
             # The tail of the last block goes to disk too: zeros, as the store writes it.
-            buf.tensor[pc.n:_round_up(pc.n, pc.store.space.alignment)].zero_()
+            buf.tensor[pc.n:round_up(pc.n, pc.store.space.alignment)].zero_()
             return True
 
         def write(pc: _Piece, buf):

@@ -21,8 +21,9 @@ from ..aio import CompletedFuture, Engine, wait_quietly
 from ..buffers import BufferPool
 from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
+from ..units import ALIGNMENT, round_up
 from .commit import _Staged
-from .format import ALIGN, DATA, _round_up
+from .format import DATA
 
 # Pool for tools that read a checkpoint without an optimizer (verify, export): per buffer.
 _TOOL_BUFFER_MAX = 64 << 20
@@ -34,7 +35,7 @@ def _make_engine(aio: AioConfig) -> Engine:
 
 
 def _tool_pool(manifest: dict) -> BufferPool:
-    longest = max([u["length"] for u in manifest["units"]] + [ALIGN])
+    longest = max([u["length"] for u in manifest["units"]] + [ALIGNMENT])
     return BufferPool(3, min(longest, _TOOL_BUFFER_MAX))
 
 
@@ -104,7 +105,7 @@ class _RangeReader:
         while done < total:
             pos = offset + done
             if not (self.start <= pos < self.end):
-                self.start = pos // ALIGN * ALIGN
+                self.start = pos // ALIGNMENT * ALIGNMENT
                 length = min(self.buffer.nbytes, self.file_bytes - self.start)
                 got = self.engine.read(self.file, self.buffer, self.start, length)
                 self.end = self.start + got
@@ -125,7 +126,7 @@ def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Seque
     """Write ``units`` to the data file ``name`` in order through ``buffers``, each at a 4096-aligned
     offset; returns the file entry and the units' table (offsets, lengths and, with
     ``unit_digests``, each unit's xxh3_64 over its padded length)."""
-    lengths = [_round_up(nbytes_of(u), ALIGN) for u in units]
+    lengths = [round_up(nbytes_of(u), ALIGNMENT) for u in units]
     offsets, pos = [], 0
     for n in lengths:
         offsets.append(pos)
@@ -140,9 +141,9 @@ def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Seque
             except (ValueError, RuntimeError, OSError):
                 pass  # fixed buffers only save a little CPU
         with engine.open(path, "x+") as f:
-            if f.alignment > ALIGN:
+            if f.alignment > ALIGNMENT:
                 raise CheckpointError(f"{path}: the file system wants {f.alignment}-byte direct I/O; "
-                                      f"checkpoints use {ALIGN}. Set aio.o_direct to false for this path")
+                                      f"checkpoints use {ALIGNMENT}. Set aio.o_direct to false for this path")
             if total:
                 try:
                     os.posix_fallocate(f.fd, 0, total)

@@ -31,11 +31,10 @@ from ..buffers import BufferPool, HostBuffer
 from ..config import Config
 from ..errors import StateError
 from ..space import Extent, SwapSpace
+from ..units import ALIGNMENT, round_up
 from .guard import OffloadedParameter, make_placeholder
 
 __all__ = ["GradRead", "ParamStore", "resident", "store_of"]
-
-_ALIGN = 4096
 
 # id(parameter) -> (weak reference to it, the store holding it); the optimizer asks this to learn that
 # a parameter's storage may be released. (A WeakKeyDictionary would compare tensors with ==.) The
@@ -50,9 +49,6 @@ def store_of(param: torch.Tensor) -> Optional[ParamStore]:
         return None
     return entry[1]
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 _NONE, _ZERO, _STORED = 0, 1, 2  # what a grad extent holds
@@ -153,7 +149,7 @@ class ParamStore:
         self.scheduler = None  # the module hooks using this store (set by offload_parameters)
 
         itemsize = max((p.element_size() for p in params), default=4)
-        size = _round_up(pc.buffer_size * itemsize, _ALIGN)
+        size = round_up(pc.buffer_size * itemsize, ALIGNMENT)
         self.pool = BufferPool(pc.buffer_count, size, pin_memory=pc.pin_memory)
         self._cuda = self.device.type == "cuda"
         # The host cache: smallest parameters first, since for them a disk request costs the most per byte.
@@ -165,9 +161,9 @@ class ParamStore:
             budget -= p.numel()
             cached.add(p)
         on_disk = [p for p in params if p not in cached]
-        reserve = sum(_round_up(p.numel() * p.element_size(), _ALIGN) for p in on_disk)
+        reserve = sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in on_disk)
         if offload_grads:
-            reserve += sum(_round_up(p.numel() * p.element_size(), _ALIGN) for p in params
+            reserve += sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params
                            if p.requires_grad and not (p in cached and not self._cuda))
         try:
             self.space = SwapSpace(pc.nvme_path, reserve, aio=config.aio, buffers=self.pool, name=name)
@@ -179,7 +175,7 @@ class ParamStore:
         self._issued: list[_Record] = []  # records with prefetches in flight, oldest first
         # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
         # (torch's pinned allocator would round each parameter up to a power of two).
-        cache_bytes = sum(_round_up(p.numel() * p.element_size(), 64) for p in cached) if self._cuda else 0
+        cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._cuda else 0
         self._host_cache = HostBuffer(cache_bytes, pin_memory=self.pool[0].pinned) if cache_bytes else None
         self._host_used = 0
         try:
@@ -312,7 +308,7 @@ class ParamStore:
     def grad_span(self, param: torch.Tensor, lo: int, hi: int) -> int:
         """Bytes of a buffer that :meth:`read_grad` of elements ``[lo, hi)`` occupies (whole aligned blocks)."""
         align, size = self.space.alignment, param.element_size()
-        return _round_up(hi * size, align) - (lo * size) // align * align
+        return round_up(hi * size, align) - (lo * size) // align * align
 
     def read_grad(self, param: torch.Tensor, lo: int, hi: int, buffer: HostBuffer,
                   buffer_offset: int) -> tuple[GradRead, int]:
@@ -328,7 +324,7 @@ class ParamStore:
             align = self.space.alignment
             size = param.element_size()
             first, end = lo * size, hi * size
-            a, b = first // align * align, _round_up(end, align)
+            a, b = first // align * align, round_up(end, align)
             view = buffer.view(param.dtype, buffer_offset + first - a, hi - lo)
             if rec.grad_state == _ZERO:
                 return GradRead(CompletedFuture(), view, True, []), b - a
@@ -488,7 +484,7 @@ class ParamStore:
             rec.placeholder = make_placeholder(p, rec.name)
         if cached:
             rec.host = self._host_cache.tensor[self._host_used:self._host_used + nbytes]
-            self._host_used += _round_up(nbytes, 64)
+            self._host_used += round_up(nbytes, 64)
             rec.host.copy_(self._data(rec))
         else:
             rec.extent = self.space.alloc(nbytes)
