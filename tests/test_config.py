@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload.config import (
@@ -175,6 +175,67 @@ def test_strings_containing_comment_markers_are_left_intact(tmp_path):
     assert c.offload_param.nvme_path == 'C:\\dir\\"quoted"//x'
 
 
+def test_what_deepspeed_reads_through_hjson_loads_the_same(tmp_path):
+    """hjson's relaxations load as DeepSpeed reads them: members separated by newlines alone, unquoted keys
+    and strings, a UTF-8 byte order mark, and whole-number floats below 1e10 read as integers."""
+    text = (
+        '{\n  aio: {\n    "queue_depth": 8.0\n    "block_size": 4096\n  }\n'
+        "  offload_param: {nvme_path: /mnt/nvme 0\n  buffer_size: 2e8}\n}"
+    )
+    path = tmp_path / "ds_config.json"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    c = load_config(path)
+    assert (c.aio.queue_depth, c.aio.block_size) == (8, 4096)
+    assert (c.offload_param.nvme_path, c.offload_param.buffer_size) == ("/mnt/nvme 0", 200_000_000)
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path):
+    """Latin-1 or UTF-16 text is a ConfigError naming the file, the byte, its line and column, and the fix."""
+    latin1 = _write(tmp_path, "", "latin1.json")
+    latin1.write_bytes('{\n  "aio": {},\n  "note": "café"\n}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.json: not UTF-8 text: byte 0xe9 at line 3, column 15 .*"
+                                          r"save the file as UTF-8"):
+        load_config(latin1)
+    utf16 = _write(tmp_path, "", "utf16.json")
+    utf16.write_bytes('{"aio": {}}'.encode("utf-16"))
+    with pytest.raises(ConfigError, match=r"utf16\.json: not UTF-8 text: byte 0x(ff|fe) at line 1, column 1"):
+        load_config(utf16)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' * 100_000, '{"a": [' * 50_000])
+def test_deep_nesting_is_a_config_error_naming_the_file(tmp_path, text):
+    """A document nested far beyond any configuration is a ConfigError naming the file, not a RecursionError."""
+    with pytest.raises(ConfigError, match=r"deep\.json: objects or lists are nested too deeply"):
+        load_config(_write(tmp_path, text, "deep.json"))
+
+
+def test_a_syntax_error_in_a_long_line_quotes_only_its_neighbourhood(tmp_path):
+    """A syntax error on a megabyte-long line quotes about 100 characters around the column, caret included."""
+    text = '{"aio": {' + '"x": 1, ' * 125_000 + '"y" 2}}'
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, text))
+    message = str(info.value)
+    assert len(message) < 400 and "Expecting ':' delimiter" in message
+    quoted, caret = message.splitlines()[-2:]
+    assert quoted[len(caret) - 1:] == "2}}" and quoted.endswith('"y" 2}}'), (quoted, caret)
+
+
+_TOKENS = ['{', '}', '[', ']', ':', ',', '"', "'", "'''", "/*", "*/", "//", "#", "\n", " ", "\\", "\\u", "a",
+           "-", "0", "1e309", "9" * 30, ".", "e", "true", "null", "aio", '"aio"', "\r", "\x00", "é"]  # fmt: skip
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(_TOKENS), max_size=30).map("".join))
+def test_any_text_loads_or_raises_config_error(tmp_path, text):
+    """Whatever a file holds, load_config returns a Config or raises ConfigError: no parser exception escapes."""
+    path = tmp_path / "fuzz.json"
+    path.write_text(text, encoding="utf-8")
+    try:
+        assert isinstance(load_config(path), Config)
+    except ConfigError as err:
+        assert str(path) in str(err)
+
+
 def test_human_sizes_and_counts_are_read():
     """Byte sizes take "64MiB"-style strings; element counts take 1e8 and "100M"."""
     c = load_config({
@@ -284,14 +345,34 @@ BAD = [
         r"zero_optimization\.aio: aio is also given at the top level, differently",
     ),
     # file syntax
-    (("file", '{\n  "aio": {\n    "queue_depth": 8\n    "block_size": 4096\n  }\n}'), CE,
-     r"ds_config\.json: invalid JSON at line 4, column 5: Expecting ','"),
+    (("file", '{\n  "aio": {\n    "queue_depth": 8,\n    "block_size" 4096\n  }\n}'), CE,
+     r"ds_config\.json: invalid JSON at line 4, column 18: Expecting ':' delimiter\n"
+     r'        "block_size" 4096\n {21}\^'),
     (("file", '{"aio": {"queue_depth": 8, "queue_depth": 4}}'), CE,
      r"ds_config\.json.*aio\.queue_depth: duplicate key"),
     (("file", '{"fp16": {"enabled": true, "enabled": false}}'), CE, r"fp16\.enabled: duplicate key"),
     (("file", '{"aio": {}\n /* never closed'), CE, r"unterminated /\* comment at line 2, column 2"),
     (("file", "[1, 2]"), CE, r"the top level must be a JSON object"),
     (("file", ""), CE, r"invalid JSON at line 1, column 1"),
+    (("file", "// only a comment\n"), CE, r"no JSON value .*write \{\} for all defaults"),
+    (("file", '{"aio": {"queue_depth": 8}}\n{"aio": {}}'), CE, r"line 2, column 1: Extra data"),
+    (("file", '{"offload_param": {"buffer_size": 1e999}}'), CE, r"line 1, column 35: the number 1e999 is out"),
+    (("file", '{"n": ' + "9" * 5000 + "}"), CE, r"the number 99999.* \(5000 characters\) is out of range"),
+    (("file", '{"a": "\\u\r\n-f"}'), CE, r"ds_config\.json: invalid JSON"),
+    (("file", "{'a': " + "'" * 3), CE, r"line 1, column 10: the file ends inside a multiline '{3} string"),
+    (("file", '{"p": "/a/*b",\n "aio": {} /* x'), CE, r"unterminated /\* comment at line 1, column 10"),
+    # values beyond what any machine or type holds, from files and mappings
+    (("file", '{"offload_param": {"buffer_size": 1e300}}'), CE,
+     r"offload_param\.buffer_size: must be at most 9223372036854775807 \(the largest int64\), got 1\.00e\+300"),
+    ({"offload_param": {"max_in_cpu": 2**63}}, CE, r"offload_param\.max_in_cpu: must be at most 9223372036854775807"),
+    ({"offload_optimizer": {"small_param_threshold": "1e30"}}, CE, r"small_param_threshold: must be at most"),
+    ({"offload_optimizer": {"buffer_count": 10**6}}, CE,
+     r"offload_optimizer\.buffer_count: must be at most 4096 \(the pool is buffer_count x buffer_size"),
+    ({"offload_param": {"buffer_count": 4097}}, CE, r"offload_param\.buffer_count: must be at most 4096"),
+    ({"offload_optimizer": {"buffer_size": "8EiB"}}, CE,
+     r"offload_optimizer\.buffer_size: must be at most 8\.00 EiB \(the largest aligned int64 byte count\)"),
+    ({"offload_optimizer": {"buffer_size": 1e300}}, CE, r"buffer_size: must be a number of bytes .*1e\+300"),
+    ({"offload_optimizer": {"buffer_size": 2**70}}, CE, r"buffer_size: must be at most .*got 1\.18e\+21"),
     # not a config source at all
     (42, TypeError, r"load_config expects None, a Config"),
 ]  # fmt: skip
@@ -372,17 +453,24 @@ def test_config_takes_blocks_as_mappings():
         Config(aio=5)
 
 
-def test_config_module_imports_neither_the_engine_nor_torch():
-    """config.py and units.py import only the standard library and offload.errors/units (no native code)."""
-    allowed_local = {"errors", "units"}
-    for name in ("config.py", "units.py"):
-        tree = ast.parse((REPO / "offload" / name).read_text())
+def test_config_package_imports_neither_the_engine_nor_torch():
+    """offload/config/ and units.py import only the standard library, hjson, offload.errors/units and each
+    other: no native code, no torch, no other layer."""
+    package = sorted((REPO / "offload" / "config").glob("*.py"))
+    own = {p.stem for p in package}
+    assert {"__init__", "rules", "blocks", "loader"} <= own
+    for path in [*package, REPO / "offload" / "units.py"]:
+        in_package = path.parent.name == "config"
+        tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level:
-                assert node.module in allowed_local, f"{name} imports .{node.module}"
+                # In the package ".x" is a sibling and "..x" is offload.x; in units.py ".x" is offload.x.
+                sibling = in_package and node.level == 1
+                allowed = own if sibling else {"errors", "units"}
+                assert node.module in allowed and node.level <= 1 + in_package, f"{path.name}: {node.module}"
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
-                assert not any(re.match(r"(torch|offload|numpy|cffi)\b", m) for m in mods), mods
+                assert not any(re.match(r"(torch|offload|numpy|cffi|psutil)\b", m) for m in mods), mods
 
 
 # --- round trips ----------------------------------------------------------------------------------

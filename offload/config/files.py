@@ -1,0 +1,172 @@
+"""Reading a configuration file into plain dicts and lists, the way DeepSpeed reads ``ds_config.json``.
+
+Every way a file can be unreadable (not UTF-8, bad syntax, duplicate keys, absurd nesting) is a
+``ConfigError`` naming the file and, where there is one, the line and column.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Any
+
+import hjson
+
+from ..errors import ConfigError
+from .rules import raise_if, show
+
+__all__ = ["read_document"]
+
+_SHOWN_LINE = 100  # characters of the offending line quoted in a syntax error
+
+
+# NOTE: files are parsed by hjson because DeepSpeed parses ds_config.json with it (runtime/config.py,
+# with a hook that refuses duplicate keys): whatever DeepSpeed reads, we read the same way. That includes
+# JSON itself, //, /* */ and # comments, trailing commas, members separated by newlines alone, and
+# hjson's unquoted keys and strings. hjson 3.1 has a few ways to fail that are not HjsonDecodeError (an
+# IndexError for a /* comment never closed, OverflowError for 1e999, ValueError from chr() for a bad
+# escape, RecursionError for deep nesting); each is turned into a ConfigError here.
+def read_document(path: str) -> dict:
+    """Parse the file at ``path`` into a dict of JSON values.
+
+    Raises:
+        ConfigError: the file is not UTF-8, is empty, is not valid hjson/JSON (with line and column), has
+            a duplicate key (with its JSON path), nests too deeply, or is not an object at the top level.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    text = _decode(data, path)
+    try:
+        doc = hjson.loads(text, object_pairs_hook=_Object.from_pairs, parse_float=_float, parse_int=_int)
+    except hjson.HjsonDecodeError as err:
+        raise ConfigError(_syntax_error(path, text, err.lineno, err.colno, err.msg)) from None
+    except _NumberOutOfRange as err:
+        where = text.find(err.literal)
+        line, column = _line_and_column(text, max(where, 0))
+        raise ConfigError(_syntax_error(path, text, line, column, f"the number {_clip(err.literal)} is out of "
+                                        "range (a float holds at most about 1.8e308)")) from None  # fmt: skip
+    except RecursionError:
+        raise ConfigError(
+            f"{path}: objects or lists are nested too deeply to read; a configuration needs only a few "
+            "levels (is this the right file?)"
+        ) from None
+    except IndexError:
+        raise ConfigError(_end_of_file_error(path, text)) from None
+    except (OverflowError, ValueError) as err:
+        raise ConfigError(f"{path}: invalid JSON: {err}") from None
+    if type(doc) is dict:
+        # Objects in the text come back as _Object; a plain dict is hjson's answer for a file holding
+        # only blanks and comments, which is more likely a truncated file than a wish for defaults.
+        raise ConfigError(
+            f"{path}: invalid JSON at line 1, column 1: the file holds no JSON value (it is empty or only "
+            "comments); write {} for all defaults"
+        )
+    problems: list[tuple[str, str]] = []
+    _find_duplicates(doc, problems)
+    raise_if(problems, f"invalid configuration in {path}")
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object {{...}}, got {show(doc)}")
+    return doc
+
+
+class _Object(dict):
+    """A JSON object that remembers the keys it was given more than once."""
+
+    duplicates: list
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[str, Any]]) -> _Object:
+        obj = cls()
+        obj.duplicates = []
+        for key, value in pairs:
+            if key in obj:
+                obj.duplicates.append(key)
+            obj[key] = value
+        return obj
+
+
+class _NumberOutOfRange(Exception):
+    def __init__(self, literal: str):
+        super().__init__(literal)
+        self.literal = literal
+
+
+def _float(literal: str) -> float:
+    value = float(literal)
+    if value in (float("inf"), float("-inf")):
+        raise _NumberOutOfRange(literal)
+    return value
+
+
+def _int(literal: str) -> int:
+    try:
+        return int(literal)
+    except ValueError:  # more digits than Python converts (4300 by default)
+        raise _NumberOutOfRange(literal) from None
+
+
+def _decode(data: bytes, path: str) -> str:
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as err:
+        at = bom + err.start
+        line = data.count(b"\n", 0, at) + 1
+        column = at - (data.rfind(b"\n", 0, at) + 1) + 1
+        raise ConfigError(
+            f"{path}: not UTF-8 text: byte 0x{data[at]:02x} at line {line}, column {column} (byte offset {at}) "
+            f"{err.reason}; save the file as UTF-8"
+        ) from None
+
+
+def _find_duplicates(doc: Any, problems: list) -> None:
+    """Append a problem for each duplicated key, with its JSON path (depth-first, in file order)."""
+    stack = [(doc, "")]
+    while stack:
+        value, path = stack.pop()
+        children = []
+        if isinstance(value, _Object):
+            for key in dict.fromkeys(value.duplicates):
+                where = f"{path}.{key}" if path else key
+                problems.append((where, "duplicate key (DeepSpeed rejects these too); keep one"))
+            children = [(item, f"{path}.{key}" if path else key) for key, item in value.items()]
+        elif isinstance(value, list):
+            children = [(item, f"{path}[{i}]") for i, item in enumerate(value)]
+        stack.extend(reversed(children))
+
+
+def _syntax_error(path: str, text: str, line: int, column: int, message: str) -> str:
+    return f"{path}: invalid JSON at line {line}, column {column}: {message}{_quote(text, line, column)}"
+
+
+def _quote(text: str, line: int, column: int) -> str:
+    """The line, and a caret under the column, for a message."""
+    lines = text.split("\n")
+    quoted = lines[line - 1].rstrip("\r") if 0 < line <= len(lines) else ""
+    caret = column - 1
+    if len(quoted) > _SHOWN_LINE:  # a minified or hostile file: quote the part around the column
+        start = max(0, min(caret - _SHOWN_LINE // 2, len(quoted) - _SHOWN_LINE))
+        quoted = quoted[start:start + _SHOWN_LINE]
+        caret -= start
+    return f"\n    {quoted}\n    {' ' * caret}^"
+
+
+def _end_of_file_error(path: str, text: str) -> str:
+    # hjson raises IndexError when the text ends inside a /* comment or a ''' string. A "/*" after the
+    # last "*/" is where an unclosed comment starts (unless it sits inside a string: good enough to point).
+    last_close = text.rfind("*/")
+    opening = text.find("/*", last_close + 2 if last_close >= 0 else 0)
+    if opening >= 0:
+        line, column = _line_and_column(text, opening)
+        return (f"{path}: unterminated /* comment at line {line}, column {column}: the file ends before "
+                f"its */{_quote(text, line, column)}")  # fmt: skip
+    line, column = _line_and_column(text, len(text))
+    return _syntax_error(path, text, line, column, "the file ends inside a multiline ''' string")
+
+
+def _line_and_column(text: str, at: int) -> tuple[int, int]:
+    return text.count("\n", 0, at) + 1, at - (text.rfind("\n", 0, at) + 1) + 1
+
+
+def _clip(literal: str) -> str:
+    return literal if len(literal) <= 40 else f"{literal[:20]}...{literal[-10:]} ({len(literal)} characters)"
