@@ -9,17 +9,18 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import warnings
 from typing import Iterator
 
+import psutil
 import torch
 
-from .errors import PoolTooSmallError
-from .units import round_up
+from .errors import ConfigError, PoolTooSmallError
+from .units import format_size, round_up
 
 PAGE_SIZE = mmap.PAGESIZE
-
 
 
 class HostBuffer:
@@ -36,7 +37,10 @@ class HostBuffer:
             raise ValueError(f"buffer size must be a positive number of bytes, got {nbytes!r}")
         self.nbytes = round_up(nbytes, PAGE_SIZE)
         self.index = index
-        self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except OSError as err:
+            raise OSError(err.errno, f"{err.strerror}: cannot map a host buffer of {_size(self.nbytes)}") from err
         self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         # Fault the pages in now so the first step does not pay for it.
         self._tensor.zero_()
@@ -97,6 +101,11 @@ class HostBuffer:
         return f"HostBuffer(nbytes={self.nbytes}, index={self.index}, pinned={self.pinned})"
 
 
+# NOTE: the pool's total is checked against the memory the machine has before the first byte is mapped.
+# Buffers are faulted in at once (and may be pinned), so a pool that does not fit is not slow, it is an
+# OOM kill some seconds later; the check turns that into an error that names the settings. A limit that
+# memory figures do not show (ulimit -v, strict overcommit) still makes mmap fail with ENOMEM, which is
+# reported the same way, after the buffers already made are released.
 class BufferPool:
     """``count`` buffers of ``size`` bytes, allocated once; the only host memory state moves through.
 
@@ -104,13 +113,50 @@ class BufferPool:
         count: number of buffers (at least 1; the swapper needs 2, and 3+ to overlap fully).
         size: bytes per buffer, rounded up to whole pages.
         pin_memory: register with CUDA for DMA copies (see :class:`HostBuffer`).
+        keys: the names of the count and size settings, for messages, e.g.
+            ``("offload_optimizer.buffer_count", "offload_optimizer.buffer_size")``; by default
+            ``buffer_count`` and ``buffer_size``.
+
+    Raises:
+        PoolTooSmallError: ``count`` is below 1.
+        ValueError: ``size`` is not a positive int.
+        ConfigError: the pool would not fit in the memory this machine has available, or mapping a
+            buffer failed for lack of memory; the message names the settings, the total and what to set.
     """
 
-    def __init__(self, count: int, size: int, *, pin_memory: bool = False):
+    def __init__(self, count: int, size: int, *, pin_memory: bool = False, keys: tuple[str, str] | None = None):
         if not isinstance(count, int) or count < 1:
             raise PoolTooSmallError(f"buffer_count must be at least 1, got {count!r}")
-        self.buffers = [HostBuffer(size, pin_memory=pin_memory, index=i) for i in range(count)]
-        self.buffer_size = self.buffers[0].nbytes
+        if not isinstance(size, int) or size <= 0:
+            raise ValueError(f"buffer size must be a positive number of bytes, got {size!r}")
+        count_key, size_key = keys or ("buffer_count", "buffer_size")
+        each = round_up(size, PAGE_SIZE)
+        asked = f"{count_key} x {size_key} = {count} x {_size(each)} = {_size(count * each)} of host memory"
+        memory = psutil.virtual_memory()
+        if count * each > memory.available:
+            fit = memory.available // each
+            hint = (f"at this buffer size at most {fit} fit" if fit
+                    else f"one buffer of {_size(each)} alone does not fit; lower {size_key}")  # fmt: skip
+            raise ConfigError(
+                f"the host buffer pool does not fit in memory: {asked}, but this machine has "
+                f"{_size(memory.available)} available ({_size(memory.total)} in all). Set {count_key} or "
+                f"{size_key} lower, leaving room for the rest of the process; {hint}."
+            )
+        self.buffers: list[HostBuffer] = []
+        try:
+            for i in range(count):
+                self.buffers.append(HostBuffer(each, pin_memory=pin_memory, index=i))
+        except BaseException as err:
+            self.close()
+            self.buffers = []
+            if isinstance(err, MemoryError) or (isinstance(err, OSError) and err.errno == errno.ENOMEM):
+                raise ConfigError(
+                    f"could not allocate host buffer {i + 1} of {count}: {asked} ({err}). Set {count_key} or "
+                    f"{size_key} lower, or free memory; a limit such as ulimit -v or strict overcommit "
+                    "(vm.overcommit_memory = 2) can refuse it even when memory looks free."
+                ) from err
+            raise
+        self.buffer_size = each
 
     @property
     def nbytes(self) -> int:
@@ -150,4 +196,9 @@ def _cuda_host_register(address: int, nbytes: int) -> bool:
 
 def _cuda_host_unregister(address: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(address)
+
+
+def _size(nbytes: int) -> str:
+    # format_size divides in floating point; a size of more than 2^100 bytes is a typo anyway.
+    return format_size(nbytes) if nbytes < 1 << 100 else f"about 2^{nbytes.bit_length() - 1} bytes"
 

@@ -1,13 +1,19 @@
-"""Host buffers: page-aligned, exactly sized, shared with torch and numpy, safe to close."""
+"""Host buffers: page-aligned, exactly sized, shared with torch and numpy, safe to close; pools that fit."""
 
 from __future__ import annotations
 
+import errno
+import mmap
+import os
+import types
+
 import numpy as np
+import psutil
 import pytest
 import torch
 
 from offload.buffers import PAGE_SIZE, BufferPool, HostBuffer
-from offload.errors import PoolTooSmallError
+from offload.errors import ConfigError, PoolTooSmallError
 
 
 @pytest.mark.parametrize("nbytes, expected", [(1, PAGE_SIZE), (PAGE_SIZE, PAGE_SIZE),
@@ -110,3 +116,123 @@ def test_pinned_buffer_copies_to_the_gpu():
         g = b.tensor.to("cuda", non_blocking=True)
         torch.cuda.synchronize()
         assert torch.equal(g.cpu(), b.tensor)
+
+
+# --- the pool's bounds: checked against the machine before anything is allocated --------------------
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Pretend the machine has 8 GiB of memory, 6 GiB of it available; mmap calls are counted, and maps of
+    more than 64 MiB in all fail the test instead of taking the memory."""
+    figures = types.SimpleNamespace(total=8 * GiB, available=6 * GiB)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: figures)
+    calls = []
+    real_mmap = mmap.mmap
+
+    def counting_mmap(fileno, length, *args, **kwargs):
+        calls.append(length)
+        if sum(calls) > 64 << 20:
+            pytest.fail(f"the pool mapped {sum(calls)} bytes")
+        return real_mmap(fileno, length, *args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", counting_mmap)
+    figures.mmap_calls = calls
+    return figures
+
+
+@pytest.mark.parametrize(("count", "size"), [(4, 16 * GiB), (10**6, 64 << 20), (5, 2 * 10**12), (2, 10**400)])
+def test_a_pool_larger_than_available_memory_is_refused_before_allocating(machine, count, size):
+    """16 GiB x 4, 10**6 buffers or 2e12-byte buffers are a ConfigError (a ValueError) naming the settings,
+    the total and the machine's memory, and not one buffer is mapped."""
+    with pytest.raises(ConfigError, match=r"does not fit in memory: buffer_count x buffer_size = .*of host "
+                                          r"memory, but this machine has 6\.00 GiB available \(8\.00 GiB in all\)"
+                                          r"\. Set buffer_count or buffer_size lower"):
+        BufferPool(count, size)
+    assert machine.mmap_calls == []
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_the_refusal_names_the_given_keys_and_what_fits(machine):
+    """With keys, the message names those settings and how many buffers of that size would fit."""
+    keys = ("offload_optimizer.buffer_count", "offload_optimizer.buffer_size")
+    with pytest.raises(ConfigError) as info:
+        BufferPool(4, 4 * GiB, keys=keys)
+    message = str(info.value)
+    assert "offload_optimizer.buffer_count x offload_optimizer.buffer_size = 4 x 4.00 GiB = 16.00 GiB" in message
+    assert "Set offload_optimizer.buffer_count or offload_optimizer.buffer_size lower" in message
+    assert message.endswith("at this buffer size at most 1 fit.")
+    with pytest.raises(ConfigError, match=r"one buffer of 7\.00 GiB alone does not fit; lower p\.size"):
+        BufferPool(2, 7 * GiB, keys=("p.count", "p.size"))
+
+
+def test_a_pool_that_just_fits_is_allocated(machine):
+    """A pool of exactly the available memory is allowed: the bound is the machine's, not a guess."""
+    machine.available = 3 * PAGE_SIZE
+    with BufferPool(3, PAGE_SIZE) as pool:
+        assert len(pool) == 3 and len(machine.mmap_calls) == 3
+    with pytest.raises(ConfigError, match="at most 3 fit"):
+        BufferPool(4, PAGE_SIZE)
+
+
+def _closes(monkeypatch) -> list:
+    closed = []
+    real_close = HostBuffer.close
+
+    def recording_close(self):
+        closed.append(self)
+        real_close(self)
+
+    monkeypatch.setattr(HostBuffer, "close", recording_close)
+    return closed
+
+
+def _mmap_failing_at(monkeypatch, call: int, error: BaseException) -> None:
+    real_mmap = mmap.mmap
+    calls = []
+
+    def mmap_that_fails(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == call:
+            raise error
+        return real_mmap(*args, **kwargs)
+
+    monkeypatch.setattr(mmap, "mmap", mmap_that_fails)
+
+
+def test_enomem_half_way_is_a_config_error_and_releases_what_was_made(machine, monkeypatch):
+    """mmap failing with ENOMEM on the third buffer gives a ConfigError naming the sizes and the settings
+    (chained to the OSError), and the two buffers already made are closed."""
+    closed = _closes(monkeypatch)
+    _mmap_failing_at(monkeypatch, 3, OSError(errno.ENOMEM, os.strerror(errno.ENOMEM)))
+    with pytest.raises(ConfigError) as info:
+        BufferPool(4, 1 << 20, keys=("offload_param.buffer_count", "offload_param.buffer_size"))
+    message = str(info.value)
+    assert message.startswith("could not allocate host buffer 3 of 4: offload_param.buffer_count x "
+                              "offload_param.buffer_size = 4 x 1.00 MiB = 4.00 MiB of host memory")
+    assert "Cannot allocate memory: cannot map a host buffer of 1.00 MiB" in message
+    assert isinstance(info.value.__cause__, OSError) and info.value.__cause__.errno == errno.ENOMEM
+    assert len(closed) == 2 and all(b.closed for b in closed)
+
+
+def test_other_failures_half_way_propagate_and_release_what_was_made(machine, monkeypatch):
+    """An error that is not a lack of memory (here EPERM, then Ctrl-C) is raised as is, after the buffers
+    made so far are closed."""
+    closed = _closes(monkeypatch)
+    _mmap_failing_at(monkeypatch, 2, OSError(errno.EPERM, os.strerror(errno.EPERM)))
+    with pytest.raises(PermissionError, match="cannot map a host buffer of 4.00 KiB"):
+        BufferPool(3, PAGE_SIZE)
+    assert len(closed) == 1 and closed[0].closed
+    _mmap_failing_at(monkeypatch, 3, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        BufferPool(3, PAGE_SIZE)
+    assert len(closed) == 3 and all(b.closed for b in closed)
+
+
+@pytest.mark.parametrize("size", [0, -1, 4096.0, "4096"])
+def test_a_pool_of_bad_size_is_refused(size):
+    """A buffer size that is not a positive int is a ValueError naming it, before any check or allocation."""
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        BufferPool(2, size)
