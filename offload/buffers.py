@@ -1,11 +1,4 @@
-"""Page-aligned host buffers, allocated once, for the engine and the GPU to share.
-
-# NOTE: buffers come from an anonymous private mmap, not torch's pinned allocator. mmap memory is
-# page-aligned (O_DIRECT needs that), sized exactly (torch's caching host allocator rounds blocks up
-# to powers of two), and plain anonymous memory is what io_uring accepts as fixed buffers on every
-# kernel. With CUDA present and ``pin_memory`` on, the same pages are registered with
-# ``cudaHostRegister`` so host<->GPU copies are DMA and can be asynchronous.
-"""
+"""Page-aligned host buffers, allocated once, for the engine and the GPU to share."""
 
 from __future__ import annotations
 
@@ -23,6 +16,11 @@ from .units import format_size, round_up
 PAGE_SIZE = mmap.PAGESIZE
 
 
+# NOTE: buffers come from an anonymous private mmap, not torch's pinned allocator. mmap memory is
+# page-aligned (O_DIRECT needs that), sized exactly (torch's caching host allocator rounds blocks up
+# to powers of two), and plain anonymous memory is what io_uring accepts as fixed buffers on every
+# kernel. With CUDA present and ``pin_memory`` on, the same pages are registered with
+# ``cudaHostRegister`` so host<->GPU copies are DMA and can be asynchronous.
 class HostBuffer:
     """One page-aligned block of host memory.
 
