@@ -1,34 +1,35 @@
 """nvme-offload: optimizer state and weights on NVMe, streamed through a small host buffer pool.
 
-Public API:
-    OffloadedAdam, OffloadedAdamW: drop-ins for torch.optim.Adam / AdamW with state on NVMe.
-    load_config, Config, AioConfig: the JSON configuration (a whole DeepSpeed ds_config.json works).
-    Engine, SwapSpace, BufferPool: the layers underneath, for tools and benchmarks.
+What users touch is here; the layers underneath (``offload.aio.Engine``, ``offload.space.SwapSpace``,
+``offload.buffers.BufferPool``, ``offload.pipeline.Pipeline``) are public for tools from their modules.
 """
 
 from ._version import __version__
 from .adam import OffloadedAdam, OffloadedAdamW
-from .aio import Engine
-from .buffers import BufferPool
+from .checkpoint import load_checkpoint, load_parameters, save_checkpoint, save_parameters
 from .config import AioConfig, Config, load_config
-from .errors import ConfigError, OffloadError, PoolTooSmallError, StateError
-from .params import offload_parameters, restore_parameters
-from .space import SwapSpace
+from .errors import CheckpointError, ChecksumError, ConfigError, OffloadError, PoolTooSmallError, StateError
+from .params import clip_grad_norm_, materialized, offload_parameters, restore_parameters
 
 __all__ = [
     "AioConfig",
-    "BufferPool",
+    "CheckpointError",
+    "ChecksumError",
     "Config",
     "ConfigError",
-    "Engine",
     "OffloadError",
     "OffloadedAdam",
     "OffloadedAdamW",
     "PoolTooSmallError",
     "StateError",
-    "SwapSpace",
     "__version__",
+    "clip_grad_norm_",
+    "load_checkpoint",
     "load_config",
+    "load_parameters",
+    "materialized",
     "offload_parameters",
     "restore_parameters",
+    "save_checkpoint",
+    "save_parameters",
 ]

@@ -105,7 +105,7 @@ def test_params_without_state_stay_without_state(tmp_path, nvme):
     other = make_params(seed=1)
     opt2 = make_opt(other, nvme)
     restore(other, ckpt.load_checkpoint(opt2, tmp_path / "c")["params"])
-    assert not opt2._layout.slots[other[3]].initialized
+    assert not opt2.state_store.slot(other[3]).initialized
     train(opt2, other, range(2, 4))
     assert_same(params, other)
     assert_same_state(opt.state_dict(), opt2.state_dict())

@@ -17,9 +17,10 @@ from helpers import OPT, TINY, Net, assert_same_state, flip_bit, loss_of
 from offload import OffloadedAdamW, StateError, offload_parameters, restore_parameters
 from offload import checkpoint as ckpt
 from offload.aio import Engine
+from offload.checkpoint import load_parameters, save_parameters
 from offload.checkpoint import stream as ckpt_stream
 from offload.ckpt_cli import main as ckpt_main
-from offload.params import load_parameters, materialized, offloaded, save_parameters, store_of
+from offload.params import materialized, offloaded, store_of
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 

@@ -36,6 +36,7 @@ from .load import load_checkpoint
 from .retention import Retention, save_with_retention
 from .save import save_checkpoint
 from .verify import inspect_checkpoint, read_manifest, verify_checkpoint
+from .weights import load_parameters, save_parameters
 
 __all__ = [
     "CheckpointError",
@@ -49,8 +50,10 @@ __all__ = [
     "import_state_dict",
     "inspect_checkpoint",
     "load_checkpoint",
+    "load_parameters",
     "read_manifest",
     "save_checkpoint",
+    "save_parameters",
     "save_with_retention",
     "verify_checkpoint",
 ]

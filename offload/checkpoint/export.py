@@ -14,7 +14,7 @@ import xxhash
 from ..buffers import BufferPool
 from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
-from ..layout import Layout
+from ..state import Layout, step_tensor
 from ..units import ALIGNMENT
 from . import stream
 from .commit import _fsync_dir, _Staged, _write_atomically
@@ -29,7 +29,6 @@ from .format import (
     _dtype_name,
     _numel,
     _read_torch,
-    _step_tensor,
     _torch_groups,
     _write_memory_and_manifest,
 )
@@ -65,7 +64,7 @@ def export_state_dict(directory: str | os.PathLike, *, include_master: bool = Tr
             state[i] = {k: v for k, v in memory["state"][i].items()}
             continue
         dtype = _dtype(e["state_dtype"])
-        entry = {"step": _step_tensor(memory["steps"][i])}
+        entry = {"step": step_tensor(memory["steps"][i])}
         for k in e["keys"]:
             if k == "master" and not include_master:
                 continue
@@ -225,7 +224,7 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
         if i in state and _numel(shapes[i]) >= threshold:
             metas[i] = torch.empty(shapes[i], dtype=dtypes[i], device="meta")
             offloaded.append((metas[i], {"index": i}, amsgrad_of[i]))
-    layout.add(offloaded)
+    layout.commit(layout.plan(offloaded))
     meta_index = {id(t): i for i, t in metas.items()}
 
     def fill(unit, buf) -> None:
@@ -259,7 +258,7 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
                 keys = [k for k in slot.keys if k in state[i]]
                 e.update(where="swap", initialized=True, keys=keys, state_dtype=_dtype_name(slot.dtype),
                          chunks=chunks_of.get(i, []))
-                steps[i] = _step_tensor(state[i].get("step", 0.0))
+                steps[i] = step_tensor(state[i].get("step", 0.0))
             else:
                 memory_state[i] = _cpu_state(state[i])
                 e.update(where="memory", initialized=True, keys=sorted(k for k in state[i] if k != "step"),

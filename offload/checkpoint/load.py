@@ -15,11 +15,10 @@ import torch
 import xxhash
 from torch import nn
 
-from ..adam import _in_memory_state
 from ..aio import Engine
 from ..errors import CheckpointError
-from ..layout import state_keys_for
-from ..params.store import store_of
+from ..params import ParamAccess
+from ..state import check_param_state, in_memory_state, match_groups, step_tensor
 from . import stream
 from .format import (
     DATA,
@@ -29,9 +28,7 @@ from .format import (
     _check_data_size,
     _check_unit,
     _dtype,
-    _dtype_name,
     _read_torch,
-    _step_tensor,
 )
 from .model import _load_model, _model_section
 from .stream import _RangeReader, _stream
@@ -61,7 +58,9 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
             the optimizer refuses to step until a good checkpoint is loaded.
         OSError: reading or writing failed (same consequence).
     """
-    optimizer._check_usable()
+    store = optimizer.state_store
+    if store.closed:
+        raise ValueError("the optimizer is closed")
     directory = os.path.abspath(os.fspath(directory))
     manifest = read_manifest(directory)
     if manifest.get("optimizer") is None:
@@ -77,76 +76,48 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     params = _match(optimizer, manifest, memory, directory)
     if model is not None:
         # Weights first: a checkpoint without fp32 masters seeds them from the weights at load.
-        def half_loaded(err: BaseException) -> None:
-            optimizer._error = err  # its state is intact, but the weights it updates are half loaded
-
-        _load_model(model, directory, manifest, optimizer.config.aio, on_partial=half_loaded)
+        # On failure part-way its state is intact, but the weights it updates are half loaded.
+        _load_model(model, directory, manifest, optimizer.config.aio, on_partial=store.failed)
 
     try:
         _load_into(optimizer, directory, manifest, memory, params)
     except BaseException as err:
-        for slot in optimizer._layout.slots.values():
+        for slot in store.layout.slots.values():
             slot.initialized = False
-        optimizer._error = err
+        store.failed(err)
         raise
     return extra
 
 
 def _match(opt, manifest: dict, memory: dict, directory: str) -> list:
     """Check the checkpoint against the optimizer; return its parameters in index order."""
-    groups = opt.param_groups
-    saved = memory["param_groups"]
     where = f"checkpoint {directory}"
-    if len(saved) != len(groups):
-        raise CheckpointError(f"{where} has {len(saved)} parameter groups, this optimizer has {len(groups)}")
-    for gi, (g, s) in enumerate(zip(groups, saved)):
-        if len(g["params"]) != len(s["params"]):
-            raise CheckpointError(f"{where}: parameter group {gi} has {len(s['params'])} parameters, this "
-                                  f"optimizer's has {len(g['params'])}")
-        if bool(g["amsgrad"]) != bool(s.get("amsgrad", False)):
-            raise CheckpointError(f"{where}: parameter group {gi} has amsgrad={s.get('amsgrad')}, this "
-                                  f"optimizer's has amsgrad={g['amsgrad']}; build the optimizer with the same")
+    by_index = match_groups(opt.param_groups, memory["param_groups"], where=where, error=CheckpointError)
     params = [None] * len(manifest["params"])
-    for s, g in zip(saved, groups):
-        for i, p in zip(s["params"], g["params"]):
-            if not 0 <= i < len(params):
-                raise CheckpointError(f"{where}: parameter index {i} is out of range")
-            params[i] = p
+    for i, p in by_index.items():
+        if not 0 <= i < len(params):
+            raise CheckpointError(f"{where}: parameter index {i} is out of range")
+        params[i] = p
+    amsgrad = {id(p): bool(g["amsgrad"]) for g in opt.param_groups for p in g["params"]}
     for entry in manifest["params"]:
         i, p = entry["index"], params[entry["index"]]
-        if entry.get("shape") is not None and tuple(entry["shape"]) != tuple(p.shape):
-            raise CheckpointError(f"{where}: parameter {i} has shape {tuple(entry['shape'])} in the checkpoint, "
-                                  f"{tuple(p.shape)} in this optimizer")
-        if entry.get("dtype") is not None and _dtype(entry["dtype"]) != p.dtype:
-            raise CheckpointError(f"{where}: parameter {i} has dtype {entry['dtype']} in the checkpoint, "
-                                  f"{_dtype_name(p.dtype)} in this optimizer")
+        keys = None
         if entry.get("initialized"):
-            amsgrad = bool(opt.param_groups[_group_of(saved, i)]["amsgrad"])
-            want = set(state_keys_for(p, amsgrad)) - {"master"}
-            have = set(entry.get("keys", ()))
-            if entry["where"] == "memory":
-                have = set(memory["state"][i]) - {"step"}
-            if not want <= have:
-                raise CheckpointError(f"{where}: parameter {i} lacks state {sorted(want - have)} in the "
-                                      "checkpoint")
+            keys = set(memory["state"][i]) - {"step"} if entry["where"] == "memory" else entry.get("keys", ())
+        check_param_state(p, i, shape=entry.get("shape"), keys=keys, amsgrad=amsgrad[id(p)], where=where,
+                          dtype=_dtype(entry["dtype"]) if entry.get("dtype") is not None else None,
+                          error=CheckpointError)
     return params
 
 
-def _group_of(saved: list, i: int) -> int:
-    for gi, s in enumerate(saved):
-        if i in s["params"]:
-            return gi
-    raise CheckpointError(f"parameter {i} is in no group")
-
-
 def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) -> None:
+    store = opt.state_store
     entries = manifest["params"]
     # Parameters frozen when the optimizer was built have no place yet.
-    late = {params[e["index"]] for e in entries if e.get("initialized") and not opt._is_small(params[e["index"]])
-            and params[e["index"]] not in opt._layout.slots}
+    late = {params[e["index"]] for e in entries if e.get("initialized") and store.slot(params[e["index"]]) is None}
     if late:
-        opt._lay_out(opt._offload_candidates(opt.param_groups, restrict=late))
-    slots = opt._layout.slots
+        store.place(opt.param_groups, only=late)
+    slots = store.layout.slots
     path = os.path.join(directory, DATA)
     units = manifest["units"]
     aio = opt.config.aio
@@ -154,8 +125,8 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) 
     new_state: dict = {}
     try:
         with engine.open(path, "r") as f:
-            plan = _same_packing(opt, manifest, params)
-            buffers = list(opt._pool)
+            plan = _same_packing(store, manifest, params)
+            buffers = store.buffers
             if plan is not None:
                 whole = xxhash.xxh3_64()
 
@@ -168,15 +139,13 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) 
                     whole.update(buf.tensor[: units[item[0]]["length"]].numpy())
                     return True
 
-                def write(item, buf):
-                    return opt._space.write(item[1].extent, buf, nbytes=item[1].nbytes)
-
-                _stream(plan, buffers, read=read, process=process, write=write)
+                _stream(plan, buffers, read=read, process=process,
+                        write=lambda item, buf: store.write_unit(item[1], buf))
                 _check_data_digest(manifest, path, whole.hexdigest())
                 small_from_swap = []
             else:
                 _verify_data(directory, manifest, engine, buffers)
-                small_from_swap = _rechunk(opt, manifest, memory, params, engine, f, buffers)
+                small_from_swap = _rechunk(store, manifest, memory, params, engine, f, buffers)
             for i, tensors in small_from_swap:
                 new_state[i] = tensors
     finally:
@@ -196,27 +165,27 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) 
             continue
         i = e["index"]
         p = params[i]
-        step = _step_tensor(memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", 0.0))
-        if opt._is_small(p):
+        step = memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", 0.0)
+        if store.is_small(p):
             source = memory["state"][i] if e["where"] == "memory" else new_state[i]
-            opt.state[p] = _in_memory_state(p, source, step)
+            opt.state[p] = in_memory_state(p, {**source, "step": step})
         else:
-            opt.state[p] = {"step": step}
+            opt.state[p] = {"step": step_tensor(step)}
             slots[p].initialized = True
-    opt._error = None
+    store.restored()
 
 
-def _same_packing(opt, manifest: dict, params: list) -> Optional[list]:
+def _same_packing(store, manifest: dict, params: list) -> Optional[list]:
     """[(checkpoint unit, optimizer unit)] when every saved unit is packed exactly like one of the
     optimizer's, so bytes can move as they are; None when state must be re-chunked."""
-    if manifest.get("buffer_size") != opt._layout.unit_bytes:
+    if manifest.get("buffer_size") != store.layout.unit_bytes:
         return None
     index = {p: i for i, p in enumerate(params)}
     signature: list[list] = [[] for _ in manifest["units"]]
     for e in manifest["params"]:
         p = params[e["index"]]
         if e.get("initialized"):
-            slot = opt._layout.slots.get(p)
+            slot = store.slot(p)
             if (e["where"] == "memory") != (slot is None):
                 return None  # small here and offloaded there, or the other way round
             if slot is not None and list(slot.keys) != list(e["keys"]):
@@ -224,7 +193,7 @@ def _same_packing(opt, manifest: dict, params: list) -> Optional[list]:
         for u, start, numel, offset, stride in e.get("chunks", ()):
             signature[u].append((e["index"], start, numel, offset, stride))
     by_sig = {}
-    for unit in opt._layout.units:
+    for unit in store.layout.units:
         sig = tuple(sorted((index[c.slot.param], c.start, c.numel, c.offset, c.stride) for c in unit.chunks))
         by_sig[sig] = unit
     plan = []
@@ -236,7 +205,7 @@ def _same_packing(opt, manifest: dict, params: list) -> Optional[list]:
     return plan
 
 
-def _rechunk(opt, manifest: dict, memory: dict, params: list, engine: Engine, f, buffers: list) -> list:
+def _rechunk(store, manifest: dict, memory: dict, params: list, engine: Engine, f, buffers: list) -> list:
     """Fill the optimizer's units from the checkpoint by parameter element ranges.
 
     Returns ``[(index, {key: tensor})]`` for parameters small here whose state the checkpoint holds
@@ -261,24 +230,10 @@ def _rechunk(opt, manifest: dict, memory: dict, params: list, engine: Engine, f,
         e = entries.get(index[p])
         return e if e is not None and e.get("initialized") else None
 
-    todo = [u for u in opt._layout.units if any(wanted(c.slot.param) for c in u.chunks)]
-    # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
-    # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
-    fetched: dict = {}
+    todo = [u for u in store.layout.units if any(wanted(c.slot.param) for c in u.chunks)]
+    active = {id(c.slot) for u in todo for c in u.chunks if wanted(c.slot.param)}
 
-    def weights(c) -> torch.Tensor:
-        p = c.slot.param
-        store = store_of(p)
-        if store is not None and p not in fetched:
-            store.fetch(p)
-            fetched[p] = store
-        return p.detach().reshape(-1)
-
-    def done_with(c) -> None:
-        if c.slot.param in fetched and c is c.slot.chunks[-1]:
-            fetched.pop(c.slot.param).release(c.slot.param)
-
-    def fill(unit, buf) -> bool:
+    def fill(unit, buf, weights) -> bool:
         for c in unit.chunks:
             e = wanted(c.slot.param)
             if e is None:
@@ -292,24 +247,21 @@ def _rechunk(opt, manifest: dict, memory: dict, params: list, engine: Engine, f,
                 elif e["where"] == "memory" and key in memory["state"][i]:
                     view.copy_(memory["state"][i][key].detach().reshape(-1)[lo:hi])
                 elif key == "master":
-                    view.copy_(weights(c)[lo:hi])
+                    view.copy_(weights.weights(c))
                 else:
                     raise CheckpointError(f"parameter {i}: state {key!r} is not in the checkpoint")
-            done_with(c)
+        weights.done(unit)
         return True
 
-    space = opt._space
-    try:
-        _stream(todo, buffers[1:], process=fill,
-                write=lambda unit, buf: space.write(unit.extent, buf, nbytes=unit.nbytes))
-    finally:
-        for p, store in fetched.items():
-            store.release(p)
+    # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
+    # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
+    with ParamAccess().units(todo, active, write_back=False) as weights:
+        _stream(todo, buffers[1:], process=lambda unit, buf: fill(unit, buf, weights), write=store.write_unit)
 
     out = []
     for p in params:
         e = wanted(p)
-        if e is None or e["where"] != "swap" or not opt._is_small(p):
+        if e is None or e["where"] != "swap" or not store.is_small(p):
             continue
         dtype = _dtype(e["state_dtype"])
         tensors = {}

@@ -8,7 +8,6 @@ from typing import Any
 from torch import nn
 
 from ..config import config_to_dict
-from ..errors import StateError
 from .commit import _Staged, _write_atomically
 from .format import _chunk_table, _cpu_state, _dtype_name, _torch_groups, _write_memory_and_manifest
 from .model import _save_model
@@ -42,10 +41,7 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         OSError: writing failed (the message names file, offset and errno); the previous checkpoint
             at ``directory``, if any, is left as it was and nothing half written remains.
     """
-    optimizer._check_usable()
-    if optimizer._error is not None:
-        raise StateError(f"not saving: the optimizer's last step failed part-way ({optimizer._error}), so "
-                         "its offloaded state may be half written. Load the last good checkpoint instead.")
+    optimizer.state_store.check_usable("save a checkpoint")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
@@ -60,16 +56,15 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
 
 
 def _save_into(opt, staged: _Staged, extra: Any) -> dict:
+    store = opt.state_store
     params = [p for g in opt.param_groups for p in g["params"]]
     index = {p: i for i, p in enumerate(params)}
-    slots = opt._layout.slots
-    units = [u for u in opt._layout.units if any(c.slot.initialized for c in u.chunks)]
-
-    space = opt._space
-    data = _write_data(
-        staged, opt.config.aio, list(opt._pool), units,
-        read=lambda u, buf: space.read(u.extent, buf, nbytes=u.nbytes),
-        fill=None, nbytes_of=lambda u: u.nbytes)
+    slots = store.layout.slots
+    units = [u for u in store.layout.units if any(c.slot.initialized for c in u.chunks)]
+    # A unit is verified against the checksum of its last write before it is copied: a checkpoint
+    # never copies state that changed on disk behind our back.
+    data = _write_data(staged, opt.config.aio, store.buffers, units, read=store.read_unit, fill=store.verify,
+                       nbytes_of=lambda u: u.nbytes)
 
     entries = []
     chunks_of = _chunk_table(units, index.__getitem__)
@@ -96,4 +91,4 @@ def _save_into(opt, staged: _Staged, extra: Any) -> dict:
     return _write_memory_and_manifest(
         staged, kind=type(opt).__name__, groups=_torch_groups(opt.param_groups, index), entries=entries,
         memory_state=memory_state, steps=steps, extra=extra, config=config_to_dict(opt.config, only=None),
-        unit_bytes=opt._layout.unit_bytes, threshold=opt._threshold, data=data)
+        unit_bytes=store.layout.unit_bytes, threshold=store.threshold, data=data)

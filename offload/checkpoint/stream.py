@@ -11,16 +11,16 @@
 from __future__ import annotations
 
 import os
-from collections import deque
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import xxhash
 
-from ..aio import CompletedFuture, Engine, wait_quietly
+from ..aio import CompletedFuture, Engine
 from ..buffers import BufferPool
 from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
+from ..pipeline import Pipeline
 from ..units import ALIGNMENT, round_up
 from .commit import _Staged
 from .format import DATA
@@ -46,49 +46,13 @@ def _aio_of(manifest: dict) -> AioConfig:
         return AioConfig()
 
 
-# -- the streaming loop -----------------------------------------------------------------------
-
-
 _DONE = CompletedFuture()
-
 
 
 def _stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,
             process: Callable[[Any, Any], bool], write: Optional[Callable] = None) -> None:
-    """For each item in order: ``read(item, buf)``, ``process(item, buf)``, ``write(item, buf)`` if
-    process returned True; reads run ahead and writes land behind, as far as the buffers allow.
-
-    ``read`` and ``write`` return futures; every request in flight lands before an error leaves.
-    """
-    free = deque(buffers)
-    reads: deque = deque()
-    writes: deque = deque()
-    n, next_i = len(items), 0
-    try:
-        for _ in range(n):
-            while next_i < n:
-                if free:
-                    buf = free.popleft()
-                elif writes and (not reads or writes[0][1].done()):
-                    buf, fut = writes.popleft()
-                    fut.wait()
-                else:
-                    break
-                item = items[next_i]
-                reads.append((item, buf, read(item, buf) if read is not None else _DONE))
-                next_i += 1
-            item, buf, fut = reads.popleft()
-            fut.wait()
-            if process(item, buf) and write is not None:
-                writes.append((buf, write(item, buf)))
-            else:
-                free.append(buf)
-        while writes:
-            writes.popleft()[1].wait()
-    except BaseException:
-        wait_quietly(fut for _, _, fut in reads)
-        wait_quietly(fut for _, fut in writes)
-        raise
+    """:meth:`offload.pipeline.Pipeline.run` over ``buffers``, reads as far ahead as buffers allow."""
+    Pipeline(list(buffers)).run(items, read=read, process=process, write=write)
 
 
 class _RangeReader:

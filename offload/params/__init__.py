@@ -7,15 +7,14 @@ Layers: :mod:`.store` (bytes on the swap space, the pool, the host cache, the gr
 checkpoint directory through :mod:`offload.checkpoint`).
 """
 
+from .access import ParamAccess
 from .api import (
     ParamOffload,
-    load_parameters,
     materialized,
     offload_parameters,
     offloaded,
     register_external_parameter,
     restore_parameters,
-    save_parameters,
 )
 from .grads import clip_grad_norm_, load_grad
 from .guard import OffloadedGrad, OffloadedParameter
@@ -24,17 +23,16 @@ from .store import ParamStore, resident, store_of
 __all__ = [
     "OffloadedGrad",
     "OffloadedParameter",
+    "ParamAccess",
     "ParamOffload",
     "ParamStore",
     "clip_grad_norm_",
     "load_grad",
-    "load_parameters",
     "materialized",
     "offload_parameters",
     "offloaded",
     "register_external_parameter",
     "resident",
     "restore_parameters",
-    "save_parameters",
     "store_of",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator, Optional
 
 import torch
@@ -14,8 +13,8 @@ from .hooks import _EXTERNAL, Scheduler
 from .store import ParamStore, resident, store_of
 
 __all__ = [
-    "ParamOffload", "load_parameters", "materialized", "offload_parameters", "offloaded",
-    "register_external_parameter", "restore_parameters", "save_parameters",
+    "ParamOffload", "materialized", "offload_parameters", "offloaded", "register_external_parameter",
+    "restore_parameters",
 ]
 
 _ATTR = "_nvme_offload_params"
@@ -176,60 +175,6 @@ def materialized(model: nn.Module, *, modified: bool = False) -> Iterator[nn.Mod
         return
     with resident(list(state.store.records), dirty=modified):
         yield model
-
-
-def save_parameters(model: nn.Module, directory) -> str:
-    """Save ``model``'s weights to the checkpoint directory ``directory``, atomically, streaming.
-
-    Offloaded parameters go from the swap space through the parameter pool to ``params.bin`` with
-    the native engine (O_DIRECT), each with its xxh3_64: nothing is fetched, so host memory stays the
-    pool whatever the model size. A parameter resident now (inside a forward or ``materialized``)
-    or held in the host cache is saved from that copy, its latest. The model's other parameters
-    and persistent buffers go to ``model.pt``. Gradients are not saved (torch does not save them
-    either). With an ``OffloadedAdam`` use ``opt.save_checkpoint(directory, model=model)`` instead,
-    which saves both in the same directory. See ``docs/checkpoint.md``.
-
-    Returns:
-        The checkpoint directory (absolute).
-
-    Raises:
-        StateError: a load of weights into this model failed part-way, so there is nothing sound to save.
-        OSError: writing failed (file, offset and errno named); a previous checkpoint at ``directory``
-            is left as it was.
-    """
-    # Imported here: offload.checkpoint imports this package's store.
-    from ..checkpoint.model import _named_tensors, _save_model_only
-
-    _named_tensors(model)  # checks the type
-    return _save_model_only(model, directory)
-
-
-def load_parameters(model: nn.Module, directory) -> None:
-    """Load weights saved by :func:`save_parameters` (or with ``save_checkpoint(..., model=)``) into ``model``.
-
-    First every name, shape and dtype is compared with the model, and every checksum (``model.pt``,
-    each parameter in ``params.bin``) verified; the first mismatch is named and nothing changes. Then
-    the bytes stream into the parameter store's swap space through its pool (a resident or cached
-    copy is overwritten too), the other tensors are copied in, and offloaded gradients are cleared.
-    The model need not be offloaded the same way as when it was saved (or at all).
-
-    An optimizer keeping fp32 master copies of these weights (``OffloadedAdam`` over bf16/fp16) does
-    not see them: load both with ``opt.load_checkpoint(directory, model=model)``.
-
-    Raises:
-        CheckpointError: the checkpoint holds no model, or does not fit this one (names the first
-            mismatch), or is incomplete; ``ChecksumError``: corrupt. Nothing was changed.
-        OSError: reading or writing failed while streaming; the offloaded weights are then a mix of old
-            and new, and fetching them raises ``StateError`` until a load succeeds.
-    """
-    from ..checkpoint.model import _load_model, _model_section, _named_tensors
-    from ..checkpoint.verify import read_manifest
-
-    _named_tensors(model)
-    directory = os.path.abspath(os.fspath(directory))
-    manifest = read_manifest(directory)
-    _model_section(manifest, directory)
-    _load_model(model, directory, manifest)
 
 
 # -- helpers ------------------------------------------------------------------------------------

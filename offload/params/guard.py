@@ -176,12 +176,9 @@ class OffloadedGrad(torch.Tensor):
 
     def _nvme_zero(self) -> None:
         p = self._nvme_param()
-        if p is not None and p.grad is self:
-            from .store import store_of  # the store imports this module
-
-            store = store_of(p)
-            if store is not None:
-                store.mark_grad_zero(p)
+        on_zero = self._nvme_on_zero()
+        if p is not None and p.grad is self and on_zero is not None:
+            on_zero(p)
 
     def __repr__(self) -> str:
         return (f"OffloadedGrad(of {self._nvme_name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -191,11 +188,15 @@ class OffloadedGrad(torch.Tensor):
         return format(repr(self), spec)
 
 
-def make_placeholder(param: torch.Tensor, name: str) -> OffloadedGrad:
-    """A gradient placeholder for ``param``: same shape, dtype and device, one element of storage."""
+def make_placeholder(param: torch.Tensor, name: str, on_zero) -> OffloadedGrad:
+    """A gradient placeholder for ``param``: same shape, dtype and device, one element of storage.
+
+    ``on_zero(param)`` (a bound method, held weakly) is called when the placeholder is zeroed in place.
+    """
     with torch._C.DisableTorchFunctionSubclass():
         base = torch.zeros((), dtype=param.dtype, device=param.device).expand(param.shape)
     ph = base.as_subclass(OffloadedGrad)
     ph._nvme_name = name
     ph._nvme_param = weakref.ref(param)
+    ph._nvme_on_zero = weakref.WeakMethod(on_zero)
     return ph

@@ -55,21 +55,35 @@ _NONE, _ZERO, _STORED = 0, 1, 2  # what a grad extent holds
 
 
 class GradRead:
-    """A read of part of a stored gradient into a host buffer; ``wait()`` returns it as a typed view."""
+    """A read of part of a stored gradient into a host buffer.
+
+    ``wait_io()`` waits for the bytes (returns how many moved); ``wait()`` then gives the elements as a
+    typed view with pending clip factors applied (once, however often it is called).
+    """
 
     def __init__(self, future, view: torch.Tensor, zero: bool, scales: list):
         self._future, self._view, self._zero, self._scales = future, view, zero, scales
+        self._ready = False
+
+    def wait_io(self) -> int:
+        return self._future.wait()
 
     def wait(self) -> torch.Tensor:
-        self._future.wait()
-        if self._zero:
-            self._view.zero_()
-        for coef in self._scales:
-            self._view.mul_(coef)  # pending clip factors, applied in order as torch would have
+        if not self._ready:
+            self._future.wait()
+            if self._zero:
+                self._view.zero_()
+            for coef in self._scales:
+                self._view.mul_(coef)  # pending clip factors, applied in order as torch would have
+            self._ready = True
         return self._view
 
     def done(self) -> bool:
         return self._future.done()
+
+    def settle(self) -> None:
+        """Let the read land, ignoring its error (error paths: the buffer is about to be reused)."""
+        wait_quietly([self._future])
 
 
 @dataclass(eq=False)
@@ -481,7 +495,7 @@ class ParamStore:
         rec = _Record(p, nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
         if self.offload_grads and p.requires_grad:
             rec.grad_extent = self.space.alloc(nbytes)
-            rec.placeholder = make_placeholder(p, rec.name)
+            rec.placeholder = make_placeholder(p, rec.name, self.mark_grad_zero)
         if cached:
             rec.host = self._host_cache.tensor[self._host_used:self._host_used + nbytes]
             self._host_used += round_up(nbytes, 64)

@@ -1,22 +1,13 @@
-"""Where each parameter's offloaded state lives: chunks packed into pool-buffer-sized units.
-
-# NOTE: the swap unit is one pool buffer's worth of state, stored as ONE contiguous extent, so a unit
-# moves with one read and one write at full request size. A parameter larger than a buffer is split
-# into chunks across several units; small parameters share a unit. Within a unit, each chunk holds
-# one slice per state tensor (exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad, then the fp32
-# master copy for fp16/bf16 parameters), each slice starting on a 64-byte boundary so the vectorised
-# kernels see aligned data. Chunks are cut on multiples of GRAIN elements (except a parameter's last
-# chunk) so that a chunked update goes through the same kernel paths as a whole-tensor one.
-"""
+"""Where each parameter's offloaded state lives: chunks packed into units of one pool buffer each."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
-from .units import round_up
+from ..units import round_up
 
 SLICE_ALIGN = 64
 GRAIN = 1024
@@ -67,6 +58,7 @@ class Unit:
     chunks: list[Chunk] = field(default_factory=list)
     nbytes: int = 0
     extent: object = None  # space.Extent once allocated
+    digest: Optional[int] = None  # xxh3_64 of the bytes last written to the extent (None: not checked)
 
 
 @dataclass(eq=False)
@@ -81,11 +73,20 @@ class ParamSlot:
     initialized: bool = False
 
 
+# NOTE: a unit is one pool buffer's worth of state, stored as ONE contiguous extent, so it moves with
+# one read and one write at full request size. A parameter larger than a buffer is split into chunks
+# across several units; small parameters share a unit. Within a unit each chunk holds one slice per
+# state tensor (exp_avg, exp_avg_sq, then max_exp_avg_sq with amsgrad, then the fp32 master copy of an
+# fp16/bf16 parameter), each slice starting on a 64-byte boundary so vectorised kernels see aligned
+# data. Chunks are cut on multiples of GRAIN elements (except a parameter's last chunk) so that a
+# chunked update goes through the same kernel paths as a whole-tensor one.
 class Layout:
     """Packs parameters' state into units of at most ``unit_bytes`` bytes, in order.
 
     Every unit but the last one opened is filled as far as chunk boundaries allow, so the number of
-    units (and I/O requests) per step is close to total state bytes / unit_bytes.
+    units (and I/O requests) per step is close to total state bytes / unit_bytes. :meth:`plan` packs
+    without recording anything, :meth:`commit` records, so a caller can reserve disk for the new units
+    in between and leave the layout as it was if that fails.
     """
 
     def __init__(self, unit_bytes: int):
@@ -96,17 +97,19 @@ class Layout:
     def min_unit_bytes(self, keys: int, itemsize: int) -> int:
         return keys * round_up(GRAIN * itemsize, SLICE_ALIGN)
 
-    def add(self, params: Iterable[tuple[torch.Tensor, dict, bool]]) -> list[Unit]:
-        """Lay out parameters ``(param, group, amsgrad)``; returns the units opened for them.
+    def plan(self, params: Iterable[tuple[torch.Tensor, dict, bool]]) -> list[Unit]:
+        """Pack parameters ``(param, group, amsgrad)`` not laid out yet into new units; records nothing.
 
         Raises:
             ValueError: a unit cannot hold even one grain of a parameter's state.
         """
         new_units: list[Unit] = []
+        planned: set = set()
         unit = None
         for param, group, amsgrad in params:
-            if param in self.slots:
+            if param in self.slots or param in planned:
                 continue
+            planned.add(param)
             keys = state_keys_for(param, amsgrad)
             dtype = state_dtype_for(param)
             itemsize = dtype.itemsize
@@ -117,7 +120,6 @@ class Layout:
                     f"({need} bytes); set buffer_size to at least {need}"
                 )
             slot = ParamSlot(param, group, keys, dtype)
-            self.slots[param] = slot
             start, n = 0, param.numel()
             while start < n:
                 if unit is None:
@@ -137,8 +139,14 @@ class Layout:
                 unit.nbytes += chunk.nbytes
                 slot.chunks.append(chunk)
                 start += take
-        self.units.extend(new_units)
         return new_units
+
+    def commit(self, units: list[Unit]) -> None:
+        """Record units made by :meth:`plan` (their extents allocated) and their parameters' slots."""
+        for unit in units:
+            for c in unit.chunks:
+                self.slots.setdefault(c.slot.param, c.slot)
+        self.units.extend(units)
 
     @property
     def state_bytes(self) -> int:

@@ -1,0 +1,158 @@
+"""The one bounded read-ahead / process / write-behind loop: every mover of bytes in the library runs on it."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+
+from .aio import wait_quietly
+from .errors import PoolTooSmallError
+
+__all__ = ["BufferRing", "BufferSource", "Pipeline"]
+
+
+class BufferSource(Protocol):
+    """Where a pipeline gets the buffers it moves bytes through, and gives them back.
+
+    ``take(wait=False)`` returns a buffer only if one is idle now (else ``None``); ``take(wait=True)``
+    always returns one, waiting for the I/O that last used it. ``give(buffer, pending)`` returns a
+    buffer; ``pending`` is a future still using it as a source (a write), or ``None``.
+    """
+
+    def take(self, wait: bool) -> Any: ...
+
+    def give(self, buffer: Any, pending: Any = None) -> None: ...
+
+
+class BufferRing:
+    """The plain :class:`BufferSource`: buffers reused in the order they were given back.
+
+    The buffer a read needs is then always the one whose write was issued longest ago, the likeliest
+    to have landed.
+    """
+
+    def __init__(self, buffers: Iterable):
+        self._free: deque = deque((b, None) for b in buffers)
+        if not self._free:
+            raise PoolTooSmallError("a pipeline needs at least one buffer")
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, wait: bool) -> Any:
+        buffer, pending = self._free[0]
+        if pending is not None:
+            if not wait and not pending.done():
+                return None
+            pending.wait()
+        self._free.popleft()
+        return buffer
+
+    def give(self, buffer: Any, pending: Any = None) -> None:
+        self._free.append((buffer, pending))
+
+
+# NOTE: the I/O runs on the native engine's threads and torch's kernels release the GIL, so while
+# ``process`` works on item i, the reads of the next items and the writes of the previous ones proceed
+# on the disk. Reads are issued in item order up to ``lookahead`` items beyond the one being
+# processed, as long as a buffer is idle; only the read of the item needed next may wait for a buffer.
+# With ``write_behind`` a write lands while later items are processed; without it each write is waited
+# for at once. Whatever happens, every request run() issued has finished before it returns or raises:
+# a buffer must never be reused (or freed) while the engine may still be filling or reading it.
+class Pipeline:
+    """Moves items through host buffers: ``read(item) || process(item) || write(item)`` overlapped.
+
+    Args:
+        buffers: the buffers to move bytes through: a sequence of host buffers, or a
+            :class:`BufferSource` that lends them (the parameter store shares its pool with prefetches).
+        lookahead: how many items beyond the one being processed may have reads in flight; ``None``
+            for as many as there are buffers to spare (len(buffers) - 1; a source must give a number).
+        write_behind: let writes land while later items are processed.
+
+    Attributes:
+        bytes_read, bytes_written: bytes moved by every run so far (the futures' results).
+    """
+
+    def __init__(self, buffers: Sequence | BufferSource, *, lookahead: Optional[int] = None,
+                 write_behind: bool = True):
+        if isinstance(buffers, (list, tuple)):
+            if not buffers:
+                raise PoolTooSmallError("a pipeline needs at least one buffer")
+            self._buffers: Optional[list] = list(buffers)
+            default = len(buffers) - 1
+        else:
+            self._buffers = None
+            self._source = buffers
+            default = None
+        if lookahead is None:
+            if default is None:
+                raise ValueError("a pipeline over a buffer source needs an explicit lookahead")
+            lookahead = default
+        if lookahead < 0:
+            raise ValueError(f"lookahead must not be negative, got {lookahead}")
+        self.lookahead = lookahead
+        self.write_behind = write_behind
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    def run(
+        self,
+        items: Sequence,
+        *,
+        process: Callable[[Any, Any], bool],
+        read: Optional[Callable[[Any, Any], Any]] = None,
+        write: Optional[Callable[[Any, Any], Any]] = None,
+    ) -> None:
+        """For each item in order: ``read(item, buf)``, ``process(item, buf)``, then ``write(item, buf)``
+        if ``process`` returned True.
+
+        ``read`` and ``write`` start I/O and return a future (``wait()`` gives the bytes moved), or
+        ``None`` when the item needs no read (state not created yet: the buffer then holds stale bytes
+        that ``process`` must overwrite) or no write.
+
+        Raises:
+            Whatever ``read``, ``process``, ``write`` or a future raises (an ``OSError`` naming the file
+            and offset for I/O), after every request in flight has finished.
+        """
+        source = BufferRing(self._buffers) if self._buffers is not None else self._source
+        reads: deque = deque()  # (item, buffer, read future or None), in item order
+        writes: list = []
+        n, next_read = len(items), 0
+        try:
+            for i in range(n):
+                while next_read < n and next_read <= i + self.lookahead:
+                    buf = source.take(wait=not reads)
+                    if buf is None:
+                        break
+                    try:
+                        fut = read(items[next_read], buf) if read is not None else None
+                    except BaseException:
+                        source.give(buf)
+                        raise
+                    reads.append((items[next_read], buf, fut))
+                    next_read += 1
+                item, buf, fut = reads.popleft()
+                try:
+                    if fut is not None:
+                        self.bytes_read += fut.wait()
+                    wfut = write(item, buf) if process(item, buf) and write is not None else None
+                except BaseException:
+                    source.give(buf)
+                    raise
+                if wfut is not None and not self.write_behind:
+                    try:
+                        self.bytes_written += wfut.wait()
+                    finally:
+                        source.give(buf)
+                    continue
+                if wfut is not None:
+                    writes.append(wfut)
+                source.give(buf, wfut)
+            for w in writes:
+                self.bytes_written += w.wait()
+        except BaseException:
+            wait_quietly(fut for _, _, fut in reads if fut is not None)
+            wait_quietly(writes)
+            for _, buf, _ in reads:
+                source.give(buf)
+            raise

@@ -1,0 +1,22 @@
+"""Offloaded optimizer state: its layout in units, the store that owns it, and saved state's checks."""
+
+from .dicts import check_param_state, check_state_dict, in_memory_state, match_groups, step_tensor
+from .layout import GRAIN, HALF_DTYPES, Chunk, Layout, ParamSlot, Unit, state_dtype_for, state_keys_for
+from .store import StateStore
+
+__all__ = [
+    "GRAIN",
+    "HALF_DTYPES",
+    "Chunk",
+    "Layout",
+    "ParamSlot",
+    "StateStore",
+    "Unit",
+    "check_param_state",
+    "check_state_dict",
+    "in_memory_state",
+    "match_groups",
+    "state_dtype_for",
+    "state_keys_for",
+    "step_tensor",
+]
