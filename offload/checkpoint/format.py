@@ -159,37 +159,78 @@ def _check_file_hash(directory: str, name: str, entry: dict) -> None:
                 n += len(block)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {directory} is missing {name}, which its manifest lists") from None
+    except OSError as err:
+        raise _io_error(err, path, "cannot read") from err
     if n != entry["bytes"] or h.hexdigest() != entry["xxh3_64"]:
         raise ChecksumError(f"{path}: {n} bytes with xxh3_64 {h.hexdigest()}, the manifest says "
                             f"{entry['bytes']} bytes with {entry['xxh3_64']}; the file is corrupt")
+
+
+def _io_error(err: OSError, path: str, doing: str) -> OSError:
+    """``err`` as ``OSError(errno, message, path)`` naming ``path`` (raise it ``from err``).
+
+    Python's file objects raise errors of ``write``, ``flush`` and ``fsync`` without the file's
+    name; torch.save turns them into a RuntimeError without the errno. This puts both back.
+    """
+    if err.errno is None or err.filename == path:
+        return err
+    return OSError(err.errno, f"{doing} {path}: {err.strerror or os.strerror(err.errno)}", path)
 
 
 # -- memory.pt and extra.pt -------------------------------------------------------------------
 
 
 class _HashingWriter:
-    """A file object that hashes what passes through it (for torch.save)."""
+    """A file object that hashes what passes through it (for torch.save).
+
+    torch.save reports a failed ``write`` as ``RuntimeError: [enforce fail at inline_container.cc]``
+    without errno or path, so the first OSError is kept here for :func:`_write_torch` to raise.
+    """
 
     def __init__(self, f):
         self.f = f
         self.hash = xxhash.xxh3_64()
         self.nbytes = 0
+        self.error: OSError | None = None
 
     def write(self, b) -> int:
+        try:
+            n = self.f.write(b)
+        except OSError as err:
+            self.error = self.error or err
+            raise
         self.hash.update(b)
         self.nbytes += len(b)
-        return self.f.write(b)
+        return n
 
     def flush(self) -> None:
-        self.f.flush()
+        try:
+            self.f.flush()
+        except OSError as err:
+            self.error = self.error or err
+            raise
 
 
 def _write_torch(obj: Any, path: str) -> dict:
-    with open(path, "xb") as f:
-        w = _HashingWriter(f)
-        torch.save(obj, w)
-        f.flush()
-        os.fsync(f.fileno())
+    """``torch.save(obj)`` into a new file ``path``, fsynced; returns its size and xxh3_64.
+
+    Raises:
+        OSError: writing failed (ENOSPC, EIO, ...): ``OSError(errno, message, path)``, with the
+            original error chained.
+    """
+    w = None
+    try:
+        with open(path, "xb") as f:
+            w = _HashingWriter(f)
+            torch.save(obj, w)
+            w.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise _io_error(err, path, "cannot write") from err
+    except RuntimeError:
+        if w is None or w.error is None:
+            raise
+        raise _io_error(w.error, path, "cannot write") from w.error
     return {"bytes": w.nbytes, "xxh3_64": w.hash.hexdigest()}
 
 
@@ -200,6 +241,8 @@ def _read_torch(directory: str, name: str, entry: dict) -> Any:
             data = f.read()
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {directory} is missing {name}, which its manifest lists") from None
+    except OSError as err:
+        raise _io_error(err, path, "cannot read") from err
     if len(data) != entry["bytes"]:
         raise ChecksumError(f"{path}: {len(data)} bytes, the manifest says {entry['bytes']} (truncated or "
                             "replaced); the checkpoint is corrupt, load an older one")
