@@ -21,6 +21,7 @@ import sys
 from typing import Sequence
 
 from . import checkpoint
+from .checkpoint.commit import reading
 
 PROG = "offload-ckpt"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -46,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("import", help="write a torch optimizer state_dict file as a checkpoint")
     p.add_argument("state_dict", metavar="IN.pt", help="a file torch.save wrote (an optimizer state_dict)")
-    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory to write (replaced atomically)")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="checkpoint directory to write: a new or empty directory, or a checkpoint (replaced "
+                        "atomically); any other directory is refused")
     p.add_argument("--like", metavar="CKPT_OR_CONFIG",
                    help="a checkpoint of the same model (shapes, dtypes and settings are taken from it), or "
                         "a config file (JSON, DeepSpeed ds_config.json works) for the unit size and threshold")
@@ -66,12 +69,13 @@ def _run(args) -> int:
             print(f"{PROG} export: error: give OUT.pt (the optimizer), --model-out MODEL.pt (the model), or both",
                   file=sys.stderr)
             return EXIT_USAGE
-        if args.out is not None:
-            checkpoint.export_checkpoint(args.checkpoint, args.out, include_master=not args.no_master)
-            print(f"wrote {args.out}")
-        if args.model_out is not None:
-            checkpoint.export_model_checkpoint(args.checkpoint, args.model_out)
-            print(f"wrote {args.model_out}")
+        with reading(args.checkpoint):  # no save replaces it while it is read
+            if args.out is not None:
+                checkpoint.export_checkpoint(args.checkpoint, args.out, include_master=not args.no_master)
+                print(f"wrote {args.out}")
+            if args.model_out is not None:
+                checkpoint.export_model_checkpoint(args.checkpoint, args.model_out)
+                print(f"wrote {args.model_out}")
     elif args.command == "import":
         like, config = None, None
         if args.like is not None:
@@ -89,22 +93,32 @@ def _run(args) -> int:
         path = checkpoint.import_state_dict(args.state_dict, args.checkpoint, like=like, config=config)
         print(f"wrote {path}")
     elif args.command == "inspect":
-        if args.json:
-            print(json.dumps(checkpoint.read_manifest(args.checkpoint), indent=1, sort_keys=True))
-        else:
-            print(checkpoint.inspect_checkpoint(args.checkpoint))
+        with reading(args.checkpoint):
+            if args.json:
+                print(json.dumps(checkpoint.read_manifest(args.checkpoint), indent=1, sort_keys=True))
+            else:
+                print(checkpoint.inspect_checkpoint(args.checkpoint))
     elif args.command == "verify":
         failed = 0
         for path in args.checkpoints:
             try:
                 checkpoint.verify_checkpoint(path)
             except (checkpoint.CheckpointError, OSError) as err:
-                print(f"{path}: FAILED: {err}")
+                print(f"{path}: FAILED: {_describe(err)}")
                 failed += 1
             else:
                 print(f"{path}: OK")
         return EXIT_FAILURE if failed else EXIT_OK
     return EXIT_OK
+
+
+def _describe(err: Exception) -> str:
+    """The error's message; an OSError whose message already names its file without the
+    ``[Errno N] ...: 'path'`` repetition."""
+    if isinstance(err, OSError) and err.strerror and err.filename is not None \
+            and os.fspath(err.filename) in err.strerror:
+        return err.strerror
+    return str(err)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except (checkpoint.CheckpointError, OSError) as err:
-        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+        print(f"{PROG} {args.command}: error: {_describe(err)}", file=sys.stderr)
         return EXIT_FAILURE
 
 

@@ -9,7 +9,7 @@ import sys
 import threading
 
 from offload.checkpoint.commit import recover_for_reading
-from offload.checkpoint.format import MANIFEST
+from offload.checkpoint.format import FORMAT, MANIFEST, _manifest_digest
 
 HOLD = """
 import fcntl, os, sys
@@ -20,13 +20,20 @@ sys.stdin.readline()
 """
 
 
+def fake_checkpoint(path) -> None:
+    """Make ``path`` a directory holding an empty but complete checkpoint of ours (a valid manifest)."""
+    path.mkdir()
+    manifest = {"format": FORMAT, "version": 1, "files": {}}
+    manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+
+
 def test_recovery_waits_for_a_save_holding_the_parent_lock(tmp_path):
     """A reader finding the checkpoint missing and an `.old-` sibling does not rename it back while
     another process holds the parent's lock (a save between its two renames); it does once released."""
     ckpt = tmp_path / "ckpt"
     aside = tmp_path / "ckpt.old-0123abcd"
-    aside.mkdir()
-    (aside / MANIFEST).write_text(json.dumps({}))
+    fake_checkpoint(aside)
     saver = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:
@@ -50,7 +57,6 @@ def test_recovery_leaves_an_existing_checkpoint_alone(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     aside = tmp_path / "ckpt.old-0123abcd"
-    aside.mkdir()
-    (aside / MANIFEST).write_text("{}")
+    fake_checkpoint(aside)
     recover_for_reading(str(ckpt))
     assert aside.exists() and not os.listdir(ckpt)

@@ -1,15 +1,14 @@
-"""Periodic checkpoints under one root: keep the last N plus milestones, delete only after verifying."""
+"""Periodic checkpoints under one root: keep the last N plus milestones, delete only after verifying,
+and only what is ours."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from .commit import _remove_tree
-from .format import MANIFEST
+from .commit import _is_our_format, _remove_checkpoint, _remove_ours
 from .save import save_checkpoint
 from .verify import verify_checkpoint
 
@@ -27,7 +26,9 @@ class Retention:
     which ``milestones`` says so (a set of steps, or a function of the step), or one saved with
     ``milestone=True`` (marked by a ``step-<step>.keep`` file next to it; delete that file to let
     it go). Older checkpoints are deleted only after the newest one has been read back and
-    verified.
+    verified, and only if they are complete checkpoints of ours with nothing else in them: a
+    ``step-<n>`` directory of someone else's, or one a user put a file into, is left alone (with a
+    warning).
 
     Example::
 
@@ -39,6 +40,7 @@ class Retention:
     """
 
     _NAME = re.compile(r"^step-(\d+)$")
+    _DELETING = re.compile(r"^step-\d+\.tmp-del-[0-9a-f]+$")  # a deletion that a crash interrupted
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 2,
                  milestones: Iterable[int] | Callable[[int], bool] = (), *, verify: bool = True):
@@ -53,7 +55,7 @@ class Retention:
         return os.path.join(self.root, f"step-{int(step):010d}")
 
     def checkpoints(self) -> list[str]:
-        """Complete checkpoints (those with a manifest), oldest first."""
+        """Checkpoints (``step-<n>`` directories with a manifest of ours), oldest first."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
@@ -61,7 +63,7 @@ class Retention:
         found = []
         for n in names:
             m = self._NAME.match(n)
-            if m and os.path.isfile(os.path.join(self.root, n, MANIFEST)):
+            if m and _is_our_format(os.path.join(self.root, n)):
                 found.append(_Entry(int(m[1]), os.path.join(self.root, n)))
         return [e.path for e in sorted(found, key=lambda e: e.step)]
 
@@ -88,15 +90,18 @@ class Retention:
         return path
 
     def prune(self) -> list[str]:
-        """Delete checkpoints beyond the last ``keep_last`` that are not milestones; returns them."""
+        """Delete checkpoints beyond the last ``keep_last`` that are not milestones; returns them.
+
+        Only a complete checkpoint of ours (its manifest's checksum good, no other files in it) is
+        deleted; any other is left in place with a warning.
+        """
         for n in os.listdir(self.root) if os.path.isdir(self.root) else ():
-            if ".tmp-del-" in n:  # a deletion that a crash interrupted
-                shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+            if self._DELETING.match(n):
+                _remove_ours(os.path.join(self.root, n), quiet=True)
         found = self.checkpoints()
         removed = []
         for path in found[: max(0, len(found) - self.keep_last)]:
-            if not self.is_milestone(path):
-                _remove_tree(path)
+            if not self.is_milestone(path) and _remove_checkpoint(path):
                 removed.append(path)
         return removed
 

@@ -11,7 +11,7 @@ import xxhash
 
 from ..aio import Engine
 from ..errors import CheckpointError, ChecksumError
-from .commit import recover_for_reading
+from .commit import reading
 from .format import (
     EXTRA,
     FORMAT,
@@ -24,6 +24,7 @@ from .format import (
     _check_data_size,
     _check_digest,
     _check_file_hash,
+    _io_error,
     _manifest_digest,
     _read_torch,
 )
@@ -34,21 +35,28 @@ from .stream import _aio_of, _stream, _tool_pool
 def read_manifest(directory: str | os.PathLike) -> dict:
     """The manifest of a checkpoint, checked for completeness and its own checksum.
 
+    Read under :func:`offload.checkpoint.commit.reading`: it waits for a save into the same parent
+    directory in progress, and puts back a checkpoint that a save which died between its two
+    renames left aside. To read the rest of the checkpoint consistently with this manifest, hold
+    ``reading(directory)`` around the whole read.
+
     Raises:
         FileNotFoundError: no such directory.
         CheckpointError: not a (complete) checkpoint, or a format this version cannot read.
     """
     directory = os.path.abspath(os.fspath(directory))
-    recover_for_reading(directory)
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
-    path = os.path.join(directory, MANIFEST)
-    try:
-        with open(path, "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save that did "
-                              "not finish leaves only temporary directories, so this was never one") from None
+    with reading(directory):
+        if not os.path.isdir(directory):
+            raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
+        path = os.path.join(directory, MANIFEST)
+        try:
+            with open(path, "rb") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save that did "
+                                  "not finish leaves only temporary directories, so this was never one") from None
+        except OSError as err:
+            raise _io_error(err, path, "cannot read") from err
     try:
         manifest = json.loads(text)
     except ValueError as err:
@@ -110,25 +118,26 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict:
         OSError: the data could not be read.
     """
     directory = os.path.abspath(os.fspath(directory))
-    manifest = read_manifest(directory)
-    if EXTRA in manifest["files"]:
-        _check_file_hash(directory, EXTRA, manifest["files"][EXTRA])
-    if MEMORY in manifest["files"]:
-        _read_torch(directory, MEMORY, manifest["files"][MEMORY])
-        with _tool_pool(manifest) as pool:
-            engine = Engine(_aio_of(manifest))
-            try:
-                _verify_data(directory, manifest, engine, list(pool))
-            finally:
-                engine.close()
-    if "model" in manifest:
-        _verify_model(directory, manifest, _aio_of(manifest))
+    with reading(directory):  # no save replaces it while its files are read one by one
+        manifest = read_manifest(directory)
+        if EXTRA in manifest["files"]:
+            _check_file_hash(directory, EXTRA, manifest["files"][EXTRA])
+        if MEMORY in manifest["files"]:
+            _read_torch(directory, MEMORY, manifest["files"][MEMORY])
+            with _tool_pool(manifest) as pool:
+                engine = Engine(_aio_of(manifest))
+                try:
+                    _verify_data(directory, manifest, engine, list(pool))
+                finally:
+                    engine.close()
+        if "model" in manifest:
+            _verify_model(directory, manifest, _aio_of(manifest))
     return manifest
 
 
 def inspect_checkpoint(directory: str | os.PathLike) -> str:
     """A human-readable summary of a checkpoint's manifest (no data is read)."""
-    m = read_manifest(directory)
+    m = read_manifest(directory)  # under reading(): the manifest is all it reads
     offloaded = [e for e in m["params"] if e.get("where") == "swap" and e.get("initialized")]
     in_memory = [e for e in m["params"] if e.get("where") == "memory"]
     lines = [
