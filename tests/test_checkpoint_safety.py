@@ -1,0 +1,575 @@
+"""Checkpoint safety: a save replaces only a checkpoint of ours (or an empty directory) and deletes only
+what a save of ours wrote; its I/O errors name the file; a load never sees a checkpoint a save is
+replacing."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+
+import pytest
+import torch
+from helpers import REPO, python_env
+
+from offload import OffloadedAdamW
+from offload import checkpoint as ckpt
+from offload.checkpoint import commit
+from offload.checkpoint.format import MANIFEST
+from offload.params import save_parameters
+
+SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
+SIZES = (10, 5000, 70_000)
+
+
+def make_params(sizes=SIZES, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
+
+
+def train(opt, params, steps):
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def tree(root) -> dict:
+    """Every path under ``root`` (itself included) with its kind and content: a file's bytes, a
+    link's target. Links are not followed."""
+    root = os.fspath(root)
+    out = {}
+
+    def visit(path, rel):
+        if os.path.islink(path):
+            out[rel] = ("link", os.readlink(path))
+        elif os.path.isdir(path):
+            out[rel] = ("dir",)
+            for n in os.listdir(path):
+                visit(os.path.join(path, n), os.path.join(rel, n))
+        else:
+            with open(path, "rb") as f:
+                out[rel] = ("file", f.read())
+
+    if os.path.lexists(root):
+        visit(root, ".")
+    return out
+
+
+def leftovers(*dirs) -> list[str]:
+    """Temporary siblings (``.tmp-``, ``.old-``) a save left in these directories."""
+    return [n for d in dirs for n in os.listdir(d) if ".tmp-" in n or ".old-" in n]
+
+
+# -- what a save may replace ------------------------------------------------------------------------
+
+REFUSED = ["cwd", "run-folder", "nvme-path", "file", "link-to-dir", "foreign-manifest", "checkpoint-plus-file",
+           "corrupt-manifest"]
+
+
+def make_refused(kind: str, home, make_checkpoint) -> tuple[str, str, str]:
+    """Build a target a save must refuse under ``home``; returns (path to save to, working directory,
+    the path the error must name)."""
+    home.mkdir(exist_ok=True)
+    if kind == "cwd":  # save_checkpoint(".") from a working directory
+        d = home / "work"
+        (d / "data").mkdir(parents=True)
+        (d / "notes.txt").write_text("my notes\n")
+        (d / ".bashrc").write_text("export X=1\n")
+        (d / "data" / "x.bin").write_bytes(os.urandom(5000))
+        return ".", str(d), str(d)
+    if kind == "run-folder":
+        d = home / "run"
+        (d / "logs").mkdir(parents=True)
+        (d / "train.py").write_text("print('training')\n")
+        (d / "config.yaml").write_text("lr: 0.001\n")
+        (d / "logs" / "events.txt").write_text("step 1\n")
+        return str(d), str(home), str(d)
+    if kind == "nvme-path":  # another process's live swap file
+        d = home / "nvme"
+        d.mkdir()
+        (d / "host-4242-rank0.swap").write_bytes(os.urandom(64 * 1024))
+        return str(d), str(home), str(d)
+    if kind == "file":
+        f = home / "weights.bin"
+        f.write_bytes(os.urandom(3000))
+        return str(f), str(home), str(f)
+    if kind == "link-to-dir":
+        plain = home / "plain"
+        plain.mkdir()
+        (plain / "keep.txt").write_text("keep me\n")
+        os.symlink("plain", home / "link")
+        return str(home / "link"), str(home), str(home / "link")
+    if kind == "foreign-manifest":  # another tool's directory that also names a file manifest.json
+        d = home / "other"
+        d.mkdir()
+        (d / MANIFEST).write_text(json.dumps({"format": "some-other-tool", "files": {}}))
+        (d / "payload.bin").write_bytes(os.urandom(2000))
+        return str(d), str(home), str(d)
+    d = home / "ckpt"
+    make_checkpoint(d)
+    if kind == "checkpoint-plus-file":  # a user's file put into a checkpoint would go with it
+        (d / "README.txt").write_text("what this run was\n")
+    else:  # corrupt-manifest: its file list cannot be trusted
+        manifest = json.loads((d / MANIFEST).read_text())
+        manifest["step"] = 12345
+        (d / MANIFEST).write_text(json.dumps(manifest))
+    return str(d), str(home), str(d)
+
+
+def weights_checkpoint(path) -> None:
+    save_parameters(torch.nn.Linear(16, 8), path)
+
+
+@pytest.fixture
+def saver(request, tmp_path):
+    """A save function of one of the public save paths, ``save(target)``."""
+    if request.param == "save_checkpoint":
+        params = make_params()
+        opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
+        train(opt, params, range(1))
+        yield lambda target: ckpt.save_checkpoint(opt, target, extra={"step": 1})
+        opt.close()
+    elif request.param == "save_parameters":
+        model = torch.nn.Linear(16, 8)
+        yield lambda target: save_parameters(model, target)
+    else:
+        state = adamw_state_dict()
+        yield lambda target: ckpt.import_state_dict(state, target)
+
+
+def adamw_state_dict() -> dict:
+    """torch.optim.AdamW's state_dict after one step on a small model (what ``import`` reads)."""
+    model = torch.nn.Linear(16, 8)
+    adam = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 16)).sum().backward()
+    adam.step()
+    return adam.state_dict()
+
+
+SAVERS = ["save_checkpoint", "save_parameters", "import_state_dict"]
+
+
+@pytest.mark.parametrize("saver", SAVERS, indirect=True)
+@pytest.mark.parametrize("kind", REFUSED)
+def test_a_save_refuses_whatever_is_not_a_checkpoint_and_touches_nothing(tmp_path, monkeypatch, saver, kind):
+    """Saving onto a directory that is not one of our checkpoints (cwd, a run folder, an nvme_path,
+    a link to one), a file, or a checkpoint holding other files or a corrupt manifest, raises
+    FileExistsError naming it before anything is written; every user file stays byte for byte."""
+    home = tmp_path / "home"
+    target, cwd, named = make_refused(kind, home, weights_checkpoint)
+    monkeypatch.chdir(cwd)
+    before = tree(home)
+    with pytest.raises(FileExistsError) as info:
+        saver(target)
+    assert info.value.filename == named and named in str(info.value)
+    assert "remove" in str(info.value)
+    assert tree(home) == before
+
+
+def test_saving_into_the_optimizers_own_nvme_path_is_refused_and_the_swap_file_survives(tmp_path, nvme):
+    """save_checkpoint(opt, nvme_path) is refused: the live swap file is byte for byte the same and
+    the optimizer goes on stepping as if nothing had happened."""
+    params = make_params()
+    ref = make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **SMALL)
+    ref_opt = OffloadedAdamW(ref, lr=1e-2, nvme_path=str(tmp_path / "ref"), **SMALL)
+    try:
+        train(opt, params, range(2))
+        train(ref_opt, ref, range(2))
+        before = tree(nvme)
+        assert any(n.endswith(".swap") for n in os.listdir(nvme))
+        with pytest.raises(FileExistsError, match="not an nvme-offload checkpoint"):
+            ckpt.save_checkpoint(opt, nvme)
+        assert tree(nvme) == before
+        train(opt, params, range(2, 4))
+        train(ref_opt, ref, range(2, 4))
+        for p, q in zip(params, ref):
+            assert torch.equal(p, q)
+    finally:
+        opt.close()
+        ref_opt.close()
+
+
+@pytest.mark.parametrize("saver", SAVERS, indirect=True)
+def test_an_empty_directory_is_replaced_by_the_checkpoint(tmp_path, saver):
+    """An empty directory is used as the target (nothing to lose): it becomes a complete checkpoint,
+    and nothing is left beside it."""
+    target = tmp_path / "empty"
+    target.mkdir()
+    inode = os.stat(target).st_ino
+    saver(target)
+    ckpt.verify_checkpoint(target)
+    assert os.stat(target).st_ino != inode  # replaced, not filled in place
+    assert not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("saver", SAVERS, indirect=True)
+def test_a_checkpoint_is_replaced_by_its_next_save(tmp_path, saver):
+    """Saving over a checkpoint of ours replaces it (the ordinary re-save still works) and leaves no
+    temporary sibling."""
+    saver(tmp_path / "c")
+    first = os.stat(tmp_path / "c").st_ino
+    saver(tmp_path / "c")
+    second = ckpt.verify_checkpoint(tmp_path / "c")
+    assert os.stat(tmp_path / "c").st_ino != first  # a new directory took the name
+    assert sorted(os.listdir(tmp_path / "c")) == sorted([MANIFEST, *second["files"]])
+    assert not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("saver", SAVERS, indirect=True)
+def test_a_link_to_a_checkpoint_is_followed_and_stays_a_link(tmp_path, saver):
+    """Saving to a symbolic link to a checkpoint replaces the checkpoint it points to: the link stays
+    a link to the same place, and no temporary sibling is left beside either."""
+    (tmp_path / "runs").mkdir()
+    real = tmp_path / "runs" / "real"
+    weights_checkpoint(real)
+    old = ckpt.read_manifest(real)
+    link = tmp_path / "latest"
+    os.symlink(os.path.join("runs", "real"), link)
+    assert saver(link) == str(link)
+    assert os.path.islink(link) and os.readlink(link) == os.path.join("runs", "real")
+    new = ckpt.verify_checkpoint(real)
+    assert new["files"] != old["files"]
+    assert not leftovers(tmp_path, tmp_path / "runs")
+
+
+def test_a_user_file_that_appears_in_the_old_checkpoint_during_a_save_is_not_deleted(tmp_path, monkeypatch):
+    """The checkpoint a save swaps out is deleted only if all of it is ours: with a file written into
+    it after the exchange, it is left (with a warning) under the temporary name, the file intact."""
+    model = torch.nn.Linear(16, 8)
+    save_parameters(model, tmp_path / "c")
+    real_exchange = commit._exchange
+
+    def exchange_then_write(a, b):
+        done = real_exchange(a, b)
+        if done:
+            with open(os.path.join(a, "late.txt"), "w") as f:  # `a` now holds the old checkpoint
+                f.write("written by someone else\n")
+        return done
+
+    monkeypatch.setattr(commit, "_exchange", exchange_then_write)
+    with pytest.warns(RuntimeWarning, match="not ours"):
+        save_parameters(model, tmp_path / "c")
+    kept = [n for n in os.listdir(tmp_path) if n.startswith("c.tmp-")]
+    assert len(kept) == 1 and "late.txt" in os.listdir(tmp_path / kept[0])
+    assert (tmp_path / kept[0] / "late.txt").read_text() == "written by someone else\n"
+    ckpt.verify_checkpoint(tmp_path / "c")
+
+
+def test_stale_sibling_clean_up_removes_only_leftovers_of_ours(tmp_path):
+    """Siblings named like a save's temporary directories are removed only if they hold nothing but a
+    save's files: a directory of someone else's with such a name is left byte for byte."""
+    dead = 2 ** 22 + 12345  # above pid_max's default: no such process
+    foreign = {f"c.tmp-{dead}-0123abcd": "notes.txt", "c.old-89abcdef": "train.py",
+               "c.tmp-del-00ff00ff": "data.csv"}
+    for name, f in foreign.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / f).write_text("mine\n")
+    (tmp_path / f"c.tmp-{dead}-feedbeef").mkdir()  # a save that died: only our file names
+    (tmp_path / f"c.tmp-{dead}-feedbeef" / "state.bin").write_bytes(b"\0" * 4096)
+    before = {n: tree(tmp_path / n) for n in foreign}
+    save_parameters(torch.nn.Linear(16, 8), tmp_path / "c")
+    assert {n: tree(tmp_path / n) for n in foreign} == before
+    assert not (tmp_path / f"c.tmp-{dead}-feedbeef").exists()
+
+
+# -- offload-ckpt import -----------------------------------------------------------------------------
+
+
+def test_cli_import_refuses_whatever_is_not_a_checkpoint_and_fills_an_empty_directory(tmp_path):
+    """``offload-ckpt import X.pt DIR`` with DIR ``.`` in a working directory, a run folder, an
+    nvme_path or a link to a directory exits 1 with an error naming it, every user file byte for byte
+    as it was; into an empty directory it writes a checkpoint."""
+    state = tmp_path / "adamw.pt"
+    torch.save(adamw_state_dict(), state)
+
+    def run(target, cwd):
+        return subprocess.Popen([sys.executable, "-m", "offload.ckpt_cli", "import", str(state), target], cwd=cwd,
+                                env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    (tmp_path / "empty").mkdir()
+    empty = run(str(tmp_path / "empty"), str(tmp_path))
+    cases = {}
+    for kind in ("cwd", "run-folder", "nvme-path", "link-to-dir"):
+        home = tmp_path / kind
+        target, cwd, named = make_refused(kind, home, weights_checkpoint)
+        cases[kind] = (home, named, tree(home), run(target, cwd))
+    for kind, (home, named, before, proc) in cases.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1, f"{kind}: {out} {err}"
+        assert named in err and "remove" in err and "Errno" not in err, f"{kind}: {err}"
+        assert tree(home) == before, kind
+    out, err = empty.communicate(timeout=120)
+    assert empty.returncode == 0, err
+    ckpt.verify_checkpoint(tmp_path / "empty")
+    assert not leftovers(tmp_path)
+
+
+# -- a full disk: errors that name the file ----------------------------------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size)``: a fresh tmpfs of ``size`` (e.g. "1m"), a small disk that fills; unmounted after."""
+    mounts = []
+
+    def mount(size: str):
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs to fill needs root")
+        where = tmp_path / f"tmpfs{len(mounts)}"
+        where.mkdir()
+        try:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                               capture_output=True, text=True, timeout=30)
+        except FileNotFoundError:
+            pytest.skip("no mount command to make a small tmpfs with")
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs: {r.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield mount
+    for where in mounts:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def assert_names_the_file(err: OSError, target, name: str) -> None:
+    """``err`` is ENOSPC as ``OSError(errno, message, path)`` naming ``name`` in the save of ``target``,
+    with the original error chained (not torch's RuntimeError)."""
+    assert type(err) is OSError and err.errno == errno.ENOSPC and err.filename, repr(err)
+    assert os.path.basename(err.filename) == name and err.filename.startswith(str(target)), err.filename
+    assert name in str(err) and "No space left" in str(err)
+    assert isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOSPC
+
+
+@pytest.mark.parametrize("name", ["memory.pt", "extra.pt"])
+def test_a_full_disk_on_a_side_file_names_it_and_keeps_the_previous_checkpoint(tmp_path, tmpfs, name):
+    """ENOSPC on memory.pt or extra.pt (state.bin fits) is an OSError with errno and the file's path,
+    not torch's RuntimeError; no staged directory is left and the previous checkpoint is intact."""
+    mnt = tmpfs("1200k")
+    if name == "memory.pt":  # all state in memory.pt: 800 KB, twice does not fit
+        params = make_params(sizes=(100_000,))
+        opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **{**SMALL,
+                             "small_param_threshold": 10 ** 9})
+        extra = None
+    else:  # 160 KB of state in state.bin, and an extra of 1 MiB
+        params = make_params(sizes=(20_000,))
+        opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
+        extra = {"blob": torch.zeros(1 << 18)}
+    try:
+        train(opt, params, range(1))
+        target = mnt / "c"
+        ckpt.save_checkpoint(opt, target)
+        before = tree(mnt)
+        train(opt, params, range(1, 2))
+        with pytest.raises(OSError) as info:
+            ckpt.save_checkpoint(opt, target, extra=extra)
+        assert_names_the_file(info.value, target, name)
+        assert tree(mnt) == before
+        ckpt.verify_checkpoint(target)
+    finally:
+        opt.close()
+
+
+def test_a_full_disk_on_model_pt_names_it_and_keeps_the_previous_checkpoint(tmpfs):
+    """ENOSPC on model.pt (save_parameters of a model kept in memory) names model.pt with its errno;
+    the previous checkpoint is intact and nothing else is left."""
+    mnt = tmpfs("400k")
+    model = torch.nn.Linear(256, 256)  # 257 KiB of weights: twice does not fit
+    save_parameters(model, mnt / "w")
+    before = tree(mnt)
+    with pytest.raises(OSError) as info:
+        save_parameters(model, mnt / "w")
+    assert_names_the_file(info.value, mnt / "w", "model.pt")
+    assert tree(mnt) == before
+    ckpt.verify_checkpoint(mnt / "w")
+
+
+def test_a_full_disk_on_the_manifest_names_it_and_keeps_the_previous_checkpoint(tmp_path, tmpfs):
+    """ENOSPC on manifest.json alone (every data file fits, to the page) names manifest.json with its
+    errno; the previous checkpoint is intact and nothing else is left."""
+    mnt = tmpfs("2m")
+    params = make_params(sizes=(20_000, 30))
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
+    try:
+        train(opt, params, range(1))
+        target = mnt / "c"
+        ckpt.save_checkpoint(opt, target, extra={"step": 1})
+        # Fill the disk so that what the next save needs for its data files is left, and no more.
+        data = sum(os.stat(target / n).st_blocks * 512 for n in os.listdir(target) if n != MANIFEST)
+        st = os.statvfs(mnt)
+        with open(mnt / "filler", "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, st.f_bavail * st.f_frsize - data)
+        before = tree(mnt)
+        train(opt, params, range(1, 2))
+        with pytest.raises(OSError) as info:
+            ckpt.save_checkpoint(opt, target, extra={"step": 2})
+        assert_names_the_file(info.value, target, MANIFEST)
+        assert tree(mnt) == before
+        assert ckpt.verify_checkpoint(target)["step"] == 1
+    finally:
+        opt.close()
+
+
+# -- loads racing saves --------------------------------------------------------------------------------
+
+SAVER = textwrap.dedent("""
+    import sys
+    import torch
+    from offload import OffloadedAdamW
+    from offload.checkpoint import save_checkpoint
+
+    target, nvme, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 5000, 70_000, 300_001)]
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, buffer_size=256 * 1024, buffer_count=3,
+                         small_param_threshold=64)
+    for k in range(1, count + 1):
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+        save_checkpoint(opt, target, extra={"step": k})
+        print(k, flush=True)
+    opt.close()
+""")
+
+
+def test_loads_racing_another_processs_saves_see_whole_checkpoints(tmp_path, nvme):
+    """While another process saves the same checkpoint over and over (new state each time), every
+    verify and every load held under ``reading`` succeeds with one whole, self-consistent checkpoint:
+    never a checksum error or a missing file."""
+    target = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(target), str(tmp_path / "saver-nvme"), "20"],
+                            cwd=REPO, env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 5000, 70_000, 300_001)]
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **SMALL)
+    try:
+        assert proc.stdout.readline().strip() == "1", proc.stderr.read()
+        loads = verifies = 0
+        while proc.poll() is None:
+            ckpt.verify_checkpoint(target)
+            verifies += 1
+            with commit.reading(target):
+                extra = ckpt.load_checkpoint(opt, target)
+            loads += 1
+            steps = {float(s["step"]) for s in opt.state_dict()["state"].values()}
+            assert steps == {float(extra["step"])}, (steps, extra)
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+        assert loads and verifies
+        assert ckpt.verify_checkpoint(target)["step"] == 20
+    finally:
+        proc.kill()
+        proc.wait()
+        opt.close()
+
+
+HOLD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_reader_that_cannot_wait_says_a_save_is_in_progress(tmp_path):
+    """``reading(dir, timeout=...)`` while another process's save holds the parent's lock raises a
+    CheckpointError saying a save is in progress, instead of reading a checkpoint being replaced."""
+    weights_checkpoint(tmp_path / "c")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ckpt.CheckpointError, match="save into .* is in progress"):
+            with commit.reading(tmp_path / "c", timeout=0.2):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with commit.reading(tmp_path / "c", timeout=0.2):
+        ckpt.verify_checkpoint(tmp_path / "c")
+
+
+def test_reads_inside_a_save_of_the_same_thread_do_not_wait_for_it(tmp_path):
+    """A checkpoint read while this same thread saves into the same parent (which holds the lock) goes
+    on at once instead of waiting for itself; a save inside this thread's ``reading`` is refused with
+    an error instead of hanging."""
+    weights_checkpoint(tmp_path / "a")
+    model = torch.nn.Linear(16, 8)
+    result = {}
+
+    def save_b_reading_a():
+        def write(staged):
+            result["a"] = ckpt.verify_checkpoint(tmp_path / "a")["files"]
+            return _manifest_of(model, staged)
+
+        try:
+            commit._write_atomically(tmp_path / "b", write)
+        except BaseException as err:  # noqa: BLE001 - reported below
+            result["error"] = err
+
+    worker = threading.Thread(target=save_b_reading_a, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive(), "a read inside a save waited for the save's own lock"
+    assert "error" not in result, result.get("error")
+    assert result["a"] and ckpt.verify_checkpoint(tmp_path / "b")
+    with commit.reading(tmp_path / "a"):
+        with pytest.raises(ckpt.CheckpointError, match="while this thread is reading"):
+            save_parameters(model, tmp_path / "b")
+    ckpt.verify_checkpoint(tmp_path / "b")
+
+
+def _manifest_of(model, staged) -> dict:
+    """What a weights-only save writes into ``staged``, as its ``write`` returns it."""
+    from offload.checkpoint.format import _base_manifest
+    from offload.checkpoint.model import _save_model
+
+    section, files = _save_model(model, staged)
+    manifest = _base_manifest(None, [], [], {}, 0)
+    manifest.update(units=[], files=files, model=section)
+    return manifest
+
+
+# -- retention ----------------------------------------------------------------------------------------
+
+
+def test_retention_never_deletes_what_is_not_ours(tmp_path):
+    """Pruning under a root that also holds another tool's ``step-<n>`` directory (with a
+    manifest.json of its own), a checkpoint a user put a file into, and a foreign directory named
+    like an interrupted deletion deletes none of them; our own old checkpoints still go."""
+    root = tmp_path / "ckpts"
+    root.mkdir()
+    foreign = root / "step-1"
+    foreign.mkdir()
+    (foreign / MANIFEST).write_text(json.dumps({"format": "another-tool", "step": 1}))
+    (foreign / "weights.safetensors").write_bytes(os.urandom(1000))
+    (root / "step-3.tmp-del-0badf00d").mkdir()
+    (root / "step-3.tmp-del-0badf00d" / "results.csv").write_text("a,b\n")
+    kept = {n: tree(root / n) for n in ("step-1", "step-3.tmp-del-0badf00d")}
+    params = make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
+    try:
+        keep = ckpt.Retention(root, keep_last=1)
+        train(opt, params, range(1))
+        annotated = keep.save(opt, 2)
+        with open(os.path.join(annotated, "notes.txt"), "w") as f:
+            f.write("the good run\n")
+        kept[os.path.basename(annotated)] = tree(annotated)
+        for step in range(4, 7):
+            train(opt, params, range(step - 1, step))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # "not deleting ...": the point of the test
+                keep.save(opt, step)
+        assert {n: tree(root / n) for n in kept} == kept
+        assert keep.checkpoints() == [annotated, keep.path_for(6)]  # 4 and 5, ours, were deleted
+        assert not [n for n in os.listdir(root) if n.startswith("step-0") and ".tmp-" in n]
+    finally:
+        opt.close()
