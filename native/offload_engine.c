@@ -91,6 +91,7 @@ struct ofl_engine {
     ofl_config cfg;
     int backend;
     int fallback_reason;
+    pid_t pid;                 /* the creating process: a forked child has none of the workers */
 
     /* Guards requests, stats and faults. Completions broadcast on done_cv. */
     pthread_mutex_t mu;
@@ -114,6 +115,15 @@ struct ofl_engine {
     ofl_queue *queues;         /* io_uring: one per worker; threads: one shared */
     uint64_t rr;               /* round robin start for the next request */
 };
+
+/*
+ * A child forked after the engine was created has a copy of its memory but none of its threads,
+ * and its mutexes may be copies taken while locked: it must neither wait on nor join anything.
+ */
+#define OFL_FOREIGN(e) ((e)->pid != getpid())
+
+/* Testing hook: a non-zero errno makes every io_uring start fail with it (process-wide). */
+static int ofl_refuse_uring;
 
 const char *ofl_version(void) { return OFL_VERSION; }
 
@@ -685,6 +695,9 @@ static int start_threads(ofl_engine *e)
 #ifdef OFL_HAVE_URING
 static int start_urings(ofl_engine *e)
 {
+    int refused = __atomic_load_n(&ofl_refuse_uring, __ATOMIC_ACQUIRE);
+    if (refused > 0)
+        return -refused;
     int n = e->cfg.thread_count;
     e->queues = calloc((size_t)n, sizeof(ofl_queue));
     e->workers = calloc((size_t)n, sizeof(ofl_worker));
@@ -740,6 +753,7 @@ int ofl_engine_create(const ofl_config *cfg, ofl_engine **out)
     if (!e)
         return -ENOMEM;
     e->cfg = *cfg;
+    e->pid = getpid();
     if (pthread_mutex_init(&e->mu, NULL) != 0) {
         free(e);
         return -ENOMEM;
@@ -785,6 +799,13 @@ started:
     return 0;
 }
 
+int ofl_test_refuse_io_uring(int err)
+{
+    if (err < 0)
+        return -EINVAL;
+    return __atomic_exchange_n(&ofl_refuse_uring, err, __ATOMIC_ACQ_REL);
+}
+
 int ofl_engine_backend(ofl_engine *e) { return e ? e->backend : -EINVAL; }
 
 int ofl_engine_fallback_reason(ofl_engine *e) { return e ? e->fallback_reason : -EINVAL; }
@@ -793,6 +814,8 @@ int ofl_engine_register_buffers(ofl_engine *e, void **addrs, int64_t *lens, int 
 {
     if (!e || count < 0 || (count > 0 && (!addrs || !lens)))
         return -EINVAL;
+    if (OFL_FOREIGN(e))
+        return -ECHILD;
     pthread_mutex_lock(&e->mu);
     if (e->live_count > 0) {
         pthread_mutex_unlock(&e->mu);
@@ -867,6 +890,8 @@ int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_r
     if (!e || !out || nsegs < 0 || (nsegs > 0 && !segs) || (op != OFL_OP_READ && op != OFL_OP_WRITE))
         return -EINVAL;
     *out = NULL;
+    if (OFL_FOREIGN(e))
+        return -ECHILD;
     const int64_t bs = e->cfg.block_size;
     int64_t npieces = 0;
     for (int i = 0; i < nsegs; i++) {
@@ -957,6 +982,8 @@ int ofl_request_wait(ofl_engine *e, ofl_request *r, int64_t *result, int *err_se
 {
     if (!e || !r)
         return -EINVAL;
+    if (OFL_FOREIGN(e))
+        return -ECHILD;
     pthread_mutex_lock(&e->mu);
     while (!r->done)
         pthread_cond_wait(&e->done_cv, &e->mu);
@@ -975,6 +1002,8 @@ int ofl_request_done(ofl_engine *e, ofl_request *r)
 {
     if (!e || !r)
         return -EINVAL;
+    if (OFL_FOREIGN(e))
+        return -ECHILD;
     pthread_mutex_lock(&e->mu);
     int done = r->done;
     pthread_mutex_unlock(&e->mu);
@@ -992,7 +1021,7 @@ static void request_unlink_free(ofl_engine *e, ofl_request *r)
 
 void ofl_request_free(ofl_engine *e, ofl_request *r)
 {
-    if (!e || !r)
+    if (!e || !r || OFL_FOREIGN(e))
         return;
     pthread_mutex_lock(&e->mu);
     while (!r->done)
@@ -1006,6 +1035,8 @@ int ofl_engine_inject_fault(ofl_engine *e, int op, int kind, int64_t skip, int64
     if (!e || kind < OFL_FAULT_NONE || kind > OFL_FAULT_ERROR || skip < 0 || count < -1 ||
         (kind == OFL_FAULT_ERROR && err <= 0) || op < -1 || op > OFL_OP_WRITE)
         return -EINVAL;
+    if (OFL_FOREIGN(e))
+        return -ECHILD;
     pthread_mutex_lock(&e->mu);
     e->fault_op = op;
     e->fault_kind = kind;
@@ -1021,6 +1052,10 @@ void ofl_engine_stats(ofl_engine *e, ofl_stats *out)
 {
     if (!e || !out)
         return;
+    if (OFL_FOREIGN(e)) {
+        memset(out, 0, sizeof(*out));
+        return;
+    }
     pthread_mutex_lock(&e->mu);
     *out = e->stats;
     pthread_mutex_unlock(&e->mu);
@@ -1030,6 +1065,8 @@ void ofl_engine_destroy(ofl_engine *e)
 {
     if (!e)
         return;
+    if (OFL_FOREIGN(e))
+        return; /* in a forked child: the memory is a copy, leaked on purpose; the threads are not here */
     /* Buffers may still be the target of I/O: wait for every request before anything goes. */
     pthread_mutex_lock(&e->mu);
     for (ofl_request *r = e->live.next; r != &e->live; r = r->next)

@@ -5,7 +5,9 @@
  * crosses the boundary and no preprocessor logic beyond integer #defines.
  *
  * Conventions: every function that can fail returns 0 (or a count) on success and -errno on
- * failure; errno is never relied upon. Nothing here prints or aborts.
+ * failure; errno is never relied upon. Nothing here prints or aborts. In a process forked after an
+ * engine was created, every call on that engine returns -ECHILD (or does nothing) at once: the
+ * child has none of the engine's threads.
  */
 
 #define OFL_OP_READ 0
@@ -66,6 +68,12 @@ int ofl_engine_backend(ofl_engine *e);
 /* Why AUTO fell back to threads: 0, or the -errno io_uring setup returned. */
 int ofl_engine_fallback_reason(ofl_engine *e);
 
+/*
+ * Testing hook, process-wide: with err > 0 every later io_uring start fails with -err (so AUTO
+ * falls back to threads and IO_URING is refused); 0 stops it. Returns the previous value.
+ */
+int ofl_test_refuse_io_uring(int err);
+
 /* Register host buffers as fixed buffers with every ring. -EBUSY while requests are live. */
 int ofl_engine_register_buffers(ofl_engine *e, void **addrs, int64_t *lens, int count);
 
@@ -94,7 +102,10 @@ int ofl_engine_inject_fault(ofl_engine *e, int op, int kind, int64_t skip, int64
 
 void ofl_engine_stats(ofl_engine *e, ofl_stats *out);
 
-/* Wait for everything in flight, stop the workers and free the engine and any live requests. */
+/*
+ * Wait for everything in flight, stop the workers and free the engine and any live requests.
+ * In a forked child it returns at once and leaks the copy (the workers exist only in the parent).
+ */
 void ofl_engine_destroy(ofl_engine *e);
 
 /* Direct-I/O alignment of an open file from statx (0 where the kernel does not say). */
