@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import errno as _errno
+import fcntl
 import os
 import threading
 import warnings
@@ -23,6 +24,7 @@ import weakref
 from typing import Mapping, NamedTuple, Sequence, Union
 
 from ._native import BACKEND_NAMES, BACKENDS, HAVE_IO_URING, ffi, lib
+from ._proc import reset_after_fork
 from .buffers import HostBuffer
 from .config import AioConfig, Config
 from .units import ALIGNMENT
@@ -38,8 +40,18 @@ _MODES = {
     "x+": os.O_RDWR | os.O_CREAT | os.O_EXCL,
 }
 
+# Warnings given once: per file system refusing O_DIRECT, and per process for the threads fallback.
 _warned_devices: set = set()
+_warned_fallback = False
 _warn_lock = threading.Lock()
+
+
+def _new_warn_lock() -> None:
+    global _warn_lock
+    _warn_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_warn_lock)
 
 
 class AioFile:
@@ -63,6 +75,15 @@ class AioFile:
         self._lock = threading.Lock()
         self._pending = 0
         self._closing = False
+        reset_after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The child runs none of the parent's requests, and a parent thread may have held the lock
+        # at the fork: start over, so close() works (and closes at once) in the child.
+        self._lock = threading.Lock()
+        self._pending = 0
+        if self._closing:
+            self._close_fd()
 
     def fileno(self) -> int:
         if self.closed:
@@ -123,33 +144,101 @@ def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool,
             system; ``True`` requires it; ``False`` never uses it.
 
     Raises:
-        OSError: from ``open(2)``, with the path (``FileNotFoundError``, ``PermissionError``, ...).
+        OSError: from ``open(2)``, with the path (``FileNotFoundError``, ``PermissionError``, ...);
+            ``EINVAL`` when ``o_direct=True`` and the file system refuses O_DIRECT (a file this call
+            created is removed again).
         ValueError: a bad mode or o_direct value.
     """
     path = os.fspath(path)
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    _check_o_direct(o_direct)
+    fd, created = _open_fd(path, mode)
+    try:
+        return wrap_fd(fd, path, o_direct=o_direct)
+    except BaseException:
+        if created:
+            _unlink_if_same(path, fd)
+        os.close(fd)
+        raise
+
+
+# NOTE: O_DIRECT is turned on after the open (fcntl F_SETFL), not asked for in it. open(2) with
+# O_CREAT creates the file before the file system gets to refuse O_DIRECT, so a refused O_DIRECT
+# open leaves a new file behind and an O_EXCL retry then fails on it. F_SETFL runs the same kernel
+# check (EINVAL where the file system has no direct I/O), and F_GETFL confirms the flag took.
+def wrap_fd(fd: int, path: str, *, o_direct: Union[bool, str] = "auto") -> AioFile:
+    """An :class:`AioFile` over an open descriptor, with O_DIRECT turned on as ``o_direct`` asks.
+
+    On success the AioFile owns ``fd``; on an exception the caller still does.
+
+    Args:
+        fd: a descriptor open for reading (and writing, to write through it).
+        path: the file's path, for messages.
+        o_direct: as for :func:`open_file`.
+
+    Raises:
+        OSError: ``EINVAL`` when ``o_direct=True`` and the file system refuses O_DIRECT.
+    """
+    _check_o_direct(o_direct)
+    if o_direct is False:
+        return AioFile(path, fd, False, 1)
+    if _set_o_direct(fd):
+        return AioFile(path, fd, True, _dio_alignment(fd))
+    if o_direct is True:
+        raise OSError(
+            _errno.EINVAL,
+            "the file system refuses O_DIRECT; set o_direct to \"auto\" or false to use buffered I/O",
+            path,
+        )
+    _warn_no_o_direct(path, fd)
+    return AioFile(path, fd, False, 1)
+
+
+def _check_o_direct(o_direct) -> None:
     if o_direct not in ("auto", True, False):
         raise ValueError(f'o_direct must be "auto", true or false, got {o_direct!r}')
+
+
+def _open_fd(path: str, mode: str) -> tuple[int, bool]:
+    """``(fd, created)``: open ``path`` in ``mode``, knowing whether this call created the file."""
     flags = _MODES[mode] | os.O_CLOEXEC
-    if o_direct is not False:
+    if mode != "w+":
+        return os.open(path, flags, 0o600), mode == "x+"
+    # "w+": create exclusively, else open what exists; twice, in case it vanishes in between.
+    for _ in range(2):
         try:
-            fd = os.open(path, flags | os.O_DIRECT, 0o600)
+            return os.open(path, flags | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(path, flags & ~os.O_CREAT), False
+        except FileNotFoundError:
+            pass
+    return os.open(path, flags, 0o600), False  # e.g. a dangling symlink: open(2) creates its target
+
+
+def _set_o_direct(fd: int) -> bool:
+    """Turn O_DIRECT on for ``fd``; False where the file system refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not flags & os.O_DIRECT:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
         except OSError as err:
             if err.errno != _errno.EINVAL:
                 raise
-            if o_direct is True:
-                raise OSError(
-                    _errno.EINVAL,
-                    "the file system refuses O_DIRECT; set o_direct to \"auto\" or false to use buffered I/O",
-                    path,
-                ) from err
-            fd = os.open(path, flags, 0o600)
-            _warn_no_o_direct(path, fd)
-            return AioFile(path, fd, False, 1)
-        return AioFile(path, fd, True, _dio_alignment(fd))
-    fd = os.open(path, flags, 0o600)
-    return AioFile(path, fd, False, 1)
+            return False
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    """Remove ``path`` if it still names the file open on ``fd`` (never someone else's file)."""
+    try:
+        st, lst = os.fstat(fd), os.lstat(path)
+        if (st.st_dev, st.st_ino) == (lst.st_dev, lst.st_ino):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _warn_no_o_direct(path: str, fd: int) -> None:
@@ -164,6 +253,52 @@ def _warn_no_o_direct(path: str, fd: int) -> None:
         RuntimeWarning,
         stacklevel=3,
     )
+
+
+def _warn_fallback(err: int) -> None:
+    global _warned_fallback
+    with _warn_lock:
+        if _warned_fallback:
+            return
+        _warned_fallback = True
+    name = _errno.errorcode.get(err, str(err))
+    warnings.warn(
+        f"io_uring is not available ({name}: {os.strerror(err)}): {_why_no_io_uring(err)}. Using the "
+        "thread-pool backend (pread/pwrite), which is slower. Set the aio backend to \"threads\" to "
+        "silence this, or to \"io_uring\" to make it an error.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _why_no_io_uring(err: int) -> str:
+    """What an io_uring setup errno means, in words."""
+    if not HAVE_IO_URING:
+        return ("this build has no io_uring: liburing was not found when it was built (apt-get install "
+                "liburing-dev, then reinstall)")
+    if err == _errno.ENOSYS:
+        return ("the kernel has no io_uring, or a seccomp filter (a container runtime's default profile, "
+                "for one) blocks its system calls")
+    if err in (_errno.EPERM, _errno.EACCES):
+        try:
+            with open("/proc/sys/kernel/io_uring_disabled") as f:
+                sysctl = f"kernel.io_uring_disabled is {f.read().strip()}"
+        except OSError:
+            sysctl = "kernel.io_uring_disabled"
+        return f"io_uring is disabled by the sysctl {sysctl}, or refused by seccomp or a security module"
+    if err == _errno.ENOMEM:
+        return "the rings need more locked memory than allowed (raise ulimit -l, or lower queue_depth)"
+    if err in (_errno.EMFILE, _errno.ENFILE):
+        return "too many open files for the rings' descriptors (raise ulimit -n)"
+    return "the kernel refused to set up a ring"
+
+
+def _test_refuse_io_uring(err: int) -> int:
+    """Testing hook: make every later io_uring start in this process fail with ``err`` (0: stop).
+
+    Returns the previous value.
+    """
+    return int(lib.ofl_test_refuse_io_uring(err))
 
 
 def _dio_alignment(fd: int) -> int:
@@ -188,18 +323,37 @@ def _io_error(err: int, op: int, path: str, offset: int) -> OSError:
     return OSError(err, f"{os.strerror(err)} ({_OP_NAMES[op]} at offset {offset})", path)
 
 
+def _short_read_error(segments: Sequence[Segment], got: int) -> OSError:
+    """The error of an exact read that met end of file after ``got`` bytes of the request."""
+    start = 0
+    for s in segments:
+        if got < start + s.nbytes:
+            return OSError(
+                _errno.ENODATA,
+                f"short read at file offset {s.file_offset}: expected {s.nbytes} bytes, got {got - start} "
+                f"(the file ends at offset {s.file_offset + got - start}, inside data it should hold: it "
+                "was truncated after it was written)",
+                s.file.path,
+            )
+        start += s.nbytes
+    raise AssertionError(f"no short segment at {got} of {start} bytes")  # pragma: no cover - internal
+
+
 class Future:
     """One request in flight. ``wait()`` returns the bytes moved or raises ``OSError``.
 
-    A read that meets the end of the file returns the length of the prefix it read.
+    A read that meets the end of the file returns the length of the prefix it read, unless the
+    request was submitted ``exact``: then it raises ``OSError(ENODATA)``.
     """
 
-    def __init__(self, engine: Engine, op: int, request, segments: Sequence[Segment], keepalive):
+    def __init__(self, engine: Engine, op: int, request, segments: Sequence[Segment], keepalive,
+                 exact: bool = False):
         self._engine = engine
         self._op = op
         self._request = request
         self._segments = segments
         self._keepalive = keepalive  # buffers must outlive the I/O that targets them
+        self._exact = exact
         self._result: int | None = None
         self._error: OSError | None = None
         # Whoever finishes the request frees it in C: a second waiter (another thread, or the
@@ -210,6 +364,7 @@ class Future:
         """True if the request has completed (successfully or not). Never blocks."""
         if self._request is None:
             return True
+        self._engine._check_same_process()
         if not self._lock.acquire(blocking=False):
             return False  # another thread is finishing it right now
         try:
@@ -224,8 +379,10 @@ class Future:
 
         Raises:
             OSError: the first piece that failed, with errno, the file's path and the offset.
+            RuntimeError: called in a process forked after the engine was created.
         """
         if self._request is not None:
+            self._engine._check_same_process()
             self._finish()
         if self._error is not None:
             raise self._error
@@ -249,12 +406,15 @@ class Future:
             path = self._segments[seg[0]].file.path if 0 <= seg[0] < len(self._segments) else None
             self._error = _io_error(-rc, self._op, path, int(offset[0]))
         self._result = int(result[0])
+        if rc == 0 and self._exact and self._result < sum(s.nbytes for s in self._segments):
+            self._error = _short_read_error(self._segments, self._result)
         self._keepalive = None
         for s in self._segments:
             s.file._release()
 
     def __del__(self):
-        if getattr(self, "_request", None) is not None and not self._engine.closed:
+        if (getattr(self, "_request", None) is not None and not self._engine.closed
+                and self._engine._forked_from is None):
             self._finish()
             if self._error is not None:
                 warnings.warn(f"an I/O error nobody waited for: {self._error}", RuntimeWarning, stacklevel=2)
@@ -317,11 +477,16 @@ class Engine:
     Attributes:
         config: the settings in force.
         backend: ``"io_uring"`` or ``"threads"``, the one actually running.
-        fallback_reason: why ``"auto"`` fell back to threads (an ``OSError``), or ``None``.
+        fallback_reason: why ``"auto"`` fell back to threads (an ``OSError``), or ``None``. The first
+            fallback in a process also warns (RuntimeWarning) with the reason.
 
     Raises:
         OSError: the native engine could not start (``backend="io_uring"`` where the kernel refuses it).
         ValueError: a bad setting.
+
+    An engine belongs to the process that created it: in a child forked later (the workers are
+    threads, which ``fork`` does not copy), every use raises ``RuntimeError``, and ``close`` (or
+    garbage collection, or interpreter exit) returns at once without touching the parent's work.
     """
 
     def __init__(self, config: AioConfig | Mapping | None = None, **overrides):
@@ -339,6 +504,8 @@ class Engine:
         self._registered: list[HostBuffer] = []
         self._registered_memory: list = []
         self._handle = None
+        self._pid = os.getpid()
+        self._forked_from: int | None = None
         cfg = ffi.new("ofl_config *")
         cfg.backend = BACKENDS[config.backend]
         cfg.thread_count = config.thread_count
@@ -354,9 +521,17 @@ class Engine:
                 " (built without liburing: apt-get install liburing-dev, then reinstall)")
             raise OSError(-rc, f"{os.strerror(-rc)}: {what}{hint}")
         self._handle = out[0]
+        reset_after_fork(self)
         self.backend = BACKEND_NAMES[lib.ofl_engine_backend(self._handle)]
         reason = lib.ofl_engine_fallback_reason(self._handle)
         self.fallback_reason = OSError(-reason, os.strerror(-reason)) if reason < 0 else None
+        if self.fallback_reason is not None:
+            _warn_fallback(-reason)
+
+    def _after_fork_in_child(self) -> None:
+        # The native workers exist only in the parent; a parent thread may have held the lock.
+        self._forked_from = self._pid
+        self._lock = threading.Lock()
 
     # -- files and buffers ------------------------------------------------------------------
 
@@ -393,8 +568,13 @@ class Engine:
 
     # -- I/O --------------------------------------------------------------------------------
 
-    def submit(self, op: int, segments: Sequence[Segment]) -> Future:
-        """Queue one request of several segments (``op`` is ``READ`` or ``WRITE``)."""
+    def submit(self, op: int, segments: Sequence[Segment], *, exact: bool = False) -> Future:
+        """Queue one request of several segments (``op`` is ``READ`` or ``WRITE``).
+
+        With ``exact``, a read that meets end of file before its last byte fails with
+        ``OSError(ENODATA)`` naming the file, the offset and the bytes expected and got, instead of
+        returning the prefix (for files whose size is known, such as preallocated ones).
+        """
         self._check_open()
         segs = ffi.new("ofl_segment[]", max(1, len(segments)))
         keepalive = []
@@ -426,7 +606,7 @@ class Engine:
                 rc = lib.ofl_engine_submit(self._handle, op, segs, len(segments), out)
                 if rc < 0:
                     raise OSError(-rc, os.strerror(-rc), segments[0].file.path if segments else None)
-                future = Future(self, op, out[0], list(segments), keepalive)
+                future = Future(self, op, out[0], list(segments), keepalive, exact and op == READ)
                 self._futures.add(future)
         except BaseException:
             for f in held:
@@ -492,7 +672,16 @@ class Engine:
         return self._handle is None
 
     def close(self) -> None:
-        """Wait for everything in flight, then stop the workers. Futures keep their results."""
+        """Wait for everything in flight, then stop the workers. Futures keep their results.
+
+        In a child forked after the engine was created, only forgets the parent's engine.
+        """
+        if self._forked_from is not None:
+            # The native engine is a copy whose threads live in the parent: leave it be.
+            self._handle = None
+            self._registered = []
+            self._registered_memory = []
+            return
         with self._lock:
             if self._handle is None:
                 return
@@ -522,8 +711,17 @@ class Engine:
     # -- helpers ----------------------------------------------------------------------------
 
     def _check_open(self) -> None:
+        self._check_same_process()
         if self._handle is None:
             raise ValueError("I/O operation on a closed engine")
+
+    def _check_same_process(self) -> None:
+        if self._forked_from is not None:
+            raise RuntimeError(
+                f"this engine was created in process {self._forked_from} before a fork and cannot be "
+                f"used in the child (process {os.getpid()}): its I/O threads exist only in the parent. "
+                "Build a new engine (swap space, optimizer) in the child."
+            )
 
     @staticmethod
     def _segment(file, buffer, offset, nbytes, buffer_offset) -> Segment:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 from helpers import REPO, run_code
 
 from offload import aio
-from offload._native import ffi, lib
+from offload._native import HAVE_IO_URING, ffi, lib
 from offload.aio import READ, WRITE, Engine, FutureGroup, Segment
 from offload.buffers import BufferPool, HostBuffer
 
@@ -150,6 +151,26 @@ def test_read_past_end_of_file_returns_the_prefix(scratch, backend):
         assert np.array_equal(pool[0].numpy()[:len(data)], data)
         assert e.read(f, pool[0], 8 * KiB, 16 * KiB) == len(data) - 8 * KiB
         assert e.read(f, pool[0], 1 * MiB, 16 * KiB) == 0
+
+
+def test_exact_read_past_end_of_file_is_enodata_naming_file_offset_and_bytes(scratch, backend):
+    """A request submitted exact that meets end of file raises ENODATA naming the file, the segment's
+    file offset and the bytes expected and got; a full exact read returns every byte."""
+    path = os.path.join(scratch, "f")
+    with open(path, "wb") as fh:
+        fh.write(random_bytes(40 * KiB, seed=8).tobytes())
+    with Engine(backend=backend, block_size=8 * KiB) as e, HostBuffer(64 * KiB) as buf, \
+            e.open(path, "r") as f:
+        whole = [Segment(f, 0, buf, 0, 16 * KiB), Segment(f, 24 * KiB, buf, 16 * KiB, 16 * KiB)]
+        assert e.submit(READ, whole, exact=True).wait() == 32 * KiB
+        cut = [Segment(f, 0, buf, 0, 16 * KiB), Segment(f, 32 * KiB, buf, 16 * KiB, 16 * KiB)]
+        assert e.submit(READ, cut).wait() == 16 * KiB + 8 * KiB  # not exact: the prefix, as before
+        with pytest.raises(OSError) as info:
+            e.submit(READ, cut, exact=True).wait()
+        assert info.value.errno == errno.ENODATA and info.value.filename == path
+        assert f"file offset {32 * KiB}: expected {16 * KiB} bytes, got {8 * KiB}" in str(info.value)
+        with pytest.raises(OSError, match=f"file offset {1 * MiB}: expected 4096 bytes, got 0"):
+            e.submit(READ, [Segment(f, 1 * MiB, buf, 0, 4096)], exact=True).wait()
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -364,6 +385,37 @@ def test_io_uring_not_available_is_enosys_or_runs():
             assert e.backend == "io_uring" and e.fallback_reason is None
 
 
+@pytest.mark.parametrize("err, meaning", [
+    (errno.EPERM, "io_uring_disabled"), (errno.ENOSYS, "seccomp"), (errno.ENOMEM, "ulimit -l"),
+])
+def test_fallback_to_threads_warns_once_per_process_with_the_reason(monkeypatch, err, meaning):
+    """When io_uring is refused, backend "auto" runs on threads and warns once per process (not per
+    engine) with the errno and what it means; backend "io_uring" raises that errno instead."""
+    monkeypatch.setattr(aio, "_warned_fallback", False)
+    previous = aio._test_refuse_io_uring(err)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with Engine(backend="auto") as a, Engine(backend="auto") as b:
+                assert a.backend == b.backend == "threads"
+        if HAVE_IO_URING:
+            assert a.fallback_reason.errno == err
+            with pytest.raises(OSError) as info:
+                Engine(backend="io_uring")
+            assert info.value.errno == err
+            meaning = re.escape(f"{errno.errorcode[err]}: {os.strerror(err)}): ") + f".*{meaning}"
+        else:
+            meaning = "ENOSYS.*liburing"
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(messages) == 1, messages
+        assert re.search(meaning, messages[0]) and "thread-pool backend" in messages[0]
+    finally:
+        aio._test_refuse_io_uring(previous)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Engine(backend="auto").close()  # io_uring again (or the process's one warning already given)
+
+
 # -- O_DIRECT refused -------------------------------------------------------------------------
 
 @pytest.fixture
@@ -384,6 +436,8 @@ def no_o_direct_dir(tmp_path):
             pass
         else:
             pytest.skip("ramfs accepts O_DIRECT on this kernel")
+        finally:
+            probe.unlink(missing_ok=True)  # a refused O_DIRECT open still creates the file
         yield str(mnt)
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
@@ -414,6 +468,39 @@ def test_o_direct_auto_falls_back_to_buffered_with_one_warning(no_o_direct_dir, 
             assert e.write(f, pool[0], 3, len(data), buffer_offset=1) == len(data)
             assert e.read(f, pool[1], 3, len(data) + 100) == len(data)
             assert np.array_equal(pool[1].numpy()[:len(data)], pool[0].numpy()[1:1 + len(data)])
+
+
+def test_o_direct_auto_creates_exclusively_on_refusing_fs_without_orphans(no_o_direct_dir, monkeypatch):
+    """o_direct="auto" with mode "x+" (how swap and checkpoint files are made) creates the file once,
+    buffered, with no FileExistsError and no second file; "w+" opens an existing file the same way."""
+    monkeypatch.setattr(aio, "_warned_devices", set())
+    path = os.path.join(no_o_direct_dir, "new")
+    with warnings.catch_warnings(record=True) as caught, Engine() as e:
+        warnings.simplefilter("always")
+        with e.open(path, "x+", o_direct="auto") as f, HostBuffer(4096) as buf:
+            assert not f.o_direct
+            e.write(f, buf, 0)
+        with e.open(path, "w+", o_direct="auto") as f:
+            assert not f.o_direct
+    assert len([w for w in caught if "refuses O_DIRECT" in str(w.message)]) == 1
+    assert os.listdir(no_o_direct_dir) == ["new"] and os.path.getsize(path) == 4096
+
+
+@pytest.mark.parametrize("mode", ["x+", "w+"])
+def test_o_direct_required_leaves_no_file_it_created_and_keeps_one_it_did_not(no_o_direct_dir, mode):
+    """o_direct=True on a refusing file system removes the file the refused open created, and never
+    removes a file that existed before."""
+    path = os.path.join(no_o_direct_dir, "f")
+    with Engine() as e:
+        with pytest.raises(OSError, match="refuses O_DIRECT"):
+            e.open(path, mode, o_direct=True)
+        assert os.listdir(no_o_direct_dir) == []
+        if mode == "w+":
+            with open(path, "wb") as fh:
+                fh.write(b"kept")
+            with pytest.raises(OSError, match="refuses O_DIRECT"):
+                e.open(path, mode, o_direct=True)
+            assert open(path, "rb").read() == b"kept"  # noqa: SIM115
 
 
 # -- fixed buffers ----------------------------------------------------------------------------
@@ -506,14 +593,19 @@ def test_build_without_liburing_runs_on_threads(tmp_path):
             assert err.errno == errno.ENOSYS, err
         else:
             raise AssertionError("io_uring started in a build without it")
-        with Engine() as e, HostBuffer(1 << 20) as a, HostBuffer(1 << 20) as b, e.open("f", "w+") as f:
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            e = Engine()
+        with e, HostBuffer(1 << 20) as a, HostBuffer(1 << 20) as b, e.open("f", "w+") as f:
             a.numpy()[:] = 7
             e.write(f, a, 0)
             e.read(f, b, 0)
             assert (b.numpy() == 7).all()
-            print(e.backend, e.fallback_reason.errno == errno.ENOSYS)
+            print(e.backend, e.fallback_reason.errno == errno.ENOSYS,
+                  ["liburing" in str(w.message) for w in caught])
     """, cwd=tmp_path, pythonpath=str(tmp_path))
-    assert done.stdout.strip() == "threads True", done.stdout + done.stderr
+    assert done.stdout.strip() == "threads True [True]", done.stdout + done.stderr
 
 
 def test_closing_a_file_waits_for_its_requests(scratch, backend):
