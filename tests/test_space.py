@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import warnings
 
 import numpy as np
@@ -16,14 +19,14 @@ from helpers import run_code
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offload import aio
 from offload.buffers import BufferPool, HostBuffer
 from offload.config import AioConfig
 from offload.errors import ConfigError
 from offload.space import Extent, ExtentAllocator, SwapSpace
+from offload.units import KIB, MIB, round_up
 
-KiB = 1 << 10
-MiB = 1 << 20
-UNIT = 64 * KiB  # small stripes so a few MiB cross many stripe boundaries
+UNIT = 64 * KIB  # small stripes so a few MiB cross many stripe boundaries
 AIO = AioConfig(block_size=UNIT, queue_depth=8)
 
 
@@ -63,7 +66,7 @@ def _run_ops(ops, alloc, free) -> list[Extent]:
 def test_allocator_keeps_extents_aligned_disjoint_and_coalesces_after_free(ops):
     """Any alloc/free sequence keeps live extents aligned, inside capacity and disjoint, and freeing
     everything leaves one free range the size of the whole space (no fragmentation leak)."""
-    a = ExtentAllocator(256 * KiB, alignment=4096, owner=7)
+    a = ExtentAllocator(256 * KIB, alignment=4096, owner=7)
 
     def alloc(n):
         ext = a.alloc(n)
@@ -90,7 +93,7 @@ def test_swap_space_allocations_stay_valid_and_whole_capacity_is_reusable(ops):
     """The same properties hold through SwapSpace over two paths, growth included, and after freeing
     everything one extent of the whole capacity fits without growing the files."""
     with tempfile.TemporaryDirectory() as d:
-        with SwapSpace([os.path.join(d, "a"), os.path.join(d, "b")], 128 * KiB, aio=AIO) as space:
+        with SwapSpace([os.path.join(d, "a"), os.path.join(d, "b")], 128 * KIB, aio=AIO) as space:
             live = _run_ops(ops, space.alloc, space.free)
             _check_extents(live, space.alignment, space.capacity)
             for e in live:
@@ -102,9 +105,9 @@ def test_swap_space_allocations_stay_valid_and_whole_capacity_is_reusable(ops):
 
 def test_freed_extent_is_reused():
     """A freed extent's range is handed out again to a request that fits it."""
-    a = ExtentAllocator(64 * KiB)
-    x = a.alloc(8 * KiB)
-    a.alloc(8 * KiB)
+    a = ExtentAllocator(64 * KIB)
+    x = a.alloc(8 * KIB)
+    a.alloc(8 * KIB)
     a.free(x)
     assert a.alloc(5000).offset == x.offset
 
@@ -122,7 +125,7 @@ def test_zero_length_alloc_is_a_valid_empty_extent(tmp_path):
 
 def test_double_free_and_foreign_extent_are_errors(tmp_path):
     """Freeing an extent twice, one never allocated, or another space's extent raises ValueError."""
-    with SwapSpace(tmp_path / "a", MiB, aio=AIO) as s1, SwapSpace(tmp_path / "b", MiB, aio=AIO) as s2:
+    with SwapSpace(tmp_path / "a", MIB, aio=AIO) as s1, SwapSpace(tmp_path / "b", MIB, aio=AIO) as s2:
         e1 = s1.alloc(4096)
         s2.alloc(4096)
         with pytest.raises(ValueError, match="another swap space"):
@@ -137,9 +140,9 @@ def test_double_free_and_foreign_extent_are_errors(tmp_path):
 
 def test_alloc_beyond_capacity_grows_the_files(tmp_path):
     """An allocation larger than the free space grows every swap file instead of failing."""
-    with SwapSpace([tmp_path / "a", tmp_path / "b"], 256 * KiB, aio=AIO) as space:
-        space.alloc(200 * KiB)
-        ext = space.alloc(MiB)
+    with SwapSpace([tmp_path / "a", tmp_path / "b"], 256 * KIB, aio=AIO) as space:
+        space.alloc(200 * KIB)
+        ext = space.alloc(MIB)
         assert ext.end <= space.capacity
         sizes = {os.path.getsize(f) for f in space.files}
         assert sizes == {space.capacity // 2}
@@ -167,7 +170,7 @@ def test_striped_round_trip_returns_the_bytes_written(tmp_path, backend, npaths)
     rng = np.random.default_rng(npaths)
     paths = [tmp_path / f"d{i}" for i in range(npaths)]
     lengths = [1, 4095, 4097, UNIT * 3 + 123, UNIT * 7 + 5]
-    with SwapSpace(paths, 2 * MiB, aio=AIO.replace(backend=backend)) as space:
+    with SwapSpace(paths, 2 * MIB, aio=AIO.replace(backend=backend)) as space:
         assert space.backend == backend
         space.alloc(4097)  # so later extents start off a stripe boundary
         src, dst = HostBuffer(UNIT * 8), HostBuffer(UNIT * 8)
@@ -201,7 +204,7 @@ def test_two_paths_each_get_their_share(tmp_path):
 def test_registered_pool_buffers_round_trip(tmp_path):
     """A BufferPool handed to the space is registered with each engine (when the kernel allows) and
     I/O through its buffers works either way."""
-    with BufferPool(2, UNIT * 2) as pool, SwapSpace([tmp_path / "a", tmp_path / "b"], MiB, aio=AIO,
+    with BufferPool(2, UNIT * 2) as pool, SwapSpace([tmp_path / "a", tmp_path / "b"], MIB, aio=AIO,
                                                     buffers=pool) as space:
         ext = space.alloc(UNIT * 2)
         pool[0].numpy()[:] = 42
@@ -212,7 +215,7 @@ def test_registered_pool_buffers_round_trip(tmp_path):
 
 def test_buffer_too_small_is_an_error(tmp_path):
     """A buffer that cannot hold nbytes rounded up to the alignment is refused before any I/O."""
-    with SwapSpace(tmp_path, MiB, aio=AIO) as space:
+    with SwapSpace(tmp_path, MIB, aio=AIO) as space:
         ext = space.alloc(8192)
         with pytest.raises(ValueError, match="do not fit"):
             space.write(ext, HostBuffer(4096), nbytes=4097)
@@ -226,13 +229,17 @@ def test_bad_stripe_unit_is_a_config_error(tmp_path):
 
 
 def _mount_tmpfs(where, *options) -> None:
+    _mount(where, "tmpfs", *options)
+
+
+def _mount(where, fstype: str, *options) -> None:
     where.mkdir()
     if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(options), "tmpfs", str(where)],
-                        capture_output=True)
+        pytest.skip(f"mounting a {fstype} needs root")
+    rc = subprocess.run(["mount", "-t", fstype, *(["-o", ",".join(options)] if options else []), fstype,
+                         str(where)], capture_output=True)
     if rc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {rc.stderr.decode().strip()}")
+        pytest.skip(f"cannot mount a {fstype}: {rc.stderr.decode().strip()}")
 
 
 def _umount(where) -> None:
@@ -248,10 +255,10 @@ def test_full_disk_is_reported_at_construction_with_bytes_needed_and_free(tmp_pa
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # tmpfs may refuse O_DIRECT
             with pytest.raises(OSError) as info:
-                SwapSpace(mnt, 64 * MiB, aio=AIO, o_direct="auto")
+                SwapSpace(mnt, 64 * MIB, aio=AIO, o_direct="auto")
         assert info.value.errno == errno.ENOSPC
         message = str(info.value)
-        assert str(64 * MiB) in message
+        assert str(64 * MIB) in message
         free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
         assert f"has {free} bytes" in message
         assert os.listdir(mnt) == []
@@ -261,7 +268,7 @@ def test_full_disk_is_reported_at_construction_with_bytes_needed_and_free(tmp_pa
 
 def test_missing_directory_is_created_when_its_parent_exists(tmp_path):
     """A missing swap directory under an existing parent is created."""
-    with SwapSpace(tmp_path / "new", MiB, aio=AIO) as space:
+    with SwapSpace(tmp_path / "new", MIB, aio=AIO) as space:
         assert os.path.isdir(tmp_path / "new") and len(space.files) == 1
 
 
@@ -311,7 +318,7 @@ def test_duplicate_paths_are_an_error(tmp_path):
 def test_two_spaces_in_one_directory_use_different_files_removed_on_close(tmp_path):
     """Two spaces sharing a directory get distinct files; close deletes them, twice is harmless, and a
     closed space refuses use."""
-    s1, s2 = SwapSpace(tmp_path, MiB, aio=AIO), SwapSpace(tmp_path, MiB, aio=AIO)
+    s1, s2 = SwapSpace(tmp_path, MIB, aio=AIO), SwapSpace(tmp_path, MIB, aio=AIO)
     assert s1.files != s2.files and len(os.listdir(tmp_path)) == 2
     assert SwapSpace.find_stale(tmp_path) == []  # live files are locked, never stale
     s1.close()
@@ -325,7 +332,7 @@ def test_two_spaces_in_one_directory_use_different_files_removed_on_close(tmp_pa
 
 def test_engine_fault_surfaces_as_oserror_naming_the_swap_file(tmp_path, backend):
     """An injected write failure comes back from wait() as OSError with errno and the swap file path."""
-    with SwapSpace([tmp_path / "a", tmp_path / "b"], MiB, aio=AIO.replace(backend=backend)) as space:
+    with SwapSpace([tmp_path / "a", tmp_path / "b"], MIB, aio=AIO.replace(backend=backend)) as space:
         ext = space.alloc(2 * UNIT)
         space.inject_fault("error", op="write", errno=errno.EIO)
         with pytest.raises(OSError) as info:
@@ -350,7 +357,7 @@ def test_stale_file_is_found_warned_about_and_removable(tmp_path):
     (tmp_path / "unrelated.swap").write_bytes(b"x")
     assert SwapSpace.find_stale(tmp_path) == [str(stale)]
     with pytest.warns(RuntimeWarning, match=r"stale swap files.*remove_stale") as record:
-        with SwapSpace(tmp_path, MiB, aio=AIO) as space:
+        with SwapSpace(tmp_path, MIB, aio=AIO) as space:
             assert str(stale) not in space.files
     assert "8.00 KiB" in str(record[0].message)
     assert SwapSpace.remove_stale(tmp_path) == [str(stale)]
@@ -396,3 +403,272 @@ def test_sub_extent_addresses_the_bytes_of_its_part_and_refuses_to_leave_it(tmp_
         for start, n in ((a // 2, 10), (3 * a, a + 1), (-a, 10)):
             with pytest.raises(ValueError, match="aligned part"):
                 space.sub(ext, start, n)
+
+
+# -- reservations: all or nothing ------------------------------------------------------------------
+
+def _state(space: SwapSpace):
+    """Everything a failed reservation must leave unchanged."""
+    return (space.capacity, space.used, space._alloc.free_ranges(), space._alloc.live_extents(),
+            [os.path.getsize(f) for f in space.files], [os.stat(f).st_blocks for f in space.files])
+
+
+def test_alloc_many_reserves_once_and_returns_extents_in_order(tmp_path):
+    """alloc_many reuses free space, then grows every file once by whole stripes for the rest, and
+    hands back disjoint aligned extents in the order of the sizes asked."""
+    with SwapSpace([tmp_path / "a", tmp_path / "b"], aio=AIO) as space:
+        hole = space.alloc(8 * KIB)
+        space.alloc(4 * KIB)
+        space.free(hole)
+        sizes = [5000, 0, 3 * UNIT + 1, 8 * KIB, 1]
+        extents = space.alloc_many(sizes)
+        assert [e.nbytes for e in extents] == [round_up(n, space.alignment) for n in sizes]
+        assert extents[0].offset == hole.offset  # the freed range came first
+        _check_extents(extents, space.alignment, space.capacity)
+        assert space.capacity % (2 * space.stripe_unit) == 0
+        assert {os.path.getsize(f) for f in space.files} == {space.capacity // 2}
+        assert space.alloc_many([]) == []
+
+
+def test_full_disk_alloc_many_changes_nothing_and_names_the_whole_request(tmp_path):
+    """On a 1 MiB file system, alloc_many of more than fits raises ENOSPC naming the bytes the whole
+    request needs and the bytes free, even when its first sizes would fit; the space is exactly as
+    before and its existing extent still reads back, and a request that fits then succeeds."""
+    mnt = tmp_path / "small"
+    _mount_tmpfs(mnt, "size=1m")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # tmpfs before Linux 6.6 refuses O_DIRECT
+            space = SwapSpace(mnt, aio=AIO, o_direct="auto")
+        with space, HostBuffer(UNIT) as buf:
+            (kept,) = space.alloc_many([UNIT])
+            buf.numpy()[:] = 7
+            space.write(kept, buf).wait()
+            before = _state(space)
+            sizes = [100_000, 300_000, 900_000]
+            need = round_up(kept.nbytes + sum(round_up(n, space.alignment) for n in sizes), UNIT) - kept.nbytes
+            with pytest.raises(OSError) as info:
+                space.alloc_many(sizes)
+            assert info.value.errno in (errno.ENOSPC, errno.EDQUOT)
+            assert info.value.filename == space.files[0]
+            free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+            assert f"{mnt}: needs {need} bytes" in str(info.value)
+            assert f"has {free} bytes" in str(info.value)
+            assert _state(space) == before
+            with pytest.raises(OSError):
+                space.alloc(2 * MIB)
+            assert _state(space) == before
+            buf.numpy()[:] = 0
+            assert space.read(kept, buf).wait() == UNIT and (buf.numpy() == 7).all()
+            more = space.alloc_many([100_000, 100_000])
+            _check_extents([kept, *more], space.alignment, space.capacity)
+    finally:
+        _umount(mnt)
+
+
+def test_alloc_many_refuses_bad_sizes_before_reserving(tmp_path):
+    """A negative or non-integer size is a ValueError, and nothing is reserved."""
+    with SwapSpace(tmp_path, aio=AIO) as space:
+        for bad in ([4096, -1], [4096, 1.5], [True]):
+            with pytest.raises(ValueError, match="non-negative"):
+                space.alloc_many(bad)
+        assert (space.capacity, space.used) == (0, 0)
+
+
+# -- short reads -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("npaths", [1, 2])
+def test_read_of_a_truncated_swap_file_is_an_error_naming_file_and_offset(tmp_path, backend, npaths):
+    """After a swap file is truncated, reading an extent across the cut or wholly past it raises
+    OSError(ENODATA) naming the file, the file offset and the bytes expected and got, instead of
+    returning stale buffer bytes; an extent before the cut still reads."""
+    paths = [tmp_path / f"d{i}" for i in range(npaths)]
+    with SwapSpace(paths, aio=AIO.replace(backend=backend)) as space, HostBuffer(4 * UNIT) as buf:
+        early, late = space.alloc_many([2 * UNIT * npaths, 2 * UNIT * npaths])
+        victim = space.files[-1]
+        assert os.path.getsize(victim) == 4 * UNIT  # `late` is the second half of every file
+        cut = 3 * UNIT + 8 * KIB
+        os.truncate(victim, cut)
+        assert space.read(early, buf).wait() == early.nbytes
+        with pytest.raises(OSError) as info:
+            space.read(late, buf).wait()
+        assert info.value.errno == errno.ENODATA and info.value.filename == victim
+        m = re.search(r"file offset (\d+): expected (\d+) bytes, got (\d+)", str(info.value))
+        offset, expected, got = (int(x) for x in m.groups())
+        assert offset + got == cut and got < expected
+        os.truncate(victim, 2 * UNIT)
+        with pytest.raises(OSError, match=rf"file offset {2 * UNIT}: expected \d+ bytes, got 0") as info:
+            space.read(late, buf).wait()
+        assert info.value.errno == errno.ENODATA and info.value.filename == victim
+
+
+def test_read_across_the_cut_reports_the_bytes_that_were_there(tmp_path, backend):
+    """A read whose extent spans the new end of the file reports how many bytes it got before it."""
+    with SwapSpace(tmp_path, aio=AIO.replace(backend=backend)) as space, HostBuffer(UNIT) as buf:
+        ext = space.alloc(UNIT)
+        os.truncate(space.files[0], ext.offset + 3 * 4096)
+        with pytest.raises(OSError, match=rf"file offset {ext.offset}: expected {UNIT} bytes, got {3 * 4096}"):
+            space.read(ext, buf).wait()
+
+
+# -- O_DIRECT refused: ramfs -----------------------------------------------------------------------
+
+@pytest.fixture
+def ramfs(tmp_path):
+    """A ramfs mount (a file system without O_DIRECT), or skip saying why."""
+    mnt = tmp_path / "ramfs"
+    _mount(mnt, "ramfs")
+    try:
+        yield mnt
+    finally:
+        _umount(mnt)
+
+
+def test_o_direct_auto_on_a_file_system_without_it_warns_once_and_leaves_one_file(ramfs, monkeypatch):
+    """o_direct="auto" on ramfs builds a working buffered swap space with one warning, and the
+    directory holds its one swap file (no orphan from a refused O_DIRECT open), removed on close."""
+    monkeypatch.setattr(aio, "_warned_devices", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        space = SwapSpace(ramfs, MIB, aio=AIO, o_direct="auto")
+    assert [str(w.message) for w in caught if "O_DIRECT" in str(w.message)] == [
+        str(caught[0].message)]
+    assert "refuses O_DIRECT" in str(caught[0].message)
+    with space, HostBuffer(UNIT) as a, HostBuffer(UNIT) as b:
+        assert not space.o_direct
+        assert os.listdir(ramfs) == [os.path.basename(space.files[0])]
+        ext = space.alloc(UNIT)
+        a.numpy()[:] = np.arange(UNIT) % 251
+        space.write(ext, a).wait()
+        assert space.read(ext, b).wait() == UNIT and np.array_equal(a.numpy(), b.numpy())
+    assert os.listdir(ramfs) == []
+
+
+def test_o_direct_required_on_a_file_system_without_it_refuses_and_leaves_nothing(ramfs):
+    """o_direct=True on ramfs raises EINVAL saying what to set, and leaves no file behind."""
+    with pytest.raises(OSError, match="refuses O_DIRECT") as info:
+        SwapSpace(ramfs, MIB, aio=AIO, o_direct=True)
+    assert info.value.errno == errno.EINVAL
+    assert os.listdir(ramfs) == []
+
+
+# -- special files named like swap files -----------------------------------------------------------
+
+def _swap_name(pid: int, rand: str = "0123abcd") -> str:
+    return f"nvme-offload-swap-{socket.gethostname()}-{pid}-{rand}.swap"
+
+
+def test_fifo_named_like_a_swap_file_neither_blocks_nor_is_touched(tmp_path):
+    """A FIFO named like a stale swap file does not block the stale scan or the constructor (run in a
+    subprocess with a deadline), is not reported, and is left in place."""
+    fifo = tmp_path / _swap_name(_dead_pid())
+    os.mkfifo(fifo)
+    done = run_code(f"""
+        from offload.config import AioConfig
+        from offload.space import SwapSpace
+        print(SwapSpace.find_stale({str(tmp_path)!r}), SwapSpace.remove_stale({str(tmp_path)!r}))
+        with SwapSpace({str(tmp_path)!r}, 1 << 20, aio=AioConfig(block_size=65536)) as space:
+            print(len(space.files))
+    """, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "[]", "1"]
+    assert os.listdir(tmp_path) == [fifo.name]
+
+
+def test_symlinks_named_like_swap_files_are_never_followed_or_deleted(tmp_path):
+    """Symlinks named like stale swap files, to a regular file or to a FIFO, are not reported, not
+    removed, and their targets are untouched."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    d = tmp_path / "nvme"
+    d.mkdir()
+    dead = _dead_pid()
+    (d / _swap_name(dead, "0000aaaa")).symlink_to(victim)
+    (d / _swap_name(dead, "0000bbbb")).symlink_to(fifo)
+    (d / _swap_name(dead, "0000cccc")).symlink_to(tmp_path / "missing")
+    links = sorted(os.listdir(d))
+    done = run_code(f"""
+        from offload.config import AioConfig
+        from offload.space import SwapSpace
+        print(SwapSpace.find_stale({str(d)!r}), SwapSpace.remove_stale({str(d)!r}))
+        with SwapSpace({str(d)!r}, 1 << 20, aio=AioConfig(block_size=65536)):
+            pass
+    """, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "[]"]
+    assert sorted(os.listdir(d)) == links
+    assert victim.read_bytes() == b"precious" and fifo.exists()
+
+
+def test_half_created_file_of_a_dead_process_is_stale_and_one_of_a_live_process_is_not(tmp_path):
+    """A hidden file a crashed run left while creating a swap file is stale and removable; one whose
+    creator is alive (this process) is never reported, even unlocked."""
+    dead = tmp_path / ("." + _swap_name(_dead_pid()) + ".new")
+    live = tmp_path / ("." + _swap_name(os.getpid()) + ".new")
+    dead.write_bytes(b"\0" * 4096)
+    live.write_bytes(b"\0" * 4096)
+    assert SwapSpace.find_stale(tmp_path) == [str(dead)]
+    assert SwapSpace.remove_stale(tmp_path) == [str(dead)]
+    assert os.listdir(tmp_path) == [live.name]
+
+
+# -- stale scans racing with live spaces -----------------------------------------------------------
+
+def test_stale_scans_never_remove_a_live_swap_file(tmp_path):
+    """Two processes create, use and close swap spaces in a loop while this one scans for stale files
+    and removes them as fast as it can: nothing is ever reported or removed, and every space in the
+    other processes keeps its own file to the end (its data reads back, its file is still there)."""
+    rounds = 150
+    script = textwrap.dedent(f"""
+        import os, sys
+        from offload.buffers import HostBuffer
+        from offload.config import AioConfig
+        from offload.space import SwapSpace
+        bad = 0
+        with HostBuffer(65536) as a, HostBuffer(65536) as b:
+            for i in range({rounds}):
+                space = SwapSpace({str(tmp_path)!r}, 65536, aio=AioConfig(block_size=65536, queue_depth=1))
+                ext = space.alloc(65536)
+                a.numpy()[:] = i % 256
+                space.write(ext, a).wait()
+                fd = space._res.files[0].fd
+                try:
+                    space.read(ext, b).wait()
+                    same = os.fstat(fd).st_ino == os.stat(space.files[0]).st_ino
+                    ok = same and (b.numpy() == i % 256).all()
+                except OSError:
+                    ok = False
+                bad += not ok
+                space.close()
+        print("bad", bad)
+    """)
+    from helpers import python_env
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=python_env()) for _ in range(2)]
+    reported, removed, scans = [], [], 0
+    stop = threading.Event()
+
+    def scan() -> None:
+        nonlocal scans
+        while not stop.is_set():
+            reported.extend(SwapSpace.find_stale(tmp_path))
+            removed.extend(SwapSpace.remove_stale(tmp_path))
+            scans += 1
+
+    scanner = threading.Thread(target=scan)
+    scanner.start()
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        stop.set()
+        scanner.join()
+        for p in procs:
+            p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert out.split() == ["bad", "0"], out + err
+    assert scans > 0
+    assert reported == [] and removed == []
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,223 @@
+"""Swap files: their names, their creation under an exclusive lock, and finding and removing stale ones."""
+
+from __future__ import annotations
+
+import errno as _errno
+import fcntl
+import os
+import re
+import secrets
+import socket
+import stat
+import warnings
+from typing import Mapping
+
+from .._proc import pid_alive
+from ..aio import AioFile, wrap_fd
+from ..units import format_size
+
+__all__ = ["create_swap_file", "find_stale", "remove_stale", "warn_stale"]
+
+_PREFIX = "nvme-offload-"
+_SUFFIX = ".swap"
+# name, host, pid, random: the name is reduced to [A-Za-z0-9_] so the first dash ends it.
+_FIELDS = (r"nvme-offload-(?P<name>[A-Za-z0-9_]+)-(?P<host>[A-Za-z0-9.\-]+)-(?P<pid>\d+)-"
+           r"(?P<rand>[0-9a-f]{8})\.swap")
+_PATTERN = re.compile(rf"^{_FIELDS}$")
+# A file being created: hidden, and a name the stale scan of live files never matches.
+_NEW_PATTERN = re.compile(rf"^\.{_FIELDS}\.new$")
+_TRIES = 16
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.\-]", "", socket.gethostname()) or "localhost"
+
+
+# NOTE: a swap file is created under a hidden name the stale scan never matches, locked (flock,
+# exclusive) and only then renamed to its swap-file name; the lock belongs to the open file and
+# survives the rename. So every file a scan can see under a swap-file name is locked from its
+# first moment until its owner unlinks it (close unlinks, then unlocks). A scan that takes the
+# lock of a file therefore knows its owner is gone, once it has checked that the name still
+# leads to that file. Where the file system has no flock, the pid in the name is the evidence.
+def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
+    """Create, lock and open a new swap file ``nvme-offload-{name}-{host}-{pid}-{random}.swap``.
+
+    Args:
+        directory: where (checked beforehand).
+        name: a tag; characters other than ``[A-Za-z0-9_]`` become ``_``.
+        o_direct: ``"auto"``, ``True`` or ``False`` (see :func:`offload.aio.open_file`).
+
+    Raises:
+        PermissionError: the directory refuses new files.
+        OSError: ``EINVAL`` when ``o_direct=True`` and the file system refuses O_DIRECT. Nothing is
+            left behind on any error.
+    """
+    tag = re.sub(r"[^A-Za-z0-9_]", "_", str(name)) or "swap"
+    base = f"{_PREFIX}{tag}-{_host()}-{os.getpid()}-"
+    for _ in range(_TRIES):
+        final = os.path.join(directory, f"{base}{secrets.token_hex(4)}{_SUFFIX}")
+        temp = os.path.join(directory, "." + os.path.basename(final) + ".new")
+        if os.path.lexists(final):
+            continue
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        except PermissionError as err:
+            raise PermissionError(
+                err.errno, f"cannot create a swap file in {directory} ({err.strerror}); "
+                "give this user write access or choose another nvme_path", final) from err
+        try:
+            _lock(fd, temp)
+            f = wrap_fd(fd, final, o_direct=o_direct)
+        except BaseException:
+            _unlink_if_same(temp, fd)
+            os.close(fd)
+            raise
+        try:
+            os.rename(temp, final)
+        except BaseException:
+            _unlink_if_same(temp, f.fd)
+            f.close()
+            raise
+        return f
+    raise FileExistsError(_errno.EEXIST, f"no free swap file name after {_TRIES} tries", directory)
+
+
+def _lock(fd: int, path: str) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as err:
+        raise OSError(err.errno, "a new swap file is locked by another process", path) from err
+    except OSError:
+        pass  # a file system without flock: stale detection falls back on the pid in the name
+
+
+def find_stale(path: str | os.PathLike) -> list[str]:
+    """Swap files in ``path`` left by runs that ended without cleaning up (e.g. a crash).
+
+    A swap file is stale when no process holds its lock (or, where the file system has no locks,
+    when its process on this host is gone). Only regular files are considered: special files and
+    symlinks named like swap files are never opened, followed or reported.
+    """
+    path = os.fspath(path)
+    try:
+        names = sorted(os.listdir(path))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    host = _host()
+    stale = []
+    for fname in names:
+        m = _PATTERN.match(fname)
+        creating = m is None
+        if creating:
+            m = _NEW_PATTERN.match(fname)
+            if m is None:
+                continue
+        gone = m["host"] == host and not pid_alive(int(m["pid"]))
+        if creating and not gone:
+            continue  # being created right now: its creator locks and renames it in a moment
+        full = os.path.join(path, fname)
+        fd = _open_regular(full)
+        if fd is None:
+            continue
+        try:
+            if _take_lock(fd, gone) and _still_named(full, fd):
+                stale.append(full)
+        finally:
+            os.close(fd)
+    return stale
+
+
+def remove_stale(path: str | os.PathLike) -> list[str]:
+    """Delete the stale swap files in ``path`` (see :func:`find_stale`); returns those removed."""
+    removed = []
+    host = _host()
+    for full in find_stale(path):
+        fd = _open_regular(full)
+        if fd is None:
+            continue
+        try:
+            m = _PATTERN.match(os.path.basename(full)) or _NEW_PATTERN.match(os.path.basename(full))
+            gone = m is not None and m["host"] == host and not pid_alive(int(m["pid"]))
+            # Under the lock, checked again: still nobody's, and still the file the name leads to.
+            if _take_lock(fd, gone) and _still_named(full, fd):
+                os.unlink(full)
+                removed.append(full)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def warn_stale(stale: Mapping[str, list[str]], stacklevel: int = 2) -> None:
+    """One RuntimeWarning naming the directories with stale swap files and the space they hold."""
+    found = {p: files for p, files in stale.items() if files}
+    if not found:
+        return
+    parts = []
+    for p, files in found.items():
+        held = sum(_allocated(f) for f in files)
+        parts.append(f"{p}: {len(files)} file(s) holding {format_size(held)}")
+    warnings.warn(
+        "stale swap files from runs that did not clean up (not reused): " + "; ".join(parts)
+        + ". Remove them with SwapSpace.remove_stale(path) or `rm` once no run uses them.",
+        RuntimeWarning, stacklevel=stacklevel + 1)
+
+
+def _open_regular(full: str) -> int | None:
+    """A read-only descriptor of ``full`` if it is a regular file (never a FIFO, device or symlink)."""
+    try:
+        st = os.lstat(full)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        # O_NONBLOCK and O_NOFOLLOW: if the name was swapped for a FIFO or a link since the lstat,
+        # the open neither blocks nor follows it, and the fstat below turns it away.
+        fd = os.open(full, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fst = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        return None
+    if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _take_lock(fd: int, owner_gone: bool) -> bool:
+    """Whether nobody holds the file: its lock can be taken, or (no flock here) its owner is gone."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False  # held by a live space
+    except OSError:
+        return owner_gone  # a file system without flock: only the pid in the name can tell
+    return True
+
+
+def _still_named(full: str, fd: int) -> bool:
+    """Whether ``full`` still leads to the file open on ``fd`` (not unlinked or replaced meanwhile)."""
+    try:
+        st, lst = os.fstat(fd), os.lstat(full)
+    except OSError:
+        return False
+    return st.st_nlink > 0 and (st.st_dev, st.st_ino) == (lst.st_dev, lst.st_ino)
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    if _still_named(path, fd):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _allocated(path: str) -> int:
+    try:
+        return os.lstat(path).st_blocks * 512
+    except OSError:
+        return 0

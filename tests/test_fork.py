@@ -1,0 +1,161 @@
+"""Fork safety: a child forked after an engine, a swap space or an optimizer was built refuses to use
+them with a clear error and exits at once, while the parent keeps working and keeps its swap files.
+
+Each test runs a script in a subprocess that builds the objects, forks, and waits for the child with a
+deadline, so a regression shows up as "child hung" instead of hanging the test run.
+"""
+
+from __future__ import annotations
+
+import os
+
+from helpers import run_code
+
+# Waits for the forked child with a deadline and prints how it ended; defines `wait_child(pid)`.
+_WAIT_CHILD = """
+import os, sys, time
+
+def wait_child(pid, seconds=60):
+    deadline = time.monotonic() + seconds
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return "hung"
+        time.sleep(0.01)
+"""
+
+_SPACE_SCRIPT = _WAIT_CHILD + """
+import gc
+from offload.aio import Engine
+from offload.buffers import HostBuffer
+from offload.config import AioConfig
+from offload.space import SwapSpace
+
+def trial(path, how, aio):
+    engine = Engine(aio)
+    space = SwapSpace(path, 1 << 20, aio=aio)
+    buf, big = HostBuffer(65536), HostBuffer(8 << 20)
+    ext, ext_big = space.alloc(65536), space.alloc(8 << 20)
+    buf.numpy()[:] = 42
+    space.write(ext, buf).wait()
+    files = list(space.files)
+    pending = space.write(ext_big, big)  # most likely still in flight at the fork
+    parent = os.getpid()
+
+    pid = os.fork()
+    if pid == 0:
+        results = []
+        calls = {
+            "space.read": lambda: space.read(ext, buf).wait(),
+            "space.write": lambda: space.write(ext, buf),
+            "space.alloc": lambda: space.alloc(4096),
+            "space.stats": space.stats,
+            "engine.stats": engine.stats,
+            "pending.wait": pending.wait,
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                results.append(name + ":no-error")
+            except RuntimeError as err:
+                clear = f"created in process {parent} before a fork" in str(err) and "in the child" in str(err)
+                results.append(name + (":clear" if clear else ":unclear"))
+        with Engine(aio) as fresh, fresh.open(os.path.join(path, "child.bin"), "w+") as f:
+            results.append("fresh:" + str(fresh.write(f, buf, 0)))
+        os.unlink(os.path.join(path, "child.bin"))
+        print(how, *results, flush=True)
+        if how == "close":
+            space.close()
+            engine.close()
+            space.close()
+        elif how == "gc":
+            del space, engine, pending
+            gc.collect()
+        sys.exit(0)  # "exit": everything is left to interpreter exit
+
+    print(how, "child-exit", wait_child(pid))
+    print(how, "files-intact", all(os.path.isfile(f) for f in files))
+    pending.wait()
+    buf.numpy()[:] = 0
+    space.read(ext, buf).wait()
+    print(how, "parent-data", bool((buf.numpy() == 42).all()), engine.stats()["workers"] > 0)
+    space.close()
+    engine.close()
+    print(how, "removed", not any(os.path.exists(f) for f in files), os.listdir(path), flush=True)
+
+for how in ("close", "gc", "exit"):
+    trial(sys.argv[1], how, AioConfig(block_size=65536, queue_depth=1, backend=sys.argv[2]))
+"""
+
+
+def test_child_refuses_a_parent_swap_space_and_exits_at_once(nvme, backend):
+    """In a child forked while a swap space and an engine (with a write in flight) exist, every use
+    raises RuntimeError naming the parent process, a new engine works, and closing them explicitly,
+    by garbage collection or at interpreter exit returns at once; the parent's files stay intact and
+    usable, and the parent removes them on close."""
+    done = run_code(_SPACE_SCRIPT, nvme, backend, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    uses = ("space.read", "space.write", "space.alloc", "space.stats", "engine.stats", "pending.wait")
+    expected = []
+    for how in ("close", "gc", "exit"):
+        expected += [" ".join([how, *(f"{u}:clear" for u in uses), "fresh:65536"]), f"{how} child-exit 0",
+                     f"{how} files-intact True", f"{how} parent-data True True", f"{how} removed True []"]
+    assert done.stdout.splitlines() == expected, done.stdout + done.stderr
+
+
+_OPTIMIZER_SCRIPT = _WAIT_CHILD + """
+import torch
+import offload
+
+path = sys.argv[1]
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+opt = offload.OffloadedAdamW(model.parameters(), nvme_path=path, lr=1e-2, buffer_size=256 * 1024,
+                             buffer_count=3, small_param_threshold=64)
+
+def step():
+    loss = model(torch.randn(16, 64)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+step()
+files = sorted(os.listdir(path))
+parent = os.getpid()
+pid = os.fork()
+if pid == 0:
+    # torch's own CPU thread pool does not survive a fork either; DataLoader workers do the same.
+    torch.set_num_threads(1)
+    try:
+        step()
+        print("child-step no-error", flush=True)
+    except RuntimeError as err:
+        print("child-step", f"created in process {parent} before a fork" in str(err), flush=True)
+    sys.exit(0)  # the optimizer is left to interpreter exit
+
+print("child-exit", wait_child(pid))
+print("files-intact", sorted(os.listdir(path)) == files and len(files) > 0)
+before = [p.detach().clone() for p in model.parameters()]
+step()
+print("parent-steps", any(not torch.equal(a, b) for a, b in zip(before, model.parameters())))
+del opt
+import gc
+gc.collect()
+print("removed", os.listdir(path))
+"""
+
+
+def test_child_of_a_process_with_an_offloaded_optimizer_refuses_to_step_and_exits(nvme):
+    """A child forked after OffloadedAdamW was built (and stepped) gets the clear RuntimeError from
+    step() and exits with status 0; the parent's swap files are intact and it goes on stepping."""
+    done = run_code(_OPTIMIZER_SCRIPT, nvme, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines() == [
+        "child-step True", "child-exit 0", "files-intact True", "parent-steps True", "removed []"], \
+        done.stdout + done.stderr
+    assert os.listdir(nvme) == []
