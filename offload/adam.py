@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -81,10 +83,11 @@ class OffloadedAdam(torch.optim.Adam):
             raise ValueError("capturable=True is not supported by OffloadedAdam (state is not on the device)")
         if differentiable:
             raise ValueError("differentiable=True is not supported by OffloadedAdam")
-        super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
-            capturable=False, differentiable=False, fused=fused, decoupled_weight_decay=self._decoupled,
-        )
+        with _no_duplicate_warning():  # refused below, with a message of our own
+            super().__init__(
+                params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+                capturable=False, differentiable=False, fused=fused, decoupled_weight_decay=self._decoupled,
+            )
         # GradScaler must unscale grads before step() and skip the step on inf, as for any optimizer:
         # the fused kernel's in-kernel unscaling would need grads and state on one device.
         self._step_supports_amp_scaling = False
@@ -156,7 +159,8 @@ class OffloadedAdam(torch.optim.Adam):
             ValueError: a parameter is already in a group (or listed twice), or is not a usable tensor.
             OSError: the disk cannot hold the new state; the optimizer keeps its groups and state as before.
         """
-        super().add_param_group(param_group)
+        with _no_duplicate_warning():
+            super().add_param_group(param_group)
         if hasattr(self, "state_store"):
             try:
                 _check_params(self.param_groups)
@@ -401,6 +405,13 @@ class OffloadedAdamW(OffloadedAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_duplicate_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*duplicate parameters", category=UserWarning)
+        yield
 
 
 def _check_params(groups: list[dict]) -> None:

@@ -41,11 +41,11 @@ class BufferRing:
 
     def take(self, wait: bool) -> Any:
         buffer, pending = self._free[0]
-        if pending is not None:
-            if not wait and not pending.done():
-                return None
-            pending.wait()
+        if pending is not None and not wait and not pending.done():
+            return None
         self._free.popleft()
+        # A failed write is not raised here: whoever issued it holds its future and reports it.
+        wait_quietly([pending] if pending is not None else [])
         return buffer
 
     def give(self, buffer: Any, pending: Any = None) -> None:
@@ -102,18 +102,24 @@ class Pipeline:
         process: Callable[[Any, Any], bool],
         read: Optional[Callable[[Any, Any], Any]] = None,
         write: Optional[Callable[[Any, Any], Any]] = None,
+        drain: bool = True,
     ) -> None:
         """For each item in order: ``read(item, buf)``, ``process(item, buf)``, then ``write(item, buf)``
         if ``process`` returned True.
 
         ``read`` and ``write`` start I/O and return a future (``wait()`` gives the bytes moved), or
         ``None`` when the item needs no read (state not created yet: the buffer then holds stale bytes
-        that ``process`` must overwrite) or no write.
+        that ``process`` must overwrite) or no write. ``drain=False`` returns with the last writes still
+        landing (a :class:`BufferSource` holds them as pending, so their buffers are not reused before;
+        the caller keeps the futures ``write`` returned and waits for them before reading those bytes
+        back); they are then not counted in ``bytes_written``. On an error everything is drained.
 
         Raises:
             Whatever ``read``, ``process``, ``write`` or a future raises (an ``OSError`` naming the file
             and offset for I/O), after every request in flight has finished.
         """
+        if not drain and self._buffers is not None:
+            raise ValueError("drain=False needs a BufferSource that outlives the run (it keeps the writes pending)")
         source = BufferRing(self._buffers) if self._buffers is not None else self._source
         reads: deque = deque()  # (item, buffer, read future or None), in item order
         writes: list = []
@@ -148,7 +154,7 @@ class Pipeline:
                 if wfut is not None:
                     writes.append(wfut)
                 source.give(buf, wfut)
-            for w in writes:
+            for w in writes if drain else ():
                 self.bytes_written += w.wait()
         except BaseException:
             wait_quietly(fut for _, _, fut in reads if fut is not None)

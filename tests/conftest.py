@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -78,3 +79,31 @@ def nvme(tmp_path):
     yield str(path)
     leftovers = [f for f in os.listdir(path) if f.endswith(".swap")] if path.exists() else []
     assert not leftovers, f"swap files left behind: {leftovers}"
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``mount(size, kind="tmpfs")``: a fresh tmpfs of ``size`` (e.g. "1m": a small disk that fills) or
+    a ramfs (``kind="ramfs"``: no O_DIRECT), unmounted after. Skips where mounting is refused."""
+    mounts = []
+
+    def mount(size: str = "1m", kind: str = "tmpfs"):
+        if os.geteuid() != 0:
+            pytest.skip(f"mounting a small {kind} needs root")
+        where = tmp_path / f"{kind}{len(mounts)}"
+        where.mkdir()
+        options = ["-o", f"size={size}"] if kind == "tmpfs" else []
+        try:
+            r = subprocess.run(["mount", "-t", kind, *options, kind, str(where)], capture_output=True, text=True,
+                               timeout=30)
+        except FileNotFoundError:
+            pytest.skip(f"no mount command to make a {kind} with")
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a {kind}: {r.stderr.strip()}")
+        mounts.append(where)
+        return where
+
+    yield mount
+    for where in mounts:
+        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(where)], capture_output=True)

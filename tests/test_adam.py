@@ -575,3 +575,71 @@ def test_a_load_that_fails_while_writing_state_blocks_steps_until_a_good_load(nv
     step_together(ours, ref, a, b, range(3, 5))
     assert_same(a, b)
     ours.close()
+
+
+# -- refusals that keep the optimizer whole --------------------------------------------------------
+
+
+def test_a_parameter_listed_twice_is_refused(nvme):
+    """[p, p] would update the state once and count the step twice: refused when built, and an added
+    group repeating a parameter is refused with the optimizer unchanged and still stepping like torch."""
+    a, b = make_params(), make_params()
+    with pytest.raises(ValueError, match="listed twice"):
+        OffloadedAdamW([a[3], a[3]], nvme_path=nvme, **SMALL)
+    ours = OffloadedAdamW(a[:4], lr=1e-2, nvme_path=nvme, **SMALL)
+    ref = torch.optim.AdamW(b[:4], lr=1e-2, fused=True)
+    with pytest.raises(ValueError):
+        ours.add_param_group({"params": [a[4], a[4]]})
+    with pytest.raises(ValueError):
+        ours.add_param_group({"params": [a[2]]})
+    assert len(ours.param_groups) == 1
+    step_together(ours, ref, a[:4], b[:4], range(2))
+    assert_same(a[:4], b[:4])
+    ours.close()
+
+
+def test_meta_parameters_are_refused_before_any_disk_is_reserved(nvme):
+    """A parameter on the meta device has no data: refused at construction, with no swap file made."""
+    p = torch.nn.Parameter(torch.empty(10_000, device="meta"))
+    with pytest.raises(ValueError, match="meta device"):
+        OffloadedAdamW([p], nvme_path=nvme, **SMALL)
+    assert not os.path.exists(nvme) or not os.listdir(nvme)
+
+
+def test_a_full_disk_in_add_param_group_leaves_the_optimizer_usable(tmpfs):
+    """ENOSPC while adding a group: an OSError giving the bytes the new state needs, the group is not
+    added, and the optimizer keeps stepping its old parameters like torch."""
+    disk = tmpfs("2m")
+    a, b = make_params(sizes=(10, 5000, 70_000)), make_params(sizes=(10, 5000, 70_000))
+    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=str(disk), **SMALL)
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    step_together(ours, ref, a, b, range(2))
+    big = torch.nn.Parameter(torch.zeros(1_000_000))  # 8 MB of state on a 2 MiB disk
+    with pytest.raises(OSError) as info:
+        ours.add_param_group({"params": [big]})
+    assert info.value.errno == errno.ENOSPC
+    assert "8" in str(info.value) and "free" in str(info.value)
+    assert len(ours.param_groups) == 1 and ours.state_store.slot(big) is None
+    step_together(ours, ref, a, b, range(2, 4))
+    assert_same(a, b)
+    ours.close()
+
+
+def test_a_full_disk_for_a_late_parameter_leaves_the_optimizer_usable(tmpfs):
+    """ENOSPC when a parameter frozen at construction first gets a grad: the step raises OSError, and the
+    next step without that parameter's grad works and equals torch's."""
+    disk = tmpfs("2m")
+    sizes = (10, 5000, 70_000, 1_000_000)
+    a, b = make_params(sizes=sizes), make_params(sizes=sizes)
+    a[3].requires_grad_(False)
+    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=str(disk), **SMALL)
+    ref = torch.optim.AdamW(b[:3], lr=1e-2, fused=True)
+    a[3].requires_grad_(True)
+    a[3].grad = torch.ones_like(a[3])
+    with pytest.raises(OSError) as info:
+        ours.step()
+    assert info.value.errno == errno.ENOSPC
+    a[3].grad = None
+    step_together(ours, ref, a[:3], b[:3], range(2))
+    assert_same(a[:3], b[:3])
+    ours.close()

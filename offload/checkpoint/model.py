@@ -38,7 +38,7 @@ from ..aio import Engine
 from ..buffers import BufferPool
 from ..config import AioConfig, config_to_dict
 from ..errors import CheckpointError, ChecksumError, StateError
-from ..params.store import store_of
+from ..params import store_of
 from ..space import Extent
 from ..units import ALIGNMENT, round_up
 from . import stream
@@ -124,6 +124,13 @@ class _Piece:
     memory: Optional[torch.Tensor] = None  # or in memory (flat uint8)
     copies: tuple = ()  # loading: in-memory copies to refresh
     from_file: bool = False  # loading: read from params.bin (else from ``memory``)
+    param: Optional[torch.Tensor] = None  # the parameter whose extent this is (with ``store``)
+
+    def store_piece(self, piece: int) -> Optional[int]:
+        """This piece's index among the store's own pieces, or None when the sizes do not line up."""
+        if self.store is None or self.store.piece != piece:
+            return None
+        return self.start // piece
 
 
 def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
@@ -150,8 +157,8 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
     stores = _stores_of(t for _, t, _ in offloaded)
     for s in stores:
         if s.error is not None:
-            raise StateError(f"not saving the model: loading weights into it failed part-way ({s.error}), so "
-                             "its offloaded weights are a mix of old and new. Load a checkpoint again first.")
+            raise StateError(f"not saving the model: its offloaded weights were lost or half loaded ({s.error}). "
+                             "Load a checkpoint again first.")
     hashes = {id(e): xxhash.xxh3_64() for e, _, _ in offloaded}
     with _held(stores) as buffers:
         pieces = []
@@ -161,7 +168,7 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
                 nbytes = t.numel() * t.element_size()
                 extent, current = store.current_bytes(t)
                 for start in range(0, nbytes, piece):
-                    pieces.append(_Piece(e, start, min(piece, nbytes - start), extent, store, current))
+                    pieces.append(_Piece(e, start, min(piece, nbytes - start), extent, store, current, param=t))
 
         def read(pc: _Piece, buf):
             if pc.extent is None:
@@ -172,6 +179,9 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
         def fill(pc: _Piece, buf) -> None:
             if pc.memory is not None:
                 buf.tensor[:pc.n].copy_(pc.memory[pc.start:pc.start + pc.n])
+            elif pc.store_piece(piece) is not None:
+                # A checkpoint never copies weights that changed on disk behind our back.
+                pc.store.verify_piece(pc.param, pc.store_piece(piece), buf.tensor[:pc.n])
             hashes[id(pc.entry)].update(buf.tensor[:pc.n].numpy())
 
         aio = stores[0].config.aio if stores else AioConfig()
@@ -431,7 +441,7 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
         memory_bytes = _flat_bytes(src.contiguous()) if src is not None else None
         for start in range(0, nbytes, piece):
             pieces.append(_Piece(e, start, min(piece, nbytes - start), extent, store, memory_bytes, tuple(copies),
-                                 from_file=src is None))
+                                 from_file=src is None, param=t))
 
     hashes = {id(pc.entry): xxhash.xxh3_64() for pc in pieces if pc.from_file}
     with engine.open(path, "r") as f:
@@ -455,6 +465,8 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
                 return False
             # The tail of the last block goes to disk too: zeros, as the store writes it.
             buf.tensor[pc.n:round_up(pc.n, pc.store.space.alignment)].zero_()
+            if pc.store_piece(piece) is not None:
+                pc.store.wrote_piece(pc.param, pc.store_piece(piece), data)
             return True
 
         def write(pc: _Piece, buf):

@@ -18,7 +18,8 @@ from .api import (
 )
 from .grads import clip_grad_norm_, load_grad
 from .guard import OffloadedGrad, OffloadedParameter
-from .store import ParamStore, resident, store_of
+from .registry import store_of
+from .store import ParamStore, resident
 
 __all__ = [
     "OffloadedGrad",

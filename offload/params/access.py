@@ -9,7 +9,7 @@ import torch
 
 from ..buffers import BufferPool
 from ..units import round_up
-from .store import store_of
+from .registry import store_of
 
 __all__ = ["ParamAccess"]
 
@@ -64,7 +64,7 @@ class ParamAccess:
         for p in params:
             store = store_of(p)
             if store is not None:
-                store.forget_grad(p)
+                store.grads.forget(p)
 
     # -- unit by unit ------------------------------------------------------------------------------
 
@@ -115,7 +115,7 @@ class UnitPass:
             for c in u.chunks:
                 store = store_of(c.slot.param)
                 if id(c.slot) in active and store is not None and store.holds_grad(c.slot.param):
-                    need = round_up(need, store.space.alignment) + store.grad_span(
+                    need = round_up(need, store.space.alignment) + store.grads.span(
                         c.slot.param, c.start, c.start + c.numel)
                     plan.append((c, store))
             if plan:
@@ -147,7 +147,7 @@ class UnitPass:
         try:
             for c, store in plan:
                 offset = round_up(offset, store.space.alignment)
-                read, span = store.read_grad(c.slot.param, c.start, c.start + c.numel, gbuf, offset)
+                read, span = store.grads.read(c.slot.param, c.start, c.start + c.numel, gbuf, offset)
                 reads.append((c, read))
                 offset += span
         finally:

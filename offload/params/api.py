@@ -10,7 +10,8 @@ from torch import nn
 
 from ..config import Config, offload_config
 from .hooks import _EXTERNAL, Scheduler
-from .store import ParamStore, resident, store_of
+from .registry import store_of
+from .store import ParamStore, resident
 
 __all__ = [
     "ParamOffload", "materialized", "offload_parameters", "offloaded", "register_external_parameter",

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
-from .store import store_of
+from .registry import store_of
 
 __all__ = ["clip_grad_norm_", "load_grad"]
 
@@ -115,7 +115,7 @@ def clip_grad_norm_(
         for p in group:
             store = store_of(p)
             if store is not None and store.holds_grad(p):
-                store.scale_grad(p, coef)
+                store.grads.scale(p, coef)
             else:
                 ordinary.append(p.grad)
         if ordinary:

@@ -223,13 +223,13 @@ class Scheduler:
 
     def _grad_pre_hook(self, p: torch.Tensor):
         def hook(grad):
-            self.store.begin_grad(p)
+            self.store.grads.begin(p)
             return None
         return hook
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         if self.store.offload_grads:
-            self.store.put_grad(p)
+            self.store.grads.put(p)
         if p in self._held:
             self._held.discard(p)
             self.store.release(p)

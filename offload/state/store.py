@@ -53,7 +53,8 @@ class StateStore:
         self.config = config
         self.threshold = oc.small_param_threshold
         self.error: Optional[BaseException] = None
-        self.pool = BufferPool(oc.buffer_count, oc.buffer_size, pin_memory=oc.pin_memory)
+        self.pool = BufferPool(oc.buffer_count, oc.buffer_size, pin_memory=oc.pin_memory,
+                               keys=("offload_optimizer.buffer_count", "offload_optimizer.buffer_size"))
         try:
             self.space = SwapSpace(oc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
         except BaseException:

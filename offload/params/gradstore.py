@@ -1,0 +1,269 @@
+"""The grad store: each offloaded parameter's gradient in its own extent while ``p.grad`` is a placeholder."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..aio import CompletedFuture, wait_quietly
+from ..buffers import HostBuffer
+from ..space import Extent
+from ..units import round_up
+from .guard import make_placeholder
+from .pieces import PieceIO
+
+__all__ = ["GradRead", "GradStore"]
+
+_NONE, _ZERO, _STORED = 0, 1, 2  # what a grad extent holds
+
+
+class GradRead:
+    """A read of part of a stored gradient into a host buffer.
+
+    ``wait_io()`` waits for the bytes (returns how many moved); ``wait()`` then gives the elements as a
+    typed view with pending clip factors applied (once, however often it is called).
+    """
+
+    def __init__(self, future, view: torch.Tensor, zero: bool, scales: list):
+        self._future, self._view, self._zero, self._scales = future, view, zero, scales
+        self._ready = False
+
+    def wait_io(self) -> int:
+        return self._future.wait()
+
+    def wait(self) -> torch.Tensor:
+        if not self._ready:
+            self._future.wait()
+            if self._zero:
+                self._view.zero_()
+            for coef in self._scales:
+                self._view.mul_(coef)  # pending clip factors, applied in order as torch would have
+            self._ready = True
+        return self._view
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def settle(self) -> None:
+        """Let the read land, ignoring its error (error paths: the buffer is about to be reused)."""
+        wait_quietly([self._future])
+
+
+@dataclass(eq=False)
+class _Grad:
+    """One parameter's gradient in the store. Its bytes are valid only while ``p.grad`` is the
+    placeholder (torch's zero_grad(set_to_none=True) or a user's assignment replaces it)."""
+
+    param: torch.Tensor
+    nbytes: int
+    extent: Extent
+    placeholder: torch.Tensor
+    state: int = _NONE  # _NONE, _ZERO or _STORED
+    writes: list = field(default_factory=list)  # write futures of the extent, in the order issued
+    scales: list = field(default_factory=list)  # clip factors not yet applied to the stored bytes
+
+
+# NOTE: backward calls begin (a tensor hook, before torch accumulates into p.grad) and put (a
+# post-accumulate-grad hook, after): begin empties p.grad if it holds the placeholder, so torch stores
+# the new gradient alone; put then writes it out, adding the stored one first (buffer = stored;
+# buffer += new, the same operation torch's accumulation does) and puts the placeholder back. Anything
+# else in p.grad at begin (None after zero_grad(set_to_none=True), or a tensor a user assigned) means
+# the stored bytes are stale: torch's accumulation then starts from that, and put writes the result
+# afresh. A clip factor is recorded, not applied, and multiplied in when the gradient is next read.
+class GradStore:
+    """Gradients of offloaded parameters, on the parameter store's swap space and through its pool.
+
+    Args:
+        io: the parameter store's piece mover (its space and pool).
+        lock: the parameter store's lock (hooks may run on autograd's device threads).
+    """
+
+    def __init__(self, io: PieceIO, lock: threading.RLock):
+        self.io = io
+        self._lock = lock
+        self.grads: dict[torch.Tensor, _Grad] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self.resident_bytes = 0
+        self.resident_bytes_max = 0
+
+    def add(self, param: torch.Tensor, extent: Extent, name: str) -> None:
+        """Give ``param``'s gradient a place (``extent``, as large as the parameter)."""
+        self.grads[param] = _Grad(param, param.numel() * param.element_size(), extent,
+                                  make_placeholder(param, name, self.mark_zero))
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient is here (``param.grad`` is its placeholder)."""
+        g = self.grads.get(param)
+        return g is not None and param.grad is g.placeholder
+
+    def placeholder(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        g = self.grads.get(param)
+        return g.placeholder if g is not None else None
+
+    def begin(self, param: torch.Tensor) -> None:
+        """Before torch accumulates a new gradient into ``param.grad``: step the placeholder aside."""
+        with self._lock:
+            g = self.grads[param]
+            if param.grad is g.placeholder:
+                param.grad = None
+            else:
+                g.state, g.scales = _NONE, []
+
+    def put(self, param: torch.Tensor) -> None:
+        """After torch accumulated into ``param.grad``: move it here, leave the placeholder."""
+        with self._lock:
+            g = self.grads.get(param)
+            grad = param.grad
+            if g is None or grad is None or grad is g.placeholder:
+                return
+            self._count(g.nbytes)
+            try:
+                self._write(g, grad.detach())
+            finally:
+                self._count(-g.nbytes)
+            param.grad = g.placeholder
+            g.state, g.scales = _STORED, []
+
+    def mark_zero(self, param: torch.Tensor) -> None:
+        """``param.grad.zero_()`` on the placeholder: the stored gradient is zero from now on."""
+        with self._lock:
+            g = self.grads[param]
+            g.state, g.scales = _ZERO, []
+
+    def forget(self, param: torch.Tensor) -> None:
+        """The stored gradient is gone (``param.grad`` was set to None or replaced)."""
+        with self._lock:
+            g = self.grads.get(param)
+            if g is not None and param.grad is not g.placeholder:
+                g.state, g.scales = _NONE, []
+
+    def clear(self, param: torch.Tensor) -> None:
+        """Drop the stored gradient (new weights were loaded: it belonged to the old ones)."""
+        with self._lock:
+            g = self.grads.get(param)
+            if g is not None:
+                if param.grad is g.placeholder:
+                    param.grad = None
+                g.state, g.scales = _NONE, []
+
+    def scale(self, param: torch.Tensor, coef: torch.Tensor) -> None:
+        """Multiply the stored gradient by the 0-dim ``coef`` (applied when it is next read)."""
+        with self._lock:
+            g = self.grads[param]
+            if g.state == _STORED:
+                g.scales.append(coef.detach().to("cpu"))
+
+    def span(self, param: torch.Tensor, lo: int, hi: int) -> int:
+        """Bytes of a buffer that :meth:`read` of elements ``[lo, hi)`` occupies (whole aligned blocks)."""
+        align, size = self.io.space.alignment, param.element_size()
+        return round_up(hi * size, align) - (lo * size) // align * align
+
+    def read(self, param: torch.Tensor, lo: int, hi: int, buffer: HostBuffer,
+             buffer_offset: int) -> tuple[GradRead, int]:
+        """Start reading elements ``[lo, hi)`` of the stored gradient into ``buffer`` at ``buffer_offset``.
+
+        ``buffer_offset`` must be a multiple of the swap space's alignment. Returns the read (whose
+        ``wait()`` gives the elements as a view into ``buffer``) and the bytes of ``buffer`` it spans.
+        """
+        with self._lock:
+            g = self.grads[param]
+            if not self.holds(param):
+                raise RuntimeError(f"parameter {g.placeholder._nvme_name} has no gradient in the grad store")
+            space = self.io.space
+            align, size = space.alignment, param.element_size()
+            a, b = (lo * size) // align * align, round_up(hi * size, align)
+            view = buffer.view(param.dtype, buffer_offset + lo * size - a, hi - lo)
+            if g.state == _ZERO:
+                return GradRead(CompletedFuture(), view, True, []), b - a
+            _land(g)  # the read must see the latest bytes
+            fut = space.read(space.sub(g.extent, a, b - a), buffer, buffer_offset=buffer_offset, nbytes=b - a)
+            self.bytes_read += b - a
+            return GradRead(fut, view, False, list(g.scales)), b - a
+
+    def load(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """A new tensor holding ``param``'s stored gradient (None without one), read through the pool."""
+        with self._lock:
+            g = self.grads.get(param)
+            if g is None or not self.holds(param):
+                return None
+            out = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+            self._count(g.nbytes)
+            self._count(-g.nbytes)  # the caller holds it; counted as one gradient resident at a time
+            with torch._C.DisableTorchFunctionSubclass():
+                if g.state == _ZERO:
+                    return out.zero_()
+                _land(g)  # the read must see the latest bytes
+                self.bytes_read += self.io.read_into(out.view(-1).view(torch.uint8), g.extent,
+                                                     what=lambda: f"the gradient of {g.placeholder._nvme_name}")
+                for coef in g.scales:
+                    out.mul_(coef)
+            return out
+
+    def reset_peak(self) -> None:
+        """Restart ``resident_bytes_max`` from the gradient bytes resident now."""
+        self.resident_bytes_max = self.resident_bytes
+
+    @property
+    def swap_bytes(self) -> int:
+        """Bytes of the swap space reserved for gradients."""
+        return sum(g.extent.nbytes for g in self.grads.values())
+
+    def drain(self) -> None:
+        """Forget landed writes (the pool's slots were settled: every write's source was one of them)."""
+        for g in self.grads.values():
+            g.writes.clear()
+
+    def _count(self, nbytes: int) -> None:
+        self.resident_bytes += nbytes
+        self.resident_bytes_max = max(self.resident_bytes_max, self.resident_bytes)
+
+    def _write(self, g: _Grad, grad: torch.Tensor) -> None:
+        """Write ``grad`` to ``g``'s extent, added to what is stored there (per ``g.state``)."""
+        _land(g)  # earlier writes of this extent first: a read-add sees them, a rewrite follows them
+        with torch._C.DisableTorchFunctionSubclass():
+            src = grad.reshape(-1)
+            if not src.is_contiguous():
+                src = src.contiguous()
+            raw = src.view(torch.uint8)
+            size = src.element_size()
+            piece = self.io.piece
+            state, scales = g.state, g.scales
+
+            def fill(k: int, view: torch.Tensor, stored: bool) -> None:
+                n = view.numel()
+                part = src[k * piece // size:(k * piece + n) // size]
+                if state == _NONE:
+                    view.copy_(raw[k * piece:k * piece + n])
+                    return
+                typed = view.view(src.dtype)
+                if stored:
+                    self.bytes_read += round_up(n, self.io.space.alignment)
+                    for coef in scales:
+                        typed.mul_(coef)
+                else:
+                    typed.zero_()  # zero_grad(set_to_none=False): torch adds into zeros, so do we
+                typed.add_(part if part.device.type == "cpu" else part.to("cpu"))
+
+            self.bytes_written += self.io.write_from(raw, g.extent, g.writes, fill=fill,
+                                                     read_first=lambda k: state == _STORED)
+
+
+def _land(g: _Grad) -> None:
+    """Wait for every write of ``g``'s extent and forget them. If one failed, the stored gradient is
+    gone (raised once, here; ``p.grad`` no longer claims it, so the next backward starts afresh)."""
+    futures, g.writes = g.writes, []
+    first = None
+    for fut in futures:
+        try:
+            fut.wait()
+        except OSError as err:
+            first = first or err
+    if first is not None:
+        g.state, g.scales = _NONE, []
+        if g.param.grad is g.placeholder:
+            g.param.grad = None
+        raise first

@@ -1,0 +1,187 @@
+"""Offloaded state changed on disk behind our back (bit flips, zeroed or overwritten ranges, truncated swap
+files) is found at the next read, named, and never trained on or copied into a checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import OPT, TINY, Net, assert_same, flip_bit, loss_of, restore, snapshot
+
+from offload import OffloadedAdamW, StateError, offload_parameters, restore_parameters
+from offload import checkpoint as ckpt
+from offload.params import offloaded
+
+SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
+SIZES = (10, 5000, 70_000, 300_001)
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
+
+
+def train(opt, params, steps):
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def unit_on_disk(opt, i: int) -> tuple[str, int, int]:
+    """(swap file, file offset, bytes) of unit ``i`` (one nvme_path: logical offset = file offset)."""
+    store = opt.state_store
+    unit = store.layout.units[i]
+    return store.space.files[0], unit.extent.offset, unit.nbytes
+
+
+def zero_range(path, offset, nbytes):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(nbytes))
+
+
+def overwrite_range(path, offset, nbytes):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(os.urandom(nbytes))
+
+
+@pytest.mark.parametrize("damage", ["flip", "zero", "overwrite"])
+def test_changed_state_is_named_at_the_next_step_and_blocks_steps_until_restored(tmp_path, nvme, damage):
+    """A unit's bytes changed on disk between steps: the next step raises StateError naming the swap file,
+    the offset, the unit and the parameters, later steps and saves refuse, and loading the last good
+    checkpoint brings training back bit for bit onto a run that was never damaged."""
+    params, ref_params = make_params(), make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **SMALL)
+    ref = OffloadedAdamW(ref_params, lr=1e-2, nvme_path=str(tmp_path / "ref"), **SMALL)
+    try:
+        train(opt, params, [0, 1])
+        train(ref, ref_params, [0, 1])
+        opt.save_checkpoint(tmp_path / "good")
+        good_weights = snapshot(params)
+        path, offset, nbytes = unit_on_disk(opt, 1)
+        if damage == "flip":
+            flip_bit(path, offset + nbytes // 2, 0x10)
+        elif damage == "zero":
+            zero_range(path, offset, 4096)
+        else:
+            overwrite_range(path, offset + 8192, 512)
+        before = snapshot(params)
+        with pytest.raises(StateError) as info:
+            train(opt, params, [2])
+        msg = str(info.value)
+        assert path in msg and "unit 1" in msg and "parameter 2" in msg and "load_checkpoint" in msg
+        assert str(offset) in msg
+        with pytest.raises(StateError):
+            train(opt, params, [2])
+        with pytest.raises(StateError):
+            opt.save_checkpoint(tmp_path / "bad")
+        assert not (tmp_path / "bad").exists()
+        # The parameters the damaged unit holds were not changed by the refused step beyond what
+        # earlier units' updates did; restoring the checkpoint restores everything.
+        del before
+        opt.load_checkpoint(tmp_path / "good")
+        restore(params, good_weights)
+        train(opt, params, [2, 3])
+        train(ref, ref_params, [2, 3])
+        assert_same(params, ref_params)
+    finally:
+        opt.close()
+        ref.close()
+
+
+def test_a_truncated_swap_file_is_an_io_error_naming_file_and_offset_and_blocks_steps(nvme):
+    """A swap file cut short between steps: the next step's read returns fewer bytes than asked, which is
+    an OSError naming the swap file and the offset, and the optimizer refuses to step after it."""
+    params = make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **SMALL)
+    try:
+        train(opt, params, [0])
+        path, offset, _ = unit_on_disk(opt, 1)
+        os.truncate(path, offset + 4096)
+        with pytest.raises(OSError) as info:
+            train(opt, params, [1])
+        assert info.value.filename == path or path in str(info.value)
+        with pytest.raises(StateError):
+            train(opt, params, [2])
+    finally:
+        opt.close()
+
+
+def test_a_checkpoint_never_copies_changed_state(tmp_path, nvme):
+    """Saving right after the swap file was damaged (no step in between) refuses with StateError and
+    leaves the previous checkpoint as it was."""
+    params = make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **SMALL)
+    try:
+        train(opt, params, [0])
+        opt.save_checkpoint(tmp_path / "c")
+        before = ckpt.read_manifest(tmp_path / "c")
+        path, offset, nbytes = unit_on_disk(opt, 0)
+        flip_bit(path, offset + 100)
+        with pytest.raises(StateError, match="unit 0"):
+            opt.save_checkpoint(tmp_path / "c")
+        assert ckpt.read_manifest(tmp_path / "c") == before
+        ckpt.verify_checkpoint(tmp_path / "c")
+    finally:
+        opt.close()
+
+
+def test_changed_offloaded_weights_are_named_at_the_next_fetch_and_never_saved(tmp_path, nvme):
+    """offload_parameters: a weight's bytes changed in the parameter swap file are found when it is next
+    fetched (StateError naming the parameter) and when a checkpoint would copy them."""
+    torch.manual_seed(0)
+    model = offload_parameters(Net(), nvme_path=nvme, **TINY)
+    try:
+        with torch.no_grad():
+            model(torch.randn(4, 32))
+        store = offloaded(model).store
+        rec = store.records[model.blocks[1].up.weight]
+        path = store.space.files[0]
+        flip_bit(path, rec.extent.offset + 64)
+        with pytest.raises(StateError, match=r"blocks\.1\.up\.weight"):
+            ckpt.save_parameters(model, tmp_path / "w")
+        assert not (tmp_path / "w").exists()
+        with pytest.raises(StateError, match=r"blocks\.1\.up\.weight.*changed behind our back"):
+            with torch.no_grad():
+                model(torch.randn(4, 32))
+    finally:
+        offloaded(model).scheduler.remove()
+        offloaded(model).store.close()
+
+
+def test_a_failed_write_back_of_weights_loses_no_pool_buffer_and_is_reported(nvme):
+    """An I/O error while the parameter store writes weights back is reported (the weights it carried are
+    lost, so fetching them refuses until a checkpoint is loaded) and every pool buffer stays usable."""
+    torch.manual_seed(0)
+    model = offload_parameters(Net(), nvme_path=nvme, **TINY)
+    store = offloaded(model).store
+    try:
+        opt = OffloadedAdamW(model.parameters(), nvme_path=os.path.join(nvme, "opt"), **OPT)
+        loss_of(model, 0).backward()
+        store.space.inject_fault("error", op="write", count=1)
+        with pytest.raises(OSError):
+            opt.step()
+            # The failed write is found when its extent is next touched.
+            loss_of(model, 1).backward()
+        assert len(store.slots.free) == len(store.pool), "a pool buffer was lost"
+        opt.close()
+    finally:
+        offloaded(model).scheduler.remove()
+        store.close()
+
+
+def test_restore_parameters_after_damage_refuses_instead_of_restoring_garbage(nvme):
+    """restore_parameters reads every weight back: damaged bytes are refused, not restored into the model."""
+    torch.manual_seed(0)
+    model = offload_parameters(Net(), nvme_path=nvme, **TINY)
+    store = offloaded(model).store
+    rec = store.records[model.head.weight]
+    flip_bit(store.space.files[0], rec.extent.offset + 8)
+    with pytest.raises(StateError, match="head.weight"):
+        restore_parameters(model)
+    offloaded(model).scheduler.remove()
+    store.close()
