@@ -17,11 +17,10 @@ import pytest
 import torch
 from helpers import REPO, python_env
 
-from offload import OffloadedAdamW
+from offload import OffloadedAdamW, save_parameters
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
 from offload.checkpoint.format import MANIFEST
-from offload.params import save_parameters
 
 SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
 SIZES = (10, 5000, 70_000)
