@@ -1,16 +1,6 @@
-"""The asynchronous I/O engine: moves bytes between host buffers and files.
+"""The asynchronous I/O engine: moves bytes between host buffers and files, and opens files for it.
 
-# NOTE: this is the only layer that talks to the native engine (through offload._native). A request
-# is a list of segments (file range <-> buffer range); the native side cuts it into ``block_size``
-# pieces, keeps ``queue_depth`` of them in flight per worker and checks every completion. A Future
-# stands for one request: ``wait()`` returns the bytes moved or raises ``OSError(errno, strerror,
-# path)``. Waiting happens in C with the GIL released, so Python threads keep running meanwhile.
-
-Example::
-
-    with Engine(AioConfig(queue_depth=32)) as engine, BufferPool(1, 1 << 20) as pool:
-        with engine.open("/mnt/nvme/data", "w+") as f:
-            engine.write(f, pool[0], offset=0)
+The only layer that talks to the native engine (through ``offload._native``).
 """
 
 from __future__ import annotations
@@ -467,6 +457,12 @@ class FutureGroup:
         return total
 
 
+# NOTE: a request is a list of segments (file range <-> buffer range); the native side cuts it into
+# ``block_size`` pieces, keeps ``queue_depth`` of them in flight per worker and checks every
+# completion. A Future stands for one request: ``wait()`` returns the bytes moved or raises
+# ``OSError(errno, strerror, path)``. Waiting happens in C with the GIL released, so Python threads
+# keep running meanwhile. The workers are threads of the creating process, which is why an engine
+# refuses use in a forked child (see offload._proc.reset_after_fork).
 class Engine:
     """The native I/O engine.
 
@@ -487,6 +483,12 @@ class Engine:
     An engine belongs to the process that created it: in a child forked later (the workers are
     threads, which ``fork`` does not copy), every use raises ``RuntimeError``, and ``close`` (or
     garbage collection, or interpreter exit) returns at once without touching the parent's work.
+
+    Example::
+
+        with Engine(AioConfig(queue_depth=32)) as engine, BufferPool(1, 1 << 20) as pool:
+            with engine.open("/mnt/nvme/data", "w+") as f:
+                engine.write(f, pool[0], offset=0)
     """
 
     def __init__(self, config: AioConfig | Mapping | None = None, **overrides):

@@ -25,8 +25,7 @@ from offload import aio
 from offload._native import HAVE_IO_URING, ffi, lib
 from offload.aio import READ, WRITE, Engine, FutureGroup, Segment
 from offload.buffers import BufferPool, HostBuffer
-
-KiB, MiB = 1 << 10, 1 << 20
+from offload.units import KIB, MIB
 
 
 def random_bytes(n: int, seed: int = 0) -> np.ndarray:
@@ -49,11 +48,11 @@ def file_bytes(path: str, offset: int, n: int) -> np.ndarray:
 
 SHAPES = {
     # name: (block_size, queue_depth, thread_count, nbytes, file_offset, buffer_offset)
-    "one_block": (64 * KiB, 4, 1, 64 * KiB, 0, 0),
-    "many_blocks": (64 * KiB, 8, 1, 1 * MiB, 128 * KiB, 4 * KiB),
-    "short_tail": (64 * KiB, 4, 1, 3 * 64 * KiB + 12 * KiB, 4 * KiB, 8 * KiB),
-    "more_pieces_than_queue_depth": (64 * KiB, 2, 1, 5 * MiB, 0, 0),
-    "three_workers": (64 * KiB, 4, 3, 3 * MiB + 4 * KiB, 8 * KiB, 0),
+    "one_block": (64 * KIB, 4, 1, 64 * KIB, 0, 0),
+    "many_blocks": (64 * KIB, 8, 1, 1 * MIB, 128 * KIB, 4 * KIB),
+    "short_tail": (64 * KIB, 4, 1, 3 * 64 * KIB + 12 * KIB, 4 * KIB, 8 * KIB),
+    "more_pieces_than_queue_depth": (64 * KIB, 2, 1, 5 * MIB, 0, 0),
+    "three_workers": (64 * KIB, 4, 3, 3 * MIB + 4 * KIB, 8 * KIB, 0),
 }
 
 
@@ -80,10 +79,10 @@ def test_round_trip_is_identical(scratch, backend, shape, single_submit, overlap
 def test_vectored_request_moves_every_segment(scratch, backend):
     """One request of several segments, each at its own file and buffer offset, moves them all."""
     path = os.path.join(scratch, "f")
-    layout = [(0, 8 * KiB, 68 * KiB), (1 * MiB, 0, 4 * KiB), (256 * KiB, 200 * KiB, 128 * KiB)]
-    data = random_bytes(512 * KiB, seed=1)
-    with Engine(backend=backend, block_size=16 * KiB, queue_depth=4) as e, \
-            BufferPool(2, 512 * KiB) as pool, e.open(path, "w+") as f:
+    layout = [(0, 8 * KIB, 68 * KIB), (1 * MIB, 0, 4 * KIB), (256 * KIB, 200 * KIB, 128 * KIB)]
+    data = random_bytes(512 * KIB, seed=1)
+    with Engine(backend=backend, block_size=16 * KIB, queue_depth=4) as e, \
+            BufferPool(2, 512 * KIB) as pool, e.open(path, "w+") as f:
         fill(pool[0], data)
         segs = [Segment(f, fo, pool[0], bo, n) for fo, bo, n in layout]
         assert e.submit(WRITE, segs).wait() == sum(n for *_, n in layout)
@@ -98,9 +97,9 @@ def test_vectored_request_moves_every_segment(scratch, backend):
 @pytest.mark.slow
 def test_256_mib_of_random_bytes_survive_o_direct(scratch, backend):
     """256 MiB of random bytes written with O_DIRECT at 1 MiB blocks, queue depth 32, read back identical."""
-    n = 256 * MiB
+    n = 256 * MIB
     path = os.path.join(scratch, "big")
-    with Engine(backend=backend, block_size=1 * MiB, queue_depth=32) as e, BufferPool(2, n) as pool, \
+    with Engine(backend=backend, block_size=1 * MIB, queue_depth=32) as e, BufferPool(2, n) as pool, \
             e.open(path, "w+", o_direct=True) as f:
         e.register_buffers(pool)
         fill(pool[0], random_bytes(n, seed=256))
@@ -113,9 +112,9 @@ def test_256_mib_of_random_bytes_survive_o_direct(scratch, backend):
 def test_concurrent_submissions_from_python_threads(scratch, backend):
     """Eight Python threads writing and reading their own regions at once all get their own data back."""
     path = os.path.join(scratch, "f")
-    region, rounds, nthreads = 256 * KiB, 4, 8
+    region, rounds, nthreads = 256 * KIB, 4, 8
     errors: list[BaseException] = []
-    with Engine(backend=backend, block_size=64 * KiB, queue_depth=4, thread_count=2) as e, \
+    with Engine(backend=backend, block_size=64 * KIB, queue_depth=4, thread_count=2) as e, \
             e.open(path, "w+") as f:
 
         def worker(t: int) -> None:
@@ -141,16 +140,16 @@ def test_concurrent_submissions_from_python_threads(scratch, backend):
 def test_read_past_end_of_file_returns_the_prefix(scratch, backend):
     """A read crossing end of file returns the bytes that exist; one entirely past it returns 0."""
     path = os.path.join(scratch, "f")
-    data = random_bytes(12 * KiB + 1808, seed=2)  # not a multiple of 4096: the tail is short
+    data = random_bytes(12 * KIB + 1808, seed=2)  # not a multiple of 4096: the tail is short
     with open(path, "wb") as fh:
         fh.write(data.tobytes())
-    with Engine(backend=backend, block_size=8 * KiB) as e, BufferPool(1, 64 * KiB) as pool, \
+    with Engine(backend=backend, block_size=8 * KIB) as e, BufferPool(1, 64 * KIB) as pool, \
             e.open(path, "r") as f:
         assert f.o_direct
         assert e.read(f, pool[0], 0) == len(data)
         assert np.array_equal(pool[0].numpy()[:len(data)], data)
-        assert e.read(f, pool[0], 8 * KiB, 16 * KiB) == len(data) - 8 * KiB
-        assert e.read(f, pool[0], 1 * MiB, 16 * KiB) == 0
+        assert e.read(f, pool[0], 8 * KIB, 16 * KIB) == len(data) - 8 * KIB
+        assert e.read(f, pool[0], 1 * MIB, 16 * KIB) == 0
 
 
 def test_exact_read_past_end_of_file_is_enodata_naming_file_offset_and_bytes(scratch, backend):
@@ -158,19 +157,19 @@ def test_exact_read_past_end_of_file_is_enodata_naming_file_offset_and_bytes(scr
     file offset and the bytes expected and got; a full exact read returns every byte."""
     path = os.path.join(scratch, "f")
     with open(path, "wb") as fh:
-        fh.write(random_bytes(40 * KiB, seed=8).tobytes())
-    with Engine(backend=backend, block_size=8 * KiB) as e, HostBuffer(64 * KiB) as buf, \
+        fh.write(random_bytes(40 * KIB, seed=8).tobytes())
+    with Engine(backend=backend, block_size=8 * KIB) as e, HostBuffer(64 * KIB) as buf, \
             e.open(path, "r") as f:
-        whole = [Segment(f, 0, buf, 0, 16 * KiB), Segment(f, 24 * KiB, buf, 16 * KiB, 16 * KiB)]
-        assert e.submit(READ, whole, exact=True).wait() == 32 * KiB
-        cut = [Segment(f, 0, buf, 0, 16 * KiB), Segment(f, 32 * KiB, buf, 16 * KiB, 16 * KiB)]
-        assert e.submit(READ, cut).wait() == 16 * KiB + 8 * KiB  # not exact: the prefix, as before
+        whole = [Segment(f, 0, buf, 0, 16 * KIB), Segment(f, 24 * KIB, buf, 16 * KIB, 16 * KIB)]
+        assert e.submit(READ, whole, exact=True).wait() == 32 * KIB
+        cut = [Segment(f, 0, buf, 0, 16 * KIB), Segment(f, 32 * KIB, buf, 16 * KIB, 16 * KIB)]
+        assert e.submit(READ, cut).wait() == 16 * KIB + 8 * KIB  # not exact: the prefix, as before
         with pytest.raises(OSError) as info:
             e.submit(READ, cut, exact=True).wait()
         assert info.value.errno == errno.ENODATA and info.value.filename == path
-        assert f"file offset {32 * KiB}: expected {16 * KiB} bytes, got {8 * KiB}" in str(info.value)
-        with pytest.raises(OSError, match=f"file offset {1 * MiB}: expected 4096 bytes, got 0"):
-            e.submit(READ, [Segment(f, 1 * MiB, buf, 0, 4096)], exact=True).wait()
+        assert f"file offset {32 * KIB}: expected {16 * KIB} bytes, got {8 * KIB}" in str(info.value)
+        with pytest.raises(OSError, match=f"file offset {1 * MIB}: expected 4096 bytes, got 0"):
+            e.submit(READ, [Segment(f, 1 * MIB, buf, 0, 4096)], exact=True).wait()
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -222,11 +221,11 @@ def test_write_to_read_only_file_is_ebadf_naming_the_path(scratch, backend):
 def test_closed_engine_refuses_work_and_futures_keep_results(scratch, backend):
     """After close, calls raise ValueError, while futures submitted before still return their result."""
     path = os.path.join(scratch, "f")
-    e = Engine(backend=backend, block_size=64 * KiB)
-    with HostBuffer(1 * MiB) as buf, e.open(path, "w+") as f:
-        futures = [e.write_async(f, buf, i * MiB) for i in range(4)]
+    e = Engine(backend=backend, block_size=64 * KIB)
+    with HostBuffer(1 * MIB) as buf, e.open(path, "w+") as f:
+        futures = [e.write_async(f, buf, i * MIB) for i in range(4)]
         e.close()
-        assert [fu.wait() for fu in futures] == [1 * MiB] * 4
+        assert [fu.wait() for fu in futures] == [1 * MIB] * 4
         assert all(fu.done() for fu in futures)
         for call in (lambda: e.write(f, buf, 0), lambda: e.read_async(f, buf, 0), e.stats,
                      lambda: e.inject_fault("none"), lambda: e.register_buffers([])):
@@ -241,9 +240,9 @@ def test_closed_engine_refuses_work_and_futures_keep_results(scratch, backend):
 def test_short_transfer_is_resubmitted(scratch, backend, op):
     """Every piece coming back half done is resubmitted for its remainder: the bytes are right."""
     path = os.path.join(scratch, "f")
-    n = 2 * MiB
+    n = 2 * MIB
     data = random_bytes(n, seed=3)
-    with Engine(backend=backend, block_size=256 * KiB, queue_depth=4) as e, BufferPool(2, n) as pool, \
+    with Engine(backend=backend, block_size=256 * KIB, queue_depth=4) as e, BufferPool(2, n) as pool, \
             e.open(path, "w+") as f:
         fill(pool[0], data)
         e.inject_fault("short", op=op, count=-1)
@@ -251,15 +250,15 @@ def test_short_transfer_is_resubmitted(scratch, backend, op):
         assert np.array_equal(file_bytes(path, 0, n), data)
         assert e.read(f, pool[1], 0) == n
         assert np.array_equal(pool[1].numpy(), data)
-        assert e.stats()["resubmits"] >= n // (256 * KiB)
+        assert e.stats()["resubmits"] >= n // (256 * KIB)
 
 
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_failed_request_is_eio_with_path_and_offset(scratch, backend, op):
     """An injected failure surfaces as OSError EIO naming the file and offset; the engine goes on working."""
     path = os.path.join(scratch, "f")
-    offset = 3 * MiB
-    with Engine(backend=backend, block_size=64 * KiB) as e, HostBuffer(64 * KiB) as buf, \
+    offset = 3 * MIB
+    with Engine(backend=backend, block_size=64 * KIB) as e, HostBuffer(64 * KIB) as buf, \
             e.open(path, "w+") as f:
         e.write(f, buf, offset)
         e.inject_fault("error", op=op)
@@ -270,18 +269,18 @@ def test_failed_request_is_eio_with_path_and_offset(scratch, backend, op):
         assert info.value.filename == path
         assert f"{op} at offset {offset}" in str(info.value)
         assert e.stats()["failures"] == 1
-        fill(buf, random_bytes(64 * KiB, seed=4))
-        assert e.write(f, buf, offset) == 64 * KiB
-        assert e.read(f, buf, offset) == 64 * KiB
+        fill(buf, random_bytes(64 * KIB, seed=4))
+        assert e.write(f, buf, offset) == 64 * KIB
+        assert e.read(f, buf, offset) == 64 * KIB
 
 
 def test_failure_of_one_segment_fails_the_whole_request(scratch, backend):
     """A request whose second segment fails raises, naming that segment's file, though the others succeed."""
     a, b = os.path.join(scratch, "a"), os.path.join(scratch, "b")
-    with Engine(backend=backend, block_size=64 * KiB, thread_count=1) as e, HostBuffer(192 * KiB) as buf, \
+    with Engine(backend=backend, block_size=64 * KIB, thread_count=1) as e, HostBuffer(192 * KIB) as buf, \
             e.open(a, "w+") as fa, e.open(b, "w+") as fb:
-        segs = [Segment(fa, 0, buf, 0, 64 * KiB), Segment(fb, 0, buf, 64 * KiB, 64 * KiB),
-                Segment(fa, 64 * KiB, buf, 128 * KiB, 64 * KiB)]
+        segs = [Segment(fa, 0, buf, 0, 64 * KIB), Segment(fb, 0, buf, 64 * KIB, 64 * KIB),
+                Segment(fa, 64 * KIB, buf, 128 * KIB, 64 * KIB)]
         e.inject_fault("error", op="write", errno=errno.ENOSPC)
         fut = e.submit(WRITE, segs[1:2])
         # Let the armed fault land on b's piece, the only one queued: with several workers, a piece
@@ -292,12 +291,12 @@ def test_failure_of_one_segment_fails_the_whole_request(scratch, backend):
         with pytest.raises(OSError) as info:
             FutureGroup([others[0], fut, others[1]]).wait()
         assert info.value.errno == errno.ENOSPC and info.value.filename == b
-        assert [o.wait() for o in others] == [64 * KiB, 64 * KiB]
+        assert [o.wait() for o in others] == [64 * KIB, 64 * KIB]
         e.inject_fault("error", op="write", skip=1, errno=errno.ENOSPC)
         with pytest.raises(OSError) as info:
             e.submit(WRITE, segs).wait()
         assert info.value.errno == errno.ENOSPC
-        assert e.submit(WRITE, segs).wait() == 192 * KiB
+        assert e.submit(WRITE, segs).wait() == 192 * KIB
 
 
 def test_unwaited_failure_is_not_swallowed(scratch, backend):
@@ -314,7 +313,7 @@ def test_unwaited_failure_is_not_swallowed(scratch, backend):
 
 def test_waiting_releases_the_gil(scratch, backend):
     """A Python thread keeps counting while the main thread waits on 128 MiB of I/O."""
-    n = 128 * MiB
+    n = 128 * MIB
     path = os.path.join(scratch, "f")
     count = 0
     stop = threading.Event()
@@ -324,7 +323,7 @@ def test_waiting_releases_the_gil(scratch, backend):
         while not stop.is_set():
             count += 1
 
-    with Engine(backend=backend, block_size=1 * MiB, queue_depth=8) as e, HostBuffer(n) as buf, \
+    with Engine(backend=backend, block_size=1 * MIB, queue_depth=8) as e, HostBuffer(n) as buf, \
             e.open(path, "w+") as f:
         t = threading.Thread(target=counter)
         t.start()
@@ -346,7 +345,7 @@ def test_waiting_releases_the_gil(scratch, backend):
 def test_misaligned_o_direct_request_names_value_and_alignment(scratch, backend):
     """Misaligned offsets, lengths and buffer addresses under O_DIRECT are ValueErrors naming the need."""
     path = os.path.join(scratch, "f")
-    with Engine(backend=backend) as e, HostBuffer(64 * KiB) as buf, e.open(path, "w+") as f:
+    with Engine(backend=backend) as e, HostBuffer(64 * KIB) as buf, e.open(path, "w+") as f:
         with pytest.raises(ValueError, match="file offset 100 is not a multiple of 4096"):
             e.write(f, buf, 100, 4096)
         with pytest.raises(ValueError, match="length 1000 is not a multiple of 4096"):
@@ -354,9 +353,9 @@ def test_misaligned_o_direct_request_names_value_and_alignment(scratch, backend)
         with pytest.raises(ValueError, match=f"buffer address {buf.address + 512} is not a multiple of 4096"):
             e.write(f, buf, 0, 4096, buffer_offset=512)
         with pytest.raises(ValueError, match="do not fit in a buffer of 65536 bytes"):
-            e.read(f, buf, 0, 128 * KiB)
+            e.read(f, buf, 0, 128 * KIB)
         with pytest.raises(ValueError, match="do not fit"):
-            e.read(f, buf, 0, 4096, buffer_offset=64 * KiB)
+            e.read(f, buf, 0, 4096, buffer_offset=64 * KIB)
         with pytest.raises(ValueError, match="must not be negative"):
             e.read(f, buf, -4096, 4096)
         assert e.stats()["requests"] == 0
@@ -455,7 +454,7 @@ def test_o_direct_auto_falls_back_to_buffered_with_one_warning(no_o_direct_dir, 
     """o_direct="auto" on a refusing file system warns once, then buffered I/O (any alignment) works."""
     monkeypatch.setattr(aio, "_warned_devices", set())
     data = random_bytes(10_000, seed=5)
-    with Engine(backend=backend, block_size=4096) as e, BufferPool(2, 16 * KiB) as pool:
+    with Engine(backend=backend, block_size=4096) as e, BufferPool(2, 16 * KIB) as pool:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             f = e.open(os.path.join(no_o_direct_dir, "f"), "w+")
@@ -508,15 +507,15 @@ def test_o_direct_required_leaves_no_file_it_created_and_keeps_one_it_did_not(no
 def test_registered_pool_is_used_as_fixed_buffers(scratch, backend):
     """A registered pool is reported as fixed buffers on io_uring, and data still round trips through it."""
     path = os.path.join(scratch, "f")
-    with Engine(backend=backend, block_size=64 * KiB, thread_count=2) as e, \
-            BufferPool(3, 256 * KiB) as pool, e.open(path, "w+") as f:
+    with Engine(backend=backend, block_size=64 * KIB, thread_count=2) as e, \
+            BufferPool(3, 256 * KIB) as pool, e.open(path, "w+") as f:
         assert e.register_buffers(pool)
         assert e.stats()["fixed_buffers"] == (len(pool) if backend == "io_uring" else 0)
-        data = random_bytes(256 * KiB, seed=6)
+        data = random_bytes(256 * KIB, seed=6)
         fill(pool[0], data)
         e.write(f, pool[0], 0)
-        e.read(f, pool[2], 0, 192 * KiB, buffer_offset=64 * KiB)
-        assert np.array_equal(pool[2].numpy()[64 * KiB:], data[:192 * KiB])
+        e.read(f, pool[2], 0, 192 * KIB, buffer_offset=64 * KIB)
+        assert np.array_equal(pool[2].numpy()[64 * KIB:], data[:192 * KIB])
         assert e.register_buffers([])
         assert e.stats()["fixed_buffers"] == 0
         e.read(f, pool[1], 0)
@@ -526,21 +525,21 @@ def test_registered_pool_is_used_as_fixed_buffers(scratch, backend):
 def test_segment_outside_its_registered_buffer_is_rejected(scratch, backend):
     """The native engine refuses a fixed-buffer segment that is not inside the buffer it names."""
     path = os.path.join(scratch, "f")
-    with Engine(backend=backend) as e, BufferPool(2, 64 * KiB) as pool, e.open(path, "w+") as f:
+    with Engine(backend=backend) as e, BufferPool(2, 64 * KIB) as pool, e.open(path, "w+") as f:
         assert e.register_buffers(pool)
         segs = ffi.new("ofl_segment[]", 1)
         out = ffi.new("ofl_request **")
-        for address, nbytes in ((pool[1].address, 4096), (pool[0].address + 60 * KiB, 8192)):
+        for address, nbytes in ((pool[1].address, 4096), (pool[0].address + 60 * KIB, 8192)):
             segs[0].fd, segs[0].buf_index, segs[0].offset = f.fd, 0, 0
             segs[0].buf, segs[0].len = ffi.cast("void *", address), nbytes
             assert lib.ofl_engine_submit(e._handle, lib.OFL_OP_WRITE, segs, 1, out) == -errno.EINVAL
-        assert e.write(f, pool[0], 0) == 64 * KiB
+        assert e.write(f, pool[0], 0) == 64 * KIB
 
 
 def test_registering_is_refused_while_requests_are_live(scratch, backend):
     """Registering buffers while a request is in flight is a clear error, not a race with the kernel."""
     path = os.path.join(scratch, "f")
-    with Engine(backend=backend, block_size=64 * KiB, queue_depth=1) as e, BufferPool(1, 64 * MiB) as pool, \
+    with Engine(backend=backend, block_size=64 * KIB, queue_depth=1) as e, BufferPool(1, 64 * MIB) as pool, \
             e.open(path, "w+") as f:
         # 1024 pieces written one at a time take ~100 ms even on fast disks: still in flight below.
         fut = e.write_async(f, pool[0], 0)
@@ -612,8 +611,8 @@ def test_closing_a_file_waits_for_its_requests(scratch, backend):
     """A file closed while its writes are in flight keeps its descriptor until they finish: no other
     file opened meanwhile can receive their bytes."""
     path, other = os.path.join(scratch, "f"), os.path.join(scratch, "other")
-    n = 32 * MiB
-    with Engine(backend=backend, block_size=1 * MiB, queue_depth=2) as e, HostBuffer(n) as buf:
+    n = 32 * MIB
+    with Engine(backend=backend, block_size=1 * MIB, queue_depth=2) as e, HostBuffer(n) as buf:
         fill(buf, random_bytes(n, seed=7))
         f = e.open(path, "w+")
         fut = e.write_async(f, buf, 0)
