@@ -24,21 +24,19 @@ import time
 
 from offload.aio import Engine
 from offload.buffers import BufferPool
-from offload.units import parse_size
-
-GIB = float(1 << 30)
+from offload.pipeline import Pipeline
+from offload.units import GIB, parse_size
 
 
 def ours(engine, pool, f, op: str, size: int) -> float:
+    """GiB/s of ``op`` over ``size`` bytes of ``f``, one request per buffer, every buffer in flight."""
     chunk = pool.buffer_size
-    pending, start = [], time.perf_counter()
-    for i in range(size // chunk):
-        if len(pending) >= len(pool):
-            pending.pop(0).wait()
-        submit = engine.write_async if op == "write" else engine.read_async
-        pending.append(submit(f, pool[i % len(pool)], i * chunk))
-    for fut in pending:
-        fut.wait()
+    io = lambda i, buf: (engine.write_async if op == "write" else engine.read_async)(f, buf, i * chunk)  # noqa: E731
+    start = time.perf_counter()
+    if op == "write":
+        Pipeline(list(pool)).run(range(size // chunk), process=lambda i, buf: True, write=io)
+    else:
+        Pipeline(list(pool)).run(range(size // chunk), read=io, process=lambda i, buf: False)
     return size / (time.perf_counter() - start) / GIB
 
 

@@ -19,13 +19,11 @@ from typing import Any
 import torch
 
 from ..adam import OffloadedAdamW
-from ..units import format_size
+from ..units import GIB, format_size
 from . import report
 from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, count_arg, positive_int_arg
 from .fio import write_read_gib_s
 from .workload import TENSOR_ELEMENTS, synthetic_params
-
-GIB = float(1 << 30)
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

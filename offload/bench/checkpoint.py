@@ -23,7 +23,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from ..adam import OffloadedAdamW
-from ..units import format_size
+from ..units import GIB, format_size
 from . import report
 from .cli import (
     UsageError,
@@ -37,7 +37,6 @@ from .cli import (
 from .fio import write_read_gib_s
 from .workload import TENSOR_ELEMENTS, synthetic_params
 
-GIB = float(1 << 30)
 JSON_KEYS = ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s",
              "fio_write_gib_s", "fio_read_gib_s")
 

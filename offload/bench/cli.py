@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Sequence
 
 from ..config import load_config
 from ..errors import OffloadError
-from ..units import format_size, parse_count, parse_size
+from ..units import ALIGNMENT, format_size, parse_count, parse_size, round_up
 
 PROG = "offload-bench"
 
@@ -32,7 +32,6 @@ COMMANDS = ("offload.bench.io", "offload.bench.adam", "offload.bench.checkpoint"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # The direct-I/O alignment every request respects; sizes and block sizes must be multiples of it.
-ALIGNMENT = 4096
 
 
 class UsageError(Exception):
@@ -62,7 +61,7 @@ def block_size_arg(text: str) -> int:
     n = size_arg(text)
     if n % ALIGNMENT:
         raise argparse.ArgumentTypeError(
-            f"block size {text!r} ({n} bytes) is not a multiple of {ALIGNMENT}; try {_round_up(n)} bytes"
+            f"block size {text!r} ({n} bytes) is not a multiple of {ALIGNMENT}; try {round_up(n, ALIGNMENT)} bytes"
         )
     return n
 
@@ -106,10 +105,6 @@ def list_arg(item: Callable[[str], int]) -> Callable[[str], list[int]]:
 
     parse.__name__ = "list"
     return parse
-
-
-def _round_up(n: int, multiple: int = ALIGNMENT) -> int:
-    return -(-n // multiple) * multiple
 
 
 def short_size(n: int) -> str:

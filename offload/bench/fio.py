@@ -18,13 +18,14 @@ import subprocess
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..units import GIB
+
 INSTALL_HINT = (
     "fio is not installed (or not on PATH). Install it with your package manager "
     "(apt-get install fio, dnf install fio, pacman -S fio, brew install fio), "
     "or run without --fio to skip the comparison."
 )
 
-GIB = float(1 << 30)
 
 
 class FioError(Exception):

@@ -20,7 +20,6 @@ import statistics
 import tempfile
 import time
 import warnings
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,10 +28,11 @@ import numpy as np
 from ..aio import Engine, open_file
 from ..buffers import BufferPool, HostBuffer
 from ..config import AioConfig, config_to_dict
+from ..pipeline import Pipeline
 from ..space import Extent, SwapSpace
+from ..units import ALIGNMENT, GIB, round_up
 from . import report
 from .cli import (
-    ALIGNMENT,
     BenchFailure,
     UsageError,
     add_path_option,
@@ -47,7 +47,6 @@ from .cli import (
 )
 from .fio import Fio, FioError, find_fio, fio_version, pick_engine
 
-GIB = float(1 << 30)
 MIB = 1 << 20
 CHUNK = 64 * MIB  # bytes per request: large enough that Python's per-request cost vanishes
 MIN_IN_FLIGHT = 256 * MIB
@@ -101,17 +100,13 @@ def plan(size: int, points: Sequence[Point], npaths: int) -> Plan:
     for small sizes; never more buffers than requests, nor more than ``MAX_POOL`` bytes.
     """
     max_bs = max(p.block_size for p in points)
-    chunk = min(CHUNK, _round_up(-(-size // 4), max_bs))
-    chunk = _round_up(max(chunk, max_bs), ALIGNMENT)
+    chunk = min(CHUNK, round_up(-(-size // 4), max_bs))
+    chunk = round_up(max(chunk, max_bs), ALIGNMENT)
     nchunks = -(-size // chunk)
     in_flight = max(p.block_size * p.queue_depth * p.threads for p in points) * npaths
     want = -(-max(MIN_IN_FLIGHT, 2 * in_flight) // chunk)
     count = max(1, min(nchunks, max(4, want), max(4, MAX_POOL // chunk)))
     return Plan(size, chunk, count)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 # -- the data ----------------------------------------------------------------------------------------
@@ -174,41 +169,26 @@ def _pipeline(submit: Callable, extents: Sequence[Extent], lengths: Sequence[int
               before: Callable | None = None, after: Callable | None = None) -> float:
     """Move every extent through the pool with all buffers in flight; returns the seconds taken.
 
-    ``before(i, buffer, n)`` runs before chunk i is submitted (timed); ``after(i, buffer, n)`` runs once
-    it has completed: overlapped with the I/O still in flight, except for the last requests, which
-    are checked after the clock stops.
+    Writes when ``before`` is given: ``before(i, buffer, n)`` fills chunk i's buffer (timed), then it is
+    written. Reads otherwise: chunk i is read, then ``after(i, buffer, n)`` checks it (timed too).
     """
-    depth = len(pool)
-    in_flight: deque = deque()
-    try:
-        t0 = time.perf_counter()
-        for i, extent in enumerate(extents):
-            if len(in_flight) == depth:
-                j, fut = in_flight.popleft()
-                fut.wait()
-                if after:
-                    after(j, pool[j % depth], lengths[j])
-            buf = pool[i % depth]
-            if before:
-                before(i, buf, lengths[i])
-            in_flight.append((i, submit(extent, buf, nbytes=lengths[i])))
-        done = []
-        while in_flight:
-            j, fut = in_flight.popleft()
-            fut.wait()
-            done.append(j)
-        seconds = time.perf_counter() - t0
-        for j in done:
-            if after:
-                after(j, pool[j % depth], lengths[j])
-        return seconds
-    finally:
-        # After an error, let the rest land before the buffers can be reused or freed.
-        for _, fut in in_flight:
-            try:
-                fut.wait()
-            except OSError:
-                pass
+    items = list(range(len(extents)))
+    io = lambda i, buf: submit(extents[i], buf, nbytes=lengths[i])  # noqa: E731
+
+    def process(i, buf) -> bool:
+        if before is not None:
+            before(i, buf, lengths[i])
+            return True
+        if after is not None:
+            after(i, buf, lengths[i])
+        return False
+
+    t0 = time.perf_counter()
+    if before is not None:
+        Pipeline(list(pool)).run(items, process=process, write=io)
+    else:
+        Pipeline(list(pool)).run(items, read=io, process=process)
+    return time.perf_counter() - t0
 
 
 @dataclass
@@ -373,7 +353,7 @@ def _check_common(args: argparse.Namespace, block_sizes: Sequence[int]) -> str |
     """Validate what argparse cannot; returns the fio executable when --fio is given."""
     if args.size % ALIGNMENT:
         raise UsageError(f"--size {args.size} is not a multiple of {ALIGNMENT} bytes; "
-                         f"try {_round_up(args.size, ALIGNMENT)}")
+                         f"try {round_up(args.size, ALIGNMENT)}")
     biggest = max(block_sizes)
     if args.size < biggest:
         raise UsageError(f"--size {short_size(args.size)} is smaller than the block size "

@@ -16,7 +16,6 @@ import argparse
 import gc
 import statistics
 import time
-from collections import deque
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 from ..adam import OffloadedAdamW
 from ..buffers import BufferPool
 from ..params import offload_parameters, offloaded, restore_parameters
+from ..pipeline import Pipeline
 from ..space import SwapSpace
 from ..units import format_size
 from . import report
@@ -103,21 +103,14 @@ def io_only(paths, aio, read_bytes: int, write_bytes: int, buffers: int = 4) -> 
 
 
 def _run_ops(sp, pool, extent, ops) -> None:
-    from ..space import Extent
+    """Reads and writes of ``extent``'s parts, as many in flight as the pool has buffers."""
+    def part(op):
+        _, off, n = op
+        return sp.sub(extent, off, n), n
 
-    free = deque(pool)
-    inflight: deque = deque()
-    for kind, off, n in ops:
-        if not free:
-            buf, fut = inflight.popleft()
-            fut.wait()
-            free.append(buf)
-        buf = free.popleft()
-        ext = Extent(extent.offset + off, -(-n // sp.alignment) * sp.alignment, extent.owner)
-        fut = (sp.read if kind == "r" else sp.write)(ext, buf, nbytes=n)
-        inflight.append((buf, fut))
-    for _, fut in inflight:
-        fut.wait()
+    Pipeline(list(pool)).run(
+        ops, read=lambda op, buf: sp.read(part(op)[0], buf, nbytes=op[2]) if op[0] == "r" else None,
+        process=lambda op, buf: op[0] == "w", write=lambda op, buf: sp.write(part(op)[0], buf, nbytes=op[2]))
 
 
 def run_params(args: argparse.Namespace) -> int:
