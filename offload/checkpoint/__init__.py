@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 from ..errors import CheckpointError, ChecksumError
+from .commit import reading
 from .export import (
     export_checkpoint,
     export_model_checkpoint,
@@ -52,6 +53,7 @@ __all__ = [
     "load_checkpoint",
     "load_parameters",
     "read_manifest",
+    "reading",
     "save_checkpoint",
     "save_parameters",
     "save_with_retention",

@@ -17,7 +17,7 @@ from ..errors import CheckpointError
 from ..state import Layout, step_tensor
 from ..units import ALIGNMENT
 from . import stream
-from .commit import _fsync_dir, _Staged, _write_atomically
+from .commit import _fsync_dir, _Staged, _write_atomically, reading
 from .format import (
     MEMORY,
     _check_data_digest,
@@ -48,7 +48,11 @@ def export_state_dict(directory: str | os.PathLike, *, include_master: bool = Tr
     Raises:
         CheckpointError: incomplete or corrupt checkpoint.
     """
-    directory = os.path.abspath(os.fspath(directory))
+    with reading(directory) as directory:
+        return _export_state_dict(directory, include_master)
+
+
+def _export_state_dict(directory: str, include_master: bool) -> dict:
     manifest = read_manifest(directory)
     if manifest.get("optimizer") is None:
         raise CheckpointError(f"checkpoint {directory} holds model weights only, no optimizer state to export; "
@@ -119,10 +123,10 @@ def export_model_state_dict(directory: str | os.PathLike) -> OrderedDict:
     Raises:
         CheckpointError: no model in the checkpoint, or it is incomplete or corrupt.
     """
-    directory = os.path.abspath(os.fspath(directory))
-    manifest = read_manifest(directory)
-    _model_section(manifest, directory)
-    return _read_state_dict(directory, manifest, _aio_of(manifest))
+    with reading(directory) as directory:
+        manifest = read_manifest(directory)
+        _model_section(manifest, directory)
+        return _read_state_dict(directory, manifest, _aio_of(manifest))
 
 
 def export_model_checkpoint(directory: str | os.PathLike, out: str | os.PathLike) -> None:

@@ -20,6 +20,7 @@ from ..errors import CheckpointError
 from ..params import ParamAccess
 from ..state import check_param_state, in_memory_state, match_groups, step_tensor
 from . import stream
+from .commit import reading
 from .format import (
     DATA,
     EXTRA,
@@ -58,10 +59,15 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
             the optimizer refuses to step until a good checkpoint is loaded.
         OSError: reading or writing failed (same consequence).
     """
-    store = optimizer.state_store
-    if store.closed:
+    if optimizer.state_store.closed:
         raise ValueError("the optimizer is closed")
-    directory = os.path.abspath(os.fspath(directory))
+    # Held for the whole load: a save of the same directory by another process waits until it ends.
+    with reading(directory) as directory:
+        return _load_checkpoint(optimizer, directory, model)
+
+
+def _load_checkpoint(optimizer, directory: str, model: nn.Module | None) -> Any:
+    store = optimizer.state_store
     manifest = read_manifest(directory)
     if manifest.get("optimizer") is None:
         raise CheckpointError(f"checkpoint {directory} holds model weights only (offload.params.save_parameters), "

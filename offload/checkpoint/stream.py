@@ -23,7 +23,7 @@ from ..errors import CheckpointError, ChecksumError
 from ..pipeline import Pipeline
 from ..units import ALIGNMENT, round_up
 from .commit import _Staged
-from .format import DATA
+from .format import DATA, _io_error
 
 # Pool for tools that read a checkpoint without an optimizer (verify, export): per buffer.
 _TOOL_BUFFER_MAX = 64 << 20
@@ -52,7 +52,8 @@ _DONE = CompletedFuture()
 def _stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,
             process: Callable[[Any, Any], bool], write: Optional[Callable] = None) -> None:
     """:meth:`offload.pipeline.Pipeline.run` over ``buffers``, reads as far ahead as buffers allow."""
-    Pipeline(list(buffers)).run(items, read=read, process=process, write=write)
+    if len(items):
+        Pipeline(list(buffers)).run(items, read=read, process=process, write=write)
 
 
 class _RangeReader:
@@ -136,7 +137,10 @@ def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Seque
                 return engine.write_async(f, buf, offsets[i], lengths[i])
 
             _stream(list(units), list(buffers), read=read, process=process, write=write)
-            os.fsync(f.fd)
+            try:
+                os.fsync(f.fd)
+            except OSError as err:
+                raise _io_error(err, path, "cannot fsync") from err
     finally:
         engine.close()
     entry = {"bytes": total, "xxh3_64": whole.hexdigest()}

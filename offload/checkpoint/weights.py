@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 from torch import nn
 
+from .commit import reading
 from .model import _load_model, _model_section, _named_tensors, _save_model_only
 from .verify import read_manifest
 
@@ -54,7 +53,7 @@ def load_parameters(model: nn.Module, directory) -> None:
             and new, and fetching them raises ``StateError`` until a load succeeds.
     """
     _named_tensors(model)
-    directory = os.path.abspath(os.fspath(directory))
-    manifest = read_manifest(directory)
-    _model_section(manifest, directory)
-    _load_model(model, directory, manifest)
+    with reading(directory) as directory:
+        manifest = read_manifest(directory)
+        _model_section(manifest, directory)
+        _load_model(model, directory, manifest)
