@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh Debian/Ubuntu machine:
 #   make demo   installs what is missing, then trains a small model with OffloadedAdamW
-#   make test   installs what is missing, then runs the whole suite (ruff included)
+#   make test   installs what is missing, then runs the whole suite (ruff and the layer contract included)
 PYTHON ?= python3
 SCRATCH ?= $(shell $(PYTHON) -c 'import tempfile; print(tempfile.gettempdir())')/nvme-offload-demo
 STAMP := build/.installed
@@ -19,6 +19,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check .
+	$(PYTHON) -c 'import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))'
 
 test: lint
 	$(PYTHON) -m pytest -q

@@ -7,15 +7,12 @@ installs, a stale extension otherwise runs silently against newer Python code.
 from ._version import __version__
 
 try:
-    from . import _engine
+    from ._engine import ffi, lib
 except ImportError as err:  # pragma: no cover - depends on the installation
     raise ImportError(
         "nvme-offload's native engine is not built. Build it with `pip install -e .` "
         "(or `make install`) from the source tree."
     ) from err
-
-ffi = _engine.ffi
-lib = _engine.lib
 
 BUILT_VERSION = ffi.string(lib.ofl_version()).decode()
 if BUILT_VERSION != __version__:
