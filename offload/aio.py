@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno as _errno
 import fcntl
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -241,8 +242,16 @@ def _warn_no_o_direct(path: str, fd: int) -> None:
         f"the file system holding {path} refuses O_DIRECT; using buffered I/O there "
         "(slower, and it fills the page cache). Set o_direct=false to silence this.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=_caller_outside_package(),
     )
+
+
+def _caller_outside_package() -> int:
+    """The ``stacklevel`` at which a warning issued by this function's caller names user code."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("offload."):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _warn_fallback(err: int) -> None:
@@ -257,7 +266,7 @@ def _warn_fallback(err: int) -> None:
         "thread-pool backend (pread/pwrite), which is slower. Set the aio backend to \"threads\" to "
         "silence this, or to \"io_uring\" to make it an error.",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=_caller_outside_package(),
     )
 
 
@@ -272,10 +281,14 @@ def _why_no_io_uring(err: int) -> str:
     if err in (_errno.EPERM, _errno.EACCES):
         try:
             with open("/proc/sys/kernel/io_uring_disabled") as f:
-                sysctl = f"kernel.io_uring_disabled is {f.read().strip()}"
+                disabled = f.read().strip()
         except OSError:
-            sysctl = "kernel.io_uring_disabled"
-        return f"io_uring is disabled by the sysctl {sysctl}, or refused by seccomp or a security module"
+            disabled = None
+        if disabled not in (None, "0"):
+            return (f"the sysctl kernel.io_uring_disabled is {disabled} (1: only members of "
+                    "kernel.io_uring_group may use it, 2: nobody may)")
+        where = " (kernel.io_uring_disabled is 0)" if disabled == "0" else " or the sysctl kernel.io_uring_disabled"
+        return f"a seccomp filter or a security module refuses it{where}"
     if err == _errno.ENOMEM:
         return "the rings need more locked memory than allowed (raise ulimit -l, or lower queue_depth)"
     if err in (_errno.EMFILE, _errno.ENFILE):

@@ -407,6 +407,7 @@ def test_fallback_to_threads_warns_once_per_process_with_the_reason(monkeypatch,
             meaning = "ENOSYS.*liburing"
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert len(messages) == 1, messages
+        assert caught[0].filename == __file__  # the warning names the caller's line
         assert re.search(meaning, messages[0]) and "thread-pool backend" in messages[0]
     finally:
         aio._test_refuse_io_uring(previous)

@@ -534,6 +534,7 @@ def test_o_direct_auto_on_a_file_system_without_it_warns_once_and_leaves_one_fil
     assert [str(w.message) for w in caught if "O_DIRECT" in str(w.message)] == [
         str(caught[0].message)]
     assert "refuses O_DIRECT" in str(caught[0].message)
+    assert caught[0].filename == __file__  # the warning names the caller's line, not the library's
     with space, HostBuffer(UNIT) as a, HostBuffer(UNIT) as b:
         assert not space.o_direct
         assert os.listdir(ramfs) == [os.path.basename(space.files[0])]
