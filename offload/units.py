@@ -1,16 +1,4 @@
-"""Sizes and counts: the size constants, one round_up, and sizes written for humans (``"512MiB"`` -> 536870912).
-
-Two different conventions live here on purpose:
-
-* **Sizes** (bytes) follow what storage people type: ``KiB``/``MiB``/``GiB``/``TiB``/``PiB`` and the bare
-  letters ``K``/``M``/``G``/``T`` are binary (powers of 1024, as in fio, dd and ``torch`` memory stats);
-  ``KB``/``MB``/``GB``/``TB`` are decimal (powers of 1000, as on a drive's label).
-* **Counts** (numbers of parameters or elements) are decimal: ``K`` = 1e3, ``M`` = 1e6, ``G`` or ``B``
-  (billion) = 1e9, ``T`` = 1e12, as in "a 7B model".
-
-Both accept plain integers, decimal fractions and exponents (``"1.5GiB"``, ``"1e8"``), as long as the
-result is a whole number; anything else raises ``ValueError`` naming the text.
-"""
+"""Sizes and counts: size constants, one ``round_up``, and sizes and counts written for humans."""
 
 from __future__ import annotations
 
@@ -51,6 +39,16 @@ _SIZE_UNIT_NAMES = "B, K/KiB, M/MiB, G/GiB, T/TiB, P/PiB, E/EiB (binary) or KB, 
 _COUNT_UNIT_NAMES = "K (1e3), M (1e6), G or B (1e9), T (1e12)"
 
 
+# NOTE: two different conventions live here on purpose:
+#
+# * **Sizes** (bytes) follow what storage people type: ``KiB``/``MiB``/``GiB``/``TiB``/``PiB`` and the bare
+#   letters ``K``/``M``/``G``/``T`` are binary (powers of 1024, as in fio, dd and ``torch`` memory stats);
+#   ``KB``/``MB``/``GB``/``TB`` are decimal (powers of 1000, as on a drive's label).
+# * **Counts** (numbers of parameters or elements) are decimal: ``K`` = 1e3, ``M`` = 1e6, ``G`` or ``B``
+#   (billion) = 1e9, ``T`` = 1e12, as in "a 7B model".
+#
+# Both accept plain integers, decimal fractions and exponents (``"1.5GiB"``, ``"1e8"``), as long as the
+# result is a whole number; anything else raises ``ValueError`` naming the text.
 def parse_size(value: int | str) -> int:
     """Parse a byte size written for humans.
 

@@ -1,6 +1,6 @@
 """Parameter offload: training and inference parity with the in-memory model, hooks, prefetch, undo, errors.
 
-Pools are tiny (a few 8 KiB buffers) so that every weight is larger than the pool and moves in pieces,
+Pools are tiny (a few 8 KiB buffers) so that every weight is larger than the pool and moves in units,
 and max_in_cpu is 0 unless a test is about the host cache, so that every weight goes through the disk.
 """
 

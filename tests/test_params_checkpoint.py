@@ -317,9 +317,9 @@ def test_failed_load_blocks_fetches_until_a_load_succeeds(tmp_path, nvme, monkey
     opt.save_checkpoint(tmp_path / "c", model=model)
 
     other, opt2 = build(nvme, 19)
-    # Let the verification pass (one read per buffer-sized piece) through, fail in the streaming pass.
-    piece = offloaded(other).store.pool.buffer_size
-    checked = sum(-(-e["length"] // piece) for e in ckpt.read_manifest(tmp_path / "c")["model"]["tensors"]
+    # Let the verification pass (one read per buffer-sized unit) through, fail in the streaming pass.
+    unit = offloaded(other).store.pool.buffer_size
+    checked = sum(-(-e["length"] // unit) for e in ckpt.read_manifest(tmp_path / "c")["model"]["tensors"]
                   if e.get("where") == "params.bin")
 
     def make(aio):

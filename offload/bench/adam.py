@@ -1,11 +1,4 @@
-"""``offload-bench adam``: OffloadedAdamW steps next to torch's fused AdamW and the disk's bound.
-
-# NOTE: the figure that matters is the step time against the disk's lower bound for the bytes the
-# step must move (bytes read / fio read GiB/s + bytes written / fio write GiB/s), with fio run on the
-# same path, block size and queue depth in the same run. Memory is measured as peak RSS above the
-# parameters and grads (the kernel's VmHWM, reset through /proc/self/clear_refs before each phase),
-# to show that host memory for state is the pool, not the model.
-"""
+"""``offload-bench adam``: OffloadedAdamW steps next to torch's fused AdamW and the disk's bound."""
 
 from __future__ import annotations
 
@@ -81,6 +74,11 @@ def _time_steps(opt, steps: int) -> list[float]:
     return times
 
 
+# NOTE: the figure that matters is the step time against the disk's lower bound for the bytes the
+# step must move (bytes read / fio read GiB/s + bytes written / fio write GiB/s), with fio run on the
+# same path, block size and queue depth in the same run. Memory is measured as peak RSS above the
+# parameters and grads (the kernel's VmHWM, reset through /proc/self/clear_refs before each phase),
+# to show that host memory for state is the pool, not the model.
 def run_adam(args: argparse.Namespace) -> int:
     """``offload-bench adam``."""
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16

@@ -1,12 +1,4 @@
-"""``offload-bench checkpoint``: streaming checkpoint save/load against fio and torch.save/torch.load.
-
-# NOTE: the figures are GiB of optimizer state per second. Save moves state from the swap space to
-# the checkpoint directory (a read and a write per byte), load the other way, so where both live on
-# one drive the drive's bound is 1 / (1/read + 1/write) GiB/s, not fio's write or read alone; both
-# are reported. torch.save/torch.load write and read the same state materialised in memory (what
-# ``state_dict()`` gives), fsynced like ours, and the file's pages are dropped from the page cache
-# before torch.load so it reads the disk as ours does.
-"""
+"""``offload-bench checkpoint``: streaming checkpoint save/load against fio and torch.save/torch.load."""
 
 from __future__ import annotations
 
@@ -90,6 +82,12 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+# NOTE: the figures are GiB of optimizer state per second. Save moves state from the swap space to
+# the checkpoint directory (a read and a write per byte), load the other way, so where both live on
+# one drive the drive's bound is 1 / (1/read + 1/write) GiB/s, not fio's write or read alone; both
+# are reported. torch.save/torch.load write and read the same state materialised in memory (what
+# ``state_dict()`` gives), fsynced like ours, and the file's pages are dropped from the page cache
+# before torch.load so it reads the disk as ours does.
 def run(args: argparse.Namespace) -> int:
     """``offload-bench checkpoint``; returns the exit code."""
     cfg = args.config

@@ -1,11 +1,4 @@
-"""The ``offload-bench`` command line: argument types, shared options, paths and exit codes.
-
-# NOTE: each subcommand lives in its own module of this package with a ``register(subparsers)``
-# function that adds its parser and sets ``run`` (a function of the parsed arguments returning an
-# exit code) as the parser's default. Adding a command is one module plus one line in COMMANDS.
-# Exit codes: 0 success, 1 a failure while running (I/O error, failed verification, a missing tool),
-# 2 a bad argument, 130 interrupted.
-"""
+"""The ``offload-bench`` command line: argument types, shared options, paths and exit codes."""
 
 from __future__ import annotations
 
@@ -27,6 +20,11 @@ from ..units import ALIGNMENT, format_size, parse_count, parse_size, round_up
 PROG = "offload-bench"
 
 # Modules holding subcommands, in the order ``--help`` lists them.
+# NOTE: each subcommand lives in its own module of this package with a ``register(subparsers)``
+# function that adds its parser and sets ``run`` (a function of the parsed arguments returning an
+# exit code) as the parser's default. Adding a command is one module plus one line in COMMANDS.
+# Exit codes: 0 success, 1 a failure while running (I/O error, failed verification, a missing tool),
+# 2 a bad argument, 130 interrupted.
 COMMANDS = ("offload.bench.io", "offload.bench.adam", "offload.bench.checkpoint", "offload.bench.params")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -1,12 +1,4 @@
-"""Running fio as the reference for the swap space's throughput, and reading its JSON output.
-
-# NOTE: fio runs the same work as the swap space: one job per path (the swap space keeps one queue
-# per path), ``numjobs`` = worker threads per path, each job with ``iodepth`` = queue depth on its own
-# file in that path, O_DIRECT, io_uring (libaio where fio or the kernel lacks it), and in total the
-# same number of bytes. fio's files are preallocated like the swap file (fio's default
-# ``fallocate=native``) and kept between runs, as the swap file is. Throughput is the bytes of all
-# jobs over the longest job's runtime, i.e. the wall time of the group, as ours is.
-"""
+"""Running fio as the reference for the swap space's throughput, and reading its JSON output."""
 
 from __future__ import annotations
 
@@ -70,6 +62,12 @@ def pick_engine(fio: str) -> str:
     return "io_uring" if "io_uring" in engines else "libaio"
 
 
+# NOTE: fio runs the same work as the swap space: one job per path (the swap space keeps one queue
+# per path), ``numjobs`` = worker threads per path, each job with ``iodepth`` = queue depth on its own
+# file in that path, O_DIRECT, io_uring (libaio where fio or the kernel lacks it), and in total the
+# same number of bytes. fio's files are preallocated like the swap file (fio's default
+# ``fallocate=native``) and kept between runs, as the swap file is. Throughput is the bytes of all
+# jobs over the longest job's runtime, i.e. the wall time of the group, as ours is.
 class Fio:
     """fio jobs mirroring one swap-space configuration over ``paths``.
 

@@ -1,14 +1,4 @@
-"""``offload-bench io`` and ``offload-bench sweep``: swap-space throughput, and the best aio settings.
-
-# NOTE: a pass writes (or reads) ``--size`` bytes through a SwapSpace as a pipeline over a small
-# pool of page-aligned buffers: one request per buffer-sized chunk, every buffer's request in flight
-# at once, and each buffer resubmitted as soon as its request completes. The pool holds at least
-# twice what the engines keep in flight (queue depth x block size x threads x paths), so their queues
-# never run dry while Python refills. Writes are O_DIRECT without fsync, as fio's default; what is
-# timed is the first submit to the last completion. Every 4 KiB block written carries a stamp (run,
-# block number) so ``--verify`` catches a block read from the wrong place or never written, not only
-# corrupted bytes.
-"""
+"""``offload-bench io`` and ``offload-bench sweep``: swap-space throughput, and the best aio settings."""
 
 from __future__ import annotations
 
@@ -426,6 +416,14 @@ def _config(args, paths, plan_: Plan, extra: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# NOTE: a pass writes (or reads) ``--size`` bytes through a SwapSpace as a pipeline over a small
+# pool of page-aligned buffers: one request per buffer-sized chunk, every buffer's request in flight
+# at once, and each buffer resubmitted as soon as its request completes. The pool holds at least
+# twice what the engines keep in flight (queue depth x block size x threads x paths), so their queues
+# never run dry while Python refills. Writes are O_DIRECT without fsync, as fio's default; what is
+# timed is the first submit to the last completion. Every 4 KiB block written carries a stamp (run,
+# block number) so ``--verify`` catches a block read from the wrong place or never written, not only
+# corrupted bytes.
 def run_io(args: argparse.Namespace) -> int:
     """``offload-bench io``."""
     point = Point(args.block_size, args.queue_depth, args.threads)

@@ -1,14 +1,4 @@
-"""``offload-bench params``: training steps of a block stack whose weights live on NVMe.
-
-# NOTE: a step here is forward + backward + OffloadedAdamW step with offload_parameters on the model.
-# Two references are measured in the same run: ``io_only_s``, the time the same swap space takes to
-# read and write the bytes one step moved (weights and optimizer state, reads and writes overlapped,
-# no compute), and ``compute_only_s``, the same model fully in memory stepped by torch's fused AdamW.
-# A step cannot be faster than the larger of the two; the target is within 1.2x of it. The grads'
-# own traffic (written in backward, read by the optimizer) counts in ``io_only_s``. Memory:
-# ``resident_param_bytes_max`` and ``grad_bytes_resident_max`` are the store's counts of weight and
-# gradient bytes materialised at once, which must stay near one block's, not the model's.
-"""
+"""``offload-bench params``: training steps of a block stack whose weights live on NVMe."""
 
 from __future__ import annotations
 
@@ -113,6 +103,14 @@ def _run_ops(sp, pool, extent, ops) -> None:
         process=lambda op, buf: op[0] == "w", write=lambda op, buf: sp.write(part(op)[0], buf, nbytes=op[2]))
 
 
+# NOTE: a step here is forward + backward + OffloadedAdamW step with offload_parameters on the model.
+# Two references are measured in the same run: ``io_only_s``, the time the same swap space takes to
+# read and write the bytes one step moved (weights and optimizer state, reads and writes overlapped,
+# no compute), and ``compute_only_s``, the same model fully in memory stepped by torch's fused AdamW.
+# A step cannot be faster than the larger of the two; the target is within 1.2x of it. The grads'
+# own traffic (written in backward, read by the optimizer) counts in ``io_only_s``. Memory:
+# ``resident_param_bytes_max`` and ``grad_bytes_resident_max`` are the store's counts of weight and
+# gradient bytes materialised at once, which must stay near one block's, not the model's.
 def run_params(args: argparse.Namespace) -> int:
     """``offload-bench params``."""
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16

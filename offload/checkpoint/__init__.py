@@ -1,17 +1,7 @@
-"""Streaming checkpoints of offloaded optimizer state and model weights: save, load, verify, export,
-import, retention.
+"""Streaming, atomic, checksummed checkpoints of offloaded optimizer state and model weights.
 
-The package's modules, lowest layer first:
-
-- ``format``: file names, the manifest's building blocks, checksums and checks of single files.
-- ``commit``: the atomic commit of a checkpoint directory (temporary sibling, fsync, renameat2
-  exchange), recovery after a crash between renames, and the lock that serialises saves.
-- ``stream``: moving state.bin through a few host buffers with the native engine.
-- ``verify``: reading a checkpoint without an optimizer (manifest, full verification, summary).
-- ``model``: a model's weights (offloaded parameters streamed through their store's pool).
-- ``save`` and ``load``: an offloaded optimizer, and optionally its model, to and from a checkpoint.
-- ``export``: to and from torch's optimizer state_dict layout; a model's weights to its state_dict.
-- ``retention``: keep the last N checkpoints plus milestones.
+Save and load, verify, export to and import from torch's layouts, and retention; the modules and
+the format are described in ``docs/checkpoint.md``.
 
 Example::
 

@@ -1,4 +1,18 @@
-"""The checkpoint format: file names, the manifest's building blocks, checksums and file checks.
+"""The checkpoint format: file names, the manifest's building blocks, checksums and file checks."""
+
+from __future__ import annotations
+
+import datetime
+import io
+import json
+import os
+from typing import Any, Callable, Iterable
+
+import torch
+import xxhash
+
+from .._version import __version__
+from ..errors import CheckpointError, ChecksumError
 
 # NOTE: a checkpoint is a directory of these files (state.bin and memory.pt when it holds an
 # optimizer, params.bin and model.pt when it holds a model's weights, or all of them):
@@ -20,22 +34,6 @@
 #
 # What is here is pure or reads and writes whole small files (manifest digest, memory.pt, extra.pt):
 # committing the directory is ``commit``'s job, moving state.bin's bytes is ``stream``'s.
-"""
-
-from __future__ import annotations
-
-import datetime
-import io
-import json
-import os
-from typing import Any, Callable, Iterable
-
-import torch
-import xxhash
-
-from .._version import __version__
-from ..errors import CheckpointError, ChecksumError
-
 FORMAT = "nvme-offload-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"

@@ -1,10 +1,4 @@
-"""Loading a checkpoint into an offloaded optimizer: check everything first, then stream the state back.
-
-# NOTE: loading checks the manifest, the sizes and every unit's checksum as the bytes pass, and the
-# shapes, dtypes and param groups against the optimizer before touching it. When the optimizer
-# packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
-# space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
-"""
+"""Loading a checkpoint into an offloaded optimizer: check everything first, then stream the state back."""
 
 from __future__ import annotations
 
@@ -36,6 +30,10 @@ from .stream import _RangeReader, _stream
 from .verify import _verify_data, read_manifest
 
 
+# NOTE: loading checks the manifest, the sizes and every unit's checksum as the bytes pass, and the
+# shapes, dtypes and param groups against the optimizer before touching it. When the optimizer
+# packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
+# space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
 def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None) -> Any:
     """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
 

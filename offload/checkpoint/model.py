@@ -1,26 +1,4 @@
-"""A model's weights in a checkpoint: offloaded parameters streamed through their store's own pool.
-
-# NOTE: with ``model=`` (or ``save_parameters``) a checkpoint also holds the model's tensors, by
-# qualified name, in ``state_dict`` order:
-#
-#   params.bin  each offloaded parameter's bytes at a 4096-aligned offset, copied from the parameter
-#               store's swap space through the store's own pool with the native engine (O_DIRECT).
-#               Nothing is fetched, so host memory stays the pool whatever the model size. A
-#               parameter resident now (in use, maybe changed in place) or held in the host cache is
-#               saved from that copy, which is its latest.
-#   model.pt    torch.save of the rest: parameters that are not offloaded, persistent buffers.
-#
-# The manifest's "model" section lists every name with its shape and dtype and where it is
-# ("params.bin" with offset, length and xxh3_64 of its bytes, or "model.pt"); a tied name (the same
-# tensor under a second name, as ``state_dict`` lists it) says ``same_as`` instead.
-#
-# Loading checks names, shapes and dtypes, model.pt's checksum, and (in a first read of params.bin)
-# every parameter's checksum before anything changes; then a second pass streams the bytes into
-# the extents and into any in-memory copy (a resident parameter's storage, the host cache), so no
-# stale copy survives. Stored gradients are dropped: they belong to the old weights, and torch does
-# not save gradients either. Bytes may move between the two files' kinds: a parameter offloaded
-# when saved loads into a model that keeps it in memory, and the other way round.
-"""
+"""A model's weights in a checkpoint: offloaded parameters streamed through their store's own pool."""
 
 from __future__ import annotations
 
@@ -80,15 +58,15 @@ def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
         return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _piece_size(buffers: Sequence, stores: Sequence) -> int:
+def _unit_size(buffers: Sequence, stores: Sequence) -> int:
     """Bytes per request: fits every buffer, a multiple of the checkpoint's and every swap space's
-    alignment (so a parameter's pieces lie back to back in params.bin and in its extent)."""
+    alignment (so a parameter's units lie back to back in params.bin and in its extent)."""
     step = max([ALIGNMENT] + [s.space.alignment for s in stores])
-    piece = min(b.nbytes for b in buffers) // step * step
-    if piece <= 0:
+    unit_bytes = min(b.nbytes for b in buffers) // step * step
+    if unit_bytes <= 0:
         raise CheckpointError(f"the parameter pool's buffers ({min(b.nbytes for b in buffers)} bytes) are "
                               f"smaller than the {step}-byte alignment; use a larger buffer_size")
-    return piece
+    return unit_bytes
 
 
 @contextlib.contextmanager
@@ -113,7 +91,7 @@ def _stores_of(tensors) -> list:
 
 
 @dataclass(eq=False)
-class _Piece:
+class _Unit:
     """Bytes ``[start, start + n)`` of one tensor on their way to or from params.bin."""
 
     entry: dict
@@ -126,13 +104,33 @@ class _Piece:
     from_file: bool = False  # loading: read from params.bin (else from ``memory``)
     param: Optional[torch.Tensor] = None  # the parameter whose extent this is (with ``store``)
 
-    def store_piece(self, piece: int) -> Optional[int]:
-        """This piece's index among the store's own pieces, or None when the sizes do not line up."""
-        if self.store is None or self.store.piece != piece:
+    def store_unit(self, unit_bytes: int) -> Optional[int]:
+        """This unit's index among the store's own units (of ``unit_bytes``), or None when sizes differ."""
+        if self.store is None or self.store.unit_bytes != unit_bytes:
             return None
-        return self.start // piece
+        return self.start // unit_bytes
 
 
+# NOTE: with ``model=`` (or ``save_parameters``) a checkpoint also holds the model's tensors, by
+# qualified name, in ``state_dict`` order:
+#
+#   params.bin  each offloaded parameter's bytes at a 4096-aligned offset, copied from the parameter
+#               store's swap space through the store's own pool with the native engine (O_DIRECT).
+#               Nothing is fetched, so host memory stays the pool whatever the model size. A
+#               parameter resident now (in use, maybe changed in place) or held in the host cache is
+#               saved from that copy, which is its latest.
+#   model.pt    torch.save of the rest: parameters that are not offloaded, persistent buffers.
+#
+# The manifest's "model" section lists every name with its shape and dtype and where it is
+# ("params.bin" with offset, length and xxh3_64 of its bytes, or "model.pt"); a tied name (the same
+# tensor under a second name, as ``state_dict`` lists it) says ``same_as`` instead.
+#
+# Loading checks names, shapes and dtypes, model.pt's checksum, and (in a first read of params.bin)
+# every parameter's checksum before anything changes; then a second pass streams the bytes into
+# the extents and into any in-memory copy (a resident parameter's storage, the host cache), so no
+# stale copy survives. Stored gradients are dropped: they belong to the old weights, and torch does
+# not save gradients either. Bytes may move between the two files' kinds: a parameter offloaded
+# when saved loads into a model that keeps it in memory, and the other way round.
 def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
     """Write params.bin and model.pt into ``staged``; returns the manifest's "model" section and the
     two files' entries."""
@@ -161,35 +159,35 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
                              "Load a checkpoint again first.")
     hashes = {id(e): xxhash.xxh3_64() for e, _, _ in offloaded}
     with _held(stores) as buffers:
-        pieces = []
+        units = []
         if offloaded:
-            piece = _piece_size(buffers, stores)
+            unit_bytes = _unit_size(buffers, stores)
             for e, t, store in offloaded:
                 nbytes = t.numel() * t.element_size()
                 extent, current = store.current_bytes(t)
-                for start in range(0, nbytes, piece):
-                    pieces.append(_Piece(e, start, min(piece, nbytes - start), extent, store, current, param=t))
+                for start in range(0, nbytes, unit_bytes):
+                    units.append(_Unit(e, start, min(unit_bytes, nbytes - start), extent, store, current, param=t))
 
-        def read(pc: _Piece, buf):
-            if pc.extent is None:
+        def read(u: _Unit, buf):
+            if u.extent is None:
                 return _DONE
-            space = pc.store.space
-            return space.read(space.sub(pc.extent, pc.start, pc.n), buf, nbytes=pc.n)
+            space = u.store.space
+            return space.read(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
 
-        def fill(pc: _Piece, buf) -> None:
-            if pc.memory is not None:
-                buf.tensor[:pc.n].copy_(pc.memory[pc.start:pc.start + pc.n])
-            elif pc.store_piece(piece) is not None:
+        def fill(u: _Unit, buf) -> None:
+            if u.memory is not None:
+                buf.tensor[:u.n].copy_(u.memory[u.start:u.start + u.n])
+            elif u.store_unit(unit_bytes) is not None:
                 # A checkpoint never copies weights that changed on disk behind our back.
-                pc.store.verify_piece(pc.param, pc.store_piece(piece), buf.tensor[:pc.n])
-            hashes[id(pc.entry)].update(buf.tensor[:pc.n].numpy())
+                u.store.verify_unit(u.param, u.store_unit(unit_bytes), buf.tensor[:u.n])
+            hashes[id(u.entry)].update(buf.tensor[:u.n].numpy())
 
         aio = stores[0].config.aio if stores else AioConfig()
-        data = _write_data(staged, aio, buffers or [], pieces, read=read, fill=fill, nbytes_of=lambda pc: pc.n,
+        data = _write_data(staged, aio, buffers or [], units, read=read, fill=fill, nbytes_of=lambda u: u.n,
                            name=PARAMS_DATA, unit_digests=False)
-    for pc, unit in zip(pieces, data["units"]):
-        if pc.start == 0:
-            pc.entry["offset"] = unit["offset"]
+    for u, row in zip(units, data["units"]):
+        if u.start == 0:
+            u.entry["offset"] = row["offset"]
     for e, t, _ in offloaded:
         e["length"] = t.numel() * t.element_size()
         e["xxh3_64"] = hashes[id(e)].hexdigest()
@@ -253,12 +251,12 @@ def _bad_param(path: str, e: dict, found: str) -> ChecksumError:
 def _scan_params(directory: str, manifest: dict, engine: Engine, buffers: Sequence,
                  sink: Optional[Callable[[dict, int, torch.Tensor], None]] = None) -> None:
     """Read params.bin once, checking every parameter's checksum and the file's; ``sink(entry, start,
-    bytes)`` gets each parameter's bytes as they pass (verified only once the last piece is in)."""
+    bytes)`` gets each parameter's bytes as they pass (verified only once the last unit is in)."""
     path = _params_path(directory, manifest)
     entries = _on_disk(_model_section(manifest, directory))
-    piece = _piece_size(buffers, ())
-    pieces = [(e, off, min(piece, round_up(e["length"], ALIGNMENT) - off))
-              for e in entries for off in range(0, round_up(e["length"], ALIGNMENT), piece)]
+    unit_bytes = _unit_size(buffers, ())
+    units = [(e, off, min(unit_bytes, round_up(e["length"], ALIGNMENT) - off))
+              for e in entries for off in range(0, round_up(e["length"], ALIGNMENT), unit_bytes)]
     whole = xxhash.xxh3_64()
     hashes = {id(e): xxhash.xxh3_64() for e in entries}
     with engine.open(path, "r") as f:
@@ -279,7 +277,7 @@ def _scan_params(directory: str, manifest: dict, engine: Engine, buffers: Sequen
                     raise _bad_param(path, e, found)
             return False
 
-        _stream(pieces, list(buffers), read=read, process=process)
+        _stream(units, list(buffers), read=read, process=process)
     _check_data_digest(manifest, path, whole.hexdigest(), PARAMS_DATA)
 
 
@@ -419,8 +417,8 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
                stores: list) -> None:
     """Second pass: every tensor's new bytes into the extents and the in-memory copies."""
     path = os.path.join(directory, PARAMS_DATA)
-    piece = _piece_size(buffers, stores)
-    pieces, direct, after = [], [], []
+    unit_bytes = _unit_size(buffers, stores)
+    units, direct, after = [], [], []
     for _, t, e in jobs:
         store = store_of(t)
         src = memory[e["name"]] if e["where"] == MODEL_MEMORY else None
@@ -439,41 +437,41 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
                     dest = tmp
             extent, copies = None, [_flat_bytes(dest)]
         memory_bytes = _flat_bytes(src.contiguous()) if src is not None else None
-        for start in range(0, nbytes, piece):
-            pieces.append(_Piece(e, start, min(piece, nbytes - start), extent, store, memory_bytes, tuple(copies),
+        for start in range(0, nbytes, unit_bytes):
+            units.append(_Unit(e, start, min(unit_bytes, nbytes - start), extent, store, memory_bytes, tuple(copies),
                                  from_file=src is None, param=t))
 
-    hashes = {id(pc.entry): xxhash.xxh3_64() for pc in pieces if pc.from_file}
+    hashes = {id(u.entry): xxhash.xxh3_64() for u in units if u.from_file}
     with engine.open(path, "r") as f:
-        def read(pc: _Piece, buf):
-            if not pc.from_file:
+        def read(u: _Unit, buf):
+            if not u.from_file:
                 return _DONE
-            return engine.read_async(f, buf, pc.entry["offset"] + pc.start, round_up(pc.n, ALIGNMENT))
+            return engine.read_async(f, buf, u.entry["offset"] + u.start, round_up(u.n, ALIGNMENT))
 
-        def process(pc: _Piece, buf) -> bool:
-            data = buf.tensor[:pc.n]
-            if pc.from_file:
-                hashes[id(pc.entry)].update(data.numpy())
-                if pc.start + pc.n == pc.entry["length"] and hashes[id(pc.entry)].hexdigest() != pc.entry["xxh3_64"]:
+        def process(u: _Unit, buf) -> bool:
+            data = buf.tensor[:u.n]
+            if u.from_file:
+                hashes[id(u.entry)].update(data.numpy())
+                if u.start + u.n == u.entry["length"] and hashes[id(u.entry)].hexdigest() != u.entry["xxh3_64"]:
                     # Verified a moment ago: the file changed under us.
-                    raise _bad_param(path, pc.entry, hashes[id(pc.entry)].hexdigest())
+                    raise _bad_param(path, u.entry, hashes[id(u.entry)].hexdigest())
             else:
-                data.copy_(pc.memory[pc.start:pc.start + pc.n])
-            for c in pc.copies:
-                c[pc.start:pc.start + pc.n].copy_(data)
-            if pc.extent is None:
+                data.copy_(u.memory[u.start:u.start + u.n])
+            for c in u.copies:
+                c[u.start:u.start + u.n].copy_(data)
+            if u.extent is None:
                 return False
             # The tail of the last block goes to disk too: zeros, as the store writes it.
-            buf.tensor[pc.n:round_up(pc.n, pc.store.space.alignment)].zero_()
-            if pc.store_piece(piece) is not None:
-                pc.store.wrote_piece(pc.param, pc.store_piece(piece), data)
+            buf.tensor[u.n:round_up(u.n, u.store.space.alignment)].zero_()
+            if u.store_unit(unit_bytes) is not None:
+                u.store.wrote_unit(u.param, u.store_unit(unit_bytes), data)
             return True
 
-        def write(pc: _Piece, buf):
-            space = pc.store.space
-            return space.write(space.sub(pc.extent, pc.start, pc.n), buf, nbytes=pc.n)
+        def write(u: _Unit, buf):
+            space = u.store.space
+            return space.write(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
 
-        _stream(pieces, buffers, read=read, process=process, write=write)
+        _stream(units, buffers, read=read, process=process, write=write)
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for t, src in direct:
             t.copy_(src)

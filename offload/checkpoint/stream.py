@@ -1,12 +1,4 @@
-"""Moving a checkpoint's data file through host buffers: the pipelined loop, ranged reads, the writer.
-
-# NOTE: save, load, verify, export and import all move state.bin with the native engine through a
-# few page-aligned buffers (the optimizer's pool, or a small one of the tools' own), never holding
-# more than those buffers in host memory. ``_stream`` overlaps the reads ahead, the processing of
-# one buffer and the writes behind; ``_write_data`` lays units out in state.bin and hashes them as
-# they pass. ``_make_engine`` builds every engine that touches a data file (the fault tests replace
-# it; other modules call it as ``stream._make_engine`` so that one replacement reaches them all).
-"""
+"""Moving a checkpoint's data file through host buffers: ranged reads and the writer of state.bin and params.bin."""
 
 from __future__ import annotations
 
@@ -29,6 +21,12 @@ from .format import DATA, _io_error
 _TOOL_BUFFER_MAX = 64 << 20
 
 
+# NOTE: save, load, verify, export and import all move state.bin with the native engine through a
+# few page-aligned buffers (the optimizer's pool, or a small one of the tools' own), never holding
+# more than those buffers in host memory. ``_stream`` overlaps the reads ahead, the processing of
+# one buffer and the writes behind; ``_write_data`` lays units out in state.bin and hashes them as
+# they pass. ``_make_engine`` builds every engine that touches a data file (the fault tests replace
+# it; other modules call it as ``stream._make_engine`` so that one replacement reaches them all).
 def _make_engine(aio: AioConfig) -> Engine:
     """The engine that writes or reads a checkpoint's data file (tests replace it to inject faults)."""
     return Engine(aio)

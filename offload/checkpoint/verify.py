@@ -76,23 +76,23 @@ def read_manifest(directory: str | os.PathLike) -> dict:
 def _verify_data(directory: str, manifest: dict, engine: Engine, buffers: Sequence) -> None:
     """Read state.bin once and check every unit's checksum and the file's.
 
-    Units larger than the buffers are read in pieces (e.g. loading into an optimizer with smaller
+    Units larger than the buffers are read in parts (e.g. loading into an optimizer with smaller
     buffers than the one that saved).
     """
     path = _check_data_size(directory, manifest)
     whole = xxhash.xxh3_64()
     units = manifest["units"]
     size = buffers[0].nbytes
-    pieces = [(u, off, min(size, unit["length"] - off))
+    parts = [(u, off, min(size, unit["length"] - off))
               for u, unit in enumerate(units) for off in range(0, unit["length"], size)]
     hashes = [xxhash.xxh3_64() for _ in units]
     with engine.open(path, "r") as f:
-        def read(piece, buf):
-            u, off, n = piece
+        def read(part, buf):
+            u, off, n = part
             return engine.read_async(f, buf, units[u]["offset"] + off, n)
 
-        def process(piece, buf):
-            u, off, n = piece
+        def process(part, buf):
+            u, off, n = part
             data = buf.tensor[:n].numpy()
             hashes[u].update(data)
             whole.update(data)
@@ -100,7 +100,7 @@ def _verify_data(directory: str, manifest: dict, engine: Engine, buffers: Sequen
                 _check_digest(manifest, path, u, hashes[u].hexdigest())
             return False
 
-        _stream(pieces, list(buffers), read=read, process=process)
+        _stream(parts, list(buffers), read=read, process=process)
     _check_data_digest(manifest, path, whole.hexdigest())
 
 

@@ -1,10 +1,7 @@
 """Parameter offload: a model's weights on NVMe, fetched per submodule ahead of compute, released after.
 
-Layers: :mod:`.store` (bytes on the swap space, the pool, the host cache, the grad store),
-:mod:`.guard` (the guarded classes of released parameters and offloaded gradients), :mod:`.hooks`
-(module hooks, backward hooks, execution-order recording and prefetch), :mod:`.api` and
-:mod:`.grads` (what users call; ``save_parameters``/``load_parameters`` stream weights to and from a
-checkpoint directory through :mod:`offload.checkpoint`).
+What users call is in :mod:`.api` and :mod:`.grads`; an optimizer reaches offloaded weights and
+gradients through :class:`ParamAccess` alone.
 """
 
 from .access import ParamAccess

@@ -1,14 +1,4 @@
-"""Reading and clipping gradients that live in the grad store (``offload_parameters(offload_grads=True)``).
-
-# NOTE: torch's utilities read ``p.grad`` directly, and an offloaded gradient's ``p.grad`` is a
-# placeholder that refuses to be read. ``clip_grad_norm_`` here does what torch's does, in the same
-# order and with the same kernels, so results are bit for bit torch's: each gradient's norm is taken
-# whole (one gradient resident at a time, read through the parameter pool), gradients grouped by
-# (device, dtype) in order of first appearance as torch groups them, the total is the norm of the
-# stacked norms, and the clip factor is torch's. Offloaded gradients are not rewritten: the factor is
-# recorded and applied as the gradient is next read (by the optimizer, another clip or accumulation),
-# which is the same multiplication torch does in place, at the cost of no extra write.
-"""
+"""Reading and clipping gradients that live in the grad store (``offload_parameters(offload_grads=True)``)."""
 
 from __future__ import annotations
 
@@ -42,6 +32,14 @@ def _params(model_or_params) -> list[torch.Tensor]:
     return list(model_or_params)
 
 
+# NOTE: torch's utilities read ``p.grad`` directly, and an offloaded gradient's ``p.grad`` is a
+# placeholder that refuses to be read. ``clip_grad_norm_`` here does what torch's does, in the same
+# order and with the same kernels, so results are bit for bit torch's: each gradient's norm is taken
+# whole (one gradient resident at a time, read through the parameter pool), gradients grouped by
+# (device, dtype) in order of first appearance as torch groups them, the total is the norm of the
+# stacked norms, and the clip factor is torch's. Offloaded gradients are not rewritten: the factor is
+# recorded and applied as the gradient is next read (by the optimizer, another clip or accumulation),
+# which is the same multiplication torch does in place, at the cost of no extra write.
 @torch.no_grad()
 def clip_grad_norm_(
     model_or_params: Union[nn.Module, torch.Tensor, Iterable[torch.Tensor]],

@@ -13,7 +13,7 @@ from ..buffers import HostBuffer
 from ..space import Extent
 from ..units import round_up
 from .guard import make_placeholder
-from .pieces import PieceIO
+from .transfer import TensorIO
 
 __all__ = ["GradRead", "GradStore"]
 
@@ -77,11 +77,11 @@ class GradStore:
     """Gradients of offloaded parameters, on the parameter store's swap space and through its pool.
 
     Args:
-        io: the parameter store's piece mover (its space and pool).
+        io: the parameter store's unit mover (its space and pool).
         lock: the parameter store's lock (hooks may run on autograd's device threads).
     """
 
-    def __init__(self, io: PieceIO, lock: threading.RLock):
+    def __init__(self, io: TensorIO, lock: threading.RLock):
         self.io = io
         self._lock = lock
         self.grads: dict[torch.Tensor, _Grad] = {}
@@ -230,14 +230,14 @@ class GradStore:
                 src = src.contiguous()
             raw = src.view(torch.uint8)
             size = src.element_size()
-            piece = self.io.piece
+            unit = self.io.unit_bytes
             state, scales = g.state, g.scales
 
             def fill(k: int, view: torch.Tensor, stored: bool) -> None:
                 n = view.numel()
-                part = src[k * piece // size:(k * piece + n) // size]
+                part = src[k * unit // size:(k * unit + n) // size]
                 if state == _NONE:
-                    view.copy_(raw[k * piece:k * piece + n])
+                    view.copy_(raw[k * unit:k * unit + n])
                     return
                 typed = view.view(src.dtype)
                 if stored:

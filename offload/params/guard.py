@@ -1,22 +1,4 @@
-"""Guarded tensor classes: a released parameter, or an offloaded gradient, raises instead of crashing.
-
-# NOTE: a released parameter's storage is resized to zero bytes (autograd's saved views share it, so
-# the memory really is freed and a fetch regrows the same storage). Its shape still says otherwise, so
-# any kernel that reads it would read freed memory and crash the process. Offloaded parameters
-# therefore have their class switched (``p.__class__ = OffloadedParameter``, undone on restore), whose
-# ``__torch_function__`` refuses every torch call that has a released parameter among its arguments,
-# with an error saying what to do, and lets everything else through unchanged (results are plain
-# tensors, as with ``nn.Parameter``). Calls that read no element (shape, dtype, device, grad,
-# requires_grad, hooks, the storage object itself) always pass: torch's own bookkeeping needs them.
-#
-# An offloaded gradient is left in ``p.grad`` as an ``OffloadedGrad``: a one-element tensor expanded
-# to the parameter's shape (no real storage), refused by the same guard, except ``zero_()`` (and
-# ``torch._foreach_zero_``), which torch's ``zero_grad(set_to_none=False)`` calls: it marks the
-# stored gradient as zero.
-#
-# Residency is a plain attribute on the parameter (``_nvme_resident``), set by the store under its
-# lock; the guard reads it without the lock, since a parameter in use by a kernel is resident by then.
-"""
+"""Guarded tensor classes: a released parameter, or an offloaded gradient, raises instead of crashing."""
 
 from __future__ import annotations
 
@@ -73,6 +55,22 @@ def _blocked(value: Any):
     return None
 
 
+# NOTE: a released parameter's storage is resized to zero bytes (autograd's saved views share it, so
+# the memory really is freed and a fetch regrows the same storage). Its shape still says otherwise, so
+# any kernel that reads it would read freed memory and crash the process. Offloaded parameters
+# therefore have their class switched (``p.__class__ = OffloadedParameter``, undone on restore), whose
+# ``__torch_function__`` refuses every torch call that has a released parameter among its arguments,
+# with an error saying what to do, and lets everything else through unchanged (results are plain
+# tensors, as with ``nn.Parameter``). Calls that read no element (shape, dtype, device, grad,
+# requires_grad, hooks, the storage object itself) always pass: torch's own bookkeeping needs them.
+#
+# An offloaded gradient is left in ``p.grad`` as an ``OffloadedGrad``: a one-element tensor expanded
+# to the parameter's shape (no real storage), refused by the same guard, except ``zero_()`` (and
+# ``torch._foreach_zero_``), which torch's ``zero_grad(set_to_none=False)`` calls: it marks the
+# stored gradient as zero.
+#
+# Residency is a plain attribute on the parameter (``_nvme_resident``), set by the store under its
+# lock; the guard reads it without the lock, since a parameter in use by a kernel is resident by then.
 def _guard(func, args, kwargs):
     kwargs = kwargs or {}
     if func in _META:

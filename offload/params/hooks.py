@@ -1,28 +1,4 @@
-"""Module hooks that fetch a submodule's parameters around its forward and backward, and prefetch.
-
-# NOTE: residency is counted per parameter by the store: every fetch is one user, every release one
-# fewer, and the storage is freed when none is left. Forward: a pre-hook fetches the module's own
-# parameters (``recurse=False``), a post-hook releases them. Backward: the post-hook also puts a
-# tensor hook on each output that requires grad; the first of them to fire (before the module's own
-# backward nodes run, since it fires when the output's grad is complete) fetches the parameters again
-# and holds them in ``_held`` (a set, so a module called twice holds them once). Each parameter is
-# released by its post-accumulate-grad hook, which fires once per backward after every node that
-# produces its grad (the nodes that read it) has run. An end-of-backward callback releases whatever is
-# still held (frozen parameters, ``autograd.grad`` that accumulates nothing).
-#
-# Gradients (``store.offload_grads``): a tensor hook on each parameter (before torch accumulates into
-# ``p.grad``) and the post-accumulate-grad hook (after) hand the gradient to the store, which moves it
-# to NVMe and leaves a placeholder in ``p.grad`` (see ParamStore.begin_grad/put_grad).
-#
-# External parameters: a module that uses another module's parameter in its forward declares it
-# (``register_external_parameter``); the parameter is then fetched and released around that
-# module's forward and backward exactly like its own.
-#
-# Prefetch: the sequence of fetch events (module, forward or backward) between two calls of the root
-# module is recorded once; afterwards each event that matches the recording issues reads for the
-# parameters of the next ``prefetch`` events. An event that does not match stops prefetching and
-# starts a new recording from there, used from the next root call on.
-"""
+"""Module hooks that fetch a submodule's parameters around its forward and backward, and prefetch."""
 
 from __future__ import annotations
 
@@ -60,6 +36,28 @@ def _tensors(value: Any, out: list) -> list:
     return out
 
 
+# NOTE: residency is counted per parameter by the store: every fetch is one user, every release one
+# fewer, and the storage is freed when none is left. Forward: a pre-hook fetches the module's own
+# parameters (``recurse=False``), a post-hook releases them. Backward: the post-hook also puts a
+# tensor hook on each output that requires grad; the first of them to fire (before the module's own
+# backward nodes run, since it fires when the output's grad is complete) fetches the parameters again
+# and holds them in ``_held`` (a set, so a module called twice holds them once). Each parameter is
+# released by its post-accumulate-grad hook, which fires once per backward after every node that
+# produces its grad (the nodes that read it) has run. An end-of-backward callback releases whatever is
+# still held (frozen parameters, ``autograd.grad`` that accumulates nothing).
+#
+# Gradients (``store.offload_grads``): a tensor hook on each parameter (before torch accumulates into
+# ``p.grad``) and the post-accumulate-grad hook (after) hand the gradient to the store, which moves it
+# to NVMe and leaves a placeholder in ``p.grad`` (see ParamStore.begin_grad/put_grad).
+#
+# External parameters: a module that uses another module's parameter in its forward declares it
+# (``register_external_parameter``); the parameter is then fetched and released around that
+# module's forward and backward exactly like its own.
+#
+# Prefetch: the sequence of fetch events (module, forward or backward) between two calls of the root
+# module is recorded once; afterwards each event that matches the recording issues reads for the
+# parameters of the next ``prefetch`` events. An event that does not match stops prefetching and
+# starts a new recording from there, used from the next root call on.
 class Scheduler:
     """Installs the hooks on ``root``'s submodules and runs the prefetch recording.
 

@@ -19,7 +19,7 @@ from ..units import ALIGNMENT, round_up
 from . import registry
 from .gradstore import GradStore
 from .guard import OffloadedParameter
-from .pieces import PieceIO, SlotPool
+from .transfer import SlotPool, TensorIO
 
 __all__ = ["ParamStore", "resident"]
 
@@ -37,9 +37,9 @@ class _Record:
     users: int = 0  # fetches not yet released
     resident: bool = True
     dirty: bool = False
-    prefetched: dict = field(default_factory=dict)  # piece index -> (Slot, read future)
+    prefetched: dict = field(default_factory=dict)  # unit index -> (Slot, read future)
     writes: list = field(default_factory=list)  # write futures of the extent, in the order issued
-    digests: list = field(default_factory=list)  # xxh3_64 of each piece last written (None: unknown)
+    digests: list = field(default_factory=list)  # xxh3_64 of each unit last written (None: unknown)
     cls: type = None  # the parameter's class before offload, restored on undo
     name: str = "?"
 
@@ -49,7 +49,7 @@ class _Record:
 # SAME storage object back and fills it, so every alias of the parameter (autograd's saved tensors,
 # ``weight.t()`` views, activation checkpointing's detached copies) sees the fetched bytes again.
 # Bytes move through a fixed pool of page-aligned buffers (O_DIRECT needs aligned memory; a
-# parameter's own storage is not) in pieces of one buffer, pipelined (PieceIO). Everything here runs
+# parameter's own storage is not) in units of one buffer, pipelined (TensorIO). Everything here runs
 # under one lock: autograd may call hooks from its own device threads.
 class ParamStore:
     """Holds parameters' bytes on a swap space and materialises them on demand.
@@ -102,7 +102,7 @@ class ParamStore:
         try:
             self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
             self.slots = SlotPool(self.pool, self._drop_latest_prefetch)
-            self.io = PieceIO(self.space, self.slots, cuda=self._cuda)
+            self.io = TensorIO(self.space, self.slots, cuda=self._cuda)
             self.grads = GradStore(self.io, self._lock)
             on_disk = [p for p in params if p not in cached]
             with_grad = [p for p in params if offload_grads and p.requires_grad and (p not in cached or self._cuda)]
@@ -178,7 +178,7 @@ class ParamStore:
                 slot = self.slots.take(wait=False)
                 if slot is None:
                     break
-                rec.prefetched[k] = (slot, self.io.read_piece(rec.extent, k, rec.nbytes, slot))
+                rec.prefetched[k] = (slot, self.io.read_unit(rec.extent, k, rec.nbytes, slot))
                 self.bytes_read += self.io.extent_of(rec.extent, k, rec.nbytes)[0].nbytes
             if rec.prefetched:
                 self._issued.append(rec)
@@ -240,9 +240,9 @@ class ParamStore:
         return sum(r.host.numel() for r in self.records.values() if r.host is not None)
 
     @property
-    def piece(self) -> int:
-        """Bytes per piece: parameters move in pieces of one pool buffer."""
-        return self.io.piece
+    def unit_bytes(self) -> int:
+        """Bytes per unit: parameters move in units of one pool buffer."""
+        return self.io.unit_bytes
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -319,8 +319,8 @@ class ParamStore:
             return None, rec.host.reshape(-1)
         return rec.extent, None
 
-    def verify_piece(self, param: torch.Tensor, k: int, data: torch.Tensor) -> None:
-        """Check piece ``k`` of ``param``'s extent, just read (``data``: flat uint8), against its last write.
+    def verify_unit(self, param: torch.Tensor, k: int, data: torch.Tensor) -> None:
+        """Check unit ``k`` of ``param``'s extent, just read (``data``: flat uint8), against its last write.
 
         Raises:
             StateError: the bytes changed on disk behind our back.
@@ -331,7 +331,7 @@ class ParamStore:
     def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
         """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
         overwrite with them (its storage while resident, the host cache's copy). Call inside
-        :meth:`exclusive`, write pieces of :attr:`piece` bytes (telling :meth:`wrote_piece`), then
+        :meth:`exclusive`, write units of :attr:`unit_bytes` bytes (telling :meth:`wrote_unit`), then
         call :meth:`loaded`."""
         rec = self.records[param]
         copies = []
@@ -342,8 +342,8 @@ class ParamStore:
         rec.digests = [None] * self.io.count(rec.nbytes)
         return rec.extent, copies
 
-    def wrote_piece(self, param: torch.Tensor, k: int, data: torch.Tensor) -> None:
-        """Piece ``k`` of ``param``'s extent was written with ``data`` (flat uint8): record its checksum."""
+    def wrote_unit(self, param: torch.Tensor, k: int, data: torch.Tensor) -> None:
+        """Unit ``k`` of ``param``'s extent was written with ``data`` (flat uint8): record its checksum."""
         self.records[param].digests[k] = xxhash.xxh3_64_intdigest(data.numpy())
 
     def loaded(self, params: Iterable[torch.Tensor]) -> None:
@@ -417,7 +417,7 @@ class ParamStore:
         self.prefetches_dropped += 1
 
     def _load(self, rec: _Record) -> None:
-        """Fill ``rec``'s (grown) storage from the swap space; prefetched pieces are used first."""
+        """Fill ``rec``'s (grown) storage from the swap space; prefetched units are used first."""
         self._land(rec)  # the read must see the latest bytes
         pending, rec.prefetched = rec.prefetched, {}
         if rec in self._issued:

@@ -1,5 +1,5 @@
 """The parameter pool: its buffers shared by fetches, write-backs, gradients and prefetches, and the
-piece-by-piece moves of a tensor's bytes between an extent and memory."""
+unit-by-unit moves of a tensor's bytes between an extent and memory."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..errors import StateError
 from ..pipeline import Pipeline
 from ..space import Extent, SwapSpace
 
-__all__ = ["PieceIO", "Slot", "SlotPool"]
+__all__ = ["TensorIO", "Slot", "SlotPool"]
 
 
 @dataclass(eq=False)
@@ -87,10 +87,10 @@ class SlotPool:
             slot.settle()
 
 
-class PieceIO:
-    """Moves a tensor's bytes between an extent and memory in pieces of one buffer, pipelined.
+class TensorIO:
+    """Moves a tensor's bytes between an extent and memory in units of one buffer, pipelined.
 
-    Each piece written has its xxh3_64 recorded (in the caller's ``digests`` list), and each piece
+    Each unit written has its xxh3_64 recorded (in the caller's ``digests`` list), and each unit
     read is checked against it, so bytes changed on disk behind our back are named, not used.
 
     Args:
@@ -102,49 +102,49 @@ class PieceIO:
         self.space = space
         self.slots = slots
         self.cuda = cuda
-        self.piece = slots.pool.buffer_size // space.alignment * space.alignment
+        self.unit_bytes = slots.pool.buffer_size // space.alignment * space.alignment
         self.pipeline = Pipeline(slots, lookahead=max(0, len(slots) - 1))
 
     def count(self, nbytes: int) -> int:
-        """Pieces of a tensor of ``nbytes`` bytes."""
-        return -(-nbytes // self.piece)
+        """Units of a tensor of ``nbytes`` bytes."""
+        return -(-nbytes // self.unit_bytes)
 
     def extent_of(self, extent: Extent, k: int, nbytes: int) -> tuple[Extent, int]:
-        """The sub-extent of piece ``k`` of a tensor of ``nbytes`` bytes, and the bytes it holds."""
-        start = k * self.piece
-        n = min(self.piece, nbytes - start)
+        """The sub-extent of unit ``k`` of a tensor of ``nbytes`` bytes, and the bytes it holds."""
+        start = k * self.unit_bytes
+        n = min(self.unit_bytes, nbytes - start)
         return self.space.sub(extent, start, n), n
 
-    def read_piece(self, extent: Extent, k: int, nbytes: int, slot: Slot):
-        """Start reading piece ``k`` into ``slot``; returns the future."""
+    def read_unit(self, extent: Extent, k: int, nbytes: int, slot: Slot):
+        """Start reading unit ``k`` into ``slot``; returns the future."""
         ext, n = self.extent_of(extent, k, nbytes)
         return self.space.read(ext, slot.buffer, nbytes=n)
 
     def verify(self, digests: Optional[list], k: int, data: torch.Tensor, what: Callable[[], str]) -> None:
-        """Check piece ``k``'s bytes (``data``, flat uint8) against the digest of its last write."""
+        """Check unit ``k``'s bytes (``data``, flat uint8) against the digest of its last write."""
         if digests is None or digests[k] is None:
             return
         found = xxhash.xxh3_64_intdigest(data.numpy())
         if found != digests[k]:
             raise StateError(
-                f"{what()}: piece {k} ({data.numel()} bytes at byte {k * self.piece} of it) has xxh3_64 "
+                f"{what()}: unit {k} ({data.numel()} bytes at byte {k * self.unit_bytes} of it) has xxh3_64 "
                 f"{found:016x} on disk, its last write had {digests[k]:016x}; the swap file was changed behind "
                 "our back. Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to restore it.")
 
     def read_into(self, dst: torch.Tensor, extent: Extent, *, digests: Optional[list] = None,
                   pending: Optional[dict] = None, what: Callable[[], str] = lambda: "a tensor") -> int:
-        """Fill ``dst`` (flat uint8) from ``extent``. ``pending``: ``{piece: (slot, read future)}`` already
-        in flight (prefetches: pieces 0..m-1); they are consumed (and their slots given back) first.
+        """Fill ``dst`` (flat uint8) from ``extent``. ``pending``: ``{unit: (slot, read future)}`` already
+        in flight (prefetches: units 0..m-1); they are consumed (and their slots given back) first.
 
         Returns:
-            The bytes this call read from disk (prefetched pieces were counted when issued).
+            The bytes this call read from disk (prefetched units were counted when issued).
         """
         nbytes = dst.numel()
         pending = dict(pending or {})
 
         def copy(k: int, slot: Slot) -> bool:
-            start = k * self.piece
-            n = min(self.piece, nbytes - start)
+            start = k * self.unit_bytes
+            n = min(self.unit_bytes, nbytes - start)
             self.verify(digests, k, slot.buffer.tensor[:n], what)
             dst[start:start + n].copy_(slot.buffer.tensor[:n], non_blocking=self.cuda)
             if self.cuda:
@@ -183,11 +183,11 @@ class PieceIO:
         """Write ``src`` (flat uint8, in memory) to ``extent``; the writes land while the caller goes on
         (their futures go to ``futures``; a later read or write of the extent must wait for them).
 
-        ``fill(k, view, stored)`` replaces the plain copy of piece ``k`` into the buffer view (``stored``:
-        the piece was read first, because ``read_first(k)`` said so).
+        ``fill(k, view, stored)`` replaces the plain copy of unit ``k`` into the buffer view (``stored``:
+        the unit was read first, because ``read_first(k)`` said so).
 
         Returns:
-            The bytes that reach the disk (pieces rounded up to the alignment).
+            The bytes that reach the disk (units rounded up to the alignment).
         """
         nbytes = src.numel()
         moved = 0
@@ -195,13 +195,13 @@ class PieceIO:
         def read(k: int, slot: Slot):
             if read_first is None or not read_first(k):
                 return None
-            return self.read_piece(extent, k, nbytes, slot)
+            return self.read_unit(extent, k, nbytes, slot)
 
         def process(k: int, slot: Slot) -> bool:
             ext, n = self.extent_of(extent, k, nbytes)
             view = slot.buffer.tensor[:n]
             if fill is None:
-                view.copy_(src[k * self.piece:k * self.piece + n])
+                view.copy_(src[k * self.unit_bytes:k * self.unit_bytes + n])
             else:
                 fill(k, view, read_first is not None and read_first(k))
             # The tail of the last block goes to disk too: make it deterministic, not stale bytes.
