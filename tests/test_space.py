@@ -19,7 +19,7 @@ from helpers import run_code
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload import aio
+from offload.aio import files as aio_files
 from offload.buffers import BufferPool, HostBuffer
 from offload.config import AioConfig
 from offload.errors import ConfigError
@@ -527,7 +527,7 @@ def ramfs(tmp_path):
 def test_o_direct_auto_on_a_file_system_without_it_warns_once_and_leaves_one_file(ramfs, monkeypatch):
     """o_direct="auto" on ramfs builds a working buffered swap space with one warning, and the
     directory holds its one swap file (no orphan from a refused O_DIRECT open), removed on close."""
-    monkeypatch.setattr(aio, "_warned_devices", set())
+    monkeypatch.setattr(aio_files, "_warned", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         space = SwapSpace(ramfs, MIB, aio=AIO, o_direct="auto")

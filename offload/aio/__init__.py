@@ -1,0 +1,24 @@
+"""The asynchronous I/O engine: moves bytes between host buffers and files, and opens files for it.
+
+The only layer that talks to the native engine (through ``offload._native``): ``files`` opens files
+(O_DIRECT, alignment), ``futures`` holds requests and their results, ``engine`` runs them.
+"""
+
+from .engine import Engine
+from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
+from .files import AioFile, open_file, wrap_fd
+from .futures import READ, WRITE, CompletedFuture, Future, FutureGroup, Segment, wait_quietly
+
+__all__ = [
+    "READ",
+    "WRITE",
+    "AioFile",
+    "CompletedFuture",
+    "Engine",
+    "Future",
+    "FutureGroup",
+    "Segment",
+    "open_file",
+    "wait_quietly",
+    "wrap_fd",
+]

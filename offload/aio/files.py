@@ -1,0 +1,251 @@
+"""Files opened for the engine: O_DIRECT turned on where the file system takes it (with one warning
+where it does not), the direct-I/O alignment, and descriptors kept open while requests use them."""
+
+from __future__ import annotations
+
+import errno as _errno
+import fcntl
+import os
+import sys
+import threading
+import warnings
+from typing import Union
+
+from .._native import ffi, lib
+from .._proc import reset_after_fork
+from ..units import ALIGNMENT
+
+_MODES = {
+    "r": os.O_RDONLY,
+    "r+": os.O_RDWR,
+    "w+": os.O_RDWR | os.O_CREAT,
+    "x+": os.O_RDWR | os.O_CREAT | os.O_EXCL,
+}
+
+# Warnings given once: per file system refusing O_DIRECT (its st_dev), and per process for the
+# engine's fallback to threads (see offload.aio.engine).
+_warned: set = set()
+_warn_lock = threading.Lock()
+
+
+def _new_warn_lock() -> None:
+    global _warn_lock
+    _warn_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_warn_lock)
+
+
+def _warn_once(key, message: str) -> None:
+    """Warn (RuntimeWarning, naming the user's line) unless a warning of ``key`` was given already."""
+    with _warn_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, RuntimeWarning, stacklevel=_caller_outside_package())
+
+
+def _caller_outside_package() -> int:
+    """The ``stacklevel`` at which a warning issued by this function's caller names user code."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("offload."):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+class AioFile:
+    """A file opened for the engine. Use as a context manager, or call :meth:`close`.
+
+    Attributes:
+        path: the path it was opened with.
+        fd: the file descriptor.
+        o_direct: whether the file is open with O_DIRECT.
+        alignment: bytes that offsets, lengths and buffer addresses must be multiples of
+            (1 when not O_DIRECT).
+    """
+
+    def __init__(self, path: str, fd: int, o_direct: bool, alignment: int):
+        self.path = path
+        self.fd = fd
+        self.o_direct = o_direct
+        self.alignment = alignment
+        # Requests carry the descriptor number: closing it under them would let a newly opened
+        # file take the number and receive their bytes. close() defers to the last request.
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._closing = False
+        reset_after_fork(self)
+
+    def _after_fork_in_child(self) -> None:
+        # The child runs none of the parent's requests, and a parent thread may have held the lock
+        # at the fork: start over, so close() works (and closes at once) in the child.
+        self._lock = threading.Lock()
+        self._pending = 0
+        if self._closing:
+            self._close_fd()
+
+    def fileno(self) -> int:
+        if self.closed:
+            raise ValueError(f"I/O operation on closed file {self.path}")
+        return self.fd
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0 or self._closing
+
+    def close(self) -> None:
+        """Close the file; with requests still in flight, once the last of them has finished."""
+        with self._lock:
+            self._closing = True
+            if self._pending == 0:
+                self._close_fd()
+
+    def _close_fd(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def _acquire(self) -> int:
+        with self._lock:
+            if self.closed:
+                raise ValueError(f"I/O operation on closed file {self.path}")
+            self._pending += 1
+            return self.fd
+
+    def _release(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            if self._pending == 0 and self._closing:
+                self._close_fd()
+
+    def __enter__(self) -> AioFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_lock", None) is not None:
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"AioFile({self.path!r}, o_direct={self.o_direct}, alignment={self.alignment})"
+
+
+def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool, str] = "auto") -> AioFile:
+    """Open a file for the engine.
+
+    Args:
+        path: the file.
+        mode: ``"r"`` read-only, ``"r+"`` read-write, ``"w+"`` read-write created if missing (never
+            truncated), ``"x+"`` read-write, must not exist.
+        o_direct: ``"auto"`` tries O_DIRECT and falls back to buffered I/O with one warning per file
+            system; ``True`` requires it; ``False`` never uses it.
+
+    Raises:
+        OSError: from ``open(2)``, with the path (``FileNotFoundError``, ``PermissionError``, ...);
+            ``EINVAL`` when ``o_direct=True`` and the file system refuses O_DIRECT (a file this call
+            created is removed again).
+        ValueError: a bad mode or o_direct value.
+    """
+    path = os.fspath(path)
+    if mode not in _MODES:
+        raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
+    _check_o_direct(o_direct)
+    fd, created = _open_fd(path, mode)
+    try:
+        return wrap_fd(fd, path, o_direct=o_direct)
+    except BaseException:
+        if created:
+            _unlink_if_same(path, fd)
+        os.close(fd)
+        raise
+
+
+# NOTE: O_DIRECT is turned on after the open (fcntl F_SETFL), not asked for in it. open(2) with
+# O_CREAT creates the file before the file system gets to refuse O_DIRECT, so a refused O_DIRECT
+# open leaves a new file behind and an O_EXCL retry then fails on it. F_SETFL runs the same kernel
+# check (EINVAL where the file system has no direct I/O), and F_GETFL confirms the flag took.
+def wrap_fd(fd: int, path: str, *, o_direct: Union[bool, str] = "auto") -> AioFile:
+    """An :class:`AioFile` over an open descriptor, with O_DIRECT turned on as ``o_direct`` asks.
+
+    On success the AioFile owns ``fd``; on an exception the caller still does.
+
+    Args:
+        fd: a descriptor open for reading (and writing, to write through it).
+        path: the file's path, for messages.
+        o_direct: as for :func:`open_file`.
+
+    Raises:
+        OSError: ``EINVAL`` when ``o_direct=True`` and the file system refuses O_DIRECT.
+    """
+    _check_o_direct(o_direct)
+    if o_direct is False:
+        return AioFile(path, fd, False, 1)
+    if _set_o_direct(fd):
+        return AioFile(path, fd, True, _dio_alignment(fd))
+    if o_direct is True:
+        raise OSError(
+            _errno.EINVAL,
+            "the file system refuses O_DIRECT; set o_direct to \"auto\" or false to use buffered I/O",
+            path,
+        )
+    _warn_once(
+        ("no O_DIRECT", os.fstat(fd).st_dev),
+        f"the file system holding {path} refuses O_DIRECT; using buffered I/O there "
+        "(slower, and it fills the page cache). Set o_direct=false to silence this.",
+    )
+    return AioFile(path, fd, False, 1)
+
+
+def _check_o_direct(o_direct) -> None:
+    if o_direct not in ("auto", True, False):
+        raise ValueError(f'o_direct must be "auto", true or false, got {o_direct!r}')
+
+
+def _open_fd(path: str, mode: str) -> tuple[int, bool]:
+    """``(fd, created)``: open ``path`` in ``mode``, knowing whether this call created the file."""
+    flags = _MODES[mode] | os.O_CLOEXEC
+    if mode != "w+":
+        return os.open(path, flags, 0o600), mode == "x+"
+    # "w+": create exclusively, else open what exists; twice, in case it vanishes in between.
+    for _ in range(2):
+        try:
+            return os.open(path, flags | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            pass
+        try:
+            return os.open(path, flags & ~os.O_CREAT), False
+        except FileNotFoundError:
+            pass
+    return os.open(path, flags, 0o600), False  # e.g. a dangling symlink: open(2) creates its target
+
+
+def _set_o_direct(fd: int) -> bool:
+    """Turn O_DIRECT on for ``fd``; False where the file system refuses it."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    if not flags & os.O_DIRECT:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+        except OSError as err:
+            if err.errno != _errno.EINVAL:
+                raise
+            return False
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _unlink_if_same(path: str, fd: int) -> None:
+    """Remove ``path`` if it still names the file open on ``fd`` (never someone else's file)."""
+    try:
+        st, lst = os.fstat(fd), os.lstat(path)
+        if (st.st_dev, st.st_ino) == (lst.st_dev, lst.st_ino):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def _dio_alignment(fd: int) -> int:
+    mem = ffi.new("uint32_t *")
+    off = ffi.new("uint32_t *")
+    lib.ofl_dio_alignment(fd, mem, off)
+    return max(ALIGNMENT, int(mem[0]), int(off[0]))
