@@ -25,7 +25,8 @@ PROG = "offload-bench"
 # exit code) as the parser's default. Adding a command is one module plus one line in COMMANDS.
 # Exit codes: 0 success, 1 a failure while running (I/O error, failed verification, a missing tool),
 # 2 a bad argument, 130 interrupted.
-COMMANDS = ("offload.bench.io", "offload.bench.adam", "offload.bench.checkpoint", "offload.bench.params")
+COMMANDS = ("offload.bench.io", "offload.bench.sweep", "offload.bench.adam", "offload.bench.checkpoint",
+            "offload.bench.params")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

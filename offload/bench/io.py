@@ -1,10 +1,9 @@
-"""``offload-bench io`` and ``offload-bench sweep``: swap-space throughput, and the best aio settings."""
+"""``offload-bench io``: swap-space write and read throughput, beside fio if asked, and the measuring
+machinery ``offload-bench sweep`` shares."""
 
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import os
 import statistics
 import tempfile
@@ -17,10 +16,10 @@ import numpy as np
 
 from ..aio import Engine, open_file
 from ..buffers import BufferPool, HostBuffer
-from ..config import AioConfig, config_to_dict
+from ..config import AioConfig
 from ..pipeline import Pipeline
 from ..space import Extent, SwapSpace
-from ..units import ALIGNMENT, GIB, round_up
+from ..units import ALIGNMENT, GIB, MIB, round_up
 from . import report
 from .cli import (
     BenchFailure,
@@ -30,14 +29,12 @@ from .cli import (
     block_size_arg,
     check_free_space,
     check_output_file,
-    list_arg,
     positive_int_arg,
     short_size,
     size_arg,
 )
 from .fio import Fio, FioError, find_fio, fio_version, pick_engine
 
-MIB = 1 << 20
 CHUNK = 64 * MIB  # bytes per request: large enough that Python's per-request cost vanishes
 MIN_IN_FLIGHT = 256 * MIB
 MAX_POOL = 2 << 30  # host memory the benchmark may take for its pool
@@ -291,13 +288,13 @@ def _fio(runner: Fio, op: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Add the ``io`` and ``sweep`` subcommands."""
+    """Add the ``io`` subcommand."""
     io = sub.add_parser(
         "io", parents=[common], help="write then read through the swap space; GiB/s per run and median",
         description="Write then read --size bytes through the swap space (O_DIRECT; the write figure is "
                     "without fsync, as fio's default) and report GiB/s per run and the median.",
     )
-    _base_options(io)
+    add_pass_options(io)
     io.add_argument("--block-size", type=block_size_arg, default=MIB, metavar="SIZE",
                     help="bytes per request piece, a multiple of 4KiB (default 1MiB)")
     io.add_argument("--queue-depth", type=positive_int_arg(1, 4096), default=32, metavar="N",
@@ -307,26 +304,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     io.add_argument("--runs", type=positive_int_arg(1), default=3, metavar="N", help="runs (default 3)")
     io.set_defaults(run=run_io)
 
-    sweep = sub.add_parser(
-        "sweep", parents=[common], help="measure a grid of aio settings and pick the best",
-        description="Measure every combination of block size, queue depth and threads; print them sorted "
-                    "by the mean of read and write GiB/s, and the best point.",
-    )
-    _base_options(sweep)
-    sweep.add_argument("--block-sizes", type=list_arg(block_size_arg), default=[128 << 10, MIB, 4 * MIB],
-                       metavar="LIST", help="comma-separated block sizes (default 128KiB,1MiB,4MiB)")
-    sweep.add_argument("--queue-depths", type=list_arg(positive_int_arg(1, 4096)), default=[8, 32, 128],
-                       metavar="LIST", help="comma-separated queue depths (default 8,32,128)")
-    sweep.add_argument("--threads", type=list_arg(positive_int_arg(1, 64)), default=[1, 2, 4],
-                       metavar="LIST", help="comma-separated worker thread counts (default 1,2,4)")
-    sweep.add_argument("--runs", type=positive_int_arg(1), default=2, metavar="N",
-                       help="runs per point (default 2)")
-    sweep.add_argument("--emit-config", metavar="FILE",
-                       help='write the best point as an {"aio": {...}} JSON config block')
-    sweep.set_defaults(run=run_sweep)
 
-
-def _base_options(p: argparse.ArgumentParser) -> None:
+def add_pass_options(p: argparse.ArgumentParser) -> None:
+    """The options of a pass through the swap space, shared by ``io`` and ``sweep``."""
     add_path_option(p)
     p.add_argument("--size", type=size_arg, default=1 << 30, metavar="SIZE",
                    help="bytes written then read per run, e.g. 512MiB (default 1GiB)")
@@ -339,7 +319,7 @@ def _base_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="draw the results (needs matplotlib)")
 
 
-def _check_common(args: argparse.Namespace, block_sizes: Sequence[int]) -> str | None:
+def check_pass_args(args: argparse.Namespace, block_sizes: Sequence[int]) -> str | None:
     """Validate what argparse cannot; returns the fio executable when --fio is given."""
     if args.size % ALIGNMENT:
         raise UsageError(f"--size {args.size} is not a multiple of {ALIGNMENT} bytes; "
@@ -379,7 +359,7 @@ def _probe(paths: Sequence[str], backend: str) -> tuple[str, dict[str, bool]]:
     return used, direct
 
 
-def _setup(args, paths: Sequence[str], points: Sequence[Point], fio: str | None):
+def setup_run(args, paths: Sequence[str], points: Sequence[Point], fio: str | None):
     """Check space, probe the machine, plan the pool; returns (plan, machine, params for the header)."""
     per_path = -(-args.size // len(paths)) + max(p.block_size for p in points) * 2
     check_free_space(paths, per_path * (2 if fio else 1),
@@ -407,7 +387,8 @@ def _setup(args, paths: Sequence[str], points: Sequence[Point], fio: str | None)
     return p, machine, params
 
 
-def _config(args, paths, plan_: Plan, extra: dict[str, Any]) -> dict[str, Any]:
+def config_doc(args, paths, plan_: Plan, extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``config`` part of the JSON report: the command's arguments and the pool, with ``extra``."""
     return {
         "command": args.command, "paths": list(paths), "scratch": not args.paths, "size": args.size,
         **extra, "backend": args.backend, "runs": args.runs, "verify": args.verify, "fio": args.fio,
@@ -427,9 +408,9 @@ def _config(args, paths, plan_: Plan, extra: dict[str, Any]) -> dict[str, Any]:
 def run_io(args: argparse.Namespace) -> int:
     """``offload-bench io``."""
     point = Point(args.block_size, args.queue_depth, args.threads)
-    fio = _check_common(args, [point.block_size])
+    fio = check_pass_args(args, [point.block_size])
     with bench_paths(args.paths) as paths:
-        plan_, machine, params = _setup(args, paths, [point], fio)
+        plan_, machine, params = setup_run(args, paths, [point], fio)
         params[1:1] = [("aio", f"block size {short_size(point.block_size)}, queue depth {point.queue_depth}, "
                                f"{point.threads} thread(s) per path")]
         report.print_header("io", machine, params)
@@ -439,19 +420,20 @@ def run_io(args: argparse.Namespace) -> int:
                           verify=args.verify, fio=fio)
     _print_io(res, args.verify)
     results = [res.write.to_json(), res.read.to_json()]
-    config = _config(args, paths, plan_, {"block_size": point.block_size, "queue_depth": point.queue_depth,
-                                          "threads": point.threads})
+    config = config_doc(args, paths, plan_, {"block_size": point.block_size, "queue_depth": point.queue_depth,
+                                              "threads": point.threads})
     config.update(backend_used=res.backend, stripe_unit=res.stripe_unit, fixed_buffers=res.fixed_buffers)
     if args.json:
         report.write_json(args.json, {"config": config, "machine": machine, "results": results})
         print(f"wrote {args.json}")
     if args.plot:
-        report.plot_io(args.plot, results, _title(machine, paths, point))
+        report.plot_io(args.plot, results, plot_title(machine, paths, point))
         print(f"wrote {args.plot}")
     return 0
 
 
-def _title(machine, paths, point: Point | None) -> str:
+def plot_title(machine, paths, point: Point | None) -> str:
+    """A plot's title: the host, the point (if one), the backend and each path's file system."""
     fs = ", ".join(f"{p} ({v['type']})" for p, v in machine["file_systems"].items())
     what = f"{point.label()}, " if point else ""
     return f"offload-bench on {machine['hostname']}: {what}{machine['backend']}, {fs}"
@@ -481,78 +463,5 @@ def _print_io(res: PointResult, verify: bool) -> None:
     print()
 
 
-def run_sweep(args: argparse.Namespace) -> int:
-    """``offload-bench sweep``."""
-    grid = itertools.product(args.block_sizes, args.queue_depths, args.threads)
-    points = [Point(b, q, t) for b, q, t in grid]
-    fio = _check_common(args, args.block_sizes)
-    with bench_paths(args.paths) as paths:
-        plan_, machine, params = _setup(args, paths, points, fio)
-        params[1:1] = [("grid", f"block sizes {','.join(short_size(b) for b in args.block_sizes)}; "
-                                f"queue depths {','.join(map(str, args.queue_depths))}; "
-                                f"threads {','.join(map(str, args.threads))} ({len(points)} points)")]
-        report.print_header("sweep", machine, params)
-        done: list[PointResult] = []
-        progress = report.Progress(len(points))
-        with BufferPool(plan_.buffer_count, plan_.chunk) as pool:
-            data = Data(pool, plan_.chunk)
-            try:
-                for k, point in enumerate(points):
-                    progress.update(k, point.label())
-                    done.append(measure(paths, point, plan_, pool, data, runs=args.runs, backend=args.backend,
-                                        verify=args.verify, fio=fio))
-                progress.update(len(points), "done")
-            finally:
-                progress.close()
-    ranked = sorted(done, key=lambda r: r.mean, reverse=True)
-    best = ranked[0]
-    _print_sweep(ranked)
-    best_doc = {"block_size": best.point.block_size, "queue_depth": best.point.queue_depth,
-                "threads": best.point.threads, "write_gib_s": best.write.median,
-                "read_gib_s": best.read.median, "mean_gib_s": best.mean}
-    print(f"best: {best.point.label()}: write {best.write.median:.3f}, read {best.read.median:.3f}, "
-          f"mean {best.mean:.3f} GiB/s")
-    if args.emit_config:
-        block = aio_block(best.point, args.backend)
-        report.write_json(args.emit_config, {"aio": block})
-        print(f"wrote {args.emit_config}: {json.dumps({'aio': block})}")
-    results = [r.to_json(pr.point) for pr in done for r in (pr.write, pr.read)]
-    config = _config(args, paths, plan_, {"block_sizes": list(args.block_sizes),
-                                          "queue_depths": list(args.queue_depths),
-                                          "threads": list(args.threads)})
-    config.update(backend_used=done[0].backend, stripe_unit="block_size")
-    if args.json:
-        doc = {"config": config, "machine": machine, "results": results, "best": best_doc}
-        report.write_json(args.json, doc)
-        print(f"wrote {args.json}")
-    if args.plot:
-        report.plot_sweep(args.plot, results, _title(machine, paths, None))
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def aio_block(point: Point, backend: str = "auto") -> dict[str, Any]:
-    """The ``aio`` config block for a point, as the config loader writes it (and reads it back unchanged)."""
-    aio = AioConfig(block_size=point.block_size, queue_depth=point.queue_depth, thread_count=point.threads,
-                    backend=backend)
-    return config_to_dict(aio)["aio"]
-
-
-def _print_sweep(ranked: Sequence[PointResult]) -> None:
-    has_fio = bool(ranked[0].write.fio_runs)
-    headers = ["block size", "queue depth", "threads", "write", "read", "mean"]
-    if has_fio:
-        headers += ["write/fio", "read/fio"]
-    rows = []
-    for r in ranked:
-        row = [short_size(r.point.block_size), str(r.point.queue_depth), str(r.point.threads),
-               report.fmt_gib(r.write.median), report.fmt_gib(r.read.median), report.fmt_gib(r.mean)]
-        if has_fio:
-            row += [report.fmt_ratio(r.write.ratio), report.fmt_ratio(r.read.ratio)]
-        rows.append(row)
-    print("GiB/s, median of runs, sorted by the mean of write and read")
-    print(report.table(headers, rows))
-    print()
-
-
-__all__ = ["Plan", "Point", "aio_block", "measure", "plan", "register", "run_io", "run_sweep"]
+__all__ = ["Data", "Plan", "Point", "PointResult", "VerifyError", "add_pass_options", "check_pass_args", "config_doc",
+           "measure", "plan", "plot_title", "register", "run_io", "setup_run"]
