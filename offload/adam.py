@@ -41,12 +41,15 @@ class OffloadedAdam(torch.optim.Adam):
         config: a path to a JSON file, a dict, or a :class:`offload.config.Config`; a whole
             DeepSpeed ``ds_config.json`` works (its ``aio`` and ``zero_optimization.offload_optimizer``
             blocks are used).
-        buffer_count, buffer_size, pin_memory, pipeline_read, pipeline_write, small_param_threshold:
-            override the ``offload_optimizer`` settings of ``config``.
+        device, buffer_count, buffer_size, pin_memory, pipeline_read, pipeline_write,
+        small_param_threshold, host_cache, state_dtype, checksum: override the ``offload_optimizer``
+            settings of ``config`` (see :class:`offload.config.OptimizerOffloadConfig`): ``device="cpu"``
+            keeps all state in host memory; ``host_cache`` keeps that many bytes of it (or ``"auto"``)
+            resident between steps; ``state_dtype="bf16"`` stores the moments in bf16.
 
-    Host memory for offloaded state is the pool alone: ``buffer_count * buffer_size`` bytes,
-    whatever the model size. Disk space for all state is reserved when the optimizer is built, so
-    a full disk is reported here, not at step 4000.
+    Host memory for offloaded state is the pool, ``buffer_count * buffer_size`` bytes, plus the host
+    cache, whatever the model size. Disk space for all state is reserved when the optimizer is built,
+    so a full disk is reported here, not at step 4000.
 
     Raises:
         ValueError: a bad hyperparameter (as torch), a parameter listed twice, or ``ConfigError`` for a
@@ -78,6 +81,10 @@ class OffloadedAdam(torch.optim.Adam):
         pipeline_read: Optional[bool] = None,
         pipeline_write: Optional[bool] = None,
         small_param_threshold: Optional[int] = None,
+        device: Optional[str] = None,
+        host_cache=None,
+        state_dtype: Optional[str] = None,
+        checksum: Optional[bool] = None,
     ):
         if capturable:
             raise ValueError("capturable=True is not supported by OffloadedAdam (state is not on the device)")
@@ -96,11 +103,13 @@ class OffloadedAdam(torch.optim.Adam):
             otherwise="or use torch.optim.Adam for state in memory",
             nvme_path=nvme_path, buffer_count=buffer_count, buffer_size=buffer_size, pin_memory=pin_memory,
             pipeline_read=pipeline_read, pipeline_write=pipeline_write, small_param_threshold=small_param_threshold,
+            device=device, host_cache=host_cache, state_dtype=state_dtype, checksum=checksum,
         )
         _check_params(self.param_groups)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
         try:
             self.state_store.place(self.param_groups, trainable_only=True)
+            self.state_store.size_cache()
         except BaseException:
             self.state_store.close()
             raise
@@ -244,8 +253,14 @@ class OffloadedAdam(torch.optim.Adam):
 
     @property
     def host_pool_bytes(self) -> int:
-        """Host memory held for offloaded state (the pool)."""
-        return self.state_store.pool.nbytes
+        """Host memory of the pool that offloaded state moves through (0 with ``device: "cpu"``)."""
+        return self.state_store.pool.nbytes if self.state_store.pool is not None else 0
+
+    @property
+    def host_cache_bytes(self) -> int:
+        """Host memory holding resident state: the host tier (``host_cache``, or all state with
+        ``device: "cpu"``)."""
+        return self.state_store.tier.nbytes if self.state_store.tier is not None else 0
 
     @property
     def grad_pool_bytes(self) -> int:
@@ -314,11 +329,17 @@ class OffloadedAdam(torch.optim.Adam):
         active = {id(s) for s in slots}
         for s in slots:
             self.state[s.param].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-        units = store.units_of(slots)
+        units = store.step_order(store.units_of(slots))
         # With an fp32 master copy on disk the old weights are not read: the update rewrites all of them.
         has_master = lambda slot: "master" in slot.keys and slot.initialized  # noqa: E731
+        copying: dict[int, set] = {}  # id(unit) -> CUDA devices still copying state back into its buffer
 
-        with self._access.units(units, active, buffers=len(store.pool)) as unit_pass:
+        def before_write(unit) -> None:
+            # The state copied back from the device must be in the buffer before it is written.
+            for dev in copying.pop(id(unit), ()):
+                torch.cuda.current_stream(dev).synchronize()
+
+        with self._access.units(units, active, buffers=len(store.pool or ())) as unit_pass:
             def update(unit, buf) -> bool:
                 grads = unit_pass.grads(unit)
                 unit_pass.fetch(unit, skip_read=has_master)
@@ -329,15 +350,16 @@ class OffloadedAdam(torch.optim.Adam):
                 devices = set()
                 for chunks in by_group.values():
                     devices |= self._update_chunks(chunks, buf, grads)
-                for dev in devices:
-                    # The state copied back from the device must be in the buffer before the store writes
-                    # it: one wait per unit, after every group's copies are queued.
-                    torch.cuda.current_stream(dev).synchronize()
+                if devices:
+                    copying[id(unit)] = devices
                 unit_pass.done(unit)
                 return True
 
             store.run(units, update, needs_read=lambda u: any(c.slot.initialized for c in u.chunks),
-                      also_read=unit_pass.read_grads)
+                      also_read=unit_pass.read_grads, before_write=before_write, settle=True)
+        # Units resident in host memory were never written: their copies back must land before the step ends.
+        for dev in set().union(*copying.values()) if copying else ():
+            torch.cuda.current_stream(dev).synchronize()
         for s in slots:
             s.initialized = True
             self.state[s.param]["step"] += 1
@@ -347,7 +369,8 @@ class OffloadedAdam(torch.optim.Adam):
         ``buf`` are queued and must be waited for before the buffer is written."""
         group = chunks[0].slot.group
         amsgrad = group["amsgrad"]
-        params, grads, m, v, vmax, steps, writeback = [], [], [], [], [], [], []
+        params, grads, m, v, vmax, steps = [], [], [], [], [], []
+        writeback, narrow = [], []  # (host view, device tensor); (bf16 moment, its fp32 working copy)
         for c in chunks:
             p = c.slot.param
             lo, hi = c.start, c.start + c.numel
@@ -358,24 +381,27 @@ class OffloadedAdam(torch.optim.Adam):
             elif flat_g.device != p.device:
                 flat_g = flat_g.to(p.device, non_blocking=True)
             state = {k: c.slice(buf, k) for k in c.slot.keys}
-            master = state.get("master")
             if not c.slot.initialized:
                 for k, t in state.items():
                     if k == "master":
                         t.copy_(flat_p)
                     else:
                         t.zero_()
-            target = master if master is not None else flat_p
-            grad = flat_g if flat_g.dtype == target.dtype else flat_g.to(target.dtype)
             dev = p.device
             if dev.type != "cpu":
-                # State crosses to the parameter's device through the (pinned) pool buffer.
+                # State crosses to the parameter's device through the (pinned) buffer.
                 on_dev = {k: t.to(dev, non_blocking=True) for k, t in state.items()}
                 writeback.extend((state[k], on_dev[k]) for k in state)
                 state = on_dev
-                target = state["master"] if master is not None else flat_p
+            for k in [k for k in state if k != "master" and state[k].dtype == torch.bfloat16]:
+                # Narrow state (state_dtype "bf16"): computed in fp32, rounded to nearest when stored.
+                wide = state[k].float()
+                narrow.append((state[k], wide))
+                state[k] = wide
+            master = state.get("master")
+            target = master if master is not None else flat_p
             params.append(target)
-            grads.append(grad)
+            grads.append(flat_g if flat_g.dtype == target.dtype else flat_g.to(target.dtype))
             m.append(state["exp_avg"])
             v.append(state["exp_avg_sq"])
             if amsgrad:
@@ -386,6 +412,8 @@ class OffloadedAdam(torch.optim.Adam):
             steps.append(step.to(dev, copy=True, non_blocking=True) if self._kernel_flags(group, dev)["fused"]
                          else step.clone())
         self._adam(group, params, grads, m, v, vmax, steps)
+        for stored, wide in narrow:
+            stored.copy_(wide)
         for c, target in zip(chunks, params):
             if "master" in c.slot.keys:
                 c.slot.param.detach().view(-1)[c.start:c.start + c.numel].copy_(target)

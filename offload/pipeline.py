@@ -15,11 +15,12 @@ class BufferSource(Protocol):
     """Where a pipeline gets the buffers it moves bytes through, and gives them back.
 
     ``take(wait=False)`` returns a buffer only if one is idle now (else ``None``); ``take(wait=True)``
-    always returns one, waiting for the I/O that last used it. ``give(buffer, pending)`` returns a
-    buffer; ``pending`` is a future still using it as a source (a write), or ``None``.
+    always returns one, waiting for the I/O that last used it. ``item`` is the item the buffer is for
+    (a source may keep some items' buffers of their own). ``give(buffer, pending)`` returns a buffer;
+    ``pending`` is a future still using it as a source (a write), or ``None``.
     """
 
-    def take(self, wait: bool) -> Any: ...
+    def take(self, wait: bool, item: Any = None) -> Any: ...
 
     def give(self, buffer: Any, pending: Any = None) -> None: ...
 
@@ -39,7 +40,7 @@ class BufferRing:
     def __len__(self) -> int:
         return len(self._free)
 
-    def take(self, wait: bool) -> Any:
+    def take(self, wait: bool, item: Any = None) -> Any:
         buffer, pending = self._free[0]
         if pending is not None and not wait and not pending.done():
             return None
@@ -64,7 +65,8 @@ class Pipeline:
 
     Args:
         buffers: the buffers to move bytes through: a sequence of host buffers, or a
-            :class:`BufferSource` that lends them (the parameter store shares its pool with prefetches).
+            :class:`BufferSource` that lends them (the parameter store shares its pool with prefetches),
+            or ``None`` when every run brings its own source.
         lookahead: how many items beyond the one being processed may have reads in flight; ``None``
             for as many as there are buffers to spare (len(buffers) - 1; a source must give a number).
         write_behind: let writes land while later items are processed.
@@ -73,17 +75,18 @@ class Pipeline:
         bytes_read, bytes_written: bytes moved by every run so far (the futures' results).
     """
 
-    def __init__(self, buffers: Sequence | BufferSource, *, lookahead: Optional[int] = None,
+    def __init__(self, buffers: Sequence | BufferSource | None, *, lookahead: Optional[int] = None,
                  write_behind: bool = True):
+        self._buffers: Optional[list] = None
+        self._source = None
+        default = None
         if isinstance(buffers, (list, tuple)):
             if not buffers:
                 raise PoolTooSmallError("a pipeline needs at least one buffer")
-            self._buffers: Optional[list] = list(buffers)
+            self._buffers = list(buffers)
             default = len(buffers) - 1
         else:
-            self._buffers = None
             self._source = buffers
-            default = None
         if lookahead is None:
             if default is None:
                 raise ValueError("a pipeline over a buffer source needs an explicit lookahead")
@@ -103,6 +106,7 @@ class Pipeline:
         read: Optional[Callable[[Any, Any], Any]] = None,
         write: Optional[Callable[[Any, Any], Any]] = None,
         drain: bool = True,
+        source: Optional[BufferSource] = None,
     ) -> None:
         """For each item in order: ``read(item, buf)``, ``process(item, buf)``, then ``write(item, buf)``
         if ``process`` returned True.
@@ -113,21 +117,26 @@ class Pipeline:
         landing (a :class:`BufferSource` holds them as pending, so their buffers are not reused before;
         the caller keeps the futures ``write`` returned and waits for them before reading those bytes
         back); they are then not counted in ``bytes_written``. On an error everything is drained.
+        ``source`` lends the buffers for this run instead of the pipeline's own.
 
         Raises:
             Whatever ``read``, ``process``, ``write`` or a future raises (an ``OSError`` naming the file
             and offset for I/O), after every request in flight has finished.
         """
-        if not drain and self._buffers is not None:
-            raise ValueError("drain=False needs a BufferSource that outlives the run (it keeps the writes pending)")
-        source = BufferRing(self._buffers) if self._buffers is not None else self._source
+        if source is None:
+            if not drain and self._buffers is not None:
+                raise ValueError("drain=False needs a BufferSource that outlives the run (it keeps the writes "
+                                 "pending)")
+            source = BufferRing(self._buffers) if self._buffers is not None else self._source
+            if source is None:
+                raise ValueError("this pipeline has no buffers of its own: pass a source to run()")
         reads: deque = deque()  # (item, buffer, read future or None), in item order
         writes: list = []
         n, next_read = len(items), 0
         try:
             for i in range(n):
                 while next_read < n and next_read <= i + self.lookahead:
-                    buf = source.take(wait=not reads)
+                    buf = source.take(wait=not reads, item=items[next_read])
                     if buf is None:
                         break
                     try:

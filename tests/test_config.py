@@ -544,8 +544,11 @@ def test_offload_config_applies_overrides_with_loader_rules_and_checks_use(tmp_p
     oc = cfg.offload_optimizer
     assert (oc.buffer_count, oc.buffer_size) == (3, 1 << 20)
     assert oc.nvme_paths == (str(tmp_path / "a"), str(tmp_path / "b"))
-    with pytest.raises(ConfigError, match=r'Thing keeps state on NVMe only.*"nvme" \(or keep it in memory\)'):
-        offload_config({"device": "cpu"}, "offload_optimizer", nvme_path=str(tmp_path), **kw)
+    with pytest.raises(ConfigError, match=r'Thing keeps state on "nvme" or "cpu".*\(or keep it in memory\)'):
+        offload_config({"device": "none"}, "offload_optimizer", nvme_path=str(tmp_path), **kw)
+    with pytest.raises(ConfigError, match=r'Thing keeps state on "nvme"\. Set it to "nvme"'):
+        offload_config({"device": "cpu"}, "offload_param", nvme_path=str(tmp_path), **kw)
+    assert offload_config({"device": "cpu"}, "offload_optimizer", **kw).offload_optimizer.device == "cpu"
     with pytest.raises(ConfigError, match="nvme_path is required.*offload_param.nvme_path"):
         offload_config(None, "offload_param", **kw)
     with pytest.raises(ConfigError, match="buffer_count"):

@@ -12,9 +12,16 @@ from typing import Any
 import torch
 
 from ..adam import OffloadedAdamW
-from ..units import GIB, format_size
+from ..units import GIB, format_size, parse_size
 from . import report
-from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, count_arg, positive_int_arg
+from .cli import (
+    BenchFailure,
+    add_config_option,
+    add_path_option,
+    bench_paths,
+    count_arg,
+    positive_int_arg,
+)
 from .fio import write_read_gib_s
 from .workload import TENSOR_ELEMENTS, synthetic_params
 
@@ -24,22 +31,41 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p = sub.add_parser(
         "adam", parents=[common], help="OffloadedAdamW step time and memory vs torch AdamW and the disk's bound",
         description="Build a model-sized set of parameters with random grads, time OffloadedAdamW steps and, "
-                    "in the same run, torch.optim.AdamW(fused=True) on the same tensors and fio on the same path.",
+                    "in the same run, the same optimizer without a host cache, torch.optim.AdamW(fused=True) "
+                    "on the same tensors, and fio on the same path.",
     )
     p.add_argument("--params", type=count_arg, default=64_000_000, metavar="N",
                    help="number of parameters, e.g. 64M, 1.5G (default 64M)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="parameter dtype; bf16 keeps an fp32 master copy on disk (default fp32)")
-    p.add_argument("--steps", type=positive_int_arg(2), default=5, metavar="N",
+                   help="parameter dtype; bf16 keeps an fp32 master copy (default fp32)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the parameters live; cuda needs a GPU (default cpu)")
+    p.add_argument("--offload-device", choices=("nvme", "cpu"), default="nvme",
+                   help="offload_optimizer.device: state on NVMe, or all of it in host memory (default nvme)")
+    p.add_argument("--host-cache", type=cache_arg, default=0, metavar="SIZE|auto",
+                   help="offload_optimizer.host_cache: state kept in host memory between steps (default 0)")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="offload_optimizer.state_dtype: the moments' dtype (default fp32)")
+    p.add_argument("--steps", type=positive_int_arg(3), default=5, metavar="N",
                    help="optimizer steps to time; the first (no state to read) is reported apart (default 5)")
     add_path_option(p)
     add_config_option(p)
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the same optimizer without a host cache (state on NVMe, fp32 moments)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch AdamW comparison")
     p.add_argument("--no-fio", action="store_true", help="skip the fio bound")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.set_defaults(run=run_adam)
 
 
+def cache_arg(text: str):
+    """An argparse type: a human size (0 for none) or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return parse_size(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(f"{err}; or write auto") from None
 
 
 def _rss_now() -> int:
@@ -67,9 +93,12 @@ def _reset_peak() -> None:
 
 def _time_steps(opt, steps: int) -> list[float]:
     times = []
+    cuda = torch.cuda.is_available()
     for _ in range(steps):
         t = time.perf_counter()
         opt.step()
+        if cuda:
+            torch.cuda.synchronize()  # torch's GPU kernels return before they finish
         times.append(time.perf_counter() - t)
     return times
 
@@ -82,47 +111,73 @@ def _time_steps(opt, steps: int) -> list[float]:
 def run_adam(args: argparse.Namespace) -> int:
     """``offload-bench adam``."""
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
-    cfg = args.config
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchFailure("--device cuda needs a CUDA device, and torch sees none")
     with bench_paths(args.paths) as paths:
-        cfg = cfg.replace(offload_optimizer=cfg.offload_optimizer.replace(nvme_path=tuple(paths)))
-        oc, aio = cfg.offload_optimizer, cfg.aio
+        main_cfg = args.config.replace(offload_optimizer={
+            "nvme_path": list(paths), "device": args.offload_device, "host_cache": args.host_cache,
+            "state_dtype": args.state_dtype})
+        base_cfg = main_cfg.replace(offload_optimizer={"device": "nvme", "host_cache": 0, "state_dtype": "fp32"})
+        compare = not args.no_baseline and base_cfg != main_cfg
+        oc, aio = main_cfg.offload_optimizer, main_cfg.aio
         machine = report.machine_info(paths)
         report.print_header("adam", machine, [
-            ("params", f"{args.params:,} {args.dtype} in tensors of {TENSOR_ELEMENTS:,}"),
+            ("params", f"{args.params:,} {args.dtype} on {device.type} in tensors of {TENSOR_ELEMENTS:,}"),
             ("steps", str(args.steps)),
-            ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}"),
+            ("state", f"on {oc.device}, host cache {_cache_text(oc.host_cache)}, moments in {oc.state_dtype}, "
+                      f"checksums {'on' if oc.checksum else 'off'}"),
+            ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}, pinned: {oc.pin_memory}"),
             ("aio", f"block size {format_size(aio.block_size)}, queue depth {aio.queue_depth}, "
                     f"{aio.thread_count} thread(s), backend {aio.backend}"),
+            ("compared with", "the same without a host cache (nvme, fp32 moments), interleaved step by step"
+             if compare else "nothing of ours"),
         ])
 
-        params = synthetic_params(args.params, dtype)
+        params = synthetic_params(args.params, dtype, device=device)
         # Building any torch optimizer imports torch._dynamo once (about 70 MiB here): pay that before
         # the baseline so the peak measures optimizer state, for ours and torch's alike.
         torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
         gc.collect()
         base_rss = _rss_now()
         _reset_peak()
-        opt = OffloadedAdamW(params, lr=1e-3, config=cfg)
+        _reset_gpu_peak(device)
+        opt = OffloadedAdamW(params, lr=1e-3, config=main_cfg)
+        base = None
         try:
+            # Memory: ours alone, the first step and one steady step.
             first = _time_steps(opt, 1)[0]
-            r0, w0 = opt.io_bytes()
-            times = _time_steps(opt, args.steps - 1)
-            r1, w1 = opt.io_bytes()
+            times, moved = [], []
+            _timed_step(opt, times, moved)
             peak = _rss_peak()
-            pool_bytes = opt.host_pool_bytes
-            state_bytes = opt.offloaded_state_bytes
-            backend = opt.swap_space.backend
+            gpu_peak = _gpu_peak(device)
+            pool_bytes, cache_bytes = opt.host_pool_bytes, opt.host_cache_bytes
+            state_bytes, resident = opt.offloaded_state_bytes, opt.state_store.resident_bytes
+            backend = opt.swap_space.backend if opt.swap_space is not None else "none (state in memory)"
+            # Time: ours and the baseline in turn, step by step, so the disk's drift hits both alike.
+            base_times, base_moved = [], []
+            if compare:
+                base = OffloadedAdamW(params, lr=1e-3, config=base_cfg)
+                _time_steps(base, 1)
+            for _ in range(args.steps - 2):
+                _timed_step(opt, times, moved)
+                if base is not None:
+                    _timed_step(base, base_times, base_moved)
         finally:
             opt.close()
-        del opt
+            if base is not None:
+                base.close()
+        del opt, base
         gc.collect()
-        steady = len(times)
-        read_per_step = (r1 - r0) // steady
-        written_per_step = (w1 - w0) // steady
         step_med = statistics.median(times)
+        read_per_step = max(r for r, _ in moved)
+        written_per_step = max(w for _, w in moved)
+        base_med = statistics.median(base_times) if base_times else None
+        base_read = max((r for r, _ in base_moved), default=None)
+        base_written = max((w for _, w in base_moved), default=None)
 
         fio_read = fio_write = None
-        if not args.no_fio:
+        if not args.no_fio and oc.device == "nvme":
             fio_write, fio_read = write_read_gib_s(paths, min(state_bytes, 1 << 30), aio.block_size,
                                                    aio.queue_depth, aio.thread_count)
 
@@ -141,44 +196,91 @@ def run_adam(args: argparse.Namespace) -> int:
     if fio_read and fio_write:
         bound = read_per_step / GIB / fio_read + written_per_step / GIB / fio_write
     over = peak - base_rss
+    held = pool_bytes + cache_bytes
     result: dict[str, Any] = {
         "params": args.params,
         "dtype": args.dtype,
+        "device": device.type,
+        "offload_device": oc.device,
+        "host_cache": oc.host_cache,
+        "state_dtype": oc.state_dtype,
         "step_s_median": step_med,
         "step_s_runs": times,
         "first_step_s": first,
         "bytes_read_per_step": read_per_step,
         "bytes_written_per_step": written_per_step,
+        "baseline_step_s_median": base_med,
+        "baseline_step_s_runs": base_times,
+        "baseline_bytes_read_per_step": base_read,
+        "baseline_bytes_written_per_step": base_written,
+        "step_vs_baseline": step_med / base_med if base_med else None,
+        "bytes_vs_baseline": (read_per_step + written_per_step) / (base_read + base_written)
+        if base_read else None,
         "peak_rss_bytes": peak,
         "base_rss_bytes": base_rss,
         "rss_over_base_bytes": over,
         "host_pool_bytes": pool_bytes,
+        "host_cache_bytes": cache_bytes,
+        "resident_state_bytes": resident,
         "offloaded_state_bytes": state_bytes,
+        "gpu_peak_bytes": gpu_peak,
         "torch_step_s_median": torch_med,
         "torch_peak_rss_bytes": torch_peak,
+        "step_vs_torch": step_med / torch_med if torch_med else None,
         "fio_read_gib_s": fio_read,
         "fio_write_gib_s": fio_write,
         "disk_bound_s": bound,
         "ratio_to_bound": step_med / bound if bound else None,
         "backend": backend,
-        "config": {"aio": dataclasses.asdict(aio),
-                   "buffer_count": oc.buffer_count, "buffer_size": oc.buffer_size},
+        "config": {"aio": dataclasses.asdict(aio), "buffer_count": oc.buffer_count, "buffer_size": oc.buffer_size},
         "machine": machine,
     }
-    print(report.table(["", "value"], [
+    rows = [
         ["step (median of steady steps)", f"{step_med:.3f} s"],
         ["first step (nothing to read)", f"{first:.3f} s"],
         ["read / written per step", f"{format_size(read_per_step)} / {format_size(written_per_step)}"],
+    ]
+    if base_med:
+        rows += [
+            ["without host cache: step", f"{base_med:.3f} s ({step_med / base_med:.2f}x)"],
+            ["without host cache: read / written", f"{format_size(base_read)} / {format_size(base_written)} "
+                                                   f"({result['bytes_vs_baseline']:.2f}x)"],
+        ]
+    rows += [
         ["fio read / write", f"{report.fmt_gib(fio_read)} / {report.fmt_gib(fio_write)} GiB/s"],
         ["disk bound (fio)", f"{bound:.3f} s" if bound else "n/a"],
         ["step / disk bound", f"{step_med / bound:.2f}x" if bound else "n/a"],
-        ["torch AdamW(fused) step", f"{torch_med:.3f} s" if torch_med else "n/a"],
-        ["host pool", format_size(pool_bytes)],
-        ["peak RSS above params+grads", f"{format_size(over)} ({over / pool_bytes:.2f}x pool)"],
-        ["torch peak RSS above params+grads",
-         format_size(torch_peak - base_rss) if torch_peak else "n/a"],
-    ]))
+        ["torch AdamW(fused) step", f"{torch_med:.3f} s ({step_med / torch_med:.2f}x)" if torch_med else "n/a"],
+        ["state / resident in host memory", f"{format_size(state_bytes)} / {format_size(resident)}"],
+        ["host pool + cache", f"{format_size(pool_bytes)} + {format_size(cache_bytes)}"],
+        ["peak RSS above params+grads", f"{format_size(over)} ({over / held:.2f}x pool + cache)" if held
+         else format_size(over)],
+        ["torch peak RSS above params+grads", format_size(torch_peak - base_rss) if torch_peak else "n/a"],
+    ]
+    if gpu_peak is not None:
+        rows.append(["GPU memory peak", format_size(gpu_peak)])
+    print(report.table(["", "value"], rows))
     if args.json:
         report.write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
+
+
+def _cache_text(cache) -> str:
+    return cache if cache == "auto" else format_size(cache)
+
+
+def _timed_step(opt, times: list, moved: list) -> None:
+    r0, w0 = opt.io_bytes()
+    times.extend(_time_steps(opt, 1))
+    r1, w1 = opt.io_bytes()
+    moved.append((r1 - r0, w1 - w0))
+
+
+def _reset_gpu_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _gpu_peak(device: torch.device):
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

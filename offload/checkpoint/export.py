@@ -27,8 +27,10 @@ from .format import (
     _cpu_state,
     _dtype,
     _dtype_name,
+    _key_dtypes,
     _numel,
     _read_torch,
+    _slice_offset,
     _torch_groups,
     _write_memory_and_manifest,
 )
@@ -67,18 +69,18 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
         if e["where"] == "memory":
             state[i] = {k: v for k, v in memory["state"][i].items()}
             continue
-        dtype = _dtype(e["state_dtype"])
         entry = {"step": step_tensor(memory["steps"][i])}
-        for k in e["keys"]:
+        for k, dtype in zip(e["keys"], _key_dtypes(e)):
             if k == "master" and not include_master:
                 continue
-            entry[k] = torch.empty(e["shape"], dtype=dtype)
+            # Moments kept in bf16 (state_dtype "bf16") come out in fp32, torch's layout.
+            entry[k] = torch.empty(e["shape"], dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
         state[i] = entry
     placements: list[list] = [[] for _ in manifest["units"]]
     for e in manifest["params"]:
         if e.get("initialized") and e["where"] == "swap":
-            for u, start, numel, offset, stride in e["chunks"]:
-                placements[u].append((e, start, numel, offset, stride))
+            for chunk in e["chunks"]:
+                placements[chunk[0]].append((e, chunk))
     units = manifest["units"]
     whole = xxhash.xxh3_64()
     with _tool_pool(manifest) as pool:
@@ -91,12 +93,12 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
                 def process(u, buf):
                     _check_unit(manifest, path, u, buf)
                     whole.update(buf.tensor[: units[u]["length"]].numpy())
-                    for e, start, numel, offset, stride in placements[u]:
-                        dtype = _dtype(e["state_dtype"])
-                        for k, key in enumerate(e["keys"]):
+                    for e, chunk in placements[u]:
+                        _, start, numel = chunk[:3]
+                        for k, (key, dtype) in enumerate(zip(e["keys"], _key_dtypes(e))):
                             if key in state[e["index"]]:
                                 dest = state[e["index"]][key].view(-1)[start:start + numel]
-                                dest.copy_(buf.view(dtype, offset + k * stride, numel))
+                                dest.copy_(buf.view(dtype, _slice_offset(chunk, k), numel))
                     return False
 
                 _stream(range(len(units)), list(pool), read=read, process=process)
@@ -222,7 +224,7 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
 
     # Lay out the parameters with state, as an optimizer with this config would.
     metas = {}
-    layout = Layout(unit_bytes)
+    layout = Layout(unit_bytes, cfg.offload_optimizer.state_dtype)
     offloaded = []
     for i in range(n):
         if i in state and _numel(shapes[i]) >= threshold:
@@ -262,6 +264,8 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
                 keys = [k for k in slot.keys if k in state[i]]
                 e.update(where="swap", initialized=True, keys=keys, state_dtype=_dtype_name(slot.dtype),
                          chunks=chunks_of.get(i, []))
+                if len(set(slot.dtypes)) > 1:
+                    e["key_dtypes"] = [_dtype_name(slot.dtype_of(k)) for k in keys]
                 steps[i] = step_tensor(state[i].get("step", 0.0))
             else:
                 memory_state[i] = _cpu_state(state[i])

@@ -265,12 +265,28 @@ def _torch_groups(param_groups: list[dict], index: dict) -> list[dict]:
 
 
 def _chunk_table(units: Iterable, index_of: Callable[[Any], int]) -> dict[int, list]:
-    """Per parameter index, where its chunks lie: ``[unit, start, numel, offset, stride]`` each."""
+    """Per parameter index, where its chunks lie: ``[unit, start, numel, offset, stride]`` each, and when
+    its state keys differ in dtype (``state_dtype: "bf16"`` beside an fp32 master) a sixth element, each
+    key's slice offset from ``offset`` (``stride`` is then 0)."""
     chunks_of: dict[int, list] = {}
     for ui, u in enumerate(units):
         for c in u.chunks:
-            chunks_of.setdefault(index_of(c.slot.param), []).append([ui, c.start, c.numel, c.offset, c.stride])
+            row = [ui, c.start, c.numel, c.offset, c.stride]
+            if not c.stride:
+                row.append(list(c.slices))
+            chunks_of.setdefault(index_of(c.slot.param), []).append(row)
     return chunks_of
+
+
+def _key_dtypes(entry: dict) -> list:
+    """The dtype of each state key of a manifest parameter entry, in ``keys`` order."""
+    names = entry.get("key_dtypes") or [entry["state_dtype"]] * len(entry["keys"])
+    return [_dtype(n) for n in names]
+
+
+def _slice_offset(chunk: list, k: int) -> int:
+    """Byte offset of key ``k``'s slice of a manifest chunk row, within its unit."""
+    return chunk[3] + (chunk[5][k] if len(chunk) > 5 else k * chunk[4])
 
 
 def _groups_json(groups: list[dict]) -> list[dict]:

@@ -23,7 +23,9 @@ from .format import (
     _check_data_size,
     _check_unit,
     _dtype,
+    _key_dtypes,
     _read_torch,
+    _slice_offset,
 )
 from .model import _load_model, _model_section
 from .stream import _RangeReader, _stream
@@ -192,13 +194,14 @@ def _same_packing(store, manifest: dict, params: list) -> Optional[list]:
             slot = store.slot(p)
             if (e["where"] == "memory") != (slot is None):
                 return None  # small here and offloaded there, or the other way round
-            if slot is not None and list(slot.keys) != list(e["keys"]):
-                return None  # e.g. an imported state without the fp32 master copy
-        for u, start, numel, offset, stride in e.get("chunks", ()):
-            signature[u].append((e["index"], start, numel, offset, stride))
+            if slot is not None and (list(slot.keys) != list(e["keys"]) or list(slot.dtypes) != _key_dtypes(e)):
+                return None  # e.g. an imported state without the fp32 master copy, or another state_dtype
+        for chunk in e.get("chunks", ()):
+            signature[chunk[0]].append((e["index"], *chunk[1:5], tuple(chunk[5]) if len(chunk) > 5 else ()))
     by_sig = {}
     for unit in store.layout.units:
-        sig = tuple(sorted((index[c.slot.param], c.start, c.numel, c.offset, c.stride) for c in unit.chunks))
+        sig = tuple(sorted((index[c.slot.param], c.start, c.numel, c.offset, c.stride,
+                            () if c.stride else tuple(c.slices)) for c in unit.chunks))
         by_sig[sig] = unit
     plan = []
     for u, sig in enumerate(signature):
@@ -222,13 +225,20 @@ def _rechunk(store, manifest: dict, memory: dict, params: list, engine: Engine, 
 
     def copy_from_disk(dest: torch.Tensor, e: dict, key: str, lo: int, hi: int) -> None:
         k = e["keys"].index(key)
-        itemsize = dest.element_size()
-        for u, start, numel, offset, stride in e["chunks"]:
+        saved = _key_dtypes(e)[k]
+        for chunk in e["chunks"]:
+            u, start, numel = chunk[:3]
             a, b = max(lo, start), min(hi, start + numel)
             if a >= b:
                 continue
-            pos = units[u]["offset"] + offset + k * stride + (a - start) * itemsize
-            reader.copy(dest[a - lo: b - lo], pos)
+            pos = units[u]["offset"] + _slice_offset(chunk, k) + (a - start) * saved.itemsize
+            part = dest[a - lo: b - lo]
+            if saved == part.dtype:
+                reader.copy(part, pos)
+            else:  # saved with another state_dtype: converted as it is loaded
+                wide = torch.empty(b - a, dtype=saved)
+                reader.copy(wide, pos)
+                part.copy_(wide)
 
     def wanted(p) -> Optional[dict]:
         e = entries.get(index[p])
@@ -267,10 +277,9 @@ def _rechunk(store, manifest: dict, memory: dict, params: list, engine: Engine, 
         e = wanted(p)
         if e is None or e["where"] != "swap" or not store.is_small(p):
             continue
-        dtype = _dtype(e["state_dtype"])
         tensors = {}
-        for key in e["keys"]:
-            t = torch.empty(p.numel(), dtype=dtype)
+        for key, dtype in zip(e["keys"], _key_dtypes(e)):
+            t = torch.empty(p.numel(), dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
             copy_from_disk(t, e, key, 0, p.numel())
             tensors[key] = t.view(p.shape)
         out.append((e["index"], tensors))

@@ -76,6 +76,8 @@ def _save_into(opt, staged: _Staged, extra: Any) -> dict:
         if slot is not None and (slot.initialized or i in chunks_of):
             entry.update(where="swap", initialized=slot.initialized, keys=list(slot.keys),
                          state_dtype=_dtype_name(slot.dtype), chunks=chunks_of.get(i, []))
+            if len(set(slot.dtypes)) > 1:
+                entry["key_dtypes"] = [_dtype_name(d) for d in slot.dtypes]
             if slot.initialized:
                 steps[i] = st["step"].detach().to("cpu", copy=True)
         elif slot is None and len(st) > 0:

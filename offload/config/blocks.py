@@ -60,9 +60,9 @@ class OptimizerOffloadConfig:
     """Where and how optimizer state is offloaded (DeepSpeed's ``zero_optimization.offload_optimizer``).
 
     Attributes:
-        device: ``"nvme"``; ``"cpu"`` and ``"none"`` are DeepSpeed values the loader reads so that a
-            ds_config.json loads, but the optimizers of this library refuse them (state always goes to
-            NVMe here; use ``torch.optim`` to keep it in memory).
+        device: ``"nvme"`` (state on the drives of ``nvme_path``), or ``"cpu"`` (all state in host memory,
+            no swap file: pinned with ``pin_memory``, and updated on the GPU for CUDA parameters).
+            ``"none"`` is read from DeepSpeed files but refused by the optimizers (use ``torch.optim``).
         nvme_path: a directory, or a list of directories (one per drive; state is striped over them), or
             ``None`` to give the path when building the optimizer. Stored as a ``str`` or a ``tuple``.
         buffer_count: buffers in the host pool, 2 to 4096 (3 or more lets a read, an update and a write
@@ -78,6 +78,13 @@ class OptimizerOffloadConfig:
         ratio: fraction of optimizer state offloaded; only ``1.0`` (all of it) is supported.
         small_param_threshold: parameters with fewer elements keep their state in host memory (our
             extension): a disk round trip costs more than it saves for biases and norms.
+        host_cache: bytes of NVMe state kept resident in host memory between steps (a human size in
+            files, ``"48GiB"``), or ``"auto"`` (a share of available memory, see the README); 0: none.
+            Units are visited in snake order, so bytes moved per step fall to (state - cache) each way.
+        state_dtype: ``"fp32"`` (exp_avg and exp_avg_sq in fp32: bitwise torch) or ``"bf16"`` (stored as
+            bf16, computed in fp32, rounded to nearest; fp32 master copies stay fp32).
+        checksum: keep an xxh3_64 of every unit written and verify it on every read, so state changed on
+            disk behind our back is found instead of trained on.
 
     Raises:
         ConfigError: at construction, naming every bad field.
@@ -93,6 +100,9 @@ class OptimizerOffloadConfig:
     fast_init: bool = False
     ratio: float = 1.0
     small_param_threshold: int = 4096
+    host_cache: int | str = 0
+    state_dtype: str = "fp32"
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         _validate(self, "offload_optimizer")
@@ -118,7 +128,10 @@ class ParamOffloadConfig:
         buffer_count: buffers in the parameter pool, 2 to 4096. DeepSpeed's default, 5.
         buffer_size: ELEMENTS per buffer (not bytes, as in DeepSpeed), default 1e8, at most an int64.
         max_in_cpu: parameter elements that may stay in host memory, default 1e9.
+        max_grad_in_cpu: gradient elements of offloaded parameters kept in host memory between backward
+            and the step instead of being written to NVMe and read back (smallest first), default 1e9.
         pin_memory: register the pool with CUDA (page-locked).
+        checksum: keep an xxh3_64 of every weight unit written and verify it when read back.
 
     Raises:
         ConfigError: at construction, naming every bad field.
@@ -129,7 +142,9 @@ class ParamOffloadConfig:
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
+    max_grad_in_cpu: int = 1_000_000_000
     pin_memory: bool = False
+    checksum: bool = True
 
     def __post_init__(self) -> None:
         _validate(self, "offload_param")

@@ -89,7 +89,8 @@ def offload_config(source, block: str, *, user: str, what: str, otherwise: str, 
         **overrides: keys of ``block``; ``None`` means not given. Paths may be ``os.PathLike``.
 
     Raises:
-        ConfigError: bad values (all named at once), a device other than ``"nvme"``, or no ``nvme_path``.
+        ConfigError: bad values (all named at once), a device this block cannot use, or ``device:
+            "nvme"`` without an ``nvme_path``.
     """
     cls = CLASSES[block]
     if isinstance(source, cls):
@@ -108,10 +109,12 @@ def offload_config(source, block: str, *, user: str, what: str, otherwise: str, 
         # Read with the loader's rules: human sizes ("256MiB"), ranges, one ConfigError for all problems.
         cfg = cfg.replace(**{block: changes})
     b = getattr(cfg, block)
-    if b.device != "nvme":
-        raise ConfigError(f'{block}.device is "{b.device}"; {user} keeps {what} on NVMe only. '
-                          f'Set it to "nvme" ({otherwise}).')
-    if not b.nvme_path:
+    devices = ("nvme", "cpu") if block == "offload_optimizer" else ("nvme",)
+    if b.device not in devices:
+        where = " or ".join(f'"{d}"' for d in devices)
+        raise ConfigError(f'{block}.device is "{b.device}"; {user} keeps {what} on {where}. '
+                          f'Set it to {where} ({otherwise}).')
+    if b.device == "nvme" and not b.nvme_path:
         raise ConfigError(f"nvme_path is required: pass nvme_path=... or set {block}.nvme_path")
     return cfg
 

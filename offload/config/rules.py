@@ -51,7 +51,8 @@ class Rule:
     """What one key accepts.
 
     Attributes:
-        kind: "bytes", "int", "count", "bool", "choice", "o_direct", "paths" or "ratio".
+        kind: "bytes", "int", "count", "bool", "choice", "o_direct", "paths", "ratio" or "cache" (bytes, or
+            the string "auto").
         lo, hi: inclusive bounds of a number (``None``: unbounded on that side).
         why_hi: said after ``hi`` in a message, when the bound is not self-evident.
         multiple: a number must be a multiple of this.
@@ -80,7 +81,7 @@ _AIO_RULES = {
     "backend": Rule("choice", choices=("auto", "io_uring", "threads"), auto="value"),
     "o_direct": Rule("o_direct", auto="value"),
 }
-_DEVICE_AUTO = 'name the device: "nvme" ("cpu" and "none" are read but not implemented)'
+_DEVICE_AUTO = 'name the device: "nvme", or "cpu" for state in host memory'
 _PATH_AUTO = "give a directory on the NVMe drive, or a list of directories, one per drive"
 _DEVICES = ("nvme", "cpu", "none")
 _COUNT = dict(hi=INT64_MAX, why_hi=_INT64)
@@ -95,6 +96,9 @@ _OPTIMIZER_RULES = {
     "fast_init": Rule("bool", auto=_BOOL_AUTO),
     "ratio": Rule("ratio"),
     "small_param_threshold": Rule("count", lo=0, **_COUNT),
+    "host_cache": Rule("cache", auto="value"),
+    "state_dtype": Rule("choice", choices=("fp32", "bf16"), auto='write "fp32" or "bf16"'),
+    "checksum": Rule("bool", auto=_BOOL_AUTO),
 }
 _PARAM_RULES = {
     "device": Rule("choice", choices=_DEVICES, auto=_DEVICE_AUTO),
@@ -102,7 +106,9 @@ _PARAM_RULES = {
     "buffer_count": Rule("int", lo=2, hi=MAX_BUFFERS, why_hi=_BUFFERS),
     "buffer_size": Rule("count", lo=1, **_COUNT),
     "max_in_cpu": Rule("count", lo=0, **_COUNT),
+    "max_grad_in_cpu": Rule("count", lo=0, **_COUNT),
     "pin_memory": Rule("bool", auto=_BOOL_AUTO),
+    "checksum": Rule("bool", auto=_BOOL_AUTO),
 }
 RULES = {"aio": _AIO_RULES, "offload_optimizer": _OPTIMIZER_RULES, "offload_param": _PARAM_RULES}
 # DeepSpeed renamed thread_count to intra_op_parallelism (2025) without an alias; both mean the same.
@@ -123,6 +129,11 @@ def convert(rule: Rule, name: str, raw: Any) -> tuple[Any, str | None]:
         if rule.auto != "value":
             return None, f'"auto" is not accepted here: {rule.auto}'
         raw = "auto"
+    if rule.kind == "cache" and isinstance(raw, str) and raw != "auto":
+        try:
+            raw = parse_size(raw)
+        except ValueError as err:
+            return None, f'{err}; or write "auto"'
     if rule.kind == "bytes":
         if isinstance(raw, str):
             try:
@@ -165,6 +176,10 @@ def check(rule: Rule, name: str, value: Any) -> tuple[Any, str | None]:
         return None, f'must be "auto", true or false (without quotes), got {show(value)}'
     if kind == "paths":
         return _check_paths(value)
+    if kind == "cache":
+        if value == "auto":
+            return value, None
+        return _check_number(Rule("bytes", lo=0, hi=MAX_BYTES, why_hi=_INT64_BYTES), value)
     if kind == "ratio":
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             return None, f"must be a number in (0, 1], got {show(value)}"

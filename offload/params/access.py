@@ -107,6 +107,13 @@ class UnitPass:
         self.write_back = write_back
         self._position = {id(u): i for i, u in enumerate(self.units)}
         self._held: dict = {}  # slot -> store
+        # Chunks of each slot still to come in this pass: a parameter's weights are released after the
+        # last of them, whichever order the units are visited in.
+        self._left: dict = {}
+        for u in self.units:
+            for c in u.chunks:
+                if id(c.slot) in active:
+                    self._left[c.slot] = self._left.get(c.slot, 0) + 1
         self._reads: dict = {}  # id(unit) -> [(chunk, GradRead)]
         self._plans: dict = {}  # id(unit) -> [(chunk, store)]
         size = 0
@@ -142,7 +149,8 @@ class UnitPass:
         plan = self._plans.get(id(unit))
         if not plan:
             return None
-        gbuf = self._pool[buffer.index]  # the state buffer's pool index pairs it with a grad buffer
+        # The state buffer's pool index pairs it with a grad buffer (none needed for gradients in host memory).
+        gbuf = self._pool[buffer.index] if self._pool is not None else None
         reads, offset = [], 0
         try:
             for c, store in plan:
@@ -181,9 +189,12 @@ class UnitPass:
         return chunk.slot.param.detach().reshape(-1)[chunk.start:chunk.start + chunk.numel]
 
     def done(self, unit) -> None:
-        """``unit`` is updated: release (write back) the weights whose last chunk it held."""
+        """``unit`` is updated: release (write back) the weights whose last chunk in this pass it held."""
         for c in unit.chunks:
-            if c.slot in self._held and c is c.slot.chunks[-1]:
+            if c.slot not in self._left:
+                continue
+            self._left[c.slot] -= 1
+            if self._left[c.slot] == 0 and c.slot in self._held:
                 self._held.pop(c.slot).release(c.slot.param, dirty=self.write_back)
 
     def _hold(self, slot, *, read: bool) -> None:

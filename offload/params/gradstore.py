@@ -59,8 +59,10 @@ class _Grad:
 
     param: torch.Tensor
     nbytes: int
-    extent: Extent
+    extent: Optional[Extent]  # None: the gradient is kept in host memory (``host``) instead
     placeholder: torch.Tensor
+    in_host: bool = False  # kept in host memory, never written to NVMe
+    host: Optional[torch.Tensor] = None  # the gradient (a CPU tensor) while in_host and stored
     state: int = _NONE  # _NONE, _ZERO or _STORED
     writes: list = field(default_factory=list)  # write futures of the extent, in the order issued
     scales: list = field(default_factory=list)  # clip factors not yet applied to the stored bytes
@@ -73,6 +75,9 @@ class _Grad:
 # else in p.grad at begin (None after zero_grad(set_to_none=True), or a tensor a user assigned) means
 # the stored bytes are stale: torch's accumulation then starts from that, and put writes the result
 # afresh. A clip factor is recorded, not applied, and multiplied in when the gradient is next read.
+# Gradients that fit ``max_grad_in_cpu`` skip the disk: a CPU model's gradient tensor itself is kept (a
+# GPU model's is copied to host memory), and zeroing, accumulating and clipping act on it directly, with
+# the same operations torch applies to ``p.grad``.
 class GradStore:
     """Gradients of offloaded parameters, on the parameter store's swap space and through its pool.
 
@@ -90,10 +95,15 @@ class GradStore:
         self.resident_bytes = 0
         self.resident_bytes_max = 0
 
-    def add(self, param: torch.Tensor, extent: Extent, name: str) -> None:
-        """Give ``param``'s gradient a place (``extent``, as large as the parameter)."""
+    def add(self, param: torch.Tensor, extent: Optional[Extent], name: str) -> None:
+        """Give ``param``'s gradient a place: ``extent`` (as large as the parameter), or host memory (None)."""
         self.grads[param] = _Grad(param, param.numel() * param.element_size(), extent,
-                                  make_placeholder(param, name, self.mark_zero))
+                                  make_placeholder(param, name, self.mark_zero), in_host=extent is None)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory holding gradients kept off the disk now."""
+        return sum(g.host.numel() * g.host.element_size() for g in self.grads.values() if g.host is not None)
 
     def holds(self, param: torch.Tensor) -> bool:
         """Whether ``param``'s gradient is here (``param.grad`` is its placeholder)."""
@@ -111,7 +121,7 @@ class GradStore:
             if param.grad is g.placeholder:
                 param.grad = None
             else:
-                g.state, g.scales = _NONE, []
+                self._forget(g)
 
     def put(self, param: torch.Tensor) -> None:
         """After torch accumulated into ``param.grad``: move it here, leave the placeholder."""
@@ -120,11 +130,14 @@ class GradStore:
             grad = param.grad
             if g is None or grad is None or grad is g.placeholder:
                 return
-            self._count(g.nbytes)
-            try:
-                self._write(g, grad.detach())
-            finally:
-                self._count(-g.nbytes)
+            if g.in_host:
+                self._keep(g, grad.detach())
+            else:
+                self._count(g.nbytes)
+                try:
+                    self._write(g, grad.detach())
+                finally:
+                    self._count(-g.nbytes)
             param.grad = g.placeholder
             g.state, g.scales = _STORED, []
 
@@ -132,14 +145,18 @@ class GradStore:
         """``param.grad.zero_()`` on the placeholder: the stored gradient is zero from now on."""
         with self._lock:
             g = self.grads[param]
-            g.state, g.scales = _ZERO, []
+            if g.in_host and g.host is not None:
+                g.host.zero_()  # as torch zeroes p.grad in place
+                g.state, g.scales = _STORED, []
+            else:
+                g.state, g.scales = _ZERO, []
 
     def forget(self, param: torch.Tensor) -> None:
         """The stored gradient is gone (``param.grad`` was set to None or replaced)."""
         with self._lock:
             g = self.grads.get(param)
             if g is not None and param.grad is not g.placeholder:
-                g.state, g.scales = _NONE, []
+                self._forget(g)
 
     def clear(self, param: torch.Tensor) -> None:
         """Drop the stored gradient (new weights were loaded: it belonged to the old ones)."""
@@ -148,17 +165,22 @@ class GradStore:
             if g is not None:
                 if param.grad is g.placeholder:
                     param.grad = None
-                g.state, g.scales = _NONE, []
+                self._forget(g)
 
     def scale(self, param: torch.Tensor, coef: torch.Tensor) -> None:
-        """Multiply the stored gradient by the 0-dim ``coef`` (applied when it is next read)."""
+        """Multiply the stored gradient by the 0-dim ``coef`` (applied when it is next read, or at once to a
+        gradient in host memory, as torch multiplies ``p.grad`` in place)."""
         with self._lock:
             g = self.grads[param]
-            if g.state == _STORED:
+            if g.state == _STORED and g.in_host:
+                g.host.mul_(coef.detach().to("cpu"))
+            elif g.state == _STORED:
                 g.scales.append(coef.detach().to("cpu"))
 
     def span(self, param: torch.Tensor, lo: int, hi: int) -> int:
         """Bytes of a buffer that :meth:`read` of elements ``[lo, hi)`` occupies (whole aligned blocks)."""
+        if self.grads[param].in_host:
+            return 0
         align, size = self.io.space.alignment, param.element_size()
         return round_up(hi * size, align) - (lo * size) // align * align
 
@@ -167,12 +189,15 @@ class GradStore:
         """Start reading elements ``[lo, hi)`` of the stored gradient into ``buffer`` at ``buffer_offset``.
 
         ``buffer_offset`` must be a multiple of the swap space's alignment. Returns the read (whose
-        ``wait()`` gives the elements as a view into ``buffer``) and the bytes of ``buffer`` it spans.
+        ``wait()`` gives the elements as a view into ``buffer``, or into the gradient itself when it is kept
+        in host memory) and the bytes of ``buffer`` it spans.
         """
         with self._lock:
             g = self.grads[param]
             if not self.holds(param):
                 raise RuntimeError(f"parameter {g.placeholder._nvme_name} has no gradient in the grad store")
+            if g.in_host:
+                return GradRead(CompletedFuture(), g.host.view(-1)[lo:hi], False, []), 0
             space = self.io.space
             align, size = space.alignment, param.element_size()
             a, b = (lo * size) // align * align, round_up(hi * size, align)
@@ -190,6 +215,8 @@ class GradStore:
             g = self.grads.get(param)
             if g is None or not self.holds(param):
                 return None
+            if g.in_host:
+                return g.host.to(param.device, copy=True)
             out = torch.empty(param.shape, dtype=param.dtype, device=param.device)
             self._count(g.nbytes)
             self._count(-g.nbytes)  # the caller holds it; counted as one gradient resident at a time
@@ -210,12 +237,32 @@ class GradStore:
     @property
     def swap_bytes(self) -> int:
         """Bytes of the swap space reserved for gradients."""
-        return sum(g.extent.nbytes for g in self.grads.values())
+        return sum(g.extent.nbytes for g in self.grads.values() if g.extent is not None)
 
     def drain(self) -> None:
         """Forget landed writes (the pool's slots were settled: every write's source was one of them)."""
         for g in self.grads.values():
             g.writes.clear()
+
+    def _forget(self, g: _Grad) -> None:
+        g.state, g.scales = _NONE, []
+        if g.host is not None and g.host.device == g.param.device:
+            g.host = None  # a CPU model's gradient tensor itself: let it go with p.grad
+
+    def _keep(self, g: _Grad, grad: torch.Tensor) -> None:
+        """Keep ``grad`` in host memory, accumulated onto what is stored as torch would (stored += new)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            if g.state == _NONE or g.host is None:
+                if grad.device.type == "cpu":
+                    g.host = grad  # the tensor torch made: nothing to copy
+                    return
+                if g.host is None:
+                    g.host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=torch.cuda.is_available())
+                g.host.copy_(grad)
+                return
+            if g.state == _ZERO:
+                g.host.zero_()
+            g.host.add_(grad if grad.device.type == "cpu" else grad.to("cpu"))
 
     def _count(self, nbytes: int) -> None:
         self.resident_bytes += nbytes

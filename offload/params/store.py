@@ -106,10 +106,19 @@ class ParamStore:
             self.grads = GradStore(self.io, self._lock)
             on_disk = [p for p in params if p not in cached]
             with_grad = [p for p in params if offload_grads and p.requires_grad and (p not in cached or self._cuda)]
+            # Gradients that fit max_grad_in_cpu stay in host memory (smallest first, as for weights).
+            grad_budget, host_grads = pc.max_grad_in_cpu, set()
+            for p in sorted(with_grad, key=lambda t: t.numel()):
+                if p.numel() > grad_budget:
+                    break
+                grad_budget -= p.numel()
+                host_grads.add(p)
+            grads_on_disk = [p for p in with_grad if p not in host_grads]
             # Reserve everything first: a full disk is reported now, with the whole need.
-            extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + with_grad])
+            extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
             extent_of = dict(zip(map(id, on_disk), extents[:len(on_disk)]))
-            grad_extent_of = dict(zip(map(id, with_grad), extents[len(on_disk):]))
+            grad_extent_of = dict(zip(map(id, grads_on_disk), extents[len(on_disk):]))
+            grad_extent_of.update((id(p), None) for p in host_grads)
             # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
             # (torch's pinned allocator would round each parameter up to a power of two).
             cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._cuda else 0
@@ -119,7 +128,7 @@ class ParamStore:
                 if p in cached and not self._cuda:
                     self.kept_bytes += p.numel() * p.element_size()
                 else:
-                    self._add(p, extent_of.get(id(p)), grad_extent_of.get(id(p)))
+                    self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)))
             self._drain()
         except BaseException:
             self.close()
@@ -229,6 +238,11 @@ class ParamStore:
     def swap_bytes(self) -> int:
         """Bytes of parameters stored on the swap space."""
         return sum(r.extent.nbytes for r in self.records.values() if r.extent is not None)
+
+    @property
+    def grad_host_bytes(self) -> int:
+        """Host memory holding gradients kept off the disk (``max_grad_in_cpu``) now."""
+        return self.grads.host_bytes
 
     @property
     def grad_swap_bytes(self) -> int:
@@ -357,11 +371,11 @@ class ParamStore:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _add(self, p: torch.Tensor, extent: Optional[Extent], grad_extent: Optional[Extent]) -> None:
+    def _add(self, p: torch.Tensor, extent: Optional[Extent], grad: bool, grad_extent: Optional[Extent]) -> None:
         nbytes = p.numel() * p.element_size()
         rec = _Record(p, nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
-        if grad_extent is not None:
-            self.grads.add(p, grad_extent, rec.name)
+        if grad:
+            self.grads.add(p, grad_extent, rec.name)  # no extent: kept in host memory
         if extent is None:
             rec.host = self._host_cache.tensor[self._host_used:self._host_used + nbytes]
             self._host_used += round_up(nbytes, 64)

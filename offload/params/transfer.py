@@ -60,7 +60,7 @@ class SlotPool:
     def __len__(self) -> int:
         return len(self.pool)
 
-    def take(self, wait: bool) -> Optional[Slot]:
+    def take(self, wait: bool, item=None) -> Optional[Slot]:
         """A slot nobody uses; ``wait=False``: only one idle now, else None."""
         if not wait:
             for _ in range(len(self.free)):

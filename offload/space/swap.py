@@ -312,6 +312,14 @@ class SwapSpace:
             )
         return Extent(extent.offset + start, length, extent.owner)
 
+    def locate(self, offset: int) -> tuple[str, int]:
+        """Where logical ``offset`` lives: ``(swap file path, offset in that file)`` (for messages)."""
+        n = len(self._res.names)
+        if n == 1:
+            return self._res.names[0], offset
+        stripe, within = divmod(offset, self.stripe_unit)
+        return self._res.names[stripe % n], (stripe // n) * self.stripe_unit + within
+
     def _submit(self, op, extent, buffer, buffer_offset, nbytes) -> FutureGroup:
         with self._lock:
             self._check_open()
@@ -354,13 +362,13 @@ class SwapSpace:
         if n == 1:
             per_path[0].append(Segment(files[0], offset, buffer, buffer_offset, nbytes))
             return per_path
-        unit = self.stripe_unit
+        stripe_unit = self.stripe_unit
         pos, end = offset, offset + nbytes
         while pos < end:
-            stripe, within = divmod(pos, unit)
-            take = min(unit - within, end - pos)
+            stripe, within = divmod(pos, stripe_unit)
+            take = min(stripe_unit - within, end - pos)
             i = stripe % n
-            per_path[i].append(Segment(files[i], (stripe // n) * unit + within, buffer,
+            per_path[i].append(Segment(files[i], (stripe // n) * stripe_unit + within, buffer,
                                        buffer_offset + pos - offset, take))
             pos += take
         return per_path

@@ -13,12 +13,18 @@ SLICE_ALIGN = 64
 GRAIN = 1024
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def state_dtype_for(param: torch.Tensor, state_dtype: str = "fp32") -> torch.dtype:
+    """The dtype of a parameter's moments: fp64 for fp64 parameters, else ``state_dtype`` (fp32 or bf16)."""
+    return torch.float64 if param.dtype == torch.float64 else STATE_DTYPES[state_dtype]
 
-def state_dtype_for(param: torch.Tensor) -> torch.dtype:
-    """The dtype offloaded state is kept in: fp64 for fp64 parameters, else fp32."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+def master_dtype_for(param: torch.Tensor) -> torch.dtype:
+    """The dtype of a half-precision parameter's master copy: always fp32."""
+    return torch.float32
 
 
 def state_keys_for(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
@@ -33,22 +39,30 @@ def state_keys_for(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
 
 @dataclass(eq=False)
 class Chunk:
-    """Elements ``[start, start + numel)`` of one parameter's flattened state, inside a unit."""
+    """Elements ``[start, start + numel)`` of one parameter's flattened state, inside a unit.
+
+    Its slices (one per state key, in the slot's key order) lie back to back from ``offset``, each
+    starting on a 64-byte boundary: slice ``i`` at ``offset + slices[i]``.
+    """
 
     slot: ParamSlot
     start: int
     numel: int
     offset: int = 0  # byte offset of the first slice within the unit
-    stride: int = 0  # bytes from one slice to the next
+    slices: tuple = ()  # byte offset of each key's slice from ``offset``
+    nbytes: int = 0
 
     def slice(self, buffer, key: str) -> torch.Tensor:
         """The state tensor ``key`` of this chunk, as a view into ``buffer`` (a HostBuffer)."""
         i = self.slot.keys.index(key)
-        return buffer.view(self.slot.dtype, self.offset + i * self.stride, self.numel)
+        return buffer.view(self.slot.dtypes[i], self.offset + self.slices[i], self.numel)
 
     @property
-    def nbytes(self) -> int:
-        return self.stride * len(self.slot.keys)
+    def stride(self) -> int:
+        """Bytes from one slice to the next when all keys have one dtype (as checkpoints record), else 0."""
+        if len(set(self.slot.dtypes)) > 1:
+            return 0
+        return self.slices[1] - self.slices[0] if len(self.slices) > 1 else self.nbytes
 
 
 @dataclass(eq=False)
@@ -57,20 +71,36 @@ class Unit:
 
     chunks: list[Chunk] = field(default_factory=list)
     nbytes: int = 0
-    extent: object = None  # space.Extent once allocated
+    extent: object = None  # space.Extent once allocated (None: state in host memory only)
     digest: Optional[int] = None  # xxh3_64 of the bytes last written to the extent (None: not checked)
 
 
 @dataclass(eq=False)
 class ParamSlot:
-    """One offloaded parameter: its chunks and whether its state exists yet."""
+    """One offloaded parameter: its state keys and their dtypes, its chunks, whether its state exists yet."""
 
     param: torch.Tensor
     group: dict
     keys: tuple[str, ...]
-    dtype: torch.dtype
+    dtypes: tuple[torch.dtype, ...]
     chunks: list[Chunk] = field(default_factory=list)
     initialized: bool = False
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the moments (what a checkpoint records as the state dtype)."""
+        return self.dtypes[0]
+
+    def dtype_of(self, key: str) -> torch.dtype:
+        return self.dtypes[self.keys.index(key)]
+
+
+def _slice_offsets(numel: int, dtypes: tuple) -> tuple[tuple[int, ...], int]:
+    offsets, pos = [], 0
+    for dtype in dtypes:
+        offsets.append(pos)
+        pos += round_up(numel * dtype.itemsize, SLICE_ALIGN)
+    return tuple(offsets), pos
 
 
 # NOTE: a unit is one pool buffer's worth of state, stored as ONE contiguous extent, so it moves with
@@ -87,15 +117,17 @@ class Layout:
     units (and I/O requests) per step is close to total state bytes / unit_bytes. :meth:`plan` packs
     without recording anything, :meth:`commit` records, so a caller can reserve disk for the new units
     in between and leave the layout as it was if that fails.
+
+    Args:
+        unit_bytes: the size of a unit (a pool buffer).
+        state_dtype: ``"fp32"`` or ``"bf16"``, the dtype of the moments of non-fp64 parameters.
     """
 
-    def __init__(self, unit_bytes: int):
+    def __init__(self, unit_bytes: int, state_dtype: str = "fp32"):
         self.unit_bytes = unit_bytes
+        self.state_dtype = state_dtype
         self.units: list[Unit] = []
         self.slots: dict[torch.Tensor, ParamSlot] = {}
-
-    def min_unit_bytes(self, keys: int, itemsize: int) -> int:
-        return keys * round_up(GRAIN * itemsize, SLICE_ALIGN)
 
     def plan(self, params: Iterable[tuple[torch.Tensor, dict, bool]]) -> list[Unit]:
         """Pack parameters ``(param, group, amsgrad)`` not laid out yet into new units; records nothing.
@@ -111,32 +143,35 @@ class Layout:
                 continue
             planned.add(param)
             keys = state_keys_for(param, amsgrad)
-            dtype = state_dtype_for(param)
-            itemsize = dtype.itemsize
-            need = self.min_unit_bytes(len(keys), itemsize)
+            moments = state_dtype_for(param, self.state_dtype)
+            dtypes = tuple(master_dtype_for(param) if k == "master" else moments for k in keys)
+            need = _slice_offsets(GRAIN, dtypes)[1]
             if need > self.unit_bytes:
                 raise ValueError(
                     f"buffer_size {self.unit_bytes} bytes is too small for one chunk of state "
                     f"({need} bytes); set buffer_size to at least {need}"
                 )
-            slot = ParamSlot(param, group, keys, dtype)
+            slot = ParamSlot(param, group, keys, dtypes)
+            per_element = sum(d.itemsize for d in dtypes)
             start, n = 0, param.numel()
             while start < n:
                 if unit is None:
                     unit = Unit()
                     new_units.append(unit)
                 free = self.unit_bytes - unit.nbytes
-                fits = (free // len(keys)) // SLICE_ALIGN * SLICE_ALIGN // itemsize
-                take = min(n - start, fits)
-                if take < n - start:
-                    take = take // GRAIN * GRAIN
-                if take == 0:
+                take = n - start
+                if _slice_offsets(take, dtypes)[1] > free:
+                    # A part of the parameter: a whole number of grains, as many as fit.
+                    take = free // per_element // GRAIN * GRAIN
+                    while take > 0 and _slice_offsets(take, dtypes)[1] > free:
+                        take -= GRAIN
+                if take <= 0:
                     unit = None
                     continue
-                stride = round_up(take * itemsize, SLICE_ALIGN)
-                chunk = Chunk(slot, start, take, unit.nbytes, stride)
+                slices, nbytes = _slice_offsets(take, dtypes)
+                chunk = Chunk(slot, start, take, unit.nbytes, slices, nbytes)
                 unit.chunks.append(chunk)
-                unit.nbytes += chunk.nbytes
+                unit.nbytes += nbytes
                 slot.chunks.append(chunk)
                 start += take
         return new_units

@@ -1,20 +1,23 @@
-"""The one owner of an optimizer's offloaded state: its layout, swap space, pool, pipeline and failures."""
+"""The one owner of an optimizer's offloaded state: its layout, tiers, pool, pipeline and failures."""
 
 from __future__ import annotations
 
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
+import psutil
 import torch
 import xxhash
 
 from ..aio import FutureGroup
 from ..buffers import BufferPool
 from ..config import Config
-from ..errors import StateError
+from ..errors import ConfigError, StateError
 from ..pipeline import Pipeline
 from ..space import SwapSpace
+from ..units import format_size
 from .layout import Chunk, Layout, ParamSlot, Unit
+from .tiers import HostTier, TierSource, auto_cache_bytes
 
 __all__ = ["StateStore"]
 
@@ -27,6 +30,9 @@ __all__ = ["StateStore"]
 #   the optimizer's ``state`` dict like torch's Adam (a disk round trip costs more than it saves);
 # * the layout (units of one pool buffer, each one extent of the swap space), placed atomically: disk
 #   for new units is reserved before anything is recorded, so a full disk leaves the store as it was;
+# * the tiers: a unit lives on NVMe, or resident in host memory (``host_cache``; every unit with
+#   ``device: "cpu"``, where there is no swap space at all). A step visits units in snake order, so
+#   the units it updates last stay resident and are the first the next step updates;
 # * the pipeline that moves units through the pool, and a checksum of every unit written, verified on
 #   every read, so that bytes changed on disk behind our back are named instead of trained on;
 # * the failure state: after an error part-way through a change of state (a step, a load) the store
@@ -42,7 +48,9 @@ class StateStore:
 
     Attributes:
         layout: the :class:`Layout` (``units``, ``slots``: parameter -> :class:`ParamSlot`).
-        pool: the host buffers state moves through. space: the :class:`SwapSpace`.
+        pool: the host buffers state moves through (``None`` with ``device: "cpu"``).
+        space: the :class:`SwapSpace` (``None`` with ``device: "cpu"``).
+        tier: the :class:`HostTier` of resident units, or ``None`` without one.
         threshold: the small-parameter threshold. error: why the store is unusable, or ``None``.
     """
 
@@ -52,20 +60,44 @@ class StateStore:
         self.param_groups = param_groups
         self.config = config
         self.threshold = oc.small_param_threshold
+        self.checksum = oc.checksum
         self.error: Optional[BaseException] = None
-        self.pool = BufferPool(oc.buffer_count, oc.buffer_size, pin_memory=oc.pin_memory,
-                               keys=("offload_optimizer.buffer_count", "offload_optimizer.buffer_size"))
+        self.in_memory = oc.device == "cpu"
+        self.pool = self.space = self.tier = None
+        self._reverse = False  # the next step's visiting order
         try:
-            self.space = SwapSpace(oc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
+            if self.in_memory:
+                self.tier = HostTier(None, oc.buffer_size, pin_memory=oc.pin_memory)
+            else:
+                self.pool = BufferPool(oc.buffer_count, oc.buffer_size, pin_memory=oc.pin_memory,
+                                       keys=("offload_optimizer.buffer_count", "offload_optimizer.buffer_size"))
+                self.space = SwapSpace(oc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
         except BaseException:
-            self.pool.close()
+            _close(self.space, self.pool, self.tier)
             raise
+        unit_bytes = self.pool.buffer_size if self.pool is not None else oc.buffer_size
         # With B buffers: one holds the unit being updated, one (or more) the writes still landing,
         # and the rest the reads ahead (B - 2 of them, at least 1).
-        lookahead = max(1, len(self.pool) - 2) if oc.pipeline_read else 0
-        self.pipeline = Pipeline(list(self.pool), lookahead=lookahead, write_behind=oc.pipeline_write)
-        self.layout = Layout(self.pool.buffer_size)
-        self._finalizer = weakref.finalize(self, _close, self.space, self.pool)
+        lookahead = max(1, oc.buffer_count - 2) if oc.pipeline_read else 0
+        self.pipeline = Pipeline(list(self.pool) if self.pool is not None else None, lookahead=lookahead,
+                                 write_behind=oc.pipeline_write)
+        self.layout = Layout(unit_bytes, oc.state_dtype)
+        self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
+
+    def size_cache(self) -> None:
+        """Make the host tier ``host_cache`` asks for (after the first placement: "auto" needs the state size)."""
+        oc = self.config.offload_optimizer
+        if self.in_memory or self.tier is not None:
+            return
+        budget = oc.host_cache
+        if budget == "auto":
+            # What the tier would hold for all of the state: a buffer of the pool's size per unit.
+            budget = auto_cache_bytes(pools=self.pool.nbytes, state=len(self.layout.units) * self.layout.unit_bytes)
+        count = budget // self.layout.unit_bytes
+        if count > 0:
+            self.tier = HostTier(count, self.layout.unit_bytes, pin_memory=oc.pin_memory)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
     # -- the small-parameter rule and placement ------------------------------------------------
 
@@ -77,10 +109,12 @@ class StateStore:
         """Give state a place: every parameter of ``groups`` not small and not placed yet (only those in
         ``only``, if given; only those requiring grad with ``trainable_only``).
 
-        Disk for the new units is reserved first; on failure nothing is recorded.
+        Disk (or, with ``device: "cpu"``, host memory) for the new units is reserved first; on failure
+        nothing is recorded.
 
         Raises:
             OSError: the disk cannot hold the new state (ENOSPC, with bytes needed and free).
+            ConfigError: ``device: "cpu"`` and host memory cannot hold the new state.
             ValueError: a unit cannot hold one grain of some parameter's state (buffer_size too small).
         """
         candidates = []
@@ -94,9 +128,18 @@ class StateStore:
         units = self.layout.plan(candidates)
         if not units:
             return
-        extents = self.space.alloc_many([u.nbytes for u in units])
-        for unit, extent in zip(units, extents):
-            unit.extent = extent
+        if self.in_memory:
+            need = len(units) * self.layout.unit_bytes
+            available = psutil.virtual_memory().available
+            if need > available:
+                raise ConfigError(
+                    f'offload_optimizer.device is "cpu": the state needs {format_size(need)} of host memory and '
+                    f'{format_size(available)} is available; set device to "nvme" (with a host_cache) instead')
+            for unit in units:
+                self.tier.settle_in(unit)
+        else:
+            for unit, extent in zip(units, self.space.alloc_many([u.nbytes for u in units])):
+                unit.extent = extent
         self.layout.commit(units)
 
     def slot(self, p: torch.Tensor) -> Optional[ParamSlot]:
@@ -108,10 +151,17 @@ class StateStore:
         wanted = {id(s) for s in slots}
         return [u for u in self.layout.units if any(id(c.slot) in wanted for c in u.chunks)]
 
+    def step_order(self, units: Sequence[Unit]) -> list[Unit]:
+        """``units`` in the order the next step visits them: forward and backward in turn (snake order),
+        so the units updated last, still resident, are updated first next time."""
+        order = list(reversed(units)) if self._reverse else list(units)
+        self._reverse = not self._reverse
+        return order
+
     # -- failures -------------------------------------------------------------------------------
 
     def check_usable(self, doing: str = "step") -> None:
-        """Raise unless state may be used for ``doing`` (e.g. ``"step"``, ``"save"``).
+        """Raise unless state may be used for ``doing`` (e.g. ``"step"``, ``"save a checkpoint"``).
 
         Raises:
             ValueError: the store is closed.
@@ -137,47 +187,71 @@ class StateStore:
 
     def run(self, units: Sequence[Unit], update: Callable[[Unit, Any], bool], *,
             needs_read: Callable[[Unit], bool] = lambda unit: True,
-            also_read: Optional[Callable[[Unit, Any], Any]] = None) -> None:
+            also_read: Optional[Callable[[Unit, Any], Any]] = None,
+            before_write: Optional[Callable[[Unit], None]] = None, settle: bool = False) -> None:
         """Stream ``units`` through the pool: read, ``update(unit, buffer)``, write back if it returns True.
 
-        ``needs_read(unit)`` False skips the read (no chunk's state exists yet; ``update`` overwrites the
-        buffer). ``also_read(unit, buffer)`` may start more reads that the update needs (a future or
-        None); they are issued with the unit's and waited for before ``update``. Every unit read is
+        A unit resident in the host tier is updated where it lives (no read, no write). ``needs_read(unit)``
+        False skips the read (no chunk's state exists yet; ``update`` overwrites the buffer).
+        ``also_read(unit, buffer)`` may start more reads the update needs (a future or None); they are
+        waited for with the unit's. ``before_write(unit)`` runs before a unit's write is issued (to wait
+        for device copies into its buffer). ``settle=True`` (a step) moves units between the tiers: the
+        last ones visited stay resident, resident ones not among them are written out. Every unit read is
         checked against the checksum of its last write.
 
         Raises:
             OSError: a read or write failed (file and offset named).
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
-        space = self.space
+        space, tier = self.space, self.tier
+        source = None
+        if tier is not None:
+            source = TierSource(self.pool, tier, self._settle_set(units) if settle else set())
+
+        def resident(unit: Unit, buf) -> bool:
+            return tier is not None and tier.home(unit) is buf
 
         def read(unit: Unit, buf):
-            fut = space.read(unit.extent, buf, nbytes=unit.nbytes) if needs_read(unit) else None
+            fut = space.read(unit.extent, buf, nbytes=unit.nbytes) \
+                if needs_read(unit) and not resident(unit, buf) else None
             more = also_read(unit, buf) if also_read is not None else None
             if more is None:
                 return fut
             return FutureGroup([f for f in (fut, more) if f is not None])
 
         def process(unit: Unit, buf) -> bool:
-            if needs_read(unit):
+            at_home = resident(unit, buf)
+            if needs_read(unit) and not at_home:
                 self._verify(unit, buf)
-            if not update(unit, buf):
-                return False
-            unit.digest = _digest(buf, unit.nbytes)
-            return True
+            changed = update(unit, buf)
+            if at_home:
+                write = settle and id(unit) not in source.settle  # evicted: the disk copy is stale
+            elif source is not None and id(unit) in source.settling:
+                tier.keep(unit, buf)  # read into a tier buffer: it stays resident, unwritten
+                write = False
+            else:
+                write = changed
+            if write and self.checksum:
+                unit.digest = _digest(buf, unit.nbytes)
+            return write
 
         def write(unit: Unit, buf):
+            if before_write is not None:
+                before_write(unit)
+            if resident(unit, buf):
+                tier.leave(unit)
             return space.write(unit.extent, buf, nbytes=unit.nbytes)
 
-        self.pipeline.run(units, read=read, process=process, write=write)
+        self.pipeline.run(units, read=read, process=process, write=write, source=source)
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
-        """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``.
+        """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
+        moments in fp32 (torch's layout) whatever ``state_dtype`` keeps them in.
 
         Needs host memory for the whole state.
         """
         wanted = [s for s in self.layout.slots.values() if s.initialized]
-        out = {s: {k: torch.empty(s.param.shape, dtype=s.dtype) for k in s.keys} for s in wanted}
+        out = {s: {k: torch.empty(s.param.shape, dtype=_export_dtype(s, k)) for k in s.keys} for s in wanted}
 
         def copy_out(unit: Unit, buf) -> bool:
             for c in unit.chunks:
@@ -229,29 +303,50 @@ class StateStore:
         for slot in by_slot:
             slot.initialized = True
 
+    # -- units one at a time (checkpoints) ------------------------------------------------------
+
     def read_unit(self, unit: Unit, buf):
-        """Start reading ``unit`` into ``buf`` (a pool buffer); the caller checks it with :meth:`verify`."""
+        """Start reading ``unit`` into ``buf`` (a pool-sized buffer), from whichever tier holds it; returns a
+        future, or None when it was copied from host memory. Check it with :meth:`verify`."""
+        home = self.tier.home(unit) if self.tier is not None else None
+        if home is not None:
+            buf.tensor[:unit.nbytes].copy_(home.tensor[:unit.nbytes])
+            return None
         return self.space.read(unit.extent, buf, nbytes=unit.nbytes)
 
     def write_unit(self, unit: Unit, buf):
-        """Start writing ``buf``'s first ``unit.nbytes`` bytes as ``unit``'s state (its checksum recorded)."""
-        unit.digest = _digest(buf, unit.nbytes)
+        """Make ``buf``'s first ``unit.nbytes`` bytes ``unit``'s state: copied into its host-memory home if it
+        is resident (returns None), else written to its extent (returns the future; checksum recorded)."""
+        home = self.tier.home(unit) if self.tier is not None else None
+        if home is not None:
+            home.tensor[:unit.nbytes].copy_(buf.tensor[:unit.nbytes])
+            return None
+        if self.checksum:
+            unit.digest = _digest(buf, unit.nbytes)
         return self.space.write(unit.extent, buf, nbytes=unit.nbytes)
 
     def verify(self, unit: Unit, buf) -> None:
-        """Check ``buf`` (``unit`` just read into it) against the checksum of the unit's last write.
+        """Check ``buf`` (``unit`` just read into it by :meth:`read_unit`) against the checksum of the unit's
+        last write.
 
         Raises:
             StateError: the bytes differ (the store is marked failed).
         """
-        self._verify(unit, buf)
+        if self.tier is None or not self.tier.resident(unit):
+            self._verify(unit, buf)
 
     # -- introspection and lifetime -------------------------------------------------------------
 
     @property
     def buffers(self) -> list:
-        """The pool's buffers, for callers that stream units themselves (checkpoints)."""
-        return list(self.pool)
+        """Buffers a caller may stream units through itself (checkpoints): the pool's, or with ``device:
+        "cpu"`` a few of the tier's size made for the purpose."""
+        if self.pool is not None:
+            return list(self.pool)
+        if not hasattr(self, "_spare"):
+            self._spare = BufferPool(2, self.layout.unit_bytes)
+            weakref.finalize(self, self._spare.close)
+        return list(self._spare)
 
     @property
     def state_bytes(self) -> int:
@@ -259,15 +354,38 @@ class StateStore:
         return self.layout.state_bytes
 
     @property
+    def resident_bytes(self) -> int:
+        """Bytes of unit state resident in host memory now."""
+        if self.tier is None:
+            return 0
+        return sum(u.nbytes for u in self.layout.units if self.tier.resident(u))
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory held for offloaded state: the pool and the host tier's buffers."""
+        return (self.pool.nbytes if self.pool is not None else 0) + (self.tier.nbytes if self.tier else 0)
+
+    @property
     def closed(self) -> bool:
         return not self._finalizer.alive
 
     def close(self) -> None:
-        """Remove the swap files and free the pool."""
+        """Remove the swap files and free the pool and the host tier."""
         self._finalizer()
 
+    def _settle_set(self, units: Sequence[Unit]) -> set:
+        """Ids of the units of this run to be resident after it: as many of the last visited as the tier
+        has room for, besides resident units this run does not visit."""
+        tier = self.tier
+        if tier.capacity is None:
+            return {id(u) for u in units}
+        visiting = {id(u) for u in units}
+        elsewhere = sum(1 for u in self.layout.units if tier.resident(u) and id(u) not in visiting)
+        room = max(0, tier.capacity - elsewhere)
+        return {id(u) for u in list(units)[len(units) - room:]} if room else set()
+
     def _verify(self, unit: Unit, buf) -> None:
-        if unit.digest is None:
+        if unit.digest is None or not self.checksum:
             return
         found = _digest(buf, unit.nbytes)
         if found != unit.digest:
@@ -280,22 +398,29 @@ class StateStore:
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = ", ".join(f"parameter {position.get(id(c.slot.param), '?')} (shape {tuple(c.slot.param.shape)})"
                           for c in unit.chunks)
-        where = self.space.locate(unit.extent) if hasattr(self.space, "locate") else \
-            f"{self.space.files[0]} at logical offset {unit.extent.offset}"
+        path, offset = self.space.locate(unit.extent.offset)
         return (f"offloaded optimizer state was changed on disk behind our back: unit {index} ({unit.nbytes} "
-                f"bytes, {where}) holding the state of {names} has xxh3_64 {found:016x}, its last write had "
-                f"{unit.digest:016x}. Training on it would be silently wrong; restore the state with "
-                "load_checkpoint() (or load_state_dict()) before stepping again.")
+                f"bytes at offset {offset} of {path}) holding the state of {names} has xxh3_64 {found:016x}, "
+                f"its last write had {unit.digest:016x}. Training on it would be silently wrong; restore the "
+                "state with load_checkpoint() (or load_state_dict()) before stepping again.")
 
 
 def _digest(buf, nbytes: int) -> int:
     return xxhash.xxh3_64_intdigest(buf.tensor[:nbytes].numpy())
 
 
+def _export_dtype(slot: ParamSlot, key: str) -> torch.dtype:
+    """Moments kept in bf16 (``state_dtype: "bf16"``) are exported in fp32, torch's layout."""
+    dtype = slot.dtype_of(key)
+    return torch.float32 if dtype == torch.bfloat16 and key != "master" else dtype
 
 
-def _close(space: SwapSpace, pool: BufferPool) -> None:
+def _close(space: Optional[SwapSpace], pool: Optional[BufferPool], tier: Optional[HostTier]) -> None:
     try:
-        space.close()
+        if space is not None:
+            space.close()
     finally:
-        pool.close()
+        if tier is not None:
+            tier.close()
+        if pool is not None:
+            pool.close()
