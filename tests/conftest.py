@@ -6,6 +6,7 @@ sysctl ``kernel.io_uring_disabled``, refused by seccomp (ENOSYS/EPERM), or not c
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -14,8 +15,10 @@ import subprocess
 import pytest
 import torch
 
+from offload import restore_parameters
 from offload._native import HAVE_IO_URING
 from offload.aio import Engine
+from offload.params import offloaded
 
 
 def _io_uring_refusal() -> str | None:
@@ -79,6 +82,29 @@ def nvme(tmp_path):
     yield str(path)
     leftovers = [f for f in os.listdir(path) if f.endswith(".swap")] if path.exists() else []
     assert not leftovers, f"swap files left behind: {leftovers}"
+
+
+@pytest.fixture
+def closing(nvme):
+    """``closing(thing)`` returns ``thing`` and closes it when the test ends, passed or failed: an
+    optimizer (anything with ``close()``) is closed, a model given to offload_parameters is restored
+    unless the test restored it. It runs before ``nvme`` looks for swap files left behind, so a failed
+    test reports its failure, not a second error about the files it could not remove."""
+
+    def close(thing) -> None:
+        if isinstance(thing, torch.nn.Module):
+            if offloaded(thing) is not None:
+                restore_parameters(thing)
+        else:
+            thing.close()
+
+    with contextlib.ExitStack() as stack:
+
+        def track(thing):
+            stack.callback(close, thing)
+            return thing
+
+        yield track
 
 
 @pytest.fixture

@@ -76,6 +76,34 @@ def run_code(code: str, *argv: str, **kw) -> subprocess.CompletedProcess:
     return run_python("-c", textwrap.dedent(code), *argv, **kw)
 
 
+# -- parameters for the optimizer tests ------------------------------------------------------------
+
+# Small buffers (256 KiB) and a low small-parameter threshold: with them even these small tensors are
+# split across several units and pool buffers, and the 10-element one keeps its state in memory.
+SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
+# 70_000 and 300_001 hold more than one buffer's worth of state (8 bytes a weight): split across units.
+SIZES = (10, 100, 5000, 70_000, 300_001)
+FOUR_SIZES = (10, 5000, 70_000, 300_001)  # SIZES without 100
+THREE_SIZES = (10, 5000, 70_000)  # SIZES without 100 and 300_001
+
+
+def make_params(sizes=SIZES, dtype=torch.float32, seed=0):
+    """One random parameter per size (the same values for the same seed)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
+
+
+def train(opt, params, steps, skip=()):
+    """One step per seed in ``steps``, every parameter given a random grad drawn from that seed (the
+    parameters at the indices in ``skip`` none)."""
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        for i, p in enumerate(params):
+            grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            p.grad = None if i in skip else grad
+        opt.step()
+
+
 # -- a small model for the offloaded-parameter tests ----------------------------------------------
 
 TINY = dict(max_in_cpu=0, buffer_count=3, buffer_size=2048)

@@ -16,18 +16,11 @@ import os
 
 import pytest
 import torch
-from helpers import assert_same
+from helpers import SMALL, assert_same, make_params
 
 from offload import ConfigError, OffloadedAdam, OffloadedAdamW, StateError
 
 MiB = 1 << 20
-SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
-SIZES = (10, 100, 5000, 70_000, 300_001)  # 300_001 > one buffer's worth of state: split across units
-
-
-def make_params(sizes=SIZES, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
 
 
 def set_grads(*param_lists, seed, skip=()):
@@ -38,13 +31,13 @@ def set_grads(*param_lists, seed, skip=()):
             params[i].grad = None if grad is None else grad.clone()
 
 
-
 def step_together(ours, ref, a, b, steps):
     """Give both parameter lists the same grads and step both optimizers, once per seed in ``steps``."""
     for step in steps:
         set_grads(a, b, seed=step)
         ours.step()
         ref.step()
+
 
 PARITY_CASES = [
     pytest.param(OffloadedAdamW, torch.optim.AdamW, dict(fused=True), id="adamw-fused"),
@@ -61,10 +54,10 @@ PARITY_CASES = [
 
 
 @pytest.mark.parametrize("ours_cls, torch_cls, kw", PARITY_CASES)
-def test_fp32_cpu_steps_are_bitwise_equal_to_torch(nvme, ours_cls, torch_cls, kw):
+def test_fp32_cpu_steps_are_bitwise_equal_to_torch(nvme, closing, ours_cls, torch_cls, kw):
     """Six steps, one with a parameter lacking a grad, give bit-identical parameters and state."""
     a, b = make_params(), make_params()
-    ours = ours_cls(a, lr=1e-2, nvme_path=nvme, **SMALL, **kw)
+    ours = closing(ours_cls(a, lr=1e-2, nvme_path=nvme, **SMALL, **kw))
     ref = torch_cls(b, lr=1e-2, **kw)
     for step in range(6):
         set_grads(a, b, seed=step, skip={2} if step in (1, 4) else ())
@@ -76,20 +69,18 @@ def test_fp32_cpu_steps_are_bitwise_equal_to_torch(nvme, ours_cls, torch_cls, kw
     for i, entry in rsd["state"].items():
         for key, value in entry.items():
             assert torch.equal(sd["state"][i][key].to(value.device), value), (i, key)
-    ours.close()
 
 
-def test_default_kernel_is_torchs_fused_one(nvme):
+def test_default_kernel_is_torchs_fused_one(nvme, closing):
     """With fused=None, the result equals torch's fused AdamW bit for bit."""
     a, b = make_params(), make_params()
-    ours = OffloadedAdamW(a, lr=3e-3, nvme_path=nvme, **SMALL)
+    ours = closing(OffloadedAdamW(a, lr=3e-3, nvme_path=nvme, **SMALL))
     ref = torch.optim.AdamW(b, lr=3e-3, fused=True)
     step_together(ours, ref, a, b, range(3))
     assert_same(a, b)
-    ours.close()
 
 
-def test_param_groups_with_different_hyperparameters_frozen_and_empty_params(nvme):
+def test_param_groups_with_different_hyperparameters_frozen_and_empty_params(nvme, closing):
     """Groups with their own lr/betas/decay, a frozen param, a zero-size param and one never given a grad."""
     def groups(params):
         return [
@@ -102,7 +93,7 @@ def test_param_groups_with_different_hyperparameters_frozen_and_empty_params(nvm
     a, b = make_params(sizes), make_params(sizes)
     a[3].requires_grad_(False)
     b[3].requires_grad_(False)
-    ours = OffloadedAdamW(groups(a), nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(groups(a), nvme_path=nvme, fused=True, **SMALL))
     ref = torch.optim.AdamW(groups(b), fused=True)
     for step in range(4):
         set_grads(a, b, seed=step, skip={3, 5})
@@ -110,15 +101,14 @@ def test_param_groups_with_different_hyperparameters_frozen_and_empty_params(nvm
         ref.step()
         assert_same(a, b)
     assert len(ours.state_dict()["state"]) == len(ref.state_dict()["state"])
-    ours.close()
 
 
-def test_param_frozen_at_construction_and_unfrozen_later_gets_state(nvme):
+def test_param_frozen_at_construction_and_unfrozen_later_gets_state(nvme, closing):
     """A parameter that had no space at construction (frozen) is laid out when its first grad arrives."""
     a, b = make_params(), make_params()
     for p in (a[3], b[3]):
         p.requires_grad_(False)
-    ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL))
     ref = torch.optim.AdamW(b, fused=True)
     set_grads(a, b, seed=0, skip={3})
     ours.step()
@@ -127,11 +117,10 @@ def test_param_frozen_at_construction_and_unfrozen_later_gets_state(nvme):
         p.requires_grad_(True)
     step_together(ours, ref, a, b, range(1, 3))
     assert_same(a, b)
-    ours.close()
 
 
 @pytest.mark.parametrize("schedule", ["onecycle", "cosine", "lambda"])
-def test_lr_schedulers_drive_the_offloaded_optimizer_like_torchs(nvme, schedule):
+def test_lr_schedulers_drive_the_offloaded_optimizer_like_torchs(nvme, closing, schedule):
     """LR schedulers see real param_groups: the schedule and the resulting weights match torch's."""
     def scheduler(opt):
         if schedule == "onecycle":
@@ -141,7 +130,7 @@ def test_lr_schedulers_drive_the_offloaded_optimizer_like_torchs(nvme, schedule)
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
 
     a, b = make_params(), make_params()
-    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL))
     ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
     s1, s2 = scheduler(ours), scheduler(ref)
     for step in range(5):
@@ -152,15 +141,14 @@ def test_lr_schedulers_drive_the_offloaded_optimizer_like_torchs(nvme, schedule)
         s2.step()
         assert ours.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
     assert_same(a, b)
-    ours.close()
 
 
-def test_grad_accumulation_and_clipping_and_closure(nvme):
+def test_grad_accumulation_and_clipping_and_closure(nvme, closing):
     """Accumulated grads, clip_grad_norm_ and step(closure) behave as with torch's AdamW."""
     torch.manual_seed(0)
     model_a = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
     model_b = copy.deepcopy(model_a)
-    ours = OffloadedAdamW(model_a.parameters(), lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(model_a.parameters(), lr=1e-2, nvme_path=nvme, fused=True, **SMALL))
     ref = torch.optim.AdamW(model_b.parameters(), lr=1e-2, fused=True)
     data = [(torch.randn(16, 64), torch.randn(16, 8)) for _ in range(6)]
 
@@ -187,13 +175,12 @@ def test_grad_accumulation_and_clipping_and_closure(nvme):
         losses.append(la.item())
         assert_same(list(model_a.parameters()), list(model_b.parameters()))
     assert losses[1] != losses[0]  # the closures saw the updated weights
-    ours.close()
 
 
-def test_grad_scaler_on_cpu_unscales_and_skips_inf_steps_like_torch(nvme):
+def test_grad_scaler_on_cpu_unscales_and_skips_inf_steps_like_torch(nvme, closing):
     """GradScaler: unscale_ then step matches torch, and a step with inf grads is skipped."""
     a, b = make_params(), make_params()
-    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=False, **SMALL)
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=False, **SMALL))
     ref = torch.optim.AdamW(b, lr=1e-2, fused=False)
     sa = torch.amp.GradScaler("cpu", init_scale=1024.0)
     sb = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -214,17 +201,16 @@ def test_grad_scaler_on_cpu_unscales_and_skips_inf_steps_like_torch(nvme):
             assert_same(a, before)
         assert_same(a, b)
     assert sa.get_scale() == sb.get_scale()
-    ours.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_params_keep_an_fp32_master_and_track_torch_on_fp32(nvme, dtype):
+def test_half_params_keep_an_fp32_master_and_track_torch_on_fp32(nvme, closing, dtype):
     """Offloaded bf16/fp16 params are updated from an fp32 master (equal to torch's fp32 AdamW, rounded);
     small ones kept in memory behave exactly like torch's AdamW on the half-precision params."""
     a = make_params(dtype=dtype)
     b = [torch.nn.Parameter(p.detach().float()) for p in a]
     c = [torch.nn.Parameter(p.detach().clone()) for p in a]
-    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL))
     ref32 = torch.optim.AdamW(b, lr=1e-2, fused=True)
     ref16 = torch.optim.AdamW(c, lr=1e-2, fused=True)
     for step in range(5):
@@ -245,13 +231,12 @@ def test_half_params_keep_an_fp32_master_and_track_torch_on_fp32(nvme, dtype):
             assert torch.equal(p, q.detach().to(dtype))
             assert sd["state"][i]["master"].dtype == torch.float32
             assert torch.equal(sd["state"][i]["master"], q.detach())
-    ours.close()
 
 
-def test_state_dict_loads_into_torch_and_torch_state_loads_into_ours(nvme):
+def test_state_dict_loads_into_torch_and_torch_state_loads_into_ours(nvme, closing):
     """A state_dict moves both ways between OffloadedAdamW and torch.optim.AdamW, and training goes on equal."""
     a, b, c = make_params(), make_params(), make_params()
-    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL))
     ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
     step_together(ours, ref, a, b, range(3))
     # ours -> torch
@@ -263,7 +248,7 @@ def test_state_dict_loads_into_torch_and_torch_state_loads_into_ours(nvme):
     d = make_params()
     for p, q in zip(d, b):
         p.data.copy_(q.data)
-    ours2 = OffloadedAdamW(d, lr=1e-2, nvme_path=nvme, fused=True, **SMALL)
+    ours2 = closing(OffloadedAdamW(d, lr=1e-2, nvme_path=nvme, fused=True, **SMALL))
     ours2.load_state_dict(copy.deepcopy(ref.state_dict()))
     for step in range(3, 6):
         set_grads(a, b, c, d, seed=step)
@@ -272,20 +257,18 @@ def test_state_dict_loads_into_torch_and_torch_state_loads_into_ours(nvme):
     assert_same(a, b)
     assert_same(c, b)
     assert_same(d, b)
-    ours.close()
-    ours2.close()
 
 
-def test_torch_save_and_load_of_state_dict_resumes_identically(nvme):
+def test_torch_save_and_load_of_state_dict_resumes_identically(nvme, closing):
     """state_dict through torch.save/torch.load into a fresh optimizer resumes the same trajectory."""
     a, b = make_params(), make_params()
-    ours = OffloadedAdam(a, lr=1e-2, nvme_path=nvme, amsgrad=True, fused=True, **SMALL)
+    ours = closing(OffloadedAdam(a, lr=1e-2, nvme_path=nvme, amsgrad=True, fused=True, **SMALL))
     ref = torch.optim.Adam(b, lr=1e-2, amsgrad=True, fused=True)
     step_together(ours, ref, a, b, range(2))
     blob = io.BytesIO()
     torch.save(ours.state_dict(), blob)
     ours.close()
-    resumed = OffloadedAdam(a, lr=1e-2, nvme_path=nvme, amsgrad=True, fused=True, **SMALL)
+    resumed = closing(OffloadedAdam(a, lr=1e-2, nvme_path=nvme, amsgrad=True, fused=True, **SMALL))
     blob.seek(0)
     resumed.load_state_dict(torch.load(blob))
     for step in range(2, 5):
@@ -293,13 +276,12 @@ def test_torch_save_and_load_of_state_dict_resumes_identically(nvme):
         resumed.step()
         ref.step()
     assert_same(a, b)
-    resumed.close()
 
 
-def test_load_state_dict_rejects_mismatches_without_changing_anything(nvme):
+def test_load_state_dict_rejects_mismatches_without_changing_anything(nvme, closing):
     """Wrong group count, parameter count or shapes are refused and the optimizer is unchanged."""
     a = make_params()
-    ours = OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, **SMALL)
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, **SMALL))
     set_grads(a, seed=0)
     ours.step()
     good = copy.deepcopy(ours.state_dict())  # in-memory state comes back live: "unchanged" needs a copy
@@ -319,7 +301,6 @@ def test_load_state_dict_rejects_mismatches_without_changing_anything(nvme):
     for i in good["state"]:
         for k in good["state"][i]:
             assert torch.equal(after["state"][i][k], good["state"][i][k])
-    ours.close()
 
 
 def _peak_rss() -> int:
@@ -378,21 +359,20 @@ def test_host_memory_is_the_pool_whatever_the_model_size(nvme, numel):
 
 
 @pytest.mark.parametrize("pipeline_read, pipeline_write, count", [(False, False, 2), (True, False, 3), (True, True, 5)])
-def test_pipeline_settings_do_not_change_results(nvme, pipeline_read, pipeline_write, count):
+def test_pipeline_settings_do_not_change_results(nvme, closing, pipeline_read, pipeline_write, count):
     """Serial, half-pipelined and deeply pipelined swapping give the same bits."""
     a, b = make_params(), make_params()
-    ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, pipeline_read=pipeline_read, pipeline_write=pipeline_write,
-                          **{**SMALL, "buffer_count": count})
+    ours = closing(OffloadedAdamW(a, nvme_path=nvme, fused=True, pipeline_read=pipeline_read,
+                                  pipeline_write=pipeline_write, **{**SMALL, "buffer_count": count}))
     ref = torch.optim.AdamW(b, fused=True)
     pipeline = ours.state_store.pipeline
     assert pipeline.write_behind == pipeline_write
     assert pipeline.lookahead == (max(1, count - 2) if pipeline_read else 0)
     step_together(ours, ref, a, b, range(3))
     assert_same(a, b)
-    ours.close()
 
 
-def test_config_from_deepspeed_file_and_keyword_overrides(nvme, tmp_path):
+def test_config_from_deepspeed_file_and_keyword_overrides(nvme, closing, tmp_path):
     """A ds_config.json drives the optimizer; keyword arguments override it."""
     cfg = tmp_path / "ds_config.json"
     cfg.write_text("""{
@@ -402,11 +382,10 @@ def test_config_from_deepspeed_file_and_keyword_overrides(nvme, tmp_path):
       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "NVME",
                             "buffer_count": 5, "pin_memory": false}}
     }""".replace("NVME", nvme))
-    ours = OffloadedAdamW(make_params(), config=str(cfg), buffer_count=3, buffer_size=256 * 1024)
+    ours = closing(OffloadedAdamW(make_params(), config=str(cfg), buffer_count=3, buffer_size=256 * 1024))
     assert ours.config.aio.block_size == 262144
     assert ours.config.offload_optimizer.buffer_count == 3
     assert ours.host_pool_bytes == 3 * 256 * 1024
-    ours.close()
 
 
 BAD_ARGUMENTS = [
@@ -431,22 +410,21 @@ def test_bad_arguments_are_refused_with_a_clear_message(nvme, kwargs, exc, patte
         OffloadedAdam(make_params(), **kwargs)
 
 
-def test_sparse_and_complex_are_refused(nvme):
+def test_sparse_and_complex_are_refused(nvme, closing):
     """Sparse grads fail at step and complex params at construction, with a message saying so."""
     with pytest.raises(ValueError, match="complex"):
         OffloadedAdam([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))], nvme_path=nvme)
     p = torch.nn.Parameter(torch.randn(100, 10))
-    opt = OffloadedAdam([p], nvme_path=nvme, **SMALL)
+    opt = closing(OffloadedAdam([p], nvme_path=nvme, **SMALL))
     p.grad = torch.randn(100, 10).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
-    opt.close()
 
 
-def test_io_failure_mid_step_names_the_file_and_blocks_further_steps(nvme):
+def test_io_failure_mid_step_names_the_file_and_blocks_further_steps(nvme, closing):
     """An EIO during a step surfaces with the swap file's path; step() then refuses until state is restored."""
     a = make_params()
-    opt = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
+    opt = closing(OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL))
     set_grads(a, seed=0)
     opt.step()
     saved = copy.deepcopy(opt.state_dict())  # a snapshot, not the live in-memory state the step changes
@@ -467,20 +445,18 @@ def test_io_failure_mid_step_names_the_file_and_blocks_further_steps(nvme):
         p.data.copy_(q)
     opt.load_state_dict(saved)
     b = [torch.nn.Parameter(q.clone()) for q in params_saved]
-    ref = OffloadedAdamW(b, nvme_path=nvme, fused=True, **SMALL)
+    ref = closing(OffloadedAdamW(b, nvme_path=nvme, fused=True, **SMALL))
     ref.load_state_dict(saved)
     set_grads(a, b, seed=1)
     opt.step()
     ref.step()
     assert_same(a, b)
-    opt.close()
-    ref.close()
 
 
-def test_a_failed_read_is_reported_too(nvme):
+def test_a_failed_read_is_reported_too(nvme, closing):
     """An EIO while reading state is an OSError, and the optimizer is marked failed."""
     a = make_params()
-    opt = OffloadedAdamW(a, nvme_path=nvme, **SMALL)
+    opt = closing(OffloadedAdamW(a, nvme_path=nvme, **SMALL))
     set_grads(a, seed=0)
     opt.step()
     opt.swap_space.inject_fault("error", op="read", count=1)
@@ -489,14 +465,13 @@ def test_a_failed_read_is_reported_too(nvme):
         opt.step()
     with pytest.raises(StateError):
         opt.step()
-    opt.close()
 
 
-def test_add_param_group_after_construction_gets_swap_space(nvme):
+def test_add_param_group_after_construction_gets_swap_space(nvme, closing):
     """add_param_group lays out the new parameters on disk and they train like torch's."""
     a, b = make_params(), make_params()
     extra_a, extra_b = make_params((50_000,), seed=9), make_params((50_000,), seed=9)
-    ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL))
     ref = torch.optim.AdamW(b, fused=True)
     before = ours.offloaded_state_bytes
     ours.add_param_group({"params": extra_a, "lr": 0.05})
@@ -507,7 +482,6 @@ def test_add_param_group_after_construction_gets_swap_space(nvme):
         ours.step()
         ref.step()
     assert_same(a + extra_a, b + extra_b)
-    ours.close()
 
 
 def test_closed_optimizer_refuses_to_step_and_leaves_no_files(nvme):
@@ -534,12 +508,12 @@ class TinyTransformer(torch.nn.Module):
         return self.head(self.blocks(self.embed(tokens)))
 
 
-def test_small_transformer_trains_to_the_same_losses_as_torch_adamw(nvme):
+def test_small_transformer_trains_to_the_same_losses_as_torch_adamw(nvme, closing):
     """End to end: a small transformer's loss curve and final weights equal torch AdamW's exactly."""
     torch.manual_seed(0)
     model_a = TinyTransformer()
     model_b = copy.deepcopy(model_a)
-    ours = OffloadedAdamW(model_a.parameters(), lr=3e-3, nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(model_a.parameters(), lr=3e-3, nvme_path=nvme, fused=True, **SMALL))
     ref = torch.optim.AdamW(model_b.parameters(), lr=3e-3, fused=True)
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (4, 16), generator=g)
@@ -555,13 +529,12 @@ def test_small_transformer_trains_to_the_same_losses_as_torch_adamw(nvme):
     assert losses_a == losses_b
     assert losses_a[-1] < losses_a[0]
     assert_same(list(model_a.parameters()), list(model_b.parameters()))
-    ours.close()
 
 
-def test_a_load_that_fails_while_writing_state_blocks_steps_until_a_good_load(nvme):
+def test_a_load_that_fails_while_writing_state_blocks_steps_until_a_good_load(nvme, closing):
     """load_state_dict failing part-way leaves half-written state: step() refuses instead of training on it."""
     a, b = make_params(), make_params()
-    ours = OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL)
+    ours = closing(OffloadedAdamW(a, nvme_path=nvme, fused=True, **SMALL))
     ref = torch.optim.AdamW(b, fused=True)
     step_together(ours, ref, a, b, range(3))
     saved = copy.deepcopy(ours.state_dict())
@@ -574,19 +547,18 @@ def test_a_load_that_fails_while_writing_state_blocks_steps_until_a_good_load(nv
     ours.load_state_dict(saved)
     step_together(ours, ref, a, b, range(3, 5))
     assert_same(a, b)
-    ours.close()
 
 
 # -- refusals that keep the optimizer whole --------------------------------------------------------
 
 
-def test_a_parameter_listed_twice_is_refused(nvme):
+def test_a_parameter_listed_twice_is_refused(nvme, closing):
     """[p, p] would update the state once and count the step twice: refused when built, and an added
     group repeating a parameter is refused with the optimizer unchanged and still stepping like torch."""
     a, b = make_params(), make_params()
     with pytest.raises(ValueError, match="listed twice"):
         OffloadedAdamW([a[3], a[3]], nvme_path=nvme, **SMALL)
-    ours = OffloadedAdamW(a[:4], lr=1e-2, nvme_path=nvme, **SMALL)
+    ours = closing(OffloadedAdamW(a[:4], lr=1e-2, nvme_path=nvme, **SMALL))
     ref = torch.optim.AdamW(b[:4], lr=1e-2, fused=True)
     with pytest.raises(ValueError):
         ours.add_param_group({"params": [a[4], a[4]]})
@@ -595,7 +567,6 @@ def test_a_parameter_listed_twice_is_refused(nvme):
     assert len(ours.param_groups) == 1
     step_together(ours, ref, a[:4], b[:4], range(2))
     assert_same(a[:4], b[:4])
-    ours.close()
 
 
 def test_meta_parameters_are_refused_before_any_disk_is_reserved(nvme):

@@ -12,32 +12,11 @@ import os
 
 import pytest
 import torch
-from helpers import assert_same, assert_same_state, flip_bit, restore, snapshot
+from helpers import SMALL, assert_same, assert_same_state, flip_bit, make_params, restore, snapshot, train
 
 from offload import OffloadedAdam, OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.ckpt_cli import main as ckpt_main
-
-SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
-SIZES = (10, 100, 5000, 70_000, 300_001)  # 10: state in memory; 300_001: split across units
-
-
-def make_params(dtype=torch.float32, seed=0, sizes=SIZES):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in sizes]
-
-
-def set_grads(params, seed, skip=()):
-    g = torch.Generator().manual_seed(seed)
-    for i, p in enumerate(params):
-        grad = torch.randn(p.shape, generator=g).to(p.dtype)
-        p.grad = None if i in skip else grad
-
-
-def train(opt, params, steps, skip=()):
-    for s in steps:
-        set_grads(params, s, skip)
-        opt.step()
 
 
 def make_opt(params, nvme, cls=OffloadedAdamW, **kw):
@@ -52,50 +31,46 @@ CASES = [
 
 
 @pytest.mark.parametrize("cls, kw, dtype", CASES)
-def test_save_then_load_resumes_bit_for_bit(tmp_path, nvme, cls, kw, dtype):
+def test_save_then_load_resumes_bit_for_bit(tmp_path, nvme, closing, cls, kw, dtype):
     """A fresh optimizer loaded from a checkpoint continues exactly as the one that saved it."""
-    params = make_params(dtype)
-    opt = make_opt(params, nvme, cls, **kw)
+    params = make_params(dtype=dtype)
+    opt = closing(make_opt(params, nvme, cls, **kw))
     train(opt, params, range(3))
     ckpt.save_checkpoint(opt, tmp_path / "c", extra={"params": snapshot(params)})
     train(opt, params, range(3, 5))
 
-    other = make_params(dtype, seed=1)
-    opt2 = make_opt(other, nvme, cls, **kw)
+    other = make_params(dtype=dtype, seed=1)
+    opt2 = closing(make_opt(other, nvme, cls, **kw))
     extra = ckpt.load_checkpoint(opt2, tmp_path / "c")
     restore(other, extra["params"])
     train(opt2, other, range(3, 5))
     assert_same(params, other)
     assert_same_state(opt.state_dict(), opt2.state_dict())
-    opt.close()
-    opt2.close()
 
 
 @pytest.mark.parametrize("buffer_size, threshold", [(512 * 1024, 64), (128 * 1024, 6000), (256 * 1024, 0)])
-def test_load_into_other_buffer_size_or_threshold_rechunks_state(tmp_path, nvme, buffer_size, threshold):
+def test_load_into_other_buffer_size_or_threshold_rechunks_state(tmp_path, nvme, closing, buffer_size, threshold):
     """State saved with one unit packing loads into another (bigger or smaller buffers, state moving
     between memory and disk) and training continues bit for bit."""
     params = make_params()
-    opt = make_opt(params, nvme)
+    opt = closing(make_opt(params, nvme))
     train(opt, params, range(3))
     ckpt.save_checkpoint(opt, tmp_path / "c", extra={"params": snapshot(params)})
     train(opt, params, range(3, 5))
 
     other = make_params(seed=1)
-    opt2 = make_opt(other, nvme, buffer_size=buffer_size, small_param_threshold=threshold)
+    opt2 = closing(make_opt(other, nvme, buffer_size=buffer_size, small_param_threshold=threshold))
     restore(other, ckpt.load_checkpoint(opt2, tmp_path / "c")["params"])
     train(opt2, other, range(3, 5))
     assert_same(params, other)
     assert_same_state(opt.state_dict(), opt2.state_dict())
-    opt.close()
-    opt2.close()
 
 
-def test_params_without_state_stay_without_state(tmp_path, nvme):
+def test_params_without_state_stay_without_state(tmp_path, nvme, closing):
     """A parameter that never had a grad is saved as stateless and starts from zero state after load,
     as it would have without the checkpoint."""
     params = make_params()
-    opt = make_opt(params, nvme)
+    opt = closing(make_opt(params, nvme))
     train(opt, params, range(2), skip={3})
     ckpt.save_checkpoint(opt, tmp_path / "c", extra={"params": snapshot(params)})
     manifest = ckpt.read_manifest(tmp_path / "c")
@@ -103,20 +78,18 @@ def test_params_without_state_stay_without_state(tmp_path, nvme):
     train(opt, params, range(2, 4))
 
     other = make_params(seed=1)
-    opt2 = make_opt(other, nvme)
+    opt2 = closing(make_opt(other, nvme))
     restore(other, ckpt.load_checkpoint(opt2, tmp_path / "c")["params"])
     assert not opt2.state_store.slot(other[3]).initialized
     train(opt2, other, range(2, 4))
     assert_same(params, other)
     assert_same_state(opt.state_dict(), opt2.state_dict())
-    opt.close()
-    opt2.close()
 
 
-def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme):
+def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme, closing):
     """A second save over an existing checkpoint replaces it whole and leaves no temporary siblings."""
     params = make_params()
-    opt = make_opt(params, nvme)
+    opt = closing(make_opt(params, nvme))
     train(opt, params, range(1))
     ckpt.save_checkpoint(opt, tmp_path / "c")
     train(opt, params, range(1, 3))
@@ -125,15 +98,14 @@ def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme):
     assert ckpt.read_manifest(tmp_path / "c")["step"] == 3
     assert sorted(os.listdir(tmp_path / "c")) == ["extra.pt", "manifest.json", "memory.pt", "state.bin"]
     ckpt.verify_checkpoint(tmp_path / "c")
-    opt.close()
 
 
-def test_manifest_describes_groups_params_config_and_files(tmp_path, nvme):
+def test_manifest_describes_groups_params_config_and_files(tmp_path, nvme, closing):
     """The manifest holds the format version, step, groups with hyperparameters and indices, per
     parameter shape/dtype/keys/chunks, the offload config, and each file's size and checksum."""
     params = make_params()
-    opt = OffloadedAdamW([{"params": params[:2], "lr": 0.5}, {"params": params[2:]}], lr=1e-2,
-                         nvme_path=nvme, **SMALL)
+    opt = closing(OffloadedAdamW([{"params": params[:2], "lr": 0.5}, {"params": params[2:]}], lr=1e-2,
+                                 nvme_path=nvme, **SMALL))
     train(opt, params, range(2))
     ckpt.save_checkpoint(opt, tmp_path / "c")
     m = json.loads((tmp_path / "c" / "manifest.json").read_text())
@@ -147,18 +119,17 @@ def test_manifest_describes_groups_params_config_and_files(tmp_path, nvme):
     assert m["config"]["offload_optimizer"]["buffer_size"] == 256 * 1024
     for name, f in m["files"].items():
         assert os.path.getsize(tmp_path / "c" / name) == f["bytes"] and len(f["xxh3_64"]) == 16
-    opt.close()
 
 
-def test_mismatched_optimizer_is_refused_naming_the_parameter_and_nothing_changes(tmp_path, nvme):
+def test_mismatched_optimizer_is_refused_naming_the_parameter_and_nothing_changes(tmp_path, nvme, closing):
     """Loading into an optimizer whose parameter shapes differ names the parameter with both shapes,
     and the optimizer keeps its own state and keeps stepping."""
     params = make_params()
-    opt = make_opt(params, nvme)
+    opt = closing(make_opt(params, nvme))
     train(opt, params, range(2))
     ckpt.save_checkpoint(opt, tmp_path / "c")
     other = make_params(sizes=(10, 100, 5000, 70_001, 300_001))
-    opt2 = make_opt(other, nvme)
+    opt2 = closing(make_opt(other, nvme))
     train(opt2, other, range(1))
     before = copy.deepcopy(opt2.state_dict())  # in-memory state comes back live: "unchanged" needs a copy
     with pytest.raises(ckpt.CheckpointError, match=r"parameter 3 has shape \(70000,\) in the checkpoint, "
@@ -166,18 +137,16 @@ def test_mismatched_optimizer_is_refused_naming_the_parameter_and_nothing_change
         ckpt.load_checkpoint(opt2, tmp_path / "c")
     assert_same_state(before, opt2.state_dict())
     train(opt2, other, range(1, 2))
-    amsgrad = make_opt(make_params(), nvme, amsgrad=True)
+    amsgrad = closing(make_opt(make_params(), nvme, amsgrad=True))
     with pytest.raises(ckpt.CheckpointError, match="amsgrad"):
         ckpt.load_checkpoint(amsgrad, tmp_path / "c")
-    for o in (opt, opt2, amsgrad):
-        o.close()
 
 
-def test_export_loads_into_torch_adamw_which_continues_identically(tmp_path, nvme):
+def test_export_loads_into_torch_adamw_which_continues_identically(tmp_path, nvme, closing):
     """An exported checkpoint is a torch state_dict: torch's own AdamW loads it and then steps to the
     same parameters as the offloaded optimizer."""
     params = make_params()
-    opt = make_opt(params, nvme, fused=True)
+    opt = closing(make_opt(params, nvme, fused=True))
     train(opt, params, range(3))
     ckpt.save_checkpoint(opt, tmp_path / "c")
     assert ckpt_main(["export", str(tmp_path / "c"), str(tmp_path / "out.pt")]) == 0
@@ -187,11 +156,10 @@ def test_export_loads_into_torch_adamw_which_continues_identically(tmp_path, nvm
     train(opt, params, range(3, 5))
     train(torch_opt, theirs, range(3, 5))
     assert_same(params, theirs)
-    opt.close()
 
 
 @pytest.mark.parametrize("via", ["config", "like", "cli"])
-def test_import_of_a_torch_adamw_state_dict_resumes_identically(tmp_path, nvme, via):
+def test_import_of_a_torch_adamw_state_dict_resumes_identically(tmp_path, nvme, closing, via):
     """torch's AdamW state, imported as a checkpoint (API with a config or a reference checkpoint, or
     the CLI), loads into the offloaded optimizer, which then steps exactly as torch's would."""
     theirs = make_params()
@@ -202,7 +170,7 @@ def test_import_of_a_torch_adamw_state_dict_resumes_identically(tmp_path, nvme, 
     if via == "config":
         ckpt.import_state_dict(sd, target, config={"offload_optimizer": {"buffer_size": 128 * 1024}})
     else:
-        ref = make_opt(make_params(), nvme)
+        ref = closing(make_opt(make_params(), nvme))
         train(ref, ref.param_groups[0]["params"], range(1))
         ckpt.save_checkpoint(ref, tmp_path / "ref")
         ref.close()
@@ -212,19 +180,18 @@ def test_import_of_a_torch_adamw_state_dict_resumes_identically(tmp_path, nvme, 
             torch.save(sd, tmp_path / "in.pt")
             assert ckpt_main(["import", str(tmp_path / "in.pt"), str(target), "--like", str(tmp_path / "ref")]) == 0
     ours = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
-    opt = make_opt(ours, nvme, fused=True)
+    opt = closing(make_opt(ours, nvme, fused=True))
     ckpt.load_checkpoint(opt, target)
     train(opt, ours, range(3, 5))
     train(torch_opt, theirs, range(3, 5))
     assert_same(ours, theirs)
-    opt.close()
 
 
-def test_cli_inspect_and_verify_report_and_exit_codes(tmp_path, nvme, capsys):
+def test_cli_inspect_and_verify_report_and_exit_codes(tmp_path, nvme, closing, capsys):
     """`inspect` summarises the manifest, `verify` says OK for a good checkpoint and exits 1 with the
     reason for a corrupt or missing one."""
     params = make_params()
-    opt = make_opt(params, nvme)
+    opt = closing(make_opt(params, nvme))
     train(opt, params, range(2))
     ckpt.save_checkpoint(opt, tmp_path / "c")
     opt.close()
@@ -241,11 +208,11 @@ def test_cli_inspect_and_verify_report_and_exit_codes(tmp_path, nvme, capsys):
     assert "state.bin: bytes [0, " in out and "FAILED" in out and "no checkpoint directory" in out
 
 
-def test_retention_keeps_the_last_n_and_milestones(tmp_path, nvme):
+def test_retention_keeps_the_last_n_and_milestones(tmp_path, nvme, closing):
     """Only the newest keep_last checkpoints survive, plus milestones by rule or by mark; latest()
     names the newest."""
     params = make_params(sizes=(10, 5000))
-    opt = make_opt(params, nvme)
+    opt = closing(make_opt(params, nvme))
     keep = ckpt.Retention(tmp_path / "ckpts", keep_last=2, milestones=lambda step: step % 4 == 0)
     for step in range(1, 8):
         train(opt, params, [step])
@@ -256,4 +223,3 @@ def test_retention_keeps_the_last_n_and_milestones(tmp_path, nvme):
     ckpt.save_with_retention(opt, tmp_path / "ckpts", 8, keep_last=1)
     assert [os.path.basename(p) for p in keep.checkpoints()] == ["step-0000000003", "step-0000000008"]
     assert not [n for n in os.listdir(tmp_path / "ckpts") if ".tmp-" in n]
-    opt.close()

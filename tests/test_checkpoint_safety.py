@@ -15,28 +15,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import REPO, python_env
+from helpers import REPO, SMALL, THREE_SIZES, make_params, python_env, train
 
 from offload import OffloadedAdamW, save_parameters
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
 from offload.checkpoint.format import MANIFEST
-
-SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
-SIZES = (10, 5000, 70_000)
-
-
-def make_params(sizes=SIZES, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in sizes]
-
-
-def train(opt, params, steps):
-    for s in steps:
-        g = torch.Generator().manual_seed(s)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
-        opt.step()
 
 
 def tree(root) -> dict:
@@ -130,7 +114,7 @@ def weights_checkpoint(path) -> None:
 def saver(request, tmp_path):
     """A save function of one of the public save paths, ``save(target)``."""
     if request.param == "save_checkpoint":
-        params = make_params()
+        params = make_params(THREE_SIZES)
         opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
         train(opt, params, range(1))
         yield lambda target: ckpt.save_checkpoint(opt, target, extra={"step": 1})
@@ -175,8 +159,8 @@ def test_a_save_refuses_whatever_is_not_a_checkpoint_and_touches_nothing(tmp_pat
 def test_saving_into_the_optimizers_own_nvme_path_is_refused_and_the_swap_file_survives(tmp_path, nvme):
     """save_checkpoint(opt, nvme_path) is refused: the live swap file is byte for byte the same and
     the optimizer goes on stepping as if nothing had happened."""
-    params = make_params()
-    ref = make_params()
+    params = make_params(THREE_SIZES)
+    ref = make_params(THREE_SIZES)
     opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **SMALL)
     ref_opt = OffloadedAdamW(ref, lr=1e-2, nvme_path=str(tmp_path / "ref"), **SMALL)
     try:
@@ -314,32 +298,6 @@ def test_cli_import_refuses_whatever_is_not_a_checkpoint_and_fills_an_empty_dire
 # -- a full disk: errors that name the file ----------------------------------------------------------
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """``mount(size)``: a fresh tmpfs of ``size`` (e.g. "1m"), a small disk that fills; unmounted after."""
-    mounts = []
-
-    def mount(size: str):
-        if os.geteuid() != 0:
-            pytest.skip("mounting a small tmpfs to fill needs root")
-        where = tmp_path / f"tmpfs{len(mounts)}"
-        where.mkdir()
-        try:
-            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                               capture_output=True, text=True, timeout=30)
-        except FileNotFoundError:
-            pytest.skip("no mount command to make a small tmpfs with")
-        if r.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs: {r.stderr.strip()}")
-        mounts.append(where)
-        return where
-
-    yield mount
-    for where in mounts:
-        if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 def assert_names_the_file(err: OSError, target, name: str) -> None:
     """``err`` is ENOSPC as ``OSError(errno, message, path)`` naming ``name`` in the save of ``target``,
     with the original error chained (not torch's RuntimeError)."""
@@ -355,12 +313,12 @@ def test_a_full_disk_on_a_side_file_names_it_and_keeps_the_previous_checkpoint(t
     not torch's RuntimeError; no staged directory is left and the previous checkpoint is intact."""
     mnt = tmpfs("1200k")
     if name == "memory.pt":  # all state in memory.pt: 800 KB, twice does not fit
-        params = make_params(sizes=(100_000,))
+        params = make_params((100_000,))
         opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **{**SMALL,
                              "small_param_threshold": 10 ** 9})
         extra = None
     else:  # 160 KB of state in state.bin, and an extra of 1 MiB
-        params = make_params(sizes=(20_000,))
+        params = make_params((20_000,))
         opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
         extra = {"blob": torch.zeros(1 << 18)}
     try:
@@ -396,7 +354,7 @@ def test_a_full_disk_on_the_manifest_names_it_and_keeps_the_previous_checkpoint(
     """ENOSPC on manifest.json alone (every data file fits, to the page) names manifest.json with its
     errno; the previous checkpoint is intact and nothing else is left."""
     mnt = tmpfs("2m")
-    params = make_params(sizes=(20_000, 30))
+    params = make_params((20_000, 30))
     opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
     try:
         train(opt, params, range(1))
@@ -553,7 +511,7 @@ def test_retention_never_deletes_what_is_not_ours(tmp_path):
     (root / "step-3.tmp-del-0badf00d").mkdir()
     (root / "step-3.tmp-del-0badf00d" / "results.csv").write_text("a,b\n")
     kept = {n: tree(root / n) for n in ("step-1", "step-3.tmp-del-0badf00d")}
-    params = make_params()
+    params = make_params(THREE_SIZES)
     opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
     try:
         keep = ckpt.Retention(root, keep_last=1)

@@ -22,7 +22,19 @@ import time
 
 import pytest
 import torch
-from helpers import REPO, assert_same, assert_same_state, flip_bit, python_env, restore, snapshot
+from helpers import (
+    FOUR_SIZES,
+    REPO,
+    SMALL,
+    assert_same,
+    assert_same_state,
+    flip_bit,
+    make_params,
+    python_env,
+    restore,
+    snapshot,
+    train,
+)
 
 from offload import OffloadedAdamW, StateError
 from offload import checkpoint as ckpt
@@ -30,27 +42,11 @@ from offload.aio import Engine
 from offload.checkpoint import commit as ckpt_commit
 from offload.checkpoint import stream as ckpt_stream
 
-SMALL = dict(buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
-SIZES = (10, 5000, 70_000, 300_001)
-
-
-def make_params(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(n, generator=g)) for n in SIZES]
-
-
-def train(opt, params, steps):
-    for s in steps:
-        g = torch.Generator().manual_seed(s)
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
-        opt.step()
-
 
 @pytest.fixture
-def opt_and_params(tmp_path):
-    params = make_params()
-    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "nvme"), **SMALL)
+def opt_and_params(nvme):
+    params = make_params(FOUR_SIZES)
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **SMALL)
     yield opt, params
     opt.close()
 
@@ -78,15 +74,16 @@ def faulty_engines(monkeypatch, kind, **kw) -> list[dict]:
 # -- faults during a step -------------------------------------------------------------------------
 
 
-def test_write_error_in_a_step_blocks_steps_and_saves_until_a_checkpoint_is_loaded(tmp_path, opt_and_params):
+def test_write_error_in_a_step_blocks_steps_and_saves_until_a_checkpoint_is_loaded(tmp_path, nvme, closing,
+                                                                                   opt_and_params):
     """An EIO while a step writes state names the swap file, offset and errno; the optimizer then
     refuses to step or save, and loading the last checkpoint makes it continue exactly as a run
     without the fault."""
     opt, params = opt_and_params
     train(opt, params, range(2))
     ckpt.save_checkpoint(opt, tmp_path / "c", extra=snapshot(params))
-    ref = make_params()
-    ref_opt = OffloadedAdamW(ref, lr=1e-2, nvme_path=str(tmp_path / "nvme"), **SMALL)
+    ref = make_params(FOUR_SIZES)
+    ref_opt = closing(OffloadedAdamW(ref, lr=1e-2, nvme_path=nvme, **SMALL))
     restore(ref, snapshot(params))
     ckpt.load_checkpoint(ref_opt, tmp_path / "c")
 
@@ -105,7 +102,6 @@ def test_write_error_in_a_step_blocks_steps_and_saves_until_a_checkpoint_is_load
     train(ref_opt, ref, range(2, 4))
     assert_same(params, ref)
     assert_same_state(opt.state_dict(), ref_opt.state_dict())
-    ref_opt.close()
 
 
 # -- faults while saving --------------------------------------------------------------------------
@@ -135,7 +131,7 @@ def test_write_error_while_saving_leaves_the_previous_checkpoint_intact(tmp_path
     assert ckpt.read_manifest(tmp_path / "c")["step"] == 4
 
 
-def test_short_writes_while_saving_are_completed(tmp_path, monkeypatch, opt_and_params):
+def test_short_writes_while_saving_are_completed(tmp_path, nvme, monkeypatch, opt_and_params):
     """Writes that come back short are resubmitted for the rest: the checkpoint is whole and loads."""
     opt, params = opt_and_params
     train(opt, params, range(2))
@@ -145,8 +141,8 @@ def test_short_writes_while_saving_are_completed(tmp_path, monkeypatch, opt_and_
     assert engines and sum(s["resubmits"] for s in engines) > 0, f"no short write happened: {engines}"
     ckpt.verify_checkpoint(tmp_path / "c")
     # Loaded into a fresh optimizer (one loaded into itself would keep its state whatever was read).
-    fresh = make_params(seed=1)
-    opt2 = OffloadedAdamW(fresh, lr=1e-2, nvme_path=str(tmp_path / "nvme"), **SMALL)
+    fresh = make_params(FOUR_SIZES, seed=1)
+    opt2 = OffloadedAdamW(fresh, lr=1e-2, nvme_path=nvme, **SMALL)
     try:
         ckpt.load_checkpoint(opt2, tmp_path / "c")
         assert_same_state(opt.state_dict(), opt2.state_dict())
