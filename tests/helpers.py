@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from offload.params import materialized
+
 # The checkout under test: subprocesses import offload from here, whatever else is installed.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,6 +46,13 @@ def assert_same_state(a: dict, b: dict):
                 f"parameter {i}: state {k!r} differs"
     for ga, gb in zip(a["param_groups"], b["param_groups"], strict=True):
         assert {k: v for k, v in ga.items() if k != "params"} == {k: v for k, v in gb.items() if k != "params"}
+
+
+def assert_same_weights(a, b):
+    """Two models' parameters (offloaded ones fetched for the comparison) are equal bit for bit."""
+    with materialized(a), materialized(b):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            assert torch.equal(p, q), f"{name} differs"
 
 
 def flip_bit(path, offset: int, mask: int = 0x01) -> None:
@@ -106,7 +115,8 @@ def train(opt, params, steps, skip=()):
 
 # -- a small model for the offloaded-parameter tests ----------------------------------------------
 
-TINY = dict(max_in_cpu=0, buffer_count=3, buffer_size=2048)
+# Weights and gradients all on disk (no host cache), in a pool of 3 buffers of 2048 elements.
+TINY = dict(config={"max_grad_in_cpu": 0}, max_in_cpu=0, buffer_count=3, buffer_size=2048)
 OPT = dict(lr=1e-2, buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
 
 

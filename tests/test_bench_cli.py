@@ -228,6 +228,21 @@ def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
     assert not nvme.exists() or not os.listdir(nvme)
 
 
+def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
+    """``offload-bench params`` on a tiny model exits 0 and writes every documented key."""
+    out = tmp_path / "params.json"
+    proc = run_python("-m", "offload.bench", "params", "--layers", "2", "--hidden", "64", "--steps", "2",
+                      "--path", str(tmp_path / "scratch"), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    keys = {"params", "step_s_median", "fetch_bytes_per_step", "write_bytes_per_step", "io_only_s",
+            "compute_only_s", "peak_rss_bytes", "resident_param_bytes_max", "grad_bytes_resident_max"}
+    assert keys <= doc.keys()
+    assert doc["params"] == 2 * (8 * 64 * 64 + 4 * 64 + 64 + 2 * 64)
+    assert doc["fetch_bytes_per_step"] > 0 and doc["write_bytes_per_step"] > 0
+    assert not (tmp_path / "scratch").exists()
+
+
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
 def test_engine_vs_fio_script_reports_ratios_and_removes_its_file(tmp_path):
     """bench/engine_vs_fio.py on a tiny file gives positive rates and ratios and leaves nothing behind."""

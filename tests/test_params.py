@@ -11,23 +11,17 @@ import os
 
 import pytest
 import torch
-from helpers import OPT, TINY, Net, batch, loss_of, run_code, run_python
+from helpers import OPT, TINY, Net, assert_same_weights, batch, loss_of, run_code
 from torch import nn
 
 from offload import ConfigError, OffloadedAdamW, offload_parameters, restore_parameters
-from offload.params import clip_grad_norm_, load_grad, materialized, offloaded, store_of
+from offload.params import clip_grad_norm_, load_grad, offloaded, store_of
 
 
 def make_pair(seed=0, dtype=torch.float32, **kw):
     torch.manual_seed(seed)
     ref = Net(**kw).to(dtype)
     return ref, copy.deepcopy(ref)
-
-
-def assert_same_weights(a, b):
-    with materialized(a), materialized(b):
-        for (name, p), q in zip(a.named_parameters(), b.parameters()):
-            assert torch.equal(p, q), f"{name} differs"
 
 
 def assert_same_grads(ref, off):
@@ -74,54 +68,49 @@ def model_bytes(model):
 # -- training and inference parity ----------------------------------------------------------------
 
 
-def test_training_matches_in_memory_model_bitwise(nvme):
+def test_training_matches_in_memory_model_bitwise(nvme, closing):
     """A model far larger than the pool trains to the same losses, grads and weights, bit for bit."""
     ref, off = make_pair()
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     store = offloaded(off).store
     assert model_bytes(off) > 4 * store.pool.nbytes
     assert store.resident_bytes == 0
     train_side_by_side(ref, off, nvme, steps=5)
     assert store.bytes_read > 0 and store.bytes_written > model_bytes(off)
-    restore_parameters(off)
 
 
-def test_training_matches_torch_fused_adamw(nvme):
+def test_training_matches_torch_fused_adamw(nvme, closing):
     """OffloadedAdamW over offloaded weights equals torch.optim.AdamW(fused=True) over in-memory ones."""
     ref, off = make_pair(seed=1)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    opt_off = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
     for step in range(4):
         for model, opt in ((ref, opt_ref), (off, opt_off)):
             loss_of(model, step).backward()
             opt.step()
             opt.zero_grad()
     assert_same_weights(ref, off)
-    opt_off.close()
-    restore_parameters(off)
 
 
-def test_bf16_training_writes_weights_from_the_fp32_master(nvme):
+def test_bf16_training_writes_weights_from_the_fp32_master(nvme, closing):
     """bf16 weights on NVMe, updated from the fp32 master copy, match the in-memory bf16 model bitwise."""
     ref, off = make_pair(seed=2, dtype=torch.bfloat16)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     train_side_by_side(ref, off, nvme, steps=3, dtype=torch.bfloat16)
-    restore_parameters(off)
 
 
-def test_gradient_accumulation_over_micro_batches(nvme):
+def test_gradient_accumulation_over_micro_batches(nvme, closing):
     """Two forward/backward passes per step accumulate the same grads as the in-memory model."""
     ref, off = make_pair(seed=3)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     train_side_by_side(ref, off, nvme, steps=2, micro=2)
-    restore_parameters(off)
 
 
-def test_inference_output_is_identical(nvme):
+def test_inference_output_is_identical(nvme, closing):
     """model.eval() under torch.no_grad() gives the same output, and no parameter stays resident."""
     ref, off = make_pair(seed=4)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     ref.eval()
     off.eval()
     with torch.no_grad():
@@ -129,16 +118,15 @@ def test_inference_output_is_identical(nvme):
             x, _ = batch(step)
             assert torch.equal(ref(x), off(x))
     assert offloaded(off).store.resident_bytes == 0
-    restore_parameters(off)
 
 
 # -- execution order and prefetch --------------------------------------------------------------------
 
 
-def test_changed_execution_order_falls_back_and_rerecords(nvme):
+def test_changed_execution_order_falls_back_and_rerecords(nvme, closing):
     """Reordering blocks between steps keeps results exact, is detected, re-recorded and prefetched again."""
     ref, off = make_pair(seed=5)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     sched, store = offloaded(off).scheduler, offloaded(off).store
     orders = [None, None, [3, 1, 0, 2], [3, 1, 0, 2], [2, 0], None]
 
@@ -148,19 +136,6 @@ def test_changed_execution_order_falls_back_and_rerecords(nvme):
     train_side_by_side(ref, off, nvme, steps=len(orders), before_step=reorder)
     assert sched.order_changes >= 3
     assert store.prefetch_hits > 0
-    restore_parameters(off)
-
-
-def test_prefetch_uses_the_recorded_order(nvme):
-    """From the second step on, fetches find their reads already issued (prefetch hits)."""
-    _, off = make_pair(seed=6)
-    offload_parameters(off, nvme, max_in_cpu=0, buffer_count=4, buffer_size=8192, prefetch=3)
-    store = offloaded(off).store
-    loss_of(off, 0).backward()
-    assert store.prefetch_hits == 0
-    loss_of(off, 1).backward()
-    assert store.prefetch_hits > 0
-    restore_parameters(off)
 
 
 # -- sharing, reuse, checkpointing ---------------------------------------------------------------------
@@ -180,17 +155,17 @@ class Tied(nn.Module):
         return self.lm_head(h)
 
 
-def test_tied_weights_and_a_submodule_called_twice(nvme):
+def test_tied_weights_and_a_submodule_called_twice(nvme, closing):
     """A Parameter shared by two modules is fetched once and released when unused; reuse is exact."""
     torch.manual_seed(7)
     ref = Tied()
     off = copy.deepcopy(ref)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     store = offloaded(off).store
     n_records = len(store.records)
     assert n_records == 3  # the embed/lm_head weight once, mid's weight and bias
-    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
-    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    opt_ref = closing(OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT))
+    opt_off = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
     idx = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
         for model, opt in ((ref, opt_ref), (off, opt_off)):
@@ -201,28 +176,24 @@ def test_tied_weights_and_a_submodule_called_twice(nvme):
         assert store.resident_bytes == 0
     assert off.lm_head.weight is off.embed.weight
     assert_same_weights(ref, off)
-    opt_ref.close()
-    opt_off.close()
-    restore_parameters(off)
 
 
-def test_activation_checkpointing_recomputes_with_fetched_weights(nvme):
+def test_activation_checkpointing_recomputes_with_fetched_weights(nvme, closing):
     """torch.utils.checkpoint (use_reentrant=False) over offloaded blocks gives the in-memory grads."""
     ref, off = make_pair(seed=8, ckpt=True)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     train_side_by_side(ref, off, nvme, steps=3)
     assert offloaded(off).store.resident_bytes == 0
-    restore_parameters(off)
 
 
-def test_resident_parameter_bytes_stay_bounded(nvme):
+def test_resident_parameter_bytes_stay_bounded(nvme, closing):
     """Over forward, backward and the step, resident weights stay near one block's, not the model's."""
     torch.manual_seed(9)
     off = Net(layers=8)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     store = offloaded(off).store
     unit = 32 * 1024  # the optimizer's unit: 4096 fp32 weights' state (exp_avg, exp_avg_sq)
-    opt = OffloadedAdamW(off.parameters(), nvme_path=nvme, **{**OPT, "buffer_size": unit})
+    opt = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **{**OPT, "buffer_size": unit}))
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in off.modules())
     for step in range(2):
         loss_of(off, step).backward()
@@ -233,30 +204,27 @@ def test_resident_parameter_bytes_stay_bounded(nvme):
     assert store.resident_bytes_max <= 2 * largest + unit // 2
     assert store.resident_bytes_max < model_bytes(off) / 4
     assert store.resident_bytes == 0
-    opt.close()
-    restore_parameters(off)
 
 
 # -- what users see ---------------------------------------------------------------------------------
 
 
-def test_released_parameters_keep_their_metadata(nvme):
+def test_released_parameters_keep_their_metadata(nvme, closing):
     """Printing the model, shapes, dtypes, requires_grad and named_parameters work while weights are out."""
     ref, off = make_pair(seed=10)
     off.blocks[0].up.weight.requires_grad_(False)
     before = [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in off.named_parameters()]
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     assert repr(off) == repr(ref)
     assert [(n, p.shape, p.dtype, p.device, p.requires_grad) for n, p in off.named_parameters()] == before
     assert all(p.untyped_storage().nbytes() == 0 for p in off.parameters())
     assert torch.equal(off.scale, ref.scale)  # buffers stay in memory
-    restore_parameters(off)
 
 
-def test_state_dict_and_load_state_dict_materialise_one_module_at_a_time(nvme):
+def test_state_dict_and_load_state_dict_materialise_one_module_at_a_time(nvme, closing):
     """state_dict() holds real copies of the weights; load_state_dict() writes new weights to NVMe."""
     ref, off = make_pair(seed=11)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     store = offloaded(off).store
     sd = off.state_dict()
     for key, value in ref.state_dict().items():
@@ -268,13 +236,12 @@ def test_state_dict_and_load_state_dict_materialise_one_module_at_a_time(nvme):
     x, _ = batch(0)
     with torch.no_grad():
         assert torch.equal(off(x), other(x))
-    restore_parameters(off)
 
 
-def test_restore_brings_back_identical_weights_and_removes_swap_files(nvme):
+def test_restore_brings_back_identical_weights_and_removes_swap_files(nvme, closing):
     """restore_parameters gives ordinary parameters with the latest values, no hooks and no swap file."""
     ref, off = make_pair(seed=12)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     files = offloaded(off).store.space.files
     assert all(os.path.exists(f) for f in files)
     train_side_by_side(ref, off, nvme, steps=2)
@@ -288,27 +255,25 @@ def test_restore_brings_back_identical_weights_and_removes_swap_files(nvme):
     assert not off._forward_pre_hooks and not off.blocks[0].up._forward_hooks
     x, _ = batch(0)
     assert torch.equal(ref(x), off(x))
-    offload_parameters(off, nvme, **TINY)  # and it can be offloaded again
-    restore_parameters(off)
+    closing(offload_parameters(off, nvme, **TINY))  # and it can be offloaded again
 
 
-def test_host_cache_keeps_small_parameters_off_the_disk(nvme):
+def test_host_cache_keeps_small_parameters_off_the_disk(nvme, closing):
     """With max_in_cpu, the smallest parameters stay in memory and are never read from the swap space."""
     ref, off = make_pair(seed=13)
     biases = sum(m.bias.numel() for m in off.modules() if isinstance(m, (nn.Linear, nn.LayerNorm)))
     norms = sum(m.weight.numel() for m in off.modules() if isinstance(m, nn.LayerNorm))
-    offload_parameters(off, nvme, max_in_cpu=biases + norms, buffer_count=3, buffer_size=2048)
+    closing(offload_parameters(off, nvme, max_in_cpu=biases + norms, buffer_count=3, buffer_size=2048))
     store = offloaded(off).store
     assert all(p.dim() == 2 for p in store.records)  # only the weight matrices are on NVMe
     assert all(store_of(m.bias) is None for m in off.modules() if isinstance(m, nn.Linear))
     train_side_by_side(ref, off, nvme, steps=2)
-    restore_parameters(off)
 
 
-def test_a_read_error_surfaces_as_oserror_naming_the_swap_file(nvme):
+def test_a_read_error_surfaces_as_oserror_naming_the_swap_file(nvme, closing):
     """A failed read during a forward raises OSError with the swap file's path; the pool stays usable."""
     _, off = make_pair(seed=14)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     store = offloaded(off).store
     store.space.inject_fault("error", op="read")
     with pytest.raises(OSError) as info:
@@ -316,10 +281,9 @@ def test_a_read_error_surfaces_as_oserror_naming_the_swap_file(nvme):
     assert info.value.filename in store.space.files
     store.space.inject_fault("none")
     loss_of(off, 0).backward()
-    restore_parameters(off)
 
 
-def test_bad_input_gives_clear_errors(tmp_path, nvme):
+def test_bad_input_gives_clear_errors(tmp_path, nvme, closing):
     """No path, a non-module, a missing parent directory, offloading twice and undoing nothing are named."""
     with pytest.raises(ConfigError, match="nvme_path is required"):
         offload_parameters(nn.Linear(2, 2))
@@ -331,23 +295,21 @@ def test_bad_input_gives_clear_errors(tmp_path, nvme):
         offload_parameters(nn.Linear(2, 2), nvme, prefetch=-1)
     with pytest.raises(ValueError, match="not offloaded"):
         restore_parameters(nn.Linear(2, 2))
-    m = offload_parameters(nn.Linear(2, 2), nvme)
+    m = closing(offload_parameters(nn.Linear(2, 2), nvme))
     with pytest.raises(ValueError, match="offloaded already"):
         offload_parameters(m, nvme)
-    restore_parameters(m)
 
 
-def test_config_block_and_deepspeed_layout_are_accepted(nvme):
+def test_config_block_and_deepspeed_layout_are_accepted(nvme, closing):
     """A bare offload_param dict and a ds_config-style document both configure the pool."""
-    m = offload_parameters(nn.Linear(64, 64), config={"nvme_path": nvme, "buffer_count": 4,
-                                                      "buffer_size": 1024, "max_in_cpu": 0})
+    m = closing(offload_parameters(nn.Linear(64, 64), config={"nvme_path": nvme, "buffer_count": 4,
+                                                              "buffer_size": 1024, "max_in_cpu": 0}))
     assert len(offloaded(m).store.pool) == 4 and offloaded(m).store.pool.buffer_size == 4096
     restore_parameters(m)
     ds = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme,
                                                               "buffer_count": 6, "max_in_cpu": 0}}}
-    m = offload_parameters(nn.Linear(64, 64), config=ds, buffer_size=1000)
+    m = closing(offload_parameters(nn.Linear(64, 64), config=ds, buffer_size=1000))
     assert len(offloaded(m).store.pool) == 6
-    restore_parameters(m)
 
 
 # -- guarded parameters --------------------------------------------------------------------------------
@@ -407,12 +369,12 @@ def test_touching_a_released_parameter_raises_a_clear_error_instead_of_crashing(
     assert "OffloadedParameter('child.weight'" in proc.stdout and "not resident" in proc.stdout
 
 
-def test_guard_keeps_parameter_identity_and_undo_restores_the_class(nvme):
+def test_guard_keeps_parameter_identity_and_undo_restores_the_class(nvme, closing):
     """Offloaded parameters stay Parameters (same objects, named_parameters, optimizers accept them);
     restore_parameters gives back plain nn.Parameter objects."""
     _, off = make_pair(seed=20)
     params = list(off.parameters())
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     assert list(off.parameters()) == params
     assert all(isinstance(p, nn.Parameter) for p in params)
     assert next(off.parameters()).device == torch.device("cpu")
@@ -435,7 +397,7 @@ class UsesChildWeight(nn.Module):
 
 
 @pytest.mark.parametrize("before", [False, True], ids=["after-offload", "before-offload"])
-def test_registered_external_parameter_is_fetched_for_the_parent(nvme, before):
+def test_registered_external_parameter_is_fetched_for_the_parent(nvme, closing, before):
     """After register_external_parameter, a parent using its child's weight trains exactly as in memory."""
     from offload.params import register_external_parameter
 
@@ -444,11 +406,11 @@ def test_registered_external_parameter_is_fetched_for_the_parent(nvme, before):
     off = copy.deepcopy(ref)
     if before:
         register_external_parameter(off, off.inner.weight)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     if not before:
         register_external_parameter(off, off.inner.weight)
-    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
-    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    opt_ref = closing(OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT))
+    opt_off = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
     for step in range(3):
         x, _ = batch(step)
         for model in (ref, off):
@@ -459,9 +421,6 @@ def test_registered_external_parameter_is_fetched_for_the_parent(nvme, before):
             opt.zero_grad()
     assert offloaded(off).store.resident_bytes == 0
     assert_same_weights(ref, off)
-    opt_ref.close()
-    opt_off.close()
-    restore_parameters(off)
 
 
 # -- offloaded gradients --------------------------------------------------------------------------------
@@ -469,28 +428,27 @@ def test_registered_external_parameter_is_fetched_for_the_parent(nvme, before):
 
 @pytest.mark.parametrize("micro", [1, 3])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_offloaded_grads_train_bitwise_like_the_in_memory_model(nvme, micro, clip):
+def test_offloaded_grads_train_bitwise_like_the_in_memory_model(nvme, closing, micro, clip):
     """With grads in the grad store, training (accumulating over micro-batches, clipping with our
     clip_grad_norm_ against torch's) gives the in-memory model's grads, norms and weights bit for bit."""
     ref, off = make_pair(seed=22)
     for m in (ref, off):
         m.blocks[1].up.weight.requires_grad_(False)  # a frozen parameter: no grad, not stepped
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     store = offloaded(off).store
     train_side_by_side(ref, off, nvme, steps=3, micro=micro, clip=clip)
     assert store.grad_bytes_written > 0 and store.grad_bytes_read > 0
     assert off.blocks[1].up.weight.grad is None
-    restore_parameters(off)
 
 
 @pytest.mark.parametrize("how", ["optimizer-zero", "optimizer-none", "model-zero", "model-none", "assigned"])
-def test_zero_grad_variants_start_the_grad_store_fresh(nvme, how):
+def test_zero_grad_variants_start_the_grad_store_fresh(nvme, closing, how):
     """zero_grad(set_to_none=True/False) from the optimizer or the model, or a user-assigned grad,
     leave the stored grads in the state torch's would be in, so accumulation goes on exactly."""
     ref, off = make_pair(seed=23)
-    offload_parameters(off, nvme, **TINY)
-    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
-    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    closing(offload_parameters(off, nvme, **TINY))
+    opt_ref = closing(OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT))
+    opt_off = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
     for step in range(3):
         for m in (ref, off):
             loss_of(m, 2 * step).backward()
@@ -514,20 +472,17 @@ def test_zero_grad_variants_start_the_grad_store_fresh(nvme, how):
     elif how.endswith("none"):
         assert all(q.grad is None for q in off.parameters())
     assert_same_weights(ref, off)
-    opt_ref.close()
-    opt_off.close()
-    restore_parameters(off)
 
 
-def test_resident_grad_bytes_stay_below_the_largest_module(nvme):
+def test_resident_grad_bytes_stay_below_the_largest_module(nvme, closing):
     """While a model 5x the pool trains, gradient bytes resident at once stay within one module's grads."""
     torch.manual_seed(24)
     off = Net(layers=8)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     store = offloaded(off).store
     assert model_bytes(off) > 5 * store.pool.nbytes
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in off.modules())
-    opt = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    opt = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
     for step in range(3):
         for micro in range(2):
             loss_of(off, 2 * step + micro).backward()
@@ -537,15 +492,13 @@ def test_resident_grad_bytes_stay_below_the_largest_module(nvme):
     assert 0 < store.grad_resident_bytes_max <= largest
     assert store.grad_resident_bytes == 0
     assert all(q.grad is None for q in off.parameters())
-    opt.close()
-    restore_parameters(off)
 
 
-def test_torch_utilities_that_would_misread_offloaded_grads_raise_clearly(nvme):
+def test_torch_utilities_that_would_misread_offloaded_grads_raise_clearly(nvme, closing):
     """torch's clip_grad_norm_, GradScaler.unscale_ and plain tensor math on an offloaded grad raise a
     RuntimeError pointing to our helpers; offload_grads=False keeps ordinary grads for them."""
     _, off = make_pair(seed=25)
-    offload_parameters(off, nvme, **TINY)
+    closing(offload_parameters(off, nvme, **TINY))
     scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
     scaler.scale(loss_of(off, 0)).backward()
     g = off.head.weight.grad
@@ -562,77 +515,10 @@ def test_torch_utilities_that_would_misread_offloaded_grads_raise_clearly(nvme):
     assert type(off.head.weight.grad) is torch.Tensor  # undo brings the grads back as tensors
 
     _, plain = make_pair(seed=25)
-    offload_parameters(plain, nvme, offload_grads=False, **TINY)
+    closing(offload_parameters(plain, nvme, offload_grads=False, **TINY))
     loss_of(plain, 0).backward()
     assert torch.equal(plain.head.weight.grad, off.head.weight.grad)
     torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
-    restore_parameters(plain)
-
-
-def assert_masters_are_the_weights(model, opt):
-    """Every offloaded bf16 parameter's fp32 master equals its weight, widened: the bits a master
-    seeded from the weights must have (zeros, or stale values, would still train without error)."""
-    masters = opt.state_dict()["state"]
-    with materialized(model):
-        params = list(model.parameters())
-        seeded = [i for i, p in enumerate(params) if "master" in masters.get(i, {})]
-        assert len(seeded) == sum(p.numel() >= OPT["small_param_threshold"] for p in params)
-        for i in seeded:
-            assert torch.equal(masters[i]["master"], params[i].detach().float()), f"parameter {i}: master"
-
-
-def test_checkpoint_of_adamw_over_offloaded_bf16_model_resumes_bit_for_bit(tmp_path, nvme):
-    """save_checkpoint/load_checkpoint of OffloadedAdamW over an offloaded bf16 model resumes exactly,
-    and a checkpoint without fp32 masters seeds them from the offloaded weights (fetched for it)."""
-    from offload import checkpoint as ckpt
-
-    def build(seed):
-        torch.manual_seed(seed)
-        m = Net().to(torch.bfloat16)
-        offload_parameters(m, nvme, **TINY)
-        return m, OffloadedAdamW(m.parameters(), nvme_path=nvme, **OPT)
-
-    def train(m, opt, steps):
-        for step in steps:
-            loss_of(m, step, torch.bfloat16).backward()
-            opt.step()
-            opt.zero_grad()
-
-    model, opt = build(26)
-    train(model, opt, range(3))
-    ckpt.save_checkpoint(opt, tmp_path / "c", extra={"model": model.state_dict()})
-    train(model, opt, range(3, 5))
-
-    other, opt2 = build(27)
-    other.load_state_dict(ckpt.load_checkpoint(opt2, tmp_path / "c")["model"])
-    train(other, opt2, range(3, 5))
-    assert_same_weights(model, other)
-
-    # Without masters in the checkpoint, load seeds them from the (offloaded) bf16 weights.
-    sd = ckpt.export_state_dict(tmp_path / "c", include_master=False)
-    ckpt.import_state_dict(sd, tmp_path / "nomaster", like=tmp_path / "c")
-    third, opt3 = build(28)
-    ref, opt_ref = build(28)
-    state = ckpt.load_checkpoint(opt2, tmp_path / "c")["model"]
-    for m in (third, ref):
-        m.load_state_dict(state)
-    ckpt.load_checkpoint(opt3, tmp_path / "nomaster")
-    assert offloaded(third).store.resident_bytes == 0
-    assert_masters_are_the_weights(third, opt3)
-    # load_state_dict of the same master-less state seeds them from the offloaded weights as well.
-    fourth, opt4 = build(28)
-    fourth.load_state_dict(state)
-    opt4.load_state_dict(sd)
-    assert_masters_are_the_weights(fourth, opt4)
-    restore_parameters(ref)  # the same, with weights in memory
-    ckpt.load_checkpoint(opt_ref, tmp_path / "nomaster")
-    train(third, opt3, range(3, 5))
-    train(ref, opt_ref, range(3, 5))
-    assert_same_weights(ref, third)
-    for o in (opt, opt2, opt3, opt4, opt_ref):
-        o.close()
-    for m in (model, other, third, fourth):
-        restore_parameters(m)
 
 
 # -- CUDA ---------------------------------------------------------------------------------------------
@@ -640,14 +526,14 @@ def test_checkpoint_of_adamw_over_offloaded_bf16_model_resumes_bit_for_bit(tmp_p
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pin", [False, True])
-def test_cuda_training_matches_in_memory_model(nvme, pin):
+def test_cuda_training_matches_in_memory_model(nvme, closing, pin):
     """On a GPU, weights come through the (pinned) pool into device memory; training matches bitwise."""
     ref, off = make_pair(seed=15)
     ref, off = ref.cuda(), off.cuda()
-    offload_parameters(off, nvme, max_in_cpu=0, buffer_count=3, buffer_size=2048, pin_memory=pin)
+    closing(offload_parameters(off, nvme, max_in_cpu=0, buffer_count=3, buffer_size=2048, pin_memory=pin))
     assert all(p.is_cuda for p in off.parameters())
-    opt_ref = OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT)
-    opt_off = OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT)
+    opt_ref = closing(OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT))
+    opt_off = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
     for step in range(3):
         for model, opt in ((ref, opt_ref), (off, opt_off)):
             x, y = (t.cuda() for t in batch(step))
@@ -655,81 +541,16 @@ def test_cuda_training_matches_in_memory_model(nvme, pin):
             opt.step()
             opt.zero_grad()
     assert_same_weights(ref, off)
-    opt_ref.close()
-    opt_off.close()
-    restore_parameters(off)
 
 
 @pytest.mark.gpu
-def test_cuda_host_cache_and_inference(nvme):
+def test_cuda_host_cache_and_inference(nvme, closing):
     """A GPU model with its small parameters in the host cache infers exactly like the in-memory one."""
     ref, off = make_pair(seed=16)
     ref, off = ref.cuda().eval(), off.cuda().eval()
-    offload_parameters(off, nvme, max_in_cpu=2000, buffer_count=3, buffer_size=2048)
+    closing(offload_parameters(off, nvme, max_in_cpu=2000, buffer_count=3, buffer_size=2048))
     assert offloaded(off).store.host_cache_bytes > 0
     with torch.no_grad():
         x = batch(0)[0].cuda()
         assert torch.equal(ref(x), off(x))
     assert offloaded(off).store.cache_hits > 0
-    restore_parameters(off)
-
-
-# -- the benchmark --------------------------------------------------------------------------------
-
-
-def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
-    """``offload-bench params`` on a tiny model exits 0 and writes every documented key."""
-    import json
-
-    out = tmp_path / "params.json"
-    proc = run_python("-m", "offload.bench", "params", "--layers", "2", "--hidden", "64", "--steps", "2",
-                      "--path", str(tmp_path / "scratch"), "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
-    doc = json.loads(out.read_text())
-    keys = {"params", "step_s_median", "fetch_bytes_per_step", "write_bytes_per_step", "io_only_s",
-            "compute_only_s", "peak_rss_bytes", "resident_param_bytes_max", "grad_bytes_resident_max"}
-    assert keys <= doc.keys()
-    assert doc["params"] == 2 * (8 * 64 * 64 + 4 * 64 + 64 + 2 * 64)
-    assert doc["fetch_bytes_per_step"] > 0 and doc["write_bytes_per_step"] > 0
-    assert not (tmp_path / "scratch").exists()
-
-
-class _LazyFuture:
-    """Reports not-done until waited on, so a write left un-waited stays 'in flight' for the test."""
-
-    def __init__(self, fut):
-        self.fut, self.waited = fut, False
-
-    def wait(self):
-        self.waited = True
-        return self.fut.wait()
-
-    def done(self):
-        return self.waited
-
-
-def test_a_weight_is_never_written_while_an_earlier_write_of_it_is_in_flight(nvme, monkeypatch):
-    """Writes of one weight's extent are ordered: requests complete in any order, so a new write is
-    only issued once every earlier write of that extent has landed (else stale bytes could land last)."""
-    torch.manual_seed(0)
-    model = offload_parameters(nn.Linear(256, 256), nvme_path=nvme, max_in_cpu=0)
-    store = store_of(model.weight)
-    issued: dict[int, list] = {}
-    real_write = store.space.write
-
-    def write(extent, buffer, **kw):
-        earlier = issued.setdefault(extent.offset, [])
-        assert all(f.waited for f in earlier), f"extent at {extent.offset} rewritten with a write in flight"
-        fut = _LazyFuture(real_write(extent, buffer, **kw))
-        earlier.append(fut)
-        return fut
-
-    monkeypatch.setattr(store.space, "write", write)
-    for value in (1.0, 2.0):
-        store.fetch(model.weight, read=False)
-        model.weight.data.fill_(value)
-        store.release(model.weight, dirty=True)
-    monkeypatch.undo()
-    with materialized(model):
-        assert torch.equal(model.weight, torch.full((256, 256), 2.0))
-    restore_parameters(model)

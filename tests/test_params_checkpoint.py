@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from helpers import OPT, TINY, Net, assert_same_state, flip_bit, loss_of
+from helpers import OPT, TINY, Net, assert_same_state, assert_same_weights, flip_bit, loss_of
 
 from offload import OffloadedAdamW, StateError, offload_parameters, restore_parameters
 from offload import checkpoint as ckpt
@@ -25,14 +25,21 @@ from offload.params import materialized, offloaded, store_of
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 
 
-def build(nvme, seed, dtype=torch.float32, optimizer=True, offload=True, **kw):
-    """A Net (4 blocks, a head, a buffer) with offloaded weights and, optionally, an OffloadedAdamW."""
-    torch.manual_seed(seed)
-    model = Net(**kw).to(dtype)
-    if offload:
-        offload_parameters(model, nvme, **TINY)
-    opt = OffloadedAdamW(model.parameters(), nvme_path=nvme, **OPT) if optimizer else None
-    return model, opt
+@pytest.fixture
+def build(nvme, closing):
+    """``build(seed, dtype=torch.float32, optimizer=True, offload=True, **net_kw)``: a Net (4 blocks, a
+    head, a buffer) seeded with ``seed``, its weights offloaded, and an OffloadedAdamW over it (or None);
+    both closed when the test ends, whatever happens to it."""
+
+    def make(seed, dtype=torch.float32, optimizer=True, offload=True, **kw):
+        torch.manual_seed(seed)
+        model = closing(Net(**kw).to(dtype))
+        if offload:
+            offload_parameters(model, nvme, **TINY)
+        opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme, **OPT)) if optimizer else None
+        return model, opt
+
+    return make
 
 
 def train(model, opt, steps, dtype):
@@ -57,14 +64,6 @@ def assert_same_tensors(a: dict, b: dict):
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), f"{k} differs"
 
 
-def close(*things):
-    for t in things:
-        if isinstance(t, OffloadedAdamW):
-            t.close()
-        elif offloaded(t) is not None:
-            restore_parameters(t)
-
-
 def count_fetches(monkeypatch, store) -> list:
     calls = []
     fetch = store.fetch
@@ -81,16 +80,16 @@ def count_fetches(monkeypatch, store) -> list:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_resume_with_model_weights_is_bit_identical(tmp_path, nvme, dtype):
+def test_resume_with_model_weights_is_bit_identical(tmp_path, build, dtype):
     """A fresh offloaded model and optimizer loaded from save_checkpoint(model=) continue with the
     same losses, weights and optimizer state, bit for bit, as the run that saved; stored grads of
     the loading model are cleared."""
-    model, opt = build(nvme, 1, dtype)
+    model, opt = build(1, dtype)
     train(model, opt, range(3), dtype)
     opt.save_checkpoint(tmp_path / "c", model=model, extra={"step": 3})
     ours = train(model, opt, range(3, 6), dtype)
 
-    other, opt2 = build(nvme, 2, dtype)
+    other, opt2 = build(2, dtype)
     loss_of(other, 0, dtype).backward()  # grads in the grad store, of weights about to be replaced
     assert opt2.load_checkpoint(tmp_path / "c", model=other) == {"step": 3}
     assert all(p.grad is None for p in other.parameters())
@@ -98,14 +97,13 @@ def test_resume_with_model_weights_is_bit_identical(tmp_path, nvme, dtype):
     assert [x.item() for x in ours] == [x.item() for x in theirs]
     assert_same_tensors(weights(model), weights(other))
     assert_same_state(opt.state_dict(), opt2.state_dict())
-    close(opt, opt2, model, other)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_save_and_load_keep_resident_weights_bounded_by_the_pool(tmp_path, nvme, monkeypatch, dtype):
+def test_save_and_load_keep_resident_weights_bounded_by_the_pool(tmp_path, build, monkeypatch, dtype):
     """Saving and loading never fetch a weight: the store's peak resident bytes stay within pool +
     largest parameter, far below the model's size."""
-    model, opt = build(nvme, 3, dtype)
+    model, opt = build(3, dtype)
     train(model, opt, range(2), dtype)
     store = offloaded(model).store
     largest = max(p.numel() * p.element_size() for p in model.parameters())
@@ -117,30 +115,78 @@ def test_save_and_load_keep_resident_weights_bounded_by_the_pool(tmp_path, nvme,
     opt.save_checkpoint(tmp_path / "c", model=model)
     assert store.resident_bytes_max <= bound and not fetched
 
-    other, opt2 = build(nvme, 4, dtype)
+    other, opt2 = build(4, dtype)
     store2 = offloaded(other).store
     fetched2 = count_fetches(monkeypatch, store2)
     store2.reset_peak()
     opt2.load_checkpoint(tmp_path / "c", model=other)
     load_parameters(other, tmp_path / "c")
     assert store2.resident_bytes_max <= bound and not fetched2
-    close(opt, opt2, model, other)
+
+
+def assert_masters_are_the_weights(model, opt):
+    """Every offloaded bf16 parameter's fp32 master equals its weight, widened: the bits a master
+    seeded from the weights must have (zeros, or stale values, would still train without error)."""
+    masters = opt.state_dict()["state"]
+    with materialized(model):
+        params = list(model.parameters())
+        seeded = [i for i, p in enumerate(params) if "master" in masters.get(i, {})]
+        assert len(seeded) == sum(p.numel() >= OPT["small_param_threshold"] for p in params)
+        for i in seeded:
+            assert torch.equal(masters[i]["master"], params[i].detach().float()), f"parameter {i}: master"
+
+
+def test_checkpoint_of_adamw_over_offloaded_bf16_model_resumes_bit_for_bit(tmp_path, build):
+    """save_checkpoint/load_checkpoint of OffloadedAdamW over an offloaded bf16 model resumes exactly,
+    and a checkpoint without fp32 masters seeds them from the offloaded weights (fetched for it)."""
+    bf16 = torch.bfloat16
+    model, opt = build(26, bf16)
+    train(model, opt, range(3), bf16)
+    ckpt.save_checkpoint(opt, tmp_path / "c", extra={"model": model.state_dict()})
+    train(model, opt, range(3, 5), bf16)
+
+    other, opt2 = build(27, bf16)
+    other.load_state_dict(ckpt.load_checkpoint(opt2, tmp_path / "c")["model"])
+    train(other, opt2, range(3, 5), bf16)
+    assert_same_weights(model, other)
+
+    # Without masters in the checkpoint, load seeds them from the (offloaded) bf16 weights.
+    sd = ckpt.export_state_dict(tmp_path / "c", include_master=False)
+    ckpt.import_state_dict(sd, tmp_path / "nomaster", like=tmp_path / "c")
+    third, opt3 = build(28, bf16)
+    ref, opt_ref = build(28, bf16)
+    state = ckpt.load_checkpoint(opt2, tmp_path / "c")["model"]
+    for m in (third, ref):
+        m.load_state_dict(state)
+    ckpt.load_checkpoint(opt3, tmp_path / "nomaster")
+    assert offloaded(third).store.resident_bytes == 0
+    assert_masters_are_the_weights(third, opt3)
+    # load_state_dict of the same master-less state seeds them from the offloaded weights as well.
+    fourth, opt4 = build(28, bf16)
+    fourth.load_state_dict(state)
+    opt4.load_state_dict(sd)
+    assert_masters_are_the_weights(fourth, opt4)
+    restore_parameters(ref)  # the same, with weights in memory
+    ckpt.load_checkpoint(opt_ref, tmp_path / "nomaster")
+    train(third, opt3, range(3, 5), bf16)
+    train(ref, opt_ref, range(3, 5), bf16)
+    assert_same_weights(ref, third)
 
 
 # -- refusals and faults --------------------------------------------------------------------------
 
 
-def test_flipped_bit_in_params_bin_is_named_and_nothing_changes(tmp_path, nvme):
+def test_flipped_bit_in_params_bin_is_named_and_nothing_changes(tmp_path, build):
     """A flipped bit in one parameter's bytes is reported with its name and byte range, before the
     model or the optimizer changes; both go on training as before; verify finds it too."""
-    model, opt = build(nvme, 5)
+    model, opt = build(5)
     train(model, opt, range(2), torch.float32)
     opt.save_checkpoint(tmp_path / "c", model=model)
     entry = next(e for e in ckpt.read_manifest(tmp_path / "c")["model"]["tensors"]
                  if e["name"] == "blocks.1.up.weight")
     flip_bit(tmp_path / "c" / "params.bin", entry["offset"] + 100, 0x04)
 
-    other, opt2 = build(nvme, 6)
+    other, opt2 = build(6)
     train(other, opt2, range(1), torch.float32)
     before, state = weights(other), copy.deepcopy(opt2.state_dict())  # in-memory state comes back live
     with pytest.raises(ckpt.ChecksumError, match=r"params.bin: parameter 'blocks.1.up.weight' \(bytes "
@@ -151,16 +197,15 @@ def test_flipped_bit_in_params_bin_is_named_and_nothing_changes(tmp_path, nvme):
     train(other, opt2, range(1, 2), torch.float32)  # no StateError: nothing was touched
     with pytest.raises(ckpt.ChecksumError, match="blocks.1.up.weight"):
         ckpt.verify_checkpoint(tmp_path / "c")
-    close(opt, opt2, model, other)
 
 
-def test_a_different_model_is_refused_before_anything_changes(tmp_path, nvme):
+def test_a_different_model_is_refused_before_anything_changes(tmp_path, build):
     """A model with other shapes, or with a tensor the checkpoint lacks, is refused with the first
     mismatch named (name, checkpoint's and model's shape) and keeps its weights."""
-    model, _ = build(nvme, 7, optimizer=False)
+    model, _ = build(7, optimizer=False)
     save_parameters(model, tmp_path / "c")
 
-    wider, _ = build(nvme, 8, optimizer=False, h=64)
+    wider, _ = build(8, optimizer=False, h=64)
     before = weights(wider)
     with pytest.raises(ckpt.CheckpointError, match=r"'blocks.0.up.weight' has shape \(128, 32\) in the "
                                                    r"checkpoint, \(64, 32\) in this model"):
@@ -169,23 +214,22 @@ def test_a_different_model_is_refused_before_anything_changes(tmp_path, nvme):
 
     # Its first four blocks match the checkpoint: a load that wrote them before finding blocks.4
     # missing would change them.
-    deeper, _ = build(nvme, 9, optimizer=False, layers=5)
+    deeper, _ = build(9, optimizer=False, layers=5)
     before = weights(deeper)
     with pytest.raises(ckpt.CheckpointError, match=r"has no param 'blocks.4.up.weight', which this model has"):
         load_parameters(deeper, tmp_path / "c")
     assert_same_tensors(before, weights(deeper))
-    halfprec, _ = build(nvme, 9, optimizer=False, dtype=torch.bfloat16)
+    halfprec, _ = build(9, optimizer=False, dtype=torch.bfloat16)
     before = weights(halfprec)
     with pytest.raises(ckpt.CheckpointError, match=r"dtype float32 in the checkpoint, bfloat16 in this model"):
         load_parameters(halfprec, tmp_path / "c")
     assert_same_tensors(before, weights(halfprec))
-    close(model, wider, deeper, halfprec)
 
 
-def test_write_fault_while_saving_weights_leaves_the_previous_checkpoint_loadable(tmp_path, nvme, monkeypatch):
+def test_write_fault_while_saving_weights_leaves_the_previous_checkpoint_loadable(tmp_path, nvme, build, monkeypatch):
     """An EIO writing params.bin fails the save with an OSError naming params.bin; the previous
     checkpoint at that directory is untouched and loads its own weights; nothing temporary is left."""
-    model, opt = build(nvme, 10)
+    model, opt = build(10)
     train(model, opt, range(2), torch.float32)
     opt.save_checkpoint(tmp_path / "c", model=model)
     saved = weights(model)
@@ -207,19 +251,18 @@ def test_write_fault_while_saving_weights_leaves_the_previous_checkpoint_loadabl
     monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["c", "nvme"]
 
-    other, opt2 = build(nvme, 11)
+    other, opt2 = build(11)
     opt2.load_checkpoint(tmp_path / "c", model=other)
     assert_same_tensors(saved, weights(other))
-    close(opt, opt2, model, other)
 
 
 # -- without an optimizer, resident copies, export ------------------------------------------------
 
 
-def test_save_parameters_and_load_parameters_round_trip_without_an_optimizer(tmp_path, nvme):
+def test_save_parameters_and_load_parameters_round_trip_without_an_optimizer(tmp_path, nvme, build):
     """Weights (offloaded, kept in the host cache, tied) and buffers saved by save_parameters load
     back into an offloaded model, a model offloaded with another host cache, and a plain one."""
-    model, _ = build(nvme, 12, optimizer=False, offload=False)
+    model, _ = build(12, optimizer=False, offload=False)
     model.blocks[1].norm.weight = model.blocks[0].norm.weight
     offload_parameters(model, nvme, **{**TINY, "max_in_cpu": 40})  # the two smallest stay in memory
     with torch.no_grad(), materialized(model, modified=True):
@@ -236,38 +279,35 @@ def test_save_parameters_and_load_parameters_round_trip_without_an_optimizer(tmp
     expected = weights(model)
 
     for offload in (True, False):
-        other, _ = build(nvme, 13, optimizer=False, offload=False)
+        other, _ = build(13, optimizer=False, offload=False)
         other.blocks[1].norm.weight = other.blocks[0].norm.weight
         if offload:
             offload_parameters(other, nvme, **TINY)  # everything on disk this time
         load_parameters(other, tmp_path / "p")
         assert_same_tensors(expected, weights(other))
-        close(other)
     ckpt.verify_checkpoint(tmp_path / "p")
-    close(model)
 
 
-def test_resident_weights_are_saved_from_and_loaded_into_their_current_copy(tmp_path, nvme):
+def test_resident_weights_are_saved_from_and_loaded_into_their_current_copy(tmp_path, build):
     """Inside materialized(), a weight changed in place (not yet written back) is saved as changed,
     and a load overwrites the resident copy as well as the disk, so neither goes stale."""
-    model, _ = build(nvme, 14, optimizer=False)
+    model, _ = build(14, optimizer=False)
     with torch.no_grad(), materialized(model, modified=True):
         model.head.weight.fill_(7.0)
         save_parameters(model, tmp_path / "p")
     assert torch.equal(ckpt.export_model_state_dict(tmp_path / "p")["head.weight"], torch.full((8, 32), 7.0))
 
-    other, _ = build(nvme, 15, optimizer=False)
+    other, _ = build(15, optimizer=False)
     with torch.no_grad(), materialized(other):
         load_parameters(other, tmp_path / "p")
         assert torch.equal(other.head.weight, torch.full((8, 32), 7.0))
     assert_same_tensors(weights(model), weights(other))
-    close(model, other)
 
 
-def test_checkpoint_without_a_model_loads_as_before_and_refuses_a_model(tmp_path, nvme):
+def test_checkpoint_without_a_model_loads_as_before_and_refuses_a_model(tmp_path, build):
     """A checkpoint saved without model= has the optimizer's files only and loads as before; asking
     it for a model, or a weights-only checkpoint for an optimizer, is refused with nothing changed."""
-    model, opt = build(nvme, 16)
+    model, opt = build(16)
     train(model, opt, range(2), torch.float32)
     opt.save_checkpoint(tmp_path / "c")
     assert sorted(os.listdir(tmp_path / "c")) == ["manifest.json", "memory.pt", "state.bin"]
@@ -285,13 +325,12 @@ def test_checkpoint_without_a_model_loads_as_before_and_refuses_a_model(tmp_path
         opt.load_checkpoint(tmp_path / "p")
     opt.save_checkpoint(tmp_path / "c", model=model)
     opt.load_checkpoint(tmp_path / "c")  # the model section is optional to read
-    close(opt, model)
 
 
-def test_export_model_out_writes_the_models_state_dict(tmp_path, nvme, capsys):
+def test_export_model_out_writes_the_models_state_dict(tmp_path, build, capsys):
     """`offload-ckpt export CKPT --model-out` writes exactly model.state_dict() (names, order, values),
     which a plain model loads strictly; inspect summarises the model; no output file is a usage error."""
-    model, opt = build(nvme, 17, dtype=torch.bfloat16)
+    model, opt = build(17, dtype=torch.bfloat16)
     train(model, opt, range(2), torch.bfloat16)
     opt.save_checkpoint(tmp_path / "c", model=model)
     assert ckpt_main(["export", str(tmp_path / "c"), str(tmp_path / "opt.pt"),
@@ -306,17 +345,16 @@ def test_export_model_out_writes_the_models_state_dict(tmp_path, nvme, capsys):
     assert "offloaded parameters in params.bin" in capsys.readouterr().out
     assert json.loads((tmp_path / "c" / "manifest.json").read_text())["model"]["offloaded_bytes"] > 0
     assert ckpt_main(["export", str(tmp_path / "c")]) == 2
-    close(opt, model)
 
 
-def test_failed_load_blocks_fetches_until_a_load_succeeds(tmp_path, nvme, monkeypatch):
+def test_failed_load_blocks_fetches_until_a_load_succeeds(tmp_path, build, monkeypatch):
     """A read error while streaming weights in leaves them half loaded: fetching them (a forward, a
     step, a save) raises StateError until a load succeeds, after which training resumes."""
-    model, opt = build(nvme, 18)
+    model, opt = build(18)
     train(model, opt, range(2), torch.float32)
     opt.save_checkpoint(tmp_path / "c", model=model)
 
-    other, opt2 = build(nvme, 19)
+    other, opt2 = build(19)
     # Let the verification pass (one read per buffer-sized unit) through, fail in the streaming pass.
     unit = offloaded(other).store.pool.buffer_size
     checked = sum(-(-e["length"] // unit) for e in ckpt.read_manifest(tmp_path / "c")["model"]["tensors"]
@@ -339,28 +377,25 @@ def test_failed_load_blocks_fetches_until_a_load_succeeds(tmp_path, nvme, monkey
     opt2.load_checkpoint(tmp_path / "c", model=other)
     assert_same_tensors(weights(model), weights(other))
     train(other, opt2, range(2, 3), torch.float32)
-    close(opt, opt2, model, other)
 
 
 # -- CUDA -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.gpu
-def test_cuda_model_weights_round_trip_through_disk_and_host_cache(tmp_path, nvme):
+def test_cuda_model_weights_round_trip_through_disk_and_host_cache(tmp_path, nvme, closing):
     """On a GPU, weights on NVMe and in the (pinned) host cache save and load through the pool, into
     another GPU model offloaded differently and into a plain GPU model, bit for bit."""
     torch.manual_seed(20)
-    model = Net().cuda()
+    model = closing(Net().cuda())
     offload_parameters(model, nvme, max_in_cpu=2000, buffer_count=3, buffer_size=2048, pin_memory=True)
     assert offloaded(model).store.host_cache_bytes > 0
     save_parameters(model, tmp_path / "p")
     expected = weights(model)
     for offload in (True, False):
         torch.manual_seed(21)
-        other = Net().cuda()
+        other = closing(Net().cuda())
         if offload:
             offload_parameters(other, nvme, **TINY)
         load_parameters(other, tmp_path / "p")
         assert_same_tensors(expected, weights(other))
-        close(other)
-    close(model)
