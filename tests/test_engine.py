@@ -420,28 +420,19 @@ def test_fallback_to_threads_warns_once_per_process_with_the_reason(monkeypatch,
 # -- O_DIRECT refused -------------------------------------------------------------------------
 
 @pytest.fixture
-def no_o_direct_dir(tmp_path):
+def no_o_direct_dir(tmpfs):
     """A ramfs mount (it refuses O_DIRECT), or skip where mounting is not possible."""
-    mnt = tmp_path / "ramfs"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("needs root to mount a file system that refuses O_DIRECT")
-    done = subprocess.run(["mount", "-t", "ramfs", "none", str(mnt)], capture_output=True, text=True)
-    if done.returncode:
-        pytest.skip(f"cannot mount ramfs: {done.stderr.strip()}")
+    mnt = tmpfs(kind="ramfs")
+    probe = mnt / "probe"
     try:
-        probe = mnt / "probe"
-        try:
-            os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
-        except OSError:
-            pass
-        else:
-            pytest.skip("ramfs accepts O_DIRECT on this kernel")
-        finally:
-            probe.unlink(missing_ok=True)  # a refused O_DIRECT open still creates the file
-        yield str(mnt)
+        os.close(os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600))
+    except OSError:
+        pass
+    else:
+        pytest.skip("ramfs accepts O_DIRECT on this kernel")
     finally:
-        subprocess.run(["umount", str(mnt)], check=True)
+        probe.unlink(missing_ok=True)  # a refused O_DIRECT open still creates the file
+    return str(mnt)
 
 
 def test_o_direct_required_on_refusing_fs_is_clear_error(no_o_direct_dir, backend):

@@ -228,42 +228,20 @@ def test_bad_stripe_unit_is_a_config_error(tmp_path):
     assert os.listdir(tmp_path / "a") == []  # the failed construction left no file behind
 
 
-def _mount_tmpfs(where, *options) -> None:
-    _mount(where, "tmpfs", *options)
-
-
-def _mount(where, fstype: str, *options) -> None:
-    where.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip(f"mounting a {fstype} needs root")
-    rc = subprocess.run(["mount", "-t", fstype, *(["-o", ",".join(options)] if options else []), fstype,
-                         str(where)], capture_output=True)
-    if rc.returncode != 0:
-        pytest.skip(f"cannot mount a {fstype}: {rc.stderr.decode().strip()}")
-
-
-def _umount(where) -> None:
-    subprocess.run(["umount", str(where)], check=True)
-
-
-def test_full_disk_is_reported_at_construction_with_bytes_needed_and_free(tmp_path):
+def test_full_disk_is_reported_at_construction_with_bytes_needed_and_free(tmpfs):
     """Asking for 64 MiB on a 4 MiB file system fails at once with ENOSPC naming bytes needed and free,
     and leaves no swap file behind."""
-    mnt = tmp_path / "small"
-    _mount_tmpfs(mnt, "size=4m")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # tmpfs may refuse O_DIRECT
-            with pytest.raises(OSError) as info:
-                SwapSpace(mnt, 64 * MIB, aio=AIO, o_direct="auto")
-        assert info.value.errno == errno.ENOSPC
-        message = str(info.value)
-        assert str(64 * MIB) in message
-        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
-        assert f"has {free} bytes" in message
-        assert os.listdir(mnt) == []
-    finally:
-        _umount(mnt)
+    mnt = tmpfs("4m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # tmpfs may refuse O_DIRECT
+        with pytest.raises(OSError) as info:
+            SwapSpace(mnt, 64 * MIB, aio=AIO, o_direct="auto")
+    assert info.value.errno == errno.ENOSPC
+    message = str(info.value)
+    assert str(64 * MIB) in message
+    free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+    assert f"has {free} bytes" in message
+    assert os.listdir(mnt) == []
 
 
 def test_missing_directory_is_created_when_its_parent_exists(tmp_path):
@@ -286,7 +264,7 @@ def test_path_that_is_a_file_is_a_clear_error(tmp_path):
         SwapSpace(tmp_path / "f", aio=AIO)
 
 
-def test_read_only_directory_is_a_clear_error(tmp_path):
+def test_read_only_directory_is_a_clear_error(tmp_path, tmpfs):
     """A directory on a read-only file system (or not writable by this user) raises PermissionError."""
     if os.geteuid() != 0:
         ro = tmp_path / "ro"
@@ -297,13 +275,10 @@ def test_read_only_directory_is_a_clear_error(tmp_path):
         finally:
             ro.chmod(0o700)
         return
-    ro = tmp_path / "ro"
-    _mount_tmpfs(ro, "size=1m", "ro")
-    try:
-        with pytest.raises(PermissionError, match="read-only"):
-            SwapSpace(ro, aio=AIO)
-    finally:
-        _umount(ro)
+    ro = tmpfs("1m")
+    subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+    with pytest.raises(PermissionError, match="read-only"):
+        SwapSpace(ro, aio=AIO)
 
 
 def test_duplicate_paths_are_an_error(tmp_path):
@@ -430,40 +405,36 @@ def test_alloc_many_reserves_once_and_returns_extents_in_order(tmp_path):
         assert space.alloc_many([]) == []
 
 
-def test_full_disk_alloc_many_changes_nothing_and_names_the_whole_request(tmp_path):
+def test_full_disk_alloc_many_changes_nothing_and_names_the_whole_request(tmpfs):
     """On a 1 MiB file system, alloc_many of more than fits raises ENOSPC naming the bytes the whole
     request needs and the bytes free, even when its first sizes would fit; the space is exactly as
     before and its existing extent still reads back, and a request that fits then succeeds."""
-    mnt = tmp_path / "small"
-    _mount_tmpfs(mnt, "size=1m")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # tmpfs before Linux 6.6 refuses O_DIRECT
-            space = SwapSpace(mnt, aio=AIO, o_direct="auto")
-        with space, HostBuffer(UNIT) as buf:
-            (kept,) = space.alloc_many([UNIT])
-            buf.numpy()[:] = 7
-            space.write(kept, buf).wait()
-            before = _state(space)
-            sizes = [100_000, 300_000, 900_000]
-            need = round_up(kept.nbytes + sum(round_up(n, space.alignment) for n in sizes), UNIT) - kept.nbytes
-            with pytest.raises(OSError) as info:
-                space.alloc_many(sizes)
-            assert info.value.errno in (errno.ENOSPC, errno.EDQUOT)
-            assert info.value.filename == space.files[0]
-            free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
-            assert f"{mnt}: needs {need} bytes" in str(info.value)
-            assert f"has {free} bytes" in str(info.value)
-            assert _state(space) == before
-            with pytest.raises(OSError):
-                space.alloc(2 * MIB)
-            assert _state(space) == before
-            buf.numpy()[:] = 0
-            assert space.read(kept, buf).wait() == UNIT and (buf.numpy() == 7).all()
-            more = space.alloc_many([100_000, 100_000])
-            _check_extents([kept, *more], space.alignment, space.capacity)
-    finally:
-        _umount(mnt)
+    mnt = tmpfs("1m")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # tmpfs before Linux 6.6 refuses O_DIRECT
+        space = SwapSpace(mnt, aio=AIO, o_direct="auto")
+    with space, HostBuffer(UNIT) as buf:
+        (kept,) = space.alloc_many([UNIT])
+        buf.numpy()[:] = 7
+        space.write(kept, buf).wait()
+        before = _state(space)
+        sizes = [100_000, 300_000, 900_000]
+        need = round_up(kept.nbytes + sum(round_up(n, space.alignment) for n in sizes), UNIT) - kept.nbytes
+        with pytest.raises(OSError) as info:
+            space.alloc_many(sizes)
+        assert info.value.errno in (errno.ENOSPC, errno.EDQUOT)
+        assert info.value.filename == space.files[0]
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        assert f"{mnt}: needs {need} bytes" in str(info.value)
+        assert f"has {free} bytes" in str(info.value)
+        assert _state(space) == before
+        with pytest.raises(OSError):
+            space.alloc(2 * MIB)
+        assert _state(space) == before
+        buf.numpy()[:] = 0
+        assert space.read(kept, buf).wait() == UNIT and (buf.numpy() == 7).all()
+        more = space.alloc_many([100_000, 100_000])
+        _check_extents([kept, *more], space.alignment, space.capacity)
 
 
 def test_alloc_many_refuses_bad_sizes_before_reserving(tmp_path):
@@ -514,14 +485,9 @@ def test_read_across_the_cut_reports_the_bytes_that_were_there(tmp_path, backend
 # -- O_DIRECT refused: ramfs -----------------------------------------------------------------------
 
 @pytest.fixture
-def ramfs(tmp_path):
+def ramfs(tmpfs):
     """A ramfs mount (a file system without O_DIRECT), or skip saying why."""
-    mnt = tmp_path / "ramfs"
-    _mount(mnt, "ramfs")
-    try:
-        yield mnt
-    finally:
-        _umount(mnt)
+    return tmpfs(kind="ramfs")
 
 
 def test_o_direct_auto_on_a_file_system_without_it_warns_once_and_leaves_one_file(ramfs, monkeypatch):
