@@ -85,6 +85,17 @@ def run_code(code: str, *argv: str, **kw) -> subprocess.CompletedProcess:
     return run_python("-c", textwrap.dedent(code), *argv, **kw)
 
 
+# ``python -c HOLD DIR``: takes DIR's flock exclusively (as a save holds a checkpoint's parent), prints
+# "locked", and holds it until a line arrives on stdin (or the process is killed).
+HOLD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
 # -- parameters for the optimizer tests ------------------------------------------------------------
 
 # Small buffers (256 KiB) and a low small-parameter threshold: with them even these small tensors are

@@ -15,7 +15,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import REPO, SMALL, THREE_SIZES, make_params, python_env, train
+from helpers import HOLD, REPO, SMALL, THREE_SIZES, make_params, python_env, train
 
 from offload import OffloadedAdamW, save_parameters
 from offload import checkpoint as ckpt
@@ -425,15 +425,6 @@ def test_loads_racing_another_processs_saves_see_whole_checkpoints(tmp_path, nvm
         proc.kill()
         proc.wait()
         opt.close()
-
-
-HOLD = """
-import fcntl, os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("locked", flush=True)
-sys.stdin.readline()
-"""
 
 
 def test_a_reader_that_cannot_wait_says_a_save_is_in_progress(tmp_path):

@@ -8,16 +8,10 @@ import subprocess
 import sys
 import threading
 
+from helpers import HOLD
+
 from offload.checkpoint.commit import recover_for_reading
 from offload.checkpoint.format import FORMAT, MANIFEST, _manifest_digest
-
-HOLD = """
-import fcntl, os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("locked", flush=True)
-sys.stdin.readline()
-"""
 
 
 def fake_checkpoint(path) -> None:
