@@ -396,7 +396,7 @@ BAD_ARGUMENTS = [
     (dict(nvme_path=None), ConfigError, "nvme_path is required"),
     (dict(buffer_count=1), ConfigError, "buffer_count"),
     (dict(buffer_size=1000), ConfigError, "buffer_size"),
-    (dict(config={"offload_optimizer": {"device": "cpu"}}), ConfigError, "NVMe only"),
+    (dict(config={"offload_optimizer": {"device": "none"}}), ConfigError, "keeps state on \"nvme\" or \"cpu\""),
     (dict(config={"aio": {"queue_depht": 8}}), ConfigError, "did you mean"),
     (dict(capturable=True), ValueError, "capturable"),
 ]
