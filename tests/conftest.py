@@ -1,4 +1,5 @@
-"""Shared fixtures: a scratch directory on a disk that takes O_DIRECT, and the engine backends.
+"""Shared fixtures: the engine backends, a scratch directory on a disk that takes O_DIRECT, a swap
+directory checked for leftovers (``nvme``), ``closing`` for what a test opens, and small mounts.
 
 A backend the kernel (or the build) refuses is skipped, not failed: io_uring may be disabled by
 sysctl ``kernel.io_uring_disabled``, refused by seccomp (ENOSYS/EPERM), or not compiled in.
