@@ -127,7 +127,7 @@ def train(opt, params, steps, skip=()):
 # -- a small model for the offloaded-parameter tests ----------------------------------------------
 
 # Weights and gradients all on disk (no host cache), in a pool of 3 buffers of 2048 elements.
-TINY = dict(config={"max_grad_in_cpu": 0}, max_in_cpu=0, buffer_count=3, buffer_size=2048)
+TINY = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=3, buffer_size=2048)
 OPT = dict(lr=1e-2, buffer_size=256 * 1024, buffer_count=3, small_param_threshold=64)
 
 

@@ -428,25 +428,34 @@ def test_registered_external_parameter_is_fetched_for_the_parent(nvme, closing, 
 
 @pytest.mark.parametrize("micro", [1, 3])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_offloaded_grads_train_bitwise_like_the_in_memory_model(nvme, closing, micro, clip):
-    """With grads in the grad store, training (accumulating over micro-batches, clipping with our
-    clip_grad_norm_ against torch's) gives the in-memory model's grads, norms and weights bit for bit."""
+@pytest.mark.parametrize("grads_in", ["nvme", "host", "both"])
+def test_offloaded_grads_train_bitwise_like_the_in_memory_model(nvme, closing, micro, clip, grads_in):
+    """With grads in the grad store (on NVMe, kept in host memory by max_grad_in_cpu, or some of each),
+    training (accumulating over micro-batches, clipping with our clip_grad_norm_ against torch's) gives the
+    in-memory model's grads, norms and weights bit for bit; grads kept in host memory never touch the disk."""
     ref, off = make_pair(seed=22)
     for m in (ref, off):
         m.blocks[1].up.weight.requires_grad_(False)  # a frozen parameter: no grad, not stepped
-    closing(offload_parameters(off, nvme, **TINY))
+    budget = {"nvme": 0, "host": 10**9, "both": 4096}[grads_in]
+    closing(offload_parameters(off, nvme, **{**TINY, "max_grad_in_cpu": budget}))
     store = offloaded(off).store
     train_side_by_side(ref, off, nvme, steps=3, micro=micro, clip=clip)
-    assert store.grad_bytes_written > 0 and store.grad_bytes_read > 0
+    if grads_in == "host":
+        assert store.grad_bytes_written == 0 and store.grad_bytes_read == 0 and store.grad_swap_bytes == 0
+    else:
+        assert store.grad_bytes_written > 0 and store.grad_bytes_read > 0
+    if grads_in == "both":
+        assert 0 < store.grad_swap_bytes
     assert off.blocks[1].up.weight.grad is None
 
 
 @pytest.mark.parametrize("how", ["optimizer-zero", "optimizer-none", "model-zero", "model-none", "assigned"])
-def test_zero_grad_variants_start_the_grad_store_fresh(nvme, closing, how):
+@pytest.mark.parametrize("grad_budget", [0, 10**9], ids=["grads-on-nvme", "grads-in-host"])
+def test_zero_grad_variants_start_the_grad_store_fresh(nvme, closing, how, grad_budget):
     """zero_grad(set_to_none=True/False) from the optimizer or the model, or a user-assigned grad,
     leave the stored grads in the state torch's would be in, so accumulation goes on exactly."""
     ref, off = make_pair(seed=23)
-    closing(offload_parameters(off, nvme, **TINY))
+    closing(offload_parameters(off, nvme, **{**TINY, "max_grad_in_cpu": grad_budget}))
     opt_ref = closing(OffloadedAdamW(ref.parameters(), nvme_path=nvme, **OPT))
     opt_off = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
     for step in range(3):

@@ -17,8 +17,6 @@ from typing import Callable, Iterator
 from .format import MANIFEST, _io_error, _manifest_digest
 from .locks import _lock
 from .ownership import _checkpoint_problem, _clean_stale, _remove_ours, _target_kind
-from .ownership import _is_our_format as _is_our_format  # re-exported: retention imports it from here
-from .ownership import _remove_checkpoint as _remove_checkpoint  # likewise
 
 
 def _fsync_dir(path: str) -> None:

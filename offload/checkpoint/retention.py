@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from .commit import _is_our_format, _remove_checkpoint, _remove_ours
+from .ownership import _is_our_format, _remove_checkpoint, _remove_ours
 from .save import save_checkpoint
 from .verify import verify_checkpoint
 

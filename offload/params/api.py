@@ -43,6 +43,7 @@ def offload_parameters(
     config=None,
     *,
     max_in_cpu: Optional[int] = None,
+    max_grad_in_cpu: Optional[int] = None,
     prefetch: int = 2,
     buffer_count: Optional[int] = None,
     buffer_size: Optional[int] = None,
@@ -68,6 +69,9 @@ def offload_parameters(
         max_in_cpu: parameter elements kept in host memory instead of on NVMe (smallest parameters
             first). On a CPU model they simply stay in place; on a GPU model a host copy is kept and
             copied to the device on each fetch. Default: the config's (1e9, as in DeepSpeed).
+        max_grad_in_cpu: gradient elements (with ``offload_grads``) kept in host memory from backward
+            to the step instead of written to NVMe and read back (smallest first). Default: the
+            config's (1e9).
         prefetch: how many upcoming submodules (in the order recorded on the first call) to read ahead.
         buffer_count, buffer_size, pin_memory: override the config's ``offload_param`` settings
             (``buffer_size`` in elements).
@@ -95,8 +99,8 @@ def offload_parameters(
         raise ValueError(f"prefetch must be a non-negative number of submodules, got {prefetch!r}")
     cfg = offload_config(config, "offload_param", user="offload_parameters", what="parameters",
                          otherwise="or leave the model as it is to keep parameters in memory",
-                         nvme_path=nvme_path, max_in_cpu=max_in_cpu, buffer_count=buffer_count,
-                         buffer_size=buffer_size, pin_memory=pin_memory)
+                         nvme_path=nvme_path, max_in_cpu=max_in_cpu, max_grad_in_cpu=max_grad_in_cpu,
+                         buffer_count=buffer_count, buffer_size=buffer_size, pin_memory=pin_memory)
     if not isinstance(offload_grads, bool):
         raise TypeError(f"offload_grads must be True or False, got {offload_grads!r}")
     params = _check_params(model)
