@@ -29,6 +29,10 @@
 #include <liburing.h>
 #endif
 
+#ifdef OFL_HAVE_XXHASH
+#include <xxhash.h>
+#endif
+
 #include "offload_engine.h"
 
 #ifndef OFL_VERSION
@@ -53,6 +57,9 @@ struct ofl_piece {
     int64_t rel;       /* position of buf within the request, for end-of-file prefixes */
     int retries;
     int fault_checked;
+    char *obuf;        /* the piece's bytes as submitted, for its digest */
+    int64_t olen;
+    uint64_t h;        /* OFL_REQ_DIGEST: xxh3_64 of those bytes */
     ofl_piece *fprev, *fnext;  /* io_uring: the worker's list of pieces the kernel holds */
 };
 
@@ -66,6 +73,16 @@ struct ofl_request {
     int err_seg;
     int64_t err_offset;
     int done;
+    /* OFL_REQ_DIGEST: every piece's bytes are hashed (a read's by the worker as each piece lands, a
+     * write's by the engine's hasher thread while they are written), and the request's digest is the
+     * xxh3_64 of the pieces' digests in order; the request is done only when its digest is. */
+    int op;
+    int64_t npieces;
+    int want_digest;
+    int hashed;
+    int has_digest;
+    uint64_t digest;
+    ofl_request *hnext;        /* the hasher's queue */
 };
 
 typedef struct {
@@ -109,6 +126,14 @@ struct ofl_engine {
     int64_t *fixed_lens;
     int fixed_count;
 
+    /* The hasher: one thread, started at the first digest asked for, so that hashing never holds up
+     * the threads that keep the queues full. Guarded by e->mu; wakes on hash_cv. */
+    pthread_cond_t hash_cv;
+    ofl_request *hash_head, *hash_tail;
+    int hash_stop;
+    int hash_started;          /* 1: running; -1: it could not start (hash inline instead) */
+    pthread_t hash_thread;
+
     int nworkers;
     ofl_worker *workers;
     int nqueues;
@@ -126,6 +151,15 @@ struct ofl_engine {
 static int ofl_refuse_uring;
 
 const char *ofl_version(void) { return OFL_VERSION; }
+
+int ofl_have_xxhash(void)
+{
+#ifdef OFL_HAVE_XXHASH
+    return 1;
+#else
+    return 0;
+#endif
+}
 
 int ofl_have_io_uring(void)
 {
@@ -194,6 +228,105 @@ static ofl_piece *queue_pop_locked(ofl_queue *q, int max, int *n)
 
 /* ---------------------------------------------------------------- completion */
 
+/* The xxh3_64 of one piece's bytes as submitted (only built with libxxhash). */
+static uint64_t piece_hash(const ofl_piece *p)
+{
+#ifdef OFL_HAVE_XXHASH
+    return XXH3_64bits(p->obuf, (size_t)p->olen);
+#else
+    (void)p;
+    return 0;
+#endif
+}
+
+/*
+ * A request's digest into *out: the xxh3_64 of its pieces' digests, in order, as 64-bit little-endian
+ * words (this engine runs on little-endian machines). 0, or -ENOMEM (no memory for a streaming state:
+ * the caller then reads no digest and computes it itself).
+ */
+static int request_hash(ofl_request *r, uint64_t *out)
+{
+#ifdef OFL_HAVE_XXHASH
+    XXH3_state_t *st = XXH3_createState();
+    if (!st)
+        return -ENOMEM;
+    XXH3_64bits_reset(st);
+    for (int64_t k = 0; k < r->npieces; k++)
+        XXH3_64bits_update(st, &r->pieces[k].h, sizeof(uint64_t));
+    *out = XXH3_64bits_digest(st);
+    XXH3_freeState(st);
+    return 0;
+#else
+    (void)r;
+    (void)out;
+    return -ENOTSUP;
+#endif
+}
+
+/* A request is done once its pieces are all in and, if a digest was asked for, its hash too. Under e->mu. */
+static void finish_if_complete_locked(ofl_engine *e, ofl_request *r)
+{
+    if (r->done || r->pending > 0 || (r->want_digest && !r->hashed))
+        return;
+    r->done = 1;
+    e->stats.requests++;
+    pthread_cond_broadcast(&e->done_cv);
+}
+
+/* Hash a request's pieces (a write's: a read's were hashed as they landed) and fold them. Under e->mu. */
+static void hash_now_locked(ofl_engine *e, ofl_request *r)
+{
+    /* Outside the lock: the request is not done, so nobody reuses its buffers meanwhile. */
+    pthread_mutex_unlock(&e->mu);
+    for (int64_t k = 0; k < r->npieces; k++)
+        r->pieces[k].h = piece_hash(&r->pieces[k]);
+    uint64_t d = 0;
+    int ok = request_hash(r, &d) == 0;
+    pthread_mutex_lock(&e->mu);
+    r->digest = d;
+    r->has_digest = ok;
+    r->hashed = 1;
+}
+
+static void *hash_worker(void *arg)
+{
+    ofl_engine *e = arg;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        while (!e->hash_head && !e->hash_stop)
+            pthread_cond_wait(&e->hash_cv, &e->mu);
+        if (!e->hash_head)
+            break;
+        ofl_request *r = e->hash_head;
+        e->hash_head = r->hnext;
+        if (!e->hash_head)
+            e->hash_tail = NULL;
+        hash_now_locked(e, r);
+        finish_if_complete_locked(e, r);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+/* Queue a request for the hasher (started on first use); without one, hash it here. Under e->mu. */
+static void hash_enqueue_locked(ofl_engine *e, ofl_request *r)
+{
+    if (e->hash_started == 0) {
+        e->hash_started = pthread_create(&e->hash_thread, NULL, hash_worker, e) == 0 ? 1 : -1;
+    }
+    if (e->hash_started < 0) {
+        hash_now_locked(e, r);
+        return;
+    }
+    r->hnext = NULL;
+    if (e->hash_tail)
+        e->hash_tail->hnext = r;
+    else
+        e->hash_head = r;
+    e->hash_tail = r;
+    pthread_cond_signal(&e->hash_cv);
+}
+
 /* Finish a piece: its last `moved` bytes, its error or end of file, and its request if it was the last. */
 static void complete_piece(ofl_engine *e, ofl_piece *p, int err, int eof, int64_t moved)
 {
@@ -213,9 +346,13 @@ static void complete_piece(ofl_engine *e, ofl_piece *p, int err, int eof, int64_
         r->eof_at = p->rel;
     e->stats.pieces++;
     if (--r->pending == 0) {
-        r->done = 1;
-        e->stats.requests++;
-        pthread_cond_broadcast(&e->done_cv);
+        if (r->want_digest && !r->hashed && r->op == OFL_OP_READ) {
+            if (r->error == 0 && r->eof_at >= r->moved)
+                hash_enqueue_locked(e, r);  /* the bytes are in: the hasher hashes them, then it is done */
+            else
+                r->hashed = 1;              /* nothing sound to hash */
+        }
+        finish_if_complete_locked(e, r);
     }
     pthread_mutex_unlock(&e->mu);
 }
@@ -659,6 +796,7 @@ static void engine_free(ofl_engine *e)
     free(e->workers);
     free(e->fixed_addrs);
     free(e->fixed_lens);
+    pthread_cond_destroy(&e->hash_cv);
     pthread_cond_destroy(&e->done_cv);
     pthread_mutex_destroy(&e->mu);
     free(e);
@@ -759,6 +897,12 @@ int ofl_engine_create(const ofl_config *cfg, ofl_engine **out)
         return -ENOMEM;
     }
     if (pthread_cond_init(&e->done_cv, NULL) != 0) {
+        pthread_mutex_destroy(&e->mu);
+        free(e);
+        return -ENOMEM;
+    }
+    if (pthread_cond_init(&e->hash_cv, NULL) != 0) {
+        pthread_cond_destroy(&e->done_cv);
         pthread_mutex_destroy(&e->mu);
         free(e);
         return -ENOMEM;
@@ -887,8 +1031,24 @@ int ofl_engine_register_buffers(ofl_engine *e, void **addrs, int64_t *lens, int 
 
 int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_request **out)
 {
-    if (!e || !out || nsegs < 0 || (nsegs > 0 && !segs) || (op != OFL_OP_READ && op != OFL_OP_WRITE))
+    return ofl_engine_submit_flags(e, op, segs, nsegs, 0, out);
+}
+
+static void request_release(ofl_request *r)
+{
+    free(r->pieces);
+    free(r);
+}
+
+int ofl_engine_submit_flags(ofl_engine *e, int op, ofl_segment *segs, int nsegs, int flags, ofl_request **out)
+{
+    if (!e || !out || nsegs < 0 || (nsegs > 0 && !segs) || (op != OFL_OP_READ && op != OFL_OP_WRITE)
+        || (flags & ~OFL_REQ_DIGEST))
         return -EINVAL;
+#ifndef OFL_HAVE_XXHASH
+    if (flags & OFL_REQ_DIGEST)
+        return -ENOTSUP;
+#endif
     *out = NULL;
     if (OFL_FOREIGN(e))
         return -ECHILD;
@@ -909,6 +1069,9 @@ int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_r
     }
     r->pieces = pieces;
     r->pending = npieces;
+    r->npieces = npieces;
+    r->op = op;
+    r->want_digest = (flags & OFL_REQ_DIGEST) != 0;
     int64_t total = 0, k = 0;
     for (int i = 0; i < nsegs; i++) {
         for (int64_t pos = 0; pos < segs[i].len; pos += bs, k++) {
@@ -922,6 +1085,8 @@ int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_r
             p->offset = segs[i].offset + pos;
             p->len = segs[i].len - pos < bs ? segs[i].len - pos : bs;
             p->rel = total + pos;
+            p->obuf = p->buf;
+            p->olen = p->len;
         }
         total += segs[i].len;
     }
@@ -944,8 +1109,7 @@ int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_r
         }
         if (!ok) {
             pthread_mutex_unlock(&e->mu);
-            free(pieces);
-            free(r);
+            request_release(r);
             return -EINVAL;
         }
     }
@@ -955,8 +1119,14 @@ int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_r
     e->live.prev = r;
     e->live_count++;
     if (npieces == 0) {
+        if (r->want_digest) {
+            r->has_digest = request_hash(r, &r->digest) == 0;  /* no pieces: the digest of nothing */
+            r->hashed = 1;
+        }
         r->done = 1;
         e->stats.requests++;
+    } else if (r->want_digest && op == OFL_OP_WRITE) {
+        hash_enqueue_locked(e, r);  /* the bytes are final: hash them while they are written */
     }
     uint64_t start = e->rr++;
     pthread_mutex_unlock(&e->mu);
@@ -998,6 +1168,20 @@ int ofl_request_wait(ofl_engine *e, ofl_request *r, int64_t *result, int *err_se
     return err;
 }
 
+int ofl_request_digest(ofl_engine *e, ofl_request *r, uint64_t *out)
+{
+    if (!e || !r || !out)
+        return -EINVAL;
+    if (OFL_FOREIGN(e))
+        return -ECHILD;
+    pthread_mutex_lock(&e->mu);
+    int ok = r->done && r->has_digest;
+    if (ok)
+        *out = r->digest;
+    pthread_mutex_unlock(&e->mu);
+    return ok ? 0 : -ENODATA;
+}
+
 int ofl_request_done(ofl_engine *e, ofl_request *r)
 {
     if (!e || !r)
@@ -1015,8 +1199,7 @@ static void request_unlink_free(ofl_engine *e, ofl_request *r)
     r->prev->next = r->next;
     r->next->prev = r->prev;
     e->live_count--;
-    free(r->pieces);
-    free(r);
+    request_release(r);
 }
 
 void ofl_request_free(ofl_engine *e, ofl_request *r)
@@ -1072,7 +1255,12 @@ void ofl_engine_destroy(ofl_engine *e)
     for (ofl_request *r = e->live.next; r != &e->live; r = r->next)
         while (!r->done)
             pthread_cond_wait(&e->done_cv, &e->mu);
+    e->hash_stop = 1;
+    pthread_cond_broadcast(&e->hash_cv);
+    int joined = e->hash_started == 1;
     pthread_mutex_unlock(&e->mu);
+    if (joined)
+        pthread_join(e->hash_thread, NULL);
     engine_stop_workers(e);
     while (e->live.next != &e->live)
         request_unlink_free(e, e->live.next);

@@ -17,6 +17,9 @@
 #define OFL_BACKEND_IO_URING 1
 #define OFL_BACKEND_THREADS 2
 
+/* Request flags. */
+#define OFL_REQ_DIGEST 1      /* a digest of the bytes moved: see ofl_engine_submit_flags */
+
 #define OFL_FAULT_NONE 0
 #define OFL_FAULT_SHORT 1
 #define OFL_FAULT_ERROR 2
@@ -59,6 +62,9 @@ const char *ofl_version(void);
 /* 1 if the extension was built against liburing, else 0. */
 int ofl_have_io_uring(void);
 
+/* 1 if the extension was built against libxxhash (request digests), else 0. */
+int ofl_have_xxhash(void);
+
 /* Start an engine. With OFL_BACKEND_AUTO, falls back to threads when io_uring is refused. */
 int ofl_engine_create(const ofl_config *cfg, ofl_engine **out);
 
@@ -79,6 +85,21 @@ int ofl_engine_register_buffers(ofl_engine *e, void **addrs, int64_t *lens, int 
 
 /* Queue a request of nsegs segments; *out is owned by the caller until ofl_request_free. */
 int ofl_engine_submit(ofl_engine *e, int op, ofl_segment *segs, int nsegs, ofl_request **out);
+
+/*
+ * ofl_engine_submit with flags. With OFL_REQ_DIGEST (and libxxhash; else -ENOTSUP) the request gets a
+ * digest of the bytes it moved: the xxh3_64 of the sequence of its pieces' xxh3_64 (each piece is
+ * block_size bytes of a segment, the last of a segment shorter), as 64-bit little-endian words. A
+ * read's pieces are hashed as they land, a write's on the engine's hasher thread while they are
+ * written; the request counts as done only once its digest is there.
+ */
+int ofl_engine_submit_flags(ofl_engine *e, int op, ofl_segment *segs, int nsegs, int flags, ofl_request **out);
+
+/*
+ * The digest of a completed OFL_REQ_DIGEST request: 0, or -ENODATA (none asked for, the request failed,
+ * or there was no memory to compute it: the caller then computes it from the buffers itself).
+ */
+int ofl_request_digest(ofl_engine *e, ofl_request *r, uint64_t *out);
 
 /*
  * Block until the request has completed. Returns 0 and sets *result to the bytes transferred

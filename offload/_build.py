@@ -2,7 +2,8 @@
 
 The header ``native/offload_engine.h`` is the cdef: one short file says what crosses the boundary.
 liburing is used when it links here; otherwise the extension is built with the thread-pool
-backend only (set ``OFFLOAD_NO_URING=1`` to force that).
+backend only (set ``OFFLOAD_NO_URING=1`` to force that). libxxhash likewise gives request digests
+on the engine's threads (``OFFLOAD_NO_XXHASH=1``: checksums are then computed in Python).
 """
 
 import os
@@ -26,34 +27,38 @@ def _read_version() -> str:
     return scope["__version__"]
 
 
-def _liburing_links() -> bool:
-    """True if a program using liburing compiles and links on this machine."""
-    if os.environ.get("OFFLOAD_NO_URING") == "1":
+def _links(program: str, library: str, switch: str) -> bool:
+    """True if ``program`` compiles and links against ``-l{library}`` here (and ``switch`` is not set to 1)."""
+    if os.environ.get(switch) == "1":
         return False
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return False
-    probe = (
-        "#include <liburing.h>\n"
-        "int main(void){struct io_uring r; return io_uring_queue_init(2,&r,0) < -1000;}\n"
-    )
     with tempfile.TemporaryDirectory() as tmp:
         src = pathlib.Path(tmp) / "probe.c"
-        src.write_text(probe)
+        src.write_text(program)
         done = subprocess.run(
-            [cc, str(src), "-o", str(pathlib.Path(tmp) / "probe"), "-luring"],
+            [cc, str(src), "-o", str(pathlib.Path(tmp) / "probe"), f"-l{library}"],
             capture_output=True,
         )
         return done.returncode == 0
 
 
-HAVE_URING = _liburing_links()
+HAVE_URING = _links("#include <liburing.h>\n"
+                    "int main(void){struct io_uring r; return io_uring_queue_init(2,&r,0) < -1000;}\n",
+                    "uring", "OFFLOAD_NO_URING")
 if not HAVE_URING:
     print(
         "nvme-offload: liburing not found; building the thread-pool backend only "
         "(as root: apt-get install liburing-dev, then reinstall)",
         file=sys.stderr,
     )
+# Request digests on the engine's threads; without libxxhash the checksums are taken in Python instead.
+HAVE_XXHASH = _links("#include <xxhash.h>\nint main(void){return (int)(XXH3_64bits(\"\", 0) & 1);}\n",
+                     "xxhash", "OFFLOAD_NO_XXHASH")
+if not HAVE_XXHASH:
+    print("nvme-offload: libxxhash not found; checksums of offloaded state are computed in Python "
+          "(as root: apt-get install libxxhash-dev, then reinstall)", file=sys.stderr)
 
 ffibuilder = FFI()
 ffibuilder.cdef(HEADER.read_text())
@@ -63,8 +68,9 @@ ffibuilder.set_source(
     sources=[str(SOURCE.relative_to(ROOT))],
     include_dirs=[str(NATIVE.relative_to(ROOT))],
     define_macros=[("OFL_VERSION", f'"{_read_version()}"')]
-    + ([("OFL_HAVE_URING", "1")] if HAVE_URING else []),
-    libraries=(["uring"] if HAVE_URING else []) + ["pthread"],
+    + ([("OFL_HAVE_URING", "1")] if HAVE_URING else [])
+    + ([("OFL_HAVE_XXHASH", "1")] if HAVE_XXHASH else []),
+    libraries=(["uring"] if HAVE_URING else []) + (["xxhash"] if HAVE_XXHASH else []) + ["pthread"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 

@@ -22,6 +22,7 @@ if BUILT_VERSION != __version__:
     )
 
 HAVE_IO_URING = bool(lib.ofl_have_io_uring())
+HAVE_XXHASH = bool(lib.ofl_have_xxhash())  # request digests computed on the engine's threads
 
 BACKENDS = {
     "auto": lib.OFL_BACKEND_AUTO,

@@ -35,6 +35,9 @@ class _LazyFuture:
     def done(self):
         return self.waited
 
+    def digest(self):
+        return self.fut.digest()
+
 
 def test_a_weight_is_never_written_while_an_earlier_write_of_it_is_in_flight(nvme, closing, monkeypatch):
     """Writes of one weight's extent are ordered: requests complete in any order, so a new write is

@@ -9,7 +9,7 @@ import threading
 import weakref
 from typing import Mapping, Sequence
 
-from .._native import BACKEND_NAMES, BACKENDS, HAVE_IO_URING, ffi, lib
+from .._native import BACKEND_NAMES, BACKENDS, HAVE_IO_URING, HAVE_XXHASH, ffi, lib
 from .._proc import reset_after_fork
 from ..buffers import HostBuffer
 from ..config import AioConfig, Config
@@ -174,12 +174,14 @@ class Engine:
 
     # -- I/O --------------------------------------------------------------------------------
 
-    def submit(self, op: int, segments: Sequence[Segment], *, exact: bool = False) -> Future:
+    def submit(self, op: int, segments: Sequence[Segment], *, exact: bool = False, digest: bool = False) -> Future:
         """Queue one request of several segments (``op`` is ``READ`` or ``WRITE``).
 
         With ``exact``, a read that meets end of file before its last byte fails with
         ``OSError(ENODATA)`` naming the file, the offset and the bytes expected and got, instead of
-        returning the prefix (for files whose size is known, such as preallocated ones).
+        returning the prefix (for files whose size is known, such as preallocated ones). With
+        ``digest``, the future's ``digest()`` gives the xxh3_64 of the bytes moved, computed on the
+        engine's thread as the request completes (in Python where built without libxxhash).
         """
         self._check_open()
         segs = ffi.new("ofl_segment[]", max(1, len(segments)))
@@ -209,10 +211,11 @@ class Engine:
                 held.append(s.file)
             with self._lock:  # close() must not free the engine between the check and the call
                 self._check_open()
-                rc = lib.ofl_engine_submit(self._handle, op, segs, len(segments), out)
+                flags = lib.OFL_REQ_DIGEST if digest and HAVE_XXHASH else 0
+                rc = lib.ofl_engine_submit_flags(self._handle, op, segs, len(segments), flags, out)
                 if rc < 0:
                     raise OSError(-rc, os.strerror(-rc), segments[0].file.path if segments else None)
-                future = Future(self, op, out[0], list(segments), keepalive, exact and op == READ)
+                future = Future(self, op, out[0], list(segments), keepalive, exact and op == READ, digest)
                 self._futures.add(future)
         except BaseException:
             for f in held:

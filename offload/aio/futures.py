@@ -7,9 +7,11 @@ import errno as _errno
 import os
 import threading
 import warnings
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Optional, Sequence
 
-from .._native import ffi, lib
+import xxhash
+
+from .._native import HAVE_XXHASH, ffi, lib
 from .files import AioFile
 
 READ = lib.OFL_OP_READ
@@ -26,6 +28,20 @@ class Segment(NamedTuple):
     buffer: object  # HostBuffer, or any object exposing a contiguous buffer
     buffer_offset: int
     nbytes: int
+
+
+def segments_digest(segments: Sequence[Segment], block_size: int) -> int:
+    """What the engine computes for a request submitted with ``digest=True``: the xxh3_64 of the sequence
+    of its pieces' xxh3_64 (each piece ``block_size`` bytes of a segment, a segment's last one shorter) as
+    64-bit little-endian words. Computed here, in Python, where the engine was built without libxxhash."""
+    folded = xxhash.xxh3_64()
+    for s in segments:
+        b = s.buffer
+        data = (b.tensor[s.buffer_offset:s.buffer_offset + s.nbytes].numpy() if hasattr(b, "tensor")  # HostBuffer
+                else memoryview(b).cast("B")[s.buffer_offset:s.buffer_offset + s.nbytes])
+        for pos in range(0, s.nbytes, block_size):
+            folded.update(xxhash.xxh3_64_intdigest(data[pos:pos + block_size]).to_bytes(8, "little"))
+    return folded.intdigest()
 
 
 def _io_error(err: int, op: int, path: str, offset: int) -> OSError:
@@ -52,18 +68,25 @@ class Future:
     """One request in flight. ``wait()`` returns the bytes moved or raises ``OSError``.
 
     A read that meets the end of the file returns the length of the prefix it read, unless the
-    request was submitted ``exact``: then it raises ``OSError(ENODATA)``.
+    request was submitted ``exact``: then it raises ``OSError(ENODATA)``. A request submitted with
+    ``digest`` has ``digest()``: the xxh3_64 of the bytes it moved.
     """
 
     # ``engine`` is the offload.aio.Engine that submitted the request (not imported here: the
     # engine module sits above this one).
-    def __init__(self, engine, op: int, request, segments: Sequence[Segment], keepalive, exact: bool = False):
+    def __init__(self, engine, op: int, request, segments: Sequence[Segment], keepalive, exact: bool = False,
+                 digest: bool = False):
         self._engine = engine
         self._op = op
         self._request = request
         self._segments = segments
         self._keepalive = keepalive  # buffers must outlive the I/O that targets them
         self._exact = exact
+        self._want_digest = digest
+        self._digest: Optional[int] = None
+        if digest and not HAVE_XXHASH and op == WRITE:
+            # No digests on the engine's threads: take the bytes' digest now, before they can change.
+            self._digest = segments_digest(segments, engine.config.block_size)
         self._result: int | None = None
         self._error: OSError | None = None
         # Whoever finishes the request frees it in C: a second waiter (another thread, or the
@@ -98,6 +121,18 @@ class Future:
             raise self._error
         return self._result
 
+    def digest(self) -> int:
+        """The xxh3_64 of the bytes the request moved, in segment order (waits for it).
+
+        Raises:
+            OSError: the request failed (there is no digest of bytes that did not move).
+            ValueError: the request was not submitted with ``digest=True``.
+        """
+        self.wait()
+        if not self._want_digest:
+            raise ValueError("this request was submitted without digest=True")
+        return self._digest
+
     def _finish(self) -> None:
         with self._lock:
             if self._request is not None:
@@ -109,6 +144,12 @@ class Future:
         offset = ffi.new("int64_t *")
         handle = self._engine._handle
         rc = lib.ofl_request_wait(handle, self._request, result, seg, offset)
+        if rc == 0 and self._want_digest and self._digest is None:
+            d = ffi.new("uint64_t *")
+            if lib.ofl_request_digest(handle, self._request, d) == 0:
+                self._digest = int(d[0])
+            else:  # built without libxxhash (a read), or no memory was left for it there: take it here
+                self._digest = segments_digest(self._segments, self._engine.config.block_size)
         lib.ofl_request_free(handle, self._request)
         self._request = None
         self._engine._futures.discard(self)
@@ -142,9 +183,12 @@ class CompletedFuture:
     def done(self) -> bool:
         return True
 
+    def digest(self) -> None:
+        return None
+
 
 def wait_quietly(futures) -> None:
-    """Wait for every future, ignoring I/O errors.
+    """Wait for every future, ignoring their errors (I/O errors, and checks made as they are waited for).
 
     For error paths: a buffer may be the target of requests still in flight, so they must all land
     before the buffer is reused or the first error is raised; their own errors add nothing.
@@ -152,7 +196,7 @@ def wait_quietly(futures) -> None:
     for fut in futures:
         try:
             fut.wait()
-        except OSError:
+        except Exception:  # noqa: BLE001 - the first error is already on its way up
             pass
 
 
@@ -170,8 +214,13 @@ class FutureGroup:
         for f in self._futures:
             try:
                 total += f.wait()
-            except OSError as err:
+            except Exception as err:  # noqa: BLE001 - every member lands before the first error leaves
                 first = first or err
         if first is not None:
             raise first
         return total
+
+    def digest(self) -> tuple:
+        """The members' digests, in order (one per swap file a striped request touched)."""
+        self.wait()
+        return tuple(f.digest() for f in self._futures)

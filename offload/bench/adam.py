@@ -50,6 +50,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="optimizer steps to time; the first (no state to read) is reported apart (default 5)")
     add_path_option(p)
     add_config_option(p)
+    p.add_argument("--checksum-cost", action="store_true",
+                   help="switch our checksums off every other steady step (on, off, off, on, ...) and report what "
+                        "they cost; the step median is then the median of the steps with checksums")
     p.add_argument("--no-baseline", action="store_true",
                    help="skip the same optimizer without a host cache (state on NVMe, fp32 moments)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch AdamW comparison")
@@ -159,10 +162,16 @@ def run_adam(args: argparse.Namespace) -> int:
             if compare:
                 base = OffloadedAdamW(params, lr=1e-3, config=base_cfg)
                 _time_steps(base, 1)
-            for _ in range(args.steps - 2):
-                _timed_step(opt, times, moved)
+            unchecked: list = []
+            for i in range(args.steps - 2):
+                # With --checksum-cost: one optimizer, one swap file, checksums on and off in turn (two
+                # optimizers on two files would measure where their files lie on the disk).
+                off = args.checksum_cost and i % 4 in (1, 2)
+                opt.state_store.checksum = oc.checksum and not off
+                _timed_step(opt, unchecked if off else times, [] if off else moved)
                 if base is not None:
                     _timed_step(base, base_times, base_moved)
+            opt.state_store.checksum = oc.checksum
         finally:
             opt.close()
             if base is not None:
@@ -170,6 +179,7 @@ def run_adam(args: argparse.Namespace) -> int:
         del opt, base
         gc.collect()
         step_med = statistics.median(times)
+        unchecked_med = statistics.median(unchecked) if unchecked else None
         read_per_step = max(r for r, _ in moved)
         written_per_step = max(w for _, w in moved)
         base_med = statistics.median(base_times) if base_times else None
@@ -207,6 +217,8 @@ def run_adam(args: argparse.Namespace) -> int:
         "step_s_median": step_med,
         "step_s_runs": times,
         "first_step_s": first,
+        "unchecked_step_s_median": unchecked_med,
+        "checksum_cost": step_med / unchecked_med - 1 if unchecked_med else None,
         "bytes_read_per_step": read_per_step,
         "bytes_written_per_step": written_per_step,
         "baseline_step_s_median": base_med,
@@ -240,6 +252,9 @@ def run_adam(args: argparse.Namespace) -> int:
         ["first step (nothing to read)", f"{first:.3f} s"],
         ["read / written per step", f"{format_size(read_per_step)} / {format_size(written_per_step)}"],
     ]
+    if unchecked_med:
+        rows.append(["without checksums (same optimizer, in turn)",
+                     f"{unchecked_med:.3f} s: checksums cost {100 * (step_med / unchecked_med - 1):+.1f}%"])
     if base_med:
         rows += [
             ["without host cache: step", f"{base_med:.3f} s ({step_med / base_med:.2f}x)"],

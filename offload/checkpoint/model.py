@@ -171,15 +171,15 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
         def read(u: _Unit, buf):
             if u.extent is None:
                 return _DONE
+            if u.store_unit(unit_bytes) is not None:
+                # Checked as it lands: a checkpoint never copies weights changed on disk behind our back.
+                return u.store.read_unit(u.param, u.store_unit(unit_bytes), buf)
             space = u.store.space
             return space.read(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
 
         def fill(u: _Unit, buf) -> None:
             if u.memory is not None:
                 buf.tensor[:u.n].copy_(u.memory[u.start:u.start + u.n])
-            elif u.store_unit(unit_bytes) is not None:
-                # A checkpoint never copies weights that changed on disk behind our back.
-                u.store.verify_unit(u.param, u.store_unit(unit_bytes), buf.tensor[:u.n])
             hashes[id(u.entry)].update(buf.tensor[:u.n].numpy())
 
         aio = stores[0].config.aio if stores else AioConfig()
@@ -463,11 +463,11 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
                 return False
             # The tail of the last block goes to disk too: zeros, as the store writes it.
             buf.tensor[u.n:round_up(u.n, u.store.space.alignment)].zero_()
-            if u.store_unit(unit_bytes) is not None:
-                u.store.wrote_unit(u.param, u.store_unit(unit_bytes), data)
             return True
 
         def write(u: _Unit, buf):
+            if u.store_unit(unit_bytes) is not None:
+                return u.store.write_unit(u.param, u.store_unit(unit_bytes), buf)  # its checksum kept
             space = u.store.space
             return space.write(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
 

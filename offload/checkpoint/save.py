@@ -61,9 +61,9 @@ def _save_into(opt, staged: _Staged, extra: Any) -> dict:
     index = {p: i for i, p in enumerate(params)}
     slots = store.layout.slots
     units = [u for u in store.layout.units if any(c.slot.initialized for c in u.chunks)]
-    # A unit is verified against the checksum of its last write before it is copied: a checkpoint
-    # never copies state that changed on disk behind our back.
-    data = _write_data(staged, opt.config.aio, store.buffers, units, read=store.read_unit, fill=store.verify,
+    # A unit read from NVMe is checked against the checksum of its last write as its read lands: a
+    # checkpoint never copies state that changed on disk behind our back.
+    data = _write_data(staged, opt.config.aio, store.buffers, units, read=store.read_unit, fill=None,
                        nbytes_of=lambda u: u.nbytes)
 
     entries = []

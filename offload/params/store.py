@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional
 
 import torch
-import xxhash
 
 from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
@@ -102,7 +101,7 @@ class ParamStore:
         try:
             self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
             self.slots = SlotPool(self.pool, self._drop_latest_prefetch)
-            self.io = TensorIO(self.space, self.slots, cuda=self._cuda)
+            self.io = TensorIO(self.space, self.slots, cuda=self._cuda, checksum=pc.checksum)
             self.grads = GradStore(self.io, self._lock)
             on_disk = [p for p in params if p not in cached]
             with_grad = [p for p in params if offload_grads and p.requires_grad and (p not in cached or self._cuda)]
@@ -187,7 +186,8 @@ class ParamStore:
                 slot = self.slots.take(wait=False)
                 if slot is None:
                     break
-                rec.prefetched[k] = (slot, self.io.read_unit(rec.extent, k, rec.nbytes, slot))
+                rec.prefetched[k] = (slot, self.io.read_unit(rec.extent, k, rec.nbytes, slot.buffer,
+                                                              digests=rec.digests, what=lambda: self._what(rec)))
                 self.bytes_read += self.io.extent_of(rec.extent, k, rec.nbytes)[0].nbytes
             if rec.prefetched:
                 self._issued.append(rec)
@@ -333,20 +333,18 @@ class ParamStore:
             return None, rec.host.reshape(-1)
         return rec.extent, None
 
-    def verify_unit(self, param: torch.Tensor, k: int, data: torch.Tensor) -> None:
-        """Check unit ``k`` of ``param``'s extent, just read (``data``: flat uint8), against its last write.
-
-        Raises:
-            StateError: the bytes changed on disk behind our back.
-        """
+    def read_unit(self, param: torch.Tensor, k: int, buffer):
+        """Start reading unit ``k`` of ``param``'s extent into ``buffer``; waiting for the future checks the
+        bytes against the unit's last write (``StateError`` if they changed on disk behind our back)."""
         rec = self.records[param]
-        self.io.verify(rec.digests, k, data, lambda: f"the offloaded weights of {rec.name}")
+        return self.io.read_unit(rec.extent, k, rec.nbytes, buffer, digests=rec.digests,
+                                 what=lambda: self._what(rec))
 
     def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
         """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
         overwrite with them (its storage while resident, the host cache's copy). Call inside
-        :meth:`exclusive`, write units of :attr:`unit_bytes` bytes (telling :meth:`wrote_unit`), then
-        call :meth:`loaded`."""
+        :meth:`exclusive`, write units of :attr:`unit_bytes` bytes (with :meth:`write_unit`, which keeps
+        their checksums), then call :meth:`loaded`."""
         rec = self.records[param]
         copies = []
         if rec.resident:
@@ -356,9 +354,10 @@ class ParamStore:
         rec.digests = [None] * self.io.count(rec.nbytes)
         return rec.extent, copies
 
-    def wrote_unit(self, param: torch.Tensor, k: int, data: torch.Tensor) -> None:
-        """Unit ``k`` of ``param``'s extent was written with ``data`` (flat uint8): record its checksum."""
-        self.records[param].digests[k] = xxhash.xxh3_64_intdigest(data.numpy())
+    def write_unit(self, param: torch.Tensor, k: int, buffer):
+        """Start writing unit ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
+        rec = self.records[param]
+        return self.io.write_unit(rec.extent, k, rec.nbytes, buffer, digests=rec.digests)
 
     def loaded(self, params: Iterable[torch.Tensor]) -> None:
         """New weights of ``params`` are in place: their in-memory copies equal their extents now, and
@@ -438,13 +437,17 @@ class ParamStore:
             self._issued.remove(rec)
             self.prefetch_hits += 1
         self.bytes_read += self.io.read_into(self._data(rec), rec.extent, digests=rec.digests, pending=pending,
-                                             what=lambda: f"the offloaded weights of {rec.name}")
+                                             what=lambda: self._what(rec))
 
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
         self._land(rec)  # requests complete in any order: an old write must not land after this one
         rec.digests = [None] * self.io.count(rec.nbytes)
         self.bytes_written += self.io.write_from(self._data(rec), rec.extent, rec.writes, digests=rec.digests)
+
+    @staticmethod
+    def _what(rec: _Record) -> str:
+        return f"the offloaded weights of {rec.name}"
 
     def _land(self, rec: _Record) -> None:
         """Wait for every write of ``rec``'s extent. A failed one lost the weights it carried: the store

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
-import xxhash
 
 from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
@@ -90,18 +89,20 @@ class SlotPool:
 class TensorIO:
     """Moves a tensor's bytes between an extent and memory in units of one buffer, pipelined.
 
-    Each unit written has its xxh3_64 recorded (in the caller's ``digests`` list), and each unit
-    read is checked against it, so bytes changed on disk behind our back are named, not used.
+    With ``checksum``, each unit written has the checksum of the bytes it put on disk recorded (in the
+    caller's ``digests`` list; computed by the engine as the write lands), and each unit read is checked
+    against it as its read lands, so bytes changed on disk behind our back are named, not used.
 
     Args:
         space: the swap space. slots: the pool. cuda: copies to and from the device are asynchronous
-            (each records an event on its slot).
+            (each records an event on its slot). checksum: keep and check the units' checksums.
     """
 
-    def __init__(self, space: SwapSpace, slots: SlotPool, *, cuda: bool):
+    def __init__(self, space: SwapSpace, slots: SlotPool, *, cuda: bool, checksum: bool = True):
         self.space = space
         self.slots = slots
         self.cuda = cuda
+        self.checksum = checksum
         self.unit_bytes = slots.pool.buffer_size // space.alignment * space.alignment
         self.pipeline = Pipeline(slots, lookahead=max(0, len(slots) - 1))
 
@@ -115,21 +116,22 @@ class TensorIO:
         n = min(self.unit_bytes, nbytes - start)
         return self.space.sub(extent, start, n), n
 
-    def read_unit(self, extent: Extent, k: int, nbytes: int, slot: Slot):
-        """Start reading unit ``k`` into ``slot``; returns the future."""
+    def read_unit(self, extent: Extent, k: int, nbytes: int, buffer, *, digests: Optional[list] = None,
+                  what: Callable[[], str] = lambda: "a tensor"):
+        """Start reading unit ``k`` into ``buffer`` (a HostBuffer); returns the future. With ``digests``
+        holding unit ``k``'s last write, waiting for the future also checks the bytes (``StateError``)."""
         ext, n = self.extent_of(extent, k, nbytes)
-        return self.space.read(ext, slot.buffer, nbytes=n)
+        check = self.checksum and digests is not None and digests[k] is not None
+        fut = self.space.read(ext, buffer, nbytes=n, digest=check)
+        return _Checked(fut, digests, k, what, k * self.unit_bytes) if check else fut
 
-    def verify(self, digests: Optional[list], k: int, data: torch.Tensor, what: Callable[[], str]) -> None:
-        """Check unit ``k``'s bytes (``data``, flat uint8) against the digest of its last write."""
-        if digests is None or digests[k] is None:
-            return
-        found = xxhash.xxh3_64_intdigest(data.numpy())
-        if found != digests[k]:
-            raise StateError(
-                f"{what()}: unit {k} ({data.numel()} bytes at byte {k * self.unit_bytes} of it) has xxh3_64 "
-                f"{found:016x} on disk, its last write had {digests[k]:016x}; the swap file was changed behind "
-                "our back. Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to restore it.")
+    def write_unit(self, extent: Extent, k: int, nbytes: int, buffer, *, digests: Optional[list] = None):
+        """Start writing unit ``k`` from ``buffer``; its checksum goes to ``digests[k]`` (if given)."""
+        ext, n = self.extent_of(extent, k, nbytes)
+        fut = self.space.write(ext, buffer, nbytes=n, digest=self.checksum and digests is not None)
+        if digests is not None:
+            digests[k] = fut if self.checksum else None
+        return fut
 
     def read_into(self, dst: torch.Tensor, extent: Extent, *, digests: Optional[list] = None,
                   pending: Optional[dict] = None, what: Callable[[], str] = lambda: "a tensor") -> int:
@@ -145,7 +147,6 @@ class TensorIO:
         def copy(k: int, slot: Slot) -> bool:
             start = k * self.unit_bytes
             n = min(self.unit_bytes, nbytes - start)
-            self.verify(digests, k, slot.buffer.tensor[:n], what)
             dst[start:start + n].copy_(slot.buffer.tensor[:n], non_blocking=self.cuda)
             if self.cuda:
                 slot.event = torch.cuda.Event()
@@ -168,9 +169,8 @@ class TensorIO:
 
         def read(k: int, slot: Slot):
             nonlocal moved
-            ext, n = self.extent_of(extent, k, nbytes)
-            moved += ext.nbytes
-            return self.space.read(ext, slot.buffer, nbytes=n)
+            moved += self.extent_of(extent, k, nbytes)[0].nbytes
+            return self.read_unit(extent, k, nbytes, slot.buffer, digests=digests, what=what)
 
         first = max(pending, default=-1) + 1 if pending else 0
         rest = [k for k in range(self.count(nbytes)) if k >= first]
@@ -195,7 +195,7 @@ class TensorIO:
         def read(k: int, slot: Slot):
             if read_first is None or not read_first(k):
                 return None
-            return self.read_unit(extent, k, nbytes, slot)
+            return self.read_unit(extent, k, nbytes, slot.buffer)
 
         def process(k: int, slot: Slot) -> bool:
             ext, n = self.extent_of(extent, k, nbytes)
@@ -206,17 +206,40 @@ class TensorIO:
                 fill(k, view, read_first is not None and read_first(k))
             # The tail of the last block goes to disk too: make it deterministic, not stale bytes.
             slot.buffer.tensor[n:ext.nbytes].zero_()
-            if digests is not None:
-                digests[k] = xxhash.xxh3_64_intdigest(view.numpy())
             return True
 
         def write(k: int, slot: Slot):
             nonlocal moved
-            ext, n = self.extent_of(extent, k, nbytes)
-            fut = self.space.write(ext, slot.buffer, nbytes=n)
+            fut = self.write_unit(extent, k, nbytes, slot.buffer, digests=digests)
             futures.append(fut)
-            moved += ext.nbytes
+            moved += self.extent_of(extent, k, nbytes)[0].nbytes
             return fut
 
         self.pipeline.run(range(self.count(nbytes)), read=read, process=process, write=write, drain=False)
         return moved
+
+
+class _Checked:
+    """A read of unit ``k`` whose ``wait()`` also checks the bytes read against the unit's last write."""
+
+    def __init__(self, read, digests: list, k: int, what: Callable[[], str], at: int):
+        self._read, self._digests, self._k, self._what, self._at = read, digests, k, what, at
+
+    def done(self) -> bool:
+        return self._read.done()
+
+    def wait(self) -> int:
+        n = self._read.wait()
+        expected = self._digests[self._k]
+        if expected is None:
+            return n
+        if not isinstance(expected, tuple):
+            expected = self._digests[self._k] = expected.digest()  # the write landed long ago
+        found = self._read.digest()
+        if found != expected:
+            show = lambda d: "/".join(f"{x:016x}" for x in d)  # noqa: E731
+            raise StateError(
+                f"{self._what()}: unit {self._k} ({n} bytes at byte {self._at} of it) has xxh3_64 {show(found)} on "
+                f"disk, its last write had {show(expected)}; the swap file was changed behind our back. Load a "
+                "checkpoint (load_checkpoint(..., model=) or load_parameters) to restore it.")
+        return n

@@ -278,16 +278,18 @@ class SwapSpace:
     # -- I/O ----------------------------------------------------------------------------------
 
     def write(self, extent: Extent, buffer, *, buffer_offset: int = 0,
-              nbytes: int | None = None) -> FutureGroup:
+              nbytes: int | None = None, digest: bool = False) -> FutureGroup:
         """Start writing ``nbytes`` (default: the whole extent) from ``buffer[buffer_offset:]``.
 
         ``nbytes`` is rounded up to ``alignment``; the buffer must hold the rounded length. Returns a
-        future: ``wait()`` returns the bytes moved or raises ``OSError`` naming the swap file.
+        future: ``wait()`` returns the bytes moved or raises ``OSError`` naming the swap file; with
+        ``digest``, its ``digest()`` is a checksum of the bytes written (a tuple of xxh3_64, one per
+        swap file the extent is striped over), which a read of the same extent reproduces.
         """
-        return self._submit(WRITE, extent, buffer, buffer_offset, nbytes)
+        return self._submit(WRITE, extent, buffer, buffer_offset, nbytes, digest)
 
     def read(self, extent: Extent, buffer, *, buffer_offset: int = 0,
-             nbytes: int | None = None) -> FutureGroup:
+             nbytes: int | None = None, digest: bool = False) -> FutureGroup:
         """Start reading ``nbytes`` (default: the whole extent) into ``buffer[buffer_offset:]``.
 
         Same rules as :meth:`write`. ``wait()`` returns exactly the bytes asked (rounded up to the
@@ -295,7 +297,7 @@ class SwapSpace:
         bytes expected and got when the file is shorter than the extent (it was truncated since it
         was preallocated, so the state there is lost).
         """
-        return self._submit(READ, extent, buffer, buffer_offset, nbytes)
+        return self._submit(READ, extent, buffer, buffer_offset, nbytes, digest)
 
     def sub(self, extent: Extent, start: int, nbytes: int) -> Extent:
         """The part of ``extent`` from ``start`` (a multiple of the alignment) holding ``nbytes`` bytes,
@@ -320,7 +322,7 @@ class SwapSpace:
         stripe, within = divmod(offset, self.stripe_unit)
         return self._res.names[stripe % n], (stripe // n) * self.stripe_unit + within
 
-    def _submit(self, op, extent, buffer, buffer_offset, nbytes) -> FutureGroup:
+    def _submit(self, op, extent, buffer, buffer_offset, nbytes, digest=False) -> FutureGroup:
         with self._lock:
             self._check_open()
             if not isinstance(extent, Extent):
@@ -347,7 +349,7 @@ class SwapSpace:
                     if segs:
                         # Every byte of an extent lies inside the preallocated files: a read that
                         # meets end of file found a truncated file, never a legitimate prefix.
-                        futures.append(self._res.engines[i].submit(op, segs, exact=True))
+                        futures.append(self._res.engines[i].submit(op, segs, exact=True, digest=digest))
             except BaseException:
                 wait_quietly(futures)  # don't leave half a request running against the caller's buffer
                 raise

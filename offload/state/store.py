@@ -7,7 +7,6 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import psutil
 import torch
-import xxhash
 
 from ..aio import FutureGroup
 from ..buffers import BufferPool
@@ -203,7 +202,7 @@ class StateStore:
             OSError: a read or write failed (file and offset named).
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
-        space, tier = self.space, self.tier
+        tier = self.tier
         source = None
         if tier is not None:
             source = TierSource(self.pool, tier, self._settle_set(units) if settle else set())
@@ -212,8 +211,7 @@ class StateStore:
             return tier is not None and tier.home(unit) is buf
 
         def read(unit: Unit, buf):
-            fut = space.read(unit.extent, buf, nbytes=unit.nbytes) \
-                if needs_read(unit) and not resident(unit, buf) else None
+            fut = self._read(unit, buf) if needs_read(unit) and not resident(unit, buf) else None
             more = also_read(unit, buf) if also_read is not None else None
             if more is None:
                 return fut
@@ -221,8 +219,6 @@ class StateStore:
 
         def process(unit: Unit, buf) -> bool:
             at_home = resident(unit, buf)
-            if needs_read(unit) and not at_home:
-                self._verify(unit, buf)
             changed = update(unit, buf)
             if at_home:
                 write = settle and id(unit) not in source.settle  # evicted: the disk copy is stale
@@ -231,8 +227,6 @@ class StateStore:
                 write = False
             else:
                 write = changed
-            if write and self.checksum:
-                unit.digest = _digest(buf, unit.nbytes)
             return write
 
         def write(unit: Unit, buf):
@@ -240,7 +234,7 @@ class StateStore:
                 before_write(unit)
             if resident(unit, buf):
                 tier.leave(unit)
-            return space.write(unit.extent, buf, nbytes=unit.nbytes)
+            return self._write(unit, buf)
 
         self.pipeline.run(units, read=read, process=process, write=write, source=source)
 
@@ -307,12 +301,13 @@ class StateStore:
 
     def read_unit(self, unit: Unit, buf):
         """Start reading ``unit`` into ``buf`` (a pool-sized buffer), from whichever tier holds it; returns a
-        future, or None when it was copied from host memory. Check it with :meth:`verify`."""
+        future, or None when it was copied from host memory. Waiting for the future checks the bytes
+        against the checksum of the unit's last write (``StateError`` if they differ)."""
         home = self.tier.home(unit) if self.tier is not None else None
         if home is not None:
             buf.tensor[:unit.nbytes].copy_(home.tensor[:unit.nbytes])
             return None
-        return self.space.read(unit.extent, buf, nbytes=unit.nbytes)
+        return self._read(unit, buf)
 
     def write_unit(self, unit: Unit, buf):
         """Make ``buf``'s first ``unit.nbytes`` bytes ``unit``'s state: copied into its host-memory home if it
@@ -321,19 +316,7 @@ class StateStore:
         if home is not None:
             home.tensor[:unit.nbytes].copy_(buf.tensor[:unit.nbytes])
             return None
-        if self.checksum:
-            unit.digest = _digest(buf, unit.nbytes)
-        return self.space.write(unit.extent, buf, nbytes=unit.nbytes)
-
-    def verify(self, unit: Unit, buf) -> None:
-        """Check ``buf`` (``unit`` just read into it by :meth:`read_unit`) against the checksum of the unit's
-        last write.
-
-        Raises:
-            StateError: the bytes differ (the store is marked failed).
-        """
-        if self.tier is None or not self.tier.resident(unit):
-            self._verify(unit, buf)
+        return self._write(unit, buf)
 
     # -- introspection and lifetime -------------------------------------------------------------
 
@@ -384,29 +367,55 @@ class StateStore:
         room = max(0, tier.capacity - elsewhere)
         return {id(u) for u in list(units)[len(units) - room:]} if room else set()
 
-    def _verify(self, unit: Unit, buf) -> None:
-        if unit.digest is None or not self.checksum:
-            return
-        found = _digest(buf, unit.nbytes)
+    def _write(self, unit: Unit, buf):
+        fut = self.space.write(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
+        # The checksum of what the write puts on disk, known once it lands (computed by the engine).
+        unit.digest = fut if self.checksum else None
+        return fut
+
+    def _read(self, unit: Unit, buf):
+        fut = self.space.read(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
+        return _Checked(self, unit, fut) if self.checksum and unit.digest is not None else fut
+
+    def _check(self, unit: Unit, read) -> None:
+        """``read`` (of ``unit``) landed: its bytes must be those of the unit's last write."""
+        if not isinstance(unit.digest, tuple):
+            unit.digest = unit.digest.digest()  # the write landed long ago
+        found = read.digest()
         if found != unit.digest:
             err = StateError(self._corruption(unit, found))
             self.failed(err)
             raise err
 
-    def _corruption(self, unit: Unit, found: int) -> str:
+    def _corruption(self, unit: Unit, found: tuple) -> str:
         index = self.layout.units.index(unit)
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = ", ".join(f"parameter {position.get(id(c.slot.param), '?')} (shape {tuple(c.slot.param.shape)})"
                           for c in unit.chunks)
         path, offset = self.space.locate(unit.extent.offset)
         return (f"offloaded optimizer state was changed on disk behind our back: unit {index} ({unit.nbytes} "
-                f"bytes at offset {offset} of {path}) holding the state of {names} has xxh3_64 {found:016x}, "
-                f"its last write had {unit.digest:016x}. Training on it would be silently wrong; restore the "
+                f"bytes at offset {offset} of {path}) holding the state of {names} has xxh3_64 {_hex(found)}, "
+                f"its last write had {_hex(unit.digest)}. Training on it would be silently wrong; restore the "
                 "state with load_checkpoint() (or load_state_dict()) before stepping again.")
 
 
-def _digest(buf, nbytes: int) -> int:
-    return xxhash.xxh3_64_intdigest(buf.tensor[:nbytes].numpy())
+class _Checked:
+    """A read of a unit whose ``wait()`` also checks the bytes read against the unit's last write."""
+
+    def __init__(self, store: StateStore, unit: Unit, read):
+        self._store, self._unit, self._read = store, unit, read
+
+    def done(self) -> bool:
+        return self._read.done()
+
+    def wait(self) -> int:
+        n = self._read.wait()
+        self._store._check(self._unit, self._read)
+        return n
+
+
+def _hex(digest: tuple) -> str:
+    return "/".join(f"{d:016x}" for d in digest)
 
 
 def _export_dtype(slot: ParamSlot, key: str) -> torch.dtype:
