@@ -393,3 +393,48 @@ def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_p
         torch.set_num_threads(threads)
         zygote.stdin.close()
         zygote.wait(timeout=30)
+
+
+# -- a file system without O_DIRECT ---------------------------------------------------------------
+
+
+def test_a_file_system_without_o_direct_works_for_optimizer_weights_and_checkpoints(tmpfs, monkeypatch):
+    """o_direct "auto" on ramfs (which refuses O_DIRECT): the optimizer, offload_parameters and a checkpoint
+    all fall back to buffered I/O with one warning for the file system, train like torch bit for bit,
+    resume from the checkpoint, and leave no file behind."""
+    import warnings
+
+    from helpers import TINY, Net, loss_of
+
+    from offload import offload_parameters, restore_parameters
+    from offload.aio import files as aio_files
+
+    disk = tmpfs(kind="ramfs")
+    monkeypatch.setattr(aio_files, "_warned", set())  # as if no warning had been given yet
+    torch.manual_seed(0)
+    ref, model = Net(), Net()
+    model.load_state_dict(ref.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offload_parameters(model, nvme_path=str(disk / "params"), **TINY)
+        opt = OffloadedAdamW(model.parameters(), lr=1e-2, nvme_path=str(disk / "opt"), **SMALL)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+        try:
+            for step in range(3):
+                for m, o in ((model, opt), (ref, ref_opt)):
+                    loss_of(m, step).backward()
+                    o.step()
+                    o.zero_grad()
+            opt.save_checkpoint(disk / "ckpt", model=model)
+            opt.load_checkpoint(disk / "ckpt", model=model)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                loss_of(m, 3).backward()
+                o.step()
+        finally:
+            opt.close()
+            restore_parameters(model)
+    assert_same(list(model.parameters()), list(ref.parameters()))
+    refusals = [w for w in caught if "O_DIRECT" in str(w.message)]
+    assert len(refusals) == 1, [str(w.message) for w in caught]
+    left = sorted(str(p.relative_to(disk)) for p in disk.rglob("*") if p.is_file())
+    assert all(p.startswith("ckpt/") for p in left), left
