@@ -279,7 +279,7 @@ class OffloadedAdam(torch.optim.Adam):
 
     def io_bytes(self) -> tuple[int, int]:
         """(bytes read, bytes written) of offloaded state since construction."""
-        return self.state_store.pipeline.bytes_read, self.state_store.pipeline.bytes_written
+        return self.state_store.bytes_read, self.state_store.bytes_written
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -355,8 +355,10 @@ class OffloadedAdam(torch.optim.Adam):
                 unit_pass.done(unit)
                 return True
 
+            # Its last writes land while the caller goes on (the next forward); reading a unit back, a
+            # checkpoint, state_dict() or close() waits for them.
             store.run(units, update, needs_read=lambda u: any(c.slot.initialized for c in u.chunks),
-                      also_read=unit_pass.read_grads, before_write=before_write, settle=True)
+                      also_read=unit_pass.read_grads, before_write=before_write, settle=True, drain=False)
         # Units resident in host memory were never written: their copies back must land before the step ends.
         for dev in set().union(*copying.values()) if copying else ():
             torch.cuda.current_stream(dev).synchronize()

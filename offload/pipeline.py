@@ -17,7 +17,9 @@ class BufferSource(Protocol):
     ``take(wait=False)`` returns a buffer only if one is idle now (else ``None``); ``take(wait=True)``
     always returns one, waiting for the I/O that last used it. ``item`` is the item the buffer is for
     (a source may keep some items' buffers of their own). ``give(buffer, pending)`` returns a buffer;
-    ``pending`` is a future still using it as a source (a write), or ``None``.
+    ``pending`` is a future still using it as a source (a write), or ``None``. A source may also have
+    ``lends(item)``: False for an item that has a buffer of its own (no I/O, no buffer of the shared
+    ones), which then does not count towards the pipeline's lookahead.
     """
 
     def take(self, wait: bool, item: Any = None) -> Any: ...
@@ -28,8 +30,9 @@ class BufferSource(Protocol):
 class BufferRing:
     """The plain :class:`BufferSource`: buffers reused in the order they were given back.
 
-    The buffer a read needs is then always the one whose write was issued longest ago, the likeliest
-    to have landed.
+    The buffer a read needs is then the one whose write was issued longest ago, the likeliest to have
+    landed; when that one is still being written, another buffer that is idle is taken instead, and only
+    when none is idle does a take that must have one wait (for the oldest).
     """
 
     def __init__(self, buffers: Iterable):
@@ -40,13 +43,21 @@ class BufferRing:
     def __len__(self) -> int:
         return len(self._free)
 
+    def buffers(self) -> list:
+        """The buffers in the ring now (every one, once a run has given them all back)."""
+        return [b for b, _ in self._free]
+
     def take(self, wait: bool, item: Any = None) -> Any:
-        buffer, pending = self._free[0]
-        if pending is not None and not wait and not pending.done():
+        for i, (buffer, pending) in enumerate(self._free):
+            if pending is None or pending.done():
+                del self._free[i]
+                wait_quietly([pending] if pending is not None else [])  # collect its result
+                return buffer
+        if not wait or not self._free:
             return None
-        self._free.popleft()
+        buffer, pending = self._free.popleft()
         # A failed write is not raised here: whoever issued it holds its future and reports it.
-        wait_quietly([pending] if pending is not None else [])
+        wait_quietly([pending])
         return buffer
 
     def give(self, buffer: Any, pending: Any = None) -> None:
@@ -132,10 +143,17 @@ class Pipeline:
                 raise ValueError("this pipeline has no buffers of its own: pass a source to run()")
         reads: deque = deque()  # (item, buffer, read future or None), in item order
         writes: list = []
+        lends = getattr(source, "lends", lambda item: True)
+        lent: deque = deque()  # whether each entry of reads holds a shared buffer
         n, next_read = len(items), 0
         try:
             for i in range(n):
-                while next_read < n and next_read <= i + self.lookahead:
+                while next_read < n:
+                    # Items ahead of the current one that hold a shared buffer: at most lookahead of them.
+                    ahead = sum(lent) - (1 if lent and lent[0] else 0)
+                    costly = lends(items[next_read])
+                    if next_read > i and costly and ahead >= self.lookahead:
+                        break
                     buf = source.take(wait=not reads, item=items[next_read])
                     if buf is None:
                         break
@@ -145,8 +163,10 @@ class Pipeline:
                         source.give(buf)
                         raise
                     reads.append((items[next_read], buf, fut))
+                    lent.append(costly)
                     next_read += 1
                 item, buf, fut = reads.popleft()
+                lent.popleft()
                 try:
                     if fut is not None:
                         self.bytes_read += fut.wait()

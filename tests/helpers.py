@@ -55,6 +55,17 @@ def assert_same_weights(a, b):
             assert torch.equal(p, q), f"{name} differs"
 
 
+def first_os_error(*calls) -> OSError:
+    """The OSError that the first of ``calls`` to fail raises. A write a step leaves landing fails that
+    step or, when it lands after the step returned, the next call: tests of write errors accept both."""
+    for call in calls:
+        try:
+            call()
+        except OSError as err:
+            return err
+    raise AssertionError("no call failed")
+
+
 def flip_bit(path, offset: int, mask: int = 0x01) -> None:
     """Corrupt one byte of a file in place: XOR the byte at ``offset`` with ``mask``."""
     with open(path, "r+b") as f:

@@ -32,8 +32,10 @@ def train(opt, params, steps):
 
 
 def unit_on_disk(opt, i: int) -> tuple[str, int, int]:
-    """(swap file, file offset, bytes) of unit ``i`` (one nvme_path: logical offset = file offset)."""
+    """(swap file, file offset, bytes) of unit ``i`` (one nvme_path: logical offset = file offset), once the
+    writes the last step left landing have landed (damage done while they land could be overwritten)."""
     store = opt.state_store
+    store.drain()
     unit = store.layout.units[i]
     return store.space.files[0], unit.extent.offset, unit.nbytes
 

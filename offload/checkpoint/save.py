@@ -42,6 +42,7 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
             at ``directory``, if any, is left as it was and nothing half written remains.
     """
     optimizer.state_store.check_usable("save a checkpoint")
+    optimizer.state_store.drain()  # the last step's writes, and their errors, before anything is copied
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 

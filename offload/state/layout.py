@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 
@@ -72,7 +72,8 @@ class Unit:
     chunks: list[Chunk] = field(default_factory=list)
     nbytes: int = 0
     extent: object = None  # space.Extent once allocated (None: state in host memory only)
-    digest: Optional[int] = None  # xxh3_64 of the bytes last written to the extent (None: not checked)
+    digest: object = None  # checksum of the bytes last written to the extent (or that write's future)
+    written: object = None  # the last write's future while it may still be landing
 
 
 @dataclass(eq=False)

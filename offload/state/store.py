@@ -8,11 +8,11 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import psutil
 import torch
 
-from ..aio import FutureGroup
+from ..aio import FutureGroup, wait_quietly
 from ..buffers import BufferPool
 from ..config import Config
 from ..errors import ConfigError, StateError
-from ..pipeline import Pipeline
+from ..pipeline import BufferRing, Pipeline
 from ..space import SwapSpace
 from ..units import format_size
 from .layout import Chunk, Layout, ParamSlot, Unit
@@ -75,11 +75,16 @@ class StateStore:
             _close(self.space, self.pool, self.tier)
             raise
         unit_bytes = self.pool.buffer_size if self.pool is not None else oc.buffer_size
+        # The pool's buffers in circulation, with the writes still landing from them. It outlives runs:
+        # a step returns with its last writes in flight (they land during the next forward), and with a
+        # host tier buffers change hands between the pool and resident units (see tiers.TierSource).
+        self._ring = BufferRing(list(self.pool)) if self.pool is not None else None
+        self._tail: list = []  # writes a run left landing (futures), until they are seen to have landed
+        self.bytes_read = self.bytes_written = 0
         # With B buffers: one holds the unit being updated, one (or more) the writes still landing,
         # and the rest the reads ahead (B - 2 of them, at least 1).
-        lookahead = max(1, oc.buffer_count - 2) if oc.pipeline_read else 0
-        self.pipeline = Pipeline(list(self.pool) if self.pool is not None else None, lookahead=lookahead,
-                                 write_behind=oc.pipeline_write)
+        lookahead = max(1, oc.buffer_count - 1) if oc.pipeline_read else 0
+        self.pipeline = Pipeline(self._ring, lookahead=lookahead, write_behind=oc.pipeline_write)
         self.layout = Layout(unit_bytes, oc.state_dtype)
         self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
@@ -187,7 +192,8 @@ class StateStore:
     def run(self, units: Sequence[Unit], update: Callable[[Unit, Any], bool], *,
             needs_read: Callable[[Unit], bool] = lambda unit: True,
             also_read: Optional[Callable[[Unit, Any], Any]] = None,
-            before_write: Optional[Callable[[Unit], None]] = None, settle: bool = False) -> None:
+            before_write: Optional[Callable[[Unit], None]] = None, settle: bool = False,
+            drain: bool = True) -> None:
         """Stream ``units`` through the pool: read, ``update(unit, buffer)``, write back if it returns True.
 
         A unit resident in the host tier is updated where it lives (no read, no write). ``needs_read(unit)``
@@ -195,17 +201,22 @@ class StateStore:
         ``also_read(unit, buffer)`` may start more reads the update needs (a future or None); they are
         waited for with the unit's. ``before_write(unit)`` runs before a unit's write is issued (to wait
         for device copies into its buffer). ``settle=True`` (a step) moves units between the tiers: the
-        last ones visited stay resident, resident ones not among them are written out. Every unit read is
-        checked against the checksum of its last write.
+        last ones visited stay resident, resident ones not among them are written out. ``drain=False``
+        returns with the last writes still landing (a step: they land during the next forward); a unit
+        read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
+        for all of them. Every unit read is checked against the checksum of its last write.
 
         Raises:
-            OSError: a read or write failed (file and offset named).
+            OSError: a read or write failed (file and offset named), in this run or a write an earlier
+                run left landing; the store is then failed.
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
+        self._collect_tail()
         tier = self.tier
-        source = None
+        source = self._ring
         if tier is not None:
-            source = TierSource(self.pool, tier, self._settle_set(units) if settle else set())
+            source = TierSource(self._ring, len(self.pool) if self.pool is not None else 0, tier,
+                                self._settle_set(units) if settle else set())
 
         def resident(unit: Unit, buf) -> bool:
             return tier is not None and tier.home(unit) is buf
@@ -222,8 +233,9 @@ class StateStore:
             changed = update(unit, buf)
             if at_home:
                 write = settle and id(unit) not in source.settle  # evicted: the disk copy is stale
-            elif source is not None and id(unit) in source.settling:
-                tier.keep(unit, buf)  # read into a tier buffer: it stays resident, unwritten
+            elif tier is not None and id(unit) in source.settling:
+                tier.keep(unit, buf)  # it stays resident, unwritten, in the buffer it was read into
+                source.settled()
                 write = False
             else:
                 write = changed
@@ -234,9 +246,13 @@ class StateStore:
                 before_write(unit)
             if resident(unit, buf):
                 tier.leave(unit)
-            return self._write(unit, buf)
+                source.evicted()
+            fut = self._write(unit, buf)
+            if not drain:
+                self._tail.append(fut)
+            return fut
 
-        self.pipeline.run(units, read=read, process=process, write=write, source=source)
+        self.pipeline.run(units, read=read, process=process, write=write, source=source, drain=drain)
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
         """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
@@ -269,6 +285,7 @@ class StateStore:
         """
         if not by_slot:
             return
+        self.drain(quiet=True)  # what a step left landing is overwritten now: its errors no longer matter
         units = self.units_of(by_slot)
 
         def copy_in(unit: Unit, buf) -> bool:
@@ -325,7 +342,8 @@ class StateStore:
         """Buffers a caller may stream units through itself (checkpoints): the pool's, or with ``device:
         "cpu"`` a few of the tier's size made for the purpose."""
         if self.pool is not None:
-            return list(self.pool)
+            self.drain()
+            return self._ring.buffers()
         if not hasattr(self, "_spare"):
             self._spare = BufferPool(2, self.layout.unit_bytes)
             weakref.finalize(self, self._spare.close)
@@ -352,8 +370,34 @@ class StateStore:
     def closed(self) -> bool:
         return not self._finalizer.alive
 
+    def drain(self, *, quiet: bool = False) -> None:
+        """Wait for every write a step left landing.
+
+        Args:
+            quiet: ignore their errors (state is about to be overwritten: a load).
+
+        Raises:
+            OSError: one of them failed (file and offset named); the store is then failed.
+        """
+        tail, self._tail = self._tail, []
+        first = None
+        for fut in tail:
+            try:
+                fut.wait()
+            except OSError as err:
+                first = first or err
+        if quiet:
+            for unit in self.layout.units:
+                unit.written = None
+        elif first is not None:
+            self.failed(first)
+            raise first
+
     def close(self) -> None:
-        """Remove the swap files and free the pool and the host tier."""
+        """Let the last writes land, then remove the swap files and free the pool and the host tier."""
+        if self._finalizer.alive:
+            wait_quietly(self._tail)
+            self._tail = []
         self._finalizer()
 
     def _settle_set(self, units: Sequence[Unit]) -> set:
@@ -368,14 +412,46 @@ class StateStore:
         return {id(u) for u in list(units)[len(units) - room:]} if room else set()
 
     def _write(self, unit: Unit, buf):
+        self._land(unit)  # requests complete in any order: an older write must not land after this one
         fut = self.space.write(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
+        self.bytes_written += unit.extent.nbytes
+        unit.written = fut
         # The checksum of what the write puts on disk, known once it lands (computed by the engine).
         unit.digest = fut if self.checksum else None
         return fut
 
     def _read(self, unit: Unit, buf):
+        self._land(unit)  # a write a step left landing must be there before its bytes are read back
         fut = self.space.read(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
+        self.bytes_read += unit.extent.nbytes
         return _Checked(self, unit, fut) if self.checksum and unit.digest is not None else fut
+
+    def _land(self, unit: Unit) -> None:
+        """Wait for ``unit``'s last write; if it failed, the store is failed and the error raised here."""
+        if unit.written is None:
+            return
+        try:
+            unit.written.wait()
+        except OSError as err:
+            self.failed(err)
+            raise
+        unit.written = None
+
+    def _collect_tail(self) -> None:
+        """Forget tail writes that landed; the first that failed fails the store and is raised now."""
+        still, first = [], None
+        for fut in self._tail:
+            if not fut.done():
+                still.append(fut)
+                continue
+            try:
+                fut.wait()
+            except OSError as err:
+                first = first or err
+        self._tail = still
+        if first is not None:
+            self.failed(first)
+            raise first
 
     def _check(self, unit: Unit, read) -> None:
         """``read`` (of ``unit``) landed: its bytes must be those of the unit's last write."""

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections import deque
 from typing import Any, Optional
 
 import psutil
 
-from ..aio import wait_quietly
-from ..buffers import BufferPool, HostBuffer
+from ..buffers import HostBuffer
 from ..pipeline import BufferRing
 from ..units import GIB, format_size
 
@@ -45,10 +43,11 @@ def auto_cache_bytes(*, pools: int, state: int) -> int:
 
 
 # NOTE: a unit resident in the tier has a page-aligned buffer of its own (pinned with the pool), and
-# updates run on that buffer directly: the tier never copies state it already holds. Buffers are made
-# lazily, up to ``capacity``, so host memory grows to the cache size only as units settle in. A unit
-# leaves the tier by being written to its extent (an eviction); its buffer is free again once that
-# write has landed. With ``capacity=None`` (``device: "cpu"``) every unit has a home for good.
+# updates run on that buffer directly: the tier never copies state it already holds. Buffers change
+# hands instead of bytes: a unit settles in by keeping the pool buffer it was read into, and a unit
+# leaving the tier (written to its extent: an eviction) gives its buffer to the pool once that write
+# has landed. So reads into the tier never wait for evictions, and host memory is the pool plus one
+# buffer per resident unit. With ``capacity=None`` (``device: "cpu"``) every unit has a home for good.
 class HostTier:
     """Units of state resident in host memory.
 
@@ -63,8 +62,7 @@ class HostTier:
         self.unit_bytes = unit_bytes
         self.pin_memory = pin_memory
         self.homes: dict[int, HostBuffer] = {}  # id(unit) -> its buffer
-        self.free: deque = deque()  # (buffer, pending eviction write or None)
-        self.buffers: list[HostBuffer] = []
+        self.buffers: list[HostBuffer] = []  # the buffers this tier made (closed with it)
         self._lived_in: set[int] = set()  # ids of the buffers in homes
 
     def home(self, unit) -> Optional[HostBuffer]:
@@ -76,8 +74,8 @@ class HostTier:
 
     @property
     def nbytes(self) -> int:
-        """Host memory the tier holds now."""
-        return sum(b.nbytes for b in self.buffers)
+        """Host memory holding resident units now."""
+        return sum(b.nbytes for b in self.homes.values())
 
     @property
     def resident_count(self) -> int:
@@ -85,26 +83,18 @@ class HostTier:
 
     def settle_in(self, unit) -> HostBuffer:
         """Give ``unit`` a home now (``capacity=None`` tiers, at placement). Its bytes are undefined."""
-        buf = self._new()
+        buf = self.new_buffer()
         self.keep(unit, buf)
         return buf
 
-    def take_free(self, wait: bool) -> Optional[HostBuffer]:
-        """A buffer for a unit about to settle in: a free one (once its eviction landed) or a new one while
-        under capacity; ``None`` if there is none now (``wait=False``) or none will come (full)."""
-        if self.free:
-            buf, pending = self.free[0]
-            if pending is not None and not wait and not pending.done():
-                return None
-            self.free.popleft()
-            wait_quietly([pending] if pending is not None else [])  # the evicting run reports its error
-            return buf
-        if self.capacity is None or len(self.buffers) < self.capacity:
-            return self._new()
-        return None
+    def new_buffer(self) -> HostBuffer:
+        """A buffer of a unit's size, made (and later closed) by the tier."""
+        buf = HostBuffer(self.unit_bytes, pin_memory=self.pin_memory)
+        self.buffers.append(buf)
+        return buf
 
     def keep(self, unit, buf: HostBuffer) -> None:
-        """``unit``, just read into ``buf`` (a tier buffer), stays resident there."""
+        """``unit``, just read into ``buf``, stays resident there."""
         self.homes[id(unit)] = buf
         self._lived_in.add(id(buf))
 
@@ -118,65 +108,64 @@ class HostTier:
         """Whether a unit is resident in ``buf``."""
         return id(buf) in self._lived_in
 
-    def release(self, buf: HostBuffer, pending: Any = None) -> None:
-        """A tier buffer nobody lives in: free once ``pending`` (its eviction write) has landed."""
-        self.free.append((buf, pending))
-
     def close(self) -> None:
-        wait_quietly(p for _, p in self.free if p is not None)
         for b in self.buffers:
             b.close()
         self.buffers, self.homes = [], {}
         self._lived_in.clear()
-        self.free.clear()
-
-    def _new(self) -> HostBuffer:
-        buf = HostBuffer(self.unit_bytes, pin_memory=self.pin_memory)
-        self.buffers.append(buf)
-        return buf
 
 
 # NOTE: the source a StateStore's pipeline draws buffers from. A resident unit gets its own buffer (no
-# read, no copy); a unit that is to settle in the tier after this run gets a free tier buffer and is read
-# into it; every other unit gets a pool buffer. When a unit was meant to settle in but no tier buffer is
-# free at that moment (the evictions that would free one come later in this run's order), it takes a
-# pool buffer and is written back like any other: never a wait that cannot end.
+# read, no copy, no shared buffer); every other unit gets one from the pool's ring. A unit that is to
+# stay resident after the run keeps its pool buffer as its home; the ring gets one back either from an
+# eviction (a resident unit written out gives its buffer to the ring, free once the write lands) or,
+# while the tier is still filling up to its capacity, a new buffer, as soon as the unit has settled. So
+# the ring keeps its size, and when no read is queued every buffer in circulation is in it.
 class TierSource:
     """A :class:`offload.pipeline.BufferSource` over the pool and a :class:`HostTier`.
 
     Args:
-        pool: the pool's buffers. tier: the tier. settle: ids of the units that are to be resident after
-            the run (those already resident stay).
+        ring: the pool's buffers in circulation (a ring that outlives the run; ``None``: every unit is
+            resident). size: how many buffers the ring should keep (the pool's count). tier: the tier.
+        settle: ids of the units that are to be resident after the run (those already resident stay).
     """
 
-    def __init__(self, pool: Optional[BufferPool], tier: HostTier, settle: set):
-        self.ring = BufferRing(list(pool)) if pool is not None else None
-        self.pool_ids = {id(b) for b in pool} if pool is not None else set()
+    def __init__(self, ring: Optional[BufferRing], size: int, tier: HostTier, settle: set):
+        self.ring = ring
         self.tier = tier
         self.settle = settle
-        self.settling: set = set()  # ids of units read into a tier buffer by this run
+        self.settling: set = set()  # ids of units read into a pool buffer that they keep
+        self._size = size
+        self._circulating = len(ring) if ring is not None else 0
+
+    def lends(self, item: Any) -> bool:
+        """Whether ``item`` takes a shared buffer (a resident unit has its own)."""
+        return not self.tier.resident(item)
 
     def take(self, wait: bool, item: Any = None) -> Any:
         home = self.tier.home(item)
         if home is not None:
             return home
-        if id(item) in self.settle:
-            buf = self.tier.take_free(wait)
-            if buf is not None:
-                self.settling.add(id(item))
-                return buf
-            if not wait and self.tier.free:
-                return None  # one is being freed: wait for it at the next take
         if self.ring is None:
             raise RuntimeError("a unit without a home in a tier with no pool behind it")  # a bug, not input
-        return self.ring.take(wait, item)
+        buf = self.ring.take(wait, item)
+        if buf is not None and id(item) in self.settle:
+            self.settling.add(id(item))
+        return buf
 
     def give(self, buf: Any, pending: Any = None) -> None:
-        if id(buf) in self.pool_ids:
-            self.ring.give(buf, pending)
-        elif not self.tier.lived_in(buf):
-            # Evicted (free once the write lands), or taken to settle a unit in and then not kept (an error).
-            self.tier.release(buf, pending)
+        if self.tier.lived_in(buf):
+            return  # a resident unit's home, or a unit that just settled in there
+        self.ring.give(buf, pending)  # a pool buffer, or an evicted unit's former home
 
-    def is_pool(self, buf: Any) -> bool:
-        return id(buf) in self.pool_ids
+    def settled(self) -> None:
+        """A unit kept its pool buffer as its home: the ring gets one back (a new one, unless evictions
+        of this run have brought it more than it had)."""
+        self._circulating -= 1
+        if self._circulating < self._size:
+            self.ring.give(self.tier.new_buffer())
+            self._circulating += 1
+
+    def evicted(self) -> None:
+        """A resident unit is being written out: its buffer joins the ring when given back."""
+        self._circulating += 1
