@@ -81,6 +81,7 @@ class StateStore:
         self._ring = BufferRing(list(self.pool)) if self.pool is not None else None
         self._tail: list = []  # writes a run left landing (futures), until they are seen to have landed
         self.bytes_read = self.bytes_written = 0
+        self._guards: list[Callable[[Unit, Any], None]] = []  # see add_change_guard
         # With B buffers: one holds the unit being updated, one (or more) the writes still landing,
         # and the rest the reads ahead (B - 2 of them, at least 1).
         lookahead = max(1, oc.buffer_count - 1) if oc.pipeline_read else 0
@@ -193,7 +194,7 @@ class StateStore:
             needs_read: Callable[[Unit], bool] = lambda unit: True,
             also_read: Optional[Callable[[Unit, Any], Any]] = None,
             before_write: Optional[Callable[[Unit], None]] = None, settle: bool = False,
-            drain: bool = True) -> None:
+            drain: bool = True, changes: bool = True) -> None:
         """Stream ``units`` through the pool: read, ``update(unit, buffer)``, write back if it returns True.
 
         A unit resident in the host tier is updated where it lives (no read, no write). ``needs_read(unit)``
@@ -204,7 +205,8 @@ class StateStore:
         last ones visited stay resident, resident ones not among them are written out. ``drain=False``
         returns with the last writes still landing (a step: they land during the next forward); a unit
         read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
-        for all of them. Every unit read is checked against the checksum of its last write.
+        for all of them. Every unit read is checked against the checksum of its last write. ``changes``
+        False says ``update`` only reads the units (no change guard is called).
 
         Raises:
             OSError: a read or write failed (file and offset named), in this run or a write an earlier
@@ -230,6 +232,8 @@ class StateStore:
 
         def process(unit: Unit, buf) -> bool:
             at_home = resident(unit, buf)
+            for guard in list(self._guards) if changes else ():
+                guard(unit, buf)
             changed = update(unit, buf)
             if at_home:
                 write = settle and id(unit) not in source.settle  # evicted: the disk copy is stale
@@ -270,7 +274,7 @@ class StateStore:
                         out[c.slot][k].view(-1)[c.start:c.start + c.numel].copy_(c.slice(buf, k))
             return False
 
-        self.run(self.units_of(wanted), copy_out)
+        self.run(self.units_of(wanted), copy_out, changes=False)
         for s in wanted:
             yield s, out[s]
 
@@ -313,6 +317,16 @@ class StateStore:
             raise
         for slot in by_slot:
             slot.initialized = True
+
+    def add_change_guard(self, guard: Callable[[Unit, Any], None]) -> Callable[[], None]:
+        """Call ``guard(unit, buffer)`` before any run changes a unit's state, with ``buffer`` holding the
+        unit's bytes as they are then (read from NVMe, or its host-memory home). For a consistent copy
+        taken while training goes on (an asynchronous checkpoint): the guard captures the unit first if
+        it has not yet. Returns the function that removes the guard. ``write_unit`` (a load) is not
+        guarded: it replaces state wholesale, and must not run while a copy is being taken.
+        """
+        self._guards.append(guard)
+        return lambda: self._guards.remove(guard) if guard in self._guards else None
 
     # -- units one at a time (checkpoints) ------------------------------------------------------
 
