@@ -12,10 +12,13 @@ import os
 import re
 import secrets
 import shutil
+import threading
+import weakref
 from typing import Callable, Iterator
 
+from ..errors import CheckpointError
 from .format import MANIFEST, _io_error, _manifest_digest
-from .locks import _lock
+from .locks import _Hold, _lock
 from .ownership import _checkpoint_problem, _clean_stale, _remove_ours, _target_kind
 
 
@@ -159,7 +162,7 @@ class _Staged:
         self._committed = False
         os.makedirs(self.parent, exist_ok=True)
         # Saves of one directory from several processes queue here rather than race on the renames.
-        self._release: Callable[[], None] | None = _lock(self.parent, exclusive=True)
+        self._release: _Hold | None = _lock(self.parent, exclusive=True)
         try:
             _recover(self.target)
             _target_kind(self.target, self.directory)  # refuse before anything is written
@@ -212,6 +215,11 @@ class _Staged:
         if not self._committed:
             shutil.rmtree(self.tmp, ignore_errors=True)  # ours: made by this object under a fresh name
 
+    def hand_over(self, thread: int) -> None:
+        """The parent's lock becomes thread ``thread``'s, which then finishes (or aborts) and closes this."""
+        if self._release is not None:
+            self._release.hand_over(thread)
+
     def close(self) -> None:
         if self._release is not None:
             self._release()
@@ -246,3 +254,93 @@ def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], d
     finally:
         staged.close()
     return staged.directory
+
+
+# -- saves that go on in the background ---------------------------------------------------------
+
+
+class SaveHandle:
+    """A save going on in the background: ``save_checkpoint(..., blocking=False)`` returns one.
+
+    Attributes:
+        directory: the checkpoint directory (absolute).
+        committed: True once the checkpoint at ``directory`` is complete (a copy to ``mirror_to``
+            may still be under way).
+    """
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.committed = False
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._observed = False
+
+    def done(self) -> bool:
+        """Whether the save (and its copy to ``mirror_to``, if any) has finished, well or not. Never blocks."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Wait for the save to finish; returns the checkpoint directory.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+            Whatever the save raised (``OSError`` naming the file, ``CheckpointError``, ``StateError``).
+        """
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self.directory
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """Wait for the save to finish; returns what it raised, or None if it succeeded.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the save to {self.directory} is still in progress after {timeout:g} s")
+        self._observed = True
+        return self._error
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else "failed" if self._error is not None else "done"
+        return f"SaveHandle({self.directory!r}, {state})"
+
+
+# The save in flight per owner of state (an optimizer's StateStore): a second save waits for it.
+_IN_FLIGHT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _track(owner, handle: SaveHandle) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT[owner] = handle
+
+
+def _settle(owner, *, report: bool, timeout: float | None = None) -> None:
+    """Wait for ``owner``'s save in flight, if any. With ``report``, a failure nobody has looked at yet
+    (``wait()``, ``exception()``) is raised now, once: an asynchronous save's error is never lost.
+
+    Raises:
+        CheckpointError: ``report`` and that save failed (its error chained).
+        TimeoutError: ``timeout`` seconds passed first.
+    """
+    with _IN_FLIGHT_LOCK:
+        handle = _IN_FLIGHT.get(owner)
+    if handle is None:
+        return
+    if not handle._done.wait(timeout):
+        raise TimeoutError(f"the save to {handle.directory} is still in progress after {timeout:g} s")
+    with _IN_FLIGHT_LOCK:
+        if _IN_FLIGHT.get(owner) is handle:
+            del _IN_FLIGHT[owner]
+    if report and handle._error is not None and not handle._observed:
+        handle._observed = True
+        err = handle._error
+        done = "was committed, but its copy to the mirror failed" if handle.committed else "failed"
+        raise CheckpointError(f"the previous asynchronous save to {handle.directory} {done}: {err}. Nothing "
+                              "of it was lost silently; save again (this save did not start)") from err

@@ -232,6 +232,29 @@ def _write_torch(obj: Any, path: str) -> dict:
     return {"bytes": w.nbytes, "xxh3_64": w.hash.hexdigest()}
 
 
+class _Serialized(bytes):
+    """A torch.save of an object taken earlier (:func:`_torch_bytes`), to be written as it is."""
+
+
+def _torch_bytes(obj: Any) -> _Serialized:
+    """What :func:`_write_torch` would write for ``obj``, in memory (a copy taken now, written later)."""
+    out = io.BytesIO()
+    torch.save(obj, out)
+    return _Serialized(out.getvalue())
+
+
+def _write_bytes(data: bytes, path: str) -> dict:
+    """``data`` into a new file ``path``, fsynced; returns its size and xxh3_64 (as :func:`_write_torch`)."""
+    try:
+        with open(path, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        raise _io_error(err, path, "cannot write") from err
+    return {"bytes": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}
+
+
 def _read_torch(directory: str, name: str, entry: dict) -> Any:
     path = os.path.join(directory, name)
     try:
@@ -305,22 +328,31 @@ def _write_memory_and_manifest(staged, *, kind: str, groups: list[dict], entries
         entries: the manifest's per-parameter entries.
         memory_state: small parameters' state, by index.
         steps: offloaded parameters' steps, by index.
-        extra: the caller's ``extra`` (None: no extra.pt).
+        extra: the caller's ``extra`` (None: no extra.pt). ``extra`` may also come as
+            :class:`_Serialized`, and ``memory_state`` as the whole of memory.pt serialized (both
+            taken at the call by an asynchronous save).
         config: the optimizer's config as a dict.
         unit_bytes: the unit (buffer) size.
         threshold: the small-parameter threshold.
         data: what ``stream._write_data`` returned.
     """
     files = {DATA: data["file"]}
-    files[MEMORY] = _write_torch({"param_groups": groups, "state": memory_state, "steps": steps},
-                                 staged.path(MEMORY))
+    memory = memory_state if isinstance(memory_state, _Serialized) else \
+        {"param_groups": groups, "state": memory_state, "steps": steps}
+    files[MEMORY] = _write_any(memory, staged.path(MEMORY))
     if extra is not None:
-        files[EXTRA] = _write_torch(extra, staged.path(EXTRA))
+        files[EXTRA] = _write_any(extra, staged.path(EXTRA))
     manifest = _base_manifest(kind, _groups_json(groups), entries, config, unit_bytes)
     manifest["threshold"] = threshold
     manifest["units"] = data["units"]
     manifest["files"] = files
     return manifest
+
+
+def _write_any(obj: Any, path: str) -> dict:
+    if isinstance(obj, _Serialized):
+        return _write_bytes(obj, path)
+    return _write_torch(obj, path)
 
 
 def _base_manifest(kind: str, groups_json: list, params: list, config: dict, unit_bytes: int) -> dict:

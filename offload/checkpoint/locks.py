@@ -8,7 +8,6 @@ import fcntl
 import os
 import threading
 import time
-from typing import Callable
 
 from ..errors import CheckpointError
 
@@ -26,8 +25,8 @@ _NO_LOCKS = (_errno.ENOLCK, _errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EINVAL, _e
 # inside a save) counts up instead. A save inside the same thread's read is refused (it would wait
 # forever for its own reader). Other threads of the process take their own flock and wait like
 # other processes.
-def _lock(parent: str, *, exclusive: bool, timeout: float | None = None) -> Callable[[], None]:
-    """Take the lock of directory ``parent``; returns the function that lets it go.
+def _lock(parent: str, *, exclusive: bool, timeout: float | None = None) -> _Hold:
+    """Take the lock of directory ``parent``; returns the :class:`_Hold` that lets it go when called.
 
     Readers go on without a lock where the file system has no flock (or the directory cannot be
     opened); a save then fails with the error.
@@ -37,7 +36,7 @@ def _lock(parent: str, *, exclusive: bool, timeout: float | None = None) -> Call
     except OSError:
         if exclusive:
             raise
-        return lambda: None
+        return _Hold(None)
     try:
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino, threading.get_ident())
@@ -51,21 +50,61 @@ def _lock(parent: str, *, exclusive: bool, timeout: float | None = None) -> Call
         if held is not None:
             os.close(fd)
             fd = -1
-            return lambda: _unlock(key)
+            return _Hold(key)
         try:
             _flock(fd, parent, exclusive, timeout)
         except OSError as err:
             if exclusive or err.errno not in _NO_LOCKS:
                 raise
             os.close(fd)
-            return lambda: None
+            return _Hold(None)
         with _HELD_LOCK:
             _HELD[key] = [exclusive, 1, fd]
-        return lambda: _unlock(key)
+        return _Hold(key)
     except BaseException:
         if fd >= 0:
             os.close(fd)
         raise
+
+
+class _Hold:
+    """A lock taken by :func:`_lock`: calling it lets the lock go (once; later calls do nothing)."""
+
+    def __init__(self, key: tuple | None):
+        self.key = key
+
+    def __call__(self) -> None:
+        key, self.key = self.key, None
+        if key is not None:
+            _unlock(key)
+
+    def hand_over(self, thread: int) -> None:
+        """Make the lock thread ``thread``'s (an asynchronous save's worker finishes what the caller began).
+
+        Raises:
+            CheckpointError: this thread holds the lock more than once (a save inside a save or a read),
+                so it cannot give it away.
+        """
+        if self.key is None:
+            return
+        new = (*self.key[:2], thread)
+        with _HELD_LOCK:
+            held = _HELD[self.key]
+            if held[1] != 1 or new in _HELD:
+                raise CheckpointError("cannot save asynchronously while this thread holds the checkpoint directory's "
+                                      "lock for something else (inside another save or a reading() block)")
+            _HELD[new] = _HELD.pop(self.key)
+        self.key = new
+
+
+def _holds(parent: str) -> bool:
+    """Whether this thread holds the lock of directory ``parent`` (shared or exclusive)."""
+    try:
+        st = os.stat(parent)
+    except OSError:
+        return False
+    with _HELD_LOCK:
+        return (st.st_dev, st.st_ino, threading.get_ident()) in _HELD
 
 
 def _flock(fd: int, parent: str, exclusive: bool, timeout: float | None) -> None:

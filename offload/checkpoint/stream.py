@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import errno as _errno
+import fcntl
 import os
+import struct
+import sys
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import xxhash
+from tqdm import tqdm
 
 from ..aio import CompletedFuture, Engine
 from ..buffers import BufferPool
@@ -45,6 +50,41 @@ def _aio_of(manifest: dict) -> AioConfig:
 
 
 _DONE = CompletedFuture()
+
+
+def _progress(total: int, what: str, enabled: Optional[bool] = None) -> tqdm:
+    """A progress bar of ``total`` bytes on stderr, shown once the work has lasted a second; ``enabled``
+    None shows it only where stderr is a terminal."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    return tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, delay=1.0, leave=False,
+                disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+
+
+# -- cloning extents (reflink) ----------------------------------------------------------------------
+
+FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range)
+# What a file system says when it cannot share extents between these two files: no reflink support
+# (ext4, tmpfs), two file systems, or offsets and lengths that are not multiples of its block size.
+_NO_CLONE = frozenset({_errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EXDEV, _errno.EINVAL, _errno.ENOTTY,
+                       _errno.ENOSYS, _errno.EBADF})
+
+
+def _clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
+    """Make ``length`` bytes of ``dst_fd`` at ``dst_offset`` share the extents of ``src_fd`` at
+    ``src_offset`` (``FICLONERANGE``: XFS with reflink, btrfs): metadata only, whatever the length.
+    False where the file system cannot (the caller copies the bytes instead).
+
+    Raises:
+        OSError: any other failure (ENOSPC, EIO, ...).
+    """
+    try:
+        fcntl.ioctl(dst_fd, FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, length, dst_offset))
+    except OSError as err:
+        if err.errno in _NO_CLONE:
+            return False
+        raise
+    return True
 
 
 def _stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,

@@ -322,6 +322,16 @@ class SwapSpace:
         stripe, within = divmod(offset, self.stripe_unit)
         return self._res.names[stripe % n], (stripe // n) * self.stripe_unit + within
 
+    def file_ranges(self, extent: Extent, nbytes: int | None = None) -> list[tuple[str, int, int, int]]:
+        """Where the first ``nbytes`` (default: all) of ``extent`` lie on the swap files, in order:
+        ``(swap file path, offset in that file, offset within the extent, length)`` per stripe piece
+        (to clone an extent's bytes with the file system instead of copying them)."""
+        length = extent.nbytes if nbytes is None else min(extent.nbytes, nbytes)
+        out = []
+        for segs in self._segments(extent.offset, length, b"", 0):
+            out.extend((s.file.path, s.file_offset, s.buffer_offset, s.nbytes) for s in segs)
+        return sorted(out, key=lambda r: r[2])
+
     def _submit(self, op, extent, buffer, buffer_offset, nbytes, digest=False) -> FutureGroup:
         with self._lock:
             self._check_open()
