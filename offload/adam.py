@@ -12,7 +12,7 @@ from torch.optim.adam import adam as _torch_adam
 from .checkpoint import load_checkpoint, save_checkpoint
 from .config import offload_config
 from .params import ParamAccess
-from .state import ParamSlot, StateStore, check_state_dict, in_memory_state, step_tensor
+from .state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, step_tensor
 
 __all__ = ["OffloadedAdam", "OffloadedAdamW"]
 
@@ -95,9 +95,6 @@ class OffloadedAdam(torch.optim.Adam):
                 params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
                 capturable=False, differentiable=False, fused=fused, decoupled_weight_decay=self._decoupled,
             )
-        # GradScaler must unscale grads before step() and skip the step on inf, as for any optimizer:
-        # the fused kernel's in-kernel unscaling would need grads and state on one device.
-        self._step_supports_amp_scaling = False
         self.config = offload_config(
             config, "offload_optimizer", user=type(self).__name__, what="state",
             otherwise="or use torch.optim.Adam for state in memory",
@@ -117,6 +114,18 @@ class OffloadedAdam(torch.optim.Adam):
 
     # -- what users call ---------------------------------------------------------------------
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Whether a GradScaler may hand its scale to step() (torch's fused kernel unscales and skips inf
+        steps itself): as torch's, when every group uses the fused kernel. Then fp16 parameters work with
+        a GradScaler, their grads unscaled against the fp32 master; otherwise the scaler unscales the
+        grads first, as for any optimizer (and refuses fp16 ones, as torch does)."""
+        return all(self._kernel_flags(g, p.device)["fused"] for g in self.param_groups for p in g["params"])
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value) -> None:
+        pass  # torch's Adam sets it in __init__; here it follows the kernels in use
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
@@ -131,6 +140,13 @@ class OffloadedAdam(torch.optim.Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # From a GradScaler (see _step_supports_amp_scaling): an inf or nan in the grads skips the step
+        # (torch's fused kernel leaves every tensor as it was, step counts included), else the kernels
+        # divide the grads by the scale.
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.sum() > 0):
+            return loss
+        self._grad_scale = getattr(self, "grad_scale", None)
 
         in_memory, offloaded = [], []
         for group in self.param_groups:
@@ -244,6 +260,15 @@ class OffloadedAdam(torch.optim.Adam):
         """
         return load_checkpoint(self, directory, model=model)
 
+    def __getstate__(self):
+        raise TypeError(
+            f"an {type(self).__name__} cannot be pickled or deep-copied: it owns swap files, a pool of host "
+            "buffers and I/O threads. Save its state with save_checkpoint() (or state_dict()) and load it into "
+            "a new optimizer with load_checkpoint() (or load_state_dict()).")
+
+    def __deepcopy__(self, memo):
+        self.__getstate__()
+
     def close(self) -> None:
         """Delete the swap files and free the pools. The optimizer cannot step afterwards."""
         self.state_store.close()
@@ -291,10 +316,14 @@ class OffloadedAdam(torch.optim.Adam):
 
     def _adam(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) -> None:
         beta1, beta2 = group["betas"]
+        dev = params[0].device
+        scale = getattr(self, "_grad_scale", None)
+        scale = scale.to(dev) if scale is not None else None
         _torch_adam(
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            **self._kernel_flags(group, params[0].device),
-            capturable=False, differentiable=False, grad_scale=None, found_inf=None,
+            **self._kernel_flags(group, dev),
+            capturable=False, differentiable=False, grad_scale=scale,
+            found_inf=torch.zeros((), dtype=torch.float32, device=dev) if scale is not None else None,
             has_complex=False, decoupled_weight_decay=group["decoupled_weight_decay"],
             amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
@@ -305,24 +334,34 @@ class OffloadedAdam(torch.optim.Adam):
         for group, p in items:
             by_group.setdefault(id(group), [group, []])[1].append(p)
         for group, params in by_group.values():
-            lists = [[], [], [], [], []]
+            targets, lists = [], [[], [], [], [], []]
             for p in params:
                 st = self.state[p]
                 fused = self._kernel_flags(group, p.device)["fused"]
+                half = p.dtype in HALF_DTYPES
                 if len(st) == 0:
                     st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
                                   else torch.tensor(0.0, dtype=torch.float32))
+                    if half:
+                        # Every fp16/bf16 parameter has an fp32 master, small ones too: their small updates
+                        # would otherwise round away, and they would drift from the large ones.
+                        st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
                     for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
-                        st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        st[key] = torch.zeros_like(st["master"] if half else p, memory_format=torch.preserve_format)
                 if fused and st["step"].device != p.device:
                     st["step"] = st["step"].to(p.device)
-                lists[0].append(self._access.grad(p))  # read whole from a grad store: these are small
+                grad = self._access.grad(p)  # read whole from a grad store: these are small
+                targets.append(st["master"] if half else p)
+                lists[0].append(grad.float() if half else grad)
                 lists[1].append(st["exp_avg"])
                 lists[2].append(st["exp_avg_sq"])
                 if group["amsgrad"]:
                     lists[3].append(st["max_exp_avg_sq"])
                 lists[4].append(st["step"])
-            self._adam(group, params, *lists)
+            self._adam(group, targets, *lists)
+            for p, target in zip(params, targets):
+                if target is not p:
+                    p.detach().copy_(target)
 
     def _step_offloaded(self, slots: list[ParamSlot]) -> None:
         store = self.state_store

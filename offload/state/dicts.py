@@ -6,7 +6,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .layout import state_keys_for
+from .layout import HALF_DTYPES, state_keys_for
 
 __all__ = ["check_param_state", "check_state_dict", "in_memory_state", "match_groups", "step_tensor"]
 
@@ -102,11 +102,16 @@ def step_tensor(step) -> torch.Tensor:
 
 
 def in_memory_state(p: torch.Tensor, entry: dict) -> dict:
-    """A small parameter's state for the optimizer's ``state`` dict: saved tensors on ``p``'s device and
-    dtype, the step as :func:`step_tensor` (an fp32 master copy, if saved, is not kept)."""
+    """A small parameter's state for the optimizer's ``state`` dict: the step as :func:`step_tensor`, the
+    saved tensors on ``p``'s device, in ``p``'s dtype, or for an fp16/bf16 parameter in fp32 with its fp32
+    master (the saved one, else a copy of the weights)."""
+    half = p.dtype in HALF_DTYPES
+    dtype = torch.float32 if half else p.dtype
     st = {"step": step_tensor(entry.get("step", 0.0))}
     for k, v in entry.items():
-        if k in ("step", "master"):
+        if k == "step" or (k == "master" and not half):
             continue
-        st[k] = v.detach().to(device=p.device, dtype=p.dtype).clone() if torch.is_tensor(v) else v
+        st[k] = v.detach().to(device=p.device, dtype=dtype).clone() if torch.is_tensor(v) else v
+    if half and "master" not in st:
+        st["master"] = p.detach().to(torch.float32, copy=True)
     return st
