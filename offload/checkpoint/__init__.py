@@ -9,12 +9,16 @@ Example::
 
     save_checkpoint(opt, "/ckpt/run1", model=model, extra={"step": step})
     extra = load_checkpoint(opt, "/ckpt/run1", model=model)
+
+    handle = save_checkpoint(opt, "/ckpt/run2", blocking=False, mirror_to="/mnt/remote/ckpt")
+    ...  # training goes on; the checkpoint holds the state at the call
+    handle.wait()
 """
 
 from __future__ import annotations
 
 from ..errors import CheckpointError, ChecksumError
-from .commit import reading
+from .commit import SaveHandle, reading
 from .export import (
     export_checkpoint,
     export_model_checkpoint,
@@ -25,7 +29,7 @@ from .export import (
 from .format import FORMAT_VERSION
 from .load import load_checkpoint
 from .retention import Retention, save_with_retention
-from .save import save_checkpoint
+from .save import mirror_checkpoint, save_checkpoint, wait_for_saves
 from .verify import inspect_checkpoint, read_manifest, verify_checkpoint
 from .weights import load_parameters, save_parameters
 
@@ -34,6 +38,7 @@ __all__ = [
     "ChecksumError",
     "FORMAT_VERSION",
     "Retention",
+    "SaveHandle",
     "export_checkpoint",
     "export_model_checkpoint",
     "export_model_state_dict",
@@ -42,10 +47,12 @@ __all__ = [
     "inspect_checkpoint",
     "load_checkpoint",
     "load_parameters",
+    "mirror_checkpoint",
     "read_manifest",
     "reading",
     "save_checkpoint",
     "save_parameters",
     "save_with_retention",
     "verify_checkpoint",
+    "wait_for_saves",
 ]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -14,7 +16,7 @@ from ..errors import CheckpointError
 from ..params import ParamAccess
 from ..state import check_param_state, in_memory_state, match_groups, step_tensor
 from . import stream
-from .commit import reading
+from .commit import _settle, reading
 from .format import (
     DATA,
     EXTRA,
@@ -28,7 +30,7 @@ from .format import (
     _slice_offset,
 )
 from .model import _load_model, _model_section
-from .stream import _RangeReader, _stream
+from .stream import _progress, _RangeReader, _stream
 from .verify import _verify_data, read_manifest
 
 
@@ -36,7 +38,8 @@ from .verify import _verify_data, read_manifest
 # shapes, dtypes and param groups against the optimizer before touching it. When the optimizer
 # packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
 # space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
-def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None) -> Any:
+def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
+                    mirror: str | os.PathLike | None = None, progress: Optional[bool] = None) -> Any:
     """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
 
     Everything that can be checked without touching the optimizer is checked first: the manifest,
@@ -51,6 +54,17 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     swap space through its pool (a resident or cached copy is overwritten too) and the model's
     other tensors are copied in. Offloaded gradients are cleared.
 
+    A save of this optimizer still going on in the background is waited for first.
+
+    Args:
+        optimizer: the :class:`offload.OffloadedAdam` or ``OffloadedAdamW`` to restore.
+        directory: the checkpoint directory.
+        model: the model whose weights to load too.
+        mirror: the second level the checkpoint was copied to (``save_checkpoint(mirror_to=...)``):
+            when ``directory`` is missing, incomplete or corrupt (or cannot be read), its copy
+            ``mirror/<name of directory>`` is loaded instead, with a ``RuntimeWarning`` saying why.
+        progress: a progress bar on stderr for a long load; None: where stderr is a terminal.
+
     Raises:
         CheckpointError: the checkpoint does not fit this optimizer or ``model`` (the message names
             the first mismatch: parameter index or name, expected and found) or is incomplete;
@@ -61,12 +75,23 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     """
     if optimizer.state_store.closed:
         raise ValueError("the optimizer is closed")
-    # Held for the whole load: a save of the same directory by another process waits until it ends.
-    with reading(directory) as directory:
-        return _load_checkpoint(optimizer, directory, model)
+    # A save in the background copies units as steps change them; a load changes them all unguarded.
+    _settle(optimizer.state_store, report=False)
+    copy = None if mirror is None else os.path.join(os.fspath(mirror), os.path.basename(os.path.abspath(directory)))
+    try:
+        # Held for the whole load: a save of the same directory by another process waits until it ends.
+        with reading(directory) as directory:
+            return _load_checkpoint(optimizer, directory, model, progress)
+    except (CheckpointError, OSError) as err:
+        if copy is None or not os.path.isdir(copy):
+            raise
+        warnings.warn(f"loading the mirror's copy {copy}: {directory} could not be loaded ({err})", RuntimeWarning,
+                      stacklevel=2)
+        with reading(copy) as copy:
+            return _load_checkpoint(optimizer, copy, model, progress)
 
 
-def _load_checkpoint(optimizer, directory: str, model: nn.Module | None) -> Any:
+def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool] = None) -> Any:
     store = optimizer.state_store
     manifest = read_manifest(directory)
     if manifest.get("optimizer") is None:
@@ -86,7 +111,7 @@ def _load_checkpoint(optimizer, directory: str, model: nn.Module | None) -> Any:
         _load_model(model, directory, manifest, optimizer.config.aio, on_partial=store.failed)
 
     try:
-        _load_into(optimizer, directory, manifest, memory, params)
+        _load_into(optimizer, directory, manifest, memory, params, progress)
     except BaseException as err:
         for slot in store.layout.slots.values():
             slot.initialized = False
@@ -116,7 +141,7 @@ def _match(opt, manifest: dict, memory: dict, directory: str) -> list:
     return params
 
 
-def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) -> None:
+def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, progress: Optional[bool]) -> None:
     store = opt.state_store
     store.drain(quiet=True)  # the last step's writes land first; their state is overwritten now
     entries = manifest["params"]
@@ -131,11 +156,13 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) 
     engine = stream._make_engine(aio)
     new_state: dict = {}
     try:
-        with engine.open(path, "r") as f:
+        with contextlib.ExitStack() as stack:
+            f = stack.enter_context(engine.open(path, "r"))
             plan = _same_packing(store, manifest, params)
             buffers = store.buffers
             if plan is not None:
                 whole = xxhash.xxh3_64()
+                bar = stack.enter_context(_progress(manifest["files"][DATA]["bytes"], "load", progress))
 
                 def read(item, buf):
                     u = units[item[0]]
@@ -144,6 +171,7 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list) 
                 def process(item, buf):
                     _check_unit(manifest, path, item[0], buf)
                     whole.update(buf.tensor[: units[item[0]]["length"]].numpy())
+                    bar.update(units[item[0]]["length"])
                     return True
 
                 _stream(plan, buffers, read=read, process=process,

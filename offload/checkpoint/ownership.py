@@ -212,3 +212,30 @@ def _clean_stale(directory: str) -> None:
         if m["pid"] is not None and pid_alive(int(m["pid"])):
             continue  # a save in progress in another live process
         _remove_ours(os.path.join(parent, n), quiet=True)
+
+
+def _used_elsewhere(path: str) -> int | None:
+    """The id of another process with a file under directory ``path`` open (or it as its working
+    directory), or None. Linux's /proc; processes this one may not look into are not seen."""
+    prefix = os.path.realpath(path) + os.sep
+    me = os.getpid()
+    try:
+        pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        if pid == me:
+            continue
+        base = f"/proc/{pid}"
+        try:
+            links = [os.path.join(base, "fd", fd) for fd in os.listdir(base + "/fd")] + [base + "/cwd"]
+        except OSError:
+            continue  # gone, or not ours to look at
+        for link in links:
+            try:
+                target = os.readlink(link)
+            except OSError:
+                continue
+            if (target + os.sep).startswith(prefix):
+                return pid
+    return None

@@ -1,16 +1,26 @@
-"""Periodic checkpoints under one root: keep the last N plus milestones, delete only after verifying,
-and only what is ours."""
+"""Periodic checkpoints under one root, and a mirror level: keep the last N plus milestones, delete only after a
+newer one verified, never what is in use, and only what is ours."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
-from .ownership import _is_our_format, _remove_checkpoint, _remove_ours
-from .save import save_checkpoint
+from ..errors import CheckpointError
+from .commit import SaveHandle
+from .format import MANIFEST
+from .load import load_checkpoint
+from .locks import _lock
+from .ownership import _is_our_format, _remove_checkpoint, _remove_ours, _used_elsewhere
+from .save import _save
 from .verify import verify_checkpoint
+
+log = logging.getLogger("offload")
 
 
 @dataclass
@@ -20,42 +30,66 @@ class _Entry:
 
 
 class Retention:
-    """Periodic checkpoints under ``root``: keep the last ``keep_last`` plus milestones.
+    """Periodic checkpoints under ``root``: keep the last ``keep_last`` plus milestones, on one or two levels.
 
     Checkpoints are named ``step-<step>`` (zero-padded). A milestone is kept for good: a step for
     which ``milestones`` says so (a set of steps, or a function of the step), or one saved with
     ``milestone=True`` (marked by a ``step-<step>.keep`` file next to it; delete that file to let
-    it go). Older checkpoints are deleted only after the newest one has been read back and
-    verified, and only if they are complete checkpoints of ours with nothing else in them: a
-    ``step-<n>`` directory of someone else's, or one a user put a file into, is left alone (with a
-    warning).
+    it go). An older checkpoint is deleted only once a newer one has been read back and verified
+    (the newest verified one is never deleted), only if it is a complete checkpoint of ours with
+    nothing else in it, and never while it is in use: a process reading a checkpoint of ``root``
+    (``reading()``, a load, a verify) or holding one of its files open makes pruning wait for the
+    next save. A ``step-<n>`` directory of someone else's, or one a user put a file into, is left
+    alone (with a warning).
+
+    Args:
+        root: the directory holding the checkpoints.
+        keep_last: how many of the newest to keep (besides milestones).
+        milestones: steps to keep for good, or a function of the step saying so.
+        verify: read every new checkpoint back and verify it before pruning older ones.
+        mirror: a second level (another drive, a network mount): a ``Retention`` with its own
+            ``keep_last`` and ``milestones``, or a directory (then the same ones as this level).
+            Every committed checkpoint is copied there in the background and verified after the
+            copy; loading falls back to it (:meth:`load_latest`).
 
     Example::
 
-        keep = Retention("/ckpt", keep_last=2, milestones=lambda step: step % 10_000 == 0)
-        if keep.latest() is not None:
-            extra = load_checkpoint(opt, keep.latest(), model=model)
+        keep = Retention("/ckpt", keep_last=2, milestones=lambda step: step % 10_000 == 0,
+                         mirror=Retention("/mnt/remote/ckpt", keep_last=4))
+        path, extra = keep.load_latest(opt, model=model)
         ...
-        keep.save(opt, step, model=model, extra={"step": step})
+        keep.save(opt, step, model=model, extra={"step": step}, blocking=False)
     """
 
     _NAME = re.compile(r"^step-(\d+)$")
     _DELETING = re.compile(r"^step-\d+\.tmp-del-[0-9a-f]+$")  # a deletion that a crash interrupted
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 2,
-                 milestones: Iterable[int] | Callable[[int], bool] = (), *, verify: bool = True):
-        if not isinstance(keep_last, int) or keep_last < 1:
+                 milestones: Iterable[int] | Callable[[int], bool] = (), *, verify: bool = True,
+                 mirror: Retention | str | os.PathLike | None = None):
+        if not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last!r}")
         self.root = os.path.abspath(os.fspath(root))
         self.keep_last = keep_last
+        self._milestones = milestones
         self._is_milestone = milestones if callable(milestones) else set(milestones).__contains__
         self.verify = verify
+        if mirror is not None and not isinstance(mirror, Retention):
+            mirror = Retention(mirror, keep_last, milestones, verify=verify)
+        if mirror is not None and os.path.realpath(mirror.root) == os.path.realpath(self.root):
+            raise ValueError(f"the mirror level {mirror.root} is this level's own directory; give another drive "
+                             "or a network mount")
+        self.mirror: Optional[Retention] = mirror
+        self._verified: dict[str, str] = {}  # path -> manifest checksum of the checkpoint verified there
 
     def path_for(self, step: int) -> str:
         return os.path.join(self.root, f"step-{int(step):010d}")
 
     def checkpoints(self) -> list[str]:
         """Checkpoints (``step-<n>`` directories with a manifest of ours), oldest first."""
+        return [e.path for e in self._entries()]
+
+    def _entries(self) -> list[_Entry]:
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
@@ -65,10 +99,10 @@ class Retention:
             m = self._NAME.match(n)
             if m and _is_our_format(os.path.join(self.root, n)):
                 found.append(_Entry(int(m[1]), os.path.join(self.root, n)))
-        return [e.path for e in sorted(found, key=lambda e: e.step)]
+        return sorted(found, key=lambda e: e.step)
 
     def latest(self) -> Optional[str]:
-        """The newest complete checkpoint, or None."""
+        """The newest complete checkpoint of this level, or None."""
         found = self.checkpoints()
         return found[-1] if found else None
 
@@ -76,39 +110,150 @@ class Retention:
         m = self._NAME.match(os.path.basename(path))
         return os.path.exists(path + ".keep") or (m is not None and bool(self._is_milestone(int(m[1]))))
 
-    def save(self, optimizer, step: int, *, model=None, extra: Any = None, milestone: bool = False) -> str:
-        """Save ``step`` (with ``model``'s weights if given), verify it, then delete what is no longer
-        kept; returns its directory."""
+    def save(self, optimizer, step: int, *, model=None, extra: Any = None, milestone: bool = False,
+             blocking: bool = True, snapshot: str = "auto", progress: Optional[bool] = None) -> str | SaveHandle:
+        """Save ``step`` (with ``model``'s weights if given), verify it, then delete what is no longer kept;
+        with a mirror level, copy it there in the background and prune that level once the copy is verified.
+
+        With ``blocking=False`` it returns the save's :class:`SaveHandle` at once (see
+        :func:`offload.checkpoint.save_checkpoint`); verification and pruning happen in the
+        background after the commit. Otherwise it returns the checkpoint's directory.
+        """
         os.makedirs(self.root, exist_ok=True)
-        path = save_checkpoint(optimizer, self.path_for(step), model=model, extra=extra)
-        if milestone:
-            with open(path + ".keep", "w"):
-                pass
-        if self.verify:
-            verify_checkpoint(path)
-        self.prune()
-        return path
+
+        def then(path: str) -> None:
+            if milestone:
+                _mark(path)
+            if self.verify:
+                verify_checkpoint(path)
+                self._remember(path)
+            self.prune()
+
+        def then_mirror(copy: str) -> None:
+            if milestone:
+                _mark(copy)
+            self.mirror._remember(copy)  # verified as it was copied
+            self.mirror.prune()
+
+        return _save(optimizer, self.path_for(step), model=model, extra=extra, blocking=blocking,
+                     mirror_to=None if self.mirror is None else self.mirror.root, snapshot=snapshot,
+                     progress=progress, then=then, then_mirror=then_mirror)
 
     def prune(self) -> list[str]:
         """Delete checkpoints beyond the last ``keep_last`` that are not milestones; returns them.
 
-        Only a complete checkpoint of ours (its manifest's checksum good, no other files in it) is
-        deleted; any other is left in place with a warning.
+        Only checkpoints older than the newest one that verifies are deleted (verified now if this
+        object has not verified it yet), only complete ones of ours with nothing else in them, and
+        none while a process reads this directory or holds a file of that checkpoint open (pruning
+        is then left to the next save).
         """
         for n in os.listdir(self.root) if os.path.isdir(self.root) else ():
             if self._DELETING.match(n):
                 _remove_ours(os.path.join(self.root, n), quiet=True)
         found = self.checkpoints()
-        removed = []
-        for path in found[: max(0, len(found) - self.keep_last)]:
-            if not self.is_milestone(path) and _remove_checkpoint(path):
-                removed.append(path)
-        return removed
+        doomed = [p for p in found[: max(0, len(found) - self.keep_last)] if not self.is_milestone(p)]
+        if not doomed:
+            return []
+        try:
+            release = _lock(self.root, exclusive=True, timeout=0)
+        except CheckpointError:
+            log.info("not pruning %s now: a checkpoint there is being read or written", self.root)
+            return []
+        try:
+            found = self.checkpoints()  # again, under the lock
+            good = self._newest_good(found)
+            if good is None:
+                warnings.warn(f"not pruning {self.root}: none of its checkpoints verifies", RuntimeWarning,
+                              stacklevel=2)
+                return []
+            removed = []
+            for path in found[: max(0, len(found) - self.keep_last)]:
+                if found.index(path) >= found.index(good) or self.is_milestone(path):
+                    continue
+                pid = _used_elsewhere(path)
+                if pid is not None:
+                    log.info("not deleting %s now: process %d has a file of it open", path, pid)
+                    continue
+                if _remove_checkpoint(path):
+                    self._verified.pop(path, None)
+                    removed.append(path)
+            return removed
+        finally:
+            release()
+
+    def load_latest(self, optimizer, *, model=None) -> tuple[Optional[str], Any]:
+        """Load the newest checkpoint that loads, from this level or else from the mirror level; returns
+        ``(its directory, its extra)``, or ``(None, None)`` when there is none.
+
+        A checkpoint missing or corrupt here is loaded from the mirror's copy; one that loads from
+        neither is skipped for the next older one, with a ``RuntimeWarning``.
+
+        Raises:
+            CheckpointError: there are checkpoints, and none of them loads (the newest's error chained).
+        """
+        steps = {e.step for e in self._entries()}
+        if self.mirror is not None:
+            steps |= {e.step for e in self.mirror._entries()}
+        first = None
+        for step in sorted(steps, reverse=True):
+            here = self.path_for(step)
+            try:
+                if os.path.isdir(here):
+                    mirror = None if self.mirror is None else self.mirror.root
+                    return here, load_checkpoint(optimizer, here, model=model, mirror=mirror)
+                there = self.mirror.path_for(step)
+                return there, load_checkpoint(optimizer, there, model=model)
+            except (CheckpointError, OSError) as err:
+                first = first or err
+                warnings.warn(f"step {step} does not load ({err}); trying the next older checkpoint",
+                              RuntimeWarning, stacklevel=2)
+        if first is not None:
+            raise CheckpointError(f"no checkpoint under {self.root}"
+                                  + (f" or {self.mirror.root}" if self.mirror else "") + " loads") from first
+        return None, None
+
+    # -- verification -------------------------------------------------------------------------------
+
+    def _remember(self, path: str) -> None:
+        digest = _manifest_checksum(path)
+        if digest is not None:
+            self._verified[path] = digest
+
+    def _newest_good(self, found: list[str]) -> Optional[str]:
+        """The newest of ``found`` that verifies (without ``verify``: the newest)."""
+        if not self.verify:
+            return found[-1] if found else None
+        for path in reversed(found):
+            if self._verified.get(path) is not None and self._verified[path] == _manifest_checksum(path):
+                return path
+            try:
+                verify_checkpoint(path)
+            except (CheckpointError, OSError) as err:
+                warnings.warn(f"{path} does not verify ({err}); older checkpoints are kept", RuntimeWarning,
+                              stacklevel=3)
+                continue
+            self._remember(path)
+            return path
+        return None
+
+
+def _manifest_checksum(path: str) -> Optional[str]:
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            return json.loads(f.read()).get("manifest_xxh3_64")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _mark(path: str) -> None:
+    with open(path + ".keep", "w"):
+        pass
 
 
 def save_with_retention(optimizer, root: str | os.PathLike, step: int, *, keep_last: int = 2,
                         milestones: Iterable[int] | Callable[[int], bool] = (), model=None, extra: Any = None,
-                        milestone: bool = False) -> str:
-    """``Retention(root, keep_last, milestones).save(optimizer, step, ...)`` in one call."""
-    return Retention(root, keep_last, milestones).save(optimizer, step, model=model, extra=extra,
-                                                       milestone=milestone)
+                        milestone: bool = False, blocking: bool = True,
+                        mirror: str | os.PathLike | None = None) -> str | SaveHandle:
+    """``Retention(root, keep_last, milestones, mirror=mirror).save(optimizer, step, ...)`` in one call."""
+    return Retention(root, keep_last, milestones, mirror=mirror).save(optimizer, step, model=model, extra=extra,
+                                                                       milestone=milestone, blocking=blocking)
