@@ -110,7 +110,7 @@ class OffloadedAdam(torch.optim.Adam):
         except BaseException:
             self.state_store.close()
             raise
-        self._access = ParamAccess(pin_memory=self.config.offload_optimizer.pin_memory)
+        self._access = ParamAccess(pin_memory=self.state_store.pin_memory)
 
     # -- what users call ---------------------------------------------------------------------
 

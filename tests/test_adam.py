@@ -652,3 +652,17 @@ def test_a_full_disk_for_a_late_parameter_leaves_the_optimizer_usable(tmpfs):
     step_together(ours, ref, a[:3], b[:3], range(2))
     assert_same(a[:3], b[:3])
     ours.close()
+
+
+def test_the_default_pool_is_sized_down_to_a_small_state(nvme, closing):
+    """With the default buffer_size and less state than the default pool (4 x 64 MiB), the pool holds
+    about the state (whole MiB per buffer), and training still equals torch's; an explicit buffer_size is
+    kept as given."""
+    a, b = make_params(), make_params()
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, small_param_threshold=64))
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    assert ours.host_pool_bytes <= max(4 * MiB, 2 * ours.offloaded_state_bytes)
+    step_together(ours, ref, a, b, range(3))
+    assert_same(a, b)
+    given = closing(OffloadedAdamW(make_params(), nvme_path=nvme + "-2", buffer_size="8MiB", buffer_count=3))
+    assert given.host_pool_bytes == 3 * 8 * MiB

@@ -47,11 +47,12 @@ def test_defaults_are_the_documented_values():
     )  # fmt: skip
     o = c.offload_optimizer
     assert (o.device, o.nvme_path, o.buffer_count, o.buffer_size) == ("nvme", None, 4, 64 * MiB)
-    assert (o.pin_memory, o.pipeline_read, o.pipeline_write, o.fast_init) == (False, True, True, False)
+    assert (o.pin_memory, o.pipeline_read, o.pipeline_write, o.fast_init) == ("auto", True, True, False)
+    assert (o.host_cache, o.state_dtype, o.checksum) == (0, "fp32", False)
     assert (o.ratio, o.small_param_threshold, o.nvme_paths) == (1.0, 4096, ())
     p = c.offload_param
     assert (p.device, p.nvme_path, p.buffer_count, p.buffer_size) == ("nvme", None, 5, 100_000_000)
-    assert (p.max_in_cpu, p.pin_memory) == (1_000_000_000, False)
+    assert (p.max_in_cpu, p.max_grad_in_cpu, p.pin_memory, p.checksum) == (1_000_000_000, 1_000_000_000, "auto", False)
 
 
 def test_empty_sources_mean_defaults():
@@ -321,7 +322,12 @@ BAD = [
     ({"offload_param": {"buffer_size": 0}}, CE, r"offload_param\.buffer_size: must be at least 1"),
     ({"offload_param": {"max_in_cpu": -1}}, CE, r"offload_param\.max_in_cpu: must be at least 0"),
     # HF-style "auto" where no default is safe
-    ({"offload_optimizer": {"pin_memory": "auto"}}, CE, r'offload_optimizer\.pin_memory: "auto" is not'),
+    ({"offload_optimizer": {"pipeline_read": "auto"}}, CE, r'offload_optimizer\.pipeline_read: "auto" is not'),
+    ({"offload_optimizer": {"pin_memory": "yes"}}, CE, r'offload_optimizer\.pin_memory: must be "auto", true or false'),
+    ({"offload_optimizer": {"host_cache": "-1GiB"}}, CE, r"offload_optimizer\.host_cache: .*negative"),
+    ({"offload_optimizer": {"host_cache": "lots"}}, CE, r'offload_optimizer\.host_cache: .*or write "auto"'),
+    ({"offload_optimizer": {"state_dtype": "fp16"}}, CE, r'offload_optimizer\.state_dtype: must be one of "fp32", "bf16"'),
+    ({"offload_param": {"max_grad_in_cpu": -1}}, CE, r"offload_param\.max_grad_in_cpu: must be at least 0"),
     ({"offload_param": {"device": "auto"}}, CE, r'offload_param\.device: "auto" is not accepted.*"nvme"'),
     ({"offload_optimizer": {"nvme_path": "auto"}}, CE, r'nvme_path: "auto" is not accepted.*directory'),
     # several problems at once, each with its JSON path
@@ -416,7 +422,7 @@ def test_constructors_are_strict_about_types():
     """Python construction takes exact types: no human-size strings, no 1 for True."""
     with pytest.raises(ConfigError, match="block_size: must be an integer number of bytes"):
         AioConfig(block_size="1MiB")
-    with pytest.raises(ConfigError, match="pin_memory: must be true or false"):
+    with pytest.raises(ConfigError, match='pin_memory: must be "auto", true or false'):
         OptimizerOffloadConfig(pin_memory=1)
 
 
@@ -553,3 +559,16 @@ def test_offload_config_applies_overrides_with_loader_rules_and_checks_use(tmp_p
         offload_config(None, "offload_param", **kw)
     with pytest.raises(ConfigError, match="buffer_count"):
         offload_config(None, "offload_param", nvme_path=str(tmp_path), buffer_count=1, **kw)
+
+
+def test_tier_keys_read_human_sizes_and_auto():
+    """host_cache takes bytes, human sizes and "auto"; state_dtype, checksum, max_grad_in_cpu and pin_memory
+    "auto" are read as written."""
+    c = load_config({"offload_optimizer": {"host_cache": "48GiB", "state_dtype": "bf16", "checksum": True,
+                                           "pin_memory": "auto", "device": "cpu"},
+                     "offload_param": {"max_grad_in_cpu": "1e8"}})
+    oc = c.offload_optimizer
+    assert (oc.host_cache, oc.state_dtype, oc.checksum, oc.pin_memory, oc.device) == (48 << 30, "bf16", True, "auto",
+                                                                                      "cpu")
+    assert c.offload_param.max_grad_in_cpu == 100_000_000
+    assert load_config({"offload_optimizer": {"host_cache": "auto"}}).offload_optimizer.host_cache == "auto"

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..adam import OffloadedAdamW
+from ..state import resolve_pin
 from ..units import GIB, format_size, parse_size
 from . import report
 from .cli import (
@@ -134,7 +135,9 @@ def run_adam(args: argparse.Namespace) -> int:
             ("steps", str(args.steps)),
             ("state", f"on {oc.device}, host cache {_cache_text(oc.host_cache)}, moments in {oc.state_dtype}, "
                       f"checksums {'on' if oc.checksum else 'off'}"),
-            ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}, pinned: {oc.pin_memory}"),
+            ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}, pinned: "
+                     f"{'yes' if resolve_pin(oc.pin_memory, [torch.empty(0, device=device)]) else 'no'} "
+                     f"(pin_memory {oc.pin_memory})"),
             ("aio", f"block size {format_size(aio.block_size)}, queue depth {aio.queue_depth}, "
                     f"{aio.thread_count} thread(s), backend {aio.backend}"),
             ("compared with", "the same without a host cache (nvme, fp32 moments), interleaved step by step"

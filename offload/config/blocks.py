@@ -71,7 +71,9 @@ class OptimizerOffloadConfig:
             sub-group). A multiple of 4096; human sizes such as ``"64MiB"`` are read from files.
             Parameters larger than a buffer are split across buffers. The pool must fit in the
             machine's memory; that is checked when it is allocated.
-        pin_memory: register the pool with CUDA (page-locked) for fast GPU copies.
+        pin_memory: register the pool (and the host cache) with CUDA, page-locked, for fast GPU copies:
+            pageable memory copied at 17 GB/s against 54 GB/s pinned on an H100. ``"auto"`` (the default):
+            pinned when any parameter is on a GPU.
         pipeline_read: read the next sub-group while the current one is updated.
         pipeline_write: write the previous sub-group while the current one is updated.
         fast_init: accepted for DeepSpeed compatibility; swap files are always preallocated up front.
@@ -95,7 +97,7 @@ class OptimizerOffloadConfig:
     nvme_path: str | tuple | None = None
     buffer_count: int = 4
     buffer_size: int = 64 << 20
-    pin_memory: bool = False
+    pin_memory: bool | str = "auto"
     pipeline_read: bool = True
     pipeline_write: bool = True
     fast_init: bool = False
@@ -131,7 +133,8 @@ class ParamOffloadConfig:
         max_in_cpu: parameter elements that may stay in host memory, default 1e9.
         max_grad_in_cpu: gradient elements of offloaded parameters kept in host memory between backward
             and the step instead of being written to NVMe and read back (smallest first), default 1e9.
-        pin_memory: register the pool with CUDA (page-locked).
+        pin_memory: register the pool with CUDA (page-locked); ``"auto"`` (the default): when the model is
+            on a GPU.
         checksum: keep an xxh3_64 of every weight unit written and verify it when read back (off by
             default, as for the optimizer's state).
 
@@ -145,7 +148,7 @@ class ParamOffloadConfig:
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
     max_grad_in_cpu: int = 1_000_000_000
-    pin_memory: bool = False
+    pin_memory: bool | str = "auto"
     checksum: bool = False
 
     def __post_init__(self) -> None:

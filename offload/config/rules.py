@@ -51,8 +51,8 @@ class Rule:
     """What one key accepts.
 
     Attributes:
-        kind: "bytes", "int", "count", "bool", "choice", "o_direct", "paths", "ratio" or "cache" (bytes, or
-            the string "auto").
+        kind: "bytes", "int", "count", "bool", "choice", "o_direct", "paths", "ratio", "cache" (bytes, or
+            the string "auto") or "pin" (true, false or "auto").
         lo, hi: inclusive bounds of a number (``None``: unbounded on that side).
         why_hi: said after ``hi`` in a message, when the bound is not self-evident.
         multiple: a number must be a multiple of this.
@@ -90,7 +90,7 @@ _OPTIMIZER_RULES = {
     "nvme_path": Rule("paths", auto=_PATH_AUTO),
     "buffer_count": Rule("int", lo=2, hi=MAX_BUFFERS, why_hi=_BUFFERS),
     "buffer_size": Rule("bytes", lo=ALIGNMENT, hi=MAX_BYTES, why_hi=_INT64_BYTES, multiple=ALIGNMENT),
-    "pin_memory": Rule("bool", auto=_BOOL_AUTO),
+    "pin_memory": Rule("pin", auto="value"),
     "pipeline_read": Rule("bool", auto=_BOOL_AUTO),
     "pipeline_write": Rule("bool", auto=_BOOL_AUTO),
     "fast_init": Rule("bool", auto=_BOOL_AUTO),
@@ -107,7 +107,7 @@ _PARAM_RULES = {
     "buffer_size": Rule("count", lo=1, **_COUNT),
     "max_in_cpu": Rule("count", lo=0, **_COUNT),
     "max_grad_in_cpu": Rule("count", lo=0, **_COUNT),
-    "pin_memory": Rule("bool", auto=_BOOL_AUTO),
+    "pin_memory": Rule("pin", auto="value"),
     "checksum": Rule("bool", auto=_BOOL_AUTO),
 }
 RULES = {"aio": _AIO_RULES, "offload_optimizer": _OPTIMIZER_RULES, "offload_param": _PARAM_RULES}
@@ -170,7 +170,7 @@ def check(rule: Rule, name: str, value: Any) -> tuple[Any, str | None]:
             hint = did_you_mean(value.lower(), rule.choices) if isinstance(value, str) else ""
             return None, f"must be one of {options}, got {show(value)}{hint}"
         return value, None
-    if kind == "o_direct":
+    if kind in ("o_direct", "pin"):
         if value is True or value is False or value == "auto":
             return value, None
         return None, f'must be "auto", true or false (without quotes), got {show(value)}'

@@ -87,7 +87,7 @@ class ParamStore:
 
         itemsize = max((p.element_size() for p in params), default=4)
         self.pool = BufferPool(pc.buffer_count, round_up(pc.buffer_size * itemsize, ALIGNMENT),
-                               pin_memory=pc.pin_memory,
+                               pin_memory=pc.pin_memory if pc.pin_memory != "auto" else self.device.type == "cuda",
                                keys=("offload_param.buffer_count", "offload_param.buffer_size"))
         self._cuda = self.device.type == "cuda"
         # The host cache: smallest parameters first, since for them a disk request costs the most per byte.

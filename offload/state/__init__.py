@@ -2,7 +2,7 @@
 
 from .dicts import check_param_state, check_state_dict, in_memory_state, match_groups, step_tensor
 from .layout import GRAIN, HALF_DTYPES, Chunk, Layout, ParamSlot, Unit, state_dtype_for, state_keys_for
-from .store import StateStore
+from .store import StateStore, resolve_pin
 
 __all__ = [
     "GRAIN",
@@ -16,6 +16,7 @@ __all__ = [
     "check_state_dict",
     "in_memory_state",
     "match_groups",
+    "resolve_pin",
     "state_dtype_for",
     "state_keys_for",
     "step_tensor",

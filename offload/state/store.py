@@ -14,7 +14,7 @@ from ..config import Config
 from ..errors import ConfigError, StateError
 from ..pipeline import BufferRing, Pipeline
 from ..space import SwapSpace
-from ..units import format_size
+from ..units import MIB, format_size, round_up
 from .layout import Chunk, Layout, ParamSlot, Unit
 from .tiers import HostTier, TierSource, auto_cache_bytes
 
@@ -62,19 +62,21 @@ class StateStore:
         self.checksum = oc.checksum
         self.error: Optional[BaseException] = None
         self.in_memory = oc.device == "cpu"
+        self.pin_memory = resolve_pin(oc.pin_memory, (p for g in param_groups for p in g["params"]))
         self.pool = self.space = self.tier = None
         self._reverse = False  # the next step's visiting order
+        size = self._pool_buffer_size(oc)
         try:
             if self.in_memory:
-                self.tier = HostTier(None, oc.buffer_size, pin_memory=oc.pin_memory)
+                self.tier = HostTier(None, size, pin_memory=self.pin_memory)
             else:
-                self.pool = BufferPool(oc.buffer_count, oc.buffer_size, pin_memory=oc.pin_memory,
+                self.pool = BufferPool(oc.buffer_count, size, pin_memory=self.pin_memory,
                                        keys=("offload_optimizer.buffer_count", "offload_optimizer.buffer_size"))
                 self.space = SwapSpace(oc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
         except BaseException:
             _close(self.space, self.pool, self.tier)
             raise
-        unit_bytes = self.pool.buffer_size if self.pool is not None else oc.buffer_size
+        unit_bytes = self.pool.buffer_size if self.pool is not None else size
         # The pool's buffers in circulation, with the writes still landing from them. It outlives runs:
         # a step returns with its last writes in flight (they land during the next forward), and with a
         # host tier buffers change hands between the pool and resident units (see tiers.TierSource).
@@ -89,6 +91,35 @@ class StateStore:
         self.layout = Layout(unit_bytes, oc.state_dtype)
         self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
+    def _pool_buffer_size(self, oc) -> int:
+        """``buffer_size``, or when it is the default and the state the optimizer starts with is smaller
+        than the pool, about state / ``buffer_count`` (whole MiB): a small model gets a small pool."""
+        default = type(oc).__dataclass_fields__["buffer_size"].default
+        if oc.buffer_size != default:
+            return oc.buffer_size
+        state = self.layout_bytes(self._candidates(self.param_groups, trainable_only=True), oc.buffer_size,
+                                  oc.state_dtype)
+        if state >= oc.buffer_count * oc.buffer_size:
+            return oc.buffer_size
+        return min(oc.buffer_size, max(MIB, round_up(-(-state // oc.buffer_count), MIB)))
+
+    @staticmethod
+    def layout_bytes(candidates: list, unit_bytes: int, state_dtype: str) -> int:
+        """Bytes of state ``candidates`` ``(param, group, amsgrad)`` would take in units of ``unit_bytes``."""
+        return sum(u.nbytes for u in Layout(unit_bytes, state_dtype).plan(candidates))
+
+    def _candidates(self, groups: Iterable[dict], *, only: Optional[set] = None,
+                    trainable_only: bool = False) -> list:
+        out = []
+        for g in groups:
+            for p in g["params"]:
+                if self.is_small(p) or (trainable_only and not p.requires_grad):
+                    continue
+                if only is not None and p not in only:
+                    continue
+                out.append((p, g, bool(g["amsgrad"])))
+        return out
+
     def size_cache(self) -> None:
         """Make the host tier ``host_cache`` asks for (after the first placement: "auto" needs the state size)."""
         oc = self.config.offload_optimizer
@@ -100,7 +131,7 @@ class StateStore:
             budget = auto_cache_bytes(pools=self.pool.nbytes, state=len(self.layout.units) * self.layout.unit_bytes)
         count = budget // self.layout.unit_bytes
         if count > 0:
-            self.tier = HostTier(count, self.layout.unit_bytes, pin_memory=oc.pin_memory)
+            self.tier = HostTier(count, self.layout.unit_bytes, pin_memory=self.pin_memory)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
@@ -122,15 +153,7 @@ class StateStore:
             ConfigError: ``device: "cpu"`` and host memory cannot hold the new state.
             ValueError: a unit cannot hold one grain of some parameter's state (buffer_size too small).
         """
-        candidates = []
-        for g in groups:
-            for p in g["params"]:
-                if self.is_small(p) or (trainable_only and not p.requires_grad):
-                    continue
-                if only is not None and p not in only:
-                    continue
-                candidates.append((p, g, bool(g["amsgrad"])))
-        units = self.layout.plan(candidates)
+        units = self.layout.plan(self._candidates(groups, only=only, trainable_only=trainable_only))
         if not units:
             return
         if self.in_memory:
@@ -502,6 +525,13 @@ class _Checked:
         n = self._read.wait()
         self._store._check(self._unit, self._read)
         return n
+
+
+def resolve_pin(setting, params: Iterable[torch.Tensor]) -> bool:
+    """``pin_memory`` as set, or for ``"auto"`` whether any of ``params`` is on a GPU."""
+    if setting == "auto":
+        return any(p.device.type == "cuda" for p in params)
+    return bool(setting)
 
 
 def _hex(digest: tuple) -> str:
