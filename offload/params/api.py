@@ -14,8 +14,8 @@ from .registry import store_of
 from .store import ParamStore, resident
 
 __all__ = [
-    "ParamOffload", "materialized", "offload_parameters", "offloaded", "register_external_parameter",
-    "restore_parameters",
+    "ParamOffload", "compile_offloaded", "materialized", "offload_parameters", "offloaded",
+    "register_external_parameter", "restore_parameters",
 ]
 
 _ATTR = "_nvme_offload_params"
@@ -56,8 +56,8 @@ def offload_parameters(
     and ``requires_grad``; between uses their storage is empty (zero bytes) and their class is
     :class:`offload.params.guard.OffloadedParameter`, a ``Parameter`` subclass on which any torch
     use while released raises ``RuntimeError`` instead of reading freed memory. Buffers stay in
-    memory. Move the model to its device before calling this (``model.to()`` afterwards is not
-    supported).
+    memory. Move the model to its device (and dtype) before calling this: afterwards ``model.to()``
+    to where the weights already are does nothing, and a real move or conversion raises.
 
     Args:
         model: the module whose parameters (all of them, recursively) are offloaded.
@@ -180,6 +180,61 @@ def materialized(model: nn.Module, *, modified: bool = False) -> Iterator[nn.Mod
         return
     with resident(list(state.store.records), dirty=modified):
         yield model
+
+
+# NOTE: torch.compile of the whole model would trace the fetch hooks, which do I/O and must run
+# eagerly (the guard refuses it with a pointer here). Compiling a module's ``forward`` leaves its
+# hooks outside the graph: ``Module.__call__`` runs the pre-hook (fetch), then the compiled forward,
+# then the post-hook (release), and backward's hooks fire from autograd between compiled pieces. So
+# the largest subtrees with no hooks below their root are compiled, each as one graph, and the
+# modules above them stay eager.
+def compile_offloaded(model: nn.Module, **compile_kwargs) -> nn.Module:
+    """``torch.compile`` for a model offloaded with :func:`offload_parameters`, hooks outside the graphs.
+
+    Each largest submodule with no offloaded parameters below it (its own are fetched by its own
+    hooks, around its forward) gets ``module.forward = torch.compile(module.forward, **compile_kwargs)``;
+    modules above those run eagerly. A model that is not offloaded is compiled whole the same way.
+    Changes ``model`` in place and returns it.
+
+    Args:
+        model: the model, after :func:`offload_parameters`.
+        compile_kwargs: passed to ``torch.compile`` (``backend``, ``mode``, ``dynamic``, ...).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compile_offloaded expects a torch.nn.Module, got {type(model).__name__}")
+    hooked = {id(m) for m in _hooked_modules(model)}
+    below: dict[int, bool] = {}  # id(module) -> whether a hooked module is strictly below it
+
+    def has_hooks_below(module: nn.Module) -> bool:
+        if id(module) not in below:
+            below[id(module)] = any(id(c) in hooked or has_hooks_below(c) for c in module.children())
+        return below[id(module)]
+
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        if id(module) in seen:  # a module used in two places is compiled once
+            return
+        seen.add(id(module))
+        if not has_hooks_below(module):
+            module.forward = torch.compile(module.forward, **compile_kwargs)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return model
+
+
+def _hooked_modules(model: nn.Module) -> list[nn.Module]:
+    """The submodules whose forward fetches offloaded parameters (their own or declared ones)."""
+    state = offloaded(model)
+    if state is None:
+        return []
+    return [m for m, params in zip(state.scheduler.modules, state.scheduler.params) if params]
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -26,13 +26,20 @@ _META = frozenset(
     + [getattr(_T, name) for name in (
         "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset", "is_contiguous",
         "is_floating_point", "is_complex", "is_signed", "untyped_storage", "requires_grad_",
-        "register_hook", "register_post_accumulate_grad_hook", "get_device", "type", "__hash__",
+        "register_hook", "register_post_accumulate_grad_hook", "get_device", "__hash__",
         "detach_", "retain_grad", "is_pinned", "is_shared", "__len__", "is_inference",
     ) if hasattr(_T, name)]
     # New tensors shaped like the argument read none of its elements.
     + [torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like, torch.randn_like]
+    # Module._apply (model.to(), .cuda(), .float(), ...) asks this before assigning ``param.data``.
+    + [torch._has_compatible_shallow_copy_type]
 )
 _ZERO = frozenset([_T.zero_, torch._foreach_zero_])
+# Conversions: ``Module.to()``/``.cuda()``/``.cpu()``/``.float()``... call these on every parameter.
+_DTYPES = {_T.double: torch.float64, _T.float: torch.float32, _T.half: torch.float16,
+           _T.bfloat16: torch.bfloat16}
+_MOVES = frozenset([_T.to, _T.cuda, _T.cpu, _T.type, *_DTYPES])
+_SET_DATA = _T.data.__set__
 
 
 def _run(func, args, kwargs):
@@ -77,15 +84,11 @@ def _guard(func, args, kwargs):
         return _run(func, args, kwargs)
     if func in _ZERO:
         return _zero(func, args, kwargs)
-    for a in args:
-        bad = _blocked(a)
-        if bad is not None:
-            raise RuntimeError(_message(bad, func))
-    for a in kwargs.values():
-        bad = _blocked(a)
-        if bad is not None:
-            raise RuntimeError(_message(bad, func))
-    return _run(func, args, kwargs)
+    if func in _MOVES and args and type(args[0]) in (OffloadedParameter, OffloadedGrad):
+        return _move(func, args, kwargs)
+    if func == _SET_DATA and args and type(args[0]) in (OffloadedParameter, OffloadedGrad):
+        return _set_data(args[0], args[1] if len(args) > 1 else kwargs.get("value"))
+    return _checked(func, args, kwargs)
 
 
 def _zero(func, args, kwargs):
@@ -108,14 +111,115 @@ def _zero(func, args, kwargs):
     return target if not rest else _run(func, args, kwargs)
 
 
+# NOTE: ``model.to(device)`` to the device the weights already use is common in training code that
+# did not place the model itself (Hugging Face's Trainer, accelerate's device placement, DDP, Lightning):
+# torch's ``Module._apply`` calls ``param.to(device)``, which returns the parameter itself when
+# nothing changes, then assigns ``param.data = param``. Both are answered here without reading the
+# released bytes. A real move or conversion would give the parameter a storage the store does not
+# own; it is refused, naming the order that works (move first, then offload). ``copy=True`` reads
+# the bytes: it goes on to the ordinary check below.
+def _move(func, args, kwargs):
+    """A conversion of an offloaded parameter (or gradient placeholder): itself when nothing changes."""
+    t = args[0]
+    if func is _T.type and len(args) == 1 and not kwargs:
+        return _run(func, args, kwargs)  # ``p.type()``: the type's name
+    target = _target(func, t, args[1:], kwargs)
+    if target is None:  # not a conversion this can read (``p.type()`` naming the type, copy=True, ...)
+        return _checked(func, args, kwargs)
+    device, dtype, memory_format = target
+    same = (_same_device(device, t.device) and (dtype is None or dtype == t.dtype)
+            and memory_format in (None, torch.preserve_format, torch.contiguous_format))
+    if same:
+        return t
+    if type(t) is OffloadedParameter and t._nvme_is_resident():
+        return _run(func, args, kwargs)  # a converted copy (``F.linear(x, self.weight.to(x.dtype))``)
+    raise RuntimeError(
+        f"{_what(t)} is offloaded to NVMe on {t.device} as {t.dtype}; converting it to "
+        f"{device if device is not None else t.device} as {dtype if dtype is not None else t.dtype} "
+        f"({getattr(func, '__name__', func)}) is not supported after offload_parameters. Move the model before "
+        "offload_parameters: restore_parameters(model), then model.to(...), then offload_parameters(model, ...)")
+
+
+def _target(func, t, args, kwargs):
+    """(device, dtype, memory_format) that ``func(t, *args, **kwargs)`` converts to, or None."""
+    if func in _DTYPES:
+        return None, _DTYPES[func], kwargs.get("memory_format")
+    if func is _T.cpu:
+        return torch.device("cpu"), None, kwargs.get("memory_format")
+    if func is _T.cuda:
+        device = args[0] if args else kwargs.get("device")
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+        return device, None, kwargs.get("memory_format")
+    if func is _T.type:
+        dtype = args[0] if args else kwargs.get("dtype")
+        return (None, dtype, None) if isinstance(dtype, torch.dtype) else None
+    kwargs = dict(kwargs)
+    if kwargs.pop("copy", False):
+        return None
+    try:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    except (TypeError, RuntimeError):
+        return None
+    return device, dtype, memory_format
+
+
+def _same_device(device, current: torch.device) -> bool:
+    if device is None:
+        return True
+    device = torch.device(device)
+    if device.type != current.type:
+        return False
+    if device.index is None:
+        return current.type != "cuda" or current.index == torch.cuda.current_device()
+    return device.index == current.index
+
+
+def _set_data(t, value):
+    """``t.data = value`` (as ``Module._apply`` does after a conversion): only ``t`` itself is accepted."""
+    if value is t:
+        return None
+    raise RuntimeError(
+        f"assigning .data of {_what(t)}, which is offloaded to NVMe, would take it away from its store. Change "
+        "its values in place inside `with offload.params.materialized(model, modified=True):`, or move or "
+        "convert the model before offload_parameters (restore_parameters(model) first)")
+
+
+def _checked(func, args, kwargs):
+    for a in args:
+        bad = _blocked(a)
+        if bad is not None:
+            raise RuntimeError(_message(bad, func))
+    for a in kwargs.values():
+        bad = _blocked(a)
+        if bad is not None:
+            raise RuntimeError(_message(bad, func))
+    return _run(func, args, kwargs)
+
+
+def _what(t) -> str:
+    if type(t) is OffloadedGrad:
+        return f"the gradient of parameter {t._nvme_name}"
+    return f"parameter {t.__dict__.get('_nvme_name', '?')}"
+
+
 def _message(t, func) -> str:
     what = getattr(func, "__name__", repr(func))
+    if torch.compiler.is_compiling():
+        # Dynamo traced into the fetch hooks (torch.compile of the whole model): they must stay outside.
+        return (
+            f"torch.compile traced {_what(t)} ({what}), which is offloaded to NVMe and fetched by module hooks "
+            "that cannot run inside a compiled graph. Compile the submodules instead, with the hooks outside "
+            "the graph: offload.params.api.compile_offloaded(model, **compile_kwargs), after offload_parameters "
+            "and in place of torch.compile(model) or Module.compile()"
+        )
     if type(t) is OffloadedGrad:
         return (
             f"the gradient of parameter {t._nvme_name} is offloaded to NVMe (offload_parameters(..., "
             f"offload_grads=True)), so torch's {what} cannot read it. Read it with "
             "offload.params.load_grad(param), clip with offload.params.clip_grad_norm_(model, max_norm), "
-            "step with OffloadedAdam/OffloadedAdamW, or pass offload_grads=False to keep ordinary gradients"
+            "step with OffloadedAdam/OffloadedAdamW (with Hugging Face's Trainer, use "
+            "offload.integrations.transformers.OffloadTrainer), or pass offload_grads=False to keep ordinary "
+            "gradients"
         )
     return (
         f"parameter {t.__dict__.get('_nvme_name', '?')} is offloaded to NVMe and not resident now, so "
