@@ -1,4 +1,4 @@
-"""The ``offload-ckpt`` command line: export, import, inspect and verify checkpoints.
+"""The ``offload-ckpt`` command line: export, import, inspect, verify and mirror checkpoints.
 
 Exit codes: 0 success, 1 a corrupt, incomplete or unreadable checkpoint (or an I/O error),
 2 a bad argument.
@@ -10,6 +10,7 @@ Examples::
     offload-ckpt export /ckpt/step-0000001000 adamw.pt       # torch.optim.AdamW.load_state_dict(torch.load(...))
     offload-ckpt export /ckpt/step-0000001000 --model-out model.pt   # model.load_state_dict(torch.load(...))
     offload-ckpt import adamw.pt /ckpt/imported --like /ckpt/step-0000001000
+    offload-ckpt mirror /ckpt/step-0000001000 /mnt/remote/ckpt/step-0000001000
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG,
-        description="Inspect, verify, export and import nvme-offload checkpoints (optimizer state, model weights).",
+        description="Inspect, verify, export, import and mirror nvme-offload checkpoints (optimizer state, model "
+                    "weights).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -60,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check every file's size and checksum")
     p.add_argument("checkpoints", metavar="CKPT", nargs="+", help="checkpoint directories")
+
+    p = sub.add_parser("mirror", help="copy a checkpoint to a second level (another drive, a network mount), "
+                                      "atomically, verified after the copy")
+    p.add_argument("source", metavar="SRC", help="checkpoint directory to copy")
+    p.add_argument("destination", metavar="DST",
+                   help="the copy's directory: new or empty, or a checkpoint (replaced atomically); any other "
+                        "directory is refused")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="show a progress bar (default: when stderr is a terminal)")
     return parser
 
 
@@ -98,6 +109,12 @@ def _run(args) -> int:
                 print(json.dumps(checkpoint.read_manifest(args.checkpoint), indent=1, sort_keys=True))
             else:
                 print(checkpoint.inspect_checkpoint(args.checkpoint))
+    elif args.command == "mirror":
+        if not os.path.isdir(args.source):
+            print(f"{PROG} mirror: error: {args.source} is not a directory", file=sys.stderr)
+            return EXIT_USAGE
+        path = checkpoint.mirror_checkpoint(args.source, args.destination, progress=args.progress)
+        print(f"wrote {path} (verified)")
     elif args.command == "verify":
         failed = 0
         for path in args.checkpoints:
@@ -133,6 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (checkpoint.CheckpointError, OSError) as err:
         print(f"{PROG} {args.command}: error: {_describe(err)}", file=sys.stderr)
         return EXIT_FAILURE
+    except ValueError as err:  # e.g. a mirror onto its own source
+        print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``offload-bench checkpoint``: streaming checkpoint save/load against fio and torch.save/torch.load."""
+"""``offload-bench checkpoint``: streaming checkpoint save/load against fio and torch.save/torch.load, and with
+``--async`` a training loop's iteration time while a save runs in the background."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from .workload import TENSOR_ELEMENTS, synthetic_params
 
 JSON_KEYS = ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s",
              "fio_write_gib_s", "fio_read_gib_s")
+ASYNC_JSON_KEYS = ("state_bytes", "iteration_s", "iteration_async_save_s", "iteration_blocking_save_s",
+                   "async_vs_none", "blocking_vs_none", "snapshot_s", "snapshot_method")
 
 
 def add_parser(sub: argparse._SubParsersAction,
@@ -47,13 +50,21 @@ def add_parser(sub: argparse._SubParsersAction,
     add_path_option(p)
     p.add_argument("--ckpt-dir", metavar="DIR",
                    help="where checkpoints are written (default: the first --path); a scratch "
-                        "subdirectory is made there and removed afterwards")
+                        "subdirectory is made there and removed afterwards (and DIR too, if this made it)")
     p.add_argument("--repeat", type=positive_int_arg(1, 20), default=2, metavar="N",
                    help="saves and loads to time; the median is reported (default 2)")
     add_config_option(p)
     p.add_argument("--no-torch", action="store_true", help="skip the torch.save/torch.load comparison")
     p.add_argument("--no-fio", action="store_true", help="skip fio")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="time a training loop instead: iterations without saves, while an asynchronous save "
+                        "runs, and with a blocking save, in one run; and the snapshot's time")
+    p.add_argument("--iterations", type=positive_int_arg(2, 1000), default=4, metavar="N",
+                   help="--async: iterations per save (a save starts every N iterations; default 4)")
+    p.add_argument("--compute-ms", type=positive_int_arg(0, 100_000), default=500, metavar="MS",
+                   help="--async: the forward and backward pass each iteration stands in for, as matrix "
+                        "products on the CPU lasting about this long (default 500)")
     p.set_defaults(run=run)
     return p
 
@@ -91,15 +102,30 @@ def _timed(fn) -> float:
 def run(args: argparse.Namespace) -> int:
     """``offload-bench checkpoint``; returns the exit code."""
     cfg = args.config
-    if args.ckpt_dir is not None and not os.path.isdir(args.ckpt_dir):
-        raise UsageError(f"--ckpt-dir {args.ckpt_dir} is not a directory; create it first")
-    with bench_paths(args.paths) as paths:
-        cfg = cfg.replace(offload_optimizer=cfg.offload_optimizer.replace(nvme_path=tuple(paths)))
-        scratch = tempfile.mkdtemp(prefix="offload-bench-ckpt-", dir=args.ckpt_dir or paths[0])
-        try:
-            return _run(args, cfg, paths, scratch)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
+    made = None
+    if args.ckpt_dir is not None:
+        ckpt_dir = os.path.abspath(args.ckpt_dir)
+        if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+            raise UsageError(f"--ckpt-dir {args.ckpt_dir} is not a directory")
+        if not os.path.exists(ckpt_dir):
+            if not os.path.isdir(os.path.dirname(ckpt_dir)):
+                raise UsageError(f"--ckpt-dir {args.ckpt_dir}: directory {os.path.dirname(ckpt_dir)} does not exist")
+            os.mkdir(ckpt_dir)
+            made = ckpt_dir
+    try:
+        with bench_paths(args.paths) as paths:
+            cfg = cfg.replace(offload_optimizer=cfg.offload_optimizer.replace(nvme_path=tuple(paths)))
+            scratch = tempfile.mkdtemp(prefix="offload-bench-ckpt-", dir=args.ckpt_dir or paths[0])
+            try:
+                return (_run_loop if args.asynchronous else _run)(args, cfg, paths, scratch)
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+    finally:
+        if made is not None:
+            try:
+                os.rmdir(made)  # only if still empty: anything else in it is not ours
+            except OSError:
+                pass
 
 
 def _run(args, cfg, paths, scratch) -> int:
@@ -210,6 +236,112 @@ def _run(args, cfg, paths, scratch) -> int:
         rows.append(["copy bound, one drive", f"{report.fmt_gib(copy_bound)} GiB/s",
                      f"save {result['save_gib_s'] / copy_bound:.2f}x, load {result['load_gib_s'] / copy_bound:.2f}x"])
     print(report.table(["", "rate", "note"], rows))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
+
+
+# -- --async: a training loop ------------------------------------------------------------------------
+
+
+def _calibrated_compute(ms: int):
+    """A stand-in for forward and backward: matrix products on the CPU lasting about ``ms`` milliseconds."""
+    if ms <= 0:
+        return lambda: None
+    a = torch.randn(512, 512)
+    t = time.perf_counter()
+    for _ in range(4):
+        a @ a
+    per = (time.perf_counter() - t) / 4
+    reps = max(1, round(ms / 1000 / per))
+    return lambda: [a @ a for _ in range(reps)]
+
+
+# NOTE: one run, three phases on the same optimizer, so the figures compare: iterations with no save,
+# iterations while an asynchronous save started every --iterations iterations is in flight (the one
+# that starts it included: the call's snapshot is part of it), and iterations that do a blocking save.
+# An iteration is the compute stand-in then optimizer.step() over the whole state (every parameter
+# has a grad). The snapshot time is the asynchronous call's own: a clone of the extents where the
+# checkpoint directory is on the swap files' XFS or btrfs, else the copy of what is in memory.
+def _run_loop(args, cfg, paths, scratch) -> int:
+    oc = cfg.offload_optimizer
+    compute = _calibrated_compute(args.compute_ms)
+    machine = report.machine_info(sorted({*paths, scratch}))
+    report.print_header("checkpoint --async", machine, [
+        ("params", f"{args.params:,} fp32 in tensors of {TENSOR_ELEMENTS:,}"),
+        ("swap path(s)", ", ".join(paths)),
+        ("checkpoint dir", scratch),
+        ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}"),
+        ("iteration", f"about {args.compute_ms} ms of CPU matrix products, then the optimizer step"),
+        ("saves", f"every {args.iterations} iterations, {args.repeat} of each kind"),
+    ])
+    check_free_space([scratch], 3 * args.params * 8, "three checkpoints")
+    params = synthetic_params(args.params)
+    opt = OffloadedAdamW(params, lr=1e-3, config=cfg)
+    n = args.iterations
+
+    def iteration() -> float:
+        t = time.perf_counter()
+        compute()
+        opt.step()
+        return time.perf_counter() - t
+
+    try:
+        iteration()  # creates the state
+        plain = [iteration() for _ in range(n * args.repeat)]
+        during, snapshots, method = [], [], None
+        for k in range(args.repeat):
+            t = time.perf_counter()
+            compute()
+            opt.step()
+            c = time.perf_counter()
+            handle = ckpt.save_checkpoint(opt, os.path.join(scratch, f"async-{k % 2}"), blocking=False)
+            snapshots.append(time.perf_counter() - c)
+            during.append(time.perf_counter() - t)
+            for _ in range(n - 1):
+                busy = not handle.done()
+                took = iteration()
+                if busy:
+                    during.append(took)
+            handle.wait()
+            method = ckpt.read_manifest(handle.directory)["snapshot"]["method"]
+        blocking = []
+        for k in range(args.repeat):
+            t = time.perf_counter()
+            compute()
+            opt.step()
+            ckpt.save_checkpoint(opt, os.path.join(scratch, f"blocking-{k % 2}"))
+            blocking.append(time.perf_counter() - t)
+            for _ in range(n - 1):
+                iteration()
+        state_bytes = opt.offloaded_state_bytes
+    finally:
+        opt.close()
+    base = statistics.median(plain)
+    result: dict[str, Any] = {
+        "state_bytes": state_bytes,
+        "iteration_s": base,
+        "iteration_async_save_s": statistics.mean(during),
+        "iteration_blocking_save_s": statistics.mean(blocking),
+        "async_vs_none": statistics.mean(during) / base,
+        "blocking_vs_none": statistics.mean(blocking) / base,
+        "snapshot_s": statistics.median(snapshots),
+        "snapshot_method": method,
+        "iterations_during_async_saves": len(during),
+        "iteration_s_runs": plain,
+        "iteration_async_save_s_runs": during,
+        "iteration_blocking_save_s_runs": blocking,
+        "compute_ms": args.compute_ms,
+        "params": args.params,
+        "machine": machine,
+    }
+    print(report.table(["", "iteration", "vs no save"], [
+        ["no save", f"{base:.3f} s", "1.00x"],
+        ["async save in flight", f"{result['iteration_async_save_s']:.3f} s", f"{result['async_vs_none']:.2f}x"],
+        ["blocking save", f"{result['iteration_blocking_save_s']:.3f} s", f"{result['blocking_vs_none']:.2f}x"],
+        ["snapshot (the call)", f"{result['snapshot_s']:.3f} s", f"state.bin by {method}"],
+    ]))
     if args.json:
         report.write_json(args.json, result)
         print(f"wrote {args.json}")

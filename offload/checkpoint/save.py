@@ -149,6 +149,7 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
                     raise CheckpointError(
                         f"cannot clone the state into {staged.directory}: {state.why_not or 'units live in memory'}"
                         "; use snapshot=\"auto\" (clones where it can, streams the rest)")
+            state.reserve()
 
             def finish(data: dict) -> dict:
                 manifest = _write_memory_and_manifest(
@@ -354,14 +355,29 @@ class _StateCopy:
             if self.file.alignment > ALIGNMENT:
                 raise CheckpointError(f"{self.path}: the file system wants {self.file.alignment}-byte direct I/O; "
                                       f"checkpoints use {ALIGNMENT}. Set aio.o_direct to false for this path")
-            if self.total:
-                try:
-                    os.posix_fallocate(self.file.fd, 0, self.total)
-                except OSError as err:
-                    raise _no_space(err, self.total, staged.parent, self.path) from err
         except BaseException:
             self.close()
             raise
+
+    def reserve(self) -> None:
+        """Allocate state.bin's space for the units that were not cloned (a full disk is reported now,
+        before any data moves)."""
+        runs, start = [], None
+        for i in range(len(self.units) + 1):
+            copied = i < len(self.units) and self.state[i] != _IN_FILE
+            if copied and start is None:
+                start = i
+            elif not copied and start is not None:
+                runs.append((self.offsets[start], self.offsets[i - 1] + self.lengths[i - 1]))
+                start = None
+        need = sum(b - a for a, b in runs)
+        try:
+            for a, b in runs:
+                os.posix_fallocate(self.file.fd, a, b - a)
+        except OSError as err:
+            st = os.statvfs(os.path.dirname(self.path))
+            raise OSError(err.errno, f"cannot reserve {need} bytes for the checkpoint data ({err.strerror}; "
+                          f"{st.f_bavail * st.f_frsize} bytes free)", self.path) from err
 
     # -- the clone -----------------------------------------------------------------------------------
 
@@ -417,7 +433,10 @@ class _StateCopy:
     # -- the guard -----------------------------------------------------------------------------------
 
     def guard_on(self) -> None:
-        """Copy units before any step changes them, until the walk is over (asynchronous saves)."""
+        """Copy units before any step changes them, until the walk is over (asynchronous saves); nothing to
+        do when every unit was cloned."""
+        if all(s == _IN_FILE for s in self.state):
+            return
         self.spares = BufferPool(2, self.store.layout.unit_bytes)
         self.ring = BufferRing(list(self.spares))
         self._remove_guard = self.store.add_change_guard(self._guard)
@@ -561,12 +580,6 @@ def _wait_quietly(fut) -> None:
         _wait(fut)
     except Exception:  # noqa: BLE001 - whoever issued it reports it
         pass
-
-
-def _no_space(err: OSError, total: int, parent: str, path: str) -> OSError:
-    st = os.statvfs(parent)
-    return OSError(err.errno, f"cannot reserve {total} bytes for the checkpoint data ({err.strerror}; "
-                   f"{st.f_bavail * st.f_frsize} bytes free)", path)
 
 
 # -- a second level ----------------------------------------------------------------------------------

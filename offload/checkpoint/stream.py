@@ -52,12 +52,12 @@ def _aio_of(manifest: dict) -> AioConfig:
 _DONE = CompletedFuture()
 
 
-def _progress(total: int, what: str, enabled: Optional[bool] = None) -> tqdm:
-    """A progress bar of ``total`` bytes on stderr, shown once the work has lasted a second; ``enabled``
-    None shows it only where stderr is a terminal."""
+def _progress(total: int, what: str, enabled: Optional[bool] = None, *, delay: float = 1.0) -> tqdm:
+    """A progress bar of ``total`` bytes on stderr, shown once the work has lasted ``delay`` seconds;
+    ``enabled`` None shows it only where stderr is a terminal."""
     if enabled is None:
         enabled = sys.stderr.isatty()
-    return tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, delay=1.0, leave=False,
+    return tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, delay=delay, leave=False,
                 disable=not enabled, dynamic_ncols=True, file=sys.stderr)
 
 

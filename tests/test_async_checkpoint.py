@@ -1,0 +1,183 @@
+"""Asynchronous saves: the checkpoint holds the state at the call while training goes on, bit for bit as a
+blocking save at the same step; one save at a time; errors on the handle and at the next save; close."""
+
+from __future__ import annotations
+
+import copy
+import filecmp
+import os
+import threading
+
+import pytest
+import torch
+from helpers import SMALL, assert_same_state, make_params, train
+
+from offload import OffloadedAdamW
+from offload import checkpoint as ckpt
+from offload.checkpoint import save as save_module
+from offload.errors import CheckpointError
+
+
+def make_opt(params, nvme, **kw):
+    return OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **{**SMALL, **kw})
+
+
+def loaded_state(path, nvme, **kw) -> dict:
+    """The state_dict of a fresh optimizer loaded from ``path``."""
+    opt = make_opt(make_params(seed=1), nvme, **kw)
+    try:
+        ckpt.load_checkpoint(opt, path)
+        return copy.deepcopy(opt.state_dict())
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("kw", [
+    pytest.param({}, id="nvme"),
+    pytest.param(dict(host_cache=512 * 1024), id="host-cache"),
+    pytest.param(dict(device="cpu"), id="device-cpu"),
+])
+def test_an_async_save_equals_a_blocking_one_taken_at_the_same_step(tmp_path, nvme, closing, kw):
+    """While training goes on for several steps, an asynchronous save still writes the state of the call:
+    its state.bin and memory.pt are byte for byte those of a blocking save at the same step, and it loads
+    to the same state (units on NVMe, in a host cache, or all in memory)."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme, **kw))
+    train(opt, params, range(3))
+    ckpt.save_checkpoint(opt, tmp_path / "blocking")
+    expected = copy.deepcopy(opt.state_dict())
+    handle = ckpt.save_checkpoint(opt, tmp_path / "async", blocking=False, extra={"step": 3})
+    train(opt, params, range(3, 7))
+    assert handle.wait() == str(tmp_path / "async") and handle.done() and handle.exception() is None
+    for name in ("state.bin", "memory.pt"):
+        assert filecmp.cmp(tmp_path / "blocking" / name, tmp_path / "async" / name, shallow=False), name
+    assert ckpt.verify_checkpoint(tmp_path / "async")["snapshot"]["asynchronous"] is True
+    assert_same_state(loaded_state(tmp_path / "async", str(tmp_path / "nvme2"), **kw), expected)
+
+
+def test_units_a_step_changes_before_the_save_reaches_them_are_copied_by_the_guard(tmp_path, nvme, closing,
+                                                                                     monkeypatch):
+    """With the save's own reads held back, the next step meets every unit first: the change guard copies
+    each from the step's buffer (and load_state_dict's, which reads none) and the checkpoint is still the
+    state of the call."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    expected = copy.deepcopy(opt.state_dict())
+    go = threading.Event()
+    captured = []
+    real_run, real_capture = save_module._StateCopy.run, save_module._StateCopy._capture
+
+    def held_run(self, buffers, bar):
+        go.wait(30)
+        return real_run(self, buffers, bar)
+
+    def counted(self, i, unit, buf):
+        captured.append(i)
+        return real_capture(self, i, unit, buf)
+
+    monkeypatch.setattr(save_module._StateCopy, "run", held_run)
+    monkeypatch.setattr(save_module._StateCopy, "_capture", counted)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    train(opt, params, range(2, 3))
+    opt.load_state_dict(copy.deepcopy(expected))  # changes every unit again, reading none of them
+    train(opt, params, range(3, 5))
+    go.set()
+    handle.wait()
+    n_units = len(ckpt.read_manifest(tmp_path / "c")["units"])
+    assert sorted(captured) == list(range(n_units))  # each unit once, by the first step
+    assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
+
+
+def test_a_second_save_waits_for_the_first_and_loads_wait_too(tmp_path, nvme, closing):
+    """Two saves in a row: the second starts only once the first is committed; a load waits for it too."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    first = ckpt.save_checkpoint(opt, tmp_path / "a", blocking=False)
+    second = ckpt.save_checkpoint(opt, tmp_path / "b", blocking=False)
+    assert first.done()
+    ckpt.load_checkpoint(opt, tmp_path / "a")
+    assert second.done()
+    assert ckpt.verify_checkpoint(tmp_path / "a") and ckpt.verify_checkpoint(tmp_path / "b")
+
+
+def test_an_async_failure_is_raised_by_the_handle_and_once_by_the_next_save(tmp_path, nvme, closing, monkeypatch):
+    """A write error in the background leaves no checkpoint (the previous one stays), is raised by
+    wait(), and if nobody looked, by the next save, once; the save after that works."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    before = ckpt.read_manifest(tmp_path / "c")["manifest_xxh3_64"]
+    real = save_module._commit
+
+    def broken(staged, manifest):
+        raise OSError(5, "injected EIO", staged.path("manifest.json"))
+
+    monkeypatch.setattr(save_module, "_commit", broken)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    with pytest.raises(OSError, match="injected EIO"):
+        handle.wait()
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    train(opt, params, range(2, 3))
+    with pytest.raises(CheckpointError, match="previous asynchronous save .* failed") as info:
+        ckpt.save_checkpoint(opt, tmp_path / "d")
+    assert isinstance(info.value.__cause__, OSError)
+    assert ckpt.read_manifest(tmp_path / "c")["manifest_xxh3_64"] == before
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+    monkeypatch.setattr(save_module, "_commit", real)
+    ckpt.save_checkpoint(opt, tmp_path / "d")
+    assert ckpt.verify_checkpoint(tmp_path / "d")
+
+
+def test_closing_the_optimizer_during_an_async_save_leaves_no_checkpoint_that_looks_complete(tmp_path, nvme,
+                                                                                             monkeypatch):
+    """Closing the optimizer while its save is still reading units abandons the save: the handle says
+    why, and nothing under the checkpoint's name (or a temporary one) is left."""
+    params = make_params()
+    opt = make_opt(params, nvme)
+    train(opt, params, range(2))
+    go = threading.Event()
+    real_run = save_module._StateCopy.run
+
+    def held_run(self, buffers, bar):
+        go.wait(30)
+        return real_run(self, buffers, bar)
+
+    monkeypatch.setattr(save_module._StateCopy, "run", held_run)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    opt.close()
+    go.set()
+    assert handle.exception(30) is not None
+    assert not os.path.exists(tmp_path / "c") and os.listdir(tmp_path) == ["nvme"]
+
+
+def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, nvme, closing):
+    """An unknown snapshot kind and a mirror that would replace the checkpoint itself are refused with
+    ValueError; nothing is written."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(1))
+    with pytest.raises(ValueError, match="snapshot must be one of"):
+        ckpt.save_checkpoint(opt, tmp_path / "c", snapshot="copy")
+    with pytest.raises(ValueError, match="would replace the checkpoint itself"):
+        ckpt.save_checkpoint(opt, tmp_path / "c", mirror_to=tmp_path, blocking=False)
+    with pytest.raises(CheckpointError, match="cannot clone"):
+        ckpt.save_checkpoint(opt, tmp_path / "c", snapshot="reflink")  # tmp_path is not on the swap's XFS
+    assert sorted(os.listdir(tmp_path)) == ["nvme"]
+
+
+def test_progress_bars_show_on_a_terminal_only_when_asked_or_long(tmp_path, nvme, closing, capsys):
+    """A save with progress=True draws a bar on stderr once it has lasted a second; by default (stderr is
+    not a terminal here) it draws nothing."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(1))
+    ckpt.save_checkpoint(opt, tmp_path / "quiet")
+    ckpt.load_checkpoint(opt, tmp_path / "quiet")
+    assert capsys.readouterr().err == ""
+    bar = save_module._progress(100, "save", True, delay=0)  # as a save that has lasted a second
+    bar.update(50)
+    bar.close()
+    assert "save" in capsys.readouterr().err
