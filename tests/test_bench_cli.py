@@ -228,6 +228,22 @@ def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
     assert not nvme.exists() or not os.listdir(nvme)
 
 
+def test_checkpoint_async_benchmark_times_the_loop_three_ways_and_makes_then_removes_its_ckpt_dir(tmp_path):
+    """`checkpoint --async` on a tiny state reports the loop's iteration without a save, with an asynchronous
+    save in flight and with a blocking save, and the snapshot; a --ckpt-dir that did not exist is made and
+    removed again."""
+    out = tmp_path / "async.json"
+    ckpt_dir = tmp_path / "ckpts"
+    p = bench("checkpoint", "--async", "--params", "1M", "--repeat", "1", "--iterations", "2", "--compute-ms", "0",
+              "--path", str(tmp_path / "nvme"), "--ckpt-dir", str(ckpt_dir), "--json", str(out), timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    for key in ("iteration_s", "iteration_async_save_s", "iteration_blocking_save_s", "snapshot_s"):
+        assert r[key] > 0, key
+    assert r["snapshot_method"] == "stream" and r["state_bytes"] >= 8 * 1_000_000
+    assert not ckpt_dir.exists()
+
+
 def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
     """``offload-bench params`` on a tiny model exits 0 and writes every documented key."""
     out = tmp_path / "params.json"
