@@ -9,7 +9,6 @@ import os
 import threading
 
 import pytest
-import torch
 from helpers import SMALL, assert_same_state, make_params, train
 
 from offload import OffloadedAdamW
