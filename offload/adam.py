@@ -235,7 +235,9 @@ class OffloadedAdam(torch.optim.Adam):
         by_slot = {}
         for p, entry in entries.items():
             if store.is_small(p):
-                self.state[p] = in_memory_state(p, entry)
+                # An fp32 master missing from it is seeded from the weights (fetched if they are offloaded).
+                with self._access.resident([p] if p.dtype in HALF_DTYPES and "master" not in entry else []):
+                    self.state[p] = in_memory_state(p, entry)
             else:
                 self.state[p] = {"step": step_tensor(entry.get("step", 0.0))}
                 by_slot[store.slot(p)] = entry
@@ -378,7 +380,7 @@ class OffloadedAdam(torch.optim.Adam):
             for dev in copying.pop(id(unit), ()):
                 torch.cuda.current_stream(dev).synchronize()
 
-        with self._access.units(units, active, buffers=len(store.pool or ())) as unit_pass:
+        with self._access.units(units, active) as unit_pass:
             def update(unit, buf) -> bool:
                 grads = unit_pass.grads(unit)
                 unit_pass.fetch(unit, skip_read=has_master)
@@ -397,7 +399,7 @@ class OffloadedAdam(torch.optim.Adam):
             # Its last writes land while the caller goes on (the next forward); reading a unit back, a
             # checkpoint, state_dict() or close() waits for them.
             store.run(units, update, needs_read=lambda u: any(c.slot.initialized for c in u.chunks),
-                      also_read=unit_pass.read_grads, before_write=before_write, settle=True, drain=False)
+                      before_write=before_write, settle=True, drain=False)
         # Units resident in host memory were never written: their copies back must land before the step ends.
         for dev in set().union(*copying.values()) if copying else ():
             torch.cuda.current_stream(dev).synchronize()

@@ -326,7 +326,7 @@ BAD = [
     ({"offload_optimizer": {"pin_memory": "yes"}}, CE, r'offload_optimizer\.pin_memory: must be "auto", true or false'),
     ({"offload_optimizer": {"host_cache": "-1GiB"}}, CE, r"offload_optimizer\.host_cache: .*negative"),
     ({"offload_optimizer": {"host_cache": "lots"}}, CE, r'offload_optimizer\.host_cache: .*or write "auto"'),
-    ({"offload_optimizer": {"state_dtype": "fp16"}}, CE, r'offload_optimizer\.state_dtype: must be one of "fp32", "bf16"'),
+    ({"offload_optimizer": {"state_dtype": "fp16"}}, CE, r'state_dtype: must be one of "fp32", "bf16"'),
     ({"offload_param": {"max_grad_in_cpu": -1}}, CE, r"offload_param\.max_grad_in_cpu: must be at least 0"),
     ({"offload_param": {"device": "auto"}}, CE, r'offload_param\.device: "auto" is not accepted.*"nvme"'),
     ({"offload_optimizer": {"nvme_path": "auto"}}, CE, r'nvme_path: "auto" is not accepted.*directory'),

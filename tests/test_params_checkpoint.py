@@ -125,13 +125,14 @@ def test_save_and_load_keep_resident_weights_bounded_by_the_pool(tmp_path, build
 
 
 def assert_masters_are_the_weights(model, opt):
-    """Every offloaded bf16 parameter's fp32 master equals its weight, widened: the bits a master
-    seeded from the weights must have (zeros, or stale values, would still train without error)."""
+    """Every bf16 parameter's fp32 master (offloaded or, for a small one, in memory) equals its weight,
+    widened: the bits a master seeded from the weights must have (zeros, or stale values, would still train
+    without error)."""
     masters = opt.state_dict()["state"]
     with materialized(model):
         params = list(model.parameters())
         seeded = [i for i, p in enumerate(params) if "master" in masters.get(i, {})]
-        assert len(seeded) == sum(p.numel() >= OPT["small_param_threshold"] for p in params)
+        assert seeded and len(seeded) == len(masters)
         for i in seeded:
             assert torch.equal(masters[i]["master"], params[i].detach().float()), f"parameter {i}: master"
 

@@ -67,7 +67,7 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
             continue
         i = e["index"]
         if e["where"] == "memory":
-            state[i] = {k: v for k, v in memory["state"][i].items()}
+            state[i] = {k: v for k, v in memory["state"][i].items() if k != "master" or include_master}
             continue
         entry = {"step": step_tensor(memory["steps"][i])}
         for k, dtype in zip(e["keys"], _key_dtypes(e)):

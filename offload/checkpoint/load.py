@@ -14,7 +14,7 @@ from torch import nn
 from ..aio import Engine
 from ..errors import CheckpointError
 from ..params import ParamAccess
-from ..state import check_param_state, in_memory_state, match_groups, step_tensor
+from ..state import HALF_DTYPES, check_param_state, in_memory_state, match_groups, step_tensor
 from . import stream
 from .commit import _settle, reading
 from .format import (
@@ -203,7 +203,9 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, 
         step = memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", 0.0)
         if store.is_small(p):
             source = memory["state"][i] if e["where"] == "memory" else new_state[i]
-            opt.state[p] = in_memory_state(p, {**source, "step": step})
+            # An fp32 master missing from it is seeded from the weights (fetched if they are offloaded).
+            with ParamAccess.resident([p] if p.dtype in HALF_DTYPES and "master" not in source else []):
+                opt.state[p] = in_memory_state(p, {**source, "step": step})
         else:
             opt.state[p] = {"step": step_tensor(step)}
             slots[p].initialized = True

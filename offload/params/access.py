@@ -68,15 +68,13 @@ class ParamAccess:
 
     # -- unit by unit ------------------------------------------------------------------------------
 
-    def units(self, units: Sequence, active: set, *, buffers: int = 0, write_back: bool = True) -> UnitPass:
+    def units(self, units: Sequence, active: set, *, write_back: bool = True) -> UnitPass:
         """A pass over ``units`` (in the order the optimizer will update them) for the chunks whose slot
         is in ``active`` (ids); use as a context manager so everything held is released at the end.
 
-        ``buffers``: how many state buffers the optimizer's pipeline uses (pool indices ``0..buffers-1``);
-        offloaded gradients are read into as many grad buffers, paired by index. 0: no gradients are read.
         ``write_back``: weights fetched are written back when released (False when they are only read).
         """
-        return UnitPass(self, units, active, buffers, write_back)
+        return UnitPass(self, units, active, write_back)
 
     def close(self) -> None:
         """Free the gradient buffers."""
@@ -101,7 +99,7 @@ class ParamAccess:
 class UnitPass:
     """One pass of an optimizer over its units: see :meth:`ParamAccess.units`."""
 
-    def __init__(self, access: ParamAccess, units: Sequence, active: set, buffers: int, write_back: bool):
+    def __init__(self, access: ParamAccess, units: Sequence, active: set, write_back: bool):
         self.units = list(units)
         self.active = active
         self.write_back = write_back
@@ -114,57 +112,46 @@ class UnitPass:
             for c in u.chunks:
                 if id(c.slot) in active:
                     self._left[c.slot] = self._left.get(c.slot, 0) + 1
-        self._reads: dict = {}  # id(unit) -> [(chunk, GradRead)]
-        self._plans: dict = {}  # id(unit) -> [(chunk, store)]
+        # One buffer for the gradients of a unit that live on NVMe, as large as a unit's could need.
         size = 0
-        for u in self.units if buffers else ():
-            plan, need = [], 0
+        for u in self.units:
+            need = 0
             for c in u.chunks:
                 store = store_of(c.slot.param)
-                if id(c.slot) in active and store is not None and store.holds_grad(c.slot.param):
+                if id(c.slot) in active and store is not None and store.grads.on_disk(c.slot.param):
                     need = round_up(need, store.space.alignment) + store.grads.span(
-                        c.slot.param, c.start, c.start + c.numel)
-                    plan.append((c, store))
-            if plan:
-                self._plans[id(u)] = plan
+                        c.slot.param, c.start, c.start + c.numel, on_disk=True)
             size = max(size, need)
-        self._pool = access._grad_buffers(buffers, size) if size else None
+        self._buffer = access._grad_buffers(1, size)[0] if size else None
 
     def __enter__(self) -> UnitPass:
         return self
 
     def __exit__(self, *exc) -> None:
-        for reads in self._reads.values():
-            for _, r in reads:
-                r.settle()
-        self._reads.clear()
         held, self._held = self._held, {}
         for slot, store in held.items():
             store.release(slot.param, dirty=self.write_back)
 
     # -- gradients -----------------------------------------------------------------------------
 
-    def read_grads(self, unit, buffer) -> Optional[_Reads]:
-        """Start reading ``unit``'s offloaded gradients into the grad buffer paired with ``buffer``."""
-        plan = self._plans.get(id(unit))
-        if not plan:
-            return None
-        # The state buffer's pool index pairs it with a grad buffer (none needed for gradients in host memory).
-        gbuf = self._pool[buffer.index] if self._pool is not None else None
+    def grads(self, unit) -> dict:
+        """``{chunk: gradient elements}`` for ``unit``'s active chunks whose gradient is in a grad store
+        (read now, from NVMe into the pass's buffer, or as views of gradients kept in host memory); valid
+        until the next call."""
         reads, offset = [], 0
         try:
-            for c, store in plan:
+            for c in unit.chunks:
+                store = store_of(c.slot.param)
+                if id(c.slot) not in self.active or store is None or not store.holds_grad(c.slot.param):
+                    continue
                 offset = round_up(offset, store.space.alignment)
-                read, span = store.grads.read(c.slot.param, c.start, c.start + c.numel, gbuf, offset)
+                read, span = store.grads.read(c.slot.param, c.start, c.start + c.numel, self._buffer, offset)
                 reads.append((c, read))
                 offset += span
+            return {c: r.wait() for c, r in reads}
         finally:
-            self._reads[id(unit)] = reads
-        return _Reads([r for _, r in reads])
-
-    def grads(self, unit) -> dict:
-        """``{chunk: gradient elements}`` for ``unit``'s chunks whose gradient is offloaded (read already)."""
-        return {c: r.wait() for c, r in self._reads.pop(id(unit), ())}
+            for _, r in reads:
+                r.settle()  # after an error: nothing may still be reading into the buffer
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -204,24 +191,3 @@ class UnitPass:
         if store is not None:
             store.fetch(slot.param, read=read)
             self._held[slot] = store
-
-
-class _Reads:
-    """Several gradient reads seen as one future (bytes moved)."""
-
-    def __init__(self, reads: list):
-        self._reads = reads
-
-    def done(self) -> bool:
-        return all(r.done() for r in self._reads)
-
-    def wait(self) -> int:
-        total, first = 0, None
-        for r in self._reads:
-            try:
-                total += r.wait_io()
-            except OSError as err:
-                first = first or err
-        if first is not None:
-            raise first
-        return total

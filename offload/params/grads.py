@@ -6,8 +6,9 @@ from typing import Iterable, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
 
+from ..clipping import clip_coef, grad_norm, uses_foreach
+from ..clipping import total_norm as total_of
 from .registry import store_of
 
 __all__ = ["clip_grad_norm_", "load_grad"]
@@ -73,42 +74,25 @@ def clip_grad_norm_(
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not params:
         return torch.tensor(0.0)
-    first_device = params[0].grad.device
     groups: dict = {}
     for p in params:
         groups.setdefault((p.grad.device, p.grad.dtype), []).append(p)
-
-    def kernel(device, grads) -> bool:
-        # True: torch would use the foreach kernels for this group. Placeholders are plain Tensors
-        # to torch once read, so judge by the types torch would see.
-        if foreach is None:
-            return _has_foreach_support([torch.empty(0, device=device)], device)
-        if foreach and not _device_has_foreach_support(device):
-            raise RuntimeError(
-                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
-        return bool(foreach)
-
     norms = []
-    for (device, _), group in groups.items():
-        use_foreach = kernel(device, group)
-        for p in group:
-            store = store_of(p)
-            g = store.load_grad(p) if store is not None and store.holds_grad(p) else p.grad
-            # torch's foreach norm of a list is, on every device, one norm per tensor: the same bits.
-            norms.append(torch._foreach_norm([g], norm_type)[0] if use_foreach
-                         else torch.linalg.vector_norm(g, norm_type))
-            del g
-    total_norm = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in norms]), norm_type)
+    for p in params:
+        store = store_of(p)
+        g = store.load_grad(p) if store is not None and store.holds_grad(p) else p.grad
+        norms.append(grad_norm(g, norm_type, foreach))
+        del g  # one gradient resident at a time
+    total_norm = total_of([p.grad for p in params], norms, norm_type)
     if error_if_nonfinite and torch.logical_or(total_norm.isnan(), total_norm.isinf()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
             "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
             "anyway, set `error_if_nonfinite=False`"
         )
-    clip_coef = max_norm / (total_norm + 1e-6)
-    coef = torch.clamp(clip_coef, max=1.0)
+    coef = clip_coef(total_norm, max_norm)
     for (device, _), group in groups.items():
-        use_foreach = kernel(device, group)
+        use_foreach = uses_foreach(device, foreach)
         ordinary = []
         for p in group:
             store = store_of(p)

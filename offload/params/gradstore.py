@@ -177,9 +177,15 @@ class GradStore:
             elif g.state == _STORED:
                 g.scales.append(coef.detach().to("cpu"))
 
-    def span(self, param: torch.Tensor, lo: int, hi: int) -> int:
-        """Bytes of a buffer that :meth:`read` of elements ``[lo, hi)`` occupies (whole aligned blocks)."""
-        if self.grads[param].in_host:
+    def on_disk(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient, when stored, is on NVMe (not kept in host memory)."""
+        g = self.grads.get(param)
+        return g is not None and not g.in_host
+
+    def span(self, param: torch.Tensor, lo: int, hi: int, *, on_disk: bool = False) -> int:
+        """Bytes of a buffer that :meth:`read` of elements ``[lo, hi)`` occupies (whole aligned blocks);
+        ``on_disk``: as if the gradient were on NVMe (an upper bound)."""
+        if self.grads[param].in_host and not on_disk:
             return 0
         align, size = self.io.space.alignment, param.element_size()
         return round_up(hi * size, align) - (lo * size) // align * align
