@@ -211,6 +211,7 @@ def _work(handle: SaveHandle, started: threading.Event, refused: list, staged: _
     error = None
     try:
         try:
+            state.make_spares()
             pool = BufferPool(2, state.store.layout.unit_bytes)
             try:
                 with _progress(state.total, "save (background)", bool(show)) as bar:
@@ -347,6 +348,7 @@ class _StateCopy:
         self.closed = False
         self._remove_guard: Optional[Callable[[], None]] = None
         self.spares: Optional[BufferPool] = None
+        self.spares_ready = threading.Event()
         self.ring: Optional[BufferRing] = None
         self.engine = stream._make_engine(aio)
         self.file = None
@@ -436,10 +438,19 @@ class _StateCopy:
         """Copy units before any step changes them, until the walk is over (asynchronous saves); nothing to
         do when every unit was cloned."""
         if all(s == _IN_FILE for s in self.state):
+            self.spares_ready.set()
             return
-        self.spares = BufferPool(2, self.store.layout.unit_bytes)
-        self.ring = BufferRing(list(self.spares))
         self._remove_guard = self.store.add_change_guard(self._guard)
+
+    def make_spares(self) -> None:
+        """The guard's two spare buffers, made by the save's thread (zeroing them is not the caller's time);
+        a guard call before then waits for them."""
+        try:
+            if self._remove_guard is not None and self.spares is None:
+                self.spares = BufferPool(2, self.store.layout.unit_bytes)
+                self.ring = BufferRing(list(self.spares))
+        finally:
+            self.spares_ready.set()
 
     def _guard(self, unit, buf) -> None:
         i = self.index.get(id(unit))
@@ -471,6 +482,9 @@ class _StateCopy:
 
     def _capture(self, i: int, unit, buf) -> None:
         n, length = unit.nbytes, self.lengths[i]
+        self.spares_ready.wait()
+        if self.ring is None:
+            raise CheckpointError("the save's spare buffers could not be made")
         spare = self.ring.take(wait=True)
         pending = None
         try:
@@ -552,6 +566,7 @@ class _StateCopy:
 
     def close(self) -> None:
         """Stop guarding (waiting for a guard call under way), let the guard's writes land, release all."""
+        self.spares_ready.set()  # a guard call waiting for spares goes on (and finds none)
         with self.mu:
             self.closed = True
             if self._remove_guard is not None:
