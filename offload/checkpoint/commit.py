@@ -335,10 +335,11 @@ def _settle(owner, *, report: bool, timeout: float | None = None) -> None:
         return
     if not handle._done.wait(timeout):
         raise TimeoutError(f"the save to {handle.directory} is still in progress after {timeout:g} s")
+    unseen = handle._error is not None and not handle._observed
     with _IN_FLIGHT_LOCK:
-        if _IN_FLIGHT.get(owner) is handle:
+        if _IN_FLIGHT.get(owner) is handle and (report or not unseen):  # else the next save reports it
             del _IN_FLIGHT[owner]
-    if report and handle._error is not None and not handle._observed:
+    if report and unseen:
         handle._observed = True
         err = handle._error
         done = "was committed, but its copy to the mirror failed" if handle.committed else "failed"
