@@ -158,3 +158,19 @@ def test_sigkill_during_async_saves_and_mirroring_leaves_each_level_a_good_check
             assert path is not None
         finally:
             opt.close()
+
+
+def test_pruning_keeps_the_newest_checkpoint_that_verifies_when_newer_ones_are_corrupt(tmp_path, nvme, closing):
+    """With the newest checkpoint corrupt, pruning to keep_last=1 keeps it (it may be repaired or
+    inspected) and also the newest one that verifies; only older ones go."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    writer = ckpt.Retention(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        train(opt, params, range(step, step + 1))
+        writer.save(opt, step)
+    flip_bit(os.path.join(writer.path_for(3), "state.bin"), 10)
+    with pytest.warns(RuntimeWarning, match="does not verify"):
+        removed = ckpt.Retention(tmp_path, keep_last=1).prune()
+    assert removed == [writer.path_for(1)]
+    assert writer.checkpoints() == [writer.path_for(2), writer.path_for(3)]
