@@ -140,7 +140,7 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
         if not blocking:  # copies of what training may change, taken now
             memory = _torch_bytes({"param_groups": plan.groups, "state": plan.memory_state, "steps": plan.steps})
             extra = _torch_bytes(extra) if extra is not None else None
-        model_part = _save_model(model, staged) if model is not None else None
+        model_part = None  # the model's files: written at the call, after state.bin's for a blocking save
         state = _StateCopy(store, staged, optimizer.config.aio, plan.units)
         try:
             if snapshot != "stream":
@@ -166,8 +166,10 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
             if blocking:
                 with _progress(state.total, "save", show) as bar:
                     data = state.run(store.buffers, bar)
+                model_part = _save_model(model, staged) if model is not None else None
                 _commit(staged, finish(data))
             else:
+                model_part = _save_model(model, staged) if model is not None else None
                 handle, refused = SaveHandle(staged.directory), []
                 state.guard_on()
                 threading.Thread(target=_work, name="offload-checkpoint-save", args=(
@@ -394,13 +396,7 @@ class _StateCopy:
         if devices != {os.stat(self.path).st_dev}:
             self.why_not = "the checkpoint is not on the swap files' file system"
             return
-        # A clone shares blocks until training overwrites them; each overwrite then needs new space.
-        # Reserve-up-front: refuse now, as a streamed save's fallocate would, if that space is not free.
         need = sum(self.lengths[i] for i, u in enumerate(self.units) if not (tier and tier.resident(u)))
-        st = os.statvfs(self.path)
-        if st.f_bavail * st.f_frsize < need:
-            raise OSError(_errno.ENOSPC, f"a clone of {format_size(need)} of state needs as much free space for "
-                          f"training to overwrite it ({format_size(st.f_bavail * st.f_frsize)} free)", self.path)
         sources = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in space.files}
         pad = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)  # buffered: padding is not block-sized
         try:
@@ -411,6 +407,8 @@ class _StateCopy:
                     if not _clone_range(sources[path], offset, n, self.file.fd, self.offsets[i] + within):
                         self.why_not = "the file system cannot clone these extents (no reflink)"
                         return  # this unit (maybe cloned in part) and the rest are copied by the walk
+                    if not self.cloned:
+                        self._check_room(need)
                 gap = self.lengths[i] - u.nbytes
                 if gap:
                     os.pwrite(pad, bytes(gap), self.offsets[i] + u.nbytes)  # as a copy pads: zeros
@@ -424,6 +422,15 @@ class _StateCopy:
             for fd in sources.values():
                 os.close(fd)
             os.close(pad)
+
+    def _check_room(self, need: int) -> None:
+        """A clone shares blocks until training overwrites them; each overwrite then needs new space. As a
+        streamed save's fallocate would, refuse now (undoing the first clone) if that space is not free."""
+        st = os.statvfs(self.path)
+        if st.f_bavail * st.f_frsize < need:
+            os.ftruncate(self.file.fd, 0)
+            raise OSError(_errno.ENOSPC, f"a clone of {format_size(need)} of state needs as much free space for "
+                          f"training to overwrite it ({format_size(st.f_bavail * st.f_frsize)} free)", self.path)
 
     def summary(self, *, asynchronous: bool) -> dict:
         """The manifest's ``snapshot`` entry: how state.bin was made."""
