@@ -134,10 +134,11 @@ def _move(func, args, kwargs):
     if type(t) is OffloadedParameter and t._nvme_is_resident():
         return _run(func, args, kwargs)  # a converted copy (``F.linear(x, self.weight.to(x.dtype))``)
     raise RuntimeError(
-        f"{_what(t)} is offloaded to NVMe on {t.device} as {t.dtype}; converting it to "
-        f"{device if device is not None else t.device} as {dtype if dtype is not None else t.dtype} "
-        f"({getattr(func, '__name__', func)}) is not supported after offload_parameters. Move the model before "
-        "offload_parameters: restore_parameters(model), then model.to(...), then offload_parameters(model, ...)")
+        f"{_what(t)} is offloaded to NVMe on {t.device} as {t.dtype} and not resident now, so "
+        f"{getattr(func, '__name__', func)} cannot convert it to {device if device is not None else t.device} as "
+        f"{dtype if dtype is not None else t.dtype}. Move or convert the model before offload_parameters: "
+        "restore_parameters(model), then model.to(...), then offload_parameters(model, ...). (A forward that "
+        "reads another module's parameter declares it: offload.params.register_external_parameter(module, param))")
 
 
 def _target(func, t, args, kwargs):

@@ -1,0 +1,196 @@
+"""Lightning with nvme-offload: ``Trainer(callbacks=[OffloadCheckpoint()])`` makes its checkpoints stream.
+
+An ``OffloadedAdam``'s state (and weights offloaded with ``offload_parameters``) go to a directory
+beside each ``.ckpt`` file (``epoch=3-step=400.ckpt.offload``) through ``save_checkpoint`` /
+``load_checkpoint``; the ``.ckpt`` keeps everything else. Lightning is imported only when
+``OffloadCheckpoint`` or ``OffloadCheckpointIO`` is first used.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+from types import MethodType
+from typing import Any, Optional
+
+import torch
+
+from ..errors import CheckpointError
+from ._common import check_fingerprint, fingerprint, has_offloaded_weights, offloaded_optimizer
+
+__all__ = ["KEY", "SUFFIX", "OffloadCheckpoint", "OffloadCheckpointIO"]  # noqa: F822 (built by __getattr__)
+
+SUFFIX = ".offload"  # X.ckpt -> X.ckpt.offload (optimizer 0 and the weights), X.ckpt.offload-1, ...
+KEY = "nvme_offload"  # what the .ckpt says about the directories beside it
+_STREAMED = {KEY: "streamed beside the .ckpt"}  # stands in checkpoint["optimizer_states"][i]
+_OVERRIDES = ("optimizer_state", "lightning_module_state_dict", "load_model_state_dict", "load_optimizer_state_dict")
+
+
+# NOTE: Lightning gathers ``optimizer.state_dict()`` and ``module.state_dict()`` in its strategy, into
+# one dict, before any callback or CheckpointIO sees it (its DeepSpeed and FSDP strategies override
+# exactly these steps for the same reason). OffloadCheckpoint therefore overrides them on the
+# Trainer's strategy (single device or DDP): an OffloadedAdam's entry becomes a small marker, and an
+# offloaded model's state_dict an empty one; OffloadCheckpointIO, given the file's path, streams them
+# into directories beside it and writes the rest with torch.save. The .ckpt records each directory's
+# fingerprint (its manifest's checksum), checked before anything is loaded: a crash between the two
+# writes, or a .ckpt copied without its directory, is refused rather than trained on.
+def _optimizer_state(strategy, optimizer) -> dict:
+    if offloaded_optimizer(optimizer) is not None:
+        return dict(_STREAMED)
+    return type(strategy).optimizer_state(strategy, optimizer)
+
+
+def _lightning_module_state_dict(strategy) -> dict:
+    if has_offloaded_weights(strategy.lightning_module):
+        return {}  # streamed beside the .ckpt
+    return type(strategy).lightning_module_state_dict(strategy)
+
+
+def _load_model_state_dict(strategy, checkpoint, strict: bool = True) -> None:
+    info = checkpoint.get(KEY)
+    if info is None or not info["model"]:
+        return type(strategy).load_model_state_dict(strategy, checkpoint, strict=strict)
+    from ..checkpoint import load_parameters
+
+    load_parameters(strategy.lightning_module, info["dirs"][0])
+
+
+def _load_optimizer_state_dict(strategy, checkpoint) -> None:
+    info = checkpoint.get(KEY)
+    if info is None:
+        return type(strategy).load_optimizer_state_dict(strategy, checkpoint)
+    from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+    dirs = iter(info["dirs"])
+    for optimizer, state in zip(strategy.optimizers, checkpoint["optimizer_states"]):
+        if state != _STREAMED:
+            optimizer.load_state_dict(state)
+            _optimizer_to_device(optimizer, strategy.root_device)
+            continue
+        offloaded_optimizer(optimizer).load_checkpoint(next(dirs))
+
+
+def _dirs(path: str, count: int) -> list[str]:
+    return [f"{path}{SUFFIX}" + (f"-{i}" if i else "") for i in range(count)]
+
+
+def _classes() -> dict:
+    """``OffloadCheckpointIO`` and ``OffloadCheckpoint``, built on first use (Lightning imported then)."""
+    if _built:
+        return _built
+    try:
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+        from lightning.pytorch.callbacks import Callback
+        from lightning.pytorch.plugins.io import CheckpointIO
+        from lightning.pytorch.strategies import Strategy
+    except ImportError as err:
+        raise ImportError("OffloadCheckpoint needs lightning: pip install 'nvme-offload[integrations]'") from err
+
+    class OffloadCheckpointIO(CheckpointIO):
+        """Writes a checkpoint's streamed parts beside the ``.ckpt`` (see :class:`OffloadCheckpoint`),
+        then the rest through ``inner`` (Lightning's default: ``torch.save`` into a temporary file,
+        renamed over the ``.ckpt``).
+
+        Args:
+            inner: the CheckpointIO that was in place (writes and reads the ``.ckpt`` itself).
+            trainer: the Trainer whose optimizers and module the streamed parts come from.
+        """
+
+        def __init__(self, inner, trainer):
+            self.inner = inner
+            self.trainer = trainer
+
+        def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None) -> None:
+            path = os.fspath(path)
+            module = self.trainer.lightning_module
+            model = module if has_offloaded_weights(module) else None
+            states = checkpoint.get("optimizer_states", [])
+            ours = [offloaded_optimizer(o) for o, s in zip(self.trainer.optimizers, states) if s == _STREAMED]
+            if ours or model is not None:
+                dirs = _dirs(path, max(len(ours), 1))
+                for i, (opt, directory) in enumerate(zip(ours, dirs)):
+                    opt.save_checkpoint(directory, model=model if i == 0 else None)
+                if not ours:
+                    from ..checkpoint import save_parameters
+
+                    save_parameters(model, dirs[0])
+                checkpoint[KEY] = {"dirs": [os.path.basename(d) for d in dirs], "model": model is not None,
+                                   "fingerprints": [fingerprint(d) for d in dirs]}
+            if type(self.inner) is TorchCheckpointIO and storage_options is None and "://" not in path:
+                # Lightning's own write serialises the whole dict into memory first.
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                temp = f"{path}.tmp-{os.getpid()}"
+                try:
+                    with open(temp, "wb") as f:
+                        torch.save(checkpoint, f)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(temp, path)
+                finally:
+                    if os.path.exists(temp):
+                        os.unlink(temp)
+            else:
+                self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+        def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
+            checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            info = checkpoint.get(KEY)
+            if info is not None:  # the directories lie beside the file (a link's target, if a link)
+                where = os.path.dirname(os.path.realpath(os.fspath(path)))
+                info["dirs"] = [os.path.join(where, d) for d in info["dirs"]]
+                for directory, expected in zip(info["dirs"], info["fingerprints"]):
+                    check_fingerprint(directory, expected, os.fspath(path))
+            return checkpoint
+
+        def remove_checkpoint(self, path) -> None:
+            from ..checkpoint import read_manifest
+
+            self.inner.remove_checkpoint(path)
+            path = glob.escape(os.fspath(path))
+            for directory in glob.glob(path + SUFFIX) + glob.glob(path + SUFFIX + "-[0-9]*"):
+                try:
+                    read_manifest(directory)  # only a checkpoint of ours is removed
+                except (CheckpointError, OSError):
+                    continue
+                shutil.rmtree(directory)
+
+        def teardown(self) -> None:
+            self.inner.teardown()
+
+    class OffloadCheckpoint(Callback):
+        """Lightning checkpoints that stream offloaded state: ``Trainer(callbacks=[OffloadCheckpoint()])``.
+
+        Every checkpoint Lightning writes (``ModelCheckpoint``, ``trainer.save_checkpoint``) puts an
+        ``OffloadedAdam``'s state, and weights offloaded with ``offload_parameters``, in a directory
+        beside the ``.ckpt`` (``X.ckpt.offload``), streamed through the pools; ``ckpt_path=`` resumes
+        from both. Host memory stays the pools whatever the model size. Works with the single-device
+        and DDP strategies (others gather state their own way and are refused at setup).
+        """
+
+        def setup(self, trainer, pl_module, stage: str) -> None:
+            strategy = trainer.strategy
+            own = [name for name in _OVERRIDES if getattr(type(strategy), name) is not getattr(Strategy, name)]
+            if own:
+                raise ValueError(
+                    f"OffloadCheckpoint cannot work with {type(strategy).__name__}, which gathers state its own way "
+                    f"({', '.join(own)}); use a single-device or DDP strategy")
+            if not isinstance(strategy.checkpoint_io, OffloadCheckpointIO):
+                strategy.checkpoint_io = OffloadCheckpointIO(strategy.checkpoint_io, trainer)
+            # Left in place after fit, so that a trainer.save_checkpoint() afterwards streams too.
+            for name in _OVERRIDES:
+                setattr(strategy, name, MethodType(globals()[f"_{name}"], strategy))
+
+    for cls in (OffloadCheckpointIO, OffloadCheckpoint):
+        cls.__module__ = __name__
+    _built.update(OffloadCheckpointIO=OffloadCheckpointIO, OffloadCheckpoint=OffloadCheckpoint)
+    return _built
+
+
+_built: dict = {}
+
+
+def __getattr__(name: str):
+    if name in ("OffloadCheckpoint", "OffloadCheckpointIO"):
+        return _classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,130 @@
+"""Hugging Face ``Trainer`` with nvme-offload: checkpoints that stream, and the grad norm of offloaded grads.
+
+``OffloadTrainer`` is ``transformers.Trainer`` with the overrides of :class:`OffloadTrainerMixin`;
+the mixin goes in front of any other ``Trainer`` subclass (``class MyTrainer(OffloadTrainerMixin,
+SFTTrainer)``). ``transformers`` is imported only when ``OffloadTrainer`` is first used.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+from ..params import clip_grad_norm_
+from . import OFFLOAD_DIR
+from ._common import has_offloaded_grads, has_offloaded_weights, offloaded_optimizer, unwrap_model
+
+__all__ = ["OFFLOAD_DIR", "OffloadTrainer", "OffloadTrainerMixin"]  # noqa: F822 (built by __getattr__)
+
+_SCHEDULER = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
+
+
+# NOTE: Trainer saves a checkpoint with torch.save(optimizer.state_dict()) and the model's weights
+# with model.state_dict(); both hold everything in memory at once, and no TrainerCallback runs
+# before them. These overrides of Trainer's own save and load steps send what lives on NVMe (an
+# OffloadedAdam's state; weights offloaded with offload_parameters) through save_checkpoint /
+# load_checkpoint into ``checkpoint-N/offload`` instead, and leave everything else to Trainer:
+# scheduler, RNG and trainer state, and the weights of a model that is not offloaded (saving those
+# copies nothing). A checkpoint without that directory (written by a plain Trainer) resumes the
+# ordinary way. Trainer also reads every gradient for the norm it logs, with torch's functions,
+# which cannot read offloaded gradients: the norm (and the clipping) is ours for those.
+class OffloadTrainerMixin:
+    """Overrides of ``transformers.Trainer`` for an ``OffloadedAdam`` and models offloaded with
+    ``offload_parameters``; put it before ``Trainer`` (or a subclass of it) in the bases.
+
+    - Checkpoints (``save_steps``, ``resume_from_checkpoint``): the optimizer's state, and offloaded
+      weights, stream to and from ``checkpoint-N/offload`` (``opt.save_checkpoint``); host memory
+      stays the pools whatever the model size. A model that is not offloaded is saved by Trainer as
+      usual (``model.safetensors``).
+    - Gradient norm and clipping (``max_grad_norm``, the logged ``grad_norm``) with offloaded
+      gradients use :func:`offload.params.clip_grad_norm_`: torch's numbers, bit for bit.
+
+    With neither an ``OffloadedAdam`` nor offloaded weights, Trainer's own code runs unchanged.
+    """
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        if not (_internal_call and has_offloaded_weights(self.model)):
+            return super().save_model(output_dir, _internal_call)
+        # A checkpoint's weights go with the optimizer's state (below), or alone with save_only_model.
+        if self.args.save_only_model and self.args.should_save:
+            from ..checkpoint import save_parameters
+
+            save_parameters(unwrap_model(self.model), os.path.join(output_dir, OFFLOAD_DIR))
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        opt = offloaded_optimizer(self.optimizer)
+        if opt is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            model = unwrap_model(self.model)
+            opt.save_checkpoint(os.path.join(output_dir, OFFLOAD_DIR),
+                                model=model if has_offloaded_weights(model) else None)
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
+
+    # -- resuming -------------------------------------------------------------------------------
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        model = unwrap_model(model if model is not None else self.model)
+        ours = os.path.join(resume_from_checkpoint, OFFLOAD_DIR)
+        if not (has_offloaded_weights(model) and os.path.isdir(ours)):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        from ..checkpoint import load_parameters
+
+        load_parameters(model, ours)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        opt = offloaded_optimizer(self.optimizer)
+        ours = os.path.join(checkpoint, OFFLOAD_DIR) if checkpoint is not None else None
+        if opt is None or ours is None or not os.path.isdir(ours):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        opt.load_checkpoint(ours)  # the weights came in _load_from_checkpoint, from the same directory
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True))
+
+    # -- gradient norm --------------------------------------------------------------------------
+
+    def _clip_grad_norm(self, model) -> Any:
+        if not has_offloaded_grads(self.model):
+            return super()._clip_grad_norm(model)
+        return clip_grad_norm_(unwrap_model(self.model), self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None) -> Any:
+        if grad_norm is None and has_offloaded_grads(self.model):
+            grad_norm = clip_grad_norm_(unwrap_model(self.model), float("inf"))  # the norm alone
+        return super()._get_grad_norm(model, grad_norm)
+
+
+_NEEDED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
+           "_clip_grad_norm", "_get_grad_norm")
+_classes: dict = {}
+
+
+def _trainer_class() -> type:
+    """``OffloadTrainer``, built on first use (so that importing this module needs no transformers)."""
+    if "OffloadTrainer" not in _classes:
+        try:
+            from transformers import Trainer
+        except ImportError as err:
+            raise ImportError("OffloadTrainer needs transformers: pip install 'nvme-offload[integrations]'") from err
+        missing = [name for name in _NEEDED if not hasattr(Trainer, name)]
+        if missing:
+            import transformers
+
+            raise ImportError(
+                f"transformers {transformers.__version__} has no Trainer.{', Trainer.'.join(missing)}, which "
+                "OffloadTrainer overrides; install the version nvme-offload[integrations] names")
+        _classes["OffloadTrainer"] = type("OffloadTrainer", (OffloadTrainerMixin, Trainer), {
+            "__doc__": "``transformers.Trainer`` with :class:`OffloadTrainerMixin`'s streaming checkpoints and "
+                       "gradient norm.",
+            "__module__": __name__,
+        })
+    return _classes["OffloadTrainer"]
+
+
+def __getattr__(name: str):
+    if name == "OffloadTrainer":
+        return _trainer_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,113 @@
+"""``offload-swap``: lists and removes swap files whose owner is gone, and never one a live process holds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import python_env
+
+from offload.swap_cli import EXIT_FAILURE, EXIT_OK, main
+
+# ``python -c HOLD DIR NAME``: creates a swap space named NAME in DIR, prints "ready", then waits for a line
+# on stdin; on "use" it writes and reads back its swap space and prints "ok", then exits cleanly.
+HOLD = """
+import sys
+import torch
+from offload.buffers import BufferPool
+from offload.space import SwapSpace
+pool = BufferPool(1, 1 << 20)
+space = SwapSpace(sys.argv[1], 1 << 20, buffers=pool, name=sys.argv[2])
+extent = space.alloc(1 << 20)
+print("ready", flush=True)
+if sys.stdin.readline().strip() == "use":
+    pool[0].tensor.fill_(7)
+    space.write(extent, pool[0]).wait()
+    pool[0].tensor.zero_()
+    space.read(extent, pool[0]).wait()
+    print("ok" if bool((pool[0].tensor == 7).all()) else "corrupt", flush=True)
+space.close()
+pool.close()
+"""
+# ``python -c DIE DIR NAME``: creates a swap space and dies without any clean-up (its file stays, unlocked).
+DIE = """
+import os, sys
+from offload.space import SwapSpace
+space = SwapSpace(sys.argv[1], 1 << 20, name=sys.argv[2])
+os._exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def swap_dirs(tmp_path_factory):
+    """A directory with a live run's swap file ("live", held by a child process until the module's tests are
+    done) and a dead run's ("dead"), and a subdirectory with another dead run's ("deeper"). The tests below
+    run in order: those that only look come before the one that cleans."""
+    root = tmp_path_factory.mktemp("swap")
+    top, below = root / "nvme", root / "nvme" / "rank1"
+    below.mkdir(parents=True)
+    live = subprocess.Popen([sys.executable, "-c", HOLD, str(top), "live"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=python_env())
+    dead = [subprocess.Popen([sys.executable, "-c", DIE, str(d), name], env=python_env())
+            for d, name in ((top, "dead"), (below, "deeper"))]
+    try:
+        assert live.stdout.readline().strip() == "ready"
+        assert all(p.wait(timeout=120) == 0 for p in dead)
+        yield top, below, live
+    finally:
+        if live.poll() is None:
+            live.kill()
+            live.wait()
+        for d in (top, below):
+            for f in os.listdir(d):
+                if f.endswith(".swap"):
+                    os.unlink(d / f)
+
+
+def _swap_files(directory) -> dict:
+    return {f.split("-")[2]: os.path.join(directory, f) for f in os.listdir(directory) if f.endswith(".swap")}
+
+
+def test_list_names_only_files_whose_owner_is_gone(swap_dirs, capsys):
+    """``list`` prints the dead run's file with its size, never the live run's, and changes nothing; the
+    directories below a path are looked at with ``-r`` only."""
+    top, below, live = swap_dirs
+    assert main(["list", str(top)]) == EXIT_OK
+    out = capsys.readouterr().out
+    files, deeper = _swap_files(top), _swap_files(below)["deeper"]
+    assert files["dead"] in out and files["live"] not in out and deeper not in out
+    assert "1 stale swap file(s) holding 1.00 MiB" in out
+    assert main(["list", "-r", str(top)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert files["dead"] in out and deeper in out and files["live"] not in out
+    assert set(_swap_files(top)) == {"dead", "live"} and set(_swap_files(below)) == {"deeper"}
+
+
+def test_clean_removes_dead_runs_files_and_the_live_run_goes_on(swap_dirs, capsys):
+    """``clean -r`` removes the dead runs' files; the live run's stays, and the live run still writes and
+    reads it, then removes it itself when it closes."""
+    top, below, live = swap_dirs
+    assert main(["clean", "-r", str(top)]) == EXIT_OK
+    assert "2 stale swap file(s) removed, freeing 2.00 MiB" in capsys.readouterr().out
+    assert set(_swap_files(top)) == {"live"} and _swap_files(below) == {}
+    live.stdin.write("use\n")
+    live.stdin.flush()
+    assert live.stdout.readline().strip() == "ok"
+    assert live.wait(timeout=60) == 0
+    assert _swap_files(top) == {}
+
+
+def test_a_path_that_is_not_a_directory_fails(tmp_path, capsys):
+    """A missing path is an error with exit code 1, named on stderr; the other paths are still handled."""
+    assert main(["list", str(tmp_path / "missing"), str(tmp_path)]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "missing is not a directory" in err
+
+
+def test_a_command_is_required(capsys):
+    """Without ``list`` or ``clean`` the usage is printed, with exit code 2."""
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2 and "required: COMMAND" in capsys.readouterr().err
