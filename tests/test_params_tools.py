@@ -105,7 +105,14 @@ def test_assigning_data_of_an_offloaded_parameter_is_refused(nvme, closing):
 # -- torch.compile ---------------------------------------------------------------------------------
 
 
-def test_compiling_the_whole_offloaded_model_is_refused_saying_what_works(nvme, closing):
+@pytest.fixture
+def dynamo():
+    """Dynamo's caches emptied after the test (compiled code holds on to the modules it traced)."""
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiling_the_whole_offloaded_model_is_refused_saying_what_works(nvme, closing, dynamo):
     """torch.compile(model) of an offloaded model fails at its compilation with a message naming
     compile_offloaded, not the advice for reading weights outside a forward."""
     torch.manual_seed(0)
@@ -115,7 +122,7 @@ def test_compiling_the_whole_offloaded_model_is_refused_saying_what_works(nvme, 
     assert "materialized" not in str(info.value)
 
 
-def test_compile_offloaded_trains_like_the_plain_model_compiled_the_same_way(nvme, closing):
+def test_compile_offloaded_trains_like_the_plain_model_compiled_the_same_way(nvme, closing, dynamo):
     """compile_offloaded (hooks outside the graphs) trains to the same weights, bit for bit, as the same
     submodules compiled in a plain model."""
     ref, off = make_pair()
