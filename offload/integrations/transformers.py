@@ -81,6 +81,10 @@ class OffloadTrainerMixin:
         ours = os.path.join(checkpoint, OFFLOAD_DIR) if checkpoint is not None else None
         if opt is None or ours is None or not os.path.isdir(ours):
             return super()._load_optimizer_and_scheduler(checkpoint)
+        from ..checkpoint import read_manifest
+
+        if read_manifest(ours).get("optimizer") is None:
+            return None  # weights alone (save_only_model): nothing to resume the optimizer from, as in Trainer
         opt.load_checkpoint(ours)  # the weights came in _load_from_checkpoint, from the same directory
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True))
 
