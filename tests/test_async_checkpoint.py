@@ -130,13 +130,13 @@ def test_an_async_failure_is_raised_by_the_handle_and_once_by_the_next_save(tmp_
     assert ckpt.verify_checkpoint(tmp_path / "d")
 
 
-def test_closing_the_optimizer_during_an_async_save_leaves_no_checkpoint_that_looks_complete(tmp_path, nvme,
-                                                                                             monkeypatch):
-    """Closing the optimizer while its save is still reading units abandons the save: the handle says
-    why, and nothing under the checkpoint's name (or a temporary one) is left."""
+def test_closing_the_optimizer_during_an_async_save_finishes_the_save_first(tmp_path, nvme, monkeypatch):
+    """close() while the save is still reading units waits for it: the checkpoint commits whole and holds
+    the state at the call, and only then are the swap files deleted."""
     params = make_params()
     opt = make_opt(params, nvme)
     train(opt, params, range(2))
+    expected = copy.deepcopy(opt.state_dict())
     go = threading.Event()
     real_run = save_module._StateCopy.run
 
@@ -146,10 +146,11 @@ def test_closing_the_optimizer_during_an_async_save_leaves_no_checkpoint_that_lo
 
     monkeypatch.setattr(save_module._StateCopy, "run", held_run)
     handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    threading.Timer(0.2, go.set).start()
     opt.close()
-    go.set()
-    assert handle.exception(30) is not None
-    assert not os.path.exists(tmp_path / "c") and os.listdir(tmp_path) == ["nvme"]
+    assert handle.done() and handle.exception(0) is None
+    monkeypatch.undo()
+    assert_same_state(loaded_state(tmp_path / "c", nvme + "-2"), expected)
 
 
 def test_bad_arguments_are_refused_before_anything_is_written(tmp_path, nvme, closing):

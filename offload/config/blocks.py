@@ -88,6 +88,8 @@ class OptimizerOffloadConfig:
         checksum: keep an xxh3_64 of every unit written and verify it on every read, so state changed on
             disk behind our back is found instead of trained on (off by default: on a 2-core machine it
             cost 3-7% of a step; measure yours with ``offload-bench adam --checksum-cost``).
+        overlap_backward: read and update state during backward, as each unit's grads become final, so an
+            iteration costs about max(compute, I/O); see the README for what it cannot be combined with.
 
     Raises:
         ConfigError: at construction, naming every bad field.
@@ -106,6 +108,7 @@ class OptimizerOffloadConfig:
     host_cache: int | str = 0
     state_dtype: str = "fp32"
     checksum: bool = False
+    overlap_backward: bool = False
 
     def __post_init__(self) -> None:
         _validate(self, "offload_optimizer")

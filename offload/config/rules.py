@@ -99,6 +99,7 @@ _OPTIMIZER_RULES = {
     "host_cache": Rule("cache", auto="value"),
     "state_dtype": Rule("choice", choices=("fp32", "bf16"), auto='write "fp32" or "bf16"'),
     "checksum": Rule("bool", auto=_BOOL_AUTO),
+    "overlap_backward": Rule("bool", auto=_BOOL_AUTO),
 }
 _PARAM_RULES = {
     "device": Rule("choice", choices=_DEVICES, auto=_DEVICE_AUTO),

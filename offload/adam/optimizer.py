@@ -1,30 +1,30 @@
-"""OffloadedAdam and OffloadedAdamW: torch's Adam/AdamW with their state on NVMe."""
+"""The optimizer classes: torch's Adam/AdamW whose state is placed, streamed and checkpointed by a StateStore."""
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from torch.optim.adam import adam as _torch_adam
 
-from .checkpoint import load_checkpoint, save_checkpoint
-from .config import offload_config
-from .params import ParamAccess
-from .state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, step_tensor
+from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
+from ..clipping import clip_coef, grad_norm, total_norm
+from ..config import offload_config
+from ..errors import StateError
+from ..overlap import BackwardOverlap
+from ..params import ParamAccess
+from ..state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, step_tensor
+from .checks import check_grad, check_params, no_duplicate_warning
+from .update import kernel_flags, update_chunks, update_in_memory
 
 __all__ = ["OffloadedAdam", "OffloadedAdamW"]
-
-_FUSED_DEVICES = ("cpu", "cuda")
 
 
 # NOTE: these subclass torch.optim.Adam so that hyperparameter checks, param_groups, defaults,
 # add_param_group, zero_grad and LR schedulers are torch's own. Only where the state lives changes:
 # exp_avg, exp_avg_sq (max_exp_avg_sq with amsgrad, and an fp32 master copy of fp16/bf16 parameters)
 # live in units of a StateStore, streamed through its pool of host buffers at each step. The update
-# itself is torch's functional Adam (torch.optim.adam.adam) on views of the swapped-in buffers; Adam
-# is element-wise, so updating a parameter chunk by chunk gives the same bits as updating it whole.
+# itself (update.py) is torch's functional Adam on views of the swapped-in buffers.
 class OffloadedAdam(torch.optim.Adam):
     """Adam (Kingma & Ba) with optimizer state on NVMe; a drop-in for ``torch.optim.Adam``.
 
@@ -85,12 +85,14 @@ class OffloadedAdam(torch.optim.Adam):
         host_cache=None,
         state_dtype: Optional[str] = None,
         checksum: Optional[bool] = None,
+        overlap_backward: Optional[bool] = None,
+        max_grad_norm: Optional[float] = None,
     ):
         if capturable:
             raise ValueError("capturable=True is not supported by OffloadedAdam (state is not on the device)")
         if differentiable:
             raise ValueError("differentiable=True is not supported by OffloadedAdam")
-        with _no_duplicate_warning():  # refused below, with a message of our own
+        with no_duplicate_warning():  # refused below, with a message of our own
             super().__init__(
                 params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
                 capturable=False, differentiable=False, fused=fused, decoupled_weight_decay=self._decoupled,
@@ -101,8 +103,16 @@ class OffloadedAdam(torch.optim.Adam):
             nvme_path=nvme_path, buffer_count=buffer_count, buffer_size=buffer_size, pin_memory=pin_memory,
             pipeline_read=pipeline_read, pipeline_write=pipeline_write, small_param_threshold=small_param_threshold,
             device=device, host_cache=host_cache, state_dtype=state_dtype, checksum=checksum,
+            overlap_backward=overlap_backward,
         )
-        _check_params(self.param_groups)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        self._clip: Optional[torch.Tensor] = None  # set by step() for its updates
+        self._grad_scale: Optional[torch.Tensor] = None
+        self._clip: Optional[torch.Tensor] = None
+        check_params(self.param_groups)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
         try:
             self.state_store.place(self.param_groups, trainable_only=True)
@@ -111,6 +121,11 @@ class OffloadedAdam(torch.optim.Adam):
             self.state_store.close()
             raise
         self._access = ParamAccess(pin_memory=self.state_store.pin_memory)
+        self._overlap = None
+        if self.config.offload_optimizer.overlap_backward:
+            self._overlap = BackwardOverlap(self._run_overlapped, self._overlap_slots, self.state_store.units_of,
+                                            clip=max_grad_norm is not None, failed=self.state_store.failed)
+            self._overlap.hook(p for g in self.param_groups for p in g["params"])
 
     # -- what users call ---------------------------------------------------------------------
 
@@ -120,7 +135,7 @@ class OffloadedAdam(torch.optim.Adam):
         steps itself): as torch's, when every group uses the fused kernel. Then fp16 parameters work with
         a GradScaler, their grads unscaled against the fp32 master; otherwise the scaler unscales the
         grads first, as for any optimizer (and refuses fp16 ones, as torch does)."""
-        return all(self._kernel_flags(g, p.device)["fused"] for g in self.param_groups for p in g["params"])
+        return all(kernel_flags(g, p.device)["fused"] for g in self.param_groups for p in g["params"])
 
     @_step_supports_amp_scaling.setter
     def _step_supports_amp_scaling(self, value) -> None:
@@ -135,7 +150,15 @@ class OffloadedAdam(torch.optim.Adam):
             OSError: reading or writing state failed (the optimizer then refuses further steps).
         """
         store = self.state_store
-        store.check_usable("step")
+        overlap = self._overlap
+        try:
+            store.check_usable("step")
+        except StateError as err:
+            if overlap is not None:
+                overlap.abandon(err)  # a step that failed during backward ends here
+            raise
+        if overlap is not None:
+            self._refuse_in_overlap(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -153,24 +176,46 @@ class OffloadedAdam(torch.optim.Adam):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                _check_grad(p)
+                check_grad(p)
                 (in_memory if store.is_small(p) else offloaded).append((group, p))
-        late = {p for _, p in offloaded if store.slot(p) is None}
-        if late:
-            # Parameters that were frozen at construction and now have grads get their place.
-            store.place(self.param_groups, only=late)
-
-        # Parameters whose weights live on NVMe (offload_parameters) are fetched for the update and
-        # written back after it; ordinary parameters are untouched by this.
-        with self._access.resident([p for _, p in in_memory], dirty=True):
-            self._step_in_memory(in_memory)
-        if offloaded:
-            try:
-                self._step_offloaded([store.slot(p) for _, p in offloaded])
-            except BaseException as err:
+        # Until the update starts, a failure leaves the state as it was (placing late parameters is
+        # all or nothing), unless an update is already under way since backward.
+        changing = overlap is not None and overlap.running
+        try:
+            self._clip = self._clip_factor([p for _, p in in_memory + offloaded])
+            late = {p for _, p in offloaded if store.slot(p) is None}
+            if late:
+                # Parameters that were frozen at construction and now have grads get their place.
+                store.place(self.param_groups, only=late)
+            changing = True
+            # Parameters whose weights live on NVMe (offload_parameters) are fetched for the update and
+            # written back after it; ordinary parameters are untouched by this.
+            with self._access.resident([p for _, p in in_memory], dirty=True):
+                update_in_memory(self.state, in_memory, grad_of=self._access.grad, clip=self._clip,
+                                 grad_scale=self._grad_scale)
+            # With overlap_backward most units were updated during backward: finish that, then the rest.
+            done = overlap.finish() if overlap is not None else set()
+            rest = [store.slot(p) for _, p in offloaded if store.slot(p) not in done]
+            if rest:
+                self._step_offloaded(rest)
+        except BaseException as err:
+            if overlap is not None:
+                overlap.abandon(err)
+            if changing and not isinstance(err, (ValueError, TypeError)):
                 store.failed(err)
-                raise
+            raise
+        finally:
+            self._clip = None
         return loss
+
+    def no_step(self):
+        """A context in which backward passes only accumulate gradients, with ``overlap_backward``.
+
+        Shaped like DDP's ``no_sync()``: wrap the micro-batches of a gradient accumulation that must not
+        step; the backward of the last one (outside the block) updates the state, then call ``step()``.
+        Without ``overlap_backward`` updates happen in ``step()`` only, and the block changes nothing.
+        """
+        return self._overlap.no_step() if self._overlap is not None else contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; gradients held in a parameter grad store are dropped (or marked zero) too."""
@@ -184,15 +229,17 @@ class OffloadedAdam(torch.optim.Adam):
             ValueError: a parameter is already in a group (or listed twice), or is not a usable tensor.
             OSError: the disk cannot hold the new state; the optimizer keeps its groups and state as before.
         """
-        with _no_duplicate_warning():
+        with no_duplicate_warning():
             super().add_param_group(param_group)
         if hasattr(self, "state_store"):
             try:
-                _check_params(self.param_groups)
+                check_params(self.param_groups)
                 self.state_store.place(self.param_groups[-1:], trainable_only=True)
             except BaseException:
                 self.param_groups.pop()
                 raise
+            if self._overlap is not None:
+                self._overlap.hook(self.param_groups[-1]["params"])
 
     def state_dict(self) -> dict:
         """The state in torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``.
@@ -247,20 +294,25 @@ class OffloadedAdam(torch.optim.Adam):
             store.write_state(by_slot, master_from=unit_pass.weights, after_unit=unit_pass.done)
         store.restored()
 
-    def save_checkpoint(self, directory, *, model=None, extra=None) -> str:
+    def save_checkpoint(self, directory, *, model=None, extra=None, blocking: bool = True, mirror_to=None,
+                        snapshot: str = "auto", progress: Optional[bool] = None):
         """Save the whole optimizer state to ``directory`` atomically, streaming it through the pool.
 
         Host memory stays bounded by the pool whatever the model size. ``model``'s weights are saved
         beside it (offloaded ones streamed through the parameter pool), and ``extra`` (for instance
-        ``{"step": step}``). See :func:`offload.checkpoint.save_checkpoint`.
+        ``{"step": step}``). ``blocking=False`` returns a handle at once while training goes on (the
+        checkpoint holds the state at the call); ``mirror_to`` copies the committed checkpoint to a
+        second directory. See :func:`offload.checkpoint.save_checkpoint`.
         """
-        return save_checkpoint(self, directory, model=model, extra=extra)
+        return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
+                               snapshot=snapshot, progress=progress)
 
-    def load_checkpoint(self, directory, *, model=None):
+    def load_checkpoint(self, directory, *, model=None, mirror=None, progress: Optional[bool] = None):
         """Restore state saved by :meth:`save_checkpoint` (checksums verified), and ``model``'s
-        weights if given; returns its ``extra``. See :func:`offload.checkpoint.load_checkpoint`.
+        weights if given; returns its ``extra``. ``mirror`` is a second directory to load from when
+        ``directory`` is missing or damaged. See :func:`offload.checkpoint.load_checkpoint`.
         """
-        return load_checkpoint(self, directory, model=model)
+        return load_checkpoint(self, directory, model=model, mirror=mirror, progress=progress)
 
     def __getstate__(self):
         raise TypeError(
@@ -272,9 +324,16 @@ class OffloadedAdam(torch.optim.Adam):
         self.__getstate__()
 
     def close(self) -> None:
-        """Delete the swap files and free the pools. The optimizer cannot step afterwards."""
-        self.state_store.close()
-        self._access.close()
+        """Wait for a save in flight, then delete the swap files and free the pools. The optimizer cannot
+        step afterwards."""
+        try:
+            wait_for_saves(self)
+        finally:
+            if self._overlap is not None:
+                self._overlap.abandon(StateError("the optimizer was closed during backward"))
+                self._overlap.remove()
+            self.state_store.close()
+            self._access.close()
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -310,87 +369,41 @@ class OffloadedAdam(torch.optim.Adam):
 
     # -- the step ----------------------------------------------------------------------------
 
-    def _kernel_flags(self, group: dict, device: torch.device) -> dict:
-        fused = group["fused"]
-        if fused is None:
-            fused = device.type in _FUSED_DEVICES and not group["foreach"]
-        return {"fused": bool(fused), "foreach": None if fused else group["foreach"]}
-
-    def _adam(self, group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps) -> None:
-        beta1, beta2 = group["betas"]
-        dev = params[0].device
-        scale = getattr(self, "_grad_scale", None)
-        scale = scale.to(dev) if scale is not None else None
-        _torch_adam(
-            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-            **self._kernel_flags(group, dev),
-            capturable=False, differentiable=False, grad_scale=scale,
-            found_inf=torch.zeros((), dtype=torch.float32, device=dev) if scale is not None else None,
-            has_complex=False, decoupled_weight_decay=group["decoupled_weight_decay"],
-            amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-        )
-
-    def _step_in_memory(self, items) -> None:
-        by_group: dict[int, list] = {}
-        for group, p in items:
-            by_group.setdefault(id(group), [group, []])[1].append(p)
-        for group, params in by_group.values():
-            targets, lists = [], [[], [], [], [], []]
-            for p in params:
-                st = self.state[p]
-                fused = self._kernel_flags(group, p.device)["fused"]
-                half = p.dtype in HALF_DTYPES
-                if len(st) == 0:
-                    st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
-                                  else torch.tensor(0.0, dtype=torch.float32))
-                    if half:
-                        # Every fp16/bf16 parameter has an fp32 master, small ones too: their small updates
-                        # would otherwise round away, and they would drift from the large ones.
-                        st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
-                    for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
-                        st[key] = torch.zeros_like(st["master"] if half else p, memory_format=torch.preserve_format)
-                if fused and st["step"].device != p.device:
-                    st["step"] = st["step"].to(p.device)
-                grad = self._access.grad(p)  # read whole from a grad store: these are small
-                targets.append(st["master"] if half else p)
-                lists[0].append(grad.float() if half else grad)
-                lists[1].append(st["exp_avg"])
-                lists[2].append(st["exp_avg_sq"])
-                if group["amsgrad"]:
-                    lists[3].append(st["max_exp_avg_sq"])
-                lists[4].append(st["step"])
-            self._adam(group, targets, *lists)
-            for p, target in zip(params, targets):
-                if target is not p:
-                    p.detach().copy_(target)
-
-    def _step_offloaded(self, slots: list[ParamSlot]) -> None:
+    def _step_offloaded(self, slots: list[ParamSlot], *, gate: Optional[Callable] = None,
+                        order: Optional[list] = None) -> set:
+        """Update the units of ``slots`` (in ``order``, else the store's snake order); ``gate(unit)`` runs
+        before each update (overlap_backward: until its grads are final). A chunk is updated when its slot
+        is one of ``slots`` and its parameter has a grad then. Returns the slots updated."""
         store = self.state_store
-        active = {id(s) for s in slots}
+        candidates = {id(s) for s in slots}
         for s in slots:
             self.state[s.param].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
-        units = store.step_order(store.units_of(slots))
+        units = order if order is not None else store.step_order(store.units_of(slots))
         # With an fp32 master copy on disk the old weights are not read: the update rewrites all of them.
         has_master = lambda slot: "master" in slot.keys and slot.initialized  # noqa: E731
         copying: dict[int, set] = {}  # id(unit) -> CUDA devices still copying state back into its buffer
+        updated: set = set()
 
         def before_write(unit) -> None:
             # The state copied back from the device must be in the buffer before it is written.
             for dev in copying.pop(id(unit), ()):
                 torch.cuda.current_stream(dev).synchronize()
 
-        with self._access.units(units, active) as unit_pass:
+        with self._access.units(units, candidates) as unit_pass:
             def update(unit, buf) -> bool:
+                if gate is not None:
+                    gate(unit)
                 grads = unit_pass.grads(unit)
                 unit_pass.fetch(unit, skip_read=has_master)
                 by_group: dict[int, list] = {}
                 for c in unit.chunks:
-                    if id(c.slot) in active:
+                    if id(c.slot) in candidates and c.slot.param.grad is not None:
                         by_group.setdefault(id(c.slot.group), []).append(c)
+                        updated.add(c.slot)
                 devices = set()
                 for chunks in by_group.values():
-                    devices |= self._update_chunks(chunks, buf, grads)
+                    devices |= update_chunks(chunks, buf, grads, state=self.state, clip=self._clip,
+                                             grad_scale=self._grad_scale)
                 if devices:
                     copying[id(unit)] = devices
                 unit_pass.done(unit)
@@ -403,67 +416,51 @@ class OffloadedAdam(torch.optim.Adam):
         # Units resident in host memory were never written: their copies back must land before the step ends.
         for dev in set().union(*copying.values()) if copying else ():
             torch.cuda.current_stream(dev).synchronize()
-        for s in slots:
+        for s in updated:
             s.initialized = True
             self.state[s.param]["step"] += 1
+        return updated
 
-    def _update_chunks(self, chunks, buf, grad_views: dict) -> set:
-        """Update ``chunks`` (one group's) in ``buf``; returns the CUDA devices whose copies back to
-        ``buf`` are queued and must be waited for before the buffer is written."""
-        group = chunks[0].slot.group
-        amsgrad = group["amsgrad"]
-        params, grads, m, v, vmax, steps = [], [], [], [], [], []
-        writeback, narrow = [], []  # (host view, device tensor); (bf16 moment, its fp32 working copy)
-        for c in chunks:
-            p = c.slot.param
-            lo, hi = c.start, c.start + c.numel
-            flat_p = p.detach().view(-1)[lo:hi]
-            flat_g = grad_views.get(c)
-            if flat_g is None:
-                flat_g = p.grad.reshape(-1)[lo:hi]
-            elif flat_g.device != p.device:
-                flat_g = flat_g.to(p.device, non_blocking=True)
-            state = {k: c.slice(buf, k) for k in c.slot.keys}
-            if not c.slot.initialized:
-                for k, t in state.items():
-                    if k == "master":
-                        t.copy_(flat_p)
-                    else:
-                        t.zero_()
-            dev = p.device
-            if dev.type != "cpu":
-                # State crosses to the parameter's device through the (pinned) buffer.
-                on_dev = {k: t.to(dev, non_blocking=True) for k, t in state.items()}
-                writeback.extend((state[k], on_dev[k]) for k in state)
-                state = on_dev
-            for k in [k for k in state if k != "master" and state[k].dtype == torch.bfloat16]:
-                # Narrow state (state_dtype "bf16"): computed in fp32, rounded to nearest when stored.
-                wide = state[k].float()
-                narrow.append((state[k], wide))
-                state[k] = wide
-            master = state.get("master")
-            target = master if master is not None else flat_p
-            params.append(target)
-            grads.append(flat_g if flat_g.dtype == target.dtype else flat_g.to(target.dtype))
-            m.append(state["exp_avg"])
-            v.append(state["exp_avg_sq"])
-            if amsgrad:
-                vmax.append(state["max_exp_avg_sq"])
-            step = self.state[p]["step"]
-            # A copy per chunk: the kernel increments it, and a parameter may span several chunks.
-            # non_blocking: a blocking copy would wait for every state copy queued before it.
-            steps.append(step.to(dev, copy=True, non_blocking=True) if self._kernel_flags(group, dev)["fused"]
-                         else step.clone())
-        self._adam(group, params, grads, m, v, vmax, steps)
-        for stored, wide in narrow:
-            stored.copy_(wide)
-        for c, target in zip(chunks, params):
-            if "master" in c.slot.keys:
-                c.slot.param.detach().view(-1)[c.start:c.start + c.numel].copy_(target)
-        for host, dev_t in writeback:
-            host.copy_(dev_t, non_blocking=True)
-        return {dev_t.device for _, dev_t in writeback}
+    def _run_overlapped(self, slots: list, gate: Callable, order: list) -> set:
+        return self._step_offloaded(slots, gate=gate, order=order)
 
+    def _overlap_slots(self) -> list:
+        store = self.state_store
+        return [store.slot(p) for g in self.param_groups for p in g["params"]
+                if p.requires_grad and store.slot(p) is not None]
+
+    def _refuse_in_overlap(self, closure) -> None:
+        """What overlap_backward cannot honour, refused when first seen (the state is then failed: the
+        updates of the backward just run used grads that were not meant to be stepped on as they were)."""
+        if closure is not None:
+            raise ValueError("step(closure) cannot be used with overlap_backward=True: the update runs during "
+                             "backward; call loss.backward() yourself, then step()")
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
+            err = StateError(
+                "a GradScaler cannot be used with overlap_backward=True: the update ran during backward on the "
+                "scaled gradients, before the scaler could unscale them or skip an inf step. Restore the state "
+                "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
+                "overlap_backward.")
+            self._overlap.abandon(err)
+            self.state_store.failed(err)
+            raise err
+
+    def _clip_factor(self, params: list) -> Optional[torch.Tensor]:
+        """With max_grad_norm: the total norm of ``params``' grads (torch's clip_grad_norm_, bit for bit; norms
+        taken during backward with overlap_backward) and the factor grads are multiplied by."""
+        if self.max_grad_norm is None or not params:
+            return None
+        taken = self._overlap.norms() if self._overlap is not None else {}
+        norms = []
+        for p in params:
+            norm = taken.get(id(p))
+            if norm is None:
+                g = self._access.grad(p)
+                norm = grad_norm(g)
+                del g  # one gradient of a grad store in memory at a time
+            norms.append(norm)
+        self.last_grad_norm = total_norm([p.grad for p in params], norms)
+        return clip_coef(self.last_grad_norm, self.max_grad_norm)
 
 class OffloadedAdamW(OffloadedAdam):
     """AdamW (decoupled weight decay) with optimizer state on NVMe; a drop-in for ``torch.optim.AdamW``.
@@ -478,41 +475,3 @@ class OffloadedAdamW(OffloadedAdam):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
 
 
-@contextlib.contextmanager
-def _no_duplicate_warning():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*duplicate parameters", category=UserWarning)
-        yield
-
-
-def _check_params(groups: list[dict]) -> None:
-    """Every parameter usable for offloaded state, and listed once across all groups."""
-    seen: set = set()
-    for gi, group in enumerate(groups):
-        for p in group["params"]:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"optimizer parameters must be tensors, got {type(p).__name__}")
-            if id(p) in seen:
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} is listed twice (again in group {gi}); its state would "
-                    "be updated once and its step counted twice. List each parameter once.")
-            seen.add(id(p))
-            if p.is_complex():
-                raise ValueError("complex parameters are not supported by OffloadedAdam; use torch.view_as_real")
-            if not p.is_floating_point():
-                raise ValueError(f"parameters must be floating point, got {p.dtype}")
-            if p.device.type == "meta":
-                raise ValueError(
-                    f"a parameter of shape {tuple(p.shape)} is on the meta device (it has no data); materialise the "
-                    "model (e.g. model.to_empty(device=...) and initialise it) before building the optimizer")
-            if not p.is_contiguous():
-                raise ValueError(
-                    f"parameter of shape {tuple(p.shape)} is not contiguous; offloaded state is stored flat, so "
-                    "make the parameter contiguous (p.data = p.data.contiguous()) before building the optimizer")
-
-
-def _check_grad(p: torch.Tensor) -> None:
-    if p.grad.is_sparse:
-        raise RuntimeError("OffloadedAdam does not support sparse gradients; consider torch.optim.SparseAdam")
-    if p.grad.is_complex():
-        raise RuntimeError("complex gradients are not supported by OffloadedAdam")

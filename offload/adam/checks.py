@@ -1,0 +1,52 @@
+"""What the optimizer checks of its parameters and grads before it places or updates state."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+__all__ = ["check_grad", "check_params", "no_duplicate_warning"]
+
+
+@contextlib.contextmanager
+def no_duplicate_warning():
+    """torch's warning about a parameter listed twice is silenced: check_params refuses it with a clearer error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*duplicate parameters", category=UserWarning)
+        yield
+
+
+def check_params(groups: list[dict]) -> None:
+    """Every parameter usable for offloaded state, and listed once across all groups."""
+    seen: set = set()
+    for gi, group in enumerate(groups):
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"optimizer parameters must be tensors, got {type(p).__name__}")
+            if id(p) in seen:
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is listed twice (again in group {gi}); its state would "
+                    "be updated once and its step counted twice. List each parameter once.")
+            seen.add(id(p))
+            if p.is_complex():
+                raise ValueError("complex parameters are not supported by OffloadedAdam; use torch.view_as_real")
+            if not p.is_floating_point():
+                raise ValueError(f"parameters must be floating point, got {p.dtype}")
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is on the meta device (it has no data); materialise the "
+                    "model (e.g. model.to_empty(device=...) and initialise it) before building the optimizer")
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"parameter of shape {tuple(p.shape)} is not contiguous; offloaded state is stored flat, so "
+                    "make the parameter contiguous (p.data = p.data.contiguous()) before building the optimizer")
+
+
+def check_grad(p: torch.Tensor) -> None:
+    """``p``'s gradient is one the update can use (dense, real)."""
+    if p.grad.is_sparse:
+        raise RuntimeError("OffloadedAdam does not support sparse gradients; consider torch.optim.SparseAdam")
+    if p.grad.is_complex():
+        raise RuntimeError("complex gradients are not supported by OffloadedAdam")

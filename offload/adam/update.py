@@ -1,0 +1,166 @@
+"""The Adam update itself: torch's functional Adam on whole small parameters and on chunks of swapped-in buffers."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch.optim.adam import adam as _torch_adam
+
+from ..state import HALF_DTYPES
+
+__all__ = ["kernel_flags", "run_adam", "update_chunks", "update_in_memory"]
+
+_FUSED_DEVICES = ("cpu", "cuda")
+
+
+# NOTE: Adam is element-wise, so updating a parameter chunk by chunk (a chunk is the part of it that lies
+# in one unit) gives the same bits as updating it whole, as long as each chunk sees the same kernel
+# (fused or foreach, chosen as torch chooses), the same step count and the same grad. Clipping
+# multiplies the grad by the clip factor exactly as torch's clip_grad_norm_ multiplies p.grad in place;
+# a GradScaler's scale goes to the kernel, which divides by it.
+
+
+def kernel_flags(group: dict, device: torch.device) -> dict:
+    """The ``fused``/``foreach`` arguments torch's Adam would use for ``group`` on ``device``."""
+    fused = group["fused"]
+    if fused is None:
+        fused = device.type in _FUSED_DEVICES and not group["foreach"]
+    return {"fused": bool(fused), "foreach": None if fused else group["foreach"]}
+
+
+def run_adam(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
+             grad_scale: Optional[torch.Tensor] = None) -> None:
+    """torch's functional Adam over lists of tensors on one device, with ``group``'s hyperparameters."""
+    beta1, beta2 = group["betas"]
+    dev = params[0].device
+    scale = grad_scale.to(dev) if grad_scale is not None else None
+    _torch_adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        **kernel_flags(group, dev),
+        capturable=False, differentiable=False, grad_scale=scale,
+        found_inf=torch.zeros((), dtype=torch.float32, device=dev) if scale is not None else None,
+        has_complex=False, decoupled_weight_decay=group["decoupled_weight_decay"],
+        amsgrad=group["amsgrad"], beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+    )
+
+
+def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], torch.Tensor],
+                     clip: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> None:
+    """Update small parameters whose state stays in memory (``state[p]``, created at the first step).
+
+    Args:
+        state: the optimizer's ``state`` mapping.
+        items: ``(group, param)`` pairs.
+        grad_of: the whole gradient of a parameter (read from a grad store when it has one).
+        clip: the clip factor grads are multiplied by, or None.
+        grad_scale: a GradScaler's scale, or None.
+    """
+    by_group: dict[int, list] = {}
+    for group, p in items:
+        by_group.setdefault(id(group), [group, []])[1].append(p)
+    for group, params in by_group.values():
+        targets, lists = [], [[], [], [], [], []]
+        for p in params:
+            st = state[p]
+            fused = kernel_flags(group, p.device)["fused"]
+            half = p.dtype in HALF_DTYPES
+            if len(st) == 0:
+                st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                              else torch.tensor(0.0, dtype=torch.float32))
+                if half:
+                    # Every fp16/bf16 parameter has an fp32 master, small ones too: their small updates
+                    # would otherwise round away, and they would drift from the large ones.
+                    st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+                for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
+                    st[key] = torch.zeros_like(st["master"] if half else p, memory_format=torch.preserve_format)
+            if fused and st["step"].device != p.device:
+                st["step"] = st["step"].to(p.device)
+            grad = grad_of(p)
+            if clip is not None:
+                grad = grad * clip.to(grad.device)
+            targets.append(st["master"] if half else p)
+            lists[0].append(grad.float() if half else grad)
+            lists[1].append(st["exp_avg"])
+            lists[2].append(st["exp_avg_sq"])
+            if group["amsgrad"]:
+                lists[3].append(st["max_exp_avg_sq"])
+            lists[4].append(st["step"])
+        run_adam(group, targets, *lists, grad_scale=grad_scale)
+        for p, target in zip(params, targets):
+            if target is not p:
+                p.detach().copy_(target)
+
+
+def update_chunks(chunks, buf, grad_views: dict, *, state: dict, clip: Optional[torch.Tensor],
+                  grad_scale: Optional[torch.Tensor]) -> set:
+    """Update ``chunks`` (one group's, all in the unit held by ``buf``) in place.
+
+    Args:
+        chunks: the unit's chunks to update; their slots say where each state key lies in ``buf``.
+        buf: the host buffer holding the unit.
+        grad_views: ``{chunk: flat grad}`` for grads read from a grad store; others come from ``p.grad``.
+        state: the optimizer's ``state`` mapping (its ``"step"`` counts; they are not incremented here).
+        clip: the clip factor grads are multiplied by, or None.
+        grad_scale: a GradScaler's scale, or None.
+
+    Returns:
+        The CUDA devices whose copies back into ``buf`` are queued and must be waited for before the
+        buffer is written.
+    """
+    group = chunks[0].slot.group
+    amsgrad = group["amsgrad"]
+    params, grads, m, v, vmax, steps = [], [], [], [], [], []
+    writeback, narrow = [], []  # (host view, device tensor); (bf16 moment, its fp32 working copy)
+    for c in chunks:
+        p = c.slot.param
+        lo, hi = c.start, c.start + c.numel
+        flat_p = p.detach().view(-1)[lo:hi]
+        flat_g = grad_views.get(c)
+        if flat_g is None:
+            flat_g = p.grad.reshape(-1)[lo:hi]
+        elif flat_g.device != p.device:
+            flat_g = flat_g.to(p.device, non_blocking=True)
+        if clip is not None:
+            flat_g = flat_g * clip.to(flat_g.device)
+        views = {k: c.slice(buf, k) for k in c.slot.keys}
+        if not c.slot.initialized:
+            for k, t in views.items():
+                if k == "master":
+                    t.copy_(flat_p)
+                else:
+                    t.zero_()
+        dev = p.device
+        if dev.type != "cpu":
+            # State crosses to the parameter's device through the (pinned) buffer.
+            on_dev = {k: t.to(dev, non_blocking=True) for k, t in views.items()}
+            writeback.extend((views[k], on_dev[k]) for k in views)
+            views = on_dev
+        for k in [k for k in views if k != "master" and views[k].dtype == torch.bfloat16]:
+            # Narrow state (state_dtype "bf16"): computed in fp32, rounded to nearest when stored.
+            wide = views[k].float()
+            narrow.append((views[k], wide))
+            views[k] = wide
+        master = views.get("master")
+        target = master if master is not None else flat_p
+        params.append(target)
+        grads.append(flat_g if flat_g.dtype == target.dtype else flat_g.to(target.dtype))
+        m.append(views["exp_avg"])
+        v.append(views["exp_avg_sq"])
+        if amsgrad:
+            vmax.append(views["max_exp_avg_sq"])
+        step = state[p]["step"]
+        # A copy per chunk: the kernel increments it, and a parameter may span several chunks.
+        # non_blocking: a blocking copy would wait for every state copy queued before it.
+        steps.append(step.to(dev, copy=True, non_blocking=True) if kernel_flags(group, dev)["fused"]
+                     else step.clone())
+    run_adam(group, params, grads, m, v, vmax, steps, grad_scale=grad_scale)
+    for stored, wide in narrow:
+        stored.copy_(wide)
+    for c, target in zip(chunks, params):
+        if "master" in c.slot.keys:
+            c.slot.param.detach().view(-1)[c.start:c.start + c.numel].copy_(target)
+    for host, dev_t in writeback:
+        host.copy_(dev_t, non_blocking=True)
+    return {dev_t.device for _, dev_t in writeback}

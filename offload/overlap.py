@@ -1,0 +1,203 @@
+"""The optimizer's work inside backward: state read as backward reaches it, updated once its grads are final."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from .clipping import grad_norm
+from .errors import StateError
+
+__all__ = ["BackwardOverlap"]
+
+
+# NOTE: with overlap_backward, a post-accumulate-grad hook on every parameter tells a step in progress
+# that the parameter's gradient is final. The step runs on a worker thread, started by the first hook
+# of a backward: it is the optimizer's ordinary step (the one pipeline, units read ahead in the order
+# the previous backward finished them), except that before updating a unit it waits until every
+# parameter with a chunk in it has its final gradient (or until step() says there will be no more).
+# So reads and writes of state overlap backward's compute, and an iteration costs about
+# max(compute, I/O) instead of their sum. With clipping, updates also wait for the global norm, which is
+# known at step(): then only the reads overlap backward. The math is unchanged, so results are bit for
+# bit those of the same optimizer without overlap.
+class BackwardOverlap:
+    """Hooks and the step in progress of an optimizer built with ``overlap_backward=True``.
+
+    Args:
+        run_step: ``run_step(slots, gate, order)`` runs the optimizer's offloaded step over the units of
+            ``slots`` in ``order``, calling ``gate(unit)`` before each update; returns the slots updated.
+            It runs on the worker thread; a clip factor it needs is set before :meth:`finish` opens the gates.
+        slots_now: the slots a step may update now (placed parameters that require grad).
+        units_of: ``units_of(slots)`` in layout order.
+        clip: whether updates must wait for the global gradient norm (``max_grad_norm``).
+        failed: ``failed(err)`` is called (on the worker) when the step in progress fails: the state may then be
+            half updated, and the owner refuses further steps until it is restored.
+    """
+
+    def __init__(self, run_step: Callable, slots_now: Callable, units_of: Callable, *, clip: bool,
+                 failed: Callable[[BaseException], None]):
+        self._run_step = run_step
+        self._failed = failed
+        self._slots_now = slots_now
+        self._units_of = units_of
+        self.clip = clip
+        self._handles: dict[int, object] = {}
+        self._skip = 0
+        self._run: Optional[_Run] = None
+        self._order: list = []  # units, in the order the last backward finished them
+        self._lock = threading.Lock()
+
+    def hook(self, params) -> None:
+        """Watch ``params``' gradients (those that require grad; each once)."""
+        for p in params:
+            if p.requires_grad and id(p) not in self._handles:
+                self._handles[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
+
+    @contextlib.contextmanager
+    def no_step(self) -> Iterator[None]:
+        """Backward passes inside the block only accumulate gradients (shaped like DDP's ``no_sync``)."""
+        self._skip += 1
+        try:
+            yield
+        finally:
+            self._skip -= 1
+
+    @property
+    def running(self) -> bool:
+        return self._run is not None
+
+    def norms(self) -> dict:
+        """``{id(param): gradient norm}`` taken as each gradient became final in the backward so far."""
+        return dict(self._run.norms) if self._run is not None else {}
+
+    def finish(self) -> set:
+        """No more gradients this iteration: let the step in progress update what is left and end.
+
+        Returns:
+            The slots it updated.
+
+        Raises:
+            Whatever the step raised (an ``OSError`` naming the file, a ``StateError``).
+        """
+        run, self._run = self._run, None
+        if run is None:
+            return set()
+        updated = run.finish()
+        self._order = run.finished_order
+        return updated
+
+    def abandon(self, err: BaseException) -> None:
+        """Stop a step in progress after an error elsewhere (it finishes what it holds, then ends)."""
+        run, self._run = self._run, None
+        if run is not None:
+            run.abort(err)
+
+    def remove(self) -> None:
+        for h in self._handles.values():
+            h.remove()
+        self._handles.clear()
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self._skip:
+            return
+        with self._lock:
+            if self._run is None:
+                slots = self._slots_now()
+                self._run = _Run(self, slots, self._predict(self._units_of(slots)))
+            run = self._run
+        run.ready(p)
+
+    def _predict(self, units: list) -> list:
+        """The order the coming backward will finish ``units`` in: as the last one did; units it did not see
+        go last, last layer first (backward runs from the output back)."""
+        seen = {id(u): i for i, u in enumerate(self._order)}
+        known = sorted((u for u in units if id(u) in seen), key=lambda u: seen[id(u)])
+        return known + [u for u in reversed(units) if id(u) not in seen]
+
+
+class _Run:
+    """One backward's step in progress, on its worker thread."""
+
+    def __init__(self, owner: BackwardOverlap, slots: list, order: list):
+        self.owner = owner
+        self.order = order
+        self.fired: set = set()
+        self.norms: dict = {}
+        # Per unit, how many of its chunks still wait for their parameter's final gradient.
+        self.waiting: dict = {id(u): sum(1 for c in u.chunks if c.slot.param.requires_grad) for u in order}
+        self.chunks_of: dict = {}
+        for u in order:
+            for c in u.chunks:
+                self.chunks_of.setdefault(id(c.slot.param), []).append(u)
+        self.ready_units: dict = {id(u): threading.Event() for u in order}
+        self.finished_order: list = []
+        self.all_final = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.updated: set = set()
+        self.thread = threading.Thread(target=self._work, args=(slots,), name="offload-overlap", daemon=True)
+        self.thread.start()
+
+    def ready(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is final (its post-accumulate-grad hook fired)."""
+        if self.error is not None:
+            raise self.error
+        if id(p) in self.fired:
+            err = StateError(
+                "a second backward ran before step() with overlap_backward=True: the optimizer updates state as "
+                "soon as a backward makes the grads final, so the first backward's update has already run. Put "
+                "the micro-batches that must not step inside `with optimizer.no_step():` (as with DDP's "
+                "no_sync), and restore the state (load_checkpoint) before going on.")
+            self.abort(err)
+            raise err
+        self.fired.add(id(p))
+        if self.owner.clip and p.grad is not None:
+            self.norms[id(p)] = grad_norm(p.grad)
+        for u in self.chunks_of.get(id(p), ()):
+            for c in u.chunks:
+                if c.slot.param is p:
+                    self.waiting[id(u)] -= 1
+            if self.waiting[id(u)] == 0:
+                self.finished_order.append(u)
+                if not self.owner.clip:
+                    self.ready_units[id(u)].set()
+
+    def gate(self, unit) -> None:
+        """Before updating ``unit`` (on the worker): wait until its grads are final (and, when clipping,
+        the clip factor known)."""
+        if self.owner.clip:
+            self.all_final.wait()
+        else:
+            while not self.ready_units[id(unit)].wait(timeout=0.1):
+                if self.all_final.is_set():
+                    break
+        if self.error is not None:
+            raise self.error
+
+    def finish(self) -> set:
+        self.all_final.set()
+        for event in self.ready_units.values():
+            event.set()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        seen = {id(u) for u in self.finished_order}
+        self.finished_order += [u for u in self.order if id(u) not in seen]
+        return self.updated
+
+    def abort(self, err: BaseException) -> None:
+        self.error = err
+        self.all_final.set()
+        for event in self.ready_units.values():
+            event.set()
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    def _work(self, slots: list) -> None:
+        try:
+            self.updated = self.owner._run_step(slots, self.gate, self.order)
+        except BaseException as err:  # noqa: BLE001 - reported by the next hook and by step()
+            self.error = self.error or err
+            self.owner._failed(self.error)
