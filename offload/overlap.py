@@ -10,6 +10,7 @@ import torch
 
 from .clipping import grad_norm
 from .errors import StateError
+from .params import ParamAccess
 
 __all__ = ["BackwardOverlap"]
 
@@ -35,15 +36,18 @@ class BackwardOverlap:
         clip: whether updates must wait for the global gradient norm (``max_grad_norm``).
         failed: ``failed(err)`` is called (on the worker) when the step in progress fails: the state may then be
             half updated, and the owner refuses further steps until it is restored.
+        access: the optimizer's :class:`ParamAccess`, through which gradients are watched and parameters
+            whose weights live on NVMe are taken as backward finishes them.
     """
 
     def __init__(self, run_step: Callable, slots_now: Callable, units_of: Callable, *, clip: bool,
-                 failed: Callable[[BaseException], None]):
+                 failed: Callable[[BaseException], None], access: ParamAccess):
         self._run_step = run_step
         self._failed = failed
         self._slots_now = slots_now
         self._units_of = units_of
         self.clip = clip
+        self.access = access
         self._handles: dict[int, object] = {}
         self._skip = 0
         self._run: Optional[_Run] = None
@@ -52,9 +56,9 @@ class BackwardOverlap:
 
     def hook(self, params) -> None:
         """Watch ``params``' gradients (those that require grad; each once)."""
-        for p in params:
-            if p.requires_grad and id(p) not in self._handles:
-                self._handles[id(p)] = p.register_post_accumulate_grad_hook(self._on_grad)
+        params = [p for p in params if p.requires_grad and id(p) not in self._handles]
+        for p, handle in zip(params, self.access.watch(params, self)):
+            self._handles[id(p)] = handle
 
     @contextlib.contextmanager
     def no_step(self) -> Iterator[None]:
@@ -100,15 +104,29 @@ class BackwardOverlap:
             h.remove()
         self._handles.clear()
 
-    def _on_grad(self, p: torch.Tensor) -> None:
+    # -- what the parameter layer calls (ParamAccess.watch) --------------------------------------
+
+    def take(self, p: torch.Tensor) -> bool:
+        """Whether the step in progress takes ``p`` (weights on NVMe) as backward leaves it: resident, its
+        gradient in memory, to be updated and written back once (not when clipping, which waits for every
+        gradient, nor inside no_step())."""
+        if self._skip or self.clip:
+            return False
+        run = self._current_run()
+        return run.error is None and run.wants(p) and self.access.adopt(p)
+
+    def final(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is final for this backward."""
         if self._skip:
             return
+        self._current_run().ready(p)
+
+    def _current_run(self) -> _Run:
         with self._lock:
             if self._run is None:
                 slots = self._slots_now()
                 self._run = _Run(self, slots, self._predict(self._units_of(slots)))
-            run = self._run
-        run.ready(p)
+            return self._run
 
     def _predict(self, units: list) -> list:
         """The order the coming backward will finish ``units`` in: as the last one did; units it did not see
@@ -139,6 +157,10 @@ class _Run:
         self.updated: set = set()
         self.thread = threading.Thread(target=self._work, args=(slots,), name="offload-overlap", daemon=True)
         self.thread.start()
+
+    def wants(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient is new to this step (a small parameter, updated in step(), is held until then)."""
+        return id(p) not in self.fired
 
     def ready(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final (its post-accumulate-grad hook fired)."""
@@ -201,3 +223,5 @@ class _Run:
         except BaseException as err:  # noqa: BLE001 - reported by the next hook and by step()
             self.error = self.error or err
             self.owner._failed(self.error)
+        finally:
+            self.owner.access.release_handed()

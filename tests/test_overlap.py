@@ -3,15 +3,20 @@ without it; accumulation with no_step(), clipping with max_grad_norm, refusals, 
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import signal
+import textwrap
 import time
 
 import pytest
 import torch
-from helpers import TINY, Net, assert_same, first_os_error, loss_of
+from helpers import TINY, Net, assert_same, assert_same_state, first_os_error, loss_of, run_python
 from torch.utils.checkpoint import checkpoint
 
-from offload import OffloadedAdamW, StateError, offload_parameters
+from offload import OffloadedAdamW, StateError, materialized, offload_parameters
+from offload.params import load_grad, offloaded
+from offload.units import round_up
 
 UNIT = 64 * 1024
 OPT = dict(lr=1e-2, buffer_size=UNIT, buffer_count=3, small_param_threshold=64)
@@ -174,38 +179,165 @@ def test_a_closure_and_a_grad_scaler_are_refused(nvme, closing):
         ours.step()
 
 
-def test_an_io_error_during_backward_is_reported_and_blocks_steps(nvme, closing):
-    """An EIO in a read or write the step issues during backward is raised (by backward or by step(), naming
-    the swap file), and the optimizer refuses to step after it."""
+@pytest.mark.parametrize("op, tail", [("read", False), ("write", False), ("write", True)],
+                         ids=["read-in-backward", "write-in-backward", "tail-write"])
+def test_an_io_error_during_backward_is_reported_and_blocks_steps(nvme, closing, op, tail):
+    """An EIO in a read or write the step issues during backward, or in the last write a step leaves
+    landing, is raised (by backward, by step() or by the next backward, naming the swap file), and the
+    optimizer refuses to step after it."""
     a = Tied()
     ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, overlap_backward=True, **OPT))
     train(a, ours, range(2))
     ours.state_store.drain()
-    ours.swap_space.inject_fault("error", op="read", count=1, errno=errno.EIO)
-    x, y = batch(9)
-    loss = torch.nn.functional.cross_entropy(a(x).reshape(-1, 50), y.reshape(-1))
-    err = first_os_error(loss.backward, ours.step)
+    skip = len(ours.state_store.layout.units) - 1 if tail else 0
+    ours.swap_space.inject_fault("error", op=op, skip=skip, count=1, errno=errno.EIO)
+    def backward(s):
+        x, y = batch(s)
+        torch.nn.functional.cross_entropy(a(x).reshape(-1, 50), y.reshape(-1)).backward()
+
+    err = first_os_error(*(f for s in (9, 10) for f in (lambda s=s: backward(s), ours.step, ours.zero_grad)))
     assert err.errno == errno.EIO and err.filename in ours.swap_space.files
     with pytest.raises(StateError):
         ours.step()
 
 
-def test_overlap_with_offloaded_parameters_trains_like_without(nvme, closing):
-    """overlap_backward over a model whose weights and grads live on NVMe (offload_parameters) trains bit for
-    bit like the same without overlap."""
+def test_offload_parameters_after_the_optimizer_is_refused_clearly(nvme, closing):
+    """offload_parameters on a model whose optimizer (overlap_backward) is already built: the first backward
+    raises a StateError saying to offload first."""
+    torch.manual_seed(0)
+    m = Net()
+    closing(OffloadedAdamW(m.parameters(), nvme_path=nvme + "-a", overlap_backward=True, **OPT))
+    closing(offload_parameters(m, nvme_path=nvme + "-p", **TINY))
+    with pytest.raises(StateError, match="offload_parameters first"):
+        loss_of(m, 0).backward()
+
+
+def _offloaded_pair(nvme, closing, **opt_kw):
     torch.manual_seed(0)
     a, b = Net(), Net()
     b.load_state_dict(a.state_dict())
     for m, path in ((a, "-pa"), (b, "-pb")):
         closing(offload_parameters(m, nvme_path=nvme + path, **TINY))
-    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", overlap_backward=True, **OPT))
+    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", overlap_backward=True, **OPT, **opt_kw))
     ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", **OPT))
+    return a, b, oa, ob
+
+
+def _moved(model) -> tuple:
+    s = offloaded(model).store
+    return s.bytes_read, s.bytes_written, s.grad_bytes_read, s.grad_bytes_written
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_overlap_with_offloaded_parameters_trains_like_without_and_skips_the_grads_round_trip(nvme, closing, micro):
+    """overlap_backward over a model whose weights and grads live on NVMe (offload_parameters) trains bit for
+    bit like the same without overlap, with accumulation too; each parameter is updated while backward holds
+    it: no gradient is written to NVMe in the last micro-batch nor read back, the weights are read once less
+    and written once per step."""
+    a, b, oa, ob = _offloaded_pair(nvme, closing)
+    weight_bytes = sum(round_up(p.numel() * p.element_size(), 4096) for p in a.parameters())  # as stored
+    per_step = {}
+    for s in range(4):
+        for m, o in ((a, oa), (b, ob)):
+            before = _moved(m)
+            for k in range(micro):
+                ctx = o.no_step() if k < micro - 1 else contextlib.nullcontext()
+                with ctx:
+                    loss_of(m, 10 * s + k).backward()
+            o.step()
+            o.zero_grad()
+            per_step[id(m)] = [x - y for x, y in zip(_moved(m), before)]
+    with materialized(a), materialized(b):
+        assert_same(list(a.parameters()), list(b.parameters()))
+    (ra, wa, gra, gwa), (rb, wb, grb, gwb) = per_step[id(a)], per_step[id(b)]
+    assert gwb > 0 and grb >= gwb  # without overlap: the grads' round trip
+    grads_of_micro = gwb // micro
+    assert gwa == gwb - grads_of_micro and gra < grb  # the last micro-batch's grads never go to NVMe
+    assert wa == weight_bytes and wb == weight_bytes  # updated weights written once
+    assert rb - ra >= 0.9 * weight_bytes  # no second fetch for the update (prefetches dropped blur the rest)
+
+
+def test_a_gradient_consumed_during_backward_refuses_to_be_read(nvme, closing):
+    """With overlap_backward and offloaded grads, a gradient the update took during backward is gone:
+    reading it raises an error naming overlap_backward; zero_grad() then a new backward work as usual."""
+    a, _, oa, _ = _offloaded_pair(nvme, closing)
+    loss_of(a, 0).backward()
+    oa.step()
+    with pytest.raises(RuntimeError, match="overlap_backward"):
+        load_grad(a.blocks[0].up.weight)
+    oa.zero_grad()
+    loss_of(a, 1).backward()
+    oa.step()
+
+
+def test_a_small_hand_off_budget_spills_grads_and_still_trains_alike(nvme, closing):
+    """When more weights and grads would wait for their update than the optimizer allows, the rest take the
+    round trip through NVMe as without overlap: results stay bit for bit, only fewer bytes are saved."""
+    a, b, oa, ob = _offloaded_pair(nvme, closing)
+    oa._access.handoff_bytes = 3 * 128 * 32 * 4  # weights and grads of about one Linear
     for s in range(3):
         for m, o in ((a, oa), (b, ob)):
+            before = _moved(m)
             loss_of(m, s).backward()
             o.step()
             o.zero_grad()
-    from offload import materialized
-
+            if m is a:
+                moved = [x - y for x, y in zip(_moved(m), before)]
+    assert moved[3] > 0  # some grads spilled
     with materialized(a), materialized(b):
         assert_same(list(a.parameters()), list(b.parameters()))
+
+
+KILLED_LOOP = textwrap.dedent('''
+    """Training with overlap_backward over offloaded weights, a checkpoint after every step; killed
+    (SIGKILL) during one backward once the update has rewritten part of the state, or run to the end."""
+    import os, signal, sys, time
+    import torch
+    from offload import OffloadedAdamW, offload_parameters
+    from offload.checkpoint import Retention
+
+    root, nvme, kill_at, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(),
+                                                      torch.nn.Linear(128, 32)) for _ in range(4)))
+    offload_parameters(model, nvme_path=nvme + "-p", max_in_cpu=0, buffer_count=3, buffer_size=2048)
+    opt = OffloadedAdamW(model.parameters(), lr=1e-2, nvme_path=nvme, overlap_backward=True,
+                         buffer_size=64 * 1024, buffer_count=3, small_param_threshold=64)
+    keep = Retention(root, keep_last=2)
+    start = 0
+    if keep.latest() is not None:
+        start = opt.load_checkpoint(keep.latest(), model=model)["step"]
+    for step in range(start, 6):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 32, generator=g).requires_grad_()
+        if step == kill_at:
+            def die(grad):  # backward's last node: the later blocks' updates are under way or landed
+                time.sleep(0.3)
+                os.kill(os.getpid(), signal.SIGKILL)
+            x.register_hook(die)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        keep.save(opt, step + 1, model=model, extra={"step": step + 1})
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out)
+    opt.close()
+''')
+
+
+def test_sigkill_during_backward_then_resume_equals_the_uninterrupted_run(tmp_path):
+    """A run killed during a backward whose update has already rewritten part of the offloaded state, resumed
+    from its last checkpoint, ends bit for bit where a run that was never killed ends (weights on NVMe too)."""
+    script = tmp_path / "loop.py"
+    script.write_text(KILLED_LOOP)
+    killed = run_python(str(script), str(tmp_path / "run"), str(tmp_path / "nvme-1"), "3", str(tmp_path / "x.pt"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "x.pt").exists()
+    resumed = run_python(str(script), str(tmp_path / "run"), str(tmp_path / "nvme-2"), "-1",
+                         str(tmp_path / "resumed.pt"))
+    assert resumed.returncode == 0, resumed.stderr
+    ref = run_python(str(script), str(tmp_path / "ref"), str(tmp_path / "nvme-3"), "-1", str(tmp_path / "ref.pt"))
+    assert ref.returncode == 0, ref.stderr
+    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "ref.pt")
+    for k in b["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert_same_state(a["opt"], b["opt"])

@@ -19,6 +19,8 @@ from .update import kernel_flags, update_chunks, update_in_memory
 
 __all__ = ["OffloadedAdam", "OffloadedAdamW"]
 
+_HANDOFF_MIN = 256 << 20
+
 
 # NOTE: these subclass torch.optim.Adam so that hyperparameter checks, param_groups, defaults,
 # add_param_group, zero_grad and LR schedulers are torch's own. Only where the state lives changes:
@@ -120,11 +122,15 @@ class OffloadedAdam(torch.optim.Adam):
         except BaseException:
             self.state_store.close()
             raise
-        self._access = ParamAccess(pin_memory=self.state_store.pin_memory)
+        # With overlap_backward, weights on NVMe (offload_parameters) whose gradients are final wait, resident,
+        # for their update instead of a round trip of their gradients through NVMe: up to this many bytes.
+        handoff = max(2 * self.host_pool_bytes, _HANDOFF_MIN)
+        self._access = ParamAccess(pin_memory=self.state_store.pin_memory, handoff_bytes=handoff)
         self._overlap = None
         if self.config.offload_optimizer.overlap_backward:
             self._overlap = BackwardOverlap(self._run_overlapped, self._overlap_slots, self.state_store.units_of,
-                                            clip=max_grad_norm is not None, failed=self.state_store.failed)
+                                            clip=max_grad_norm is not None, failed=self.state_store.failed,
+                                            access=self._access)
             self._overlap.hook(p for g in self.param_groups for p in g["params"])
 
     # -- what users call ---------------------------------------------------------------------

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
 from ..buffers import BufferPool
+from ..errors import StateError
 from ..units import round_up
 from .registry import store_of
 
@@ -28,9 +30,14 @@ class ParamAccess:
         pin_memory: pin the buffers offloaded gradients are read into (for CUDA parameters).
     """
 
-    def __init__(self, *, pin_memory: bool = False):
+    def __init__(self, *, pin_memory: bool = False, handoff_bytes: int = 0):
         self.pin_memory = pin_memory
+        self.handoff_bytes = handoff_bytes
         self._grad_pool: Optional[BufferPool] = None
+        # Parameters taken at their final gradient (see watch): param -> (store, bytes of weights and grad).
+        self._handed: dict[torch.Tensor, tuple] = {}
+        self._handed_total = 0
+        self._lock = threading.Lock()
 
     # -- whole parameters (small ones, and loading) -----------------------------------------------
 
@@ -66,6 +73,52 @@ class ParamAccess:
             if store is not None:
                 store.grads.forget(p)
 
+    # -- updates during backward ------------------------------------------------------------------
+
+    def watch(self, params: Iterable[torch.Tensor], watcher) -> list:
+        """Tell ``watcher.final(p)`` when each of ``params``' gradient is final in a backward, once it is where
+        :meth:`UnitPass.grads` and ``p.grad`` will find it; for a parameter on NVMe also ask ``watcher.take(p)``
+        first whether the optimizer takes it as it is (then it stays resident, its gradient in memory, until
+        the update: see :meth:`adopt`). Returns handles to remove.
+        """
+        handles = []
+        for p in params:
+            store = store_of(p)
+            if store is not None and store.scheduler is not None:
+                store.watchers[p] = watcher
+                handles.append(_Unwatch(store.watchers, p))
+            else:
+                handles.append(p.register_post_accumulate_grad_hook(_direct(watcher)))
+        return handles
+
+    def adopt(self, p: torch.Tensor) -> bool:
+        """From ``watcher.take(p)``: take over the backward's hold on ``p``'s weights, unless that would keep
+        more than ``handoff_bytes`` of weights and gradients waiting for updates. Returns whether taken."""
+        store = store_of(p)
+        if store is None or p.grad is None:
+            return False
+        nbytes = p.numel() * p.element_size() * 2
+        with self._lock:
+            if p in self._handed or self._handed_total + nbytes > self.handoff_bytes:
+                return False
+            self._handed[p] = (store, nbytes)
+            self._handed_total += nbytes
+        return True
+
+    def release_handed(self) -> None:
+        """Give back the holds taken by :meth:`adopt` that no update used (after a step failed or ended)."""
+        with self._lock:
+            handed, self._handed, self._handed_total = self._handed, {}, 0
+        for p, (store, _) in handed.items():
+            store.release(p)
+
+    def _take_handed(self, p: torch.Tensor):
+        with self._lock:
+            entry = self._handed.pop(p, None)
+            if entry is not None:
+                self._handed_total -= entry[1]
+        return entry
+
     # -- unit by unit ------------------------------------------------------------------------------
 
     def units(self, units: Sequence, active: set, *, write_back: bool = True) -> UnitPass:
@@ -100,11 +153,13 @@ class UnitPass:
     """One pass of an optimizer over its units: see :meth:`ParamAccess.units`."""
 
     def __init__(self, access: ParamAccess, units: Sequence, active: set, write_back: bool):
+        self.access = access
         self.units = list(units)
         self.active = active
         self.write_back = write_back
         self._position = {id(u): i for i, u in enumerate(self.units)}
         self._held: dict = {}  # slot -> store
+        self._adopted: set = set()  # slots whose hold came from backward (ParamAccess.adopt)
         # Chunks of each slot still to come in this pass: a parameter's weights are released after the
         # last of them, whichever order the units are visited in.
         self._left: dict = {}
@@ -130,7 +185,7 @@ class UnitPass:
     def __exit__(self, *exc) -> None:
         held, self._held = self._held, {}
         for slot, store in held.items():
-            store.release(slot.param, dirty=self.write_back)
+            self._release(slot, store)
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -182,12 +237,44 @@ class UnitPass:
                 continue
             self._left[c.slot] -= 1
             if self._left[c.slot] == 0 and c.slot in self._held:
-                self._held.pop(c.slot).release(c.slot.param, dirty=self.write_back)
+                self._release(c.slot, self._held.pop(c.slot))
 
     def _hold(self, slot, *, read: bool) -> None:
         if slot in self._held:
             return
         store = store_of(slot.param)
-        if store is not None:
+        if store is None:
+            return
+        if self.access._take_handed(slot.param) is not None:
+            self._adopted.add(slot)  # resident since backward, its gradient in p.grad
+        else:
             store.fetch(slot.param, read=read)
-            self._held[slot] = store
+        self._held[slot] = store
+
+    def _release(self, slot, store) -> None:
+        store.release(slot.param, dirty=self.write_back)
+        if slot in self._adopted:
+            self._adopted.discard(slot)
+            if store.offload_grads:
+                store.grads.consume(slot.param)  # updated: the gradient is not needed, nor kept
+
+
+class _Unwatch:
+    """A handle that stops a store telling a watcher about a parameter."""
+
+    def __init__(self, watchers: dict, p: torch.Tensor):
+        self._watchers, self._p = watchers, p
+
+    def remove(self) -> None:
+        self._watchers.pop(self._p, None)
+
+
+def _direct(watcher):
+    def hook(p: torch.Tensor) -> None:
+        if store_of(p) is not None:
+            raise StateError(
+                "offload_parameters was applied to this model after the optimizer was built with "
+                "overlap_backward=True, so the optimizer cannot see when an offloaded gradient is in place. "
+                "Call offload_parameters first, then build the optimizer.")
+        watcher.final(p)
+    return hook

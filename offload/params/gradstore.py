@@ -17,7 +17,7 @@ from .transfer import TensorIO
 
 __all__ = ["GradRead", "GradStore"]
 
-_NONE, _ZERO, _STORED = 0, 1, 2  # what a grad extent holds
+_NONE, _ZERO, _STORED, _CONSUMED = 0, 1, 2, 3  # what a grad extent holds (_CONSUMED: see consume())
 
 
 class GradRead:
@@ -63,7 +63,7 @@ class _Grad:
     placeholder: torch.Tensor
     in_host: bool = False  # kept in host memory, never written to NVMe
     host: Optional[torch.Tensor] = None  # the gradient (a CPU tensor) while in_host and stored
-    state: int = _NONE  # _NONE, _ZERO or _STORED
+    state: int = _NONE  # _NONE, _ZERO, _STORED or _CONSUMED
     writes: list = field(default_factory=list)  # write futures of the extent, in the order issued
     scales: list = field(default_factory=list)  # clip factors not yet applied to the stored bytes
 
@@ -119,6 +119,7 @@ class GradStore:
         with self._lock:
             g = self.grads[param]
             if param.grad is g.placeholder:
+                self._check_not_consumed(g, "accumulate a new gradient onto it")
                 param.grad = None
             else:
                 self._forget(g)
@@ -140,6 +141,37 @@ class GradStore:
                     self._count(-g.nbytes)
             param.grad = g.placeholder
             g.state, g.scales = _STORED, []
+
+    def merge(self, param: torch.Tensor) -> None:
+        """After torch accumulated into ``param.grad``, for a gradient the optimizer takes as it is: add the
+        stored one into it (``stored + new``, as :meth:`put` would) and forget it; nothing is written."""
+        with self._lock:
+            g = self.grads.get(param)
+            grad = param.grad
+            if g is None or grad is None or grad is g.placeholder or g.state == _NONE:
+                return
+            with torch._C.DisableTorchFunctionSubclass():
+                if g.state == _ZERO:
+                    stored = torch.zeros_like(grad)
+                else:
+                    stored = self._stored(g, grad.device)
+                param.grad = stored.add_(grad)
+            self._forget(g)
+
+    def consumed(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient was consumed by an update during backward (see :meth:`consume`)."""
+        g = self.grads.get(param)
+        return g is not None and g.state == _CONSUMED and param.grad is g.placeholder
+
+    def consume(self, param: torch.Tensor) -> None:
+        """The optimizer updated ``param`` from ``param.grad`` during backward (overlap_backward): free the
+        gradient, leaving the placeholder; reading it raises until ``zero_grad()``."""
+        with self._lock:
+            g = self.grads.get(param)
+            if g is None or param.grad is None or param.grad is g.placeholder:
+                return
+            param.grad = g.placeholder
+            g.host, g.state, g.scales = None, _CONSUMED, []
 
     def mark_zero(self, param: torch.Tensor) -> None:
         """``param.grad.zero_()`` on the placeholder: the stored gradient is zero from now on."""
@@ -202,6 +234,7 @@ class GradStore:
             g = self.grads[param]
             if not self.holds(param):
                 raise RuntimeError(f"parameter {g.placeholder._nvme_name} has no gradient in the grad store")
+            self._check_not_consumed(g, "read it")
             if g.in_host:
                 return GradRead(CompletedFuture(), g.host.view(-1)[lo:hi], False, []), 0
             space = self.io.space
@@ -221,20 +254,35 @@ class GradStore:
             g = self.grads.get(param)
             if g is None or not self.holds(param):
                 return None
-            if g.in_host:
-                return g.host.to(param.device, copy=True)
-            out = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-            self._count(g.nbytes)
-            self._count(-g.nbytes)  # the caller holds it; counted as one gradient resident at a time
+            self._check_not_consumed(g, "read it")
             with torch._C.DisableTorchFunctionSubclass():
                 if g.state == _ZERO:
-                    return out.zero_()
-                _land(g)  # the read must see the latest bytes
-                self.bytes_read += self.io.read_into(out.view(-1).view(torch.uint8), g.extent,
-                                                     what=lambda: f"the gradient of {g.placeholder._nvme_name}")
-                for coef in g.scales:
-                    out.mul_(coef)
-            return out
+                    return torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+                return self._stored(g, param.device)
+
+    def _stored(self, g: _Grad, device: torch.device) -> torch.Tensor:
+        """A new tensor on ``device`` holding the stored gradient, pending clip factors applied."""
+        param = g.param
+        if g.in_host:
+            return g.host.to(device, copy=True)
+        out = torch.empty(param.shape, dtype=param.dtype, device=device)
+        self._count(g.nbytes)
+        self._count(-g.nbytes)  # the caller holds it; counted as one gradient resident at a time
+        _land(g)  # the read must see the latest bytes
+        self.bytes_read += self.io.read_into(out.view(-1).view(torch.uint8), g.extent,
+                                             what=lambda: f"the gradient of {g.placeholder._nvme_name}")
+        for coef in g.scales:
+            out.mul_(coef)
+        return out
+
+    @staticmethod
+    def _check_not_consumed(g: _Grad, what: str) -> None:
+        if g.state == _CONSUMED:
+            raise RuntimeError(
+                f"cannot {what}: the gradient of {g.placeholder._nvme_name} was consumed by the optimizer's update "
+                "during backward (overlap_backward=True) and is not kept. Call zero_grad() after step(); read the "
+                "clipped norm from the optimizer's last_grad_norm (max_grad_norm=...), or build the optimizer "
+                "without overlap_backward to keep offloaded gradients readable.")
 
     def reset_peak(self) -> None:
         """Restart ``resident_bytes_max`` from the gradient bytes resident now."""

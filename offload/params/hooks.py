@@ -48,7 +48,10 @@ def _tensors(value: Any, out: list) -> list:
 #
 # Gradients (``store.offload_grads``): a tensor hook on each parameter (before torch accumulates into
 # ``p.grad``) and the post-accumulate-grad hook (after) hand the gradient to the store, which moves it
-# to NVMe and leaves a placeholder in ``p.grad`` (see ParamStore.begin_grad/put_grad).
+# to NVMe and leaves a placeholder in ``p.grad`` (see GradStore.begin/put). An optimizer that updates
+# during backward (overlap_backward) watches the parameter through the store (``store.watchers``, told
+# once the gradient is in place) and may take it at that hook, resident, with its gradient in memory:
+# it is then updated, written back once, and its gradient dropped, with no trip through NVMe.
 #
 # External parameters: a module that uses another module's parameter in its forward declares it
 # (``register_external_parameter``); the parameter is then fetched and released around that
@@ -226,11 +229,21 @@ class Scheduler:
         return hook
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
-        if self.store.offload_grads:
-            self.store.grads.put(p)
-        if p in self._held:
+        watcher = self.store.watchers.get(p)
+        if watcher is not None and p in self._held and watcher.take(p):
+            # An optimizer updating during backward took p as it is: the weights stay resident (this hold is
+            # now the optimizer's, released after the update) and the gradient in memory, never written.
             self._held.discard(p)
-            self.store.release(p)
+            if self.store.offload_grads:
+                self.store.grads.merge(p)
+        else:
+            if self.store.offload_grads:
+                self.store.grads.put(p)
+            if p in self._held:
+                self._held.discard(p)
+                self.store.release(p)
+        if watcher is not None:
+            watcher.final(p)  # after the gradient is where the optimizer will look for it
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

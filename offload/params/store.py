@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
@@ -83,6 +83,9 @@ class ParamStore:
         self.cache_hits = self.prefetch_hits = self.prefetches_dropped = 0
         self.resident_bytes = self.resident_bytes_max = 0
         self.scheduler = None  # the module hooks using this store (set by offload_parameters)
+        # param -> an optimizer updating during backward, told when the param's gradient is final and asked
+        # whether it takes the param as it is (ParamAccess.watch, Scheduler._on_grad_accumulated).
+        self.watchers: dict[torch.Tensor, Any] = {}
         self._issued: list[_Record] = []  # records with prefetches in flight, oldest first
 
         itemsize = max((p.element_size() for p in params), default=4)
@@ -266,7 +269,9 @@ class ParamStore:
             for rec in self.records.values():
                 if not rec.resident:
                     self.fetch(rec.param)
-                if self.grads.holds(rec.param):
+                if self.grads.consumed(rec.param):
+                    rec.param.grad = None  # the update took it during backward (overlap_backward)
+                elif self.grads.holds(rec.param):
                     rec.param.grad = self.grads.load(rec.param)
             self._drain()
         self.close()
