@@ -167,6 +167,29 @@ def test_missing_fio_is_explained_and_fails(tmp_path):
     assert "fio is not installed" in p.stderr and "apt-get install fio" in p.stderr
 
 
+@pytest.mark.parametrize("command", [["adam", "--params", "300K", "--hidden", "64", "--steps", "3"],
+                                     ["params", "--layers", "2", "--hidden", "64", "--steps", "2"]],
+                         ids=["adam", "params"])
+def test_overlap_benchmark_reports_every_variant_and_the_bytes_saved(tmp_path, command):
+    """``--overlap`` times the iteration with and without overlap_backward, with nothing overlapped, compute
+    alone and I/O alone; with offloaded weights the overlapped iteration moves no gradient; it cleans up."""
+    out = tmp_path / "overlap.json"
+    proc = run_python("-m", "offload.bench", *command, "--overlap", "--rounds", "1", "--batch", "4",
+                      "--path", str(tmp_path / "scratch"), "--json", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["iteration_s_median"]) == {"overlap", "plain", "serial", "compute_only"}
+    assert all(v > 0 for v in doc["iteration_s_median"].values()) and doc["io_only_s"] > 0
+    assert doc["batch"] == 4
+    moved = doc["bytes_per_iteration"]
+    if command[0] == "params":
+        assert moved["plain"]["grad_write"] > 0 and moved["overlap"]["grad_write"] == 0
+        assert moved["overlap"]["read"] < moved["plain"]["read"]
+    else:
+        assert moved["overlap"]["read"] == moved["plain"]["read"] > 0
+    assert not (tmp_path / "scratch").exists()
+
+
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
 def test_fio_comparison_gives_ratios(tmp_path):
     """With --fio each operation gets fio's GiB/s and our/fio ratio, and fio's files are removed."""

@@ -14,7 +14,7 @@ import torch
 from ..adam import OffloadedAdamW
 from ..state import resolve_pin
 from ..units import GIB, format_size, parse_size
-from . import report
+from . import overlap, report
 from .cli import (
     BenchFailure,
     add_config_option,
@@ -58,6 +58,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="skip the same optimizer without a host cache (state on NVMe, fp32 moments)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch AdamW comparison")
     p.add_argument("--no-fio", action="store_true", help="skip the fio bound")
+    overlap.add_options(p)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.set_defaults(run=run_adam)
 
@@ -122,6 +123,15 @@ def run_adam(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BenchFailure("--device cuda needs a CUDA device, and torch sees none")
+    if args.overlap:
+        hidden = args.hidden or 1024
+        layers = max(1, round(args.params / (8 * hidden * hidden + 7 * hidden)))
+        with bench_paths(args.paths) as paths:
+            overlap.run_overlap(args, paths, layers=layers, hidden=hidden, dtype=dtype, device=device,
+                                weights_offloaded=False)
+        return 0
+    if args.batch is not None or args.hidden is not None:
+        raise BenchFailure("--batch and --hidden go with --overlap")
     with bench_paths(args.paths) as paths:
         main_cfg = args.config.replace(offload_optimizer={
             "nvme_path": list(paths), "device": args.offload_device, "host_cache": args.host_cache,

@@ -138,6 +138,11 @@ def add_config_option(parser: argparse.ArgumentParser) -> None:
                         help="a JSON config (ours or a DeepSpeed ds_config.json)")
 
 
+def config_given(args: argparse.Namespace) -> bool:
+    """Whether ``--config`` named a file that changes anything (else a benchmark may pick its own sizes)."""
+    return args.config != load_config(None)
+
+
 def add_path_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--path", metavar="DIR", action="extend", nargs="+", dest="paths", default=None,

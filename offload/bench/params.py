@@ -9,19 +9,14 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
 from ..adam import OffloadedAdamW
-from ..buffers import BufferPool
 from ..params import offload_parameters, offloaded, restore_parameters
-from ..pipeline import Pipeline
-from ..space import SwapSpace
 from ..units import format_size
-from . import report
+from . import overlap, report
 from .adam import _reset_peak, _rss_peak
-from .cli import add_config_option, add_path_option, bench_paths, positive_int_arg
-
-IO_PIECE = 8 << 20  # request size of the I/O-only reference
+from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, config_given, positive_int_arg
+from .workload import block_model, io_only
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -33,37 +28,19 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                     "without compute and the same model stepped in memory by torch AdamW(fused).",
     )
     p.add_argument("--layers", type=positive_int_arg(1), default=24, metavar="N", help="blocks (default 24)")
-    p.add_argument("--hidden", type=positive_int_arg(8), default=2048, metavar="H",
-                   help="hidden size; each block has 8*H*H weights (default 2048)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="weight dtype; bf16 keeps an fp32 master copy with the optimizer state (default bf16)")
     p.add_argument("--steps", type=positive_int_arg(2), default=5, metavar="N",
                    help="training steps; the first (records the order, creates state) is reported apart")
-    p.add_argument("--batch", type=positive_int_arg(1), default=16, metavar="N", help="rows per batch (16)")
     p.add_argument("--prefetch", type=positive_int_arg(0), default=2, metavar="N",
                    help="submodules read ahead (default 2)")
     p.add_argument("--no-grad-offload", dest="offload_grads", action="store_false",
                    help="keep ordinary full-size grads in memory (offload_grads=False)")
     add_path_option(p)
     add_config_option(p)
+    overlap.add_options(p)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
     p.set_defaults(run=run_params)
-
-
-class _Block(nn.Module):
-    def __init__(self, h: int):
-        super().__init__()
-        self.up = nn.Linear(h, 4 * h)
-        self.down = nn.Linear(4 * h, h)
-        self.norm = nn.LayerNorm(h)
-
-    def forward(self, x):
-        return self.norm(x + self.down(nn.functional.gelu(self.up(x))))
-
-
-def _model(layers: int, h: int, dtype: torch.dtype) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*(_Block(h) for _ in range(layers))).to(dtype)
 
 
 def _train_step(model, opt, x) -> float:
@@ -72,35 +49,6 @@ def _train_step(model, opt, x) -> float:
     opt.step()
     opt.zero_grad(set_to_none=True)
     return time.perf_counter() - t
-
-
-def io_only(paths, aio, read_bytes: int, write_bytes: int, buffers: int = 4) -> float:
-    """Seconds to read ``read_bytes`` and write ``write_bytes`` on a fresh swap space, overlapped."""
-    size = max(read_bytes, write_bytes, IO_PIECE)
-    with BufferPool(buffers, IO_PIECE) as pool, SwapSpace(paths, size, aio=aio, buffers=pool, name="iobench") as sp:
-        extent = sp.alloc(size)
-        # Lay the bytes down first, so the reads read real blocks (not holes of the preallocation).
-        ops = [("w", off, min(IO_PIECE, size - off)) for off in range(0, size, IO_PIECE)]
-        _run_ops(sp, pool, extent, ops)
-        reads = [("r", off, min(IO_PIECE, read_bytes - off)) for off in range(0, read_bytes, IO_PIECE)]
-        writes = [("w", off, min(IO_PIECE, write_bytes - off)) for off in range(0, write_bytes, IO_PIECE)]
-        mixed = [op for pair in zip(reads, writes) for op in pair]
-        n = min(len(reads), len(writes))
-        mixed += reads[n:] + writes[n:]
-        t = time.perf_counter()
-        _run_ops(sp, pool, extent, mixed)
-        return time.perf_counter() - t
-
-
-def _run_ops(sp, pool, extent, ops) -> None:
-    """Reads and writes of ``extent``'s parts, as many in flight as the pool has buffers."""
-    def part(op):
-        _, off, n = op
-        return sp.sub(extent, off, n), n
-
-    Pipeline(list(pool)).run(
-        ops, read=lambda op, buf: sp.read(part(op)[0], buf, nbytes=op[2]) if op[0] == "r" else None,
-        process=lambda op, buf: op[0] == "w", write=lambda op, buf: sp.write(part(op)[0], buf, nbytes=op[2]))
 
 
 # NOTE: a step here is forward + backward + OffloadedAdamW step with offload_parameters on the model.
@@ -115,15 +63,23 @@ def run_params(args: argparse.Namespace) -> int:
     """``offload-bench params``."""
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     cfg = args.config
-    h = args.hidden
+    h = args.hidden or 2048
+    if args.overlap:
+        with bench_paths(args.paths) as paths:
+            overlap.run_overlap(args, paths, layers=args.layers, hidden=h, dtype=dtype, device=torch.device("cpu"),
+                                weights_offloaded=True)
+        return 0
+    if args.batch == "auto":
+        raise BenchFailure("--batch auto goes with --overlap")
+    args.batch = args.batch or 16
     with bench_paths(args.paths) as paths:
         # Every weight goes through the disk; buffers of one H x 4H matrix unless the config says otherwise.
         pc = {"nvme_path": list(paths), "max_in_cpu": 0}
-        if args.config is None:
+        if not config_given(args):
             pc.update(buffer_size=4 * h * h, buffer_count=5)
         cfg = cfg.replace(offload_param=pc, offload_optimizer={"nvme_path": list(paths)})
         machine = report.machine_info(paths)
-        model = _model(args.layers, h, dtype)
+        model = block_model(args.layers, h, dtype)
         n_params = sum(p.numel() for p in model.parameters())
         report.print_header("params", machine, [
             ("model", f"{args.layers} blocks, hidden {h}, {n_params:,} {args.dtype} parameters "
@@ -141,7 +97,7 @@ def run_params(args: argparse.Namespace) -> int:
         compute = [_train_step(model, ref_opt, x) for _ in range(args.steps)]
         compute_s = statistics.median(compute[1:])
         del ref_opt
-        model = _model(args.layers, h, dtype)
+        model = block_model(args.layers, h, dtype)
         gc.collect()
 
         offload_parameters(model, config=cfg, prefetch=args.prefetch, offload_grads=args.offload_grads)

@@ -1,8 +1,18 @@
-"""Synthetic workloads shared by the benchmarks: a model-sized set of parameters with grads."""
+"""Workloads shared by the benchmarks: a model-sized set of parameters with grads, a stack of blocks, and
+the time a swap space takes to move a given number of bytes."""
 
 from __future__ import annotations
 
+import time
+
 import torch
+from torch import nn
+
+from ..buffers import BufferPool
+from ..pipeline import Pipeline
+from ..space import SwapSpace
+
+IO_PIECE = 8 << 20  # request size of io_only
 
 # Split the model into 4M-element tensors, like a stack of layers.
 TENSOR_ELEMENTS = 4 << 20
@@ -19,3 +29,50 @@ def synthetic_params(n: int, dtype: torch.dtype = torch.float32, *, tensor_eleme
         p.grad = torch.randn(s, generator=g).to(device, dtype)
         params.append(p)
     return params
+
+
+class _Block(nn.Module):
+    def __init__(self, h: int):
+        super().__init__()
+        self.up = nn.Linear(h, 4 * h)
+        self.down = nn.Linear(4 * h, h)
+        self.norm = nn.LayerNorm(h)
+
+    def forward(self, x):
+        return self.norm(x + self.down(nn.functional.gelu(self.up(x))))
+
+
+def block_model(layers: int, h: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> nn.Module:
+    """``layers`` transformer-like blocks (Linear h->4h, GELU, Linear 4h->h, LayerNorm), seeded."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(_Block(h) for _ in range(layers))).to(device, dtype)
+
+
+def io_only(paths, aio, read_bytes: int, write_bytes: int, buffers: int = 4) -> float:
+    """Seconds to read ``read_bytes`` and write ``write_bytes`` on a fresh swap space, overlapped."""
+    # Reads and writes go to different blocks, as a step's do (it writes a unit while reading the next).
+    size = max(read_bytes + write_bytes, IO_PIECE)
+    with BufferPool(buffers, IO_PIECE) as pool, SwapSpace(paths, size, aio=aio, buffers=pool, name="iobench") as sp:
+        extent = sp.alloc(size)
+        # Lay the bytes down first, so the reads read real blocks (not holes of the preallocation).
+        ops = [("w", off, min(IO_PIECE, size - off)) for off in range(0, size, IO_PIECE)]
+        _run_ops(sp, pool, extent, ops)
+        reads = [("r", off, min(IO_PIECE, read_bytes - off)) for off in range(0, read_bytes, IO_PIECE)]
+        writes = [("w", read_bytes + off, min(IO_PIECE, write_bytes - off)) for off in range(0, write_bytes, IO_PIECE)]
+        mixed = [op for pair in zip(reads, writes) for op in pair]
+        n = min(len(reads), len(writes))
+        mixed += reads[n:] + writes[n:]
+        t = time.perf_counter()
+        _run_ops(sp, pool, extent, mixed)
+        return time.perf_counter() - t
+
+
+def _run_ops(sp, pool, extent, ops) -> None:
+    """Reads and writes of ``extent``'s parts, as many in flight as the pool has buffers."""
+    def part(op):
+        _, off, n = op
+        return sp.sub(extent, off, n), n
+
+    Pipeline(list(pool)).run(
+        ops, read=lambda op, buf: sp.read(part(op)[0], buf, nbytes=op[2]) if op[0] == "r" else None,
+        process=lambda op, buf: op[0] == "w", write=lambda op, buf: sp.write(part(op)[0], buf, nbytes=op[2]))

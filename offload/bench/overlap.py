@@ -1,0 +1,220 @@
+"""``offload-bench adam|params --overlap``: training iterations with the step inside backward, against the
+same iteration without it, compute alone and I/O alone, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..adam import OffloadedAdamW
+from ..params import offload_parameters, offloaded, restore_parameters
+from ..units import format_size
+from . import report
+from .cli import config_given, positive_int_arg
+from .workload import block_model, io_only
+
+CALIBRATION_BATCH = 8
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """``--overlap``, ``--rounds`` and ``--batch`` (rows, or ``auto``: compute about equal to I/O)."""
+    p.add_argument("--overlap", action="store_true",
+                   help="time training iterations with overlap_backward against the same without it, compute "
+                        "alone (torch AdamW in memory) and the same bytes moved without compute")
+    p.add_argument("--rounds", type=positive_int_arg(1), default=3, metavar="N",
+                   help="with --overlap: rounds, each timing every variant over --steps iterations (default 3)")
+    p.add_argument("--hidden", type=positive_int_arg(8), default=None, metavar="H",
+                   help="hidden size of the blocks; each has 8*H*H weights")
+    p.add_argument("--batch", type=_batch_arg, default=None, metavar="N|auto",
+                   help="rows per batch; auto (the default with --overlap) picks compute about equal to I/O")
+
+
+def _batch_arg(text: str):
+    if text == "auto":
+        return text
+    return positive_int_arg(1)(text)
+
+
+# NOTE: a round times `steps` consecutive iterations (forward, backward, step, zero_grad) of each
+# variant in turn: ours without overlap_backward (its tail writes still land during the next forward),
+# ours with it, the same model in memory with torch's fused AdamW (compute alone), and ours with nothing
+# overlapped (every step's writes drained before the next forward: compute + I/O). A variant's last
+# writes land inside its own time. Variants alternate within a round, so a disk that changes speed
+# weighs on all of them alike; each figure is the median over rounds of (round time / steps). I/O
+# alone, measured in each round too: with weights in memory, the step alone (the state's I/O and the
+# update, what overlap_backward hides); with weights on NVMe, the time the swap space takes to read and
+# write the bytes one overlapped iteration moved. "auto" batch: the batch whose compute alone takes
+# about as long as that I/O (a line through two batches' times, refined once).
+def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidden: int, dtype: torch.dtype,
+                device: torch.device, weights_offloaded: bool) -> dict:
+    """Measure and print the comparison; returns the results (also written to ``args.json`` if given)."""
+    cfg = args.config.replace(offload_optimizer={"nvme_path": list(paths)})
+    if weights_offloaded:
+        pc: dict[str, Any] = {"nvme_path": list(paths), "max_in_cpu": 0, "max_grad_in_cpu": 0}
+        if not config_given(args):
+            pc.update(buffer_size=4 * hidden * hidden, buffer_count=5)
+        cfg = cfg.replace(offload_param=pc)
+    machine = report.machine_info(paths)
+    n_params = layers * (8 * hidden * hidden + 7 * hidden)
+    where = "weights and state on NVMe" if weights_offloaded else "state on NVMe, weights in memory"
+    report.print_header("overlap", machine, [
+        ("model", f"{layers} blocks, hidden {hidden}, {n_params:,} {str(dtype).split('.')[-1]} parameters on "
+                  f"{device.type}; {where}"),
+        ("rounds", f"{args.rounds} x {args.steps} iterations per variant"),
+    ])
+
+    def build(overlap: bool):
+        model = block_model(layers, hidden, dtype, device)
+        if weights_offloaded:
+            offload_parameters(model, config=cfg, prefetch=2)
+        opt = OffloadedAdamW(model.parameters(), lr=1e-4, config=cfg, overlap_backward=overlap)
+        return model, opt
+
+    runs: dict[str, Any] = {}
+    try:
+        runs["plain"] = build(False)
+        runs["overlap"] = build(True)
+        ref = block_model(layers, hidden, dtype, device)
+        runs["compute"] = (ref, torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True))
+
+        def inputs(batch: int):
+            return torch.randn(batch, hidden, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+
+        # Bytes one overlapped iteration moves (after a first one that creates state), then the batch.
+        x = inputs(CALIBRATION_BATCH if args.batch in (None, "auto") else args.batch)
+        for name in ("plain", "overlap", "compute"):
+            _iterate(*runs[name], x, 1)
+        moved = {name: _bytes(*runs[name], x, weights_offloaded) for name in ("plain", "overlap")}
+
+        def io_alone() -> float:
+            if weights_offloaded:
+                return io_only(paths, cfg.aio, moved["overlap"]["read"], moved["overlap"]["write"])
+            return _step_alone(*runs["plain"], x)
+
+        io_s = io_alone()
+        batch = args.batch
+        if batch in (None, "auto"):
+            batch = _calibrate(lambda b: statistics.median(_iterate(*runs["compute"], inputs(b), 1)
+                                                           for _ in range(2)), io_s)
+        x = inputs(batch)
+        times: dict[str, list] = {name: [] for name in (*runs, "serial", "io")}
+        for _ in range(args.rounds):
+            for name in runs:
+                times[name].append(_iterate(*runs[name], x, args.steps) / args.steps)
+            times["serial"].append(_iterate(*runs["plain"], x, args.steps, drain_each=True) / args.steps)
+            times["io"].append(io_alone())
+    finally:
+        for name in ("plain", "overlap"):
+            if name in runs:
+                model, opt = runs[name]
+                opt.close()
+                if weights_offloaded:
+                    restore_parameters(model)
+        runs.clear()
+        gc.collect()
+
+    med = {name: statistics.median(t) for name, t in times.items()}
+    io_s = med["io"]
+    bound = max(med["compute"], io_s)
+    result: dict[str, Any] = {
+        "params": n_params, "layers": layers, "hidden": hidden, "batch": batch, "device": device.type,
+        "weights_offloaded": weights_offloaded,
+        "iteration_s_median": {"overlap": med["overlap"], "plain": med["plain"], "serial": med["serial"],
+                               "compute_only": med["compute"]},
+        "iteration_s_runs": times, "io_only_s": io_s,
+        "bytes_per_iteration": moved,
+        "overlap_to_bound": med["overlap"] / bound,
+        "plain_to_overlap": med["plain"] / med["overlap"],
+        "serial_to_overlap": med["serial"] / med["overlap"],
+        "machine": machine,
+    }
+    rows = [
+        ["iteration, overlap_backward", f"{med['overlap']:.3f} s"],
+        ["iteration, without overlap_backward (tail writes overlap)", f"{med['plain']:.3f} s"],
+        ["iteration, nothing overlapped (writes drained in step)", f"{med['serial']:.3f} s"],
+        ["compute alone (torch AdamW in memory)", f"{med['compute']:.3f} s"],
+        ["I/O alone (the bytes an overlapped iteration moves, no compute)" if weights_offloaded else
+         "step alone (the state's I/O and the update, no forward/backward)", f"{io_s:.3f} s"],
+        ["overlap / max(compute, I/O)", f"{med['overlap'] / bound:.2f}x (bar 1.15x)"],
+        ["nothing overlapped / overlap", f"{med['serial'] / med['overlap']:.2f}x (bar 1.6x)"],
+        ["without overlap_backward / overlap", f"{med['plain'] / med['overlap']:.2f}x"],
+    ]
+    for name in ("overlap", "plain"):
+        m = moved[name]
+        rows.append([f"moved per iteration, {'overlap' if name == 'overlap' else 'without overlap'}",
+                     f"read {format_size(m['read'])}, written {format_size(m['write'])}"
+                     + (f" (grads {format_size(m['grad_read'])} / {format_size(m['grad_write'])})"
+                        if weights_offloaded else "")])
+    rows.append(["batch", f"{batch} rows" + (" (auto: compute about equal to I/O)" if args.batch in (None, "auto")
+                                             else "")])
+    print(report.table(["", "value"], rows))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return result
+
+
+def _calibrate(seconds: Callable[[int], float], target: float) -> int:
+    """The batch whose compute takes about ``target`` seconds: a line through two batches' times (an
+    iteration has a fixed part, the optimizer's step), refined once."""
+    lo, hi = CALIBRATION_BATCH, 8 * CALIBRATION_BATCH
+    t_lo, t_hi = seconds(lo), seconds(hi)
+    for _ in range(2):
+        slope = max((t_hi - t_lo) / (hi - lo), 1e-9)
+        guess = max(1, min(1 << 16, round(lo + (target - t_lo) / slope)))
+        if guess in (lo, hi):
+            break
+        lo, t_lo, hi, t_hi = hi, t_hi, guess, seconds(guess)
+    return hi
+
+
+def _iterate(model, opt, x, steps: int, *, drain_each: bool = False) -> float:
+    """Seconds for ``steps`` training iterations, the last writes landed (``drain_each``: after every step,
+    so that none overlaps the next forward)."""
+    sync: Callable[[], None] = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+    t = time.perf_counter()
+    for i in range(steps):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if isinstance(opt, OffloadedAdamW) and (drain_each or i == steps - 1):
+            opt.state_store.drain()
+    sync()
+    return time.perf_counter() - t
+
+
+def _step_alone(model, opt, x) -> float:
+    """Seconds of one step with its writes landed, grads in place and nothing else running: the state's I/O
+    and the update, which overlap_backward hides behind backward."""
+    model(x).float().square().mean().backward()
+    t = time.perf_counter()
+    opt.step()
+    opt.state_store.drain()
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    opt.zero_grad(set_to_none=True)
+    return seconds
+
+
+def _bytes(model, opt, x, weights_offloaded: bool) -> dict:
+    """Bytes one iteration reads and writes (state, and weights and grads when they are offloaded)."""
+    def counts():
+        r, w = opt.io_bytes()
+        out = {"read": r, "write": w, "grad_read": 0, "grad_write": 0}
+        if weights_offloaded:
+            s = offloaded(model).store
+            out["read"] += s.bytes_read + s.grad_bytes_read
+            out["write"] += s.bytes_written + s.grad_bytes_written
+            out["grad_read"], out["grad_write"] = s.grad_bytes_read, s.grad_bytes_written
+        return out
+
+    before = counts()
+    _iterate(model, opt, x, 1)
+    after = counts()
+    return {k: after[k] - before[k] for k in after}
