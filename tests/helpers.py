@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -180,3 +182,28 @@ def batch(step, dtype=torch.float32):
 def loss_of(model, step, dtype=torch.float32):
     x, y = batch(step, dtype)
     return (model(x) - y).float().square().mean()
+
+
+def sigkill_then_resume_equals_uninterrupted(tmp_path, options: dict, *, kill_step: int = 3,
+                                             kill_units: int = 2) -> None:
+    """Run tests/killed_run.py with ``options`` three times: killed in ``kill_step`` after ``kill_units`` units
+    began to change, resumed from its last checkpoint, and never killed; the resumed and the uninterrupted
+    runs must end with the same weights and optimizer state, bit for bit."""
+    script = os.path.join(REPO, "tests", "killed_run.py")
+    opts = json.dumps(options)
+
+    def run(root, nvme, kill, out):
+        return run_python(script, str(tmp_path / root), str(tmp_path / nvme), str(kill), str(kill_units),
+                          str(tmp_path / out), opts)
+
+    killed = run("run", "nvme-1", kill_step, "killed.pt")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "killed.pt").exists()
+    resumed = run("run", "nvme-2", -1, "resumed.pt")
+    assert resumed.returncode == 0, resumed.stderr
+    ref = run("ref", "nvme-3", -1, "ref.pt")
+    assert ref.returncode == 0, ref.stderr
+    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "ref.pt")
+    for k in b["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert_same_state(a["opt"], b["opt"])

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import signal
-import textwrap
 import time
 
 import pytest
 import torch
-from helpers import TINY, Net, assert_same, assert_same_state, first_os_error, loss_of, run_python
+from helpers import TINY, Net, assert_same, first_os_error, loss_of, sigkill_then_resume_equals_uninterrupted
 from torch.utils.checkpoint import checkpoint
 
 from offload import OffloadedAdamW, StateError, materialized, offload_parameters
@@ -288,56 +286,7 @@ def test_a_small_hand_off_budget_spills_grads_and_still_trains_alike(nvme, closi
         assert_same(list(a.parameters()), list(b.parameters()))
 
 
-KILLED_LOOP = textwrap.dedent('''
-    """Training with overlap_backward over offloaded weights, a checkpoint after every step; killed
-    (SIGKILL) during one backward once the update has rewritten part of the state, or run to the end."""
-    import os, signal, sys, time
-    import torch
-    from offload import OffloadedAdamW, offload_parameters
-    from offload.checkpoint import Retention
-
-    root, nvme, kill_at, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(),
-                                                      torch.nn.Linear(128, 32)) for _ in range(4)))
-    offload_parameters(model, nvme_path=nvme + "-p", max_in_cpu=0, buffer_count=3, buffer_size=2048)
-    opt = OffloadedAdamW(model.parameters(), lr=1e-2, nvme_path=nvme, overlap_backward=True,
-                         buffer_size=64 * 1024, buffer_count=3, small_param_threshold=64)
-    keep = Retention(root, keep_last=2)
-    start = 0
-    if keep.latest() is not None:
-        start = opt.load_checkpoint(keep.latest(), model=model)["step"]
-    for step in range(start, 6):
-        g = torch.Generator().manual_seed(step)
-        x = torch.randn(8, 32, generator=g).requires_grad_()
-        if step == kill_at:
-            def die(grad):  # backward's last node: the later blocks' updates are under way or landed
-                time.sleep(0.3)
-                os.kill(os.getpid(), signal.SIGKILL)
-            x.register_hook(die)
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        keep.save(opt, step + 1, model=model, extra={"step": step + 1})
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out)
-    opt.close()
-''')
-
-
 def test_sigkill_during_backward_then_resume_equals_the_uninterrupted_run(tmp_path):
-    """A run killed during a backward whose update has already rewritten part of the offloaded state, resumed
-    from its last checkpoint, ends bit for bit where a run that was never killed ends (weights on NVMe too)."""
-    script = tmp_path / "loop.py"
-    script.write_text(KILLED_LOOP)
-    killed = run_python(str(script), str(tmp_path / "run"), str(tmp_path / "nvme-1"), "3", str(tmp_path / "x.pt"))
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
-    assert not (tmp_path / "x.pt").exists()
-    resumed = run_python(str(script), str(tmp_path / "run"), str(tmp_path / "nvme-2"), "-1",
-                         str(tmp_path / "resumed.pt"))
-    assert resumed.returncode == 0, resumed.stderr
-    ref = run_python(str(script), str(tmp_path / "ref"), str(tmp_path / "nvme-3"), "-1", str(tmp_path / "ref.pt"))
-    assert ref.returncode == 0, ref.stderr
-    a, b = torch.load(tmp_path / "resumed.pt"), torch.load(tmp_path / "ref.pt")
-    for k in b["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    assert_same_state(a["opt"], b["opt"])
+    """A run killed during a backward whose update has already started to rewrite the offloaded state (weights
+    on NVMe too), resumed from its last checkpoint, ends bit for bit where a run never killed ends."""
+    sigkill_then_resume_equals_uninterrupted(tmp_path, {"overlap_backward": True, "offload_parameters": True})

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import assert_same, first_os_error
+from helpers import assert_same, first_os_error, sigkill_then_resume_equals_uninterrupted
 
 from offload import OffloadedAdamW, StateError
 from offload import checkpoint as ckpt
@@ -350,3 +350,10 @@ def test_no_swap_file_is_left_by_device_cpu(tmp_path):
     ours = OffloadedAdamW(make_params(), nvme_path=str(path), device="cpu", **TIERS)
     ours.close()
     assert not path.exists() or not os.listdir(path)
+
+
+@pytest.mark.parametrize("options", [{"host_cache": 128 * 1024}, {"device": "cpu"}], ids=["host-cache", "device-cpu"])
+def test_sigkill_mid_step_then_resume_with_state_in_host_memory_equals_the_uninterrupted_run(tmp_path, options):
+    """A run whose state is partly (host_cache) or wholly (device cpu) in host memory, killed in the middle of
+    a step, resumes from its last checkpoint and ends bit for bit where a run never killed ends."""
+    sigkill_then_resume_equals_uninterrupted(tmp_path, options)
