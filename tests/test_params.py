@@ -15,7 +15,7 @@ from helpers import OPT, TINY, Net, assert_same_weights, batch, loss_of, run_cod
 from torch import nn
 
 from offload import ConfigError, OffloadedAdamW, offload_parameters, restore_parameters
-from offload.params import clip_grad_norm_, load_grad, offloaded, store_of
+from offload.params import clip_grad_norm_, load_grad, materialized, offloaded, store_of
 
 
 def make_pair(seed=0, dtype=torch.float32, **kw):
@@ -563,3 +563,19 @@ def test_cuda_host_cache_and_inference(nvme, closing):
         x = batch(0)[0].cuda()
         assert torch.equal(ref(x), off(x))
     assert offloaded(off).store.cache_hits > 0
+
+
+def test_weights_shared_with_numpy_are_refused_release_clearly_and_restore_still_works(nvme):
+    """A weight whose memory NumPy shares (param.detach().numpy() while resident) cannot be freed: releasing it
+    raises an error naming the parameter and the fix, and restore_parameters then gives the weights back intact."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    before = [p.detach().clone() for p in m.parameters()]
+    offload_parameters(m, nvme_path=nvme, max_in_cpu=0, buffer_count=3, buffer_size=4096)
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*NumPy.*clone\(\)\.numpy\(\)"):
+        with materialized(m):
+            shared = m[0].weight.detach().numpy()
+    assert shared.shape == (64, 64)
+    restore_parameters(m)
+    for p, q in zip(m.parameters(), before):
+        assert torch.equal(p, q)

@@ -7,6 +7,7 @@ gradients through :class:`ParamAccess` alone.
 from .access import ParamAccess
 from .api import (
     ParamOffload,
+    compile_offloaded,
     materialized,
     offload_parameters,
     offloaded,
@@ -25,6 +26,7 @@ __all__ = [
     "ParamOffload",
     "ParamStore",
     "clip_grad_norm_",
+    "compile_offloaded",
     "load_grad",
     "materialized",
     "offload_parameters",

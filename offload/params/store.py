@@ -407,6 +407,14 @@ class ParamStore:
         self.resident_bytes_max = max(self.resident_bytes_max, self.resident_bytes)
 
     def _shrink(self, rec: _Record) -> None:
+        if not rec.param.untyped_storage().resizable():
+            # NumPy (tensor.numpy()) or another foreign owner shares the bytes: freeing them would leave it
+            # pointing at freed memory, so torch forbids it. The weights stay resident (and written back).
+            raise RuntimeError(
+                f"the weights of {rec.name} cannot be released to NVMe: their memory is shared with a NumPy array "
+                "or another non-resizable view (for instance from param.detach().numpy()). Take copies instead "
+                "(param.detach().clone().numpy()); to go on with this model, restore_parameters(model) and "
+                "offload_parameters again.")
         rec.resident = False
         rec.param._nvme_resident = False
         rec.param.untyped_storage().resize_(0)
