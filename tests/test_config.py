@@ -66,9 +66,9 @@ def test_every_shipped_preset_loads(path):
     assert isinstance(load_config(path), Config)
 
 
-def test_the_three_documented_presets_are_shipped():
-    """configs/ holds the default, the DeepSpeed example and the tiny preset."""
-    assert {"default.json", "deepspeed_example.json", "tiny.json"} <= {p.name for p in PRESETS}
+def test_the_documented_presets_are_shipped():
+    """configs/ holds the default, the DeepSpeed examples and the tiny preset."""
+    assert {"default.json", "deepspeed_example.json", "ds_config_70b.json", "tiny.json"} <= {p.name for p in PRESETS}
 
 
 def test_default_preset_equals_the_builtin_defaults():
@@ -302,7 +302,6 @@ BAD = [
     ({"aio": {"queue_depth": 0}}, CE, r"aio\.queue_depth: must be between 1 and 4096, got 0"),
     ({"aio": {"queue_depth": 4097}}, CE, r"aio\.queue_depth: must be between 1 and 4096"),
     ({"aio": {"thread_count": 65}}, CE, r"aio\.thread_count: must be between 1 and 64"),
-    ({"aio": {"use_gds": True}}, CE, r"aio\.use_gds: GPUDirect Storage is not supported"),
     ({"aio": {"backend": "uring"}}, CE, r'aio\.backend: must be one of .*did you mean "io_uring"'),
     ({"aio": {"o_direct": "true"}}, CE, r'aio\.o_direct: must be "auto", true or false \(without quotes'),
     ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, CE, r"mean the same \(thread_count\)"),
@@ -516,7 +515,7 @@ _aio_values = {
     "intra_op_parallelism": st.integers(min_value=1, max_value=64),
     "single_submit": st.booleans(),
     "overlap_events": st.booleans(),
-    "use_gds": st.just(False),
+    "use_gds": st.booleans(),
     "backend": st.sampled_from(["auto", "io_uring", "threads"]),
     "o_direct": st.sampled_from(["auto", True, False]),
 }
@@ -572,3 +571,182 @@ def test_tier_keys_read_human_sizes_and_auto():
                                                                                       "cpu")
     assert c.offload_param.max_grad_in_cpu == 100_000_000
     assert load_config({"offload_optimizer": {"host_cache": "auto"}}).offload_optimizer.host_cache == "auto"
+
+
+# --- GPUDirect Storage (aio.use_gds) --------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_gds(monkeypatch):
+    """The gds module as in a new process: no warning given yet, availability not yet asked (and the
+    cached answer dropped again after the test, which may have faked the machine)."""
+    from offload.aio import gds
+
+    status = gds.gds_status
+    monkeypatch.setattr(gds, "_warned", False)
+    status.cache_clear()
+    yield gds
+    status.cache_clear()
+
+
+def _fake_kvikio(monkeypatch, *, compat=False, gds=True, broken=None):
+    """Put a stand-in kvikio (version 26.10.0, cuFile 1.15) in sys.modules, and a CUDA device in torch."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import torch
+
+    kvikio = types.ModuleType("kvikio")
+    kvikio.__spec__ = importlib.machinery.ModuleSpec("kvikio", None)
+    kvikio.__version__ = "26.10.0"
+    defaults = types.ModuleType("kvikio.defaults")
+    defaults.is_compat_mode_preferred = lambda: compat
+    driver = types.ModuleType("kvikio.cufile_driver")
+    driver.get = {"is_gds_available": gds, "major_version": 1, "minor_version": 15}.__getitem__
+    if broken is not None:
+        def fail():
+            raise broken
+        defaults.is_compat_mode_preferred = fail
+    for name, module in (("kvikio", kvikio), ("kvikio.defaults", defaults), ("kvikio.cufile_driver", driver)):
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+def test_use_gds_true_loads_from_files_mappings_and_the_dataclass():
+    """use_gds true (the seed's 70B config sets it) is read, kept and written back, not refused."""
+    assert load_config({"aio": {"use_gds": True}}).aio.use_gds is True
+    assert AioConfig(use_gds=True).use_gds is True
+    c = load_config(REPO / "configs" / "ds_config_70b.json")
+    assert c.aio.use_gds is True
+    assert load_config(config_to_dict(c)) == Config(aio=c.aio)
+    with pytest.raises(ConfigError, match=r'aio\.use_gds: must be true or false, got "yes"'):
+        load_config({"aio": {"use_gds": "yes"}})
+
+
+def test_gds_status_here_says_why_not_in_one_line(fresh_gds):
+    """Without kvikio (this machine) or without a GPU, gds_status is (False, a one-line reason naming what
+    is missing and how to get it); it never raises."""
+    import importlib.util
+
+    import torch
+
+    ok, reason = fresh_gds.gds_status()
+    assert ok is False and "\n" not in reason
+    if importlib.util.find_spec("kvikio") is None:
+        assert "kvikio package is not installed" in reason and "nvme-offload[gds]" in reason
+    elif not torch.cuda.is_available():
+        assert "no CUDA device" in reason
+
+
+@pytest.mark.parametrize("machine, expected", [
+    (dict(), r"^kvikio 26\.10\.0, cuFile 1\.15$"),
+    (dict(compat=True), r"kvikio 26\.10\.0 runs in compatibility mode .*/run/udev"),
+    (dict(gds=False), r"cuFile driver reports no GPUDirect Storage \(the nvidia-fs kernel module"),
+    (dict(broken=RuntimeError("libcufile.so.0: cannot open")), r"cannot tell its compatibility mode "
+                                                                r"\(RuntimeError: libcufile\.so\.0"),
+])
+def test_gds_status_tells_each_reason_kvikio_gives(fresh_gds, monkeypatch, machine, expected):
+    """With kvikio and a GPU, gds_status tells GDS (with kvikio's and cuFile's versions) from compatibility
+    mode, a driver without nvidia-fs, and a kvikio that fails: available only in the first case."""
+    _fake_kvikio(monkeypatch, **machine)
+    ok, reason = fresh_gds.gds_status()
+    assert ok is (not machine)
+    assert re.search(expected, reason), reason
+
+
+def test_gds_status_without_a_gpu_or_with_a_kvikio_that_cannot_load(fresh_gds, monkeypatch):
+    """kvikio installed but no CUDA device, or a kvikio whose import fails: unavailable, saying which."""
+    import sys
+
+    import torch
+
+    _fake_kvikio(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert fresh_gds.gds_status() == (False, "torch sees no CUDA device")
+    fresh_gds.gds_status.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", None)  # import raises ImportError
+    ok, reason = fresh_gds.gds_status()
+    assert not ok and reason.startswith("kvikio cannot be imported (ModuleNotFoundError") or \
+        reason.startswith("kvikio cannot be imported (ImportError"), reason
+
+
+@pytest.mark.parametrize("available", [False, True])
+def test_building_with_use_gds_warns_once_what_it_gets(fresh_gds, monkeypatch, nvme, closing, available):
+    """load_config alone says nothing; the first optimizer or parameter store built with use_gds true warns
+    once (a RuntimeWarning naming the caller's line) with the reason GDS is unavailable, or that state still
+    moves through the pinned pool where it is available; later ones are silent."""
+    import warnings
+
+    import torch
+
+    from offload import OffloadedAdamW, offload_parameters
+
+    monkeypatch.setattr(fresh_gds, "gds_status", lambda: (available, "REASON"))
+    model = closing(torch.nn.Linear(64, 64))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = load_config({"aio": {"use_gds": True}})
+        assert not caught
+        closing(OffloadedAdamW(model.parameters(), config=cfg, nvme_path=nvme, small_param_threshold=1))
+        offload_parameters(model, config=cfg, nvme_path=nvme)
+        closing(OffloadedAdamW(torch.nn.Linear(8, 8).parameters(), config=cfg, nvme_path=nvme))
+    gds_warnings = [w for w in caught if "use_gds" in str(w.message)]
+    assert len(gds_warnings) == 1, [str(w.message) for w in caught]
+    w = gds_warnings[0]
+    assert w.category is RuntimeWarning and w.filename == __file__
+    text = str(w.message)
+    assert "REASON" in text and "pinned host pool" in text and "Set use_gds to false to silence this" in text
+    assert ("is available" in text) is available and ("not available here: REASON." in text) is (not available)
+
+
+def test_the_seeds_70b_deepspeed_config_trains_a_bf16_model_like_torch(nvme, closing, tmp_path):
+    """configs/ds_config_70b.json (ZeRO-3, optimizer and weights on NVMe, pinned buffers, use_gds true, bf16)
+    drives offload_parameters and OffloadedAdamW as written, with only the paths given as keywords: it warns
+    once about GDS here, and three steps of a bf16 model equal torch's fused AdamW on fp32 masters, rounded.
+    The DeepSpeed engine's own keys (gradient_clipping, optimizer, scheduler, ...) are not ours and change
+    nothing."""
+    import copy
+    import warnings
+
+    import torch
+    from helpers import Net, assert_same, loss_of
+
+    from offload import OffloadedAdamW, offload_parameters
+    from offload.aio import gds
+
+    path = REPO / "configs" / "ds_config_70b.json"
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(gds, "_warned", False)
+    torch.manual_seed(0)
+    ref = Net().to(torch.bfloat16)
+    model = closing(copy.deepcopy(ref))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            offload_parameters(model, config=path, nvme_path=str(tmp_path / "params"))
+            opt = closing(OffloadedAdamW(model.parameters(), lr=1e-3, config=path, nvme_path=nvme))
+        gds_warnings = [w for w in caught if "use_gds" in str(w.message)]
+        assert len(gds_warnings) == 1, [str(w.message) for w in caught]
+        assert opt.config.offload_optimizer.pin_memory is True and opt.config.aio.queue_depth == 8
+        masters = [torch.nn.Parameter(p.detach().float()) for p in ref.parameters()]
+        ref_opt = torch.optim.AdamW(masters, lr=1e-3, fused=True)
+        for step in range(3):
+            loss_of(model, step, torch.bfloat16).backward()
+            opt.step()
+            opt.zero_grad()
+            loss_of(ref, step, torch.bfloat16).backward()
+            for p, q in zip(ref.parameters(), masters):
+                q.grad = p.grad.float()
+            ref_opt.step()
+            ref.zero_grad()
+            with torch.no_grad():
+                for p, q in zip(ref.parameters(), masters):
+                    p.copy_(q)
+        from offload.params import materialized
+
+        with materialized(model):
+            assert_same(list(model.parameters()), list(ref.parameters()))
+    finally:
+        monkeypatch.undo()

@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
 from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
@@ -107,6 +108,8 @@ class OffloadedAdam(torch.optim.Adam):
             device=device, host_cache=host_cache, state_dtype=state_dtype, checksum=checksum,
             overlap_backward=overlap_backward,
         )
+        if self.config.aio.use_gds:
+            warn_use_gds()  # once per process: what GPUDirect Storage gives here
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm

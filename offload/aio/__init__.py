@@ -8,6 +8,7 @@ from .engine import Engine
 from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
 from .files import AioFile, open_file, wrap_fd
 from .futures import READ, WRITE, CompletedFuture, Future, FutureGroup, Segment, wait_quietly
+from .gds import gds_status, warn_use_gds
 
 __all__ = [
     "READ",
@@ -19,6 +20,8 @@ __all__ = [
     "FutureGroup",
     "Segment",
     "open_file",
+    "gds_status",
     "wait_quietly",
+    "warn_use_gds",
     "wrap_fd",
 ]

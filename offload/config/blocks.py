@@ -30,7 +30,10 @@ class AioConfig:
             ``intra_op_parallelism`` is read as the same key.
         single_submit: one submit system call per piece instead of one per batch.
         overlap_events: refill the queue as completions arrive instead of submit-all-then-wait.
-        use_gds: GPUDirect Storage (not supported; must stay false).
+        use_gds: GPUDirect Storage (the ``gds`` extra: kvikio and a cuFile driver). Accepted, so DeepSpeed
+            files that set it load as they are; an optimizer or parameter store built with it warns once
+            what GDS gives on this machine (unavailable: the reason) and moves state through the pinned
+            host pool either way. See :func:`offload.aio.gds_status`.
         backend: ``"auto"`` (io_uring, else threads), ``"io_uring"`` or ``"threads"``.
         o_direct: ``"auto"`` (O_DIRECT, else buffered with one warning), ``True`` or ``False``.
 

@@ -162,8 +162,6 @@ def check(rule: Rule, name: str, value: Any) -> tuple[Any, str | None]:
     if kind == "bool":
         if not isinstance(value, bool):
             return None, f"must be true or false, got {show(value)}"
-        if name == "use_gds" and value:
-            return None, "GPUDirect Storage is not supported; set use_gds to false or leave it out"
         return value, None
     if kind == "choice":
         if value not in rule.choices or not isinstance(value, str):

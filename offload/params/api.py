@@ -8,6 +8,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from ..aio import warn_use_gds
 from ..config import Config, offload_config
 from .hooks import _EXTERNAL, Scheduler
 from .registry import store_of
@@ -101,6 +102,8 @@ def offload_parameters(
                          otherwise="or leave the model as it is to keep parameters in memory",
                          nvme_path=nvme_path, max_in_cpu=max_in_cpu, max_grad_in_cpu=max_grad_in_cpu,
                          buffer_count=buffer_count, buffer_size=buffer_size, pin_memory=pin_memory)
+    if cfg.aio.use_gds:
+        warn_use_gds()  # once per process: what GPUDirect Storage gives here
     if not isinstance(offload_grads, bool):
         raise TypeError(f"offload_grads must be True or False, got {offload_grads!r}")
     params = _check_params(model)

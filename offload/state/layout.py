@@ -7,6 +7,7 @@ from typing import Iterable
 
 import torch
 
+from ..distributed import local
 from ..units import round_up
 
 SLICE_ALIGN = 64
@@ -154,7 +155,7 @@ class Layout:
                 )
             slot = ParamSlot(param, group, keys, dtypes)
             per_element = sum(d.itemsize for d in dtypes)
-            start, n = 0, param.numel()
+            start, n = 0, local(param).numel()  # a DTensor's state is its local shard's
             while start < n:
                 if unit is None:
                     unit = Unit()

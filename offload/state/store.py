@@ -11,6 +11,7 @@ import torch
 from ..aio import FutureGroup, wait_quietly
 from ..buffers import BufferPool
 from ..config import Config
+from ..distributed import local
 from ..errors import ConfigError, StateError
 from ..pipeline import BufferRing, Pipeline
 from ..space import SwapSpace
@@ -138,8 +139,9 @@ class StateStore:
     # -- the small-parameter rule and placement ------------------------------------------------
 
     def is_small(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s state lives in the optimizer's ``state`` dict rather than in units."""
-        return p.numel() < self.threshold
+        """Whether ``p``'s state lives in the optimizer's ``state`` dict rather than in units (for a DTensor,
+        by the size of this rank's shard)."""
+        return local(p).numel() < self.threshold
 
     def place(self, groups: Iterable[dict], *, only: Optional[set] = None, trainable_only: bool = False) -> None:
         """Give state a place: every parameter of ``groups`` not small and not placed yet (only those in
@@ -283,12 +285,13 @@ class StateStore:
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
         """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
-        moments in fp32 (torch's layout) whatever ``state_dtype`` keeps them in.
+        moments in fp32 (torch's layout) whatever ``state_dtype`` keeps them in. For a DTensor parameter the
+        tensors are shaped like its local shard (what this rank stores).
 
         Needs host memory for the whole state.
         """
         wanted = [s for s in self.layout.slots.values() if s.initialized]
-        out = {s: {k: torch.empty(s.param.shape, dtype=_export_dtype(s, k)) for k in s.keys} for s in wanted}
+        out = {s: {k: torch.empty(local(s.param).shape, dtype=_export_dtype(s, k)) for k in s.keys} for s in wanted}
 
         def copy_out(unit: Unit, buf) -> bool:
             for c in unit.chunks:
