@@ -601,8 +601,9 @@ def test_build_without_liburing_runs_on_threads(tmp_path):
                     ignore=shutil.ignore_patterns("*.o"))
     shutil.copytree(os.path.join(REPO, "offload"), tmp_path / "offload",
                     ignore=shutil.ignore_patterns("*.so", "*.o", "_engine.c", "__pycache__"))
-    env = dict(os.environ, OFFLOAD_NO_URING="1")
-    env.pop("PYTHONPATH", None)
+    # The build gets this process's import path (cffi may come from PYTHONPATH), the copy first.
+    env = dict(os.environ, OFFLOAD_NO_URING="1",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), *(p for p in sys.path if p)]))
     built = subprocess.run([sys.executable, "offload/_build.py"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stderr[-2000:]
@@ -629,7 +630,7 @@ def test_build_without_liburing_runs_on_threads(tmp_path):
             assert (b.numpy() == 7).all()
             print(e.backend, e.fallback_reason.errno == errno.ENOSYS,
                   ["liburing" in str(w.message) for w in caught])
-    """, cwd=tmp_path, pythonpath=str(tmp_path))
+    """, cwd=tmp_path, pythonpath=env["PYTHONPATH"])
     assert done.stdout.strip() == "threads True [True]", done.stdout + done.stderr
 
 
