@@ -353,24 +353,20 @@ def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_p
         ref_model, ref_opt = loop.run(None, str(tmp_path / "nvme-ref"))
         word, seconds = zygote.stdout.readline().split()
         assert word == "ready"
-        duration = float(seconds)  # of a whole run with its checkpoints: kills land across it
-        final = os.path.basename(ckpt.Retention(tmp_path).path_for(loop.STEPS))
+        step_s = float(seconds) / loop.STEPS  # one step with its checkpoint, as the warm run took it
         rng = random.Random(1234)
         resumed_from = []
-        # Resuming from the middle is the property: a kill before the first checkpoint (nothing to
-        # resume) or after the last (nothing left to train) passes without testing it. The measured
-        # duration may be long (it ran beside the reference run): runs that finish aim kills earlier.
-        def mid_run():
-            return [r for r in resumed_from if r not in (None, final)]
-
-        for trial in range(12):
-            if trial >= 5 and len(mid_run()) >= 2:
-                break
+        # Resuming from the middle is the property, so kills are placed by progress, not by the clock:
+        # once checkpoint k (1 <= k < STEPS - 1) is seen on disk, the kill comes at a random moment of the
+        # next step and its save (mid-step, mid-save, mid-commit), whatever the machine's speed.
+        for trial in range(6):
             root = tmp_path / f"trial{trial}"
+            k = rng.randint(1, loop.STEPS - 2)
             zygote.stdin.write(f"{root} {tmp_path / f'nvme-kill{trial}'}\n")
             zygote.stdin.flush()
             pid = int(zygote.stdout.readline())
-            time.sleep(rng.uniform(0.0, 0.8 * duration))
+            _wait_for_checkpoint(ckpt.Retention(root), k, pid)
+            time.sleep(rng.uniform(0.0, 1.5 * step_s))
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -379,21 +375,44 @@ def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_p
             zygote.stdin.flush()
             assert zygote.stdout.readline().strip() == "reaped"
             latest = ckpt.Retention(root).latest()
-            resumed_from.append(None if latest is None else os.path.basename(latest))
-            if resumed_from[-1] == final:
-                duration *= 0.7
+            assert latest is not None, f"trial {trial}: checkpoint {k} was seen, then none was left"
+            resumed_from.append(os.path.basename(latest))
             model, opt = loop.run(str(root), str(tmp_path / f"nvme-resume{trial}"))
             for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
                 assert torch.equal(p, q), f"trial {trial} (resumed from {latest}): {name} differs"
             assert_same_state(opt.state_dict(), ref_opt.state_dict())
             opt.close()
         print("resumed from:", resumed_from)
-        assert mid_run(), f"no trial resumed mid-run: {resumed_from}"
+        final = os.path.basename(ckpt.Retention(tmp_path).path_for(loop.STEPS))
+        assert [r for r in resumed_from if r != final], f"no trial resumed mid-run: {resumed_from}"
         ref_opt.close()
     finally:
         torch.set_num_threads(threads)
         zygote.stdin.close()
         zygote.wait(timeout=30)
+
+
+def _wait_for_checkpoint(keep, step: int, pid: int, timeout: float = 120.0) -> None:
+    """Return once ``keep`` holds a complete checkpoint of ``step`` or later; fail if the run ``pid`` ends
+    first or nothing comes within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        latest = keep.latest()
+        if latest is not None and int(os.path.basename(latest).split("-")[1]) >= step:
+            return
+        if _exited(pid):
+            raise AssertionError(f"the training run ended before checkpoint {step} appeared in {keep.root}")
+        time.sleep(0.002)
+    raise AssertionError(f"no checkpoint {step} in {keep.root} after {timeout:.0f} s")
+
+
+def _exited(pid: int) -> bool:
+    """Whether process ``pid`` (not yet reaped by its parent) has ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
 
 
 # -- a file system without O_DIRECT ---------------------------------------------------------------
