@@ -1,4 +1,4 @@
-"""The ``offload-ckpt`` command line: export, import, inspect, verify and mirror checkpoints.
+"""The ``offload-ckpt`` command line: export, import, inspect, verify, list and mirror checkpoints.
 
 Exit codes: 0 success, 1 a corrupt, incomplete or unreadable checkpoint (or an I/O error),
 2 a bad argument.
@@ -7,6 +7,8 @@ Examples::
 
     offload-ckpt inspect /ckpt/step-0000001000
     offload-ckpt verify /ckpt/step-0000001000
+    offload-ckpt verify --local /ckpt/step-0000001000   # a job's checkpoint: only the shards on this node
+    offload-ckpt list /ckpt
     offload-ckpt export /ckpt/step-0000001000 adamw.pt       # torch.optim.AdamW.load_state_dict(torch.load(...))
     offload-ckpt export /ckpt/step-0000001000 --model-out model.pt   # model.load_state_dict(torch.load(...))
     offload-ckpt import adamw.pt /ckpt/imported --like /ckpt/step-0000001000
@@ -23,6 +25,9 @@ from typing import Sequence
 
 from . import checkpoint
 from .checkpoint.commit import reading
+from .checkpoint.format import JOB_FORMAT
+from .checkpoint.ownership import _is_our_format
+from .checkpoint.verify import _read_manifest
 
 PROG = "offload-ckpt"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -62,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check every file's size and checksum")
     p.add_argument("checkpoints", metavar="CKPT", nargs="+", help="checkpoint directories")
+    p.add_argument("--local", action="store_true",
+                   help="for a job's checkpoint (saved by every rank of a torch.distributed job), check the "
+                        "shards that are here and let the others be on other nodes; without it a missing "
+                        "shard fails, named")
+
+    p = sub.add_parser("list", help="list the checkpoints in a directory (a Retention root), a job's with its "
+                                    "shards here")
+    p.add_argument("root", metavar="DIR", help="directory holding checkpoints")
 
     p = sub.add_parser("mirror", help="copy a checkpoint to a second level (another drive, a network mount), "
                                       "atomically, verified after the copy")
@@ -119,14 +132,38 @@ def _run(args) -> int:
         failed = 0
         for path in args.checkpoints:
             try:
-                checkpoint.verify_checkpoint(path)
+                manifest = checkpoint.verify_checkpoint(path, local=args.local)
             except (checkpoint.CheckpointError, OSError) as err:
                 print(f"{path}: FAILED: {_describe(err)}")
                 failed += 1
             else:
-                print(f"{path}: OK")
+                print(f"{path}: OK" + _shards_here(path, manifest, " ({}: verified)"))
         return EXIT_FAILURE if failed else EXIT_OK
+    elif args.command == "list":
+        if not os.path.isdir(args.root):
+            print(f"{PROG} list: error: {args.root} is not a directory", file=sys.stderr)
+            return EXIT_USAGE
+        for name in sorted(os.listdir(args.root)):
+            path = os.path.join(args.root, name)
+            if not os.path.isdir(path) or not _is_our_format(path):
+                continue
+            try:
+                m = _read_manifest(path)
+            except (checkpoint.CheckpointError, OSError) as err:
+                print(f"{name}: unreadable: {_describe(err)}")
+                continue
+            print(f"{name}: step {m.get('step')}, {m.get('created')}" + _shards_here(path, m, ", {}"))
     return EXIT_OK
+
+
+def _shards_here(path: str, manifest: dict, form: str) -> str:
+    """For a job's checkpoint, ``form`` filled with its size and the shards in ``path``; else nothing."""
+    if manifest.get("format") != JOB_FORMAT:
+        return ""
+    here = [s["name"] for s in manifest["shards"] if os.path.isdir(os.path.join(path, s["name"]))]
+    missing = [s["name"] for s in manifest["shards"] if s["name"] not in here]
+    text = f"job of {manifest['world_size']} ranks, {len(here)} of {manifest['world_size']} shards here"
+    return form.format(text + (f"; not here: {', '.join(missing)}" if missing else ""))
 
 
 def _describe(err: Exception) -> str:

@@ -6,6 +6,7 @@ import datetime
 import io
 import json
 import os
+import re
 from typing import Any, Callable, Iterable
 
 import torch
@@ -42,6 +43,16 @@ MEMORY = "memory.pt"
 EXTRA = "extra.pt"
 PARAMS_DATA = "params.bin"  # with a model: offloaded parameters' bytes (see ``model``)
 MODEL_MEMORY = "model.pt"  # with a model: its other parameters and its buffers
+# A checkpoint of a torch.distributed job: one shard directory per rank (each an ordinary checkpoint of
+# the rank's own state) and a job manifest (MANIFEST, of format JOB_FORMAT) naming them all.
+JOB_FORMAT = "nvme-offload-job-checkpoint"
+JOB_VERSION = 1
+_SHARD = re.compile(r"^rank-(\d{5,})$")
+
+
+def _shard_name(rank: int) -> str:
+    """The directory of ``rank``'s shard inside a job's checkpoint."""
+    return f"rank-{rank:05d}"
 
 
 # -- small helpers ----------------------------------------------------------------------------

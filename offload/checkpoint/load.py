@@ -12,11 +12,12 @@ import xxhash
 from torch import nn
 
 from ..aio import Engine
+from ..distributed import rank_info
 from ..errors import CheckpointError
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, match_groups, step_tensor
 from . import stream
-from .commit import _settle, reading
+from .commit import _gather, _settle, job_world, reading
 from .format import (
     DATA,
     EXTRA,
@@ -31,7 +32,7 @@ from .format import (
 )
 from .model import _load_model, _model_section
 from .stream import _progress, _RangeReader, _stream
-from .verify import _verify_data, read_manifest
+from .verify import _job_shard, _verify_data, read_manifest
 
 
 # NOTE: loading checks the manifest, the sizes and every unit's checksum as the bytes pass, and the
@@ -77,6 +78,8 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         raise ValueError("the optimizer is closed")
     # A save in the background copies units as steps change them; a load changes them all unguarded.
     _settle(optimizer.state_store, report=False)
+    if job_world() is not None:
+        return _load_job(optimizer, directory, model, mirror, progress)
     copy = None if mirror is None else os.path.join(os.fspath(mirror), os.path.basename(os.path.abspath(directory)))
     try:
         # Held for the whole load: a save of the same directory by another process waits until it ends.
@@ -92,7 +95,11 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
 
 
 def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool] = None) -> Any:
-    store = optimizer.state_store
+    return _apply(optimizer, directory, model, progress, _check(optimizer, directory, model))
+
+
+def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
+    """Everything a load checks before it changes anything; returns what :func:`_apply` needs."""
     manifest = read_manifest(directory)
     if manifest.get("optimizer") is None:
         raise CheckpointError(f"checkpoint {directory} holds model weights only (offload.params.save_parameters), "
@@ -105,6 +112,13 @@ def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progres
     if EXTRA in manifest["files"]:
         extra = _read_torch(directory, EXTRA, manifest["files"][EXTRA])
     params = _match(optimizer, manifest, memory, directory)
+    return manifest, memory, extra, params
+
+
+def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool], checked: tuple) -> Any:
+    """The load's part that changes the optimizer (and ``model``), once :func:`_check` has passed."""
+    store = optimizer.state_store
+    manifest, memory, extra, params = checked
     if model is not None:
         # Weights first: a checkpoint without fp32 masters seeds them from the weights at load.
         # On failure part-way its state is intact, but the weights it updates are half loaded.
@@ -118,6 +132,69 @@ def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progres
         store.failed(err)
         raise
     return extra
+
+
+# NOTE: the ranks of a job load together: each checks everything it can without changing anything (the
+# job manifest, its world size, its own shard and that shard against its optimizer), then they exchange
+# the outcome, and only if every rank passed does any rank change its state: either all load or all
+# raise. A failure while streaming (a unit that fails its checksum, an I/O error) is exchanged too: the
+# ranks that loaded then refuse to step, as the one that failed does, until a load succeeds.
+def _load_job(optimizer, directory, model, mirror, progress) -> Any:
+    """:func:`load_checkpoint` on every rank of a job (see the NOTE above)."""
+    rank, world = rank_info().rank, job_world()
+    given = os.path.abspath(os.fspath(directory))
+    with contextlib.ExitStack() as stack:
+        own, status, shard, checked = None, {"rank": rank, "ok": False}, None, None
+        try:
+            if mirror is not None:
+                raise CheckpointError(f"mirror is for a process that loads alone; in a job of {world} ranks load "
+                                      "each rank's directory (copy it back from the second level first)")
+            stack.enter_context(reading(given))
+            shard, job = _job_shard(given, world, rank)
+            checked = _check(optimizer, shard, model)
+            status.update(ok=True, job=job)
+        except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
+            own = err
+            status["error"] = f"{type(err).__name__}: {err}"
+        statuses = _agree(status, f"loading {given}", own)
+        failed = [s for s in statuses if not s["ok"]]
+        if failed:
+            if own is not None:
+                raise own
+            raise CheckpointError(f"rank {failed[0]['rank']} cannot load {given} ({failed[0]['error']}); nothing "
+                                  "was loaded on any rank")
+        if len({s["job"] for s in statuses}) > 1:
+            raise CheckpointError(f"the ranks found different saves under {given} (a save of the job was cut off "
+                                  "between the commits of directories on different nodes); nothing was loaded on any "
+                                  "rank: load an older checkpoint")
+        extra, own, status = None, None, {"rank": rank, "ok": False}
+        try:
+            extra = _apply(optimizer, shard, model, progress, checked)
+            status["ok"] = True
+        except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
+            own = err
+            status["error"] = f"{type(err).__name__}: {err}"
+        statuses = _agree(status, f"loading {given}", own)
+        failed = [s for s in statuses if not s["ok"]]
+        if failed:
+            if own is not None:
+                raise own
+            err = CheckpointError(f"rank {failed[0]['rank']} failed to load its shard of {given} "
+                                  f"({failed[0]['error']}); this rank loaded its own, but the job's state is not "
+                                  "whole: no rank steps until a load succeeds on every rank")
+            optimizer.state_store.failed(err)
+            raise err
+        return extra
+
+
+def _agree(status: dict, doing: str, own: Optional[BaseException]) -> list:
+    """Every rank's ``status``; if a rank does not answer, this rank's own error (if any) is raised."""
+    try:
+        return _gather(status, doing)
+    except CheckpointError as err:
+        if own is not None:
+            raise own from err
+        raise
 
 
 def _match(opt, manifest: dict, memory: dict, directory: str) -> list:

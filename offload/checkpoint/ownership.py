@@ -13,7 +13,18 @@ import stat
 import warnings
 
 from .._proc import pid_alive
-from .format import DATA, EXTRA, FORMAT, MANIFEST, MEMORY, MODEL_MEMORY, PARAMS_DATA, _manifest_digest
+from .format import (
+    _SHARD,
+    DATA,
+    EXTRA,
+    FORMAT,
+    JOB_FORMAT,
+    MANIFEST,
+    MEMORY,
+    MODEL_MEMORY,
+    PARAMS_DATA,
+    _manifest_digest,
+)
 
 # Every name a save of this format writes into a checkpoint directory. A leftover of a save (a
 # temporary sibling without a trustworthy manifest) is ours only if it holds nothing else.
@@ -65,20 +76,63 @@ def _manifest_problem(path: str) -> tuple[dict | None, str | None]:
 
 
 def _is_our_format(path: str) -> bool:
-    """Whether directory ``path`` has a manifest that says it is one of our checkpoints (unchecked)."""
+    """Whether directory ``path`` has a manifest that says it is one of our checkpoints, a process's or a
+    job's (unchecked)."""
     manifest = _parse_manifest(path)
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+    return isinstance(manifest, dict) and manifest.get("format") in (FORMAT, JOB_FORMAT)
+
+
+def _is_job(path: str) -> bool:
+    """Whether directory ``path`` is (or was being staged as) a job's checkpoint: a job manifest, or no
+    manifest and shard directories (``rank-<n>``)."""
+    manifest = _parse_manifest(path)
+    if manifest is not None:
+        return isinstance(manifest, dict) and manifest.get("format") == JOB_FORMAT
+    try:
+        return any(_SHARD.match(n) and os.path.isdir(os.path.join(path, n)) for n in os.listdir(path))
+    except OSError:
+        return False
 
 
 def _checkpoint_problem(path: str) -> str | None:
     """None if directory ``path`` is a complete checkpoint of ours with nothing else in it (so a save
-    may replace it and retention may delete it); else why not, for an error message."""
+    may replace it and retention may delete it); else why not, for an error message. A job's checkpoint
+    is complete when its manifest holds and every shard in it is the complete one the manifest lists;
+    shards of other ranks may be elsewhere (node-local directories)."""
+    job = _parse_manifest(path)
+    if isinstance(job, dict) and job.get("format") == JOB_FORMAT:
+        return _job_problem(path, job)
     manifest, problem = _manifest_problem(path)
     if problem is not None:
         return problem
     foreign = _foreign(path, frozenset(manifest["files"]) | {MANIFEST})
     if foreign:
         return f"is a checkpoint but also holds {_listing(foreign)}, which are not part of it"
+    return None
+
+
+def _job_problem(path: str, job: dict) -> str | None:
+    """:func:`_checkpoint_problem` of a job's checkpoint ``path`` whose manifest is ``job``."""
+    shards = job.get("shards")
+    if _manifest_digest(job) != job.get("manifest_xxh3_64") or not isinstance(shards, list):
+        return (f"has an nvme-offload job {MANIFEST} that fails its checksum (corrupt or edited), so which of "
+                "its shards belong to the checkpoint cannot be told")
+    listed = {s.get("name"): s for s in shards if isinstance(s, dict)}
+    foreign = []
+    for n in os.listdir(path):
+        p = os.path.join(path, n)
+        if n == MANIFEST:
+            continue
+        if n not in listed or os.path.islink(p) or not os.path.isdir(p):
+            foreign.append(n)
+            continue
+        problem = _checkpoint_problem(p)
+        if problem is not None:
+            return f"is a job's checkpoint whose shard {n} {problem}"
+        if (_parse_manifest(p) or {}).get("manifest_xxh3_64") != listed[n].get("manifest_xxh3_64"):
+            return f"is a job's checkpoint whose shard {n} is not the one its {MANIFEST} lists (another save's)"
+    if foreign:
+        return f"is a job's checkpoint but also holds {_listing(foreign)}, which are not part of it"
     return None
 
 
@@ -129,6 +183,8 @@ def _remove_ours(path: str, *, quiet: bool = False) -> bool:
     run after a commit, when the save itself has succeeded).
     """
     try:
+        if _is_job(path):
+            return _remove_job(path, quiet=quiet)
         allowed = _ours(path)
         if allowed is None:
             if not quiet and os.path.lexists(path):
@@ -139,6 +195,38 @@ def _remove_ours(path: str, *, quiet: bool = False) -> bool:
     except OSError as err:
         warnings.warn(f"could not delete {path}: {err}", RuntimeWarning, stacklevel=2)
         return False
+
+
+def _remove_job(path: str, *, quiet: bool) -> bool:
+    """:func:`_remove_ours` of a job's checkpoint, or of what a job's save left staged: the job manifest
+    first (a half-deleted job is never complete), then each shard that is all ours, then the directory."""
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.lexists(manifest):
+        os.unlink(manifest)  # _is_job() read it: a job manifest of ours
+    for n in os.listdir(path):
+        if _SHARD.match(n):
+            _remove_ours(os.path.join(path, n), quiet=quiet)
+    try:
+        os.rmdir(path)
+    except OSError as err:
+        if err.errno not in (_errno.ENOTEMPTY, _errno.EEXIST):
+            raise
+        if not quiet:
+            warnings.warn(f"left {path} in place: besides a job checkpoint's shards it holds "
+                          f"{_listing(os.listdir(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def _clean_stale_jobs(directory: str, keep: str) -> None:
+    """Remove what saves of a job into ``directory`` left staged (``<directory>.tmp-job-<hex>``) when
+    their job stopped, except ``keep`` (the save in progress). Only what is all ours is removed."""
+    parent, name = os.path.split(directory)
+    pattern = re.compile(re.escape(name) + r"\.tmp-job-[0-9a-f]+$")
+    for n in os.listdir(parent):
+        p = os.path.join(parent, n)
+        if pattern.match(n) and p != keep and _is_job(p):
+            _remove_ours(p, quiet=True)
 
 
 def _remove_checkpoint(path: str) -> bool:

@@ -11,14 +11,15 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import SaveHandle
+from .commit import SaveHandle, _gather, job_world
 from .format import MANIFEST
 from .load import load_checkpoint
 from .locks import _lock
-from .ownership import _is_our_format, _remove_checkpoint, _remove_ours, _used_elsewhere
+from .ownership import _is_job, _is_our_format, _remove_checkpoint, _remove_ours, _used_elsewhere
 from .save import _save
-from .verify import verify_checkpoint
+from .verify import _read_manifest, _verify_job, verify_checkpoint
 
 log = logging.getLogger("offload")
 
@@ -125,7 +126,7 @@ class Retention:
             if milestone:
                 _mark(path)
             if self.verify:
-                verify_checkpoint(path)
+                _verify(path)
                 self._remember(path)
             self.prune()
 
@@ -191,6 +192,8 @@ class Retention:
         Raises:
             CheckpointError: there are checkpoints, and none of them loads (the newest's error chained).
         """
+        if job_world() is not None:
+            return self._load_latest_job(optimizer, model)
         steps = {e.step for e in self._entries()}
         if self.mirror is not None:
             steps |= {e.step for e in self.mirror._entries()}
@@ -212,6 +215,24 @@ class Retention:
                                   + (f" or {self.mirror.root}" if self.mirror else "") + " loads") from first
         return None, None
 
+    def _load_latest_job(self, optimizer, model) -> tuple[Optional[str], Any]:
+        """:meth:`load_latest` on every rank of a job: the ranks try the same steps, newest first (every
+        step any rank has here), and each load is the job's (all ranks load it, or all go on to the next)."""
+        mine = sorted(e.step for e in self._entries())
+        steps = sorted(set().union(*_gather(mine, f"listing {self.root}")), reverse=True)
+        first = None
+        for step in steps:
+            path = self.path_for(step)
+            try:
+                return path, load_checkpoint(optimizer, path, model=model)
+            except (CheckpointError, OSError) as err:
+                first = first or err
+                warnings.warn(f"step {step} does not load ({err}); trying the next older checkpoint",
+                              RuntimeWarning, stacklevel=3)
+        if first is not None:
+            raise CheckpointError(f"no checkpoint under {self.root} loads on every rank") from first
+        return None, None
+
     # -- verification -------------------------------------------------------------------------------
 
     def _remember(self, path: str) -> None:
@@ -227,7 +248,7 @@ class Retention:
             if self._verified.get(path) is not None and self._verified[path] == _manifest_checksum(path):
                 return path
             try:
-                verify_checkpoint(path)
+                _verify(path)
             except (CheckpointError, OSError) as err:
                 warnings.warn(f"{path} does not verify ({err}); older checkpoints are kept", RuntimeWarning,
                               stacklevel=3)
@@ -235,6 +256,18 @@ class Retention:
             self._remember(path)
             return path
         return None
+
+
+def _verify(path: str) -> None:
+    """Verify checkpoint ``path``. A job's: on a rank of the job, its job manifest and this rank's own
+    shard (every rank checks its own, once, whether or not the ranks share a file system); elsewhere
+    the shards that are here."""
+    if not _is_job(path):
+        verify_checkpoint(path)
+    elif job_world() is not None:
+        _verify_job(path, _read_manifest(path), ranks={rank_info().rank})
+    else:
+        verify_checkpoint(path, local=True)
 
 
 def _manifest_checksum(path: str) -> Optional[str]:

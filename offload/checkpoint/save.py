@@ -3,9 +3,12 @@ of a committed checkpoint to a second level."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import datetime
 import errno as _errno
 import os
+import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -15,22 +18,39 @@ from torch import nn
 
 from ..buffers import BufferPool
 from ..config import AioConfig, config_to_dict
+from ..distributed import rank_info
 from ..errors import CheckpointError, ChecksumError
 from ..pipeline import BufferRing
 from ..units import ALIGNMENT, format_size, round_up
 from . import stream
-from .commit import SaveHandle, _settle, _Staged, _track, _write_atomically, reading
+from .commit import (
+    SaveHandle,
+    _gather,
+    _JobCommit,
+    _settle,
+    _Shard,
+    _Staged,
+    _track,
+    _write_atomically,
+    job_world,
+    reading,
+)
 from .format import (
     DATA,
+    JOB_FORMAT,
+    JOB_VERSION,
+    MANIFEST,
     _chunk_table,
     _cpu_state,
     _dtype_name,
     _io_error,
+    _shard_name,
     _torch_bytes,
     _torch_groups,
     _write_memory_and_manifest,
 )
 from .model import _save_model
+from .ownership import _remove_ours, _target_kind
 from .stream import _clone_range, _progress, _stream
 from .verify import _verify_files, read_manifest
 
@@ -115,9 +135,16 @@ class _Plan:
 
 def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror_to=None, snapshot="auto",
           progress=None, then: Optional[Callable[[str], None]] = None,
-          then_mirror: Optional[Callable[[str], None]] = None):
+          then_mirror: Optional[Callable[[str], None]] = None, shard: Optional[_Staged] = None):
     """:func:`save_checkpoint`, with ``then(directory)`` run once committed (before the copy to the mirror)
-    and ``then_mirror(copy)`` once the copy is done (``Retention`` verifies and prunes with them)."""
+    and ``then_mirror(copy)`` once the copy is done (``Retention`` verifies and prunes with them).
+
+    Where torch.distributed runs a job of several ranks, the save is the job's (:func:`_save_job`),
+    which writes this rank's part through this function with ``shard``, a ``commit._Shard`` to fill
+    and finish in place of a directory of its own."""
+    if shard is None and job_world() is not None:
+        return _save_job(optimizer, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
+                         snapshot=snapshot, progress=progress, then=then)
     if snapshot not in SNAPSHOTS:
         raise ValueError(f"snapshot must be one of {', '.join(SNAPSHOTS)}, got {snapshot!r}")
     if model is not None and not isinstance(model, nn.Module):
@@ -132,7 +159,7 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
     # change guard has copied it).
     store.drain(quiet=True)
     show = progress if progress is not None else (None if blocking else False)  # None: where stderr is a tty
-    staged = _Staged(directory)
+    staged = _Staged(directory) if shard is None else shard
     started = threading.Event()  # set once a worker owns the save (and cleans up after it)
     try:
         plan = _plan(optimizer)
@@ -241,11 +268,122 @@ def _work(handle: SaveHandle, started: threading.Event, refused: list, staged: _
         handle._finish(error)
 
 
-# NOTE: the seam for saves of a job (every rank its shard, committed when all have flushed): a job-wide
-# commit would replace this call with one that waits until every rank's files are fsynced (a barrier
-# over torch.distributed), then has one rank write the job's manifest. Not written yet.
+# NOTE: for a rank's shard of a job's checkpoint (``commit._Shard``) this writes the shard's manifest
+# only; the job's commit, once every rank has reported its shard fsynced, is ``_save_job``'s.
 def _commit(staged: _Staged, manifest: dict) -> None:
     staged.commit(manifest)
+
+
+# -- a job's save (torch.distributed) ---------------------------------------------------------------
+
+
+# NOTE: a job's checkpoint is complete on every rank or is not there. Every rank writes its shard, as
+# a save of its own would (streamed from its own swap space, checksummed, fsynced), into a staging
+# directory ``<dir>.tmp-job-<id>`` whose id rank 0 draws; the ranks then exchange what they did
+# (all_gather over the checkpoints' gloo group). If any failed, or one does not answer (dead, or past
+# the process group's timeout), every rank removes its shard and raises: nothing is committed. Else
+# the lowest rank among those that see the same staging directory (all of them on a shared file
+# system, those of one node with node-local directories) writes the job manifest into it and commits
+# it (``commit._JobCommit``): the job manifest is written last, and in each directory by one rank,
+# so ranks that share a file system never race on it, and directories that share nothing each get a
+# complete manifest of the whole job. The ranks then exchange again: if a directory could not commit,
+# the others put their previous checkpoint back.
+def _save_job(optimizer, directory, *, model, extra, blocking, mirror_to, snapshot, progress, then) -> str:
+    """:func:`save_checkpoint` on every rank of a job (see the NOTE above); returns the directory."""
+    rank, world = rank_info().rank, job_world()
+    given = os.path.abspath(os.fspath(directory))
+    if not blocking:
+        raise CheckpointError(f"save_checkpoint(blocking=False) is for a process that saves alone; in a job of "
+                              f"{world} ranks save with blocking=True (the ranks agree on the commit with "
+                              "collectives, which a background thread would interleave with training's)")
+    if mirror_to is not None:
+        raise CheckpointError(f"mirror_to is for a process that saves alone; in a job of {world} ranks copy "
+                              "each rank's directory to the second level yourself (offload-ckpt mirror)")
+    target = os.path.realpath(given)
+    token = _gather(secrets.token_hex(8), f"saving {given}")[0]
+    stage = f"{target}.tmp-job-{token}"
+    name = _shard_name(rank)
+    status, own = {"rank": rank, "name": name, "ok": False}, None
+    try:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        _target_kind(target, given)  # refused before anything is written (and again at the commit)
+        os.makedirs(stage, exist_ok=True)
+        shard = _Shard(os.path.join(stage, name))
+        _save(optimizer, shard.directory, model=model, extra=extra, snapshot=snapshot, progress=progress,
+              shard=shard)
+        status.update(ok=True, manifest_xxh3_64=shard.manifest["manifest_xxh3_64"], step=shard.manifest["step"],
+                      files=shard.manifest["files"])
+    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
+        own = err
+        status["error"] = f"{type(err).__name__}: {err}"
+    try:
+        statuses = _gather(status, f"saving {given}")
+    except CheckpointError as err:
+        _discard_shard(stage, name)
+        if own is not None:
+            raise own from err
+        raise
+    failed = [s for s in statuses if not s["ok"]]
+    if failed:
+        _discard_shard(stage, name)
+        if own is not None:
+            raise own
+        raise CheckpointError(f"the job's save to {given} failed on rank {failed[0]['rank']} "
+                              f"({failed[0]['error']}); nothing was committed on any rank, and the checkpoint "
+                              "that was there (if any) is as it was")
+    job = _job_manifest(token, statuses)
+    here = [s["rank"] for s in statuses if os.path.isfile(os.path.join(stage, s["name"], MANIFEST))]
+    commit, result, own = None, {"ok": True}, None
+    try:
+        if min(here, default=rank) == rank:
+            commit = _JobCommit(stage, given)
+            commit.commit(job)
+    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
+        own = err
+        result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+    try:
+        results = _gather({"rank": rank, **result}, f"committing {given}")
+    except CheckpointError:
+        if commit is not None:
+            commit.roll_back()
+        raise
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        if commit is not None:
+            commit.roll_back()
+        if own is not None:
+            raise own
+        raise CheckpointError(f"the job's save to {given} could not be committed on rank {failed[0]['rank']} "
+                              f"({failed[0]['error']}); every directory of the job has its previous checkpoint back")
+    if commit is not None:
+        commit.finish()
+    if then is not None:
+        then(given)
+    return given
+
+
+def _job_manifest(token: str, statuses: list) -> dict:
+    """The job manifest: its id, the world size, every rank's shard with its manifest's checksum and files."""
+    shards = [{"rank": s["rank"], "name": s["name"], "manifest_xxh3_64": s["manifest_xxh3_64"], "step": s["step"],
+               "files": s["files"]} for s in statuses]
+    return {
+        "format": JOB_FORMAT,
+        "version": JOB_VERSION,
+        "job": token,
+        "world_size": len(statuses),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "step": max(s["step"] for s in shards),
+        "shards": shards,
+    }
+
+
+def _discard_shard(stage: str, name: str) -> None:
+    """Remove this rank's shard from a job's staging directory, and the directory once empty."""
+    with contextlib.suppress(OSError):
+        path = os.path.join(stage, name)
+        if os.path.lexists(path):
+            _remove_ours(path, quiet=True)
+        os.rmdir(stage)
 
 
 def _mirror_in_background(owner, directory: str, mirror: str, then_mirror) -> None:

@@ -1,0 +1,125 @@
+"""One rank of a gloo job for tests/test_distributed_checkpoint.py: trains, saves, loads and dumps as told.
+
+Usage: dist_ckpt_worker.py SPEC_JSON (RANK and WORLD_SIZE in the environment). SPEC: {"init": a file://
+store, "root": a directory, "actions": [...]}; each action is one of
+  {"do": "train", "steps": n}                    n steps (data drawn from the step and the rank)
+  {"do": "save", "dir": d, "fault": {...}}       opt.save_checkpoint(d, model=..., extra={"step": ...})
+  {"do": "load", "dir": d}                       opt.load_checkpoint(d, model=...), the step from its extra
+  {"do": "keep_save", "root": d, "keep_last": n} Retention(d, keep_last=n).save(opt, step, model=..., ...)
+  {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
+  {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt
+"{rank}" in a directory is this rank's number (node-local directories: one per rank).
+A fault {"rank": r, "after_units": k, "kind": "raise" | "kill"} makes rank r raise an OSError, or SIGKILL
+itself, once k units of its shard's state.bin have been written. What each action did (ok, or the error's
+type and message) goes to ROOT/out/rank<r>.json after each action, so a killed rank leaves what it had.
+The model: a DDP-wrapped MLP (the same on every rank) and a parameter of the rank's own (different on each
+rank), both in one optimizer whose swap space is ROOT/nvme-rank<r>.
+"""
+
+import datetime
+import errno
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import offload.checkpoint.save as save_module
+from offload import OffloadedAdamW
+from offload.checkpoint import Retention
+
+
+class Holder(nn.Module):
+    def __init__(self, rank: int, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+        self.own = nn.Parameter(torch.randn(3000, generator=torch.Generator().manual_seed(seed * 100 + rank)))
+
+
+def inject(fault: dict, rank: int):
+    """Wrap the checkpoint's streaming loop so that ``fault`` strikes on its rank after its units."""
+    original = save_module._stream
+
+    def faulty(items, buffers, *, read=None, process, write=None):
+        done = [0]
+
+        def counted(i, buf):
+            if done[0] >= fault["after_units"]:
+                if fault["kind"] == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise OSError(errno.EIO, "injected fault in the shard's save", "state.bin")
+            done[0] += 1
+            return process(i, buf)
+
+        return original(items, buffers, read=read, process=counted, write=write)
+
+    if fault is not None and fault["rank"] == rank:
+        save_module._stream = faulty
+    return original
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec.get("timeout", 60)))
+    root = spec["root"]
+    out = os.path.join(root, "out")
+    os.makedirs(out, exist_ok=True)
+    holder = Holder(rank, spec.get("seed", 0))
+    ddp = DistributedDataParallel(holder.net)
+    opt = OffloadedAdamW([{"params": list(holder.net.parameters())}, {"params": [holder.own], "lr": 2e-2}],
+                         lr=1e-2, nvme_path=os.path.join(root, f"nvme-rank{rank}"), buffer_size=16 * 1024,
+                         buffer_count=3, small_param_threshold=64)
+    step, log = 0, []
+    for action in spec["actions"]:
+        entry = {"do": action["do"]}
+        for key in ("dir", "root"):
+            if key in action:
+                action[key] = action[key].format(rank=rank)
+        try:
+            if action["do"] == "train":
+                for _ in range(action["steps"]):
+                    g = torch.Generator().manual_seed(1000 * step + rank)
+                    x = torch.randn(8, 32, generator=g)
+                    loss = ddp(x).square().mean() + (holder.own * torch.randn(3000, generator=g)).sum().tanh()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    step += 1
+            elif action["do"] == "save":
+                original = inject(action.get("fault"), rank)
+                try:
+                    entry["result"] = opt.save_checkpoint(action["dir"], model=holder, extra={"step": step},
+                                                          snapshot="stream")
+                finally:
+                    save_module._stream = original
+            elif action["do"] == "load":
+                step = opt.load_checkpoint(action["dir"], model=holder)["step"]
+            elif action["do"] == "keep_save":
+                keep = Retention(action["root"], keep_last=action["keep_last"])
+                entry["result"] = keep.save(opt, step, model=holder, extra={"step": step})
+            elif action["do"] == "keep_load":
+                entry["result"], extra = Retention(action["root"]).load_latest(opt, model=holder)
+                step = extra["step"]
+            elif action["do"] == "dump":
+                torch.save({"step": step, "model": holder.state_dict(), "opt": opt.state_dict()},
+                           os.path.join(out, f"rank{rank}-{action['tag']}.pt"))
+            entry["ok"] = True
+        except Exception as err:  # noqa: BLE001 - recorded for the test to judge
+            entry.update(ok=False, type=type(err).__name__, error=str(err))
+        log.append(entry)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(log, f)
+    opt.close()
+    if all(e["ok"] for e in log):
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
