@@ -1,13 +1,16 @@
-"""One rank of a gloo job for tests/test_distributed_checkpoint.py: trains, saves, loads and dumps as told.
+"""Jobs of gloo ranks for tests/test_distributed_checkpoint.py: each rank trains, saves, loads and dumps as told.
 
-Usage: dist_ckpt_worker.py SPEC_JSON (RANK and WORLD_SIZE in the environment). SPEC: {"init": a file://
-store, "root": a directory, "actions": [...]}; each action is one of
+Usage: dist_ckpt_worker.py JOBS_JSON, JOBS: {"world": n, "timeout": seconds, "jobs": [SPEC, ...]}. The jobs
+run one after the other; each job's ranks are processes forked from this one (torch is imported once), and
+their exit codes go to ROOT/out/returncodes.json (minus the signal for a rank killed by one, as subprocess
+says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions": [...]}; each action is one of
   {"do": "train", "steps": n}                    n steps (data drawn from the step and the rank)
   {"do": "save", "dir": d, "fault": {...}}       opt.save_checkpoint(d, model=..., extra={"step": ...})
   {"do": "load", "dir": d}                       opt.load_checkpoint(d, model=...), the step from its extra
   {"do": "keep_save", "root": d, "keep_last": n} Retention(d, keep_last=n).save(opt, step, model=..., ...)
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
   {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt
+  {"do": "listdir", "dir": d}                    the names in d, sorted (the log's "result")
 "{rank}" in a directory is this rank's number (node-local directories: one per rank).
 A fault {"rank": r, "after_units": k, "kind": "raise" | "kill"} makes rank r raise an OSError, or SIGKILL
 itself, once k units of its shard's state.bin have been written. What each action did (ok, or the error's
@@ -22,6 +25,8 @@ import json
 import os
 import signal
 import sys
+import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -63,9 +68,8 @@ def inject(fault: dict, rank: int):
     return original
 
 
-def main() -> None:
-    spec = json.loads(sys.argv[1])
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def rank_main(spec: dict, rank: int, world: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=spec.get("timeout", 60)))
     root = spec["root"]
@@ -107,6 +111,8 @@ def main() -> None:
             elif action["do"] == "keep_load":
                 entry["result"], extra = Retention(action["root"]).load_latest(opt, model=holder)
                 step = extra["step"]
+            elif action["do"] == "listdir":
+                entry["result"] = sorted(os.listdir(action["dir"]))
             elif action["do"] == "dump":
                 torch.save({"step": step, "model": holder.state_dict(), "opt": opt.state_dict()},
                            os.path.join(out, f"rank{rank}-{action['tag']}.pt"))
@@ -117,8 +123,50 @@ def main() -> None:
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(log, f)
     opt.close()
-    if all(e["ok"] for e in log):
-        dist.destroy_process_group()
+
+
+def run_job(spec: dict, world: int, timeout: float) -> list:
+    """Fork ``world`` ranks running ``spec``; their exit codes (a rank still running after ``timeout``
+    seconds is killed)."""
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                rank_main(spec, rank, world)
+                code = 0
+            except BaseException:  # noqa: BLE001 - printed for the test's report
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # no teardown: a peer that died may leave gloo's waiting
+        pids.append(pid)
+    codes, deadline = {}, time.monotonic() + timeout
+    while len(codes) < world:
+        for pid in pids:
+            if pid in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        if time.monotonic() > deadline:
+            for pid in pids:
+                if pid not in codes:
+                    os.kill(pid, signal.SIGKILL)
+            deadline = float("inf")
+        time.sleep(0.02)
+    return [codes[p] for p in pids]
+
+
+def main() -> None:
+    jobs = json.loads(sys.argv[1])
+    for spec in jobs["jobs"]:
+        codes = run_job(spec, jobs["world"], jobs.get("timeout", 120))
+        os.makedirs(os.path.join(spec["root"], "out"), exist_ok=True)
+        with open(os.path.join(spec["root"], "out", "returncodes.json"), "w") as f:
+            json.dump(codes, f)
 
 
 if __name__ == "__main__":

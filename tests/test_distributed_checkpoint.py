@@ -36,39 +36,35 @@ class Job:
     root: str
     returncodes: list
     logs: list  # per rank: what each action did
-    output: list
+    output: str
 
     def dump(self, rank: int, tag: str) -> dict:
         return torch.load(os.path.join(self.root, "out", f"rank{rank}-{tag}.pt"), weights_only=True)
 
     def explain(self) -> str:
-        return "\n".join(f"--- rank {r} (exit {c}): {json.dumps(log)}\n{o[-3000:]}" for r, (c, log, o) in
-                         enumerate(zip(self.returncodes, self.logs, self.output)))
+        return "\n".join(f"--- rank {r} (exit {c}): {json.dumps(log)}" for r, (c, log) in
+                          enumerate(zip(self.returncodes, self.logs))) + "\n--- output:\n" + self.output[-5000:]
 
 
-def run_job(tmp_path, name: str, actions: list, *, seed: int = 0, timeout: float = 90) -> Job:
-    """Run the worker on WORLD ranks (a gloo group over a file store) and collect what each did."""
-    root = os.path.join(tmp_path, name)
-    os.makedirs(root)
-    spec = json.dumps({"init": f"file://{root}/store", "root": root, "actions": actions, "seed": seed,
-                       "timeout": 30})
-    procs = [subprocess.Popen([sys.executable, WORKER, spec], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=python_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD)))
-             for r in range(WORLD)]
-    output = []
-    try:
-        for p in procs:
-            output.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    logs = []
-    for r in range(WORLD):
-        path = os.path.join(root, "out", f"rank{r}.json")
-        logs.append(json.load(open(path)) if os.path.exists(path) else [])
-    return Job(root, [p.returncode for p in procs], logs, output)
+def run_jobs(tmp: str, jobs: dict, *, timeout: float = 240) -> dict:
+    """Run jobs of WORLD gloo ranks one after the other (``{name: (actions, seed)}``); what each rank of
+    each did, by name. One process imports torch once and forks every job's ranks."""
+    specs = []
+    for name, (actions, seed) in jobs.items():
+        root = os.path.join(tmp, name)
+        os.makedirs(root)
+        specs.append({"init": f"file://{root}/store", "root": root, "actions": actions, "seed": seed,
+                      "timeout": 30})
+    done = subprocess.run([sys.executable, WORKER, json.dumps({"world": WORLD, "timeout": 90, "jobs": specs})],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(),
+                          timeout=timeout)
+    def read(root, name, default):
+        path = os.path.join(root, "out", name)
+        return json.load(open(path)) if os.path.exists(path) else default
+
+    return {name: Job(spec["root"], read(spec["root"], "returncodes.json", None),
+                      [read(spec["root"], f"rank{r}.json", []) for r in range(WORLD)], done.stdout)
+            for name, spec in zip(jobs, specs)}
 
 
 def assert_same(a, b, where: str = "") -> None:
@@ -87,49 +83,80 @@ def assert_same(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-def assert_ok(job: Job) -> None:
-    assert job.returncodes == [0] * WORLD and all(e["ok"] for log in job.logs for e in log), job.explain()
+def assert_ok(job: Job, actions: int | None = None) -> None:
+    """Every rank of ``job`` exited well, and its first ``actions`` actions (default all) succeeded."""
+    assert job.returncodes == [0] * WORLD, job.explain()
+    assert all(len(log) == len(job.logs[0]) and all(e["ok"] for e in log[:actions]) for log in job.logs), job.explain()
 
 
 def step_dir(base: str, step: int) -> str:
     return os.path.join(base, f"step-{step:010d}")
 
 
+RAISE = {"rank": 1, "after_units": 2, "kind": "raise"}
+KILL = {"rank": 1, "after_units": 2, "kind": "kill"}
+
+
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A job that trains 2 steps, saves them to a shared directory, to node-local ones and through
-    Retention, then trains 2 more (the uninterrupted run)."""
+def runs(tmp_path_factory):
+    """Three jobs, one after the other. "first" trains 2 steps, saves them to a shared directory, to
+    node-local ones (one per rank) and through Retention, trains 2 more (the uninterrupted run), then saves
+    to a new directory and fails two saves with rank 1 raising mid-shard. "killed" saves, trains, and has
+    rank 1 SIGKILLed mid-shard in the next save of the same directory. "resume", from other initial
+    weights, loads all of these, trains on, and saves where the killed save was cut off."""
     tmp = str(tmp_path_factory.mktemp("dist-ckpt"))
-    shared, local = os.path.join(tmp, "ckpt"), os.path.join(tmp, "node{rank}")
-    keep = os.path.join(tmp, "keep")
-    job = run_job(tmp, "first", [
-        {"do": "train", "steps": 2},
-        {"do": "save", "dir": step_dir(shared, 2)},
-        {"do": "save", "dir": step_dir(local, 2)},
-        {"do": "keep_save", "root": keep, "keep_last": 1},
-        {"do": "dump", "tag": "s2"},
-        {"do": "train", "steps": 2},
-        {"do": "keep_save", "root": keep, "keep_last": 1},
-        {"do": "dump", "tag": "s4"},
-    ])
-    assert_ok(job)
-    return tmp, job
+    shared, local, keep = (os.path.join(tmp, n) for n in ("ckpt", "node{rank}", "keep"))
+    raised, killed = os.path.join(tmp, "ckpt-raised"), os.path.join(tmp, "ckpt-killed", "a")
+    jobs = run_jobs(tmp, {
+        "first": ([
+            {"do": "train", "steps": 2},
+            {"do": "save", "dir": step_dir(shared, 2)},
+            {"do": "save", "dir": step_dir(local, 2)},
+            {"do": "keep_save", "root": keep, "keep_last": 1},
+            {"do": "dump", "tag": "s2"},
+            {"do": "train", "steps": 2},
+            {"do": "keep_save", "root": keep, "keep_last": 1},
+            {"do": "dump", "tag": "s4"},
+            {"do": "save", "dir": os.path.join(raised, "a")},
+            {"do": "train", "steps": 1},
+            {"do": "save", "dir": os.path.join(raised, "a"), "fault": RAISE},
+            {"do": "save", "dir": os.path.join(raised, "b"), "fault": RAISE},
+            {"do": "listdir", "dir": raised},
+            {"do": "load", "dir": os.path.join(raised, "a")},
+            {"do": "dump", "tag": "raised"},
+        ], 0),
+        "killed": ([
+            {"do": "train", "steps": 1},
+            {"do": "save", "dir": killed},
+            {"do": "dump", "tag": "s1"},
+            {"do": "train", "steps": 1},
+            {"do": "save", "dir": killed, "fault": KILL},
+        ], 0),
+        "resume": ([
+            {"do": "keep_load", "root": keep},
+            {"do": "dump", "tag": "kept"},
+            {"do": "load", "dir": step_dir(local, 2)},
+            {"do": "dump", "tag": "local"},
+            {"do": "load", "dir": step_dir(shared, 2)},
+            {"do": "dump", "tag": "shared"},
+            {"do": "train", "steps": 2},
+            {"do": "dump", "tag": "continued"},
+            {"do": "listdir", "dir": os.path.dirname(killed)},
+            {"do": "load", "dir": killed},
+            {"do": "dump", "tag": "after-kill"},
+            {"do": "save", "dir": killed},
+            {"do": "listdir", "dir": os.path.dirname(killed)},
+        ], 1),
+    })
+    return tmp, jobs
 
 
-def test_job_save_then_load_restores_bit_for_bit_and_training_goes_on_as_uninterrupted(saved):
+def test_job_save_then_load_restores_bit_for_bit_and_training_goes_on_as_uninterrupted(runs):
     """A job's checkpoint (shared directory, node-local directories, Retention) loads on every rank into
     fresh optimizers and models bit for bit, and training from it equals the run that went on."""
-    tmp, first = saved
-    job = run_job(tmp, "resume", [
-        {"do": "keep_load", "root": os.path.join(tmp, "keep")},
-        {"do": "dump", "tag": "kept"},
-        {"do": "load", "dir": step_dir(os.path.join(tmp, "node{rank}"), 2)},
-        {"do": "dump", "tag": "local"},
-        {"do": "load", "dir": step_dir(os.path.join(tmp, "ckpt"), 2)},
-        {"do": "dump", "tag": "shared"},
-        {"do": "train", "steps": 2},
-        {"do": "dump", "tag": "continued"},
-    ], seed=1)
+    _, jobs = runs
+    first, job = jobs["first"], jobs["resume"]
+    assert_ok(first, 8)
     assert_ok(job)
     for r in range(WORLD):
         assert_same(job.dump(r, "kept"), first.dump(r, "s4"), f"rank {r} Retention")
@@ -140,84 +167,67 @@ def test_job_save_then_load_restores_bit_for_bit_and_training_goes_on_as_uninter
     assert not torch.equal(first.dump(0, "s2")["model"]["own"], first.dump(1, "s2")["model"]["own"])
 
 
-def test_job_checkpoint_layout_has_one_manifest_listing_every_shard(saved):
+def test_job_checkpoint_layout_has_one_manifest_listing_every_shard(runs):
     """A shared directory holds every rank's shard and the job manifest; node-local ones each hold
     their rank's shard and the same job manifest; Retention kept only the newest."""
-    tmp, _ = saved
+    tmp, jobs = runs
+    assert_ok(jobs["first"], 8)
     shared = step_dir(os.path.join(tmp, "ckpt"), 2)
     job = read_job_manifest(shared)
     assert job["world_size"] == WORLD and [s["name"] for s in job["shards"]] == ["rank-00000", "rank-00001"]
     assert sorted(os.listdir(shared)) == ["manifest.json", "rank-00000", "rank-00001"]
     for s in job["shards"]:
         assert read_manifest(os.path.join(shared, s["name"]))["manifest_xxh3_64"] == s["manifest_xxh3_64"]
+    local = [read_job_manifest(step_dir(os.path.join(tmp, f"node{r}"), 2)) for r in range(WORLD)]
     for r in range(WORLD):
-        local = step_dir(os.path.join(tmp, f"node{r}"), 2)
-        assert sorted(os.listdir(local)) == ["manifest.json", f"rank-{r:05d}"]
-        assert read_job_manifest(local)["job"] != job["job"]  # another save, the same shards' names
+        assert sorted(os.listdir(step_dir(os.path.join(tmp, f"node{r}"), 2))) == ["manifest.json", f"rank-{r:05d}"]
+    assert local[0] == local[1] and local[0]["job"] != job["job"]  # one manifest for the job, in each directory
     assert Retention(os.path.join(tmp, "keep")).checkpoints() == [step_dir(os.path.join(tmp, "keep"), 4)]
     assert verify_checkpoint(shared)["world_size"] == WORLD
     assert not [n for n in os.listdir(os.path.join(tmp, "ckpt")) if ".tmp" in n]
 
 
-def test_rank_raising_during_save_commits_nothing_and_previous_loads_everywhere(tmp_path):
+def test_rank_raising_during_save_commits_nothing_and_previous_loads_everywhere(runs):
     """A rank whose shard fails mid-write makes every rank raise; the checkpoint it would have replaced is
     untouched and loads on all ranks, a new directory is not created, and nothing staged is left."""
-    ckpt = os.path.join(tmp_path, "ckpt")
-    fault = {"rank": 1, "after_units": 2, "kind": "raise"}
-    job = run_job(tmp_path, "raise", [
-        {"do": "train", "steps": 1},
-        {"do": "save", "dir": os.path.join(ckpt, "a")},
-        {"do": "dump", "tag": "s1"},
-        {"do": "train", "steps": 1},
-        {"do": "save", "dir": os.path.join(ckpt, "a"), "fault": fault},
-        {"do": "save", "dir": os.path.join(ckpt, "b"), "fault": fault},
-        {"do": "load", "dir": os.path.join(ckpt, "a")},
-        {"do": "dump", "tag": "loaded"},
-    ])
+    tmp, jobs = runs
+    job = jobs["first"]
     assert job.returncodes == [0, 0], job.explain()
     for r, log in enumerate(job.logs):
-        assert [e["ok"] for e in log] == [True, True, True, True, False, False, True, True], job.explain()
-        for failed in (log[4], log[5]):
+        assert [e["ok"] for e in log[8:]] == [True, True, False, False, True, True, True], job.explain()
+        for failed in (log[10], log[11]):
             if r == 1:
                 assert failed["type"] == "OSError" and "injected fault" in failed["error"]
             else:
                 assert failed["type"] == "CheckpointError" and "failed on rank 1" in failed["error"]
                 assert "nothing was committed on any rank" in failed["error"]
-        assert_same(job.dump(r, "loaded"), job.dump(r, "s1"), f"rank {r}")
-    assert sorted(os.listdir(ckpt)) == ["a"]
-    assert read_job_manifest(os.path.join(ckpt, "a"))["step"] == 1
-    verify_checkpoint(os.path.join(ckpt, "a"))
+        assert "b" not in log[12]["result"]  # (the staging directory goes with the last rank's shard)
+        assert_same(job.dump(r, "raised"), job.dump(r, "s4"), f"rank {r}")
+    assert os.listdir(os.path.join(tmp, "ckpt-raised")) == ["a"]
+    raised = os.path.join(tmp, "ckpt-raised", "a")
+    assert read_job_manifest(raised)["step"] == 4
+    verify_checkpoint(raised)
 
 
-def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_on_all_ranks(tmp_path):
+def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_on_all_ranks(runs):
     """A rank SIGKILLed while its shard's state is half written: the other rank's save raises instead of
     hanging, the previous checkpoint still verifies and loads on every rank of a new job, and that job's
     next save clears what the killed one left staged."""
-    ckpt = os.path.join(tmp_path, "ckpt", "a")
-    job = run_job(tmp_path, "killed", [
-        {"do": "train", "steps": 1},
-        {"do": "save", "dir": ckpt},
-        {"do": "dump", "tag": "s1"},
-        {"do": "train", "steps": 1},
-        {"do": "save", "dir": ckpt, "fault": {"rank": 1, "after_units": 2, "kind": "kill"}},
-    ])
-    assert job.returncodes[1] == -signal.SIGKILL, job.explain()
+    tmp, jobs = runs
+    job, after = jobs["killed"], jobs["resume"]
+    assert job.returncodes == [0, -signal.SIGKILL], job.explain()
     survivor = job.logs[0]
     assert [e["ok"] for e in survivor] == [True, True, True, True, False], job.explain()
     assert survivor[4]["type"] == "CheckpointError" and "not every rank of the job answered" in survivor[4]["error"]
-    assert read_job_manifest(ckpt)["step"] == 1
-    verify_checkpoint(ckpt)
-    assert [n for n in os.listdir(os.path.dirname(ckpt)) if ".tmp-job-" in n]  # the killed rank's half shard
-
-    again = run_job(tmp_path, "after", [
-        {"do": "load", "dir": ckpt},
-        {"do": "dump", "tag": "loaded"},
-        {"do": "save", "dir": ckpt},
-    ], seed=1)
-    assert_ok(again)
+    assert len(job.logs[1]) == 4  # killed in its fifth action
+    assert_ok(after)
     for r in range(WORLD):
-        assert_same(again.dump(r, "loaded"), job.dump(r, "s1"), f"rank {r}")
-    assert os.listdir(os.path.dirname(ckpt)) == ["a"]
+        leftover = after.logs[r][8]["result"]
+        assert leftover[0] == "a" and len(leftover) == 2 and ".tmp-job-" in leftover[1]  # the half shard
+        assert_same(after.dump(r, "after-kill"), job.dump(r, "s1"), f"rank {r}")
+    # The next save removed it: the rank that committed lists only the checkpoint once its save returns.
+    assert after.logs[0][12]["result"] == ["a"]
+    assert os.listdir(os.path.join(tmp, "ckpt-killed")) == ["a"]
 
 
 def _worker_module():
@@ -227,11 +237,12 @@ def _worker_module():
     return module
 
 
-def test_job_checkpoint_into_another_world_size_is_refused_with_how_to_convert(saved, tmp_path):
+def test_job_checkpoint_into_another_world_size_is_refused_with_how_to_convert(runs, tmp_path):
     """A process that is not a rank of a 2-rank job cannot load the job's checkpoint: the error says the
     sizes and how to convert (one shard on every rank for DDP's replicated state, DCP for sharded), and
     the DDP way it names works."""
-    tmp, first = saved
+    tmp, jobs = runs
+    first = jobs["first"]
     ckpt = step_dir(os.path.join(tmp, "ckpt"), 2)
     holder = _worker_module().Holder(0, 1)
     opt = OffloadedAdamW([{"params": list(holder.net.parameters())}, {"params": [holder.own], "lr": 2e-2}],
@@ -251,10 +262,10 @@ def test_job_checkpoint_into_another_world_size_is_refused_with_how_to_convert(s
         opt.close()
 
 
-def test_verify_names_the_shard_missing_here(saved, capsys):
+def test_verify_names_the_shard_missing_here(runs, capsys):
     """offload-ckpt verify fails a node-local job directory that lacks a rank's shard, naming it, and
     passes it with --local; inspect and list show the job and what is here."""
-    tmp, _ = saved
+    tmp, _ = runs
     local = step_dir(os.path.join(tmp, "node0"), 2)
     assert ckpt_main(["verify", local]) == 1
     out = capsys.readouterr().out
