@@ -5,7 +5,7 @@ run one after the other; each job's ranks are processes forked from this one (to
 their exit codes go to ROOT/out/returncodes.json (minus the signal for a rank killed by one, as subprocess
 says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions": [...]}; each action is one of
   {"do": "train", "steps": n}                    n steps (data drawn from the step and the rank)
-  {"do": "save", "dir": d, "fault": {...}}       opt.save_checkpoint(d, model=..., extra={"step": ...})
+  {"do": "save", "dir": d, "fault": {...}}       opt.save_checkpoint(d, model=..., extra={"step": ...}); "blocking"
   {"do": "load", "dir": d}                       opt.load_checkpoint(d, model=...), the step from its extra
   {"do": "keep_save", "root": d, "keep_last": n} Retention(d, keep_last=n).save(opt, step, model=..., ...)
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
@@ -47,7 +47,18 @@ class Holder(nn.Module):
 
 
 def inject(fault: dict, rank: int):
-    """Wrap the checkpoint's streaming loop so that ``fault`` strikes on its rank after its units."""
+    """Wrap the checkpoint's streaming loop so that ``fault`` strikes on its rank after its units (a "late"
+    fault instead holds its rank back a second before it looks for the ranks that share its directory)."""
+    if fault is not None and fault["kind"] == "late":
+        original = save_module._ranks_here
+
+        def late(*args):
+            time.sleep(1.0)
+            return original(*args)
+
+        if fault["rank"] == rank:
+            save_module._ranks_here = late
+        return lambda: setattr(save_module, "_ranks_here", original)
     original = save_module._stream
 
     def faulty(items, buffers, *, read=None, process, write=None):
@@ -65,7 +76,7 @@ def inject(fault: dict, rank: int):
 
     if fault is not None and fault["rank"] == rank:
         save_module._stream = faulty
-    return original
+    return lambda: setattr(save_module, "_stream", original)
 
 
 def rank_main(spec: dict, rank: int, world: int) -> None:
@@ -97,12 +108,12 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
                     opt.zero_grad()
                     step += 1
             elif action["do"] == "save":
-                original = inject(action.get("fault"), rank)
+                undo = inject(action.get("fault"), rank)
                 try:
                     entry["result"] = opt.save_checkpoint(action["dir"], model=holder, extra={"step": step},
-                                                          snapshot="stream")
+                                                          snapshot="stream", blocking=action.get("blocking", True))
                 finally:
-                    save_module._stream = original
+                    undo()
             elif action["do"] == "load":
                 step = opt.load_checkpoint(action["dir"], model=holder)["step"]
             elif action["do"] == "keep_save":

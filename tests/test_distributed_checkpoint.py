@@ -95,6 +95,7 @@ def step_dir(base: str, step: int) -> str:
 
 RAISE = {"rank": 1, "after_units": 2, "kind": "raise"}
 KILL = {"rank": 1, "after_units": 2, "kind": "kill"}
+LATE = {"rank": 1, "kind": "late"}
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +104,12 @@ def runs(tmp_path_factory):
     node-local ones (one per rank) and through Retention, trains 2 more (the uninterrupted run), then saves
     to a new directory and fails two saves with rank 1 raising mid-shard. "killed" saves, trains, and has
     rank 1 SIGKILLed mid-shard in the next save of the same directory. "resume", from other initial
-    weights, loads all of these, trains on, and saves where the killed save was cut off."""
+    weights, loads all of these, trains on, saves where the killed save was cut off, and tries a load that
+    rank 1 cannot do."""
     tmp = str(tmp_path_factory.mktemp("dist-ckpt"))
     shared, local, keep = (os.path.join(tmp, n) for n in ("ckpt", "node{rank}", "keep"))
     raised, killed = os.path.join(tmp, "ckpt-raised"), os.path.join(tmp, "ckpt-killed", "a")
+    late = os.path.join(tmp, "ckpt-late", "a")
     jobs = run_jobs(tmp, {
         "first": ([
             {"do": "train", "steps": 2},
@@ -124,6 +127,9 @@ def runs(tmp_path_factory):
             {"do": "listdir", "dir": raised},
             {"do": "load", "dir": os.path.join(raised, "a")},
             {"do": "dump", "tag": "raised"},
+            {"do": "save", "dir": late, "fault": LATE},
+            {"do": "save", "dir": late, "fault": LATE},
+            {"do": "save", "dir": late, "blocking": False},
         ], 0),
         "killed": ([
             {"do": "train", "steps": 1},
@@ -146,6 +152,8 @@ def runs(tmp_path_factory):
             {"do": "dump", "tag": "after-kill"},
             {"do": "save", "dir": killed},
             {"do": "listdir", "dir": os.path.dirname(killed)},
+            {"do": "load", "dir": step_dir(os.path.join(tmp, "node0"), 2)},
+            {"do": "dump", "tag": "after-refused"},
         ], 1),
     })
     return tmp, jobs
@@ -157,7 +165,7 @@ def test_job_save_then_load_restores_bit_for_bit_and_training_goes_on_as_uninter
     _, jobs = runs
     first, job = jobs["first"], jobs["resume"]
     assert_ok(first, 8)
-    assert_ok(job)
+    assert_ok(job, 13)
     for r in range(WORLD):
         assert_same(job.dump(r, "kept"), first.dump(r, "s4"), f"rank {r} Retention")
         assert_same(job.dump(r, "local"), first.dump(r, "s2"), f"rank {r} node-local")
@@ -194,7 +202,7 @@ def test_rank_raising_during_save_commits_nothing_and_previous_loads_everywhere(
     job = jobs["first"]
     assert job.returncodes == [0, 0], job.explain()
     for r, log in enumerate(job.logs):
-        assert [e["ok"] for e in log[8:]] == [True, True, False, False, True, True, True], job.explain()
+        assert [e["ok"] for e in log[8:15]] == [True, True, False, False, True, True, True], job.explain()
         for failed in (log[10], log[11]):
             if r == 1:
                 assert failed["type"] == "OSError" and "injected fault" in failed["error"]
@@ -220,7 +228,7 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_on_all_ranks(r
     assert [e["ok"] for e in survivor] == [True, True, True, True, False], job.explain()
     assert survivor[4]["type"] == "CheckpointError" and "not every rank of the job answered" in survivor[4]["error"]
     assert len(job.logs[1]) == 4  # killed in its fifth action
-    assert_ok(after)
+    assert_ok(after, 13)
     for r in range(WORLD):
         leftover = after.logs[r][8]["result"]
         assert leftover[0] == "a" and len(leftover) == 2 and ".tmp-job-" in leftover[1]  # the half shard
@@ -228,6 +236,41 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_on_all_ranks(r
     # The next save removed it: the rank that committed lists only the checkpoint once its save returns.
     assert after.logs[0][12]["result"] == ["a"]
     assert os.listdir(os.path.join(tmp, "ckpt-killed")) == ["a"]
+
+
+def test_rank_that_looks_for_its_directory_late_still_commits_once(runs):
+    """A rank held back after the shards are written finds its shard already committed by the rank that
+    shares its directory, instead of committing again (and waiting on that rank's lock): both saves, the
+    second replacing the first, succeed on every rank and the checkpoint verifies."""
+    tmp, jobs = runs
+    job = jobs["first"]
+    for log in job.logs:
+        assert [e["ok"] for e in log[15:17]] == [True, True], job.explain()
+    verify_checkpoint(os.path.join(tmp, "ckpt-late", "a"))
+    assert os.listdir(os.path.join(tmp, "ckpt-late")) == ["a"]
+
+
+def test_asynchronous_save_of_a_job_is_refused_on_every_rank(runs):
+    """save_checkpoint(blocking=False) in a job raises on every rank, saying to save with blocking=True."""
+    _, jobs = runs
+    for log in jobs["first"].logs:
+        assert log[17]["ok"] is False and log[17]["type"] == "CheckpointError"
+        assert "blocking=True" in log[17]["error"]
+
+
+def test_load_that_one_rank_cannot_do_changes_no_rank(runs):
+    """A node-local checkpoint loaded on both ranks from rank 0's directory: rank 1 has no shard there, so
+    every rank raises before any changes state (rank 0 says which rank could not), and both hold what
+    they held."""
+    _, jobs = runs
+    job = jobs["resume"]
+    assert job.returncodes == [0, 0], job.explain()
+    failed = [log[13] for log in job.logs]
+    assert not failed[0]["ok"] and not failed[1]["ok"], job.explain()
+    assert failed[1]["type"] == "CheckpointError" and "no shard of rank 1 here" in failed[1]["error"]
+    assert "rank 1 cannot load" in failed[0]["error"] and "nothing was loaded on any rank" in failed[0]["error"]
+    for r in range(WORLD):
+        assert_same(job.dump(r, "after-refused"), job.dump(r, "after-kill"), f"rank {r}")
 
 
 def _worker_module():

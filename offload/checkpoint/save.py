@@ -7,6 +7,7 @@ import contextlib
 import copy
 import datetime
 import errno as _errno
+import json
 import os
 import secrets
 import threading
@@ -332,10 +333,10 @@ def _save_job(optimizer, directory, *, model, extra, blocking, mirror_to, snapsh
                               f"({failed[0]['error']}); nothing was committed on any rank, and the checkpoint "
                               "that was there (if any) is as it was")
     job = _job_manifest(token, statuses)
-    here = [s["rank"] for s in statuses if os.path.isfile(os.path.join(stage, s["name"], MANIFEST))]
     commit, result, own = None, {"ok": True}, None
     try:
-        if min(here, default=rank) == rank:
+        here = _ranks_here(stage, statuses, rank)
+        if here is not None and min(here) == rank:
             commit = _JobCommit(stage, given)
             commit.commit(job)
     except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
@@ -360,6 +361,37 @@ def _save_job(optimizer, directory, *, model, extra, blocking, mirror_to, snapsh
     if then is not None:
         then(given)
     return given
+
+
+def _ranks_here(stage: str, statuses: list, rank: int) -> Optional[list]:
+    """The ranks whose shards are in the same staging directory as this rank's (those that share its file
+    system), or None once another of them has committed it (it is no longer at ``stage``).
+
+    The directory is opened once and read through that descriptor, which follows it if the rank that
+    commits it renames it meanwhile; what ``stage`` names after such a rename (the checkpoint it replaced)
+    does not hold this rank's shard as written, which tells that it was committed.
+    """
+    try:
+        fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        def digest(name: str) -> Optional[str]:
+            try:
+                m = os.open(os.path.join(name, MANIFEST), os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd)
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+            with os.fdopen(m, "rb") as f:
+                try:
+                    return json.loads(f.read()).get("manifest_xxh3_64")
+                except (ValueError, AttributeError):
+                    return None
+
+        if digest(statuses[rank]["name"]) != statuses[rank]["manifest_xxh3_64"]:
+            return None
+        return [s["rank"] for s in statuses if digest(s["name"]) == s["manifest_xxh3_64"]]
+    finally:
+        os.close(fd)
 
 
 def _job_manifest(token: str, statuses: list) -> dict:
