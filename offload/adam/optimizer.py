@@ -11,6 +11,7 @@ from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
 from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
+from ..distributed import is_dtensor, like, local, shard_like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
 from ..params import ParamAccess
@@ -118,6 +119,8 @@ class OffloadedAdam(torch.optim.Adam):
         self._grad_scale: Optional[torch.Tensor] = None
         self._clip: Optional[torch.Tensor] = None
         check_params(self.param_groups)
+        _check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
+                               overlap_backward=self.config.offload_optimizer.overlap_backward)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
         try:
             self.state_store.place(self.param_groups, trainable_only=True)
@@ -255,7 +258,9 @@ class OffloadedAdam(torch.optim.Adam):
 
         Offloaded state is read back into memory (one tensor per state entry, shaped like its
         parameter), so this needs host memory for the whole state. fp16/bf16 parameters also carry
-        their fp32 master copy as ``"master"``.
+        their fp32 master copy as ``"master"``. A DTensor parameter's state is DTensors laid out as the
+        parameter (as torch's optimizers keep it), each rank holding its local shard: what
+        ``torch.distributed.checkpoint`` saves and loads.
 
         Raises:
             StateError: the last step failed part-way, so the offloaded state may be half written.
@@ -264,13 +269,17 @@ class OffloadedAdam(torch.optim.Adam):
         sd = super().state_dict()
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for slot, tensors in self.state_store.read_state():
-            entry = {k: t.to(slot.param.device) for k, t in tensors.items()}
+            entry = {k: like(t.to(slot.param.device), slot.param) for k, t in tensors.items()}
             entry["step"] = self.state[slot.param]["step"].clone()
             sd["state"][index[slot.param]] = entry
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load state saved by this class or by ``torch.optim.Adam``/``AdamW``; clears a failed step.
+
+        For a DTensor parameter the state may be DTensors (laid out as the parameter, or redistributed to
+        its layout: a collective, so every rank loads together) or whole tensors of the parameter's global
+        shape, of which each rank keeps its part.
 
         Raises:
             ValueError: the groups, parameter counts or state shapes do not match this optimizer.
@@ -281,7 +290,7 @@ class OffloadedAdam(torch.optim.Adam):
         params = check_state_dict(self.param_groups, state_dict)
         for g, s in zip(self.param_groups, state_dict["param_groups"]):
             g.update({k: v for k, v in s.items() if k != "params"})
-        entries = {params[k]: entry for k, entry in state_dict["state"].items()}
+        entries = {params[k]: _local_entry(entry, params[k]) for k, entry in state_dict["state"].items()}
         late = {p for p in entries if not store.is_small(p) and store.slot(p) is None}
         if late:
             store.place(self.param_groups, only=late)  # frozen at construction: placed now, together
@@ -293,7 +302,8 @@ class OffloadedAdam(torch.optim.Adam):
             if store.is_small(p):
                 # An fp32 master missing from it is seeded from the weights (fetched if they are offloaded).
                 with self._access.resident([p] if p.dtype in HALF_DTYPES and "master" not in entry else []):
-                    self.state[p] = in_memory_state(p, entry)
+                    st = in_memory_state(local(p), entry)
+                self.state[p] = {k: like(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in st.items()}
             else:
                 self.state[p] = {"step": step_tensor(entry.get("step", 0.0))}
                 by_slot[store.slot(p)] = entry
@@ -470,6 +480,29 @@ class OffloadedAdam(torch.optim.Adam):
             norms.append(norm)
         self.last_grad_norm = total_norm([p.grad for p in params], norms)
         return clip_coef(self.last_grad_norm, self.max_grad_norm)
+
+def _local_entry(entry: dict, p: torch.Tensor) -> dict:
+    """A saved state entry of ``p`` with its tensors as this rank's part of them when ``p`` is a DTensor."""
+    if not is_dtensor(p):
+        return entry
+    return {k: local(shard_like(v, p)) if k != "step" and torch.is_tensor(v) else v for k, v in entry.items()}
+
+
+def _check_dtensor_options(groups: list, *, max_grad_norm, overlap_backward: bool) -> None:
+    """What does not work with DTensor parameters yet, refused before anything is reserved."""
+    if not any(is_dtensor(p) for g in groups for p in g["params"]):
+        return
+    if max_grad_norm is not None:
+        raise ValueError(
+            "max_grad_norm cannot be used with DTensor parameters (FSDP2, tensor parallelism): the norm must be "
+            "taken across ranks. Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before "
+            "step() instead, and leave max_grad_norm unset.")
+    if overlap_backward:
+        raise ValueError(
+            "overlap_backward=True cannot be used with DTensor parameters (FSDP2, tensor parallelism): their "
+            "gradients arrive after the reduce-scatter, not when backward reaches them. Leave overlap_backward "
+            "off; the step then runs after backward.")
+
 
 class OffloadedAdamW(OffloadedAdam):
     """AdamW (decoupled weight decay) with optimizer state on NVMe; a drop-in for ``torch.optim.AdamW``.

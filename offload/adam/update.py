@@ -7,6 +7,7 @@ from typing import Callable, Optional
 import torch
 from torch.optim.adam import adam as _torch_adam
 
+from ..distributed import like, local
 from ..state import HALF_DTYPES
 
 __all__ = ["kernel_flags", "run_adam", "update_chunks", "update_in_memory"]
@@ -18,7 +19,9 @@ _FUSED_DEVICES = ("cpu", "cuda")
 # in one unit) gives the same bits as updating it whole, as long as each chunk sees the same kernel
 # (fused or foreach, chosen as torch chooses), the same step count and the same grad. Clipping
 # multiplies the grad by the clip factor exactly as torch's clip_grad_norm_ multiplies p.grad in place;
-# a GradScaler's scale goes to the kernel, which divides by it.
+# a GradScaler's scale goes to the kernel, which divides by it. A DTensor parameter (FSDP2, tensor
+# parallelism) is updated through its local shard, with its grad's local shard: the kernels are
+# element-wise, so that is what torch's DTensor dispatch runs too, and the same bits.
 
 
 def kernel_flags(group: dict, device: torch.device) -> dict:
@@ -66,31 +69,34 @@ def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], to
             st = state[p]
             fused = kernel_flags(group, p.device)["fused"]
             half = p.dtype in HALF_DTYPES
+            weights = local(p).detach()
             if len(st) == 0:
                 st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
                               else torch.tensor(0.0, dtype=torch.float32))
                 if half:
                     # Every fp16/bf16 parameter has an fp32 master, small ones too: their small updates
                     # would otherwise round away, and they would drift from the large ones.
-                    st["master"] = p.detach().float().clone(memory_format=torch.preserve_format)
+                    st["master"] = like(weights.float().clone(memory_format=torch.preserve_format), p)
                 for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
-                    st[key] = torch.zeros_like(st["master"] if half else p, memory_format=torch.preserve_format)
+                    # A DTensor parameter's state is a DTensor laid out as the parameter, as torch's.
+                    st[key] = like(torch.zeros_like(local(st["master"]) if half else weights,
+                                                    memory_format=torch.preserve_format), p)
             if fused and st["step"].device != p.device:
                 st["step"] = st["step"].to(p.device)
-            grad = grad_of(p)
+            grad = local(grad_of(p))
             if clip is not None:
                 grad = grad * clip.to(grad.device)
-            targets.append(st["master"] if half else p)
+            targets.append(local(st["master"]) if half else weights)
             lists[0].append(grad.float() if half else grad)
-            lists[1].append(st["exp_avg"])
-            lists[2].append(st["exp_avg_sq"])
+            lists[1].append(local(st["exp_avg"]))
+            lists[2].append(local(st["exp_avg_sq"]))
             if group["amsgrad"]:
-                lists[3].append(st["max_exp_avg_sq"])
+                lists[3].append(local(st["max_exp_avg_sq"]))
             lists[4].append(st["step"])
         run_adam(group, targets, *lists, grad_scale=grad_scale)
         for p, target in zip(params, targets):
-            if target is not p:
-                p.detach().copy_(target)
+            if p.dtype in HALF_DTYPES:
+                local(p).detach().copy_(target)
 
 
 def update_chunks(chunks, buf, grad_views: dict, *, state: dict, clip: Optional[torch.Tensor],
@@ -116,10 +122,10 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, clip: Optional[
     for c in chunks:
         p = c.slot.param
         lo, hi = c.start, c.start + c.numel
-        flat_p = p.detach().view(-1)[lo:hi]
+        flat_p = local(p).detach().view(-1)[lo:hi]
         flat_g = grad_views.get(c)
         if flat_g is None:
-            flat_g = p.grad.reshape(-1)[lo:hi]
+            flat_g = local(p.grad).reshape(-1)[lo:hi]
         elif flat_g.device != p.device:
             flat_g = flat_g.to(p.device, non_blocking=True)
         if clip is not None:
@@ -160,7 +166,7 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, clip: Optional[
         stored.copy_(wide)
     for c, target in zip(chunks, params):
         if "master" in c.slot.keys:
-            c.slot.param.detach().view(-1)[c.start:c.start + c.numel].copy_(target)
+            local(c.slot.param).detach().view(-1)[c.start:c.start + c.numel].copy_(target)
     for host, dev_t in writeback:
         host.copy_(dev_t, non_blocking=True)
     return {dev_t.device for _, dev_t in writeback}

@@ -9,6 +9,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 import torch
 
 from ..buffers import BufferPool
+from ..distributed import local
 from ..errors import StateError
 from ..units import round_up
 from .registry import store_of
@@ -228,7 +229,7 @@ class UnitPass:
     def weights(self, chunk) -> torch.Tensor:
         """The flat weights of ``chunk``'s elements (fetched if offloaded; released by :meth:`done`)."""
         self._hold(chunk.slot, read=True)
-        return chunk.slot.param.detach().reshape(-1)[chunk.start:chunk.start + chunk.numel]
+        return local(chunk.slot.param).detach().reshape(-1)[chunk.start:chunk.start + chunk.numel]
 
     def done(self, unit) -> None:
         """``unit`` is updated: release (write back) the weights whose last chunk in this pass it held."""

@@ -1,0 +1,338 @@
+"""One rank of the distributed tests: runs every scenario named on the command line, in order, on gloo.
+
+Started once per rank by tests/test_distributed.py with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE)
+and a file rendezvous (DIST_INIT). Each scenario's outcome is written to OUT/<scenario>.rank<r>.json:
+``{"ok": true, "result": {...}}`` or ``{"ok": false, "error": "<traceback>"}``, so that every test reads
+its own claim while the ranks start (and import torch) once for all of them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from offload import OffloadedAdamW, offload_parameters, restore_parameters
+from offload.distributed import is_dtensor, local
+from offload.errors import ConfigError
+
+LR = dict(lr=1e-2, weight_decay=0.1)
+# State in units of 16 KiB: the 64x64 shard of the first layer spans several units. The last layer's weight
+# (3x32) is sharded 2 rows and 1: its 64 elements are offloaded on rank 0, its 32 kept in memory on rank 1.
+OFFLOAD = dict(small_param_threshold=50, buffer_size=16384, buffer_count=3)
+STEPS = 4
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def model(dtype=torch.float32) -> nn.Module:
+    """The same model on every rank: its last layer has 3 rows, so FSDP2 shards it unevenly (2 and 1)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32), nn.ReLU(), nn.Linear(32, 3)).to(dtype)
+
+
+def sharded(mp: MixedPrecisionPolicy | None = None) -> nn.Module:
+    m = model()
+    kw = {"mp_policy": mp} if mp is not None else {}
+    for layer in m:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, **kw)
+    return fully_shard(m, **kw)
+
+
+def batch(step: int, *, per_rank: bool = False) -> torch.Tensor:
+    torch.manual_seed(1000 + step + (100 * rank() if per_rank else 0))
+    return torch.randn(8, 64)
+
+
+def train(m: nn.Module, opt, steps, *, per_rank: bool = False, drop_grad_at: int | None = None) -> None:
+    """``steps`` (a range) of training; at step ``drop_grad_at`` the middle layer's bias has no grad."""
+    for step in steps:
+        m(batch(step, per_rank=per_rank)).float().square().mean().backward()
+        if step == drop_grad_at:
+            m[2].bias.grad = None
+        opt.step()
+        opt.zero_grad()
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def differences(ref: nn.Module, ours: nn.Module, ref_opt, opt) -> list[str]:
+    """What differs between two models and their optimizers' state dicts (local shards compared bit for bit;
+    a DTensor in one must be a DTensor laid out the same way in the other)."""
+    out = []
+    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+        if not same(local(p.detach()), local(q.detach())):
+            out.append(f"weights of {name}")
+    a, b = ref_opt.state_dict(), opt.state_dict()
+    if sorted(a["state"]) != sorted(b["state"]):
+        return out + [f"state keys {sorted(a['state'])} != {sorted(b['state'])}"]
+    for i, entry in a["state"].items():
+        for key, value in entry.items():
+            other = b["state"][i].get(key)
+            if other is None:
+                out.append(f"state {i} lacks {key}")
+            elif is_dtensor(value) != is_dtensor(other):
+                out.append(f"state {i}.{key}: {type(value).__name__} in torch's, {type(other).__name__} in ours")
+            elif is_dtensor(value) and (tuple(value.placements) != tuple(other.placements)
+                                        or value.shape != other.shape):
+                out.append(f"state {i}.{key}: laid out as {value.placements} {tuple(value.shape)} in torch's, "
+                           f"{other.placements} {tuple(other.shape)} in ours")
+            elif not same(local(value).float() if key == "step" else local(value),
+                          local(other).float() if key == "step" else local(other)):
+                out.append(f"state {i}.{key} values")
+    return out
+
+
+def swap_dir(out: str, name: str) -> str:
+    path = os.path.join(out, "nvme", name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+
+
+def fsdp2_parity(out: str, mp: MixedPrecisionPolicy | None = None, name: str = "fsdp2_fp32") -> dict:
+    ref, ours = sharded(mp), sharded(mp)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **LR, fused=True)
+    opt = OffloadedAdamW(ours.parameters(), **LR, **OFFLOAD, nvme_path=swap_dir(out, name))
+    try:
+        for m, o in ((ref, ref_opt), (ours, opt)):
+            train(m, o, range(STEPS), drop_grad_at=1)
+        offloaded = sum(1 for p in ours.parameters() if opt.state_store.slot(p) is not None)
+        return {"differences": differences(ref, ours, ref_opt, opt), "offloaded": offloaded,
+                "in_memory": sum(1 for _ in ours.parameters()) - offloaded,
+                "units": len(opt.state_store.layout.units)}
+    finally:
+        opt.close()
+
+
+def fsdp2_bf16(out: str) -> dict:
+    return fsdp2_parity(out, MixedPrecisionPolicy(param_dtype=torch.bfloat16), name="fsdp2_bf16")
+
+
+def dcp_resume(out: str) -> dict:
+    """Saved with dcp after 2 steps (from ours, and from torch's AdamW), loaded into a new OffloadedAdamW that
+    runs 2 more: compared with 4 uninterrupted steps of the optimizer that saved."""
+    path = swap_dir(out, "dcp_resume")
+    result = {}
+    for source in ("ours", "torch"):
+        make = ((lambda m: OffloadedAdamW(m.parameters(), **LR, **OFFLOAD, nvme_path=path)) if source == "ours"
+                else (lambda m: torch.optim.AdamW(m.parameters(), **LR, fused=True)))
+        whole, first = sharded(), sharded()
+        whole_opt, first_opt = make(whole), make(first)
+        resumed_opt = None
+        try:
+            train(whole, whole_opt, range(STEPS))
+            train(first, first_opt, range(2))
+            ckpt = os.path.join(out, f"dcp_{source}")
+            saved = save_dcp(first, first_opt, ckpt)
+            result[f"{source}_kinds"] = sorted({type(v).__name__ for e in saved["state"].values()
+                                                for k, v in e.items() if k != "step"})
+            resumed = sharded()
+            resumed_opt = OffloadedAdamW(resumed.parameters(), **LR, **OFFLOAD, nvme_path=path)
+            load_dcp(resumed, resumed_opt, ckpt)
+            train(resumed, resumed_opt, range(2, STEPS))
+            result[f"{source}_differences"] = differences(whole, resumed, whole_opt, resumed_opt)
+        finally:
+            for o in (whole_opt, first_opt, resumed_opt):
+                if isinstance(o, OffloadedAdamW):
+                    o.close()
+    return result
+
+
+def save_dcp(m: nn.Module, opt, ckpt: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    saved = get_optimizer_state_dict(m, opt)
+    dcp.save({"model": get_model_state_dict(m), "optim": saved}, checkpoint_id=ckpt)
+    return saved
+
+
+def load_dcp(m: nn.Module, opt, ckpt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    sd = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}
+    dcp.load(sd, checkpoint_id=ckpt)
+    set_model_state_dict(m, sd["model"])
+    set_optimizer_state_dict(m, opt, sd["optim"])
+
+
+def reservation(out: str) -> dict:
+    """Bytes each rank reserves for an FSDP2 model, and for the same shards as plain tensors in one process."""
+    from offload.units import round_up
+
+    options = dict(small_param_threshold=100, config={"aio": {"block_size": 4096}})
+    m = sharded()
+    opt = OffloadedAdamW(m.parameters(), **LR, **options, nvme_path=swap_dir(out, "reservation"))
+    plain = [nn.Parameter(torch.zeros(local(p).shape)) for p in m.parameters()]
+    alone = OffloadedAdamW(plain, **LR, **options, nvme_path=swap_dir(out, "reservation_plain"))
+    whole = OffloadedAdamW(model().parameters(), **LR, **options, nvme_path=swap_dir(out, "reservation_whole"))
+    try:
+        # Two fp32 moments per element, each slice on a 64-byte boundary.
+        expected = sum(2 * round_up(local(p).numel() * 4, 64) for p in m.parameters() if local(p).numel() >= 100)
+        return {"state_bytes": opt.offloaded_state_bytes, "expected": expected,
+                "file_bytes": [os.path.getsize(f) for f in opt.swap_space.files],
+                "plain_file_bytes": [os.path.getsize(f) for f in alone.swap_space.files],
+                "expected_file_bytes": round_up(expected, 4096),
+                "whole_state_bytes": whole.offloaded_state_bytes,
+                "pool_bytes": opt.host_pool_bytes, "plain_pool_bytes": alone.host_pool_bytes}
+    finally:
+        for o in (opt, alone, whole):
+            o.close()
+
+
+def placement(out: str) -> dict:
+    """Swap files under ``{rank}``/``{local_rank}`` paths, and in one directory shared by the ranks."""
+    base = os.path.join(out, "nvme", "placement")
+    os.makedirs(base, exist_ok=True)
+    params = [nn.Parameter(torch.zeros(5000))]
+    result = {}
+    for key, path in (("rank", os.path.join(base, "drive{rank}")),
+                      ("local_rank", [os.path.join(base, "a{local_rank}"), os.path.join(base, "b{local_rank}")]),
+                      ("shared", os.path.join(base, "shared"))):
+        opt = OffloadedAdamW(params, nvme_path=path, small_param_threshold=100)
+        try:
+            result[key] = [os.path.relpath(f, base) for f in opt.swap_space.files]
+            dist.barrier()  # both ranks' files exist at once
+            result[key + "_listing"] = sorted(os.listdir(os.path.dirname(opt.swap_space.files[0])))
+            dist.barrier()
+        finally:
+            opt.close()
+    try:
+        OffloadedAdamW(params, nvme_path=os.path.join(base, "drive{localrank}"))
+    except ValueError as err:
+        result["typo"] = str(err)
+    return result
+
+
+def ddp_offload_parameters(out: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from offload.params import materialized
+
+    path = swap_dir(out, "ddp")
+    opts = dict(nvme_path=path, max_in_cpu=0, buffer_count=3, buffer_size=2048)
+    offloaded = []  # models to restore at the end (their swap files removed)
+
+    def offload(m, **kw):
+        offloaded.append(offload_parameters(m, **opts, **kw))
+        return m
+
+    result, opt = {}, None
+    try:
+        # Offloaded, then wrapped: DDP's constructor reads the weights.
+        try:
+            DDP(offload(model()))
+        except RuntimeError as err:
+            result["wrapped_after"] = str(err)
+        # Wrapped, then offloaded with offloaded gradients: refused at the first forward, before any gradient.
+        d = DDP(model())
+        offload(d.module)
+        try:
+            d(batch(0))
+        except ConfigError as err:
+            result["grads_at_forward"] = str(err)
+        try:
+            offload(DDP(model()))
+        except ConfigError as err:
+            result["grads_at_wrap"] = str(err)
+        # Wrapped, then offloaded with ordinary gradients: bit for bit DDP + torch's AdamW.
+        ref = DDP(model())
+        ref_opt = torch.optim.AdamW(ref.parameters(), **LR, fused=True)
+        ours = DDP(model())
+        offload(ours.module, offload_grads=False)
+        opt = OffloadedAdamW(ours.parameters(), **LR, **OFFLOAD, nvme_path=path)
+        for step in range(3):
+            for m, o in ((ref, ref_opt), (ours, opt)):
+                m(batch(step, per_rank=True)).square().mean().backward()
+                o.step()
+                o.zero_grad()
+        with materialized(ours.module):
+            result["same"] = all(same(p.detach(), q.detach()) for p, q in zip(ref.parameters(), ours.parameters()))
+            mine = [q.detach().sum().item() for q in ours.parameters()]
+        # Every rank ends with the same weights (DDP averaged the gradients).
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        result["ranks_agree"] = all(g == gathered[0] for g in gathered)
+        return result
+    finally:
+        if opt is not None:
+            opt.close()
+        for m in offloaded:
+            restore_parameters(m)
+
+
+def zero_redundancy(out: str) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ref, ours = model(), model()
+    ref_opt = ZeroRedundancyOptimizer(ref.parameters(), optimizer_class=torch.optim.AdamW, **LR, fused=True)
+    opt = ZeroRedundancyOptimizer(ours.parameters(), optimizer_class=OffloadedAdamW, **LR, **OFFLOAD,
+                                  nvme_path=swap_dir(out, "zero"))
+    try:
+        # Each rank's grads differ (no DDP): every rank steps its own partition and broadcasts it.
+        train(ref, ref_opt, range(3), per_rank=True)
+        train(ours, opt, range(3), per_rank=True)
+        mine = [p for g in opt.optim.param_groups for p in g["params"]]
+        offloaded = [p for p in mine if opt.optim.state_store.slot(p) is not None]
+        result = {
+            "same": all(same(p.detach(), q.detach()) for p, q in zip(ref.parameters(), ours.parameters())),
+            "mine": len(mine), "all": len(list(ours.parameters())),
+            "state_bytes": opt.optim.offloaded_state_bytes,
+            "expected": sum(2 * ((p.numel() * 4 + 63) // 64 * 64) for p in offloaded),
+        }
+        for o in (ref_opt, opt):
+            o.consolidate_state_dict(to=0)
+        if rank() == 0:
+            a, b = ref_opt.state_dict(), opt.state_dict()
+            result["state_same"] = sorted(a["state"]) == sorted(b["state"]) and all(
+                same(v, b["state"][i][k]) for i, e in a["state"].items() for k, v in e.items() if k != "step")
+        return result
+    finally:
+        opt.optim.close()
+
+
+SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, dcp_resume, reservation, placement,
+                                      ddp_offload_parameters, zero_redundancy)}
+
+
+def main() -> int:
+    out, names = sys.argv[1], sys.argv[2].split(",")
+    dist.init_process_group("gloo", init_method=os.environ["DIST_INIT"], rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=60))
+    try:
+        for name in names:
+            try:
+                record = {"ok": True, "result": SCENARIOS[name](out)}
+            except Exception:  # noqa: BLE001 - recorded for the test that reads this scenario
+                record = {"ok": False, "error": traceback.format_exc()}
+            with open(os.path.join(out, f"{name}.rank{rank()}.json"), "w") as f:
+                json.dump(record, f)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

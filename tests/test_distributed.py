@@ -1,0 +1,190 @@
+"""Scale-out on torch.distributed (CPU, gloo, 2 ranks): FSDP2 parity and DCP resume, per-rank reservation and
+placement, DDP with offloaded parameters, ZeRO's partitions offloaded.
+
+The two ranks are started once for the module (tests/dist_worker.py, as torchrun would start them) and run
+every scenario in turn; each test reads its own scenario's outcome on both ranks. Pure helpers of
+offload.distributed are tested in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import REPO, python_env
+
+from offload.distributed import RankInfo, expand_placeholders, is_dtensor, like, local, rank_info, shard_like
+
+WORLD = 2
+SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "dcp_resume", "reservation", "placement", "ddp_offload_parameters",
+             "zero_redundancy")
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The outcome of every scenario on every rank: ``{scenario: [rank 0's record, rank 1's record]}``."""
+    out = tmp_path_factory.mktemp("dist")
+    procs = []
+    for r in range(WORLD):
+        env = python_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD), DIST_INIT=f"file://{out}/rendezvous")
+        procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "dist_worker.py"), str(out),
+                                       ",".join(SCENARIOS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env, cwd=out))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    records = {}
+    for name in SCENARIOS:
+        records[name] = []
+        for r in range(WORLD):
+            path = out / f"{name}.rank{r}.json"
+            records[name].append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": logs[r]})
+    swaps = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files if f.endswith(".swap")]
+    yield records, swaps
+
+
+def outcome(job, name: str) -> list[dict]:
+    """``name``'s result on each rank; fails with the rank's traceback if it raised."""
+    records, _ = job
+    for r, rec in enumerate(records[name]):
+        if not rec["ok"]:
+            pytest.fail(f"rank {r} of {name}:\n{rec['error'][-6000:]}")
+    return [rec["result"] for rec in records[name]]
+
+
+def test_fsdp2_fp32_is_bitwise_torch_fused_adamw(job):
+    """Under FSDP2 (fully_shard, DTensor parameters, one layer sharded unevenly) four steps of OffloadedAdamW,
+    one with a parameter without grad, leave weights and state bit for bit those of torch's fused AdamW, the
+    state as DTensors laid out as torch's; large shards offloaded in several units, small ones in memory."""
+    for r, res in enumerate(outcome(job, "fsdp2_parity")):
+        assert res["differences"] == [], f"rank {r}"
+        assert res["offloaded"] >= 2 and res["in_memory"] >= 2 and res["units"] >= 2
+    ranks = outcome(job, "fsdp2_parity")
+    assert ranks[0]["offloaded"] != ranks[1]["offloaded"], "the unevenly sharded weight is offloaded on one rank only"
+
+
+def test_fsdp2_bf16_mixed_precision_is_bitwise_torch(job):
+    """With MixedPrecisionPolicy(param_dtype=bfloat16) the same holds bit for bit."""
+    for r, res in enumerate(outcome(job, "fsdp2_bf16")):
+        assert res["differences"] == [], f"rank {r}"
+
+
+def test_dcp_save_and_load_resume_bit_for_bit(job):
+    """get_optimizer_state_dict gives DTensor state; dcp.save of it, then dcp.load and set_optimizer_state_dict
+    into a new model and optimizer, resumes exactly where the uninterrupted run goes (weights and state)."""
+    for r, res in enumerate(outcome(job, "dcp_resume")):
+        assert res["ours_kinds"] == ["DTensor"], f"rank {r}"
+        assert res["ours_differences"] == [], f"rank {r}"
+
+
+def test_dcp_checkpoint_of_torch_adamw_resumes_in_offloaded_adamw(job):
+    """A DCP checkpoint of FSDP2 + torch's fused AdamW, loaded into OffloadedAdamW, goes on bit for bit as
+    torch's optimizer would have."""
+    for r, res in enumerate(outcome(job, "dcp_resume")):
+        assert res["torch_kinds"] == ["DTensor"], f"rank {r}"
+        assert res["torch_differences"] == [], f"rank {r}"
+
+
+def test_each_rank_reserves_its_local_state_bytes(job):
+    """A rank's units and swap file hold its local shards' state, as for the same shards in one process:
+    two fp32 moments per local element, each slice rounded to 64 bytes, the file to the 4 KiB block."""
+    for r, res in enumerate(outcome(job, "reservation")):
+        assert res["state_bytes"] == res["expected"], f"rank {r}"
+        assert res["file_bytes"] == res["plain_file_bytes"] == [res["expected_file_bytes"]], f"rank {r}"
+        assert res["state_bytes"] < res["whole_state_bytes"] * 0.6, f"rank {r}"
+        assert res["pool_bytes"] == res["plain_pool_bytes"], f"rank {r}"
+
+
+def test_nvme_path_placeholders_give_each_rank_its_directory(job):
+    """``{rank}`` and ``{local_rank}`` in nvme_path (a list too) are expanded per rank; a typo is refused."""
+    for r, res in enumerate(outcome(job, "placement")):
+        assert res["rank"][0].startswith(f"drive{r}/") and res["rank_listing"] == [os.path.basename(res["rank"][0])]
+        assert [os.path.dirname(f) for f in res["local_rank"]] == [f"a{r}", f"b{r}"]
+        assert "{localrank}" in res["typo"] and "{local_rank}" in res["typo"]
+
+
+def test_ranks_sharing_a_directory_have_files_named_by_rank(job):
+    """In one directory the two ranks' swap files carry their ranks in their names and never collide."""
+    ranks = outcome(job, "placement")
+    for r, res in enumerate(ranks):
+        for f in res["rank"] + res["local_rank"] + res["shared"]:
+            assert f"-adam_rank{r}-" in os.path.basename(f)
+    assert len(ranks[0]["shared_listing"]) == 2 and ranks[0]["shared_listing"] == ranks[1]["shared_listing"]
+
+
+def test_ddp_with_offloaded_gradients_is_refused_with_what_to_do(job):
+    """DDP over already offloaded weights, and DDP with offloaded gradients (at wrap time or at the first
+    forward), are refused with an error that says to wrap first and pass offload_grads=False."""
+    for res in outcome(job, "ddp_offload_parameters"):
+        assert "Wrap the model first" in res["wrapped_after"] and "offload_grads=False" in res["wrapped_after"]
+        for key in ("grads_at_forward", "grads_at_wrap"):
+            assert "offload_grads=False" in res[key] and "DDP first" in res[key]
+
+
+def test_ddp_wrapped_then_offloaded_is_bitwise_ddp_with_torch_adamw(job):
+    """DDP, then offload_parameters(ddp.module, offload_grads=False), trained with OffloadedAdamW on different
+    data per rank, ends bit for bit where DDP + torch's fused AdamW does, the same on both ranks."""
+    for res in outcome(job, "ddp_offload_parameters"):
+        assert res["same"] and res["ranks_agree"]
+
+
+def test_zero_redundancy_optimizer_offloads_each_ranks_partition(job):
+    """ZeroRedundancyOptimizer(optimizer_class=OffloadedAdamW) steps bit for bit as with torch's fused AdamW;
+    each rank offloads only its partition's state, and the consolidated state dict equals torch's."""
+    ranks = outcome(job, "zero_redundancy")
+    assert sum(res["mine"] for res in ranks) == ranks[0]["all"]
+    for res in ranks:
+        assert res["same"] and res["state_bytes"] == res["expected"]
+    assert ranks[0]["state_same"]
+
+
+def test_no_swap_file_is_left_behind(job):
+    """Every optimizer closed by the scenarios removed its swap files, on every rank."""
+    outcome(job, "reservation")
+    assert job[1] == []
+
+
+# -- offload.distributed, in one process ------------------------------------------------------------
+
+
+def test_placeholders_expand_to_the_given_rank():
+    """Every placeholder is replaced; braces that are not a name stay; a path without braces is unchanged."""
+    info = RankInfo(rank=5, local_rank=1, world_size=8)
+    assert expand_placeholders("/mnt/nvme{local_rank}/r{rank}of{world_size}", info) == "/mnt/nvme1/r5of8"
+    assert expand_placeholders("/data/{a,b}/x", info) == "/data/{a,b}/x"
+    assert expand_placeholders("/plain", info) == "/plain"
+    with pytest.raises(ValueError, match=r"\{node\}.*\{local_rank\}"):
+        expand_placeholders("/mnt/{node}", info)
+
+
+def test_rank_comes_from_torchrun_variables(monkeypatch):
+    """Without a process group the rank is read from RANK, LOCAL_RANK, WORLD_SIZE; a bad value is named."""
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert rank_info() == RankInfo(3, 1, 4) and rank_info().distributed
+    monkeypatch.setenv("RANK", "x")
+    with pytest.raises(ValueError, match="RANK='x'"):
+        rank_info()
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    assert rank_info() == RankInfo(0, 0, 1) and not rank_info().distributed
+
+
+def test_plain_tensors_pass_through_the_dtensor_helpers():
+    """local, like and shard_like leave ordinary tensors as they are (single-process training is unchanged)."""
+    t = torch.arange(6.0)
+    assert not is_dtensor(t) and local(t) is t and like(t, t) is t and shard_like(t, t) is t
