@@ -14,6 +14,7 @@ from typing import Mapping
 
 from .._proc import pid_alive
 from ..aio import AioFile, wrap_fd
+from ..distributed import rank_info
 from ..units import format_size
 
 __all__ = ["create_swap_file", "find_stale", "remove_stale", "warn_stale"]
@@ -42,6 +43,9 @@ def _host() -> str:
 def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
     """Create, lock and open a new swap file ``nvme-offload-{name}-{host}-{pid}-{random}.swap``.
 
+    In a job of several ranks the tag ends in the rank (``nvme-offload-adam_rank3-...``), so ranks sharing
+    a drive tell their files apart at a glance (the pid and random part already keep the names apart).
+
     Args:
         directory: where (checked beforehand).
         name: a tag; characters other than ``[A-Za-z0-9_]`` become ``_``.
@@ -53,6 +57,9 @@ def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
             left behind on any error.
     """
     tag = re.sub(r"[^A-Za-z0-9_]", "_", str(name)) or "swap"
+    info = rank_info()
+    if info.distributed:
+        tag += f"_rank{info.rank}"
     base = f"{_PREFIX}{tag}-{_host()}-{os.getpid()}-"
     for _ in range(_TRIES):
         final = os.path.join(directory, f"{base}{secrets.token_hex(4)}{_SUFFIX}")

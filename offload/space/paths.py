@@ -1,4 +1,5 @@
-"""Swap directories: checked (and created) before any file is made in them, and their free space."""
+"""Swap directories: their rank placeholders expanded, checked (and created) before any file is made in
+them, and their free space."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import errno as _errno
 import os
 from typing import Mapping, Sequence, Union
 
+from ..distributed import expand_placeholders
 from ..units import format_size
 
 __all__ = ["PathsLike", "check_paths", "no_space_message"]
@@ -16,17 +18,20 @@ PathsLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 def check_paths(paths: PathsLike) -> list[str]:
     """The swap directories as absolute paths, each usable, each given once.
 
-    A missing directory is created when its parent exists.
+    ``{rank}``, ``{local_rank}`` and ``{world_size}`` in a path are replaced by this process's values
+    (see :func:`offload.distributed.expand_placeholders`), so ``"/mnt/nvme{local_rank}/offload"`` gives
+    each rank of a node its own drive. A missing directory is created when its parent exists.
 
     Raises:
         FileNotFoundError, NotADirectoryError, PermissionError: a path is unusable; the message says
             why and what to do.
-        ValueError: no path, or the same directory twice (by name or through a link).
+        ValueError: no path, the same directory twice (by name or through a link), or an unknown
+            placeholder.
     """
     if isinstance(paths, (str, bytes, os.PathLike)):
         paths = [paths]
     try:
-        paths = [os.path.abspath(os.fsdecode(p)) for p in paths]
+        paths = [os.path.abspath(expand_placeholders(os.fsdecode(p))) for p in paths]
     except TypeError as err:
         raise ValueError(f"paths must be a directory or a list of directories, got {paths!r}") from err
     if not paths:
