@@ -10,7 +10,9 @@ from torch import nn
 
 from ..aio import warn_use_gds
 from ..config import Config, offload_config
-from .hooks import _EXTERNAL, Scheduler
+from ..distributed import is_dtensor
+from ..errors import ConfigError
+from .hooks import _EXTERNAL, DDP_GRADS, Scheduler
 from .registry import store_of
 from .store import ParamStore, resident
 
@@ -87,9 +89,11 @@ def offload_parameters(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ConfigError: no ``nvme_path``, or a bad setting.
+        ConfigError: no ``nvme_path``, or a bad setting; or ``model`` is a ``DistributedDataParallel`` and
+            ``offload_grads`` is True (DDP reduces gradients in its own buckets: pass ``offload_grads=False``;
+            the same is refused at the first forward of a model a DDP wrapper calls).
         ValueError: the model is offloaded already, its parameters are on several devices or on the meta
-            device, or two parameters share storage.
+            device, are DTensors (FSDP2), or two parameters share storage.
         OSError: the swap file cannot be created or the disk cannot hold the parameters.
     """
     if not isinstance(model, nn.Module):
@@ -106,6 +110,13 @@ def offload_parameters(
         warn_use_gds()  # once per process: what GPUDirect Storage gives here
     if not isinstance(offload_grads, bool):
         raise TypeError(f"offload_grads must be True or False, got {offload_grads!r}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and offload_grads:
+        raise ConfigError(DDP_GRADS)
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(
+            "offload_parameters cannot offload DTensor parameters (FSDP2's fully_shard, tensor parallelism): "
+            "FSDP2 gathers and frees weights itself. Offload the optimizer state instead (OffloadedAdamW takes "
+            "DTensor parameters); offload_parameters works with DDP and with single-process models.")
     params = _check_params(model)
     store = ParamStore(params, cfg, name="params", offload_grads=offload_grads, names=_names(model))
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import weakref
 from typing import Any
 
@@ -222,12 +224,33 @@ def _message(t, func) -> str:
             "offload.integrations.transformers.OffloadTrainer), or pass offload_grads=False to keep ordinary "
             "gradients"
         )
+    if _in_ddp_constructor():
+        return (
+            f"DistributedDataParallel reads every weight when it is built (to broadcast rank 0's), and parameter "
+            f"{t.__dict__.get('_nvme_name', '?')} is offloaded to NVMe. Wrap the model first, then offload: "
+            "ddp_model = DistributedDataParallel(model); offload_parameters(ddp_model.module, nvme_path=..., "
+            "offload_grads=False) (DDP reduces gradients in its own buckets, so they stay ordinary tensors)"
+        )
     return (
         f"parameter {t.__dict__.get('_nvme_name', '?')} is offloaded to NVMe and not resident now, so "
         f"{what} cannot read it; read it inside `with offload.params.materialized(model):`, or, if a "
         "module other than its owner uses it in its forward, declare that with "
         "offload.params.register_external_parameter(module, param)"
     )
+
+
+_DDP_SOURCE = os.path.join("nn", "parallel", "distributed.py")
+
+
+def _in_ddp_constructor() -> bool:
+    """Whether the call being refused comes from DistributedDataParallel's constructor (on an error path only)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__init__" and code.co_filename.endswith(_DDP_SOURCE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class OffloadedParameter(nn.Parameter):

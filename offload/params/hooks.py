@@ -6,12 +6,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from ..errors import ConfigError
 from .store import ParamStore, resident
 
 _EXTERNAL = "_nvme_external_params"  # a module's declared external parameters (a list)
 
 FORWARD, BACKWARD = 0, 1
+
+DDP_GRADS = (
+    "DistributedDataParallel cannot reduce gradients that offload_parameters moves to NVMe "
+    "(offload_grads=True): it copies each gradient into its own buckets and copies the all-reduced values "
+    "back into p.grad, where a placeholder stands. Keep ordinary gradients: wrap the model in DDP first, then "
+    "offload_parameters(ddp_model.module, nvme_path=..., offload_grads=False).")
 
 
 def own_params(module: nn.Module) -> list[torch.Tensor]:
@@ -149,6 +157,8 @@ class Scheduler:
     # -- order and prefetch -------------------------------------------------------------------
 
     def _on_root_call(self, module, args) -> None:
+        if self.store.offload_grads and _inside_ddp(self.root):
+            raise ConfigError(DDP_GRADS)
         if self._following and self._pos != len(self.trace):
             self._following = False  # the last call stopped early: the order changed
             self.order_changes += 1
@@ -280,3 +290,13 @@ class Scheduler:
         for p in own_params(module):
             if p in self.store.records:
                 self.store.release(p, dirty=True)
+
+
+# NOTE: DDP's reducer works in C++ on the gradients autograd accumulates, after our hooks have moved
+# them to NVMe; no hook of ours sees its bucket copies. DDP marks the module whose forward it runs
+# (``_active_ddp_module``, set around every forward with its default reducer), so a root call of an
+# offloaded model inside it is the first moment the combination can be seen, before any gradient exists.
+def _inside_ddp(root: nn.Module) -> bool:
+    """Whether ``root`` is being called by a DistributedDataParallel forward (``root`` is in its module)."""
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    return ddp is not None and any(m is root for m in ddp.module.modules())
