@@ -24,6 +24,7 @@ from .cli import (
     positive_int_arg,
 )
 from .fio import write_read_gib_s
+from .gpu import gpu_peak, pinned_text, pool_pinned, require_cuda, reset_gpu_peak, synchronize
 from .workload import TENSOR_ELEMENTS, synthetic_params
 
 
@@ -98,7 +99,7 @@ def _reset_peak() -> None:
 
 def _time_steps(opt, steps: int) -> list[float]:
     times = []
-    cuda = torch.cuda.is_available()
+    device = opt.param_groups[0]["params"][0].device
     for _ in range(steps):
         t = time.perf_counter()
         opt.step()
@@ -106,8 +107,7 @@ def _time_steps(opt, steps: int) -> list[float]:
             # A step returns with its last writes landing (in training, during the next forward): here,
             # with nothing to overlap them, they count in the step, and never in the next one measured.
             opt.state_store.drain()
-        if cuda:
-            torch.cuda.synchronize()  # torch's GPU kernels return before they finish
+        synchronize(device)  # torch's GPU kernels return before they finish
         times.append(time.perf_counter() - t)
     return times
 
@@ -121,8 +121,7 @@ def run_adam(args: argparse.Namespace) -> int:
     """``offload-bench adam``."""
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise BenchFailure("--device cuda needs a CUDA device, and torch sees none")
+    require_cuda(device)
     if args.overlap:
         hidden = args.hidden or 1024
         layers = max(1, round(args.params / (8 * hidden * hidden + 7 * hidden)))
@@ -146,8 +145,7 @@ def run_adam(args: argparse.Namespace) -> int:
             ("state", f"on {oc.device}, host cache {_cache_text(oc.host_cache)}, moments in {oc.state_dtype}, "
                       f"checksums {'on' if oc.checksum else 'off'}"),
             ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}, pinned: "
-                     f"{'yes' if resolve_pin(oc.pin_memory, [torch.empty(0, device=device)]) else 'no'} "
-                     f"(pin_memory {oc.pin_memory})"),
+                     f"{pinned_text(resolve_pin(oc.pin_memory, [torch.empty(0, device=device)]), oc.pin_memory)}"),
             ("aio", f"block size {format_size(aio.block_size)}, queue depth {aio.queue_depth}, "
                     f"{aio.thread_count} thread(s), backend {aio.backend}"),
             ("compared with", "the same without a host cache (nvme, fp32 moments), interleaved step by step"
@@ -161,7 +159,7 @@ def run_adam(args: argparse.Namespace) -> int:
         gc.collect()
         base_rss = _rss_now()
         _reset_peak()
-        _reset_gpu_peak(device)
+        reset_gpu_peak(device)
         opt = OffloadedAdamW(params, lr=1e-3, config=main_cfg)
         base = None
         try:
@@ -170,7 +168,8 @@ def run_adam(args: argparse.Namespace) -> int:
             times, moved = [], []
             _timed_step(opt, times, moved)
             peak = _rss_peak()
-            gpu_peak = _gpu_peak(device)
+            our_gpu_peak = gpu_peak(device)
+            pinned = pool_pinned([opt.state_store.pool])
             pool_bytes, cache_bytes = opt.host_pool_bytes, opt.host_cache_bytes
             state_bytes, resident = opt.offloaded_state_bytes, opt.state_store.resident_bytes
             backend = opt.swap_space.backend if opt.swap_space is not None else "none (state in memory)"
@@ -209,13 +208,15 @@ def run_adam(args: argparse.Namespace) -> int:
             fio_write, fio_read = write_read_gib_s(paths, min(state_bytes, 1 << 30), aio.block_size,
                                                    aio.queue_depth, aio.thread_count)
 
-        torch_med = torch_peak = None
+        torch_med = torch_peak = torch_gpu_peak = None
         if not args.no_torch:
             gc.collect()
             _reset_peak()
+            reset_gpu_peak(device)
             ref = torch.optim.AdamW(params, lr=1e-3, fused=True)
             torch_times = _time_steps(ref, args.steps)
             torch_peak = _rss_peak()
+            torch_gpu_peak = gpu_peak(device)
             torch_med = statistics.median(torch_times[1:])
             del ref
             gc.collect()
@@ -253,7 +254,9 @@ def run_adam(args: argparse.Namespace) -> int:
         "host_cache_bytes": cache_bytes,
         "resident_state_bytes": resident,
         "offloaded_state_bytes": state_bytes,
-        "gpu_peak_bytes": gpu_peak,
+        "gpu_peak_bytes": our_gpu_peak,
+        "torch_gpu_peak_bytes": torch_gpu_peak,
+        "pool_pinned": pinned,
         "torch_step_s_median": torch_med,
         "torch_peak_rss_bytes": torch_peak,
         "step_vs_torch": step_med / torch_med if torch_med else None,
@@ -283,15 +286,18 @@ def run_adam(args: argparse.Namespace) -> int:
         ["fio read / write", f"{report.fmt_gib(fio_read)} / {report.fmt_gib(fio_write)} GiB/s"],
         ["disk bound (fio)", f"{bound:.3f} s" if bound else "n/a"],
         ["step / disk bound", f"{step_med / bound:.2f}x" if bound else "n/a"],
-        ["torch AdamW(fused) step", f"{torch_med:.3f} s ({step_med / torch_med:.2f}x)" if torch_med else "n/a"],
+        [f"torch AdamW(fused) step, state resident {'on the GPU' if device.type == 'cuda' else 'in memory'}",
+         f"{torch_med:.3f} s ({step_med / torch_med:.2f}x)" if torch_med else "n/a"],
         ["state / resident in host memory", f"{format_size(state_bytes)} / {format_size(resident)}"],
         ["host pool + cache", f"{format_size(pool_bytes)} + {format_size(cache_bytes)}"],
         ["peak RSS above params+grads", f"{format_size(over)} ({over / held:.2f}x pool + cache)" if held
          else format_size(over)],
         ["torch peak RSS above params+grads", format_size(torch_peak - base_rss) if torch_peak else "n/a"],
     ]
-    if gpu_peak is not None:
-        rows.append(["GPU memory peak", format_size(gpu_peak)])
+    if our_gpu_peak is not None:
+        rows += [["GPU memory peak (params, grads and one unit's update)", format_size(our_gpu_peak)],
+                 ["GPU memory peak, torch AdamW(fused)", format_size(torch_gpu_peak) if torch_gpu_peak else "n/a"]]
+    rows.append(["pool pinned", "no pool" if pinned is None else "yes" if pinned else "no"])
     print(report.table(["", "value"], rows))
     if args.json:
         report.write_json(args.json, result)
@@ -308,12 +314,3 @@ def _timed_step(opt, times: list, moved: list) -> None:
     times.extend(_time_steps(opt, 1))
     r1, w1 = opt.io_bytes()
     moved.append((r1 - r0, w1 - w0))
-
-
-def _reset_gpu_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def _gpu_peak(device: torch.device):
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -16,6 +16,7 @@ from ..params import offload_parameters, offloaded, restore_parameters
 from ..units import format_size
 from . import report
 from .cli import config_given, positive_int_arg
+from .gpu import pool_pinned
 from .workload import block_model, io_only
 
 CALIBRATION_BATCH = 8
@@ -49,7 +50,9 @@ def _batch_arg(text: str):
 # alone, measured in each round too: with weights in memory, the step alone (the state's I/O and the
 # update, what overlap_backward hides); with weights on NVMe, the time the swap space takes to read and
 # write the bytes one overlapped iteration moved. "auto" batch: the batch whose compute alone takes
-# about as long as that I/O (a line through two batches' times, refined once).
+# about as long as that I/O (a line through two batches' times, refined once). On a GPU, a variant's
+# memory peak is torch.cuda.max_memory_allocated above what was allocated as it began (the models of
+# the other variants stay resident meanwhile).
 def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidden: int, dtype: torch.dtype,
                 device: torch.device, weights_offloaded: bool) -> dict:
     """Measure and print the comparison; returns the results (also written to ``args.json`` if given)."""
@@ -103,11 +106,17 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
                                                            for _ in range(2)), io_s)
         x = inputs(batch)
         times: dict[str, list] = {name: [] for name in (*runs, "serial", "io")}
+        gpu_peaks: dict[str, int] = {}
         for _ in range(args.rounds):
             for name in runs:
+                before = _gpu_mark(device)
                 times[name].append(_iterate(*runs[name], x, args.steps) / args.steps)
+                if before is not None:
+                    gpu_peaks[name] = max(gpu_peaks.get(name, 0), torch.cuda.max_memory_allocated(device) - before)
             times["serial"].append(_iterate(*runs["plain"], x, args.steps, drain_each=True) / args.steps)
             times["io"].append(io_alone())
+        pinned = pool_pinned([runs["plain"][1].state_store.pool]
+                             + ([offloaded(runs["plain"][0]).store.pool] if weights_offloaded else []))
     finally:
         for name in ("plain", "overlap"):
             if name in runs:
@@ -131,6 +140,8 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
         "overlap_to_bound": med["overlap"] / bound,
         "plain_to_overlap": med["plain"] / med["overlap"],
         "serial_to_overlap": med["serial"] / med["overlap"],
+        "gpu_peak_bytes": gpu_peaks or None,
+        "pools_pinned": pinned,
         "machine": machine,
     }
     rows = [
@@ -152,11 +163,24 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
                         if weights_offloaded else "")])
     rows.append(["batch", f"{batch} rows" + (" (auto: compute about equal to I/O)" if args.batch in (None, "auto")
                                              else "")])
+    labels = {"overlap": "overlap_backward", "plain": "without overlap_backward", "compute": "compute alone"}
+    for name, peak in gpu_peaks.items():
+        rows.append([f"GPU memory peak above the models, {labels[name]}", format_size(peak)])
+    rows.append(["pools pinned", "no pool" if pinned is None else "yes" if pinned else "no"])
     print(report.table(["", "value"], rows))
     if args.json:
         report.write_json(args.json, result)
         print(f"wrote {args.json}")
     return result
+
+
+def _gpu_mark(device: torch.device) -> int | None:
+    """On a GPU: reset the peak and return the memory allocated now (what the peak is measured above)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def _calibrate(seconds: Callable[[int], float], target: float) -> int:

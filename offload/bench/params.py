@@ -12,10 +12,13 @@ import torch
 
 from ..adam import OffloadedAdamW
 from ..params import offload_parameters, offloaded, restore_parameters
-from ..units import format_size
+from ..state import resolve_pin
+from ..units import GIB, format_size
 from . import overlap, report
 from .adam import _reset_peak, _rss_peak
 from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, config_given, positive_int_arg
+from .fio import write_read_gib_s
+from .gpu import gpu_peak, pinned_text, pool_pinned, require_cuda, reset_gpu_peak, synchronize
 from .workload import block_model, io_only
 
 
@@ -30,12 +33,15 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--layers", type=positive_int_arg(1), default=24, metavar="N", help="blocks (default 24)")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
                    help="weight dtype; bf16 keeps an fp32 master copy with the optimizer state (default bf16)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model computes; cuda needs a GPU (default cpu)")
     p.add_argument("--steps", type=positive_int_arg(2), default=5, metavar="N",
                    help="training steps; the first (records the order, creates state) is reported apart")
     p.add_argument("--prefetch", type=positive_int_arg(0), default=2, metavar="N",
                    help="submodules read ahead (default 2)")
     p.add_argument("--no-grad-offload", dest="offload_grads", action="store_false",
                    help="keep ordinary full-size grads in memory (offload_grads=False)")
+    p.add_argument("--no-fio", action="store_true", help="skip the fio bound")
     add_path_option(p)
     add_config_option(p)
     overlap.add_options(p)
@@ -48,25 +54,31 @@ def _train_step(model, opt, x) -> float:
     model(x).float().square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
+    synchronize(x.device)  # the GPU's kernels return before they finish
     return time.perf_counter() - t
 
 
 # NOTE: a step here is forward + backward + OffloadedAdamW step with offload_parameters on the model.
 # Two references are measured in the same run: ``io_only_s``, the time the same swap space takes to
 # read and write the bytes one step moved (weights and optimizer state, reads and writes overlapped,
-# no compute), and ``compute_only_s``, the same model fully in memory stepped by torch's fused AdamW.
-# A step cannot be faster than the larger of the two; the target is within 1.2x of it. The grads'
-# own traffic (written in backward, read by the optimizer) counts in ``io_only_s``. Memory:
+# no compute), and ``compute_only_s``, the same model fully resident (on --device) stepped by torch's
+# fused AdamW. A step cannot be faster than the larger of the two; the target is within 1.2x of it. The
+# grads' own traffic (written in backward, read by the optimizer) counts in ``io_only_s``; fio on the
+# same path gives the disk's bound for the same bytes (``disk_bound_s``). Memory:
 # ``resident_param_bytes_max`` and ``grad_bytes_resident_max`` are the store's counts of weight and
-# gradient bytes materialised at once, which must stay near one block's, not the model's.
+# gradient bytes materialised at once, which must stay near one block's, not the model's; on a GPU,
+# ``gpu_peak_bytes`` (torch.cuda.max_memory_allocated over the steady steps) against the resident
+# model's ``torch_gpu_peak_bytes``.
 def run_params(args: argparse.Namespace) -> int:
     """``offload-bench params``."""
     dtype = torch.float32 if args.dtype == "fp32" else torch.bfloat16
+    device = torch.device(args.device)
+    require_cuda(device)
     cfg = args.config
     h = args.hidden or 2048
     if args.overlap:
         with bench_paths(args.paths) as paths:
-            overlap.run_overlap(args, paths, layers=args.layers, hidden=h, dtype=dtype, device=torch.device("cpu"),
+            overlap.run_overlap(args, paths, layers=args.layers, hidden=h, dtype=dtype, device=device,
                                 weights_offloaded=True)
         return 0
     if args.batch == "auto":
@@ -79,25 +91,32 @@ def run_params(args: argparse.Namespace) -> int:
             pc.update(buffer_size=4 * h * h, buffer_count=5)
         cfg = cfg.replace(offload_param=pc, offload_optimizer={"nvme_path": list(paths)})
         machine = report.machine_info(paths)
-        model = block_model(args.layers, h, dtype)
+        model = block_model(args.layers, h, dtype, device)
         n_params = sum(p.numel() for p in model.parameters())
+        pc_, oc_ = cfg.offload_param, cfg.offload_optimizer
+        on_gpu = [torch.empty(0, device=device)]
         report.print_header("params", machine, [
-            ("model", f"{args.layers} blocks, hidden {h}, {n_params:,} {args.dtype} parameters "
+            ("model", f"{args.layers} blocks, hidden {h}, {n_params:,} {args.dtype} parameters on {device.type} "
                       f"({format_size(n_params * model[0].up.weight.element_size())})"),
             ("steps", f"{args.steps}, batch {args.batch}, prefetch {args.prefetch}, "
                       f"grads {'on NVMe' if args.offload_grads else 'in memory'}"),
-            ("param pool", f"{cfg.offload_param.buffer_count} x {cfg.offload_param.buffer_size:,} elements"),
-            ("optimizer pool", f"{cfg.offload_optimizer.buffer_count} x "
-                               f"{format_size(cfg.offload_optimizer.buffer_size)}"),
+            ("param pool", f"{pc_.buffer_count} x {pc_.buffer_size:,} elements, pinned: "
+                           f"{pinned_text(resolve_pin(pc_.pin_memory, on_gpu), pc_.pin_memory)}"),
+            ("optimizer pool", f"{oc_.buffer_count} x {format_size(oc_.buffer_size)}, pinned: "
+                               f"{pinned_text(resolve_pin(oc_.pin_memory, on_gpu), oc_.pin_memory)}"),
         ])
-        x = torch.randn(args.batch, h, generator=torch.Generator().manual_seed(1)).to(dtype)
+        x = torch.randn(args.batch, h, generator=torch.Generator().manual_seed(1)).to(device, dtype)
 
-        # Compute alone: the same model in memory, torch's fused AdamW.
+        # Compute alone: the same model resident, torch's fused AdamW.
         ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        compute = [_train_step(model, ref_opt, x) for _ in range(args.steps)]
-        compute_s = statistics.median(compute[1:])
-        del ref_opt
-        model = block_model(args.layers, h, dtype)
+        _train_step(model, ref_opt, x)
+        reset_gpu_peak(device)
+        compute = [_train_step(model, ref_opt, x) for _ in range(args.steps - 1)]
+        compute_s = statistics.median(compute)
+        torch_gpu_peak = gpu_peak(device)
+        del ref_opt, model
+        gc.collect()
+        model = block_model(args.layers, h, dtype, device)
         gc.collect()
 
         offload_parameters(model, config=cfg, prefetch=args.prefetch, offload_grads=args.offload_grads)
@@ -111,8 +130,10 @@ def run_params(args: argparse.Namespace) -> int:
             store.reset_peak()
             store.reset_grad_peak()
             _reset_peak()
+            reset_gpu_peak(device)
             times = [_train_step(model, opt, x) for _ in range(args.steps - 1)]
             peak = _rss_peak()
+            our_gpu_peak = gpu_peak(device)
             steady = len(times)
             fetch = (store.bytes_read - r0) // steady
             write = (store.bytes_written - w0) // steady
@@ -126,23 +147,40 @@ def run_params(args: argparse.Namespace) -> int:
                         sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
             grad_pool = opt.grad_pool_bytes
             pool_bytes = store.pool.nbytes
+            param_pinned = pool_pinned([store.pool])
+            opt_pinned = pool_pinned([opt.state_store.pool])
             hits, dropped = store.prefetch_hits, store.prefetches_dropped
         finally:
             opt.close()
             restore_parameters(model)
         step_med = statistics.median(times)
-        io_s = io_only(paths, cfg.aio, fetch + opt_read + grad_read, write + opt_write + grad_write)
+        read_total, write_total = fetch + opt_read + grad_read, write + opt_write + grad_write
+        io_s = io_only(paths, cfg.aio, read_total, write_total)
+        fio_write = fio_read = None
+        if not args.no_fio:
+            aio = cfg.aio
+            fio_write, fio_read = write_read_gib_s(paths, min(max(read_total, write_total), 1 << 30),
+                                                   aio.block_size, aio.queue_depth, aio.thread_count)
 
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
     bound = max(io_s, compute_s)
+    disk_bound = read_total / GIB / fio_read + write_total / GIB / fio_write if fio_read and fio_write else None
     result: dict[str, Any] = {
         "params": n_params,
+        "device": device.type,
         "step_s_median": step_med,
         "fetch_bytes_per_step": fetch,
         "write_bytes_per_step": write,
         "io_only_s": io_s,
         "compute_only_s": compute_s,
+        "fio_read_gib_s": fio_read,
+        "fio_write_gib_s": fio_write,
+        "disk_bound_s": disk_bound,
         "peak_rss_bytes": peak,
+        "gpu_peak_bytes": our_gpu_peak,
+        "torch_gpu_peak_bytes": torch_gpu_peak,
+        "param_pool_pinned": param_pinned,
+        "optimizer_pool_pinned": opt_pinned,
         "resident_param_bytes_max": resident_max,
         "grad_bytes_resident_max": grad_max,
         "grad_read_bytes_per_step": grad_read,
@@ -163,21 +201,34 @@ def run_params(args: argparse.Namespace) -> int:
         "prefetches_dropped": dropped,
         "machine": machine,
     }
-    print(report.table(["", "value"], [
+    resident = "GPU" if device.type == "cuda" else "memory"
+    rows = [
         ["step (median of steady steps)", f"{step_med:.3f} s"],
         ["first step (records order, creates state)", f"{first:.3f} s"],
         ["weights read / written per step", f"{format_size(fetch)} / {format_size(write)}"],
         ["optimizer state read / written per step", f"{format_size(opt_read)} / {format_size(opt_write)}"],
         ["grads read / written per step", f"{format_size(grad_read)} / {format_size(grad_write)}"],
         ["same bytes, I/O only", f"{io_s:.3f} s"],
-        ["same model in memory, torch AdamW(fused)", f"{compute_s:.3f} s"],
+        ["fio read / write", f"{report.fmt_gib(fio_read)} / {report.fmt_gib(fio_write)} GiB/s"],
+        ["disk bound (fio, same bytes)", f"{disk_bound:.3f} s ({step_med / disk_bound:.2f}x)" if disk_bound
+         else "n/a"],
+        [f"same model resident in {resident}, torch AdamW(fused)", f"{compute_s:.3f} s"],
         ["step / max(I/O, compute)", f"{step_med / bound:.2f}x"],
         ["resident weights, peak", f"{format_size(resident_max)} (largest module {format_size(largest)}, "
                                    f"param pool {format_size(pool_bytes)})"],
         ["resident grads, peak", f"{format_size(grad_max)} (optimizer's grad buffers {format_size(grad_pool)})"],
         ["peak RSS", format_size(peak)],
-    ]))
+    ]
+    if our_gpu_peak is not None:
+        rows += [["GPU memory peak", format_size(our_gpu_peak)],
+                 ["GPU memory peak, model resident (torch)", format_size(torch_gpu_peak)]]
+    rows.append(["pools pinned (param / optimizer)", f"{_yes(param_pinned)} / {_yes(opt_pinned)}"])
+    print(report.table(["", "value"], rows))
     if args.json:
         report.write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
+
+
+def _yes(pinned: bool | None) -> str:
+    return "no pool" if pinned is None else "yes" if pinned else "no"

@@ -1,0 +1,156 @@
+"""The optimizer on a GPU: CUDA parameters against torch's fused AdamW on the same device, bit for bit (fp32,
+bf16 with fp32 masters, bf16 autocast, state in host memory, overlap_backward) and checkpoints of a CUDA model.
+
+Every test here needs CUDA (conftest skips them without it). Each is the CPU test of the same property with
+the tensors moved to ``DEVICE``: set ``DEVICE = "cpu"`` and drop the marker to run them on a CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import OPT, SIZES, SMALL, Net, assert_same, assert_same_state, batch, make_params, snapshot
+
+from offload import OffloadedAdamW
+from offload.checkpoint import load_checkpoint, save_checkpoint
+
+DEVICE = "cuda"
+pytestmark = pytest.mark.gpu
+
+
+def on_device(params):
+    """The parameters as leaves on ``DEVICE``."""
+    return [torch.nn.Parameter(p.detach().to(DEVICE)) for p in params]
+
+
+def set_grads(*param_lists, seed, skip=()):
+    """The same random grads (drawn on the CPU, then moved) for every list, none at the indices in ``skip``."""
+    g = torch.Generator().manual_seed(seed)
+    for i, p in enumerate(param_lists[0]):
+        grad = torch.randn(p.shape, generator=g)
+        for params in param_lists:
+            params[i].grad = None if i in skip else grad.to(DEVICE, params[i].dtype)
+
+
+def train_model(model, opt, steps, *, autocast=False):
+    """Training steps on helpers' batches moved to ``DEVICE``; returns the losses."""
+    losses = []
+    dtype = next(model.parameters()).dtype
+    for step in steps:
+        x, y = (t.to(DEVICE) for t in batch(step, dtype))
+        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+            loss = (model(x) - y).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def model_pair(seed=0, dtype=torch.float32):
+    """Two identical helpers.Net models on ``DEVICE``."""
+    torch.manual_seed(seed)
+    a = Net().to(DEVICE, dtype)
+    b = Net().to(DEVICE, dtype)
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def test_cuda_fp32_steps_are_bitwise_equal_to_torch_fused(nvme, closing):
+    """fp32 CUDA parameters of every size (kept in memory, one unit, split over units): six steps, two with a
+    parameter lacking a grad, give the weights and state of torch's fused AdamW on the GPU, bit for bit."""
+    a, b = on_device(make_params()), on_device(make_params())
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL))
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    for step in range(6):
+        set_grads(a, b, seed=step, skip={2} if step in (1, 4) else ())
+        ours.step()
+        ref.step()
+        assert_same(a, b)
+    assert_same_state(ours.state_dict(), ref.state_dict())
+
+
+def test_cuda_bf16_params_of_every_size_follow_torch_on_their_fp32_masters(nvme, closing):
+    """bf16 CUDA parameters, small ones (state in memory) and large ones (offloaded) alike, are updated from an
+    fp32 master: equal to torch's fused fp32 AdamW on the GPU, rounded to bf16, and the master equal to it."""
+    a = on_device(make_params(dtype=torch.bfloat16))
+    b = [torch.nn.Parameter(p.detach().float()) for p in a]
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, **SMALL))
+    ref32 = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    for step in range(6):
+        set_grads(a, seed=step)
+        for p, q in zip(a, b):
+            q.grad = p.grad.float()
+        ours.step()
+        ref32.step()
+    assert min(SIZES) < SMALL["small_param_threshold"] < max(SIZES)
+    sd, ref_sd = ours.state_dict(), ref32.state_dict()
+    for i, (p, q) in enumerate(zip(a, b)):
+        assert p.dtype == torch.bfloat16 and p.device.type == DEVICE
+        assert torch.equal(p, q.detach().to(torch.bfloat16)), f"parameter {i} ({p.numel()} elements)"
+        assert torch.equal(sd["state"][i]["master"].cpu(), q.detach().cpu()), f"master {i}"
+        assert torch.equal(sd["state"][i]["exp_avg"].cpu(), ref_sd["state"][i]["exp_avg"].cpu()), f"exp_avg {i}"
+
+
+def test_bf16_autocast_training_equals_torch_fused(nvme, closing):
+    """A model with fp32 weights trained under bf16 autocast on the GPU: the same losses, weights and state as
+    torch's fused AdamW, bit for bit."""
+    a, b = model_pair(seed=1)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, **OPT))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    la = train_model(a, ours, range(5), autocast=True)
+    lb = train_model(b, ref, range(5), autocast=True)
+    assert la == lb
+    assert la[-1] < la[0]
+    assert_same(list(a.parameters()), list(b.parameters()))
+    assert_same_state(ours.state_dict(), ref.state_dict())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_checkpoint_of_a_cuda_model_resumes_bit_for_bit(nvme, closing, tmp_path, dtype):
+    """A CUDA model and its optimizer saved after three steps, loaded into a fresh model and a fresh optimizer
+    (another swap directory), train three more steps exactly as the original does."""
+    a, b = model_pair(seed=2, dtype=dtype)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, **OPT))
+    train_model(a, ours, range(3))
+    save_checkpoint(ours, tmp_path / "ckpt", model=a, extra={"step": 3})
+    fresh = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-fresh", fused=True, **OPT))
+    assert load_checkpoint(fresh, tmp_path / "ckpt", model=b) == {"step": 3}
+    assert_same(list(b.parameters()), list(a.parameters()))
+    assert all(p.device.type == DEVICE for p in b.parameters())
+    la = train_model(a, ours, range(3, 6))
+    lb = train_model(b, fresh, range(3, 6))
+    assert la == lb
+    assert_same(list(a.parameters()), list(b.parameters()))
+    assert_same_state(ours.state_dict(), fresh.state_dict())
+
+
+@pytest.mark.parametrize("tier", [dict(device="cpu"), dict(host_cache=OPT["buffer_size"])],
+                         ids=["device-cpu", "host-cache"])
+def test_state_in_host_memory_with_cuda_params_equals_torch_fused(nvme, closing, tier):
+    """offload_optimizer.device "cpu" (all state in host memory) and a host cache of one unit of two: CUDA
+    parameters train like torch's fused AdamW on the GPU, bit for bit."""
+    a, b = model_pair(seed=3)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, **{**OPT, **tier}))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    la = train_model(a, ours, range(5))
+    lb = train_model(b, ref, range(5))
+    assert ours.host_cache_bytes > 0
+    assert la == lb
+    assert_same(list(a.parameters()), list(b.parameters()))
+    assert_same_state(ours.state_dict(), ref.state_dict())
+
+
+def test_overlap_backward_on_cuda_equals_torch_fused(nvme, closing):
+    """With overlap_backward (units updated during backward), a CUDA model trains like torch's fused AdamW on
+    the GPU: the same losses, weights and state, bit for bit."""
+    a, b = model_pair(seed=4)
+    before = snapshot(a.parameters())
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, overlap_backward=True, **OPT))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    la = train_model(a, ours, range(5))
+    lb = train_model(b, ref, range(5))
+    assert la == lb
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
+    assert_same(list(a.parameters()), list(b.parameters()))
+    assert_same_state(ours.state_dict(), ref.state_dict())
