@@ -1,9 +1,8 @@
-"""One rank of the distributed tests: runs every scenario named on the command line, in order, on gloo.
-
-Started once per rank by tests/test_distributed.py with torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE)
-and a file rendezvous (DIST_INIT). Each scenario's outcome is written to OUT/<scenario>.rank<r>.json:
-``{"ok": true, "result": {...}}`` or ``{"ok": false, "error": "<traceback>"}``, so that every test reads
-its own claim while the ranks start (and import torch) once for all of them.
+"""The ranks of the distributed tests: forked from this process (torch imported once), each runs every
+scenario named on the command line, in order, on gloo, with torchrun's variables (RANK, LOCAL_RANK,
+WORLD_SIZE) set. Each scenario's outcome is written to OUT/<scenario>.rank<r>.json: ``{"ok": true,
+"result": {...}}`` or ``{"ok": false, "error": "<traceback>"}``, so every test reads its own claim while the
+ranks start once for all of them.
 """
 
 from __future__ import annotations
@@ -11,7 +10,9 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
+import time
 import traceback
 
 import torch
@@ -177,6 +178,25 @@ def load_dcp(m: nn.Module, opt, ckpt: str) -> None:
     set_optimizer_state_dict(m, opt, sd["optim"])
 
 
+def streamed_checkpoint(out: str) -> dict:
+    """save_checkpoint on every rank after 2 steps, load_checkpoint into a new model and optimizer, 2 more
+    steps: compared with 4 uninterrupted steps."""
+    path = swap_dir(out, "streamed")
+    whole, first, resumed = sharded(), sharded(), sharded()
+    opts = [OffloadedAdamW(m.parameters(), **LR, **OFFLOAD, nvme_path=path) for m in (whole, first, resumed)]
+    try:
+        train(whole, opts[0], range(STEPS))
+        train(first, opts[1], range(2))
+        ckpt = os.path.join(out, "streamed_ckpt")
+        opts[1].save_checkpoint(ckpt, model=first)
+        opts[2].load_checkpoint(ckpt, model=resumed)
+        train(resumed, opts[2], range(2, STEPS))
+        return {"differences": differences(whole, resumed, opts[0], opts[2])}
+    finally:
+        for o in opts:
+            o.close()
+
+
 def reservation(out: str) -> dict:
     """Bytes each rank reserves for an FSDP2 model, and for the same shards as plain tensors in one process."""
     from offload.units import round_up
@@ -312,26 +332,63 @@ def zero_redundancy(out: str) -> dict:
         opt.optim.close()
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, dcp_resume, reservation, placement,
+SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, dcp_resume, streamed_checkpoint, reservation, placement,
                                       ddp_offload_parameters, zero_redundancy)}
 
 
-def main() -> int:
-    out, names = sys.argv[1], sys.argv[2].split(",")
-    dist.init_process_group("gloo", init_method=os.environ["DIST_INIT"], rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=datetime.timedelta(seconds=60))
+def rank_main(out: str, names: list[str], rank: int, world: int) -> None:
+    """One rank: every scenario of ``names`` in turn, each outcome written to OUT/<scenario>.rank<r>.json."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
     try:
         for name in names:
             try:
                 record = {"ok": True, "result": SCENARIOS[name](out)}
             except Exception:  # noqa: BLE001 - recorded for the test that reads this scenario
                 record = {"ok": False, "error": traceback.format_exc()}
-            with open(os.path.join(out, f"{name}.rank{rank()}.json"), "w") as f:
+            with open(os.path.join(out, f"{name}.rank{rank}.json"), "w") as f:
                 json.dump(record, f)
             dist.barrier()
     finally:
         dist.destroy_process_group()
-    return 0
+
+
+def main() -> int:
+    """``dist_worker.py OUT SCENARIO,... WORLD``: fork WORLD ranks (torch imported once) and wait for them,
+    killing any still running after 180 s; exits 0 when every rank did."""
+    out, names, world = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                rank_main(out, names, rank, world)
+                code = 0
+            except BaseException:  # noqa: BLE001 - printed for the test's report
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)  # no teardown: a rank that died may leave gloo waiting in its peer
+        pids.append(pid)
+    codes, deadline = {}, time.monotonic() + 180
+    while len(codes) < world:
+        for pid in pids:
+            if pid in codes:
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        if time.monotonic() > deadline:
+            for pid in pids:
+                if pid not in codes:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    codes[pid] = -signal.SIGKILL
+        time.sleep(0.02)
+    return 0 if all(c == 0 for c in codes.values()) else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Scale-out on torch.distributed (CPU, gloo, 2 ranks): FSDP2 parity and DCP resume, per-rank reservation and
 placement, DDP with offloaded parameters, ZeRO's partitions offloaded.
 
-The two ranks are started once for the module (tests/dist_worker.py, as torchrun would start them) and run
+The two ranks are forked once for the module (tests/dist_worker.py, with torchrun's variables) and run
 every scenario in turn; each test reads its own scenario's outcome on both ranks. Pure helpers of
 offload.distributed are tested in-process.
 """
@@ -20,8 +20,8 @@ from helpers import REPO, python_env
 from offload.distributed import RankInfo, expand_placeholders, is_dtensor, like, local, rank_info, shard_like
 
 WORLD = 2
-SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "dcp_resume", "reservation", "placement", "ddp_offload_parameters",
-             "zero_redundancy")
+SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "dcp_resume", "streamed_checkpoint", "reservation", "placement",
+             "ddp_offload_parameters", "zero_redundancy")
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -31,27 +31,15 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
 def job(tmp_path_factory):
     """The outcome of every scenario on every rank: ``{scenario: [rank 0's record, rank 1's record]}``."""
     out = tmp_path_factory.mktemp("dist")
-    procs = []
-    for r in range(WORLD):
-        env = python_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(WORLD), DIST_INIT=f"file://{out}/rendezvous")
-        procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "dist_worker.py"), str(out),
-                                       ",".join(SCENARIOS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env, cwd=out))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "dist_worker.py"), str(out), ",".join(SCENARIOS),
+                           str(WORLD)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(),
+                          cwd=out, timeout=300)
     records = {}
     for name in SCENARIOS:
         records[name] = []
         for r in range(WORLD):
             path = out / f"{name}.rank{r}.json"
-            records[name].append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": logs[r]})
+            records[name].append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": proc.stdout})
     swaps = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files if f.endswith(".swap")]
     yield records, swaps
 
@@ -96,6 +84,13 @@ def test_dcp_checkpoint_of_torch_adamw_resumes_in_offloaded_adamw(job):
     for r, res in enumerate(outcome(job, "dcp_resume")):
         assert res["torch_kinds"] == ["DTensor"], f"rank {r}"
         assert res["torch_differences"] == [], f"rank {r}"
+
+
+def test_streamed_checkpoint_of_every_rank_resumes_fsdp2_bit_for_bit(job):
+    """save_checkpoint(dir, model=model) on every rank of an FSDP2 job, then load_checkpoint into a new model
+    and optimizer, resumes exactly where the uninterrupted run goes."""
+    for r, res in enumerate(outcome(job, "streamed_checkpoint")):
+        assert res["differences"] == [], f"rank {r}"
 
 
 def test_each_rank_reserves_its_local_state_bytes(job):
