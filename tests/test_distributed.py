@@ -183,3 +183,25 @@ def test_plain_tensors_pass_through_the_dtensor_helpers():
     """local, like and shard_like leave ordinary tensors as they are (single-process training is unchanged)."""
     t = torch.arange(6.0)
     assert not is_dtensor(t) and local(t) is t and like(t, t) is t and shard_like(t, t) is t
+
+
+def test_placeholders_in_a_config_file_and_in_offload_parameters(tmp_path, monkeypatch, closing):
+    """nvme_path from a DeepSpeed config, and offload_parameters' nvme_path, expand the placeholders from
+    torchrun's variables; each swap file lands in its rank's directory, its name carrying the rank."""
+    from offload import OffloadedAdamW, offload_parameters
+    from offload.params import offloaded
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path / "nvme{local_rank}" / "state")}}}))
+    (tmp_path / "nvme1").mkdir()
+    model = torch.nn.Linear(100, 100)
+    opt = closing(OffloadedAdamW(model.parameters(), config=str(config), small_param_threshold=64))
+    closing(offload_parameters(model, nvme_path=str(tmp_path / "nvme{local_rank}" / "params{rank}"), max_in_cpu=0))
+    files = opt.swap_space.files + offloaded(model).store.space.files
+    assert [os.path.relpath(os.path.dirname(f), tmp_path) for f in files] == ["nvme1/state", "nvme1/params3"]
+    assert all(os.path.basename(f).startswith(("nvme-offload-adam_rank3-", "nvme-offload-params_rank3-"))
+               for f in files)
