@@ -41,7 +41,8 @@ class OffloadedAdam(torch.optim.Adam):
             ``torch.optim.Adam(fused=True)`` bit for bit; ``fused=False`` with ``foreach=None``
             equals torch's default on CPU.
         nvme_path: a directory, or a list of directories (one per drive, striped), for the swap
-            files. Required here or in ``config``.
+            files. Required here or in ``config``. ``{rank}``, ``{local_rank}`` and ``{world_size}``
+            in it are this process's (docs/distributed.md).
         config: a path to a JSON file, a dict, or a :class:`offload.config.Config`; a whole
             DeepSpeed ``ds_config.json`` works (its ``aio`` and ``zero_optimization.offload_optimizer``
             blocks are used).
@@ -50,6 +51,9 @@ class OffloadedAdam(torch.optim.Adam):
             settings of ``config`` (see :class:`offload.config.OptimizerOffloadConfig`): ``device="cpu"``
             keeps all state in host memory; ``host_cache`` keeps that many bytes of it (or ``"auto"``)
             resident between steps; ``state_dtype="bf16"`` stores the moments in bf16.
+
+    Parameters may be DTensors (FSDP2's ``fully_shard``, tensor parallelism): each rank keeps and updates
+    the state of its local shards, and ``state_dict()`` gives DTensors as torch's optimizers do.
 
     Host memory for offloaded state is the pool, ``buffer_count * buffer_size`` bytes, plus the host
     cache, whatever the model size. Disk space for all state is reserved when the optimizer is built,

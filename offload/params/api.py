@@ -64,7 +64,8 @@ def offload_parameters(
 
     Args:
         model: the module whose parameters (all of them, recursively) are offloaded.
-        nvme_path: a directory, or a list of directories (one per drive, striped), for the swap file.
+        nvme_path: a directory, or a list of directories (one per drive, striped), for the swap file;
+            ``{rank}``, ``{local_rank}`` and ``{world_size}`` in it are this process's (docs/distributed.md).
         config: a path to a JSON file, a dict, a :class:`offload.config.Config` or a
             :class:`offload.config.ParamOffloadConfig`; a whole DeepSpeed ``ds_config.json`` works (its
             ``aio`` block and ``zero_optimization.offload_param`` are used). A dict holding only
