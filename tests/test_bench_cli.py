@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 
 import pytest
+import torch
 from helpers import REPO, run_python
 
+from offload.aio import gds_status
 from offload.bench.cli import main
 from offload.config import config_to_dict, load_config
 
@@ -237,12 +240,15 @@ def test_adam_rejects_a_bad_parameter_count(tmp_path):
 
 
 def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
-    """`checkpoint` on a tiny state writes the issue's JSON keys with positive rates, and cleans up."""
+    """`checkpoint` on a tiny state writes the issue's JSON keys with positive rates, and cleans up (a --ckpt-dir
+    that did not exist is made, then removed)."""
     out = tmp_path / "ckpt.json"
     nvme = tmp_path / "nvme"
+    ckpt_dir = tmp_path / "ckpts"
     p = bench("checkpoint", "--params", "1M", "--repeat", "1", "--no-fio", "--path", str(nvme),
-              "--json", str(out), timeout=120)
+              "--ckpt-dir", str(ckpt_dir), "--json", str(out), timeout=120)
     assert p.returncode == 0, p.stderr
+    assert not ckpt_dir.exists(), "a --ckpt-dir the run made is removed again"
     r = json.loads(out.read_text())
     for key in ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s"):
         assert r[key] > 0, key
@@ -305,4 +311,84 @@ def test_a_bad_config_file_is_an_argument_error(tmp_path, command):
     p = bench(command, "--config", str(cfg), "--path", str(tmp_path / "nvme"))
     assert p.returncode == 2
     assert "queue_depht" in p.stderr and "queue_depth" in p.stderr
+    assert not (tmp_path / "nvme").exists()
+
+
+# -- the GPU path ------------------------------------------------------------------------------------
+
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+
+
+@no_cuda
+@pytest.mark.parametrize("command", [["gpu"], ["adam", "--device", "cuda"], ["params", "--device", "cuda"],
+                                     ["params", "--device", "cuda", "--overlap"]],
+                         ids=["copy-bench", "adam", "params", "params-overlap"])
+def test_gpu_commands_without_cuda_fail_in_one_line_before_any_work(tmp_path, command):
+    """Without a CUDA device, ``gpu`` and ``--device cuda`` exit 1 with one line saying a CUDA device is needed,
+    no traceback, and leave no directory behind."""
+    p = bench(*command, "--path", str(tmp_path / "nvme")) if command[0] != "gpu" else bench(*command)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "needs a CUDA device" in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "nvme").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvikio") is not None and torch.cuda.is_available(),
+                    reason="kvikio and a GPU are present: --gds runs")
+def test_io_gds_without_kvikio_or_a_gpu_gives_the_reason_and_fails(tmp_path):
+    """``io --gds`` where kvikio or a GPU is missing exits 1 naming why (offload.aio.gds_status's reason) and what
+    to run instead, before any I/O; its --path is removed."""
+    p = bench("io", "--gds", "--path", str(tmp_path / "nvme"), *TINY)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert gds_status()[1] in p.stderr and "without --gds" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (tmp_path / "nvme").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_command_reports_copy_rates_pinned_and_pageable(tmp_path):
+    """``gpu`` prints and writes GB/s for each direction and both at once, pinned and pageable, every run
+    positive, the median within the runs."""
+    out = tmp_path / "gpu.json"
+    p = bench("gpu", "--size", "64MiB", "--buffer-size", "8MiB", "--buffers", "4", "--rounds", "2",
+              "--json", str(out), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "pinned/pageable" in p.stdout
+    r = json.loads(out.read_text())
+    assert len(r["gb_s_median"]) == 6
+    for name, med in r["gb_s_median"].items():
+        runs = r["gb_s_runs"][name]
+        assert len(runs) == 2 and all(x > 0 for x in runs) and min(runs) <= med <= max(runs), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("command", [["adam", "--params", "8M", "--dtype", "bf16", "--steps", "3", "--no-fio"],
+                                     ["params", "--layers", "2", "--hidden", "256", "--steps", "3", "--no-fio"]],
+                         ids=["adam", "params"])
+def test_device_cuda_reports_gpu_peaks_and_a_pinned_pool(tmp_path, command):
+    """``--device cuda`` trains on the GPU and reports our GPU memory peak beside torch's resident one, and a
+    pool pinned by pin_memory "auto"."""
+    out = tmp_path / "r.json"
+    p = bench(*command, "--device", "cuda", "--path", str(tmp_path / "nvme"), "--json", str(out), timeout=300)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["gpu_peak_bytes"] > 0 and r["torch_gpu_peak_bytes"] > 0
+    assert r["step_s_median"] > 0
+    assert r.get("pool_pinned", r.get("optimizer_pool_pinned")) is True
+    assert "pinned: yes (pin_memory auto)" in p.stdout
+    assert not (tmp_path / "nvme").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not gds_status()[0], reason=f"no GPUDirect Storage here: {gds_status()[1]}")
+def test_io_gds_reports_kvikio_beside_the_pinned_pool(tmp_path):
+    """With kvikio and GDS, ``io --gds`` reads and writes the same region both ways, checks every read, and
+    reports both rates and their ratio; its --path is removed."""
+    out = tmp_path / "gds.json"
+    p = bench("io", "--gds", "--path", str(tmp_path / "nvme"), *TINY, "--json", str(out), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "kvikio CuFile (GDS)" in p.stdout
+    results = json.loads(out.read_text())["results"]
+    assert {(r["path"], r["op"]) for r in results} == {(w, op) for w in ("ours", "kvikio") for op in ("write", "read")}
+    assert all(r["gib_s"] > 0 for r in results)
     assert not (tmp_path / "nvme").exists()

@@ -302,6 +302,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     io.add_argument("--threads", type=positive_int_arg(1, 64), default=1, metavar="N",
                     help="worker threads (io_uring rings) per path (default 1)")
     io.add_argument("--runs", type=positive_int_arg(1), default=3, metavar="N", help="runs (default 3)")
+    io.add_argument("--gds", action="store_true",
+                    help="between GPU memory and the drive: kvikio's CuFile (GPUDirect Storage where available) "
+                         "beside the engine through the pinned pool with a copy to the GPU; needs kvikio and a GPU")
     io.set_defaults(run=run_io)
 
 
@@ -407,6 +410,10 @@ def config_doc(args, paths, plan_: Plan, extra: dict[str, Any]) -> dict[str, Any
 # corrupted bytes.
 def run_io(args: argparse.Namespace) -> int:
     """``offload-bench io``."""
+    if args.gds:
+        from .gds import run_gds  # it builds on this module
+
+        return run_gds(args)
     point = Point(args.block_size, args.queue_depth, args.threads)
     fio = check_pass_args(args, [point.block_size])
     with bench_paths(args.paths) as paths:
