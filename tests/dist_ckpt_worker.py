@@ -5,13 +5,15 @@ run one after the other; each job's ranks are processes forked from this one (to
 their exit codes go to ROOT/out/returncodes.json (minus the signal for a rank killed by one, as subprocess
 says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions": [...]}; each action is one of
   {"do": "train", "steps": n}                    n steps (data drawn from the step and the rank)
-  {"do": "save", "dir": d, "fault": {...}}       opt.save_checkpoint(d, model=..., extra={"step": ...}); "blocking"
-  {"do": "load", "dir": d}                       opt.load_checkpoint(d, model=...), the step from its extra
+  {"do": "save", "dir": d, "fault": {...}}       save_checkpoint(opt, d, model=..., extra={"step": ...}); "blocking"
+                                                 and "alone" as for save_checkpoint
+  {"do": "load", "dir": d}                       load_checkpoint(opt, d, model=...), the step from its extra
   {"do": "keep_save", "root": d, "keep_last": n} Retention(d, keep_last=n).save(opt, step, model=..., ...)
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
   {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt
   {"do": "listdir", "dir": d}                    the names in d, sorted (the log's "result")
-"{rank}" in a directory is this rank's number (node-local directories: one per rank).
+"{rank}" in a directory is this rank's number (node-local directories: one per rank). An action with "ranks"
+runs on those ranks only (its log has no entry on the others).
 A fault {"rank": r, "after_units": k, "kind": "raise" | "kill"} makes rank r raise an OSError, or SIGKILL
 itself, once k units of its shard's state.bin have been written. What each action did (ok, or the error's
 type and message) goes to ROOT/out/rank<r>.json after each action, so a killed rank leaves what it had.
@@ -35,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import offload.checkpoint.save as save_module
 from offload import OffloadedAdamW
-from offload.checkpoint import Retention
+from offload.checkpoint import Retention, load_checkpoint, save_checkpoint
 
 
 class Holder(nn.Module):
@@ -94,6 +96,8 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
     step, log = 0, []
     for action in spec["actions"]:
         entry = {"do": action["do"]}
+        if rank not in action.get("ranks", range(world)):
+            continue
         for key in ("dir", "root"):
             if key in action:
                 action[key] = action[key].format(rank=rank)
@@ -110,12 +114,13 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
             elif action["do"] == "save":
                 undo = inject(action.get("fault"), rank)
                 try:
-                    entry["result"] = opt.save_checkpoint(action["dir"], model=holder, extra={"step": step},
-                                                          snapshot="stream", blocking=action.get("blocking", True))
+                    entry["result"] = save_checkpoint(opt, action["dir"], model=holder, extra={"step": step},
+                                                      snapshot="stream", blocking=action.get("blocking", True),
+                                                      alone=action.get("alone", False))
                 finally:
                     undo()
             elif action["do"] == "load":
-                step = opt.load_checkpoint(action["dir"], model=holder)["step"]
+                step = load_checkpoint(opt, action["dir"], model=holder, alone=action.get("alone", False))["step"]
             elif action["do"] == "keep_save":
                 keep = Retention(action["root"], keep_last=action["keep_last"])
                 entry["result"] = keep.save(opt, step, model=holder, extra={"step": step})

@@ -86,7 +86,7 @@ def assert_same(a, b, where: str = "") -> None:
 def assert_ok(job: Job, actions: int | None = None) -> None:
     """Every rank of ``job`` exited well, and its first ``actions`` actions (default all) succeeded."""
     assert job.returncodes == [0] * WORLD, job.explain()
-    assert all(len(log) == len(job.logs[0]) and all(e["ok"] for e in log[:actions]) for log in job.logs), job.explain()
+    assert all(len(log) >= (actions or 1) and all(e["ok"] for e in log[:actions]) for log in job.logs), job.explain()
 
 
 def step_dir(base: str, step: int) -> str:
@@ -104,12 +104,12 @@ def runs(tmp_path_factory):
     node-local ones (one per rank) and through Retention, trains 2 more (the uninterrupted run), then saves
     to a new directory and fails two saves with rank 1 raising mid-shard. "killed" saves, trains, and has
     rank 1 SIGKILLed mid-shard in the next save of the same directory. "resume", from other initial
-    weights, loads all of these, trains on, saves where the killed save was cut off, and tries a load that
-    rank 1 cannot do."""
+    weights, loads all of these, trains on, saves where the killed save was cut off, tries a load that
+    rank 1 cannot do, and has rank 0 save alone a checkpoint that both ranks load."""
     tmp = str(tmp_path_factory.mktemp("dist-ckpt"))
     shared, local, keep = (os.path.join(tmp, n) for n in ("ckpt", "node{rank}", "keep"))
     raised, killed = os.path.join(tmp, "ckpt-raised"), os.path.join(tmp, "ckpt-killed", "a")
-    late = os.path.join(tmp, "ckpt-late", "a")
+    late, alone = os.path.join(tmp, "ckpt-late", "a"), os.path.join(tmp, "ckpt-alone")
     jobs = run_jobs(tmp, {
         "first": ([
             {"do": "train", "steps": 2},
@@ -154,6 +154,9 @@ def runs(tmp_path_factory):
             {"do": "listdir", "dir": os.path.dirname(killed)},
             {"do": "load", "dir": step_dir(os.path.join(tmp, "node0"), 2)},
             {"do": "dump", "tag": "after-refused"},
+            {"do": "save", "dir": alone, "alone": True, "ranks": [0]},
+            {"do": "load", "dir": alone},
+            {"do": "dump", "tag": "from-rank-0"},
         ], 1),
     })
     return tmp, jobs
@@ -271,6 +274,19 @@ def test_load_that_one_rank_cannot_do_changes_no_rank(runs):
     assert "rank 1 cannot load" in failed[0]["error"] and "nothing was loaded on any rank" in failed[0]["error"]
     for r in range(WORLD):
         assert_same(job.dump(r, "after-refused"), job.dump(r, "after-kill"), f"rank {r}")
+
+
+def test_rank_saving_alone_in_a_job_writes_a_process_checkpoint_that_every_rank_loads(runs):
+    """save_checkpoint(alone=True) on rank 0 only (DDP's way) does not wait for the other ranks; it writes
+    an ordinary checkpoint, which a load on every rank of the job loads whole on each."""
+    tmp, jobs = runs
+    job = jobs["resume"]
+    assert [len(log) for log in job.logs] == [18, 17] and all(e["ok"] for log in job.logs for e in log[15:])
+    assert "world_size" not in read_manifest(os.path.join(tmp, "ckpt-alone"))
+    saved = job.dump(0, "after-refused")
+    for r in range(WORLD):
+        assert_same(job.dump(r, "from-rank-0")["opt"], saved["opt"], f"rank {r}")
+        assert_same(job.dump(r, "from-rank-0")["model"], saved["model"], f"rank {r}")
 
 
 def _worker_module():

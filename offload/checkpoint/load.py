@@ -40,7 +40,8 @@ from .verify import _job_shard, _verify_data, read_manifest
 # packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
 # space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
 def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
-                    mirror: str | os.PathLike | None = None, progress: Optional[bool] = None) -> Any:
+                    mirror: str | os.PathLike | None = None, progress: Optional[bool] = None,
+                    alone: bool = False) -> Any:
     """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
 
     Everything that can be checked without touching the optimizer is checked first: the manifest,
@@ -65,6 +66,10 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
             when ``directory`` is missing, incomplete or corrupt (or cannot be read), its copy
             ``mirror/<name of directory>`` is loaded instead, with a ``RuntimeWarning`` saying why.
         progress: a progress bar on stderr for a long load; None: where stderr is a terminal.
+        alone: where torch.distributed runs a job of several ranks, the load is the job's: every
+            rank calls it, loads its own shard of a job's checkpoint (or the whole of a process's
+            checkpoint), and either all load or all raise. ``alone=True`` loads into this process by
+            itself, as outside a job (a process's checkpoint, or one shard ``directory/rank-<n>``).
 
     Raises:
         CheckpointError: the checkpoint does not fit this optimizer or ``model`` (the message names
@@ -78,7 +83,7 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         raise ValueError("the optimizer is closed")
     # A save in the background copies units as steps change them; a load changes them all unguarded.
     _settle(optimizer.state_store, report=False)
-    if job_world() is not None:
+    if not alone and job_world() is not None:
         return _load_job(optimizer, directory, model, mirror, progress)
     copy = None if mirror is None else os.path.join(os.fspath(mirror), os.path.basename(os.path.abspath(directory)))
     try:

@@ -112,13 +112,16 @@ class Retention:
         return os.path.exists(path + ".keep") or (m is not None and bool(self._is_milestone(int(m[1]))))
 
     def save(self, optimizer, step: int, *, model=None, extra: Any = None, milestone: bool = False,
-             blocking: bool = True, snapshot: str = "auto", progress: Optional[bool] = None) -> str | SaveHandle:
+             blocking: bool = True, snapshot: str = "auto", progress: Optional[bool] = None,
+             alone: bool = False) -> str | SaveHandle:
         """Save ``step`` (with ``model``'s weights if given), verify it, then delete what is no longer kept;
         with a mirror level, copy it there in the background and prune that level once the copy is verified.
 
         With ``blocking=False`` it returns the save's :class:`SaveHandle` at once (see
         :func:`offload.checkpoint.save_checkpoint`); verification and pruning happen in the
-        background after the commit. Otherwise it returns the checkpoint's directory.
+        background after the commit. Otherwise it returns the checkpoint's directory. In a job of
+        several ranks (torch.distributed) every rank calls it, as :func:`offload.checkpoint.save_checkpoint`
+        says, unless ``alone``.
         """
         os.makedirs(self.root, exist_ok=True)
 
@@ -138,7 +141,7 @@ class Retention:
 
         return _save(optimizer, self.path_for(step), model=model, extra=extra, blocking=blocking,
                      mirror_to=None if self.mirror is None else self.mirror.root, snapshot=snapshot,
-                     progress=progress, then=then, then_mirror=then_mirror)
+                     progress=progress, then=then, then_mirror=then_mirror, alone=alone)
 
     def prune(self) -> list[str]:
         """Delete checkpoints beyond the last ``keep_last`` that are not milestones; returns them.
@@ -182,17 +185,20 @@ class Retention:
         finally:
             release()
 
-    def load_latest(self, optimizer, *, model=None) -> tuple[Optional[str], Any]:
+    def load_latest(self, optimizer, *, model=None, alone: bool = False) -> tuple[Optional[str], Any]:
         """Load the newest checkpoint that loads, from this level or else from the mirror level; returns
         ``(its directory, its extra)``, or ``(None, None)`` when there is none.
 
         A checkpoint missing or corrupt here is loaded from the mirror's copy; one that loads from
         neither is skipped for the next older one, with a ``RuntimeWarning``.
 
+        In a job of several ranks (torch.distributed) every rank calls it and the ranks load the same
+        step (see :func:`offload.checkpoint.load_checkpoint`), unless ``alone``.
+
         Raises:
             CheckpointError: there are checkpoints, and none of them loads (the newest's error chained).
         """
-        if job_world() is not None:
+        if not alone and job_world() is not None:
             return self._load_latest_job(optimizer, model)
         steps = {e.step for e in self._entries()}
         if self.mirror is not None:
@@ -203,9 +209,9 @@ class Retention:
             try:
                 if os.path.isdir(here):
                     mirror = None if self.mirror is None else self.mirror.root
-                    return here, load_checkpoint(optimizer, here, model=model, mirror=mirror)
+                    return here, load_checkpoint(optimizer, here, model=model, mirror=mirror, alone=alone)
                 there = self.mirror.path_for(step)
-                return there, load_checkpoint(optimizer, there, model=model)
+                return there, load_checkpoint(optimizer, there, model=model, alone=alone)
             except (CheckpointError, OSError) as err:
                 first = first or err
                 warnings.warn(f"step {step} does not load ({err}); trying the next older checkpoint",
@@ -286,7 +292,8 @@ def _mark(path: str) -> None:
 def save_with_retention(optimizer, root: str | os.PathLike, step: int, *, keep_last: int = 2,
                         milestones: Iterable[int] | Callable[[int], bool] = (), model=None, extra: Any = None,
                         milestone: bool = False, blocking: bool = True,
-                        mirror: str | os.PathLike | None = None) -> str | SaveHandle:
+                        mirror: str | os.PathLike | None = None, alone: bool = False) -> str | SaveHandle:
     """``Retention(root, keep_last, milestones, mirror=mirror).save(optimizer, step, ...)`` in one call."""
     return Retention(root, keep_last, milestones, mirror=mirror).save(optimizer, step, model=model, extra=extra,
-                                                                       milestone=milestone, blocking=blocking)
+                                                                       milestone=milestone, blocking=blocking,
+                                                                       alone=alone)

@@ -62,7 +62,7 @@ SNAPSHOTS = ("auto", "stream", "reflink")
 
 def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
                     extra: Any = None, blocking: bool = True, mirror_to: str | os.PathLike | None = None,
-                    snapshot: str = "auto", progress: Optional[bool] = None) -> str | SaveHandle:
+                    snapshot: str = "auto", progress: Optional[bool] = None, alone: bool = False) -> str | SaveHandle:
     """Save an offloaded optimizer's whole state to ``directory``, atomically, without materialising it.
 
     Offloaded state goes from the swap space to ``state.bin``: where the checkpoint directory is on
@@ -95,6 +95,11 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
             ``"stream"`` always streams; ``"reflink"`` raises ``CheckpointError`` where it cannot clone.
         progress: show a progress bar on stderr for a long save; None: for a blocking save where
             stderr is a terminal.
+        alone: where torch.distributed runs a job of several ranks, the save is the job's: every
+            rank calls it and writes its shard, and it is committed for the whole job (see
+            ``docs/checkpoint.md``, "Saves of a job"). ``alone=True`` saves this process's state by
+            itself, an ordinary checkpoint, as outside a job (rank 0 saving DDP's replicated state
+            while the other ranks do not call it).
 
     Returns:
         The checkpoint directory (absolute); with ``blocking=False``, a :class:`SaveHandle`.
@@ -108,7 +113,7 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
             is chained); this save did not start.
     """
     return _save(optimizer, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
-                 snapshot=snapshot, progress=progress)
+                 snapshot=snapshot, progress=progress, alone=alone)
 
 
 def wait_for_saves(optimizer, timeout: float | None = None) -> None:
@@ -136,14 +141,15 @@ class _Plan:
 
 def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror_to=None, snapshot="auto",
           progress=None, then: Optional[Callable[[str], None]] = None,
-          then_mirror: Optional[Callable[[str], None]] = None, shard: Optional[_Staged] = None):
+          then_mirror: Optional[Callable[[str], None]] = None, shard: Optional[_Staged] = None,
+          alone: bool = False):
     """:func:`save_checkpoint`, with ``then(directory)`` run once committed (before the copy to the mirror)
     and ``then_mirror(copy)`` once the copy is done (``Retention`` verifies and prunes with them).
 
     Where torch.distributed runs a job of several ranks, the save is the job's (:func:`_save_job`),
     which writes this rank's part through this function with ``shard``, a ``commit._Shard`` to fill
     and finish in place of a directory of its own."""
-    if shard is None and job_world() is not None:
+    if shard is None and not alone and job_world() is not None:
         return _save_job(optimizer, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
                          snapshot=snapshot, progress=progress, then=then)
     if snapshot not in SNAPSHOTS:
@@ -296,10 +302,12 @@ def _save_job(optimizer, directory, *, model, extra, blocking, mirror_to, snapsh
     if not blocking:
         raise CheckpointError(f"save_checkpoint(blocking=False) is for a process that saves alone; in a job of "
                               f"{world} ranks save with blocking=True (the ranks agree on the commit with "
-                              "collectives, which a background thread would interleave with training's)")
+                              "collectives, which a background thread would interleave with training's), or "
+                              "save one rank's state by itself with alone=True")
     if mirror_to is not None:
         raise CheckpointError(f"mirror_to is for a process that saves alone; in a job of {world} ranks copy "
-                              "each rank's directory to the second level yourself (offload-ckpt mirror)")
+                              "each rank's directory to the second level yourself (offload-ckpt mirror), or "
+                              "save one rank's state by itself with alone=True")
     target = os.path.realpath(given)
     token = _gather(secrets.token_hex(8), f"saving {given}")[0]
     stage = f"{target}.tmp-job-{token}"
