@@ -397,7 +397,7 @@ def test_misaligned_o_direct_request_names_value_and_alignment(scratch, backend)
 
 @pytest.mark.parametrize("setting, value", [
     ("block_size", 1000), ("block_size", 0), ("queue_depth", 0), ("queue_depth", 5000),
-    ("thread_count", 0), ("backend", "spdk"), ("o_direct", "yes"), ("use_gds", True),
+    ("thread_count", 0), ("backend", "spdk"), ("o_direct", "yes"), ("use_gds", "yes"),
 ])
 def test_bad_config_is_value_error_naming_it(setting, value):
     """Each bad aio setting is refused with a ValueError naming the setting and the value."""
