@@ -12,6 +12,7 @@ says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions"
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
   {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt
   {"do": "listdir", "dir": d}                    the names in d, sorted (the log's "result")
+  {"do": "barrier"}                              torch.distributed.barrier()
 "{rank}" in a directory is this rank's number (node-local directories: one per rank). An action with "ranks"
 runs on those ranks only (its log has no entry on the others).
 A fault {"rank": r, "after_units": k, "kind": "raise" | "kill"} makes rank r raise an OSError, or SIGKILL
@@ -50,7 +51,17 @@ class Holder(nn.Module):
 
 def inject(fault: dict, rank: int):
     """Wrap the checkpoint's streaming loop so that ``fault`` strikes on its rank after its units (a "late"
-    fault instead holds its rank back a second before it looks for the ranks that share its directory)."""
+    fault instead holds its rank back a second before it looks for the ranks that share its directory, a
+    "commit" fault makes the commit of its directory fail)."""
+    if fault is not None and fault["kind"] == "commit":
+        original = save_module._JobCommit.commit
+
+        def failing(self, manifest):
+            raise OSError(errno.EIO, "injected fault in the commit", self.target)
+
+        if fault["rank"] == rank:
+            save_module._JobCommit.commit = failing
+        return lambda: setattr(save_module._JobCommit, "commit", original)
     if fault is not None and fault["kind"] == "late":
         original = save_module._ranks_here
 
@@ -127,6 +138,8 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
             elif action["do"] == "keep_load":
                 entry["result"], extra = Retention(action["root"]).load_latest(opt, model=holder)
                 step = extra["step"]
+            elif action["do"] == "barrier":
+                dist.barrier()
             elif action["do"] == "listdir":
                 entry["result"] = sorted(os.listdir(action["dir"]))
             elif action["do"] == "dump":

@@ -102,7 +102,8 @@ LATE = {"rank": 1, "kind": "late"}
 def runs(tmp_path_factory):
     """Three jobs, one after the other. "first" trains 2 steps, saves them to a shared directory, to
     node-local ones (one per rank) and through Retention, trains 2 more (the uninterrupted run), then saves
-    to a new directory and fails two saves with rank 1 raising mid-shard. "killed" saves, trains, and has
+    to a new directory, fails two saves with rank 1 raising mid-shard, and one with rank 1's node-local
+    directory failing to commit after rank 0's has. "killed" saves, trains, and has
     rank 1 SIGKILLed mid-shard in the next save of the same directory. "resume", from other initial
     weights, loads all of these, trains on, saves where the killed save was cut off, tries a load that
     rank 1 cannot do, and has rank 0 save alone a checkpoint that both ranks load."""
@@ -110,6 +111,7 @@ def runs(tmp_path_factory):
     shared, local, keep = (os.path.join(tmp, n) for n in ("ckpt", "node{rank}", "keep"))
     raised, killed = os.path.join(tmp, "ckpt-raised"), os.path.join(tmp, "ckpt-killed", "a")
     late, alone = os.path.join(tmp, "ckpt-late", "a"), os.path.join(tmp, "ckpt-alone")
+    back = os.path.join(tmp, "ckpt-back{rank}", "a")
     jobs = run_jobs(tmp, {
         "first": ([
             {"do": "train", "steps": 2},
@@ -130,6 +132,12 @@ def runs(tmp_path_factory):
             {"do": "save", "dir": late, "fault": LATE},
             {"do": "save", "dir": late, "fault": LATE},
             {"do": "save", "dir": late, "blocking": False},
+            {"do": "save", "dir": back},
+            {"do": "dump", "tag": "back"},
+            {"do": "train", "steps": 1},
+            {"do": "save", "dir": back, "fault": {"rank": 1, "kind": "commit"}},
+            {"do": "load", "dir": back},
+            {"do": "dump", "tag": "back-loaded"},
         ], 0),
         "killed": ([
             {"do": "train", "steps": 1},
@@ -155,6 +163,7 @@ def runs(tmp_path_factory):
             {"do": "load", "dir": step_dir(os.path.join(tmp, "node0"), 2)},
             {"do": "dump", "tag": "after-refused"},
             {"do": "save", "dir": alone, "alone": True, "ranks": [0]},
+            {"do": "barrier"},
             {"do": "load", "dir": alone},
             {"do": "dump", "tag": "from-rank-0"},
         ], 1),
@@ -253,6 +262,22 @@ def test_rank_that_looks_for_its_directory_late_still_commits_once(runs):
     assert os.listdir(os.path.join(tmp, "ckpt-late")) == ["a"]
 
 
+def test_directory_that_cannot_commit_makes_the_others_put_their_previous_checkpoint_back(runs):
+    """Node-local directories: rank 1's commit fails after rank 0's directory has taken the new checkpoint;
+    rank 0 exchanges its previous one back, so both ranks load the checkpoint before the failed save."""
+    tmp, jobs = runs
+    job = jobs["first"]
+    for r, log in enumerate(job.logs):
+        assert [e["ok"] for e in log[18:23]] == [True, True, True, False, True], job.explain()
+        if r == 1:
+            assert log[21]["type"] == "OSError" and "injected fault in the commit" in log[21]["error"]
+        else:
+            assert "could not be committed on rank 1" in log[21]["error"]
+            assert "previous checkpoint back" in log[21]["error"]
+        assert_same(job.dump(r, "back-loaded"), job.dump(r, "back"), f"rank {r}")
+        assert os.listdir(os.path.join(tmp, f"ckpt-back{r}")) == ["a"]
+
+
 def test_asynchronous_save_of_a_job_is_refused_on_every_rank(runs):
     """save_checkpoint(blocking=False) in a job raises on every rank, saying to save with blocking=True."""
     _, jobs = runs
@@ -281,7 +306,8 @@ def test_rank_saving_alone_in_a_job_writes_a_process_checkpoint_that_every_rank_
     an ordinary checkpoint, which a load on every rank of the job loads whole on each."""
     tmp, jobs = runs
     job = jobs["resume"]
-    assert [len(log) for log in job.logs] == [18, 17] and all(e["ok"] for log in job.logs for e in log[15:])
+    assert [len(log) for log in job.logs] == [19, 18], job.explain()
+    assert all(e["ok"] for log in job.logs for e in log[15:]), job.explain()
     assert "world_size" not in read_manifest(os.path.join(tmp, "ckpt-alone"))
     saved = job.dump(0, "after-refused")
     for r in range(WORLD):
