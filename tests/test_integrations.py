@@ -140,3 +140,33 @@ def test_adapters_import_without_their_frameworks():
     assert lines[-1] == "ok []"
     assert sum("pip install 'nvme-offload[integrations]'" in line for line in lines) == 3
     assert sum(line.startswith("ImportError:") for line in lines) == 3
+
+
+def test_an_accelerate_save_that_fails_after_the_hook_leaves_state_dict_answering_the_state(nvme, closing, tmp_path,
+                                                                                           monkeypatch):
+    """When accelerate's save_state fails after our hook streamed the state (before it asked for state_dict()),
+    the optimizer's next state_dict() is the real state, not the one-shot marker meant for that save."""
+    pytest.importorskip("accelerate")
+    import accelerate.accelerator as acc_module
+    from accelerate import Accelerator
+
+    from offload import OffloadedAdamW
+    from offload.integrations.accelerate import register
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(128, 64)
+    accelerator = Accelerator(cpu=True)
+    opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme, small_param_threshold=1))
+    model, prepared = accelerator.prepare(model, opt)
+    register(accelerator, prepared)
+    model(torch.randn(4, 128)).sum().backward()
+    prepared.step()
+
+    def broken(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(acc_module, "save_accelerator_state", broken)
+    with pytest.raises(OSError, match="No space left"):
+        accelerator.save_state(str(tmp_path / "ckpt"))
+    state = prepared.state_dict()
+    assert "nvme_offload" not in state and set(state["state"]) == {0, 1}

@@ -8,6 +8,7 @@ accelerate saves everything else. ``accelerate`` is imported only when ``registe
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Optional
 
@@ -95,5 +96,27 @@ def register(accelerator: Any, optimizer: Any, model: Optional[nn.Module] = None
                 if unwrap_model(models[i]) is model:
                     del models[i]
 
+    _clear_after_save(accelerator, optimizer)
     return [accelerator.register_save_state_pre_hook(save_hook),
             accelerator.register_load_state_pre_hook(load_hook)]
+
+
+def _clear_after_save(accelerator: Any, optimizer: Any) -> None:
+    """Drop the one-shot marker when ``save_state`` ends however it ends: a save that failed after our
+    hook never leaves a later ``state_dict()`` answering the marker instead of the state."""
+    if getattr(accelerator.save_state, "_nvme_clears", None) is not None:
+        accelerator.save_state._nvme_clears.append(optimizer)
+        return
+    original = accelerator.save_state
+    clears = [optimizer]
+
+    @functools.wraps(original)
+    def save_state(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for opt in clears:
+                opt._nvme_saving = False
+
+    save_state._nvme_clears = clears
+    accelerator.save_state = save_state
