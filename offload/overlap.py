@@ -10,7 +10,7 @@ import torch
 
 from .clipping import grad_norm
 from .errors import StateError
-from .params import ParamAccess
+from .params import ParamAccess, store_of
 
 __all__ = ["BackwardOverlap"]
 
@@ -89,6 +89,15 @@ class BackwardOverlap:
         run, self._run = self._run, None
         if run is None:
             return set()
+        if run.grads_changed():
+            err = StateError(
+                "gradients changed between backward and step() (clip_grad_norm_, a GradScaler's "
+                "unscale_, or another in-place change), but with overlap_backward=True the update uses the "
+                "gradients as backward left them and has already run for most of them. Clip with the "
+                "optimizer's max_grad_norm=, use a GradScaler only without overlap_backward, or leave the "
+                "gradients as backward makes them; restore the state (load_checkpoint) before going on.")
+            run.abort(err)
+            raise err
         updated = run.finish()
         self._order = run.finished_order
         return updated
@@ -143,6 +152,7 @@ class _Run:
         self.owner = owner
         self.order = order
         self.fired: set = set()
+        self.seen_grads: list = []  # (param, its final grad, the grad's version): changed later is refused
         self.norms: dict = {}
         # Per unit, how many of its chunks still wait for their parameter's final gradient.
         self.waiting: dict = {id(u): sum(1 for c in u.chunks if c.slot.param.requires_grad) for u in order}
@@ -168,13 +178,17 @@ class _Run:
             raise self.error
         if id(p) in self.fired:
             err = StateError(
-                "a second backward ran before step() with overlap_backward=True: the optimizer updates state as "
-                "soon as a backward makes the grads final, so the first backward's update has already run. Put "
-                "the micro-batches that must not step inside `with optimizer.no_step():` (as with DDP's "
-                "no_sync), and restore the state (load_checkpoint) before going on.")
+                "a backward ran again before step() with overlap_backward=True (gradient accumulation, or a "
+                "backward that failed or was not followed by step()): the optimizer updates state as soon as a "
+                "backward makes the grads final, so the earlier backward's update has already run. Put the "
+                "micro-batches that must not step inside `with optimizer.no_step():` (as with DDP's no_sync), "
+                "and restore the state (load_checkpoint) before going on.")
             self.abort(err)
             raise err
         self.fired.add(id(p))
+        if id(p) in self.chunks_of and p.grad is not None and store_of(p) is None:
+            g = p.grad
+            self.seen_grads.append((p, g, g._version, _sample(g)))
         if self.owner.clip and p.grad is not None:
             self.norms[id(p)] = grad_norm(p.grad)
         for u in self.chunks_of.get(id(p), ()):
@@ -185,6 +199,20 @@ class _Run:
                 self.finished_order.append(u)
                 if not self.owner.clip:
                     self.ready_units[id(u)].set()
+
+    def grads_changed(self) -> bool:
+        """Whether a final gradient was replaced or changed in place since its hook fired."""
+        if any(p.grad is not g or g._version != version for p, g, version, _ in self.seen_grads):
+            return True
+        by_device: dict = {}
+        for _, g, _, before in self.seen_grads:
+            by_device.setdefault(g.device, ([], []))
+            by_device[g.device][0].append(before)
+            by_device[g.device][1].append(_sample(g))
+        for before, now in by_device.values():
+            if not torch.equal(torch.cat(before), torch.cat(now)):
+                return True
+        return False
 
     def gate(self, unit) -> None:
         """Before updating ``unit`` (on the worker): wait until its grads are final (and, when clipping,
@@ -225,3 +253,14 @@ class _Run:
             self.owner._failed(self.error)
         finally:
             self.owner.access.release_handed()
+
+
+# NOTE: some in-place changes do not bump a tensor's version (a GradScaler's foreach unscale does not), so a
+# few elements of each final gradient are kept too: any scaling or clipping of a gradient changes them
+# (unless they are all zero). One comparison per device at step(), whatever the number of parameters.
+def _sample(g: torch.Tensor) -> torch.Tensor:
+    """Up to four elements spread over ``g``, copied."""
+    if g.layout != torch.strided:
+        return torch.empty(0)  # a sparse gradient: refused by step() with its own error
+    flat = g.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 4)][:4].float().clone()
