@@ -320,3 +320,37 @@ def test_sigkill_during_backward_then_resume_equals_the_uninterrupted_run(tmp_pa
     """A run killed during a backward whose update has already started to rewrite the offloaded state (weights
     on NVMe too), resumed from its last checkpoint, ends bit for bit where a run never killed ends."""
     sigkill_then_resume_equals_uninterrupted(tmp_path, {"overlap_backward": True, "offload_parameters": True})
+
+
+def test_state_reads_between_backward_and_step_are_refused_and_loads_end_the_running_step(nvme, closing, tmp_path):
+    """Between a backward and step(), with the update running on the pool: state_dict(), save_checkpoint() and
+    add_param_group() are refused with a StateError saying to call step() first, and leave training as it was
+    (bit for bit the same as without them); load_checkpoint() ends the running step and restores the state."""
+    a, b, ours, ref = pair(nvme)
+    closing(ours)
+    closing(ref)
+    train(a, ours, range(1))
+    train(b, ref, range(1))
+    ours.save_checkpoint(tmp_path / "ckpt", model=a)
+    for model in (a, b):
+        x, y = batch(1)
+        torch.nn.functional.cross_entropy(model(x).reshape(-1, 50), y.reshape(-1)).backward()
+    for call in (ours.state_dict, lambda: ours.save_checkpoint(tmp_path / "other"),
+                 lambda: ours.add_param_group({"params": [torch.nn.Parameter(torch.zeros(8))]})):
+        with pytest.raises(StateError, match="between backward and step.*call step\\(\\) first"):
+            call()
+    assert not (tmp_path / "other").exists() and len(ours.param_groups) == 1
+    for opt in (ours, ref):
+        opt.step()
+        opt.zero_grad()
+    assert_same(list(a.parameters()), list(b.parameters()))
+    x, y = batch(2)
+    torch.nn.functional.cross_entropy(a(x).reshape(-1, 50), y.reshape(-1)).backward()
+    ours.load_checkpoint(tmp_path / "ckpt", model=a)
+    ours.zero_grad()
+    train(a, ours, [1])
+    ref_model, _, ref2, unused = pair(nvme + "-c")
+    closing(ref2)
+    closing(unused)
+    train(ref_model, ref2, range(2))
+    assert_same(list(a.parameters()), list(ref_model.parameters()))

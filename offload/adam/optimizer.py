@@ -245,6 +245,8 @@ class OffloadedAdam(torch.optim.Adam):
             ValueError: a parameter is already in a group (or listed twice), or is not a usable tensor.
             OSError: the disk cannot hold the new state; the optimizer keeps its groups and state as before.
         """
+        if hasattr(self, "state_store"):
+            self._refuse_during_backward_step("add_param_group()")
         with no_duplicate_warning():
             super().add_param_group(param_group)
         if hasattr(self, "state_store"):
@@ -269,6 +271,7 @@ class OffloadedAdam(torch.optim.Adam):
         Raises:
             StateError: the last step failed part-way, so the offloaded state may be half written.
         """
+        self._refuse_during_backward_step("state_dict()")
         self.state_store.check_usable("export the state")
         sd = super().state_dict()
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
@@ -292,6 +295,7 @@ class OffloadedAdam(torch.optim.Adam):
         if store.closed:
             raise ValueError("the optimizer is closed")
         params = check_state_dict(self.param_groups, state_dict)
+        self._abandon_backward_step("load_state_dict()")
         for g, s in zip(self.param_groups, state_dict["param_groups"]):
             g.update({k: v for k, v in s.items() if k != "params"})
         entries = {params[k]: _local_entry(entry, params[k]) for k, entry in state_dict["state"].items()}
@@ -327,6 +331,7 @@ class OffloadedAdam(torch.optim.Adam):
         checkpoint holds the state at the call); ``mirror_to`` copies the committed checkpoint to a
         second directory. See :func:`offload.checkpoint.save_checkpoint`.
         """
+        self._refuse_during_backward_step("save_checkpoint()")
         return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
                                snapshot=snapshot, progress=progress)
 
@@ -335,7 +340,20 @@ class OffloadedAdam(torch.optim.Adam):
         weights if given; returns its ``extra``. ``mirror`` is a second directory to load from when
         ``directory`` is missing or damaged. See :func:`offload.checkpoint.load_checkpoint`.
         """
+        self._abandon_backward_step("load_checkpoint()")
         return load_checkpoint(self, directory, model=model, mirror=mirror, progress=progress)
+
+    def _refuse_during_backward_step(self, what: str) -> None:
+        """With overlap_backward, between a backward and step() the step is running on the pool: what
+        reads or changes the state then would race it."""
+        if self._overlap is not None and self._overlap.running:
+            raise StateError(f"{what} was called between backward and step() with overlap_backward=True, while "
+                             "the update that backward started is still running: call step() first.")
+
+    def _abandon_backward_step(self, what: str) -> None:
+        """A load replaces the state: a step left running by a backward (or failed in it) ends first."""
+        if self._overlap is not None and self._overlap.running:
+            self._overlap.abandon(StateError(f"{what} replaced the state during an overlapped step"))
 
     def __getstate__(self):
         raise TypeError(
