@@ -122,7 +122,8 @@ class BackwardOverlap:
         if self._skip or self.clip:
             return False
         run = self._current_run()
-        return run.error is None and run.wants(p) and self.access.adopt(p)
+        with run.lock:  # never adopted after the worker gave back what it held: that hold would stay
+            return not run.ended and run.error is None and run.wants(p) and self.access.adopt(p)
 
     def final(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final for this backward."""
@@ -165,6 +166,8 @@ class _Run:
         self.all_final = threading.Event()
         self.error: Optional[BaseException] = None
         self.updated: set = set()
+        self.lock = threading.Lock()
+        self.ended = False  # the worker has given back the holds it took (under ``lock``)
         self.thread = threading.Thread(target=self._work, args=(slots,), name="offload-overlap", daemon=True)
         self.thread.start()
 
@@ -252,6 +255,8 @@ class _Run:
             self.error = self.error or err
             self.owner._failed(self.error)
         finally:
+            with self.lock:
+                self.ended = True
             self.owner.access.release_handed()
 
 

@@ -576,6 +576,9 @@ def test_weights_shared_with_numpy_are_refused_release_clearly_and_restore_still
         with materialized(m):
             shared = m[0].weight.detach().numpy()
     assert shared.shape == (64, 64)
+    store = offloaded(m).store
+    # The other weights were released all the same: only the refused one is still held.
+    assert [name for name, p in m.named_parameters() if store.records[p].resident] == ["0.weight"]
     restore_parameters(m)
     for p, q in zip(m.parameters(), before):
         assert torch.equal(p, q)

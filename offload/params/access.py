@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -13,6 +12,7 @@ from ..distributed import local
 from ..errors import StateError
 from ..units import round_up
 from .registry import store_of
+from .store import release_each, resident
 
 __all__ = ["ParamAccess"]
 
@@ -42,21 +42,7 @@ class ParamAccess:
 
     # -- whole parameters (small ones, and loading) -----------------------------------------------
 
-    @staticmethod
-    @contextlib.contextmanager
-    def resident(params: Iterable[torch.Tensor], *, dirty: bool = False) -> Iterator[None]:
-        """Hold the offloaded ones of ``params`` in memory for the block (written back after if ``dirty``)."""
-        held = []
-        try:
-            for p in params:
-                store = store_of(p)
-                if store is not None:
-                    store.fetch(p)
-                    held.append((store, p))
-            yield
-        finally:
-            for store, p in held:
-                store.release(p, dirty=dirty)
+    resident = staticmethod(resident)  # hold the offloaded ones of some parameters for a block
 
     @staticmethod
     def grad(p: torch.Tensor) -> Optional[torch.Tensor]:
@@ -110,8 +96,7 @@ class ParamAccess:
         """Give back the holds taken by :meth:`adopt` that no update used (after a step failed or ended)."""
         with self._lock:
             handed, self._handed, self._handed_total = self._handed, {}, 0
-        for p, (store, _) in handed.items():
-            store.release(p)
+        release_each(handed.items(), lambda item: item[1][0].release(item[0]))
 
     def _take_handed(self, p: torch.Tensor):
         with self._lock:
@@ -185,8 +170,7 @@ class UnitPass:
 
     def __exit__(self, *exc) -> None:
         held, self._held = self._held, {}
-        for slot, store in held.items():
-            self._release(slot, store)
+        release_each(held.items(), lambda item: self._release(*item))
 
     # -- gradients -----------------------------------------------------------------------------
 

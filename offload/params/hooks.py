@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
-from .store import ParamStore, resident
+from .store import ParamStore, release_each, resident
 
 _EXTERNAL = "_nvme_external_params"  # a module's declared external parameters (a list)
 
@@ -261,8 +261,7 @@ class Scheduler:
 
     def _release_held(self) -> None:
         held, self._held = self._held, set()
-        for p in held:
-            self.store.release(p)
+        release_each(held, self.store.release)
 
     # -- state dicts ----------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -504,6 +504,18 @@ def resident(params: Iterable[torch.Tensor], *, dirty: bool = False) -> Iterator
                 held.append((store, p))
         yield
     finally:
-        for store, p in held:
-            store.release(p, dirty=dirty)
+        release_each(held, lambda item: item[0].release(item[1], dirty=dirty))
+
+
+def release_each(items: Iterable, release: Callable) -> None:
+    """``release(item)`` for every item, even after one fails (a write-back error, a refused release):
+    the others never stay resident for good. The first error is raised after all were tried."""
+    first = None
+    for item in items:
+        try:
+            release(item)
+        except BaseException as err:  # noqa: BLE001 - re-raised below, once every item was tried
+            first = first or err
+    if first is not None:
+        raise first
 
