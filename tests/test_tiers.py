@@ -246,6 +246,29 @@ def test_bf16_state_moves_two_thirds_of_the_bytes_of_fp32_state_for_bf16_params(
         narrow.close()
 
 
+def test_bf16_state_is_the_fp32_moments_rounded_to_nearest(nvme, closing):
+    """After steps with state_dtype "bf16", each stored moment is the fp32 moment computed from the stored
+    (bf16) one rounded to nearest (torch's bf16 cast), not truncated: checked against torch's AdamW run on the
+    same values with its moments rounded the same way after each step."""
+    sizes = (70_001, 5_000)
+    a, b = make_params(sizes), make_params(sizes)
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, state_dtype="bf16", **TIERS))
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    for s in range(3):
+        for pa, pb, grad in zip(a, b, grads_for(a, s)):
+            pa.grad, pb.grad = grad.clone(), grad.clone()
+        ours.step()
+        ref.step()
+        for p in b:
+            for k in ("exp_avg", "exp_avg_sq"):
+                ref.state[p][k].copy_(ref.state[p][k].bfloat16().float())
+    state = ours.state_dict()["state"]
+    for i, p in enumerate(b):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[i][k], ref.state[p][k]), (i, k)
+    assert_same(a, b)
+
+
 def test_bf16_state_exports_fp32_and_round_trips_through_checkpoints(tmp_path):
     """Narrow state: state_dict() and export give fp32 moments (torch's layout), the checkpoint records the
     dtype, and a resume (same or fp32 state) continues like the uninterrupted narrow run."""

@@ -7,7 +7,9 @@ import warnings
 
 import torch
 
-__all__ = ["check_grad", "check_params", "no_duplicate_warning"]
+from ..distributed import is_dtensor
+
+__all__ = ["check_dtensor_options", "check_grad", "check_params", "no_duplicate_warning"]
 
 
 @contextlib.contextmanager
@@ -50,3 +52,19 @@ def check_grad(p: torch.Tensor) -> None:
         raise RuntimeError("OffloadedAdam does not support sparse gradients; consider torch.optim.SparseAdam")
     if p.grad.is_complex():
         raise RuntimeError("complex gradients are not supported by OffloadedAdam")
+
+
+def check_dtensor_options(groups: list, *, max_grad_norm, overlap_backward: bool) -> None:
+    """What does not work with DTensor parameters yet, refused before anything is reserved."""
+    if not any(is_dtensor(p) for g in groups for p in g["params"]):
+        return
+    if max_grad_norm is not None:
+        raise ValueError(
+            "max_grad_norm cannot be used with DTensor parameters (FSDP2, tensor parallelism): the norm must be "
+            "taken across ranks. Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before "
+            "step() instead, and leave max_grad_norm unset.")
+    if overlap_backward:
+        raise ValueError(
+            "overlap_backward=True cannot be used with DTensor parameters (FSDP2, tensor parallelism): their "
+            "gradients arrive after the reduce-scatter, not when backward reaches them. Leave overlap_backward "
+            "off; the step then runs after backward.")

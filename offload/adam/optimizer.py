@@ -11,12 +11,12 @@ from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
 from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
-from ..distributed import is_dtensor, like, local, shard_like
+from ..distributed import like, local
 from ..errors import StateError
 from ..overlap import BackwardOverlap
 from ..params import ParamAccess
-from ..state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, step_tensor
-from .checks import check_grad, check_params, no_duplicate_warning
+from ..state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, local_entry, step_tensor
+from .checks import check_dtensor_options, check_grad, check_params, no_duplicate_warning
 from .update import kernel_flags, update_chunks, update_in_memory
 
 __all__ = ["OffloadedAdam", "OffloadedAdamW"]
@@ -121,9 +121,8 @@ class OffloadedAdam(torch.optim.Adam):
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._clip: Optional[torch.Tensor] = None  # set by step() for its updates
         self._grad_scale: Optional[torch.Tensor] = None
-        self._clip: Optional[torch.Tensor] = None
         check_params(self.param_groups)
-        _check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
+        check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
                                overlap_backward=self.config.offload_optimizer.overlap_backward)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
         try:
@@ -138,7 +137,7 @@ class OffloadedAdam(torch.optim.Adam):
         self._access = ParamAccess(pin_memory=self.state_store.pin_memory, handoff_bytes=handoff)
         self._overlap = None
         if self.config.offload_optimizer.overlap_backward:
-            self._overlap = BackwardOverlap(self._run_overlapped, self._overlap_slots, self.state_store.units_of,
+            self._overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
                                             clip=max_grad_norm is not None, failed=self.state_store.failed,
                                             access=self._access)
             self._overlap.hook(p for g in self.param_groups for p in g["params"])
@@ -298,7 +297,7 @@ class OffloadedAdam(torch.optim.Adam):
         self._abandon_backward_step("load_state_dict()")
         for g, s in zip(self.param_groups, state_dict["param_groups"]):
             g.update({k: v for k, v in s.items() if k != "params"})
-        entries = {params[k]: _local_entry(entry, params[k]) for k, entry in state_dict["state"].items()}
+        entries = {params[k]: local_entry(entry, params[k]) for k, entry in state_dict["state"].items()}
         late = {p for p in entries if not store.is_small(p) and store.slot(p) is None}
         if late:
             store.place(self.param_groups, only=late)  # frozen at construction: placed now, together
@@ -410,7 +409,7 @@ class OffloadedAdam(torch.optim.Adam):
 
     # -- the step ----------------------------------------------------------------------------
 
-    def _step_offloaded(self, slots: list[ParamSlot], *, gate: Optional[Callable] = None,
+    def _step_offloaded(self, slots: list[ParamSlot], gate: Optional[Callable] = None,
                         order: Optional[list] = None) -> set:
         """Update the units of ``slots`` (in ``order``, else the store's snake order); ``gate(unit)`` runs
         before each update (overlap_backward: until its grads are final). A chunk is updated when its slot
@@ -462,9 +461,6 @@ class OffloadedAdam(torch.optim.Adam):
             self.state[s.param]["step"] += 1
         return updated
 
-    def _run_overlapped(self, slots: list, gate: Callable, order: list) -> set:
-        return self._step_offloaded(slots, gate=gate, order=order)
-
     def _overlap_slots(self) -> list:
         store = self.state_store
         return [store.slot(p) for g in self.param_groups for p in g["params"]
@@ -503,29 +499,6 @@ class OffloadedAdam(torch.optim.Adam):
         self.last_grad_norm = total_norm([p.grad for p in params], norms)
         return clip_coef(self.last_grad_norm, self.max_grad_norm)
 
-def _local_entry(entry: dict, p: torch.Tensor) -> dict:
-    """A saved state entry of ``p`` with its tensors as this rank's part of them when ``p`` is a DTensor."""
-    if not is_dtensor(p):
-        return entry
-    return {k: local(shard_like(v, p)) if k != "step" and torch.is_tensor(v) else v for k, v in entry.items()}
-
-
-def _check_dtensor_options(groups: list, *, max_grad_norm, overlap_backward: bool) -> None:
-    """What does not work with DTensor parameters yet, refused before anything is reserved."""
-    if not any(is_dtensor(p) for g in groups for p in g["params"]):
-        return
-    if max_grad_norm is not None:
-        raise ValueError(
-            "max_grad_norm cannot be used with DTensor parameters (FSDP2, tensor parallelism): the norm must be "
-            "taken across ranks. Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before "
-            "step() instead, and leave max_grad_norm unset.")
-    if overlap_backward:
-        raise ValueError(
-            "overlap_backward=True cannot be used with DTensor parameters (FSDP2, tensor parallelism): their "
-            "gradients arrive after the reduce-scatter, not when backward reaches them. Leave overlap_backward "
-            "off; the step then runs after backward.")
-
-
 class OffloadedAdamW(OffloadedAdam):
     """AdamW (decoupled weight decay) with optimizer state on NVMe; a drop-in for ``torch.optim.AdamW``.
 
@@ -537,5 +510,3 @@ class OffloadedAdamW(OffloadedAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
-
-

@@ -1,6 +1,6 @@
 """Offloaded optimizer state: its layout in units, the store that owns it, and saved state's checks."""
 
-from .dicts import check_param_state, check_state_dict, in_memory_state, match_groups, step_tensor
+from .dicts import check_param_state, check_state_dict, in_memory_state, local_entry, match_groups, step_tensor
 from .layout import GRAIN, HALF_DTYPES, Chunk, Layout, ParamSlot, Unit, state_dtype_for, state_keys_for
 from .store import StateStore, resolve_pin
 
@@ -15,6 +15,7 @@ __all__ = [
     "check_param_state",
     "check_state_dict",
     "in_memory_state",
+    "local_entry",
     "match_groups",
     "resolve_pin",
     "state_dtype_for",

@@ -6,9 +6,10 @@ from typing import Iterable, Optional
 
 import torch
 
+from ..distributed import is_dtensor, local, shard_like
 from .layout import HALF_DTYPES, state_keys_for
 
-__all__ = ["check_param_state", "check_state_dict", "in_memory_state", "match_groups", "step_tensor"]
+__all__ = ["check_param_state", "check_state_dict", "in_memory_state", "local_entry", "match_groups", "step_tensor"]
 
 
 def match_groups(groups: list[dict], saved: list[dict], *, where: str, error: type = ValueError) -> dict:
@@ -115,3 +116,10 @@ def in_memory_state(p: torch.Tensor, entry: dict) -> dict:
     if half and "master" not in st:
         st["master"] = p.detach().to(torch.float32, copy=True)
     return st
+
+
+def local_entry(entry: dict, p: torch.Tensor) -> dict:
+    """A saved state entry of ``p`` with its tensors as this rank's part of them when ``p`` is a DTensor."""
+    if not is_dtensor(p):
+        return entry
+    return {k: local(shard_like(v, p)) if k != "step" and torch.is_tensor(v) else v for k, v in entry.items()}
