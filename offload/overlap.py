@@ -153,7 +153,7 @@ class _Run:
         self.owner = owner
         self.order = order
         self.fired: set = set()
-        self.seen_grads: list = []  # (param, its final grad, the grad's version): changed later is refused
+        self.seen_grads: list = []  # (param, its final grad, a few of its elements): changed later is refused
         self.norms: dict = {}
         # Per unit, how many of its chunks still wait for their parameter's final gradient.
         self.waiting: dict = {id(u): sum(1 for c in u.chunks if c.slot.param.requires_grad) for u in order}
@@ -191,7 +191,7 @@ class _Run:
         self.fired.add(id(p))
         if id(p) in self.chunks_of and p.grad is not None and store_of(p) is None:
             g = p.grad
-            self.seen_grads.append((p, g, g._version, _sample(g)))
+            self.seen_grads.append((p, g, _sample(g)))
         if self.owner.clip and p.grad is not None:
             self.norms[id(p)] = grad_norm(p.grad)
         for u in self.chunks_of.get(id(p), ()):
@@ -205,10 +205,10 @@ class _Run:
 
     def grads_changed(self) -> bool:
         """Whether a final gradient was replaced or changed in place since its hook fired."""
-        if any(p.grad is not g or g._version != version for p, g, version, _ in self.seen_grads):
+        if any(p.grad is not g for p, g, _ in self.seen_grads):
             return True
         by_device: dict = {}
-        for _, g, _, before in self.seen_grads:
+        for _, g, before in self.seen_grads:
             by_device.setdefault(g.device, ([], []))
             by_device[g.device][0].append(before)
             by_device[g.device][1].append(_sample(g))
@@ -260,12 +260,14 @@ class _Run:
             self.owner.access.release_handed()
 
 
-# NOTE: some in-place changes do not bump a tensor's version (a GradScaler's foreach unscale does not), so a
-# few elements of each final gradient are kept too: any scaling or clipping of a gradient changes them
-# (unless they are all zero). One comparison per device at step(), whatever the number of parameters.
+# NOTE: a few elements of each final gradient are kept and compared at step(): any scaling or clipping of a
+# gradient changes them (unless they are all zero), while a multiplication by 1 (clip_grad_norm_ with an
+# infinite max_norm, to log the norm) leaves them, and the result, as they were. Tensor versions cannot tell
+# these apart, and some in-place kernels (a GradScaler's foreach unscale) do not bump them. One comparison
+# per device, whatever the number of parameters.
 def _sample(g: torch.Tensor) -> torch.Tensor:
-    """Up to four elements spread over ``g``, copied."""
+    """Up to eight elements spread over ``g``, copied."""
     if g.layout != torch.strided:
         return torch.empty(0)  # a sparse gradient: refused by step() with its own error
     flat = g.detach().reshape(-1)
-    return flat[:: max(1, flat.numel() // 4)][:4].float().clone()
+    return flat[:: max(1, flat.numel() // 8)][:8].float().clone()

@@ -170,3 +170,28 @@ def test_an_accelerate_save_that_fails_after_the_hook_leaves_state_dict_answerin
         accelerator.save_state(str(tmp_path / "ckpt"))
     state = prepared.state_dict()
     assert "nvme_offload" not in state and set(state["state"]) == {0, 1}
+
+
+@pytest.mark.parametrize("args, expected", [
+    (dict(max_grad_norm=1.0), r"max_grad_norm=1\.0\) clips after backward.*pass max_grad_norm=0"),
+    (dict(max_grad_norm=0, gradient_accumulation_steps=4), r"gradient_accumulation_steps=4\).*no_step"),
+])
+def test_offload_trainer_refuses_what_overlap_backward_cannot_honour_before_training(nvme, closing, tmp_path,
+                                                                                    args, expected):
+    """OffloadTrainer with an optimizer built with overlap_backward=True refuses Trainer's clipping after
+    backward and gradient accumulation before the first step, saying what to use instead; nothing has changed."""
+    pytest.importorskip("transformers")
+    from transformers import TrainingArguments
+
+    from offload import OffloadedAdamW
+    from offload.integrations.transformers import OffloadTrainer
+
+    model = torch.nn.Linear(8, 8)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme, overlap_backward=True, small_param_threshold=1))
+    targs = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=1, **args)
+    trainer = OffloadTrainer(model=model, args=targs, train_dataset=[{"x": torch.zeros(8)}], optimizers=(opt, None))
+    with pytest.raises(ValueError, match=expected):
+        trainer.train()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert opt.io_bytes() == (0, 0)

@@ -354,3 +354,19 @@ def test_state_reads_between_backward_and_step_are_refused_and_loads_end_the_run
     closing(unused)
     train(ref_model, ref2, range(2))
     assert_same(list(a.parameters()), list(ref_model.parameters()))
+
+
+def test_taking_the_norm_with_an_infinite_clip_between_backward_and_step_is_allowed(nvme, closing):
+    """clip_grad_norm_(params, inf) after backward (what Trainer does to log the norm) multiplies grads by 1: the
+    overlapped step goes on and equals the same optimizer without overlap, bit for bit."""
+    a, b, ours, ref = pair(nvme)
+    closing(ours)
+    closing(ref)
+    for s in range(2):
+        for model, opt in ((a, ours), (b, ref)):
+            x, y = batch(s)
+            torch.nn.functional.cross_entropy(model(x).reshape(-1, 50), y.reshape(-1)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            opt.step()
+            opt.zero_grad()
+    assert_same(list(a.parameters()), list(b.parameters()))

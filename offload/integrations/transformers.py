@@ -44,6 +44,15 @@ class OffloadTrainerMixin:
     With neither an ``OffloadedAdam`` nor offloaded weights, Trainer's own code runs unchanged.
     """
 
+    def train(self, *args, **kwargs):
+        _refuse_overlap(self.optimizer, self.args)
+        return super().train(*args, **kwargs)
+
+    def create_optimizer(self, *args, **kwargs):
+        opt = super().create_optimizer(*args, **kwargs)
+        _refuse_overlap(opt, self.args)
+        return opt
+
     # -- saving ---------------------------------------------------------------------------------
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
@@ -96,9 +105,32 @@ class OffloadTrainerMixin:
         return clip_grad_norm_(unwrap_model(self.model), self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None) -> Any:
+        opt = offloaded_optimizer(self.optimizer)
+        if grad_norm is None and has_offloaded_grads(self.model) and opt is not None and \
+                opt.config.offload_optimizer.overlap_backward is True:
+            return None  # updated during backward, the gradients are gone: nothing to log
         if grad_norm is None and has_offloaded_grads(self.model):
             grad_norm = clip_grad_norm_(unwrap_model(self.model), float("inf"))  # the norm alone
         return super()._get_grad_norm(model, grad_norm)
+
+
+def _refuse_overlap(optimizer, args) -> None:
+    """What Trainer does between backward and step() that an optimizer with ``overlap_backward`` cannot
+    honour (its update runs during backward), refused before training starts."""
+    opt = offloaded_optimizer(optimizer) if optimizer is not None else None
+    if opt is None or opt.config.offload_optimizer.overlap_backward is not True:
+        return
+    if args.max_grad_norm and args.max_grad_norm > 0:
+        raise ValueError(
+            f"TrainingArguments(max_grad_norm={args.max_grad_norm}) clips after backward, but this optimizer has "
+            "overlap_backward=True and updates during backward: pass max_grad_norm=0 to TrainingArguments and "
+            f"give the optimizer max_grad_norm={args.max_grad_norm} instead.")
+    if args.gradient_accumulation_steps > 1:
+        raise ValueError(
+            f"TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}) runs several "
+            "backward passes per step, which an optimizer with overlap_backward=True can do only inside its "
+            "no_step() block, and Trainer does not call it. Use gradient_accumulation_steps=1 (a larger "
+            "per-device batch), or build the optimizer without overlap_backward.")
 
 
 _NEEDED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
