@@ -82,7 +82,8 @@ def register(accelerator: Any, optimizer: Any, model: Optional[nn.Module] = None
 
     def save_hook(models: list, weights: list, output_dir: str) -> None:
         if accelerator.is_main_process:
-            opt.save_checkpoint(os.path.join(output_dir, OFFLOAD_DIR), model=model if with_weights else None)
+            opt.save_checkpoint(os.path.join(output_dir, OFFLOAD_DIR), model=model if with_weights else None,
+                                alone=True)
         optimizer._nvme_saving = True
         if with_weights:  # a prepared offloaded model: saved above, not again by accelerate
             for i in reversed(range(len(models))):
@@ -90,7 +91,8 @@ def register(accelerator: Any, optimizer: Any, model: Optional[nn.Module] = None
                     del weights[i]  # (``models`` is accelerate's own list: left alone)
 
     def load_hook(models: list, input_dir: str) -> None:
-        opt.load_checkpoint(os.path.join(input_dir, OFFLOAD_DIR), model=model if with_weights else None)
+        opt.load_checkpoint(os.path.join(input_dir, OFFLOAD_DIR), model=model if with_weights else None,
+                            alone=True)
         if with_weights:
             for i in reversed(range(len(models))):
                 if unwrap_model(models[i]) is model:

@@ -43,7 +43,7 @@ def save(state_dict: dict, checkpoint_id, *, optimizer: Any = None, model: Optio
     streamed = ""
     if _writer() and (opt is not None or model is not None):
         if opt is not None:
-            opt.save_checkpoint(ours, model=model)
+            opt.save_checkpoint(ours, model=model, alone=True)
         else:
             from ..checkpoint import save_parameters
 
@@ -74,7 +74,7 @@ def load(state_dict: dict, checkpoint_id, *, optimizer: Any = None, model: Optio
     for k in state_dict:  # DCP puts values that are not tensors into the dict it was given
         state_dict[k] = loaded[k]
     if opt is not None:
-        opt.load_checkpoint(ours, model=model)
+        opt.load_checkpoint(ours, model=model, alone=True)
     elif model is not None:
         from ..checkpoint import load_parameters
 

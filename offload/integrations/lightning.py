@@ -68,7 +68,7 @@ def _load_optimizer_state_dict(strategy, checkpoint) -> None:
             optimizer.load_state_dict(state)
             _optimizer_to_device(optimizer, strategy.root_device)
             continue
-        offloaded_optimizer(optimizer).load_checkpoint(next(dirs))
+        offloaded_optimizer(optimizer).load_checkpoint(next(dirs), alone=True)
 
 
 def _dirs(path: str, count: int) -> list[str]:
@@ -110,7 +110,7 @@ def _classes() -> dict:
             if ours or model is not None:
                 dirs = _dirs(path, max(len(ours), 1))
                 for i, (opt, directory) in enumerate(zip(ours, dirs)):
-                    opt.save_checkpoint(directory, model=model if i == 0 else None)
+                    opt.save_checkpoint(directory, model=model if i == 0 else None, alone=True)
                 if not ours:
                     from ..checkpoint import save_parameters
 

@@ -71,7 +71,7 @@ class OffloadTrainerMixin:
         if self.args.should_save:
             model = unwrap_model(self.model)
             opt.save_checkpoint(os.path.join(output_dir, OFFLOAD_DIR),
-                                model=model if has_offloaded_weights(model) else None)
+                                model=model if has_offloaded_weights(model) else None, alone=True)
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
     # -- resuming -------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ class OffloadTrainerMixin:
 
         if read_manifest(ours).get("optimizer") is None:
             return None  # weights alone (save_only_model): nothing to resume the optimizer from, as in Trainer
-        opt.load_checkpoint(ours)  # the weights came in _load_from_checkpoint, from the same directory
+        opt.load_checkpoint(ours, alone=True)  # the weights came in _load_from_checkpoint, from the same directory
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, _SCHEDULER), weights_only=True))
 
     # -- gradient norm --------------------------------------------------------------------------
