@@ -7,13 +7,14 @@ The only layer that talks to the native engine (through ``offload._native``): ``
 from .engine import Engine
 from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
 from .files import AioFile, open_file, wrap_fd
-from .futures import READ, WRITE, CompletedFuture, Future, FutureGroup, Segment, wait_quietly
+from .futures import READ, WRITE, CheckedRead, CompletedFuture, Future, FutureGroup, Segment, hex_digest, wait_quietly
 from .gds import gds_status, warn_use_gds
 
 __all__ = [
     "READ",
     "WRITE",
     "AioFile",
+    "CheckedRead",
     "CompletedFuture",
     "Engine",
     "Future",
@@ -21,6 +22,7 @@ __all__ = [
     "Segment",
     "open_file",
     "gds_status",
+    "hex_digest",
     "wait_quietly",
     "warn_use_gds",
     "wrap_fd",

@@ -7,7 +7,7 @@ import errno as _errno
 import os
 import threading
 import warnings
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import xxhash
 
@@ -185,6 +185,39 @@ class CompletedFuture:
 
     def digest(self) -> None:
         return None
+
+
+class CheckedRead:
+    """A read whose ``wait()`` also compares the digest of the bytes read with the one expected of them.
+
+    Args:
+        read: the read's future, submitted with ``digest=True``.
+        expected: returns the digest the bytes must have (that of their last write), or None if unknown.
+        mismatch: ``mismatch(found, expected)`` returns the error to raise (and may record it first).
+    """
+
+    def __init__(self, read, expected: Callable[[], Any], mismatch: Callable[[Any, Any], BaseException]):
+        self._read, self._expected, self._mismatch = read, expected, mismatch
+
+    def done(self) -> bool:
+        return self._read.done()
+
+    def wait(self) -> int:
+        n = self._read.wait()
+        want = self._expected()
+        if want is not None:
+            found = self._read.digest()
+            if found != want:
+                raise self._mismatch(found, want)
+        return n
+
+    def digest(self):
+        return self._read.digest()
+
+
+def hex_digest(digest) -> str:
+    """An xxh3_64 (or a tuple of them, one per swap file) as hex, for messages."""
+    return "/".join(f"{d:016x}" for d in (digest if isinstance(digest, (tuple, list)) else (digest,)))
 
 
 def wait_quietly(futures) -> None:

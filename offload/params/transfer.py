@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..aio import wait_quietly
+from ..aio import CheckedRead, hex_digest, wait_quietly
 from ..buffers import BufferPool, HostBuffer
 from ..errors import StateError
 from ..pipeline import Pipeline
@@ -123,7 +123,21 @@ class TensorIO:
         ext, n = self.extent_of(extent, k, nbytes)
         check = self.checksum and digests is not None and digests[k] is not None
         fut = self.space.read(ext, buffer, nbytes=n, digest=check)
-        return _Checked(fut, digests, k, what, k * self.unit_bytes) if check else fut
+        if not check:
+            return fut
+
+        def expected() -> Optional[tuple]:
+            if digests[k] is not None and not isinstance(digests[k], tuple):
+                digests[k] = digests[k].digest()  # the write landed long ago
+            return digests[k]
+
+        def mismatch(found, want) -> StateError:
+            return StateError(
+                f"{what()}: unit {k} ({n} bytes at byte {k * self.unit_bytes} of it) has xxh3_64 {hex_digest(found)} "
+                f"on disk, its last write had {hex_digest(want)}; the swap file was changed behind our back. Load a "
+                "checkpoint (load_checkpoint(..., model=) or load_parameters) to restore it.")
+
+        return CheckedRead(fut, expected, mismatch)
 
     def write_unit(self, extent: Extent, k: int, nbytes: int, buffer, *, digests: Optional[list] = None):
         """Start writing unit ``k`` from ``buffer``; its checksum goes to ``digests[k]`` (if given)."""
@@ -217,29 +231,3 @@ class TensorIO:
 
         self.pipeline.run(range(self.count(nbytes)), read=read, process=process, write=write, drain=False)
         return moved
-
-
-class _Checked:
-    """A read of unit ``k`` whose ``wait()`` also checks the bytes read against the unit's last write."""
-
-    def __init__(self, read, digests: list, k: int, what: Callable[[], str], at: int):
-        self._read, self._digests, self._k, self._what, self._at = read, digests, k, what, at
-
-    def done(self) -> bool:
-        return self._read.done()
-
-    def wait(self) -> int:
-        n = self._read.wait()
-        expected = self._digests[self._k]
-        if expected is None:
-            return n
-        if not isinstance(expected, tuple):
-            expected = self._digests[self._k] = expected.digest()  # the write landed long ago
-        found = self._read.digest()
-        if found != expected:
-            show = lambda d: "/".join(f"{x:016x}" for x in d)  # noqa: E731
-            raise StateError(
-                f"{self._what()}: unit {self._k} ({n} bytes at byte {self._at} of it) has xxh3_64 {show(found)} on "
-                f"disk, its last write had {show(expected)}; the swap file was changed behind our back. Load a "
-                "checkpoint (load_checkpoint(..., model=) or load_parameters) to restore it.")
-        return n

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import psutil
 import torch
 
-from ..aio import FutureGroup, wait_quietly
+from ..aio import CheckedRead, FutureGroup, hex_digest, wait_quietly
 from ..buffers import BufferPool
 from ..config import Config
 from ..distributed import local
@@ -464,7 +464,9 @@ class StateStore:
         self._land(unit)  # a write a step left landing must be there before its bytes are read back
         fut = self.space.read(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
         self.bytes_read += unit.extent.nbytes
-        return _Checked(self, unit, fut) if self.checksum and unit.digest is not None else fut
+        if not (self.checksum and unit.digest is not None):
+            return fut
+        return CheckedRead(fut, lambda: self._last_digest(unit), lambda found, want: self._corrupt(unit, found))
 
     def _land(self, unit: Unit) -> None:
         """Wait for ``unit``'s last write; if it failed, the store is failed and the error raised here."""
@@ -493,41 +495,26 @@ class StateStore:
             self.failed(first)
             raise first
 
-    def _check(self, unit: Unit, read) -> None:
-        """``read`` (of ``unit``) landed: its bytes must be those of the unit's last write."""
+    @staticmethod
+    def _last_digest(unit: Unit) -> tuple:
         if not isinstance(unit.digest, tuple):
             unit.digest = unit.digest.digest()  # the write landed long ago
-        found = read.digest()
-        if found != unit.digest:
-            err = StateError(self._corruption(unit, found))
-            self.failed(err)
-            raise err
+        return unit.digest
 
-    def _corruption(self, unit: Unit, found: tuple) -> str:
+    def _corrupt(self, unit: Unit, found: tuple) -> StateError:
+        """The error of a read of ``unit`` whose bytes are not those of its last write; the store is failed."""
         index = self.layout.units.index(unit)
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = ", ".join(f"parameter {position.get(id(c.slot.param), '?')} (shape {tuple(c.slot.param.shape)})"
                           for c in unit.chunks)
         path, offset = self.space.locate(unit.extent.offset)
-        return (f"offloaded optimizer state was changed on disk behind our back: unit {index} ({unit.nbytes} "
-                f"bytes at offset {offset} of {path}) holding the state of {names} has xxh3_64 {_hex(found)}, "
-                f"its last write had {_hex(unit.digest)}. Training on it would be silently wrong; restore the "
-                "state with load_checkpoint() (or load_state_dict()) before stepping again.")
-
-
-class _Checked:
-    """A read of a unit whose ``wait()`` also checks the bytes read against the unit's last write."""
-
-    def __init__(self, store: StateStore, unit: Unit, read):
-        self._store, self._unit, self._read = store, unit, read
-
-    def done(self) -> bool:
-        return self._read.done()
-
-    def wait(self) -> int:
-        n = self._read.wait()
-        self._store._check(self._unit, self._read)
-        return n
+        err = StateError(
+            f"offloaded optimizer state was changed on disk behind our back: unit {index} ({unit.nbytes} bytes at "
+            f"offset {offset} of {path}) holding the state of {names} has xxh3_64 {hex_digest(found)}, its last "
+            f"write had {hex_digest(unit.digest)}. Training on it would be silently wrong; restore the state with "
+            "load_checkpoint() (or load_state_dict()) before stepping again.")
+        self.failed(err)
+        return err
 
 
 def resolve_pin(setting, params: Iterable[torch.Tensor]) -> bool:
@@ -535,10 +522,6 @@ def resolve_pin(setting, params: Iterable[torch.Tensor]) -> bool:
     if setting == "auto":
         return any(p.device.type == "cuda" for p in params)
     return bool(setting)
-
-
-def _hex(digest: tuple) -> str:
-    return "/".join(f"{d:016x}" for d in digest)
 
 
 def _export_dtype(slot: ParamSlot, key: str) -> torch.dtype:
