@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import offload.checkpoint.save as save_module
+import offload.checkpoint.job as job_module
+import offload.checkpoint.snapshot as snapshot_module
 from offload import OffloadedAdamW
 from offload.checkpoint import Retention, load_checkpoint, save_checkpoint
 
@@ -54,25 +55,25 @@ def inject(fault: dict, rank: int):
     fault instead holds its rank back a second before it looks for the ranks that share its directory, a
     "commit" fault makes the commit of its directory fail)."""
     if fault is not None and fault["kind"] == "commit":
-        original = save_module._JobCommit.commit
+        original = job_module._JobCommit.commit
 
         def failing(self, manifest):
             raise OSError(errno.EIO, "injected fault in the commit", self.target)
 
         if fault["rank"] == rank:
-            save_module._JobCommit.commit = failing
-        return lambda: setattr(save_module._JobCommit, "commit", original)
+            job_module._JobCommit.commit = failing
+        return lambda: setattr(job_module._JobCommit, "commit", original)
     if fault is not None and fault["kind"] == "late":
-        original = save_module._ranks_here
+        original = job_module._ranks_here
 
         def late(*args):
             time.sleep(1.0)
             return original(*args)
 
         if fault["rank"] == rank:
-            save_module._ranks_here = late
-        return lambda: setattr(save_module, "_ranks_here", original)
-    original = save_module._stream
+            job_module._ranks_here = late
+        return lambda: setattr(job_module, "_ranks_here", original)
+    original = snapshot_module._stream
 
     def faulty(items, buffers, *, read=None, process, write=None):
         done = [0]
@@ -88,8 +89,8 @@ def inject(fault: dict, rank: int):
         return original(items, buffers, read=read, process=counted, write=write)
 
     if fault is not None and fault["rank"] == rank:
-        save_module._stream = faulty
-    return lambda: setattr(save_module, "_stream", original)
+        snapshot_module._stream = faulty
+    return lambda: setattr(snapshot_module, "_stream", original)
 
 
 def rank_main(spec: dict, rank: int, world: int) -> None:

@@ -14,6 +14,8 @@ from helpers import SMALL, assert_same_state, make_params, train
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint import save as save_module
+from offload.checkpoint import snapshot as snapshot_module
+from offload.checkpoint import stream as stream_module
 from offload.errors import CheckpointError
 
 
@@ -65,7 +67,7 @@ def test_units_a_step_changes_before_the_save_reaches_them_are_copied_by_the_gua
     expected = copy.deepcopy(opt.state_dict())
     go = threading.Event()
     captured = []
-    real_run, real_capture = save_module._StateCopy.run, save_module._StateCopy._capture
+    real_run, real_capture = snapshot_module._StateCopy.run, snapshot_module._StateCopy._capture
 
     def held_run(self, buffers, bar):
         go.wait(30)
@@ -75,8 +77,8 @@ def test_units_a_step_changes_before_the_save_reaches_them_are_copied_by_the_gua
         captured.append(i)
         return real_capture(self, i, unit, buf)
 
-    monkeypatch.setattr(save_module._StateCopy, "run", held_run)
-    monkeypatch.setattr(save_module._StateCopy, "_capture", counted)
+    monkeypatch.setattr(snapshot_module._StateCopy, "run", held_run)
+    monkeypatch.setattr(snapshot_module._StateCopy, "_capture", counted)
     handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
     train(opt, params, range(2, 3))
     opt.load_state_dict(copy.deepcopy(expected))  # changes every unit again, reading none of them
@@ -138,13 +140,13 @@ def test_closing_the_optimizer_during_an_async_save_finishes_the_save_first(tmp_
     train(opt, params, range(2))
     expected = copy.deepcopy(opt.state_dict())
     go = threading.Event()
-    real_run = save_module._StateCopy.run
+    real_run = snapshot_module._StateCopy.run
 
     def held_run(self, buffers, bar):
         go.wait(30)
         return real_run(self, buffers, bar)
 
-    monkeypatch.setattr(save_module._StateCopy, "run", held_run)
+    monkeypatch.setattr(snapshot_module._StateCopy, "run", held_run)
     handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
     threading.Timer(0.2, go.set).start()
     opt.close()
@@ -177,7 +179,7 @@ def test_progress_bars_show_on_a_terminal_only_when_asked_or_long(tmp_path, nvme
     ckpt.save_checkpoint(opt, tmp_path / "quiet")
     ckpt.load_checkpoint(opt, tmp_path / "quiet")
     assert capsys.readouterr().err == ""
-    bar = save_module._progress(100, "save", True, delay=0)  # as a save that has lasted a second
+    bar = stream_module._progress(100, "save", True, delay=0)  # as a save that has lasted a second
     bar.update(50)
     bar.close()
     assert "save" in capsys.readouterr().err

@@ -14,16 +14,12 @@ import secrets
 import shutil
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
-import torch
-import torch.distributed as dist
-
-from ..distributed import rank_info
 from ..errors import CheckpointError
 from .format import MANIFEST, _io_error, _manifest_digest
 from .locks import _Hold, _lock
-from .ownership import _checkpoint_problem, _clean_stale, _clean_stale_jobs, _remove_ours, _target_kind
+from .ownership import _checkpoint_problem, _clean_stale, _remove_ours, _target_kind
 
 
 def _fsync_dir(path: str) -> None:
@@ -239,7 +235,7 @@ class _Shard(_Staged):
 
     Only this rank writes there, under a name no other save uses, so no lock is taken (ranks that
     share a file system would otherwise queue on the parent's lock, one shard at a time). Its
-    ``commit`` writes the shard's manifest and fsyncs it; the job's commit (:class:`_JobCommit`)
+    ``commit`` writes the shard's manifest and fsyncs it; the job's commit (``job._JobCommit``)
     gives the staging directory the checkpoint's name.
     """
 
@@ -257,80 +253,6 @@ class _Shard(_Staged):
         _fsync_dir(self.tmp)
         _fsync_dir(self.parent)
         self.manifest = manifest
-
-
-# NOTE: a job's checkpoint is committed in each directory that holds shards of it (one per node with
-# node-local directories, one in all on a shared file system) by one rank there, once every rank has
-# reported its shard fsynced: the staging directory, with the job manifest written into it last, takes
-# the checkpoint's name in one rename (exchanged with the checkpoint it replaces). The replaced one is
-# kept, under the staging name, until every directory of the job has committed: if one could not, the
-# others exchange theirs back, so the job's previous checkpoint stays whole everywhere.
-class _JobCommit:
-    """The commit of a job's checkpoint in one directory, with its way back (see the NOTE above).
-
-    Holds the parent directory's lock, as a save does, from its creation until :meth:`finish` or
-    :meth:`roll_back`.
-    """
-
-    def __init__(self, stage: str, directory: str):
-        self.stage = stage
-        self.directory = os.path.abspath(directory)
-        self.target = os.path.realpath(self.directory)
-        self.parent = os.path.dirname(self.target)
-        self.aside: str | None = None  # where the replaced checkpoint (or empty directory) waits
-        self.committed = False
-        self._release: _Hold | None = _lock(self.parent, exclusive=True)
-
-    def commit(self, manifest: dict) -> None:
-        """Write the job manifest into the staging directory, then give it the checkpoint's name."""
-        _recover(self.target)
-        _target_kind(self.target, self.directory)
-        _clean_stale_jobs(self.target, keep=self.stage)
-        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
-        _write_json(os.path.join(self.stage, MANIFEST), manifest)
-        _fsync_dir(self.stage)
-        if _target_kind(self.target, self.directory) == "missing":
-            _rename(self.stage, self.target)
-        elif _exchange(self.stage, self.target):
-            self.aside = self.stage
-        else:
-            self.aside = f"{self.target}.old-{secrets.token_hex(4)}"
-            _rename(self.target, self.aside)
-            _rename(self.stage, self.target)  # a crash just before this: _recover() restores `aside`
-        self.committed = True
-        _fsync_dir(self.parent)
-
-    def finish(self) -> None:
-        """Every directory of the job has committed: delete the replaced checkpoint, let the lock go."""
-        try:
-            if self.aside is not None:
-                _remove_ours(self.aside)
-        finally:
-            self.close()
-
-    def roll_back(self) -> None:
-        """Another directory of the job could not commit: put back what this one replaced (if it was
-        committed) and delete the new checkpoint; let the lock go."""
-        try:
-            if self.committed:
-                if self.aside is None:
-                    _rename(self.target, self.stage)
-                elif self.aside == self.stage:
-                    if not _exchange(self.stage, self.target):
-                        raise OSError(_errno.ENOTSUP, "the file system no longer exchanges directories", self.target)
-                else:
-                    _rename(self.target, self.stage)
-                    _rename(self.aside, self.target)
-                self.committed = False
-                _fsync_dir(self.parent)
-            _remove_ours(self.stage, quiet=True)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
 
 
 def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], dict]) -> str:
@@ -452,60 +374,3 @@ def _settle(owner, *, report: bool, timeout: float | None = None) -> None:
         done = "was committed, but its copy to the mirror failed" if handle.committed else "failed"
         raise CheckpointError(f"the previous asynchronous save to {handle.directory} {done}: {err}. Nothing "
                               "of it was lost silently; save again (this save did not start)") from err
-
-
-# -- the agreement of a job's ranks (torch.distributed) ---------------------------------------------
-
-
-def job_world() -> int | None:
-    """The number of ranks of the torch.distributed job this process belongs to, or None where it saves
-    and loads alone (torch.distributed not initialised, or a job of one rank)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    info = rank_info()
-    return info.world_size if info.distributed else None
-
-
-_GROUP: list = []  # [(the default process group, the checkpoints' group made for it)]
-
-
-# NOTE: the ranks of a job agree on a save or a load with all_gather_object over a gloo group of their
-# own, made at the first checkpoint of the job (every rank saves or loads, so every rank makes it, as
-# new_group requires). gloo moves CPU objects whatever the default backend (nccl would need the right
-# CUDA device), the group has the default group's timeout, and its collectives never interleave with
-# the training's own on the default group. A rank that dies makes the others' collective fail at once
-# (its connections close); one that hangs, once the timeout has passed. Either way a CheckpointError.
-def _group():
-    world = dist.group.WORLD
-    if _GROUP and _GROUP[0][0] is world:
-        return _GROUP[0][1]
-    group = dist.new_group(backend="gloo", timeout=_timeout(world))
-    _GROUP[:] = [(world, group)]
-    return group
-
-
-def _timeout(world):
-    """The default process group's timeout (``init_process_group(timeout=...)``), else torch's default."""
-    from torch.distributed.distributed_c10d import default_pg_timeout
-
-    try:
-        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-        return world._get_backend(device).options._timeout
-    except (AttributeError, RuntimeError, ValueError):
-        return default_pg_timeout
-
-
-def _gather(obj: Any, doing: str) -> list:
-    """Every rank's ``obj``, by rank (a collective of the checkpoints' group: every rank calls it).
-
-    Raises:
-        CheckpointError: a rank did not answer: it died, or did not come within the timeout.
-    """
-    out: list = [None] * dist.get_world_size()
-    try:
-        dist.all_gather_object(out, obj, group=_group())
-    except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError or DistBackendError
-        raise CheckpointError(f"{doing}: not every rank of the job answered (a rank died, or did not get this "
-                              f"far within the process group's timeout of {_timeout(dist.group.WORLD)}): "
-                              f"{err}") from err
-    return out

@@ -17,7 +17,7 @@ from ..errors import CheckpointError
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, match_groups, step_tensor
 from . import stream
-from .commit import _gather, _settle, job_world, reading
+from .commit import _settle, reading
 from .format import (
     DATA,
     EXTRA,
@@ -30,6 +30,7 @@ from .format import (
     _read_torch,
     _slice_offset,
 )
+from .job import _gather, job_world
 from .model import _load_model, _model_section
 from .stream import _progress, _RangeReader, _stream
 from .verify import _job_shard, _verify_data, read_manifest

@@ -13,8 +13,9 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import SaveHandle, _gather, job_world
+from .commit import SaveHandle
 from .format import MANIFEST
+from .job import _gather, job_world
 from .load import load_checkpoint
 from .locks import _lock
 from .ownership import _is_job, _is_our_format, _remove_checkpoint, _remove_ours, _used_elsewhere
