@@ -183,3 +183,76 @@ def test_progress_bars_show_on_a_terminal_only_when_asked_or_long(tmp_path, nvme
     bar.update(50)
     bar.close()
     assert "save" in capsys.readouterr().err
+
+
+def test_an_async_save_whose_first_change_is_a_load_state_dict_holds_the_state_at_the_call(tmp_path, nvme,
+                                                                                           closing, monkeypatch):
+    """A load_state_dict right after an asynchronous save (it changes every unit and reads none) leaves the
+    checkpoint with the state at the call: the guard copies each unit not yet captured from the store."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    expected = copy.deepcopy(opt.state_dict())
+    train(opt, params, range(2, 3))
+    other = copy.deepcopy(opt.state_dict())
+    opt.load_state_dict(copy.deepcopy(expected))
+    go = threading.Event()
+    real_run = snapshot_module._StateCopy.run
+
+    def held_run(self, buffers, bar):
+        go.wait(30)
+        return real_run(self, buffers, bar)
+
+    monkeypatch.setattr(snapshot_module._StateCopy, "run", held_run)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    opt.load_state_dict(copy.deepcopy(other))
+    go.set()
+    handle.wait()
+    assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
+
+
+class _LateRead:
+    """A read of a unit whose bytes arrive only once ``go`` is set: it is issued then, whoever waits first."""
+
+    def __init__(self, issue, go: threading.Event):
+        self.issue, self.go, self.mu, self.fut = issue, go, threading.Lock(), None
+
+    def wait(self):
+        self.go.wait(30)
+        with self.mu:
+            if self.fut is None:
+                self.fut = self.issue()
+        return self.fut.wait()
+
+
+def test_a_step_that_meets_a_unit_the_save_is_reading_waits_for_that_read(tmp_path, nvme, closing, monkeypatch):
+    """A step that reaches a unit while the asynchronous save's read of it is still in flight waits for that
+    read before changing the unit: the checkpoint holds the state at the call."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    expected = copy.deepcopy(opt.state_dict())
+    store = opt.state_store
+    real_read = store.read_unit
+    reading, go, late = threading.Event(), threading.Event(), []
+
+    def read_unit(unit, buf):
+        if threading.current_thread().name == "offload-checkpoint-save" and not late:
+            late.append(_LateRead(lambda: real_read(unit, buf), go))  # the save's first read: held back
+            reading.set()
+            return late[0]
+        return real_read(unit, buf)
+
+    monkeypatch.setattr(store, "read_unit", read_unit)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    assert reading.wait(30)
+    stepper = threading.Thread(target=train, args=(opt, params, range(2, 3)))
+    stepper.start()
+    stepper.join(2)  # a step that does not wait for the read finishes here and changes the unit first
+    waited = stepper.is_alive()
+    go.set()
+    stepper.join()
+    handle.wait()
+    monkeypatch.undo()
+    assert waited, "the step changed the unit while the save's read of it was in flight"
+    assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
