@@ -370,3 +370,18 @@ def test_taking_the_norm_with_an_infinite_clip_between_backward_and_step_is_allo
             opt.step()
             opt.zero_grad()
     assert_same(list(a.parameters()), list(b.parameters()))
+
+
+def test_a_nan_gradient_is_not_taken_for_a_changed_one(nvme, closing):
+    """A backward whose loss is NaN leaves NaN grads: step() goes on as without overlap (the NaN reaches the
+    weights in both), rather than raising that the gradients were changed after backward."""
+    a, b, ours, ref = pair(nvme)
+    closing(ours)
+    closing(ref)
+    for model, opt in ((a, ours), (b, ref)):
+        x, y = batch(0)
+        (torch.nn.functional.cross_entropy(model(x).reshape(-1, 50), y.reshape(-1)) * float("nan")).backward()
+        opt.step()
+        opt.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p.isnan(), q.isnan()) and torch.equal(p.nan_to_num(), q.nan_to_num())
