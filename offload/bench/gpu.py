@@ -91,8 +91,10 @@ MEASURES = [(f"{d}, {'pinned' if pin else 'pageable'}", d, pin)
 # on a side stream, as the optimizer's update does; a measurement is the wall time from the first copy
 # queued to the GPU idle again. "Both at once" puts the host-to-device copies on one stream and the
 # device-to-host copies on another, half of the buffers each, and counts the bytes of both directions.
-# Pinned and pageable use the same buffers (an mmap pool, registered or not), so only the pinning differs,
-# and they alternate within a round so that a change of clock or a neighbour weighs on both.
+# Pinned and pageable are two pools of the same kind and size (page-aligned mmap), one registered with CUDA,
+# so only the pinning differs; they alternate within a round so that a change of clock or a neighbour weighs
+# on both. From pageable memory a copy blocks the host until it is done, so "both at once, pageable" runs
+# the two directions one after the other: it is the figure a pageable pool gets, not a concurrent one.
 def run_gpu(args: argparse.Namespace) -> int:
     """``offload-bench gpu``."""
     require_cuda("cuda", "offload-bench gpu")
