@@ -141,6 +141,8 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional
             commit = _JobCommit(stage, given)
             commit.commit(job)
     except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
+        if commit is None:  # nothing was committed here (the lock was refused): the shard is not wanted
+            _discard_shard(stage, name)
         own = err
         result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
     try:
@@ -188,6 +190,14 @@ def _ranks_here(stage: str, statuses: list, rank: int) -> Optional[list]:
                 except (ValueError, AttributeError):
                     return None
 
+        # A staging directory gets the job manifest only at its commit: one that holds a manifest is being
+        # committed by another rank, or is already the checkpoint it replaced (whose shard may be
+        # byte-identical to this rank's, so the digests alone cannot tell).
+        try:
+            os.stat(MANIFEST, dir_fd=fd, follow_symlinks=False)
+            return None
+        except FileNotFoundError:
+            pass
         if digest(statuses[rank]["name"]) != statuses[rank]["manifest_xxh3_64"]:
             return None
         return [s["rank"] for s in statuses if digest(s["name"]) == s["manifest_xxh3_64"]]

@@ -180,7 +180,12 @@ def _load_job(optimizer, directory, model, mirror, progress) -> Any:
         except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
             own = err
             status["error"] = f"{type(err).__name__}: {err}"
-        statuses = _agree(status, f"loading {given}", own)
+        try:
+            statuses = _agree(status, f"loading {given}", own)
+        except BaseException as err:
+            # A rank did not answer: it may have failed its load, so this one's state is not whole either.
+            optimizer.state_store.failed(err)
+            raise
         failed = [s for s in statuses if not s["ok"]]
         if failed:
             if own is not None:
