@@ -6,7 +6,8 @@ their exit codes go to ROOT/out/returncodes.json (minus the signal for a rank ki
 says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions": [...]}; each action is one of
   {"do": "train", "steps": n}                    n steps (data drawn from the step and the rank)
   {"do": "save", "dir": d, "fault": {...}}       save_checkpoint(opt, d, model=..., extra={"step": ...}); "blocking"
-                                                 and "alone" as for save_checkpoint
+                                                 and "alone" as for save_checkpoint; "extra": {rank: {...}} adds
+                                                 to that rank's extra; "fixed_clock": shards all say one second
   {"do": "load", "dir": d}                       load_checkpoint(opt, d, model=...), the step from its extra
   {"do": "keep_save", "root": d, "keep_last": n} Retention(d, keep_last=n).save(opt, step, model=..., ...)
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
@@ -36,10 +37,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+import offload.checkpoint.format as format_module
 import offload.checkpoint.job as job_module
 import offload.checkpoint.snapshot as snapshot_module
 from offload import OffloadedAdamW
 from offload.checkpoint import Retention, load_checkpoint, save_checkpoint
+
+
+class FixedClock:
+    """Stands in for the datetime module in offload.checkpoint.format: now() is always the same second."""
+
+    timezone = datetime.timezone
+
+    class datetime(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.datetime(2026, 1, 1, tzinfo=tz)
 
 
 class Holder(nn.Module):
@@ -125,12 +138,16 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
                     step += 1
             elif action["do"] == "save":
                 undo = inject(action.get("fault"), rank)
+                extra = {"step": step, **action.get("extra", {}).get(str(rank), {})}
+                if action.get("fixed_clock"):  # every shard manifest says the same second
+                    format_module.datetime = FixedClock
                 try:
-                    entry["result"] = save_checkpoint(opt, action["dir"], model=holder, extra={"step": step},
+                    entry["result"] = save_checkpoint(opt, action["dir"], model=holder, extra=extra,
                                                       snapshot="stream", blocking=action.get("blocking", True),
                                                       alone=action.get("alone", False))
                 finally:
                     undo()
+                    format_module.datetime = datetime
             elif action["do"] == "load":
                 step = load_checkpoint(opt, action["dir"], model=holder, alone=action.get("alone", False))["step"]
             elif action["do"] == "keep_save":

@@ -112,6 +112,7 @@ def runs(tmp_path_factory):
     raised, killed = os.path.join(tmp, "ckpt-raised"), os.path.join(tmp, "ckpt-killed", "a")
     late, alone = os.path.join(tmp, "ckpt-late", "a"), os.path.join(tmp, "ckpt-alone")
     back = os.path.join(tmp, "ckpt-back{rank}", "a")
+    same = os.path.join(tmp, "ckpt-same", "a")
     jobs = run_jobs(tmp, {
         "first": ([
             {"do": "train", "steps": 2},
@@ -138,6 +139,11 @@ def runs(tmp_path_factory):
             {"do": "save", "dir": back, "fault": {"rank": 1, "kind": "commit"}},
             {"do": "load", "dir": back},
             {"do": "dump", "tag": "back-loaded"},
+        ], 0),
+        "identical": ([
+            {"do": "train", "steps": 1},
+            {"do": "save", "dir": same, "fixed_clock": True},
+            {"do": "save", "dir": same, "fixed_clock": True, "fault": LATE, "extra": {"0": {"mark": 1}}},
         ], 0),
         "killed": ([
             {"do": "train", "steps": 1},
@@ -363,3 +369,17 @@ def test_verify_names_the_shard_missing_here(runs, capsys):
     assert ckpt_main(["list", os.path.join(tmp, "node0")]) == 0
     out = capsys.readouterr().out
     assert "step-0000000002" in out and "job of 2 ranks" in out and "1 of 2 shards here" in out
+
+
+def test_late_rank_whose_shard_is_unchanged_does_not_put_the_old_checkpoint_back(runs):
+    """Two saves of a directory where only rank 0's shard changes and rank 1's is byte for byte the one it
+    replaces: rank 1, late, sees the directory committed (not the replaced checkpoint, which now has the
+    staging name, as its own to commit), so the new checkpoint stays and verifies."""
+    tmp, jobs = runs
+    job = jobs["identical"]
+    assert_ok(job)
+    same = os.path.join(tmp, "ckpt-same", "a")
+    extra = torch.load(os.path.join(same, "rank-00000", "extra.pt"), weights_only=True)
+    assert extra.get("mark") == 1, job.explain()
+    verify_checkpoint(same)
+    assert os.listdir(os.path.join(tmp, "ckpt-same")) == ["a"]
