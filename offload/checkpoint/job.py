@@ -9,6 +9,7 @@ import errno as _errno
 import json
 import os
 import secrets
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -162,7 +163,13 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional
     if commit is not None:
         commit.finish()
     if then is not None:
-        then(given)
+        # Every rank agreed the commit: a failure of what follows (Retention's verify and prune) on one
+        # rank must not make it report a committed save as failed while the others report success.
+        try:
+            then(given)
+        except Exception as err:  # noqa: BLE001 - reported, the save stands
+            warnings.warn(f"the job's checkpoint {given} is committed on every rank, but what follows the save "
+                          f"failed on rank {rank}: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
     return given
 
 
