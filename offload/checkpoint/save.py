@@ -104,14 +104,15 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
     Where torch.distributed runs a job of several ranks, the save is the job's (:func:`job._save_job`),
     which writes this rank's part through this function with ``shard``, a ``commit._Shard`` to fill
     and finish in place of a directory of its own."""
-    if shard is None and not alone and job_world() is not None:
-        return _save_job(optimizer, directory, blocking=blocking, mirror_to=mirror_to, then=then,
-                         write_shard=lambda shard: _save(optimizer, shard.directory, model=model, extra=extra,
-                                                         snapshot=snapshot, progress=progress, shard=shard))
+    # Arguments are checked first, on every rank alike, before any collective of a job's save.
     if snapshot not in SNAPSHOTS:
         raise ValueError(f"snapshot must be one of {', '.join(SNAPSHOTS)}, got {snapshot!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if shard is None and not alone and job_world() is not None:
+        return _save_job(optimizer, directory, blocking=blocking, mirror_to=mirror_to, then=then,
+                         write_shard=lambda shard: _save(optimizer, shard.directory, model=model, extra=extra,
+                                                         snapshot=snapshot, progress=progress, shard=shard))
     mirror = _mirror_path(directory, mirror_to)
     store = optimizer.state_store
     _settle(store, report=True)  # one save at a time per optimizer; a failure nobody saw is raised here
