@@ -4,6 +4,8 @@ I/O failures are raised as ``OSError(errno, strerror, path)`` itself (so Python 
 ``FileNotFoundError``, ``PermissionError``, ...); the classes here are for everything else.
 """
 
+import sys
+
 
 class OffloadError(Exception):
     """Base class of the errors this library raises (besides ``OSError`` for I/O)."""
@@ -31,3 +33,12 @@ class CheckpointError(OffloadError, ValueError):
 
 class ChecksumError(CheckpointError):
     """A checkpoint file's bytes differ from what was saved (bit rot, truncation, tampering)."""
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` at which a warning issued by this function's caller names the first frame outside
+    this package (the user's line)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("offload."):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -6,13 +6,13 @@ from __future__ import annotations
 import errno as _errno
 import fcntl
 import os
-import sys
 import threading
 import warnings
 from typing import Union
 
 from .._native import ffi, lib
 from .._proc import reset_after_fork
+from ..errors import user_stacklevel
 from ..units import ALIGNMENT
 
 _MODES = {
@@ -42,15 +42,7 @@ def _warn_once(key, message: str) -> None:
         if key in _warned:
             return
         _warned.add(key)
-    warnings.warn(message, RuntimeWarning, stacklevel=_caller_outside_package())
-
-
-def _caller_outside_package() -> int:
-    """The ``stacklevel`` at which a warning issued by this function's caller names user code."""
-    frame, level = sys._getframe(1), 1
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("offload."):
-        frame, level = frame.f_back, level + 1
-    return level
+    warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
 
 class AioFile:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
-import sys
 import threading
 import warnings
+
+from ..errors import user_stacklevel
 
 __all__ = ["GDS_INSTALL", "gds_status", "warn_use_gds"]
 
@@ -104,12 +105,4 @@ def warn_use_gds() -> None:
         message = (f"aio.use_gds is true, but GPUDirect Storage is not available here: {reason}. Optimizer "
                    "state and offloaded parameters move through the pinned host pool instead. Set use_gds "
                    "to false to silence this.")
-    warnings.warn(message, RuntimeWarning, stacklevel=_caller_outside_package())
-
-
-def _caller_outside_package() -> int:
-    """The ``stacklevel`` at which a warning issued by this function's caller names user code."""
-    frame, level = sys._getframe(2), 2
-    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("offload."):
-        frame, level = frame.f_back, level + 1
-    return level
+    warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
