@@ -149,10 +149,13 @@ class Pipeline:
         try:
             for i in range(n):
                 while next_read < n:
-                    # Items ahead of the current one that hold a shared buffer: at most lookahead of them.
+                    # Items ahead of the current one that hold a shared buffer: at most lookahead of them,
+                    # or one more while the current item needs no shared buffer (it has one of its own).
+                    current = not lent or lent[0] if next_read > i else True
                     ahead = sum(lent) - (1 if lent and lent[0] else 0)
+                    limit = self.lookahead if current or not self.lookahead else self.lookahead + 1
                     costly = lends(items[next_read])
-                    if next_read > i and costly and ahead >= self.lookahead:
+                    if next_read > i and costly and ahead >= limit:
                         break
                     buf = source.take(wait=not reads, item=items[next_read])
                     if buf is None:

@@ -199,3 +199,38 @@ def test_real_overlap_with_threads_completes_every_item_once():
              write=lambda i, b: ThreadFuture(("w", i)))
     assert done_order == list(range(20))
     assert (pipe.bytes_read, pipe.bytes_written) == (20, 20)
+
+
+class OwnBuffers:
+    """A BufferSource over a ring where the items in ``own`` have buffers of their own (a host tier)."""
+
+    def __init__(self, ring: BufferRing, own: set):
+        self.ring, self.own = ring, own
+
+    def lends(self, item) -> bool:
+        return item not in self.own
+
+    def take(self, wait: bool, item=None):
+        return f"home {item}" if item in self.own else self.ring.take(wait, item)
+
+    def give(self, buf, pending=None) -> None:
+        if not str(buf).startswith("home"):
+            self.ring.give(buf, pending)
+
+
+def test_while_the_current_item_has_its_own_buffer_one_more_read_goes_ahead():
+    """Items with buffers of their own (resident units) do not count towards the lookahead, and while one
+    is processed the buffer the current item would hold reads ahead too: with 4 buffers and lookahead 3,
+    all four shared-buffer items are being read before the first resident item is processed."""
+    space = FakeSpace()
+    ring = BufferRing(["a", "b", "c", "d"])
+    pipe = Pipeline(ring, lookahead=3)
+    source = OwnBuffers(ring, own={0, 1, 2, 3})
+
+    def process(item, buf):
+        space.log.append(("process", item))
+        return False
+
+    pipe.run(list(range(8)), read=space.read, process=process, source=source)
+    first = space.log.index(("process", 0))
+    assert [e for e in space.log[:first] if e[0] == "read"] == [("read", i) for i in range(8)]
