@@ -183,6 +183,7 @@ def test_overlap_benchmark_reports_every_variant_and_the_bytes_saved(tmp_path, c
     doc = json.loads(out.read_text())
     assert set(doc["iteration_s_median"]) == {"overlap", "plain", "serial", "compute_only"}
     assert all(v > 0 for v in doc["iteration_s_median"].values()) and doc["io_only_s"] > 0
+    assert doc["compute_beside_io_s"] > 0
     assert doc["batch"] == 4
     moved = doc["bytes_per_iteration"]
     if command[0] == "params":
@@ -392,3 +393,15 @@ def test_io_gds_reports_kvikio_beside_the_pinned_pool(tmp_path):
     assert {(r["path"], r["op"]) for r in results} == {(w, op) for w in ("ours", "kvikio") for op in ("write", "read")}
     assert all(r["gib_s"] > 0 for r in results)
     assert not (tmp_path / "nvme").exists()
+
+
+def test_overlap_calibration_finds_the_batch_whose_compute_matches_the_io():
+    """The batch search doubles until compute reaches the target and interpolates between the last two;
+    noise (time that does not grow with the batch) never sends it to an absurd batch."""
+    from offload.bench.overlap import CALIBRATION_BATCH, _calibrate
+
+    assert _calibrate(lambda b: 0.05 + 0.01 * b, 0.5) == 45  # 0.05 + 0.01 * 45 = 0.5
+    assert _calibrate(lambda b: 1.0, 0.5) == CALIBRATION_BATCH  # already slower than the I/O
+    flat = _calibrate(lambda b: 0.2 if b < 64 else 0.19, 0.5)  # time falls as the batch grows: noise
+    assert CALIBRATION_BATCH <= flat <= 1 << 16
+    assert _calibrate(lambda b: 1e-6 * b, 10.0) == 1 << 16  # never beyond the largest batch tried

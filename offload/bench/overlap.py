@@ -17,7 +17,7 @@ from ..units import format_size
 from . import report
 from .cli import config_given, positive_int_arg
 from .gpu import pool_pinned
-from .workload import block_model, io_only
+from .workload import block_model, compute_beside_io, io_only
 
 CALIBRATION_BATCH = 8
 
@@ -50,7 +50,9 @@ def _batch_arg(text: str):
 # alone, measured in each round too: with weights in memory, the step alone (the state's I/O and the
 # update, what overlap_backward hides); with weights on NVMe, the time the swap space takes to read and
 # write the bytes one overlapped iteration moved. "auto" batch: the batch whose compute alone takes
-# about as long as that I/O (a line through two batches' times, refined once). On a GPU, a variant's
+# about as long as that I/O (batches doubled, then a line through the last two). Compute alone is also
+# timed with I/O running beside it without pause: where compute and I/O share the cores and the memory
+# bandwidth (a VM with 2 cores: 1.7x slower), max(compute, I/O) is out of any overlap's reach. On a GPU, a variant's
 # memory peak is torch.cuda.max_memory_allocated above what was allocated as it began (the models of
 # the other variants stay resident meanwhile).
 def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidden: int, dtype: torch.dtype,
@@ -105,7 +107,8 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
             batch = _calibrate(lambda b: statistics.median(_iterate(*runs["compute"], inputs(b), 1)
                                                            for _ in range(2)), io_s)
         x = inputs(batch)
-        times: dict[str, list] = {name: [] for name in (*runs, "serial", "io")}
+        times: dict[str, list] = {name: [] for name in (*runs, "serial", "io", "beside")}
+        pool = runs["plain"][1].state_store.pool
         gpu_peaks: dict[str, int] = {}
         for _ in range(args.rounds):
             for name in runs:
@@ -115,6 +118,9 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
                     gpu_peaks[name] = max(gpu_peaks.get(name, 0), torch.cuda.max_memory_allocated(device) - before)
             times["serial"].append(_iterate(*runs["plain"], x, args.steps, drain_each=True) / args.steps)
             times["io"].append(io_alone())
+            times["beside"].append(compute_beside_io(
+                paths, cfg.aio, lambda: _iterate(*runs["compute"], x, args.steps) / args.steps,
+                buffers=len(pool), piece=pool.buffer_size))
         pinned = pool_pinned([runs["plain"][1].state_store.pool]
                              + ([offloaded(runs["plain"][0]).store.pool] if weights_offloaded else []))
     finally:
@@ -138,6 +144,7 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
         "iteration_s_runs": times, "io_only_s": io_s,
         "bytes_per_iteration": moved,
         "overlap_to_bound": med["overlap"] / bound,
+        "compute_beside_io_s": med["beside"],
         "plain_to_overlap": med["plain"] / med["overlap"],
         "serial_to_overlap": med["serial"] / med["overlap"],
         "gpu_peak_bytes": gpu_peaks or None,
@@ -151,6 +158,8 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
         ["compute alone (torch AdamW in memory)", f"{med['compute']:.3f} s"],
         ["I/O alone (the bytes an overlapped iteration moves, no compute)" if weights_offloaded else
          "step alone (the state's I/O and the update, no forward/backward)", f"{io_s:.3f} s"],
+        ["compute alone, with I/O running beside it (how much they contend here)",
+         f"{med['beside']:.3f} s ({med['beside'] / med['compute']:.2f}x compute alone)"],
         ["overlap / max(compute, I/O)", f"{med['overlap'] / bound:.2f}x (bar 1.15x)"],
         ["nothing overlapped / overlap", f"{med['serial'] / med['overlap']:.2f}x (bar 1.6x)"],
         ["without overlap_backward / overlap", f"{med['plain'] / med['overlap']:.2f}x"],
@@ -184,17 +193,21 @@ def _gpu_mark(device: torch.device) -> int | None:
 
 
 def _calibrate(seconds: Callable[[int], float], target: float) -> int:
-    """The batch whose compute takes about ``target`` seconds: a line through two batches' times (an
-    iteration has a fixed part, the optimizer's step), refined once."""
-    lo, hi = CALIBRATION_BATCH, 8 * CALIBRATION_BATCH
-    t_lo, t_hi = seconds(lo), seconds(hi)
-    for _ in range(2):
-        slope = max((t_hi - t_lo) / (hi - lo), 1e-9)
-        guess = max(1, min(1 << 16, round(lo + (target - t_lo) / slope)))
-        if guess in (lo, hi):
-            break
-        lo, t_lo, hi, t_hi = hi, t_hi, guess, seconds(guess)
-    return hi
+    """The batch whose compute takes about ``target`` seconds: batches doubled from ``CALIBRATION_BATCH`` until
+    one takes at least ``target``, then a line through the last two (an iteration has a fixed part, the
+    optimizer's step). A batch that already takes ``target`` gives itself; times that do not grow with the
+    batch (noise) never send the guess beyond the last batch doubled."""
+    lo, t_lo = CALIBRATION_BATCH, seconds(CALIBRATION_BATCH)
+    if t_lo >= target:
+        return lo
+    hi, t_hi = lo, t_lo
+    while t_hi < target and hi < 1 << 16:
+        lo, t_lo = hi, t_hi
+        hi = 2 * hi
+        t_hi = seconds(hi)
+    if t_hi <= t_lo:
+        return hi
+    return max(lo, min(hi, round(lo + (target - t_lo) * (hi - lo) / (t_hi - t_lo))))
 
 
 def _iterate(model, opt, x, steps: int, *, drain_each: bool = False) -> float:

@@ -3,7 +3,9 @@ the time a swap space takes to move a given number of bytes."""
 
 from __future__ import annotations
 
+import threading
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -65,6 +67,38 @@ def io_only(paths, aio, read_bytes: int, write_bytes: int, buffers: int = 4) -> 
         t = time.perf_counter()
         _run_ops(sp, pool, extent, mixed)
         return time.perf_counter() - t
+
+
+def compute_beside_io(paths, aio, work: Callable[[], float], *, buffers: int, piece: int) -> float:
+    """What ``work()`` returns (its seconds) while reads and writes of ``piece`` bytes, ``buffers`` of them in
+    flight, run beside it on another thread without pause: how much compute slows down when it shares the
+    machine with I/O (on a VM, the disk's emulation shares the cores and the memory bandwidth)."""
+    size = 2 * buffers * piece
+    with BufferPool(buffers, piece) as pool, SwapSpace(paths, size, aio=aio, buffers=pool, name="iobench") as sp:
+        extent = sp.alloc(size)
+        half = size // 2
+        _run_ops(sp, pool, extent, [("w", off, piece) for off in range(0, size, piece)])
+        # Reads from the first half, writes to the second, a round at a time until work() is done.
+        mixed = [op for off in range(0, half, piece) for op in (("r", off, piece), ("w", half + off, piece))]
+        done, failed = threading.Event(), []
+
+        def move() -> None:
+            try:
+                while not done.is_set():
+                    _run_ops(sp, pool, extent, mixed)
+            except BaseException as err:  # noqa: BLE001 - raised on the caller's thread below
+                failed.append(err)
+
+        mover = threading.Thread(target=move, name="offload-bench-io")
+        mover.start()
+        try:
+            seconds = work()
+        finally:
+            done.set()
+            mover.join()
+        if failed:
+            raise failed[0]
+        return seconds
 
 
 def _run_ops(sp, pool, extent, ops) -> None:
