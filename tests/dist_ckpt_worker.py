@@ -66,7 +66,8 @@ class Holder(nn.Module):
 def inject(fault: dict, rank: int):
     """Wrap the checkpoint's streaming loop so that ``fault`` strikes on its rank after its units (a "late"
     fault instead holds its rank back a second before it looks for the ranks that share its directory, a
-    "commit" fault makes the commit of its directory fail)."""
+    "blind" one makes its rank find none there, not even itself, a "commit" fault makes the commit of its
+    directory fail)."""
     if fault is not None and fault["kind"] == "commit":
         original = job_module._JobCommit.commit
 
@@ -76,6 +77,11 @@ def inject(fault: dict, rank: int):
         if fault["rank"] == rank:
             job_module._JobCommit.commit = failing
         return lambda: setattr(job_module._JobCommit, "commit", original)
+    if fault is not None and fault["kind"] == "blind":
+        original = job_module._ranks_here
+        if fault["rank"] == rank:
+            job_module._ranks_here = lambda *args: None  # as if its own shard's manifest could not be read
+        return lambda: setattr(job_module, "_ranks_here", original)
     if fault is not None and fault["kind"] == "late":
         original = job_module._ranks_here
 

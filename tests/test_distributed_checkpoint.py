@@ -113,6 +113,7 @@ def runs(tmp_path_factory):
     late, alone = os.path.join(tmp, "ckpt-late", "a"), os.path.join(tmp, "ckpt-alone")
     back = os.path.join(tmp, "ckpt-back{rank}", "a")
     same = os.path.join(tmp, "ckpt-same", "a")
+    blind = os.path.join(tmp, "ckpt-blind")
     jobs = run_jobs(tmp, {
         "first": ([
             {"do": "train", "steps": 2},
@@ -139,6 +140,13 @@ def runs(tmp_path_factory):
             {"do": "save", "dir": back, "fault": {"rank": 1, "kind": "commit"}},
             {"do": "load", "dir": back},
             {"do": "dump", "tag": "back-loaded"},
+            {"do": "save", "dir": os.path.join(blind, "a")},
+            {"do": "dump", "tag": "blind-before"},
+            {"do": "train", "steps": 1},
+            {"do": "save", "dir": os.path.join(blind, "a"), "fault": {"rank": 0, "kind": "blind"}},
+            {"do": "listdir", "dir": blind},
+            {"do": "load", "dir": os.path.join(blind, "a")},
+            {"do": "dump", "tag": "blind-loaded"},
         ], 0),
         "identical": ([
             {"do": "train", "steps": 1},
@@ -383,3 +391,17 @@ def test_late_rank_whose_shard_is_unchanged_does_not_put_the_old_checkpoint_back
     assert extra.get("mark") == 1, job.explain()
     verify_checkpoint(same)
     assert os.listdir(os.path.join(tmp, "ckpt-same")) == ["a"]
+
+
+def test_save_that_no_rank_commits_fails_everywhere_and_keeps_the_previous_checkpoint(runs):
+    """Rank 0, the one to commit the shared directory, cannot see the shards there (not even its own), so
+    nobody commits: every rank's save fails saying so (it never reports success with the old checkpoint in
+    place), the staging directory is gone, and the checkpoint that was there loads on every rank."""
+    tmp, jobs = runs
+    job = jobs["first"]
+    for r, log in enumerate(job.logs):
+        assert [e["ok"] for e in log[24:31]] == [True, True, True, False, True, True, True], job.explain()
+        assert log[27]["type"] == "CheckpointError" and "could not be committed on rank" in log[27]["error"]
+        assert "previous checkpoint back" in log[27]["error"]
+        assert log[28]["result"] == ["a"], job.explain()
+        assert_same(job.dump(r, "blind-loaded"), job.dump(r, "blind-before"), f"rank {r}")

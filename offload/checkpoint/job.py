@@ -87,7 +87,8 @@ def _gather(obj: Any, doing: str) -> list:
 # it (``_JobCommit`` below): the job manifest is written last, and in each directory by one rank,
 # so ranks that share a file system never race on it, and directories that share nothing each get a
 # complete manifest of the whole job. The ranks then exchange again: if a directory could not commit,
-# the others put their previous checkpoint back.
+# the others put their previous checkpoint back. Once all commits are made, a last exchange says
+# whether each rank's directory holds this save: one that nobody committed fails the save everywhere too.
 def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional[Callable[[str], None]],
               write_shard: Callable[[_Shard], None]) -> str:
     """``save_checkpoint`` on every rank of a job (see the NOTE above), ``write_shard(shard)`` writing this
@@ -153,9 +154,24 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional
             commit.roll_back()
         raise
     failed = [r for r in results if not r["ok"]]
+    if not failed:
+        # Every commit that was made is made now: each rank checks that its directory holds this save
+        # (a directory whose committing rank could not see the shards there would otherwise keep the old
+        # checkpoint while every rank reports success).
+        try:
+            results = _gather({"rank": rank, **_check_committed(target, token, name)}, f"committing {given}")
+        except CheckpointError:
+            if commit is not None:
+                commit.roll_back()
+            else:
+                _discard_shard(stage, name)
+            raise
+        failed = [r for r in results if not r["ok"]]
     if failed:
         if commit is not None:
             commit.roll_back()
+        else:
+            _discard_shard(stage, name)  # a staging directory nobody committed (gone if it was committed)
         if own is not None:
             raise own
         raise CheckpointError(f"the job's save to {given} could not be committed on rank {failed[0]['rank']} "
@@ -210,6 +226,22 @@ def _ranks_here(stage: str, statuses: list, rank: int) -> Optional[list]:
         return [s["rank"] for s in statuses if digest(s["name"]) == s["manifest_xxh3_64"]]
     finally:
         os.close(fd)
+
+
+def _check_committed(target: str, token: str, name: str) -> dict:
+    """``{"ok": True}`` if ``target`` is this save's checkpoint (its job manifest has ``token``) and holds
+    this rank's shard ``name``, else ``{"ok": False, "error": why}``."""
+    try:
+        with open(os.path.join(target, MANIFEST), "rb") as f:
+            job = json.loads(f.read()).get("job")
+    except (OSError, ValueError, AttributeError) as err:
+        return {"ok": False, "error": f"its directory holds no job manifest of this save ({err})"}
+    if job != token:
+        return {"ok": False, "error": "its directory still holds another checkpoint (the rank that was to commit it "
+                                      "did not find the shards there)"}
+    if not os.path.isdir(os.path.join(target, name)):
+        return {"ok": False, "error": f"its shard {name} is not in the committed directory"}
+    return {"ok": True}
 
 
 def _job_manifest(token: str, statuses: list) -> dict:
