@@ -33,10 +33,17 @@ class BufferRing:
     The buffer a read needs is then the one whose write was issued longest ago, the likeliest to have
     landed; when that one is still being written, another buffer that is idle is taken instead, and only
     when none is idle does a take that must have one wait (for the oldest).
+
+    Args:
+        buffers: the buffers.
+        prefer: ``prefer(item, buffer)`` True when ``buffer`` already holds what ``item`` needs (its bytes
+            as last written from it): a take for ``item`` then returns that buffer, once the I/O still
+            using it has finished, whatever its place in the ring.
     """
 
-    def __init__(self, buffers: Iterable):
+    def __init__(self, buffers: Iterable, prefer: Optional[Callable[[Any, Any], bool]] = None):
         self._free: deque = deque((b, None) for b in buffers)
+        self._prefer = prefer
         if not self._free:
             raise PoolTooSmallError("a pipeline needs at least one buffer")
 
@@ -48,6 +55,14 @@ class BufferRing:
         return [b for b, _ in self._free]
 
     def take(self, wait: bool, item: Any = None) -> Any:
+        if self._prefer is not None and item is not None:
+            for i, (buffer, pending) in enumerate(self._free):
+                if self._prefer(item, buffer):
+                    del self._free[i]
+                    # Its bytes are wanted as they are: wait for the write reading them, even for a take
+                    # that need not wait (a read of the item would have to wait for that write too).
+                    wait_quietly([pending] if pending is not None else [])
+                    return buffer
         for i, (buffer, pending) in enumerate(self._free):
             if pending is None or pending.done():
                 del self._free[i]

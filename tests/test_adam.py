@@ -388,7 +388,8 @@ def test_host_memory_is_the_pool_whatever_the_model_size(nvme, numel):
         ours.step()
         growth = _peak_rss() - base
         read2, _ = ours.io_bytes()
-        assert read2 >= state_bytes
+        # All of it read back, but for the units still in the pool's buffers from the first step's writes.
+        assert read2 >= state_bytes - ours.host_pool_bytes
         assert growth < 16 * MiB, f"a step over {state_bytes / MiB:.0f} MiB of state grew the peak RSS by " \
                                   f"{growth / MiB:.1f} MiB"
     finally:

@@ -190,7 +190,10 @@ def test_overlap_benchmark_reports_every_variant_and_the_bytes_saved(tmp_path, c
         assert moved["plain"]["grad_write"] > 0 and moved["overlap"]["grad_write"] == 0
         assert moved["overlap"]["read"] < moved["plain"]["read"]
     else:
-        assert moved["overlap"]["read"] == moved["plain"]["read"] > 0
+        # Both write all of the state; both read it back but for the units still in their pools' buffers,
+        # which the plain step (snake order) visits first.
+        assert moved["overlap"]["write"] == moved["plain"]["write"] > 0
+        assert moved["plain"]["read"] <= moved["overlap"]["read"] <= moved["overlap"]["write"]
     assert not (tmp_path / "scratch").exists()
 
 
@@ -227,8 +230,10 @@ def test_adam_reports_step_time_io_and_memory_against_torch(tmp_path):
     assert ADAM_KEYS <= r.keys()
     assert r["params"] == 1_000_000
     assert r["host_pool_bytes"] == 3 << 20
-    # fp32 moments: 8 bytes per parameter read and written by every step after the first.
-    assert r["bytes_read_per_step"] >= 8 * r["params"] and r["bytes_written_per_step"] >= 8 * r["params"]
+    # fp32 moments: 8 bytes per parameter written by every step after the first, and read back but for
+    # the units still in the pool's buffers from the step before.
+    assert r["bytes_written_per_step"] >= 8 * r["params"]
+    assert 8 * r["params"] - r["host_pool_bytes"] <= r["bytes_read_per_step"] < 8 * r["params"]
     assert r["step_s_median"] > 0 and r["torch_step_s_median"] > 0
     assert not nvme.exists() or not os.listdir(nvme)
 

@@ -3,6 +3,7 @@ files) is found at the next read, named, and never trained on or copied into a c
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -112,6 +113,29 @@ def test_a_truncated_swap_file_is_an_io_error_naming_file_and_offset_and_blocks_
             train(opt, params, [2])
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("cache", [0, 4 * 256 * 1024], ids=["pool-only", "host-cache"])
+def test_a_swap_file_cut_anywhere_is_named_before_any_write_fills_the_cut_with_zeros(nvme, cache):
+    """Without checksums, and whatever unit the cut falls in: units kept in host memory (a host cache's, or
+    the pool's copies of the units written last) are written without being read first, which would leave
+    holes that read back as zeros; the next step raises ENODATA naming the file, and refuses after."""
+    for cut in (1, 4, 8):
+        params = make_params()
+        opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, host_cache=cache,
+                             **{**SMALL, "checksum": False})
+        try:
+            train(opt, params, [0])  # the next step visits first the units at the end of the file
+            assert len(opt.state_store.layout.units) > cut + 3
+            path, offset, _ = unit_on_disk(opt, cut)
+            os.truncate(path, offset + 4096)
+            with pytest.raises(OSError) as info:
+                train(opt, params, [1])
+            assert info.value.errno == errno.ENODATA and info.value.filename == path, info.value
+            with pytest.raises(StateError):
+                train(opt, params, [2])
+        finally:
+            opt.close()
 
 
 def test_a_checkpoint_never_copies_changed_state(tmp_path, nvme):

@@ -265,6 +265,25 @@ class SwapSpace:
             raise OSError(err.errno, f"cannot preallocate the swap file ({err.strerror})", failed) from err
         self._per_file = per_file
 
+    def check_intact(self) -> None:
+        """Raise if a swap file is shorter than it was preallocated to (truncated behind our back).
+
+        A read inside the cut reports it too, but a write past the cut first would fill the gap with a
+        hole that reads back as zeros: a caller that may write units it has not read since (from a copy in
+        memory) checks first.
+
+        Raises:
+            OSError: ``ENODATA`` naming the swap file, its size and the size it should have.
+        """
+        with self._lock:
+            self._check_open()
+            for f in self._res.files:
+                size = os.fstat(f.fd).st_size
+                if size < self._per_file:
+                    raise OSError(_errno.ENODATA, f"the swap file is {size} bytes, shorter than the {self._per_file} "
+                                                  "bytes it was preallocated to: it was truncated after state was "
+                                                  f"written, and the state from offset {size} on is lost", f.path)
+
     def free(self, extent: Extent) -> None:
         """Give an extent back for reuse.
 

@@ -81,7 +81,9 @@ class StateStore:
         # The pool's buffers in circulation, with the writes still landing from them. It outlives runs:
         # a step returns with its last writes in flight (they land during the next forward), and with a
         # host tier buffers change hands between the pool and resident units (see tiers.TierSource).
-        self._ring = BufferRing(list(self.pool)) if self.pool is not None else None
+        self._ring = BufferRing(list(self.pool), prefer=self._holds) if self.pool is not None else None
+        # id(pool buffer) -> the unit whose state it holds as last written from it (see _holds)
+        self._holding: dict[int, Unit] = {}
         self._tail: list = []  # writes a run left landing (futures), until they are seen to have landed
         self.bytes_read = self.bytes_written = 0
         self._guards: list[Callable[[Unit, Any], None]] = []  # see add_change_guard
@@ -208,6 +210,7 @@ class StateStore:
     def failed(self, err: BaseException) -> None:
         """Record that state may be half written: every use raises until :meth:`restored`."""
         self.error = err
+        self._holding.clear()
 
     def restored(self) -> None:
         """State is whole again (a load succeeded)."""
@@ -239,6 +242,14 @@ class StateStore:
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
         self._collect_tail()
+        if self.space is not None:
+            # Units kept in host memory (resident, or still in a pool buffer) are written without being read
+            # first: a write past a cut in a truncated file would leave holes that read back as zeros.
+            try:
+                self.space.check_intact()
+            except OSError as err:
+                self.failed(err)
+                raise
         tier = self.tier
         source = self._ring
         if tier is not None:
@@ -249,7 +260,14 @@ class StateStore:
             return tier is not None and tier.home(unit) is buf
 
         def read(unit: Unit, buf):
-            fut = self._read(unit, buf) if needs_read(unit) and not resident(unit, buf) else None
+            if resident(unit, buf):
+                fut = None
+            elif self._holds(unit, buf):
+                self._land(unit)  # its bytes are in the buffer: no read, once its write has landed
+                fut = None
+            else:
+                self._holding.pop(id(buf), None)
+                fut = self._read(unit, buf) if needs_read(unit) else None
             more = also_read(unit, buf) if also_read is not None else None
             if more is None:
                 return fut
@@ -263,6 +281,7 @@ class StateStore:
             if at_home:
                 write = settle and id(unit) not in source.settle  # evicted: the disk copy is stale
             elif tier is not None and id(unit) in source.settling:
+                self._holding.pop(id(buf), None)
                 tier.keep(unit, buf)  # it stays resident, unwritten, in the buffer it was read into
                 source.settled()
                 write = False
@@ -277,6 +296,8 @@ class StateStore:
                 tier.leave(unit)
                 source.evicted()
             fut = self._write(unit, buf)
+            self._forget(unit)
+            self._holding[id(buf)] = unit
             if not drain:
                 self._tail.append(fut)
             return fut
@@ -369,6 +390,7 @@ class StateStore:
     def write_unit(self, unit: Unit, buf):
         """Make ``buf``'s first ``unit.nbytes`` bytes ``unit``'s state: copied into its host-memory home if it
         is resident (returns None), else written to its extent (returns the future; checksum recorded)."""
+        self._forget(unit)
         home = self.tier.home(unit) if self.tier is not None else None
         if home is not None:
             home.tensor[:unit.nbytes].copy_(buf.tensor[:unit.nbytes])
@@ -383,6 +405,7 @@ class StateStore:
         "cpu"`` a few of the tier's size made for the purpose."""
         if self.pool is not None:
             self.drain()
+            self._holding.clear()  # the caller fills them with whatever it likes
             return self._ring.buffers()
         if not hasattr(self, "_spare"):
             self._spare = BufferPool(2, self.layout.unit_bytes)
@@ -427,6 +450,7 @@ class StateStore:
             except OSError as err:
                 first = first or err
         if quiet:
+            self._holding.clear()  # the state is about to be replaced
             for unit in self.layout.units:
                 unit.written = None
         elif first is not None:
@@ -450,6 +474,18 @@ class StateStore:
         elsewhere = sum(1 for u in self.layout.units if tier.resident(u) and id(u) not in visiting)
         room = max(0, tier.capacity - elsewhere)
         return {id(u) for u in list(units)[len(units) - room:]} if room else set()
+
+    def _holds(self, unit: Unit, buf) -> bool:
+        """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
+        used for anything since. A step that visits it first (the snake order visits first the units the last
+        step wrote last) then updates it there instead of reading it back: the pool's buffers act as a small
+        cache, at no cost in memory."""
+        return self._holding.get(id(buf)) is unit
+
+    def _forget(self, unit: Unit) -> None:
+        """No pool buffer holds ``unit``'s state any more (it is being written from elsewhere)."""
+        for key in [k for k, u in self._holding.items() if u is unit]:
+            del self._holding[key]
 
     def _write(self, unit: Unit, buf):
         self._land(unit)  # requests complete in any order: an older write must not land after this one
