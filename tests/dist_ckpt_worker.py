@@ -30,10 +30,10 @@ import os
 import signal
 import sys
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
+from ranks import fork_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -178,45 +178,11 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
     opt.close()
 
 
-def run_job(spec: dict, world: int, timeout: float) -> list:
-    """Fork ``world`` ranks running ``spec``; their exit codes (a rank still running after ``timeout``
-    seconds is killed)."""
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                rank_main(spec, rank, world)
-                code = 0
-            except BaseException:  # noqa: BLE001 - printed for the test's report
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)  # no teardown: a peer that died may leave gloo's waiting
-        pids.append(pid)
-    codes, deadline = {}, time.monotonic() + timeout
-    while len(codes) < world:
-        for pid in pids:
-            if pid in codes:
-                continue
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                codes[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        if time.monotonic() > deadline:
-            for pid in pids:
-                if pid not in codes:
-                    os.kill(pid, signal.SIGKILL)
-            deadline = float("inf")
-        time.sleep(0.02)
-    return [codes[p] for p in pids]
-
-
 def main() -> None:
     jobs = json.loads(sys.argv[1])
+    world = jobs["world"]
     for spec in jobs["jobs"]:
-        codes = run_job(spec, jobs["world"], jobs.get("timeout", 120))
+        codes = fork_ranks(world, lambda rank, spec=spec: rank_main(spec, rank, world), jobs.get("timeout", 120))
         os.makedirs(os.path.join(spec["root"], "out"), exist_ok=True)
         with open(os.path.join(spec["root"], "out", "returncodes.json"), "w") as f:
             json.dump(codes, f)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import sys
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
+from ranks import fork_ranks
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -358,37 +357,8 @@ def main() -> int:
     """``dist_worker.py OUT SCENARIO,... WORLD``: fork WORLD ranks (torch imported once) and wait for them,
     killing any still running after 180 s; exits 0 when every rank did."""
     out, names, world = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
-    pids = []
-    for rank in range(world):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                rank_main(out, names, rank, world)
-                code = 0
-            except BaseException:  # noqa: BLE001 - printed for the test's report
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)  # no teardown: a rank that died may leave gloo waiting in its peer
-        pids.append(pid)
-    codes, deadline = {}, time.monotonic() + 180
-    while len(codes) < world:
-        for pid in pids:
-            if pid in codes:
-                continue
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                codes[pid] = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        if time.monotonic() > deadline:
-            for pid in pids:
-                if pid not in codes:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    codes[pid] = -signal.SIGKILL
-        time.sleep(0.02)
-    return 0 if all(c == 0 for c in codes.values()) else 1
+    codes = fork_ranks(world, lambda rank: rank_main(out, names, rank, world), timeout=180)
+    return 0 if all(c == 0 for c in codes) else 1
 
 
 if __name__ == "__main__":
