@@ -19,6 +19,21 @@ from offload.checkpoint import stream as stream_module
 from offload.errors import CheckpointError
 
 
+@pytest.fixture
+def held_save(monkeypatch) -> threading.Event:
+    """Asynchronous saves wait (up to 30 s) for the returned event before they read any unit themselves, so
+    that steps and loads meet the units first."""
+    go = threading.Event()
+    real_run = snapshot_module._StateCopy.run
+
+    def held_run(self, buffers, bar):
+        go.wait(30)
+        return real_run(self, buffers, bar)
+
+    monkeypatch.setattr(snapshot_module._StateCopy, "run", held_run)
+    return go
+
+
 def make_opt(params, nvme, **kw):
     return OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **{**SMALL, **kw})
 
@@ -57,7 +72,7 @@ def test_an_async_save_equals_a_blocking_one_taken_at_the_same_step(tmp_path, nv
 
 
 def test_units_a_step_changes_before_the_save_reaches_them_are_copied_by_the_guard(tmp_path, nvme, closing,
-                                                                                     monkeypatch):
+                                                                                     monkeypatch, held_save):
     """With the save's own reads held back, the next step meets every unit first: the change guard copies
     each from the step's buffer (and load_state_dict's, which reads none) and the checkpoint is still the
     state of the call."""
@@ -65,19 +80,14 @@ def test_units_a_step_changes_before_the_save_reaches_them_are_copied_by_the_gua
     opt = closing(make_opt(params, nvme))
     train(opt, params, range(2))
     expected = copy.deepcopy(opt.state_dict())
-    go = threading.Event()
+    go = held_save
     captured = []
-    real_run, real_capture = snapshot_module._StateCopy.run, snapshot_module._StateCopy._capture
-
-    def held_run(self, buffers, bar):
-        go.wait(30)
-        return real_run(self, buffers, bar)
+    real_capture = snapshot_module._StateCopy._capture
 
     def counted(self, i, unit, buf):
         captured.append(i)
         return real_capture(self, i, unit, buf)
 
-    monkeypatch.setattr(snapshot_module._StateCopy, "run", held_run)
     monkeypatch.setattr(snapshot_module._StateCopy, "_capture", counted)
     handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
     train(opt, params, range(2, 3))
@@ -132,21 +142,14 @@ def test_an_async_failure_is_raised_by_the_handle_and_once_by_the_next_save(tmp_
     assert ckpt.verify_checkpoint(tmp_path / "d")
 
 
-def test_closing_the_optimizer_during_an_async_save_finishes_the_save_first(tmp_path, nvme, monkeypatch):
+def test_closing_the_optimizer_during_an_async_save_finishes_the_save_first(tmp_path, nvme, monkeypatch, held_save):
     """close() while the save is still reading units waits for it: the checkpoint commits whole and holds
     the state at the call, and only then are the swap files deleted."""
     params = make_params()
     opt = make_opt(params, nvme)
     train(opt, params, range(2))
     expected = copy.deepcopy(opt.state_dict())
-    go = threading.Event()
-    real_run = snapshot_module._StateCopy.run
-
-    def held_run(self, buffers, bar):
-        go.wait(30)
-        return real_run(self, buffers, bar)
-
-    monkeypatch.setattr(snapshot_module._StateCopy, "run", held_run)
+    go = held_save
     handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
     threading.Timer(0.2, go.set).start()
     opt.close()
@@ -186,7 +189,7 @@ def test_progress_bars_show_on_a_terminal_only_when_asked_or_long(tmp_path, nvme
 
 
 def test_an_async_save_whose_first_change_is_a_load_state_dict_holds_the_state_at_the_call(tmp_path, nvme,
-                                                                                           closing, monkeypatch):
+                                                                                           closing, held_save):
     """A load_state_dict right after an asynchronous save (it changes every unit and reads none) leaves the
     checkpoint with the state at the call: the guard copies each unit not yet captured from the store."""
     params = make_params()
@@ -196,14 +199,7 @@ def test_an_async_save_whose_first_change_is_a_load_state_dict_holds_the_state_a
     train(opt, params, range(2, 3))
     other = copy.deepcopy(opt.state_dict())
     opt.load_state_dict(copy.deepcopy(expected))
-    go = threading.Event()
-    real_run = snapshot_module._StateCopy.run
-
-    def held_run(self, buffers, bar):
-        go.wait(30)
-        return real_run(self, buffers, bar)
-
-    monkeypatch.setattr(snapshot_module._StateCopy, "run", held_run)
+    go = held_save
     handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
     opt.load_state_dict(copy.deepcopy(other))
     go.set()
