@@ -144,9 +144,16 @@ def runs(tmp_path_factory):
             {"do": "dump", "tag": "blind-before"},
             {"do": "train", "steps": 1},
             {"do": "save", "dir": os.path.join(blind, "a"), "fault": {"rank": 0, "kind": "blind"}},
+            {"do": "barrier"},  # each rank removes its own shard: list once both have
             {"do": "listdir", "dir": blind},
             {"do": "load", "dir": os.path.join(blind, "a")},
             {"do": "dump", "tag": "blind-loaded"},
+            {"do": "train", "steps": 1},
+            {"do": "save", "dir": os.path.join(blind, "a"), "fault": {"rank": 0, "kind": "after_exchange"}},
+            {"do": "barrier"},  # rank 0 puts the old checkpoint back a second late
+            {"do": "listdir", "dir": os.path.join(blind, "a")},
+            {"do": "load", "dir": os.path.join(blind, "a")},
+            {"do": "dump", "tag": "exchanged-loaded"},
         ], 0),
         "identical": ([
             {"do": "train", "steps": 1},
@@ -400,8 +407,21 @@ def test_save_that_no_rank_commits_fails_everywhere_and_keeps_the_previous_check
     tmp, jobs = runs
     job = jobs["first"]
     for r, log in enumerate(job.logs):
-        assert [e["ok"] for e in log[24:31]] == [True, True, True, False, True, True, True], job.explain()
+        assert [e["ok"] for e in log[24:32]] == [True, True, True, False, True, True, True, True], job.explain()
         assert log[27]["type"] == "CheckpointError" and "could not be committed on rank" in log[27]["error"]
         assert "previous checkpoint back" in log[27]["error"]
-        assert log[28]["result"] == ["a"], job.explain()
+        assert log[29]["result"] == ["a"], job.explain()
         assert_same(job.dump(r, "blind-loaded"), job.dump(r, "blind-before"), f"rank {r}")
+
+
+def test_commit_that_fails_after_taking_the_name_leaves_the_previous_checkpoint_whole_on_every_rank(runs):
+    """Rank 0 commits the shared directory (the new checkpoint takes its name, the old one the staging name)
+    and then fails; while it is slow to put the old one back, rank 1 must not delete its own shard from it:
+    both saves fail, and the checkpoint from before loads on both ranks with every shard."""
+    tmp, jobs = runs
+    job = jobs["first"]
+    for r, log in enumerate(job.logs):
+        assert [e["ok"] for e in log[32:38]] == [True, False, True, True, True, True], job.explain()
+        assert "injected fault after the commit" in log[33]["error"] or "on rank 0" in log[33]["error"], job.explain()
+        assert log[35]["result"] == ["manifest.json", "rank-00000", "rank-00001"], job.explain()
+        assert_same(job.dump(r, "exchanged-loaded"), job.dump(r, "blind-before"), f"rank {r}")

@@ -164,14 +164,14 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional
             if commit is not None:
                 commit.roll_back()
             else:
-                _discard_shard(stage, name)
+                _discard_uncommitted(stage, name)
             raise
         failed = [r for r in results if not r["ok"]]
     if failed:
         if commit is not None:
             commit.roll_back()
         else:
-            _discard_shard(stage, name)  # a staging directory nobody committed (gone if it was committed)
+            _discard_uncommitted(stage, name)
         if own is not None:
             raise own
         raise CheckpointError(f"the job's save to {given} could not be committed on rank {failed[0]['rank']} "
@@ -257,6 +257,14 @@ def _job_manifest(token: str, statuses: list) -> dict:
         "step": max(s["step"] for s in shards),
         "shards": shards,
     }
+
+
+def _discard_uncommitted(stage: str, name: str) -> None:
+    """After a failed commit, on a rank that did not commit: remove its shard from the staging directory if
+    nobody committed that directory. One holding a job manifest is another rank's commit: the checkpoint it
+    replaced (exchanged into the staging name), or the new one being rolled back; that rank puts it right."""
+    if not os.path.lexists(os.path.join(stage, MANIFEST)):
+        _discard_shard(stage, name)
 
 
 def _discard_shard(stage: str, name: str) -> None:
