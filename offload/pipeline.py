@@ -15,7 +15,9 @@ class BufferSource(Protocol):
     """Where a pipeline gets the buffers it moves bytes through, and gives them back.
 
     ``take(wait=False)`` returns a buffer only if one is idle now (else ``None``); ``take(wait=True)``
-    always returns one, waiting for the I/O that last used it. ``item`` is the item the buffer is for
+    always returns one, waiting for the I/O that last used it. (A :class:`BufferRing` with ``prefer``
+    waits in either case for the buffer that holds the item's bytes: reading them again would wait for
+    that I/O too.) ``item`` is the item the buffer is for
     (a source may keep some items' buffers of their own). ``give(buffer, pending)`` returns a buffer;
     ``pending`` is a future still using it as a source (a write), or ``None``. A source may also have
     ``lends(item)``: False for an item that has a buffer of its own (no I/O, no buffer of the shared
@@ -82,7 +84,8 @@ class BufferRing:
 # NOTE: the I/O runs on the native engine's threads and torch's kernels release the GIL, so while
 # ``process`` works on item i, the reads of the next items and the writes of the previous ones proceed
 # on the disk. Reads are issued in item order up to ``lookahead`` items beyond the one being
-# processed, as long as a buffer is idle; only the read of the item needed next may wait for a buffer.
+# processed, as long as a buffer is idle; only the read of the item needed next may wait for a buffer
+# (or a take that gets the buffer already holding its item's bytes, which waits for that buffer's write).
 # With ``write_behind`` a write lands while later items are processed; without it each write is waited
 # for at once. Whatever happens, every request run() issued has finished before it returns or raises:
 # a buffer must never be reused (or freed) while the engine may still be filling or reading it.
@@ -166,9 +169,9 @@ class Pipeline:
                 while next_read < n:
                     # Items ahead of the current one that hold a shared buffer: at most lookahead of them,
                     # or one more while the current item needs no shared buffer (it has one of its own).
-                    current = not lent or lent[0] if next_read > i else True
+                    current_lends = lent[0] if next_read > i else True  # reads[0] is the current item
                     ahead = sum(lent) - (1 if lent and lent[0] else 0)
-                    limit = self.lookahead if current or not self.lookahead else self.lookahead + 1
+                    limit = self.lookahead + (0 if current_lends or not self.lookahead else 1)
                     costly = lends(items[next_read])
                     if next_read > i and costly and ahead >= limit:
                         break

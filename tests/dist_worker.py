@@ -212,7 +212,8 @@ def reservation(out: str) -> dict:
         return {"state_bytes": opt.offloaded_state_bytes, "expected": expected,
                 "file_bytes": [os.path.getsize(f) for f in opt.swap_space.files],
                 "plain_file_bytes": [os.path.getsize(f) for f in alone.swap_space.files],
-                "expected_file_bytes": round_up(expected, 4096),
+                # The state's extents and the swap file's guard block after them.
+                "expected_file_bytes": round_up(expected, 4096) + opt.swap_space.alignment,
                 "whole_state_bytes": whole.offloaded_state_bytes,
                 "pool_bytes": opt.host_pool_bytes, "plain_pool_bytes": alone.host_pool_bytes}
     finally:

@@ -138,6 +138,33 @@ def test_a_swap_file_cut_anywhere_is_named_before_any_write_fills_the_cut_with_z
             opt.close()
 
 
+def test_a_swap_file_cut_while_a_step_runs_is_named_when_the_step_ends(nvme):
+    """Without checksums: a cut made while the step runs (as it updates its last unit, every read done),
+    which the step's own last write then papers over, is named when that step ends (ENODATA, the file),
+    not a step later, and steps are refused after it."""
+    params = make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **{**SMALL, "checksum": False})
+    try:
+        train(opt, params, [0, 1])
+        path, offset, _ = unit_on_disk(opt, 2)
+        units, seen, cuts = len(opt.state_store.layout.units), [], []
+
+        def cut_once(unit, buf):
+            seen.append(unit)
+            if len(seen) == units and not cuts:
+                os.truncate(path, offset)
+                cuts.append(offset)
+
+        opt.state_store.add_change_guard(cut_once)
+        with pytest.raises(OSError) as info:
+            train(opt, params, [2])
+        assert cuts and info.value.errno == errno.ENODATA and info.value.filename == path, info.value
+        with pytest.raises(StateError):
+            train(opt, params, [3])
+    finally:
+        opt.close()
+
+
 def test_a_checkpoint_never_copies_changed_state(tmp_path, nvme):
     """Saving right after the swap file was damaged (no step in between) refuses with StateError and
     leaves the previous checkpoint as it was."""
@@ -178,6 +205,36 @@ def test_changed_offloaded_weights_are_named_at_the_next_fetch_and_never_saved(t
     finally:
         offloaded(model).scheduler.remove()
         offloaded(model).store.close()
+
+
+def test_a_parameter_swap_file_cut_before_weights_are_written_back_is_named_not_filled_with_zeros(nvme):
+    """offload_parameters, checksums off: bf16 weights with fp32 masters are written back by the step without
+    being read first, so a write past a cut made between backward and step would fill it with a hole from
+    which frozen weights read back as zeros. The write-back raises ENODATA naming the file instead, and
+    writes nothing."""
+    torch.manual_seed(0)
+    model = Net().to(torch.bfloat16)
+    model.blocks[0].requires_grad_(False)
+    model = offload_parameters(model, nvme_path=nvme, max_in_cpu=0, buffer_count=3, buffer_size=2048)
+    store = offloaded(model).store
+    # Every trained parameter's state offloaded, with its fp32 master: the step reads no weight.
+    opt = OffloadedAdamW([p for p in model.parameters() if p.requires_grad], nvme_path=os.path.join(nvme, "opt"),
+                         **{**OPT, "small_param_threshold": 1})
+    try:
+        loss_of(model, 0, torch.bfloat16).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(model, 1, torch.bfloat16).backward()
+        path = store.space.files[0]
+        os.truncate(path, 0)
+        with pytest.raises(OSError) as info:
+            opt.step()  # writes the trained weights back, reading none of them
+        assert info.value.errno == errno.ENODATA and info.value.filename == path, info.value
+        assert os.path.getsize(path) == 0  # no write of ours filled the cut with holes
+    finally:
+        opt.close()
+        offloaded(model).scheduler.remove()
+        store.close()
 
 
 def test_a_failed_write_back_of_weights_loses_no_pool_buffer_and_is_reported(nvme):

@@ -145,7 +145,7 @@ def test_alloc_beyond_capacity_grows_the_files(tmp_path):
         ext = space.alloc(MIB)
         assert ext.end <= space.capacity
         sizes = {os.path.getsize(f) for f in space.files}
-        assert sizes == {space.capacity // 2}
+        assert sizes == {space.capacity // 2 + space.alignment}  # and the guard block
 
 
 def _raw_logical_bytes(files: list[str], unit: int, offset: int, nbytes: int) -> bytes:
@@ -189,15 +189,15 @@ def test_striped_round_trip_returns_the_bytes_written(tmp_path, backend, npaths)
 def test_two_paths_each_get_their_share(tmp_path):
     """With two paths, an extent of 4 stripes puts 2 stripes in each file, in alternation."""
     with SwapSpace([tmp_path / "a", tmp_path / "b"], 4 * UNIT, aio=AIO) as space:
-        assert [os.path.getsize(f) for f in space.files] == [2 * UNIT, 2 * UNIT]
+        assert [os.path.getsize(f) for f in space.files] == [2 * UNIT + space.alignment] * 2  # and the guard
         ext = space.alloc(4 * UNIT)
         buf = HostBuffer(4 * UNIT)
         for s in range(4):
             buf.numpy()[s * UNIT:(s + 1) * UNIT] = s + 1
         space.write(ext, buf).wait()
         a, b = (open(f, "rb").read() for f in space.files)  # noqa: SIM115
-        assert a[:UNIT] == bytes([1]) * UNIT and a[UNIT:] == bytes([3]) * UNIT
-        assert b[:UNIT] == bytes([2]) * UNIT and b[UNIT:] == bytes([4]) * UNIT
+        assert a[:UNIT] == bytes([1]) * UNIT and a[UNIT:2 * UNIT] == bytes([3]) * UNIT
+        assert b[:UNIT] == bytes([2]) * UNIT and b[UNIT:2 * UNIT] == bytes([4]) * UNIT
         assert space.stats()["requests"] == 2  # one vectored request per path
 
 
@@ -401,7 +401,7 @@ def test_alloc_many_reserves_once_and_returns_extents_in_order(tmp_path):
         assert extents[0].offset == hole.offset  # the freed range came first
         _check_extents(extents, space.alignment, space.capacity)
         assert space.capacity % (2 * space.stripe_unit) == 0
-        assert {os.path.getsize(f) for f in space.files} == {space.capacity // 2}
+        assert {os.path.getsize(f) for f in space.files} == {space.capacity // 2 + space.alignment}
         assert space.alloc_many([]) == []
 
 
@@ -457,7 +457,7 @@ def test_read_of_a_truncated_swap_file_is_an_error_naming_file_and_offset(tmp_pa
     with SwapSpace(paths, aio=AIO.replace(backend=backend)) as space, HostBuffer(4 * UNIT) as buf:
         early, late = space.alloc_many([2 * UNIT * npaths, 2 * UNIT * npaths])
         victim = space.files[-1]
-        assert os.path.getsize(victim) == 4 * UNIT  # `late` is the second half of every file
+        assert os.path.getsize(victim) == 4 * UNIT + space.alignment  # `late` is the second half of every file
         cut = 3 * UNIT + 8 * KIB
         os.truncate(victim, cut)
         assert space.read(early, buf).wait() == early.nbytes
@@ -639,3 +639,23 @@ def test_stale_scans_never_remove_a_live_swap_file(tmp_path):
     assert scans > 0
     assert reported == [] and removed == []
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("npaths", [1, 2])
+def test_check_intact_names_a_truncated_file_even_after_our_writes_past_the_cut(tmp_path, npaths):
+    """A swap file cut short is named by check_intact (ENODATA, the file, its size and the size it should
+    have), also once a write past the cut has made the file long again: the guard block after the address
+    space is never written, so no write of ours gives the file its size back."""
+    paths = [tmp_path / f"d{i}" for i in range(npaths)]
+    with SwapSpace(paths, aio=AIO) as space, HostBuffer(2 * UNIT * npaths) as buf:
+        early, late = space.alloc_many([2 * UNIT * npaths, 2 * UNIT * npaths])
+        space.write(early, buf).wait()
+        space.write(late, buf).wait()
+        space.check_intact()
+        victim = space.files[-1]
+        os.truncate(victim, UNIT)
+        space.write(late, buf).wait()  # past the cut: the file is long again, with a hole in `early`
+        with pytest.raises(OSError) as info:
+            space.check_intact()
+        assert info.value.errno == errno.ENODATA and info.value.filename == victim
+        assert f"{os.path.getsize(victim)} bytes, shorter than the {4 * UNIT + space.alignment}" in str(info.value)

@@ -90,7 +90,8 @@ def test_clean_removes_dead_runs_files_and_the_live_run_goes_on(swap_dirs, capsy
     reads it, then removes it itself when it closes."""
     top, below, live = swap_dirs
     assert main(["clean", "-r", str(top)]) == EXIT_OK
-    assert "2 stale swap file(s) removed, freeing 2.00 MiB" in capsys.readouterr().out
+    # Two 1 MiB swap files, each with its 4 KiB guard block.
+    assert "2 stale swap file(s) removed, freeing 2.01 MiB" in capsys.readouterr().out
     assert set(_swap_files(top)) == {"live"} and _swap_files(below) == {}
     live.stdin.write("use\n")
     live.stdin.flush()

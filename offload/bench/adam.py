@@ -49,7 +49,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="offload_optimizer.state_dtype: the moments' dtype (default fp32)")
     p.add_argument("--steps", type=positive_int_arg(3), default=5, metavar="N",
-                   help="optimizer steps to time; the first (no state to read) is reported apart (default 5)")
+                   help="optimizer steps to time: the first (no state to read) is reported apart, the others "
+                        "are interleaved with the baseline's; one more, untimed, measures memory (default 5)")
     add_path_option(p)
     add_config_option(p)
     p.add_argument("--checksum-cost", action="store_true",

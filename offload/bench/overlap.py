@@ -108,7 +108,8 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
                                                            for _ in range(2)), io_s)
         x = inputs(batch)
         times: dict[str, list] = {name: [] for name in (*runs, "serial", "io", "beside")}
-        pool = runs["plain"][1].state_store.pool
+        pool = runs["plain"][1].state_store.pool  # None with device "cpu": then I/O as io_only moves it
+        beside_shape = {"buffers": len(pool), "piece": pool.buffer_size} if pool is not None else {}
         gpu_peaks: dict[str, int] = {}
         for _ in range(args.rounds):
             for name in runs:
@@ -120,7 +121,7 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
             times["io"].append(io_alone())
             times["beside"].append(compute_beside_io(
                 paths, cfg.aio, lambda: _iterate(*runs["compute"], x, args.steps) / args.steps,
-                buffers=len(pool), piece=pool.buffer_size))
+                **beside_shape))
         pinned = pool_pinned([runs["plain"][1].state_store.pool]
                              + ([offloaded(runs["plain"][0]).store.pool] if weights_offloaded else []))
     finally:

@@ -69,10 +69,11 @@ def io_only(paths, aio, read_bytes: int, write_bytes: int, buffers: int = 4) -> 
         return time.perf_counter() - t
 
 
-def compute_beside_io(paths, aio, work: Callable[[], float], *, buffers: int, piece: int) -> float:
+def compute_beside_io(paths, aio, work: Callable[[], float], *, buffers: int = 4, piece: int = IO_PIECE) -> float:
     """What ``work()`` returns (its seconds) while reads and writes of ``piece`` bytes, ``buffers`` of them in
     flight, run beside it on another thread without pause: how much compute slows down when it shares the
-    machine with I/O (on a VM, the disk's emulation shares the cores and the memory bandwidth)."""
+    machine with I/O (on a VM, the disk's emulation shares the cores and the memory bandwidth). It makes a
+    pool and a swap file of its own (2 x ``buffers`` x ``piece`` bytes) for the time it runs."""
     size = 2 * buffers * piece
     with BufferPool(buffers, piece) as pool, SwapSpace(paths, size, aio=aio, buffers=pool, name="iobench") as sp:
         extent = sp.alloc(size)

@@ -68,7 +68,9 @@ class _Resources:
 # (s // N) * unit + L % unit. Every path has its own Engine (its own queue), and a read or write of
 # an extent becomes one vectored request per path, so N drives move an extent in parallel and one
 # slow drive does not stall the others' queues. Space grows only by whole stripes on every file,
-# and always before the allocator records an extent there: a failed growth changes nothing.
+# and always before the allocator records an extent there: a failed growth changes nothing. After the
+# address space each file has one guard block (the alignment), never written: our writes cannot give a
+# truncated file its size back, so ``check_intact`` sees a cut made at any time.
 class SwapSpace:
     """Aligned extents over one preallocated swap file per directory, striped RAID0-style.
 
@@ -242,20 +244,25 @@ class SwapSpace:
             self._alloc = plan
             return extents
 
+    def _file_bytes(self, per_file: int) -> int:
+        """A swap file's size holding ``per_file`` bytes of address space: those and a guard block."""
+        return per_file + self.alignment if per_file else 0
+
     def _grow_files(self, per_file: int, what: str) -> None:
-        """Preallocate every swap file to ``per_file`` bytes, or leave them all as they were."""
+        """Preallocate every swap file to ``per_file`` bytes of address space (and the guard block after
+        them), or leave them all as they were."""
         if per_file <= self._per_file:
             return
-        grown = 0
+        grown, before = 0, self._file_bytes(self._per_file)
         try:
             for f in self._res.files:
-                os.posix_fallocate(f.fd, self._per_file, per_file - self._per_file)
+                os.posix_fallocate(f.fd, before, self._file_bytes(per_file) - before)
                 grown += 1
         except OSError as err:
             # Give back what this call took, on the file that failed too (it may have grown part-way).
             for g in self._res.files[:grown + 1]:
                 try:
-                    os.ftruncate(g.fd, self._per_file)
+                    os.ftruncate(g.fd, before)
                 except OSError:
                     pass
             failed = self._res.files[grown].path
@@ -270,19 +277,21 @@ class SwapSpace:
 
         A read inside the cut reports it too, but a write past the cut first would fill the gap with a
         hole that reads back as zeros: a caller that may write units it has not read since (from a copy in
-        memory) checks first.
+        memory) checks first. Each file ends with a guard block that no extent reaches, so a cut made
+        while our writes went on is still seen after them.
 
         Raises:
             OSError: ``ENODATA`` naming the swap file, its size and the size it should have.
         """
         with self._lock:
             self._check_open()
+            want = self._file_bytes(self._per_file)
             for f in self._res.files:
                 size = os.fstat(f.fd).st_size
-                if size < self._per_file:
-                    raise OSError(_errno.ENODATA, f"the swap file is {size} bytes, shorter than the {self._per_file} "
-                                                  "bytes it was preallocated to: it was truncated after state was "
-                                                  f"written, and the state from offset {size} on is lost", f.path)
+                if size < want:
+                    raise OSError(_errno.ENODATA, f"the swap file is {size} bytes, shorter than the {want} bytes it "
+                                                  "was preallocated to: it was truncated behind our back, so state "
+                                                  "stored in it is lost", f.path)
 
     def free(self, extent: Extent) -> None:
         """Give an extent back for reuse.

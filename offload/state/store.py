@@ -82,7 +82,9 @@ class StateStore:
         # a step returns with its last writes in flight (they land during the next forward), and with a
         # host tier buffers change hands between the pool and resident units (see tiers.TierSource).
         self._ring = BufferRing(list(self.pool), prefer=self._holds) if self.pool is not None else None
-        # id(pool buffer) -> the unit whose state it holds as last written from it (see _holds)
+        # id(pool buffer) -> the unit whose state it holds as last written from it (see _holds). Like the
+        # ring, no lock: one thread uses the store at a time (the overlap worker's step, which every other
+        # use of the store refuses to run beside or ends first).
         self._holding: dict[int, Unit] = {}
         self._tail: list = []  # writes a run left landing (futures), until they are seen to have landed
         self.bytes_read = self.bytes_written = 0
@@ -242,14 +244,9 @@ class StateStore:
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
         self._collect_tail()
-        if self.space is not None:
-            # Units kept in host memory (resident, or still in a pool buffer) are written without being read
-            # first: a write past a cut in a truncated file would leave holes that read back as zeros.
-            try:
-                self.space.check_intact()
-            except OSError as err:
-                self.failed(err)
-                raise
+        # Units kept in host memory (resident, or still in a pool buffer) are written without being read
+        # first: a write past a cut in a truncated file would leave holes that read back as zeros.
+        self._check_intact()
         tier = self.tier
         source = self._ring
         if tier is not None:
@@ -277,7 +274,11 @@ class StateStore:
             at_home = resident(unit, buf)
             for guard in list(self._guards) if changes else ():
                 guard(unit, buf)
-            changed = update(unit, buf)
+            try:
+                changed = update(unit, buf)
+            except BaseException:
+                self._holding.pop(id(buf), None)  # the update may have changed the buffer part-way
+                raise
             if at_home:
                 write = settle and id(unit) not in source.settle  # evicted: the disk copy is stale
             elif tier is not None and id(unit) in source.settling:
@@ -303,6 +304,7 @@ class StateStore:
             return fut
 
         self.pipeline.run(units, read=read, process=process, write=write, source=source, drain=drain)
+        self._check_intact()  # a cut made while this run went on (the units read there may have been zeros)
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
         """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
@@ -474,6 +476,16 @@ class StateStore:
         elsewhere = sum(1 for u in self.layout.units if tier.resident(u) and id(u) not in visiting)
         room = max(0, tier.capacity - elsewhere)
         return {id(u) for u in list(units)[len(units) - room:]} if room else set()
+
+    def _check_intact(self) -> None:
+        """Raise (and fail the store) if a swap file was truncated behind our back."""
+        if self.space is None:
+            return
+        try:
+            self.space.check_intact()
+        except OSError as err:
+            self.failed(err)
+            raise
 
     def _holds(self, unit: Unit, buf) -> bool:
         """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
