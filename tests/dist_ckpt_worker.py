@@ -13,6 +13,7 @@ says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions"
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
   {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt
   {"do": "listdir", "dir": d}                    the names in d, sorted (the log's "result")
+  {"do": "mkdir", "dir": d}                      os.makedirs(d, exist_ok=True)
   {"do": "barrier"}                              torch.distributed.barrier()
 "{rank}" in a directory is this rank's number (node-local directories: one per rank). An action with "ranks"
 runs on those ranks only (its log has no entry on the others).
@@ -185,6 +186,8 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
                 dist.barrier()
             elif action["do"] == "listdir":
                 entry["result"] = sorted(os.listdir(action["dir"]))
+            elif action["do"] == "mkdir":
+                os.makedirs(action["dir"], exist_ok=True)
             elif action["do"] == "dump":
                 torch.save({"step": step, "model": holder.state_dict(), "opt": opt.state_dict()},
                            os.path.join(out, f"rank{rank}-{action['tag']}.pt"))

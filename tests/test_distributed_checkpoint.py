@@ -154,6 +154,11 @@ def runs(tmp_path_factory):
             {"do": "listdir", "dir": os.path.join(blind, "a")},
             {"do": "load", "dir": os.path.join(blind, "a")},
             {"do": "dump", "tag": "exchanged-loaded"},
+            {"do": "mkdir", "dir": os.path.join(blind, "empty")},
+            {"do": "save", "dir": os.path.join(blind, "empty"), "fault": {"rank": 0, "kind": "after_exchange"}},
+            {"do": "barrier"},
+            {"do": "listdir", "dir": blind},
+            {"do": "listdir", "dir": os.path.join(blind, "empty")},
         ], 0),
         "identical": ([
             {"do": "train", "steps": 1},
@@ -425,3 +430,15 @@ def test_commit_that_fails_after_taking_the_name_leaves_the_previous_checkpoint_
         assert "injected fault after the commit" in log[33]["error"] or "on rank 0" in log[33]["error"], job.explain()
         assert log[35]["result"] == ["manifest.json", "rank-00000", "rank-00001"], job.explain()
         assert_same(job.dump(r, "exchanged-loaded"), job.dump(r, "blind-before"), f"rank {r}")
+
+
+def test_commit_into_an_empty_directory_that_fails_after_taking_the_name_gives_the_directory_back(runs):
+    """The target is an empty directory of the user's: rank 0's commit exchanges it out (it then has the
+    staging name) and fails; rank 1 must not remove it as an empty staging directory, so rank 0 puts it back
+    and both ranks report the same failure: the directory is there, empty, and nothing else is left."""
+    _, jobs = runs
+    job = jobs["first"]
+    for log in job.logs:
+        assert [e["ok"] for e in log[38:43]] == [True, False, True, True, True], job.explain()
+        assert "injected fault after the commit" in log[39]["error"] or "on rank 0" in log[39]["error"], job.explain()
+        assert log[41]["result"] == ["a", "empty"] and log[42]["result"] == [], job.explain()

@@ -3,6 +3,7 @@ files) is found at the next read, named, and never trained on or copied into a c
 
 from __future__ import annotations
 
+import copy
 import errno
 import os
 
@@ -161,6 +162,52 @@ def test_a_swap_file_cut_while_a_step_runs_is_named_when_the_step_ends(nvme):
         assert cuts and info.value.errno == errno.ENODATA and info.value.filename == path, info.value
         with pytest.raises(StateError):
             train(opt, params, [3])
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "state_dict"])
+def test_after_a_cut_a_whole_load_restores_the_state_and_training_goes_on_bit_for_bit(tmp_path, nvme, how):
+    """Once a cut swap file is named, loading the whole state (load_checkpoint or load_state_dict) gives
+    the file its size back and training goes on exactly as it would have from the saved state."""
+    params = make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **{**SMALL, "checksum": False})
+    try:
+        train(opt, params, [0, 1])
+        weights = snapshot(params)
+        # (torch's state_dict() holds the small parameters' live state tensors: copy it)
+        saved = copy.deepcopy(opt.state_dict()) if how == "state_dict" else opt.save_checkpoint(tmp_path / "c")
+        train(opt, params, [2, 3])
+        expected = snapshot(params)
+        path, offset, _ = unit_on_disk(opt, 1)
+        os.truncate(path, offset)
+        with pytest.raises(OSError):
+            train(opt, params, [4])
+        restore(params, weights)
+        if how == "state_dict":
+            opt.load_state_dict(saved)
+        else:
+            ckpt.load_checkpoint(opt, tmp_path / "c")
+        train(opt, params, [2, 3])
+        assert_same(params, expected)
+    finally:
+        opt.close()
+
+
+def test_growing_a_cut_swap_file_names_the_cut_instead_of_filling_it(nvme):
+    """A parameter trained for the first time after a swap file was cut makes the file grow: the growth
+    raises ENODATA naming the file rather than giving it its size back with zeros in the cut."""
+    params = make_params()
+    params[-1].requires_grad_(False)
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **{**SMALL, "checksum": False})
+    try:
+        train(opt, params[:-1], [0, 1])
+        path = opt.state_store.space.files[0]
+        os.truncate(path, 4096)
+        params[-1].requires_grad_(True)
+        with pytest.raises(OSError) as info:
+            train(opt, params, [2])
+        assert info.value.errno == errno.ENODATA and info.value.filename == path, info.value
     finally:
         opt.close()
 

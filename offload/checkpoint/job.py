@@ -261,9 +261,10 @@ def _job_manifest(token: str, statuses: list) -> dict:
 
 def _discard_uncommitted(stage: str, name: str) -> None:
     """After a failed commit, on a rank that did not commit: remove its shard from the staging directory if
-    nobody committed that directory. One holding a job manifest is another rank's commit: the checkpoint it
-    replaced (exchanged into the staging name), or the new one being rolled back; that rank puts it right."""
-    if not os.path.lexists(os.path.join(stage, MANIFEST)):
+    nobody committed that directory. Whatever else has the staging name belongs to another rank's commit,
+    which puts it right: the checkpoint it replaced (it holds a job manifest) or the directory it replaced
+    (it does not hold this rank's shard), or the new checkpoint being rolled back (a job manifest)."""
+    if not os.path.lexists(os.path.join(stage, MANIFEST)) and os.path.lexists(os.path.join(stage, name)):
         _discard_shard(stage, name)
 
 

@@ -232,6 +232,7 @@ def _match(opt, manifest: dict, memory: dict, directory: str) -> list:
 def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, progress: Optional[bool]) -> None:
     store = opt.state_store
     store.drain(quiet=True)  # the last step's writes land first; their state is overwritten now
+    store.rewriting_all()  # all of the state is replaced: a swap file cut behind our back is whole again
     entries = manifest["params"]
     # Parameters frozen when the optimizer was built have no place yet.
     late = {params[e["index"]] for e in entries if e.get("initialized") and store.slot(params[e["index"]]) is None}

@@ -455,8 +455,9 @@ class ParamStore:
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
         self._land(rec)  # requests complete in any order: an old write must not land after this one
-        rec.digests = [None] * self.io.count(rec.nbytes)
-        self.bytes_written += self.io.write_from(self._data(rec), rec.extent, rec.writes, digests=rec.digests)
+        digests = [None] * self.io.count(rec.nbytes)
+        self.bytes_written += self.io.write_from(self._data(rec), rec.extent, rec.writes, digests=digests)
+        rec.digests = digests  # (a write refused before it began keeps the checksums of the bytes on disk)
 
     @staticmethod
     def _what(rec: _Record) -> str:

@@ -70,7 +70,8 @@ class _Resources:
 # slow drive does not stall the others' queues. Space grows only by whole stripes on every file,
 # and always before the allocator records an extent there: a failed growth changes nothing. After the
 # address space each file has one guard block (the alignment), never written: our writes cannot give a
-# truncated file its size back, so ``check_intact`` sees a cut made at any time.
+# truncated file its size back, so ``check_intact`` sees a cut made at any time. Only growth (which
+# checks first) and ``regrow`` (for a load that rewrites all the state) ever lengthen a file.
 class SwapSpace:
     """Aligned extents over one preallocated swap file per directory, striped RAID0-style.
 
@@ -253,21 +254,26 @@ class SwapSpace:
         them), or leave them all as they were."""
         if per_file <= self._per_file:
             return
+        # Growing a truncated file would give it its size back with a hole in the cut: name the cut first.
+        self.check_intact()
         grown, before = 0, self._file_bytes(self._per_file)
+        sizes = [os.fstat(f.fd).st_size for f in self._res.files]
         try:
             for f in self._res.files:
                 os.posix_fallocate(f.fd, before, self._file_bytes(per_file) - before)
                 grown += 1
         except OSError as err:
-            # Give back what this call took, on the file that failed too (it may have grown part-way).
-            for g in self._res.files[:grown + 1]:
+            # Give back what this call took, on the file that failed too (it may have grown part-way),
+            # shrinking each file to the size it had (never lengthening one).
+            for g, size in zip(self._res.files[:grown + 1], sizes):
                 try:
-                    os.ftruncate(g.fd, before)
+                    if os.fstat(g.fd).st_size > size:
+                        os.ftruncate(g.fd, size)
                 except OSError:
                     pass
             failed = self._res.files[grown].path
             if err.errno in (_errno.ENOSPC, _errno.EDQUOT):
-                need = {p: per_file - self._per_file for p in self.paths}
+                need = {p: self._file_bytes(per_file) - before for p in self.paths}
                 raise OSError(err.errno, no_space_message(need, what), failed) from err
             raise OSError(err.errno, f"cannot preallocate the swap file ({err.strerror})", failed) from err
         self._per_file = per_file
@@ -292,6 +298,25 @@ class SwapSpace:
                     raise OSError(_errno.ENODATA, f"the swap file is {size} bytes, shorter than the {want} bytes it "
                                                   "was preallocated to: it was truncated behind our back, so state "
                                                   "stored in it is lost", f.path)
+
+    def regrow(self) -> None:
+        """Give every swap file its preallocated size back, after a cut that :meth:`check_intact` named:
+        for a caller about to rewrite every byte of state the space holds (a whole load), so that nothing is
+        read from the cut.
+
+        Raises:
+            OSError: the file system cannot allocate the space again (ENOSPC naming the file).
+        """
+        with self._lock:
+            self._check_open()
+            want = self._file_bytes(self._per_file)
+            for f in self._res.files:
+                if os.fstat(f.fd).st_size < want:
+                    try:
+                        os.posix_fallocate(f.fd, 0, want)
+                    except OSError as err:
+                        raise OSError(err.errno, f"cannot preallocate the swap file again ({err.strerror})",
+                                      f.path) from err
 
     def free(self, extent: Extent) -> None:
         """Give an extent back for reuse.

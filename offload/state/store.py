@@ -340,6 +340,9 @@ class StateStore:
             return
         self.drain(quiet=True)  # what a step left landing is overwritten now: its errors no longer matter
         units = self.units_of(by_slot)
+        needs_read = lambda u: any(c.slot.initialized and c.slot not in by_slot for c in u.chunks)  # noqa: E731
+        if not any(needs_read(u) for u in self.layout.units):
+            self.rewriting_all()
 
         def copy_in(unit: Unit, buf) -> bool:
             for c in unit.chunks:
@@ -359,13 +362,18 @@ class StateStore:
             return True
 
         try:
-            self.run(units, copy_in, needs_read=lambda u: any(
-                c.slot.initialized and c.slot not in by_slot for c in u.chunks))
+            self.run(units, copy_in, needs_read=needs_read)
         except BaseException as err:
             self.failed(err)
             raise
         for slot in by_slot:
             slot.initialized = True
+
+    def rewriting_all(self) -> None:
+        """Say that every unit holding state is about to be overwritten (a whole load): a swap file cut
+        behind our back gets its size back, since nothing will be read from the cut."""
+        if self.space is not None:
+            self.space.regrow()
 
     def add_change_guard(self, guard: Callable[[Unit, Any], None]) -> Callable[[], None]:
         """Call ``guard(unit, buffer)`` before any run changes a unit's state, with ``buffer`` holding the
