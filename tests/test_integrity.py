@@ -284,6 +284,33 @@ def test_a_parameter_swap_file_cut_before_weights_are_written_back_is_named_not_
         store.close()
 
 
+def test_after_a_parameter_swap_file_is_cut_loading_the_saved_weights_lets_training_go_on(tmp_path, nvme):
+    """load_parameters of every offloaded weight (what the errors tell users to do) gives a cut parameter
+    swap file its size back: the weights are the saved ones and the next iteration's write-backs pass."""
+    torch.manual_seed(0)
+    model = offload_parameters(Net(), nvme_path=nvme, **TINY)
+    store = offloaded(model).store
+    opt = OffloadedAdamW(model.parameters(), nvme_path=os.path.join(nvme, "opt"), **OPT)
+    try:
+        loss_of(model, 0).backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.save_parameters(model, tmp_path / "w")
+        with torch.no_grad():
+            before = loss_of(model, 5)
+        os.truncate(store.space.files[0], 4096)
+        ckpt.load_parameters(model, tmp_path / "w")
+        with torch.no_grad():
+            assert torch.equal(loss_of(model, 5), before)  # the saved weights, read back whole
+        loss_of(model, 1).backward()
+        opt.step()  # writes weights and grads back: the file is whole again
+        store.space.check_intact()
+    finally:
+        opt.close()
+        offloaded(model).scheduler.remove()
+        store.close()
+
+
 def test_a_failed_write_back_of_weights_loses_no_pool_buffer_and_is_reported(nvme):
     """An I/O error while the parameter store writes weights back is reported (the weights it carried are
     lost, so fetching them refuses until a checkpoint is loaded) and every pool buffer stays usable."""
