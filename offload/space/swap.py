@@ -91,7 +91,8 @@ class SwapSpace:
     Attributes:
         paths: the directories, absolute. files: the swap files, one per path.
         alignment: offsets and lengths of extents are multiples of this (at least 4096).
-        stripe_unit: bytes per stripe. capacity: bytes reserved. used: bytes in live extents.
+        stripe_unit: bytes per stripe. capacity: bytes of address space reserved (each file also has a
+        guard block of ``alignment`` bytes after its share). used: bytes in live extents.
         backend: the engines' backend, ``"io_uring"`` or ``"threads"``.
         o_direct: whether every swap file is open with O_DIRECT.
 
