@@ -167,14 +167,13 @@ class Pipeline:
         try:
             for i in range(n):
                 while next_read < n:
-                    # Items ahead of the current one that hold a shared buffer: at most lookahead of them,
-                    # or one more while the current item needs no shared buffer (it has one of its own).
-                    current_lends = lent[0] if next_read > i else True  # reads[0] is the current item
-                    ahead = sum(lent) - (1 if lent and lent[0] else 0)
-                    limit = self.lookahead + (0 if current_lends or not self.lookahead else 1)
                     costly = lends(items[next_read])
-                    if next_read > i and costly and ahead >= limit:
-                        break
+                    if next_read > i and costly:
+                        # Items ahead of the current one (reads[0]) that hold a shared buffer: at most
+                        # lookahead of them, one more while the current one has a buffer of its own.
+                        current = lent[0]
+                        if sum(lent) - current >= self.lookahead + (not current and self.lookahead > 0):
+                            break
                     buf = source.take(wait=not reads, item=items[next_read])
                     if buf is None:
                         break

@@ -122,7 +122,7 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
             times["beside"].append(compute_beside_io(
                 paths, cfg.aio, lambda: _iterate(*runs["compute"], x, args.steps) / args.steps,
                 **beside_shape))
-        pinned = pool_pinned([runs["plain"][1].state_store.pool]
+        pinned = pool_pinned([pool]
                              + ([offloaded(runs["plain"][0]).store.pool] if weights_offloaded else []))
     finally:
         for name in ("plain", "overlap"):

@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from .commit import _exchange, _fsync_dir, _recover, _rename, _Shard, _write_json
 from .format import JOB_FORMAT, JOB_VERSION, MANIFEST, _manifest_digest, _shard_name
 from .locks import _Hold, _lock
-from .ownership import _clean_stale_jobs, _remove_ours, _target_kind
+from .ownership import _clean_stale_jobs, _parse_manifest, _remove_ours, _target_kind
 
 
 def job_world() -> int | None:
@@ -232,13 +232,12 @@ def _check_committed(target: str, token: str, name: str) -> dict:
     """``{"ok": True}`` if ``target`` is this save's checkpoint (its job manifest has ``token``) and holds
     this rank's shard ``name``, else ``{"ok": False, "error": why}``."""
     try:
-        with open(os.path.join(target, MANIFEST), "rb") as f:
-            job = json.loads(f.read()).get("job")
-    except (OSError, ValueError, AttributeError) as err:
-        return {"ok": False, "error": f"its directory holds no job manifest of this save ({err})"}
-    if job != token:
-        return {"ok": False, "error": "its directory still holds another checkpoint (the rank that was to commit it "
-                                      "did not find the shards there)"}
+        manifest = _parse_manifest(target)
+    except OSError as err:  # told to the other ranks, who wait for this answer
+        return {"ok": False, "error": f"its directory's job manifest cannot be read ({err})"}
+    if not isinstance(manifest, dict) or manifest.get("job") != token:
+        return {"ok": False, "error": "its directory does not hold this save (the rank that was to commit it did "
+                                      "not find the shards there)"}
     if not os.path.isdir(os.path.join(target, name)):
         return {"ok": False, "error": f"its shard {name} is not in the committed directory"}
     return {"ok": True}

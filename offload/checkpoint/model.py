@@ -441,12 +441,8 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
             units.append(_Unit(e, start, min(unit_bytes, nbytes - start), extent, store, memory_bytes, tuple(copies),
                                  from_file=src is None, param=t))
 
-    # A load that replaces every offloaded tensor of a store gives a swap file cut behind our back its size
-    # back (nothing will be read from the cut); a partial one leaves the cut to be named.
-    loaded = {id(u.param) for u in units if u.store is not None}
     for store in {id(u.store): u.store for u in units if u.store is not None}.values():
-        if store.space is not None and all(id(p) in loaded for p in store.records):
-            store.space.regrow()
+        store.rewriting([u.param for u in units if u.store is store])
     hashes = {id(u.entry): xxhash.xxh3_64() for u in units if u.from_file}
     with engine.open(path, "r") as f:
         def read(u: _Unit, buf):

@@ -452,6 +452,13 @@ class ParamStore:
         self.bytes_read += self.io.read_into(self._data(rec), rec.extent, digests=rec.digests, pending=pending,
                                              what=lambda: self._what(rec))
 
+    def rewriting(self, params: Iterable[torch.Tensor]) -> None:
+        """``params``' stored bytes are about to be overwritten (a load). If that is every offloaded tensor, a
+        swap file cut behind our back gets its size back: nothing will be read from the cut. A partial load
+        leaves the cut to be named."""
+        if self.space is not None and {id(p) for p in self.records} <= {id(p) for p in params}:
+            self.space.regrow()
+
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
         self._land(rec)  # requests complete in any order: an old write must not land after this one

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -361,11 +362,8 @@ class StateStore:
             after_unit(unit)
             return True
 
-        try:
+        with self._failing_on(BaseException):
             self.run(units, copy_in, needs_read=needs_read)
-        except BaseException as err:
-            self.failed(err)
-            raise
         for slot in by_slot:
             slot.initialized = True
 
@@ -485,15 +483,20 @@ class StateStore:
         room = max(0, tier.capacity - elsewhere)
         return {id(u) for u in list(units)[len(units) - room:]} if room else set()
 
-    def _check_intact(self) -> None:
-        """Raise (and fail the store) if a swap file was truncated behind our back."""
-        if self.space is None:
-            return
+    @contextlib.contextmanager
+    def _failing_on(self, *errors: type):
+        """The store is failed (see :meth:`failed`) when the block raises one of ``errors``, then re-raised."""
         try:
-            self.space.check_intact()
-        except OSError as err:
+            yield
+        except errors as err:
             self.failed(err)
             raise
+
+    def _check_intact(self) -> None:
+        """Raise (and fail the store) if a swap file was truncated behind our back."""
+        if self.space is not None:
+            with self._failing_on(OSError):
+                self.space.check_intact()
 
     def _holds(self, unit: Unit, buf) -> bool:
         """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
@@ -528,11 +531,8 @@ class StateStore:
         """Wait for ``unit``'s last write; if it failed, the store is failed and the error raised here."""
         if unit.written is None:
             return
-        try:
+        with self._failing_on(OSError):
             unit.written.wait()
-        except OSError as err:
-            self.failed(err)
-            raise
         unit.written = None
 
     def _collect_tail(self) -> None:
