@@ -410,3 +410,35 @@ def test_overlap_calibration_finds_the_batch_whose_compute_matches_the_io():
     flat = _calibrate(lambda b: 0.2 if b < 64 else 0.19, 0.5)  # time falls as the batch grows: noise
     assert CALIBRATION_BATCH <= flat <= 1 << 16
     assert _calibrate(lambda b: 1e-6 * b, 10.0) == 1 << 16  # never beyond the largest batch tried
+
+
+def test_compute_beside_io_times_the_work_while_reads_and_writes_run_and_cleans_up(tmp_path, monkeypatch):
+    """compute_beside_io returns what the work says it took, runs rounds of reads and writes on another thread
+    for as long as the work runs (not merely before or after it), and leaves nothing in the directory."""
+    import threading
+    import time
+
+    from offload.bench import workload
+    from offload.config import AioConfig
+
+    rounds, during = [], threading.Event()
+    real = workload._run_ops
+
+    def counted(sp, pool, extent, ops):
+        if any(op == "r" for op, _, _ in ops):  # a round of reads and writes (laying the bytes down has none)
+            rounds.append(during.is_set())
+        return real(sp, pool, extent, ops)
+
+    monkeypatch.setattr(workload, "_run_ops", counted)
+
+    def work() -> float:
+        during.set()
+        time.sleep(0.3)
+        during.clear()
+        return 1.25
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    assert workload.compute_beside_io([str(scratch)], AioConfig(), work, buffers=2, piece=64 << 10) == 1.25
+    assert rounds and any(rounds), rounds  # rounds ran while the work did
+    assert os.listdir(scratch) == []
