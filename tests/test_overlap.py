@@ -285,6 +285,37 @@ def test_overlap_with_offloaded_parameters_trains_like_without_and_skips_the_gra
     assert ra < rb  # no second fetch for the update (how much less depends on which prefetches were dropped)
 
 
+def test_offloaded_weights_unused_in_an_iteration_keep_their_bits(nvme, closing):
+    """bf16 weights on NVMe, every parameter with an fp32 master (small_param_threshold=0): a block that gets
+    no gradient in an iteration keeps its weights bit for bit, with overlap_backward as without it, and the
+    two optimizers stay equal bit for bit. (Its weights were fetched without a read, as the master allows,
+    then written back unchanged: whatever the memory held went to NVMe.)"""
+    torch.manual_seed(0)
+    a, b = Net().to(torch.bfloat16), Net().to(torch.bfloat16)
+    b.load_state_dict(a.state_dict())
+    for m, path in ((a, "-pa"), (b, "-pb")):
+        closing(offload_parameters(m, nvme_path=nvme + path, **TINY))
+    opt = dict(OPT, small_param_threshold=0)
+    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", overlap_backward=True, **opt))
+    ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", **opt))
+    with materialized(a):
+        initial = [p.detach().clone() for p in a.blocks[2].parameters()]
+    for s in range(4):
+        for m, o in ((a, oa), (b, ob)):
+            m.order = [0, 1, 3] if s % 2 else None  # block 2 unused in odd iterations
+            with materialized(m):
+                before = [p.detach().clone() for p in m.blocks[2].parameters()]
+            loss_of(m, s, torch.bfloat16).backward()
+            o.step()
+            o.zero_grad()
+            if s % 2:
+                with materialized(m):
+                    assert_same(list(m.blocks[2].parameters()), before)
+    with materialized(a), materialized(b):
+        assert_same(list(a.parameters()), list(b.parameters()))
+        assert not any(torch.equal(p, q) for p, q in zip(a.blocks[2].parameters(), initial))  # trained when used
+
+
 def test_a_gradient_consumed_during_backward_refuses_to_be_read(nvme, closing):
     """With overlap_backward and offloaded grads, a gradient the update took during backward is gone:
     reading it raises an error naming overlap_backward; zero_grad() then a new backward work as usual."""

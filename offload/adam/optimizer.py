@@ -437,13 +437,16 @@ class OffloadedAdam(torch.optim.Adam):
             def update(unit, buf) -> bool:
                 if gate is not None:
                     gate(unit)
+                # What this update changes: the chunks whose parameter has a grad now. Only their weights
+                # are fetched (and written back); a parameter unused in this iteration keeps its weights on
+                # NVMe untouched (fetched without a read, as a master allows, they would go back as garbage).
+                chunks = [c for c in unit.chunks if id(c.slot) in candidates and c.slot.param.grad is not None]
                 grads = unit_pass.grads(unit)
-                unit_pass.fetch(unit, skip_read=has_master)
+                unit_pass.fetch(unit, {c.slot for c in chunks}, skip_read=has_master)
                 by_group: dict[int, list] = {}
-                for c in unit.chunks:
-                    if id(c.slot) in candidates and c.slot.param.grad is not None:
-                        by_group.setdefault(id(c.slot.group), []).append(c)
-                        updated.add(c.slot)
+                for c in chunks:
+                    by_group.setdefault(id(c.slot.group), []).append(c)
+                    updated.add(c.slot)
                 devices = set()
                 for chunks in by_group.values():
                     devices |= update_chunks(chunks, buf, grads, state=self.state, clip=self._clip,

@@ -195,10 +195,12 @@ class UnitPass:
 
     # -- weights -------------------------------------------------------------------------------
 
-    def fetch(self, unit, *, skip_read=lambda slot: False) -> None:
-        """Make the weights of ``unit``'s active chunks resident (each parameter once, until its last
-        chunk is done), and start reading the next unit's; ``skip_read(slot)``: the update overwrites
-        every element (an fp32 master copy exists), so the old weights need not be read."""
+    def fetch(self, unit, changing: set, *, skip_read=lambda slot: False) -> None:
+        """Make resident the weights of ``changing``, the slots of ``unit``'s chunks the update writes (each
+        parameter once, until its last chunk in the pass is done), and start reading the next unit's.
+        ``skip_read(slot)``: the update overwrites every element of that slot (an fp32 master copy
+        exists), so its old weights need not be read. Weights of other chunks are not fetched, so they are
+        never written back."""
         i = self._position[id(unit)]
         if i + 1 < len(self.units):
             for c in self.units[i + 1].chunks:
@@ -207,7 +209,7 @@ class UnitPass:
                         and not skip_read(c.slot):
                     store.prefetch(c.slot.param)
         for c in unit.chunks:
-            if id(c.slot) in self.active:
+            if c.slot in changing:
                 self._hold(c.slot, read=not skip_read(c.slot))
 
     def weights(self, chunk) -> torch.Tensor:
