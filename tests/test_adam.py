@@ -203,6 +203,48 @@ def test_grad_scaler_on_cpu_unscales_and_skips_inf_steps_like_torch(nvme, closin
     assert sa.get_scale() == sb.get_scale()
 
 
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["scale-to-step", "unscale_-first"])
+@pytest.mark.parametrize("init_scale", [1024.0, 1000.0])
+def test_grad_scaler_with_max_grad_norm_clips_the_unscaled_grads_like_torch(nvme, closing, unscale_first,
+                                                                            init_scale):
+    """A GradScaler with max_grad_norm equals torch's unscale_, clip_grad_norm_, step, bit for bit: the norm
+    is the unscaled grads' (last_grad_norm as clip_grad_norm_ returns it), the weights and the state torch's,
+    a step with an inf grad skipped. The scale reaches step() (fused kernels) or the user unscales first;
+    a scale that is not a power of two is unscaled as GradScaler does it (times its reciprocal)."""
+    a, b = make_params(), make_params()
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=True, max_grad_norm=0.5, **SMALL))
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=True)
+    assert ours._step_supports_amp_scaling
+    sa = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    sb = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        directions = [torch.randn(p.shape, generator=g) for p in a]
+        if step == 2:
+            directions[3][0] = float("inf")
+        before = [p.detach().clone() for p in a]
+        for scaler, opt, params in ((sa, ours, a), (sb, ref, b)):
+            opt.zero_grad()
+            loss = sum((p * d).sum() for p, d in zip(params, directions))
+            scaler.scale(loss).backward()
+            if opt is ref or unscale_first:
+                scaler.unscale_(opt)
+            if opt is ref:
+                norm = torch.nn.utils.clip_grad_norm_(b, 0.5)
+            scaler.step(opt)
+            scaler.update()
+        if step == 2:
+            assert_same(a, before)
+        else:
+            assert torch.equal(ours.last_grad_norm, norm) and float(norm) > 0.5
+        assert_same(a, b)
+    assert sa.get_scale() == sb.get_scale()
+    sd, ref_sd = ours.state_dict(), ref.state_dict()
+    for i in ref_sd["state"]:
+        assert_same([sd["state"][i][k] for k in ("exp_avg", "exp_avg_sq")],
+                    [ref_sd["state"][i][k] for k in ("exp_avg", "exp_avg_sq")])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_params_keep_an_fp32_master_and_track_torch_on_fp32(nvme, closing, dtype):
     """Every bf16/fp16 param, offloaded or small and kept in memory, is updated from an fp32 master with fp32

@@ -17,7 +17,7 @@ from ..overlap import BackwardOverlap
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, local_entry, step_tensor
 from .checks import check_dtensor_options, check_grad, check_params, no_duplicate_warning
-from .update import kernel_flags, update_chunks, update_in_memory
+from .update import NO_SCALING, GradScaling, kernel_flags, update_chunks, update_in_memory
 
 __all__ = ["OffloadedAdam", "OffloadedAdamW"]
 
@@ -119,8 +119,7 @@ class OffloadedAdam(torch.optim.Adam):
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[torch.Tensor] = None
-        self._clip: Optional[torch.Tensor] = None  # set by step() for its updates
-        self._grad_scale: Optional[torch.Tensor] = None
+        self._scaling = NO_SCALING  # what step() does to the grads, for its updates
         check_params(self.param_groups)
         check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
                                overlap_backward=self.config.offload_optimizer.overlap_backward)
@@ -184,7 +183,7 @@ class OffloadedAdam(torch.optim.Adam):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf.sum() > 0):
             return loss
-        self._grad_scale = getattr(self, "grad_scale", None)
+        scale = getattr(self, "grad_scale", None)
 
         in_memory, offloaded = [], []
         for group in self.param_groups:
@@ -197,7 +196,7 @@ class OffloadedAdam(torch.optim.Adam):
         # all or nothing), unless an update is already under way since backward.
         changing = overlap is not None and overlap.running
         try:
-            self._clip = self._clip_factor([p for _, p in in_memory + offloaded])
+            self._scaling = self._grad_scaling([p for _, p in in_memory + offloaded], scale)
             late = {p for _, p in offloaded if store.slot(p) is None}
             if late:
                 # Parameters that were frozen at construction and now have grads get their place.
@@ -206,8 +205,7 @@ class OffloadedAdam(torch.optim.Adam):
             # Parameters whose weights live on NVMe (offload_parameters) are fetched for the update and
             # written back after it; ordinary parameters are untouched by this.
             with self._access.resident([p for _, p in in_memory], dirty=True):
-                update_in_memory(self.state, in_memory, grad_of=self._access.grad, clip=self._clip,
-                                 grad_scale=self._grad_scale)
+                update_in_memory(self.state, in_memory, grad_of=self._access.grad, scaling=self._scaling)
             # With overlap_backward most units were updated during backward: finish that, then the rest.
             done = overlap.finish() if overlap is not None else set()
             rest = [store.slot(p) for _, p in offloaded if store.slot(p) not in done]
@@ -220,7 +218,7 @@ class OffloadedAdam(torch.optim.Adam):
                 store.failed(err)
             raise
         finally:
-            self._clip = None
+            self._scaling = NO_SCALING
         return loss
 
     def no_step(self):
@@ -449,8 +447,7 @@ class OffloadedAdam(torch.optim.Adam):
                     updated.add(c.slot)
                 devices = set()
                 for chunks in by_group.values():
-                    devices |= update_chunks(chunks, buf, grads, state=self.state, clip=self._clip,
-                                             grad_scale=self._grad_scale)
+                    devices |= update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
                 if devices:
                     copying[id(unit)] = devices
                 unit_pass.done(unit)
@@ -489,22 +486,27 @@ class OffloadedAdam(torch.optim.Adam):
             self.state_store.failed(err)
             raise err
 
-    def _clip_factor(self, params: list) -> Optional[torch.Tensor]:
-        """With max_grad_norm: the total norm of ``params``' grads (torch's clip_grad_norm_, bit for bit; norms
-        taken during backward with overlap_backward) and the factor grads are multiplied by."""
+    def _grad_scaling(self, params: list, scale: Optional[torch.Tensor]) -> GradScaling:
+        """What this step does to ``params``' grads. ``scale``: a GradScaler's, handed to step() (see
+        _step_supports_amp_scaling). With max_grad_norm, the total norm of the grads (torch's
+        clip_grad_norm_, bit for bit; norms taken during backward with overlap_backward) gives the factor
+        they are multiplied by. Clipping needs unscaled grads: with a scale too, the grads are first
+        multiplied by 1/scale as ``scaler.unscale_`` does, so the step is torch's ``unscale_``,
+        ``clip_grad_norm_``, ``step`` bit for bit."""
         if self.max_grad_norm is None or not params:
-            return None
-        taken = self._overlap.norms() if self._overlap is not None else {}
+            return GradScaling(kernel_scale=scale)
+        unscaling = GradScaling(unscale=None if scale is None else scale.double().reciprocal().float())
+        taken = self._overlap.norms() if self._overlap is not None else {}  # no GradScaler with overlap
         norms = []
         for p in params:
             norm = taken.get(id(p))
             if norm is None:
-                g = self._access.grad(p)
+                g = unscaling.apply(self._access.grad(p))
                 norm = grad_norm(g)
                 del g  # one gradient of a grad store in memory at a time
             norms.append(norm)
         self.last_grad_norm = total_norm([p.grad for p in params], norms)
-        return clip_coef(self.last_grad_norm, self.max_grad_norm)
+        return GradScaling(unscale=unscaling.unscale, clip=clip_coef(self.last_grad_norm, self.max_grad_norm))
 
 class OffloadedAdamW(OffloadedAdam):
     """AdamW (decoupled weight decay) with optimizer state on NVMe; a drop-in for ``torch.optim.AdamW``.

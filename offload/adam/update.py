@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -10,7 +11,7 @@ from torch.optim.adam import adam as _torch_adam
 from ..distributed import like, local
 from ..state import HALF_DTYPES
 
-__all__ = ["kernel_flags", "run_adam", "update_chunks", "update_in_memory"]
+__all__ = ["GradScaling", "kernel_flags", "run_adam", "update_chunks", "update_in_memory"]
 
 _FUSED_DEVICES = ("cpu", "cuda")
 
@@ -19,9 +20,35 @@ _FUSED_DEVICES = ("cpu", "cuda")
 # in one unit) gives the same bits as updating it whole, as long as each chunk sees the same kernel
 # (fused or foreach, chosen as torch chooses), the same step count and the same grad. Clipping
 # multiplies the grad by the clip factor exactly as torch's clip_grad_norm_ multiplies p.grad in place;
-# a GradScaler's scale goes to the kernel, which divides by it. A DTensor parameter (FSDP2, tensor
-# parallelism) is updated through its local shard, with its grad's local shard: the kernels are
-# element-wise, so that is what torch's DTensor dispatch runs too, and the same bits.
+# a GradScaler's scale goes to the kernel, which divides by it, unless the grads must be unscaled before
+# the kernel (to clip them): then they are multiplied by 1/scale first, as GradScaler.unscale_ does.
+# A DTensor parameter (FSDP2, tensor parallelism) is updated through its local shard, with its grad's
+# local shard: the kernels are element-wise, so that is what torch's DTensor dispatch runs too, and the same bits.
+
+
+@dataclass(frozen=True)
+class GradScaling:
+    """What a step does to each grad it reads, in torch's order: ``unscale`` (a GradScaler's 1/scale, as
+    ``scaler.unscale_`` multiplies), then ``clip`` (``clip_grad_norm_``'s factor); ``kernel_scale``: a
+    GradScaler's scale handed to the fused kernel, which divides by it. Each is None when not used."""
+
+    unscale: Optional[torch.Tensor] = None
+    clip: Optional[torch.Tensor] = None
+    kernel_scale: Optional[torch.Tensor] = None
+
+    def apply(self, grad: torch.Tensor) -> torch.Tensor:
+        """``grad`` unscaled then clipped (a new tensor, or ``grad`` itself when neither applies). A half grad
+        is unscaled in fp32, as the fp32 grad of its master would be."""
+        if self.unscale is not None:
+            if grad.dtype in HALF_DTYPES:
+                grad = grad.float()
+            grad = grad * self.unscale.to(grad.device)
+        if self.clip is not None:
+            grad = grad * self.clip.to(grad.device)
+        return grad
+
+
+NO_SCALING = GradScaling()
 
 
 def kernel_flags(group: dict, device: torch.device) -> dict:
@@ -50,15 +77,14 @@ def run_adam(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
 
 
 def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], torch.Tensor],
-                     clip: Optional[torch.Tensor], grad_scale: Optional[torch.Tensor]) -> None:
+                     scaling: GradScaling = NO_SCALING) -> None:
     """Update small parameters whose state stays in memory (``state[p]``, created at the first step).
 
     Args:
         state: the optimizer's ``state`` mapping.
         items: ``(group, param)`` pairs.
         grad_of: the whole gradient of a parameter (read from a grad store when it has one).
-        clip: the clip factor grads are multiplied by, or None.
-        grad_scale: a GradScaler's scale, or None.
+        scaling: what is done to each grad before the kernel (and the scale the kernel divides by).
     """
     by_group: dict[int, list] = {}
     for group, p in items:
@@ -83,9 +109,7 @@ def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], to
                                                     memory_format=torch.preserve_format), p)
             if fused and st["step"].device != p.device:
                 st["step"] = st["step"].to(p.device)
-            grad = local(grad_of(p))
-            if clip is not None:
-                grad = grad * clip.to(grad.device)
+            grad = scaling.apply(local(grad_of(p)))
             targets.append(local(st["master"]) if half else weights)
             lists[0].append(grad.float() if half else grad)
             lists[1].append(local(st["exp_avg"]))
@@ -93,14 +117,13 @@ def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], to
             if group["amsgrad"]:
                 lists[3].append(local(st["max_exp_avg_sq"]))
             lists[4].append(st["step"])
-        run_adam(group, targets, *lists, grad_scale=grad_scale)
+        run_adam(group, targets, *lists, grad_scale=scaling.kernel_scale)
         for p, target in zip(params, targets):
             if p.dtype in HALF_DTYPES:
                 local(p).detach().copy_(target)
 
 
-def update_chunks(chunks, buf, grad_views: dict, *, state: dict, clip: Optional[torch.Tensor],
-                  grad_scale: Optional[torch.Tensor]) -> set:
+def update_chunks(chunks, buf, grad_views: dict, *, state: dict, scaling: GradScaling = NO_SCALING) -> set:
     """Update ``chunks`` (one group's, all in the unit held by ``buf``) in place.
 
     Args:
@@ -108,8 +131,7 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, clip: Optional[
         buf: the host buffer holding the unit.
         grad_views: ``{chunk: flat grad}`` for grads read from a grad store; others come from ``p.grad``.
         state: the optimizer's ``state`` mapping (its ``"step"`` counts; they are not incremented here).
-        clip: the clip factor grads are multiplied by, or None.
-        grad_scale: a GradScaler's scale, or None.
+        scaling: what is done to each grad before the kernel (and the scale the kernel divides by).
 
     Returns:
         The CUDA devices whose copies back into ``buf`` are queued and must be waited for before the
@@ -128,8 +150,7 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, clip: Optional[
             flat_g = local(p.grad).reshape(-1)[lo:hi]
         elif flat_g.device != p.device:
             flat_g = flat_g.to(p.device, non_blocking=True)
-        if clip is not None:
-            flat_g = flat_g * clip.to(flat_g.device)
+        flat_g = scaling.apply(flat_g)
         views = {k: c.slice(buf, k) for k in c.slot.keys}
         if not c.slot.initialized:
             for k, t in views.items():
@@ -161,7 +182,7 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, clip: Optional[
         # non_blocking: a blocking copy would wait for every state copy queued before it.
         steps.append(step.to(dev, copy=True, non_blocking=True) if kernel_flags(group, dev)["fused"]
                      else step.clone())
-    run_adam(group, params, grads, m, v, vmax, steps, grad_scale=grad_scale)
+    run_adam(group, params, grads, m, v, vmax, steps, grad_scale=scaling.kernel_scale)
     for stored, wide in narrow:
         stored.copy_(wide)
     for c, target in zip(chunks, params):
