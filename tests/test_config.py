@@ -47,9 +47,9 @@ def test_defaults_are_the_documented_values():
     )  # fmt: skip
     o = c.offload_optimizer
     assert (o.device, o.nvme_path, o.buffer_count, o.buffer_size) == ("nvme", None, 4, 64 * MiB)
-    assert (o.pin_memory, o.pipeline_read, o.pipeline_write, o.fast_init) == ("auto", True, True, False)
+    assert (o.pin_memory, o.pipeline_read, o.pipeline_write) == ("auto", True, True)
     assert (o.host_cache, o.state_dtype, o.checksum) == (0, "fp32", False)
-    assert (o.ratio, o.small_param_threshold, o.nvme_paths) == (1.0, 4096, ())
+    assert (o.small_param_threshold, o.nvme_paths) == (4096, ())
     p = c.offload_param
     assert (p.device, p.nvme_path, p.buffer_count, p.buffer_size) == ("nvme", None, 5, 100_000_000)
     assert (p.max_in_cpu, p.max_grad_in_cpu, p.pin_memory, p.checksum) == (1_000_000_000, 1_000_000_000, "auto", False)
@@ -259,7 +259,6 @@ def test_human_sizes_and_counts_are_read():
         ("aio", "o_direct", "auto"),
         ("offload_optimizer", "buffer_count", 4),
         ("offload_optimizer", "buffer_size", 64 * MiB),
-        ("offload_optimizer", "ratio", 1.0),
         ("offload_param", "buffer_size", 100_000_000),
         ("offload_param", "max_in_cpu", 1_000_000_000),
     ],
@@ -750,3 +749,47 @@ def test_the_seeds_70b_deepspeed_config_trains_a_bf16_model_like_torch(nvme, clo
             assert_same(list(model.parameters()), list(ref.parameters()))
     finally:
         monkeypatch.undo()
+
+
+# -- one declaration per key ----------------------------------------------------------------------------------
+
+
+def test_the_readme_table_of_keys_is_the_declarations():
+    """The README's table of keys is what the declarations write (python -m offload.config), row for row."""
+    from offload.config.blocks import keys_table
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    found = re.search(r"<!-- config keys: begin -->\n(.*?)<!-- config keys: end -->", readme, re.S)
+    assert found, "the README has lost its markers around the table of keys"
+    assert found.group(1) == keys_table(), "the README table is stale: paste `python -m offload.config` into it"
+
+
+def test_every_key_of_a_block_is_a_keyword_of_what_uses_it():
+    """OffloadedAdam takes every offload_optimizer key as a keyword, offload_parameters the offload_param keys a
+    user tunes per model; each keyword is a key (nothing declared twice with different names)."""
+    import inspect
+
+    from offload import OffloadedAdam, offload_parameters
+
+    def keywords(fn, skip):
+        return {n for n, p in inspect.signature(fn).parameters.items() if n not in skip and p.default is not p.empty}
+
+    adam = keywords(OffloadedAdam.__init__, {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+                                             "capturable", "differentiable", "fused", "config", "max_grad_norm"})
+    assert adam == {f.name for f in dataclasses.fields(OptimizerOffloadConfig)}
+    params = keywords(offload_parameters, {"config", "prefetch", "offload_grads"})
+    assert params <= {f.name for f in dataclasses.fields(ParamOffloadConfig)}
+
+
+def test_deepspeed_keys_that_do_nothing_are_accepted_checked_and_dropped():
+    """fast_init and ratio load from a DeepSpeed file without becoming settings; a bad value is still an error,
+    and ratio other than 1.0 is refused (all state is offloaded)."""
+    c = load_config({"zero_optimization": {"offload_optimizer": {"fast_init": True, "ratio": 1.0, "buffer_count": 6}}})
+    assert c.offload_optimizer.buffer_count == 6 and not hasattr(c.offload_optimizer, "fast_init")
+    assert "fast_init" not in config_to_dict(c, only=None)["offload_optimizer"]
+    with pytest.raises(ConfigError, match="fast_init: must be true or false"):
+        load_config({"offload_optimizer": {"fast_init": "yes"}})
+    with pytest.raises(ConfigError, match="ratio: only 1.0 is supported"):
+        load_config({"offload_optimizer": {"ratio": 0.5}})
+    with pytest.raises(ConfigError, match='"offload_optimizer"; did you mean "fast_init"'):
+        load_config({"offload_optimizer": {"fast_inits": True}})

@@ -1,6 +1,9 @@
 """The three configuration blocks as frozen dataclasses, and :class:`Config`, which holds them.
 
-Each block checks every field at construction and reports every problem in one ``ConfigError``.
+Each key is declared once, as a field made by :func:`setting`: its default, its rule (what it accepts) and
+what it means. The rule tables, the classes' docstrings and the README's table of keys are derived from
+those declarations. Each block checks every field at construction and reports every problem in one
+``ConfigError``.
 """
 
 from __future__ import annotations
@@ -10,45 +13,75 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rules import ALIASES, BLOCKS, DEFAULT, RULES, check, convert, did_you_mean, raise_if, show, unknown_key
+from ..units import format_size
+from .rules import (
+    ALIASES,
+    BLOCK_BYTES,
+    BLOCKS,
+    BOOL,
+    BUFFER_COUNT,
+    BYTES,
+    COUNT,
+    DEFAULT,
+    DEVICE,
+    IGNORED,
+    PATHS,
+    PIN,
+    POSITIVE_COUNT,
+    Rule,
+    check,
+    convert,
+    did_you_mean,
+    raise_if,
+    show,
+)
 
-__all__ = ["CLASSES", "AioConfig", "Config", "OptimizerOffloadConfig", "ParamOffloadConfig", "block_to_dict",
-           "read_block"]  # fmt: skip
+__all__ = ["CLASSES", "RULES", "AioConfig", "Config", "OptimizerOffloadConfig", "ParamOffloadConfig",
+           "block_to_dict", "keys_table", "read_block", "unknown_key"]  # fmt: skip
 
 
-# NOTE: every setting is checked in one place, at the edge. A block's ``__post_init__`` runs the rules of
-# offload.config.rules over every field; the loader reads JSON with the same rules plus the conveniences a
-# file needs (human sizes, "auto", aliases). Nothing downstream re-validates.
+def setting(default: Any, rule: Rule, doc: str, *, shown: str = "") -> Any:
+    """A configuration key: its ``default``, the ``rule`` every value must pass, and ``doc`` (what it means,
+    for the class docstring and the README table; ``shown``: the default as the table writes it)."""
+    return field(default=default, metadata={"rule": rule, "doc": doc, "shown": shown})
+
+
+def _documented(cls):
+    """Append an ``Attributes:`` section, written from the fields' docs, to ``cls``'s docstring."""
+    lines = [f"        {f.name}: {f.metadata['doc']}" for f in dataclasses.fields(cls)]
+    cls.__doc__ = cls.__doc__.rstrip() + "\n\n    Attributes:\n" + "\n".join(lines) + "\n"
+    return cls
+
+
+# NOTE: every setting is checked in one place, at the edge. A block's ``__post_init__`` runs the rules
+# over every field; the loader reads JSON with the same rules plus the conveniences a file needs (human
+# sizes, "auto", aliases, DeepSpeed's keys that do nothing here). Nothing downstream re-validates.
+@_documented
 @dataclass(frozen=True)
 class AioConfig:
     """Settings of the native I/O engine (DeepSpeed's ``aio`` block, same key names).
-
-    Attributes:
-        block_size: bytes per request piece; a multiple of 4096, from 4 KiB to 1 GiB.
-        queue_depth: pieces in flight per worker, 1 to 4096.
-        thread_count: worker threads, each with its own io_uring ring, 1 to 64. DeepSpeed's newer name
-            ``intra_op_parallelism`` is read as the same key.
-        single_submit: one submit system call per piece instead of one per batch.
-        overlap_events: refill the queue as completions arrive instead of submit-all-then-wait.
-        use_gds: GPUDirect Storage (the ``gds`` extra: kvikio and a cuFile driver). Accepted, so DeepSpeed
-            files that set it load as they are; an optimizer or parameter store built with it warns once
-            what GDS gives on this machine (unavailable: the reason) and moves state through the pinned
-            host pool either way. See :func:`offload.aio.gds_status`.
-        backend: ``"auto"`` (io_uring, else threads), ``"io_uring"`` or ``"threads"``.
-        o_direct: ``"auto"`` (O_DIRECT, else buffered with one warning), ``True`` or ``False``.
 
     Raises:
         ConfigError: at construction, naming every bad field.
     """
 
-    block_size: int = 1 << 20
-    queue_depth: int = 32
-    thread_count: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
-    use_gds: bool = False
-    backend: str = "auto"
-    o_direct: bool | str = "auto"
+    block_size: int = setting(1 << 20, BLOCK_BYTES, "bytes per request piece; a multiple of 4096, from 4 KiB "
+                              "to 1 GiB.")
+    queue_depth: int = setting(32, Rule("int", lo=1, hi=4096), "pieces in flight per worker, 1 to 4096.")
+    thread_count: int = setting(1, Rule("int", lo=1, hi=64), "worker threads, each with its own io_uring ring, "
+                                "1 to 64. DeepSpeed's newer name ``intra_op_parallelism`` is the same key.")
+    single_submit: bool = setting(False, BOOL, "one submit system call per piece instead of one per batch.")
+    overlap_events: bool = setting(True, BOOL, "refill the queue as completions arrive instead of "
+                                   "submit-all-then-wait.")
+    use_gds: bool = setting(False, BOOL, "GPUDirect Storage (the ``gds`` extra: kvikio and a cuFile driver). "
+                            "True is accepted, so DeepSpeed files that set it load as they are: the first "
+                            "optimizer or parameter store built with it warns once what GDS gives on this "
+                            "machine (:func:`offload.aio.gds_status`); state moves through the pinned host "
+                            "pool either way.")
+    backend: str = setting("auto", Rule("choice", choices=("auto", "io_uring", "threads"), auto="value"),
+                           '``"auto"`` (io_uring, else threads), ``"io_uring"`` or ``"threads"``.')
+    o_direct: bool | str = setting("auto", Rule("o_direct", auto="value"), '``"auto"`` (O_DIRECT, else buffered '
+                                   "with one warning), ``True`` or ``False``.")
 
     def __post_init__(self) -> None:
         _validate(self, "aio")
@@ -58,60 +91,47 @@ class AioConfig:
         return dataclasses.replace(self, **changes)
 
 
+@_documented
 @dataclass(frozen=True)
 class OptimizerOffloadConfig:
     """Where and how optimizer state is offloaded (DeepSpeed's ``zero_optimization.offload_optimizer``).
-
-    Attributes:
-        device: ``"nvme"`` (state on the drives of ``nvme_path``), or ``"cpu"`` (all state in host memory,
-            no swap file: pinned with ``pin_memory``, and updated on the GPU for CUDA parameters).
-            ``"none"`` is read from DeepSpeed files but refused by the optimizers (use ``torch.optim``).
-        nvme_path: a directory, or a list of directories (one per drive; state is striped over them), or
-            ``None`` to give the path when building the optimizer. Stored as a ``str`` or a ``tuple``.
-        buffer_count: buffers in the host pool, 2 to 4096 (3 or more lets a read, an update and a write
-            overlap). DeepSpeed's default, 4.
-        buffer_size: bytes per pool buffer (our extension; DeepSpeed sizes them from the largest
-            sub-group). A multiple of 4096; human sizes such as ``"64MiB"`` are read from files.
-            Parameters larger than a buffer are split across buffers. The pool must fit in the
-            machine's memory; that is checked when it is allocated.
-        pin_memory: register the pool (and the host cache) with CUDA, page-locked, for fast GPU copies:
-            pageable memory copied at 17 GB/s against 54 GB/s pinned on an H100. ``"auto"`` (the default):
-            pinned when any parameter is on a GPU.
-        pipeline_read: read the next sub-group while the current one is updated.
-        pipeline_write: write the previous sub-group while the current one is updated.
-        fast_init: accepted for DeepSpeed compatibility; swap files are always preallocated up front.
-        ratio: fraction of optimizer state offloaded; only ``1.0`` (all of it) is supported.
-        small_param_threshold: parameters with fewer elements keep their state in host memory (our
-            extension): a disk round trip costs more than it saves for biases and norms.
-        host_cache: bytes of NVMe state kept resident in host memory between steps (a human size in
-            files, ``"48GiB"``), or ``"auto"`` (a share of available memory, see the README); 0: none.
-            Units are visited in snake order, so bytes moved per step fall to (state - cache) each way.
-        state_dtype: ``"fp32"`` (exp_avg and exp_avg_sq in fp32: bitwise torch) or ``"bf16"`` (stored as
-            bf16, computed in fp32, rounded to nearest; fp32 master copies stay fp32).
-        checksum: keep an xxh3_64 of every unit written and verify it on every read, so state changed on
-            disk behind our back is found instead of trained on (off by default: on a 2-core machine it
-            cost 3-7% of a step; measure yours with ``offload-bench adam --checksum-cost``).
-        overlap_backward: read and update state during backward, as each unit's grads become final, so an
-            iteration costs about max(compute, I/O); see the README for what it cannot be combined with.
 
     Raises:
         ConfigError: at construction, naming every bad field.
     """
 
-    device: str = "nvme"
-    nvme_path: str | tuple | None = None
-    buffer_count: int = 4
-    buffer_size: int = 64 << 20
-    pin_memory: bool | str = "auto"
-    pipeline_read: bool = True
-    pipeline_write: bool = True
-    fast_init: bool = False
-    ratio: float = 1.0
-    small_param_threshold: int = 4096
-    host_cache: int | str = 0
-    state_dtype: str = "fp32"
-    checksum: bool = False
-    overlap_backward: bool = False
+    device: str = setting("nvme", DEVICE, '``"nvme"`` (state on the drives of ``nvme_path``), or ``"cpu"`` '
+                          "(all state in host memory, no swap file: pinned with ``pin_memory``, and updated on "
+                          'the GPU for CUDA parameters). ``"none"`` is read from DeepSpeed files but refused by '
+                          "the optimizers (use ``torch.optim``).")
+    nvme_path: str | tuple | None = setting(None, PATHS, "a directory, or a list of directories (one per drive; "
+                                            "state is striped over them), or ``None`` to give the path when "
+                                            "building the optimizer. Stored as a ``str`` or a ``tuple``.")
+    buffer_count: int = setting(4, BUFFER_COUNT, "buffers in the host pool, 2 to 4096 (3 or more lets a read, "
+                                "an update and a write overlap). DeepSpeed's default, 4.")
+    buffer_size: int = setting(64 << 20, BYTES, "bytes per pool buffer (DeepSpeed sizes them from the largest "
+                               'sub-group); a multiple of 4096, ``"64MiB"`` in files; smaller when the state '
+                               "is. Parameters larger than a buffer are split across buffers.")
+    pin_memory: bool | str = setting("auto", PIN, "register the pool (and the host cache) with CUDA, "
+                                     "page-locked, for fast GPU copies; ``\"auto\"``: when any parameter is "
+                                     "on a GPU.", shown="auto")
+    pipeline_read: bool = setting(True, BOOL, "read the next unit while the current one is updated.")
+    pipeline_write: bool = setting(True, BOOL, "write the previous unit while the current one is updated.")
+    small_param_threshold: int = setting(4096, COUNT, "parameters with fewer elements keep their state in host "
+                                         "memory: a disk round trip costs more than it saves for biases and "
+                                         "norms.")
+    host_cache: int | str = setting(0, Rule("cache", auto="value"), "bytes of NVMe state kept resident in host "
+                                    'memory between steps (``"48GiB"`` in files), or ``"auto"`` (a share of '
+                                    "available memory); units are visited in snake order, so bytes moved per "
+                                    "step fall to (state - cache) each way.")
+    state_dtype: str = setting("fp32", Rule("choice", choices=("fp32", "bf16"), auto='write "fp32" or "bf16"'),
+                               '``"fp32"`` (bitwise torch) or ``"bf16"`` (moments stored as bf16, computed in '
+                               "fp32, rounded to nearest; fp32 masters stay fp32).")
+    checksum: bool = setting(False, BOOL, "an xxh3_64 of every unit written, verified on every read, so state "
+                             "changed on disk behind our back is found instead of trained on (measure its cost "
+                             "with ``offload-bench adam --checksum-cost``).")
+    overlap_backward: bool = setting(False, BOOL, "read and update state during backward, as each unit's grads "
+                                     "become final, so an iteration costs about max(compute, I/O).")
 
     def __post_init__(self) -> None:
         _validate(self, "offload_optimizer")
@@ -126,36 +146,31 @@ class OptimizerOffloadConfig:
         return dataclasses.replace(self, **changes)
 
 
+@_documented
 @dataclass(frozen=True)
 class ParamOffloadConfig:
     """Where and how parameters are offloaded (DeepSpeed's ``zero_optimization.offload_param``).
-
-    Attributes:
-        device: ``"nvme"``; ``"cpu"`` and ``"none"`` are read from DeepSpeed files but refused by
-            parameter offloading, as for :class:`OptimizerOffloadConfig`.
-        nvme_path: a directory, a list of directories (striped), or ``None``.
-        buffer_count: buffers in the parameter pool, 2 to 4096. DeepSpeed's default, 5.
-        buffer_size: ELEMENTS per buffer (not bytes, as in DeepSpeed), default 1e8, at most an int64.
-        max_in_cpu: parameter elements that may stay in host memory, default 1e9.
-        max_grad_in_cpu: gradient elements of offloaded parameters kept in host memory between backward
-            and the step instead of being written to NVMe and read back (smallest first), default 1e9.
-        pin_memory: register the pool with CUDA (page-locked); ``"auto"`` (the default): when the model is
-            on a GPU.
-        checksum: keep an xxh3_64 of every weight unit written and verify it when read back (off by
-            default, as for the optimizer's state).
 
     Raises:
         ConfigError: at construction, naming every bad field.
     """
 
-    device: str = "nvme"
-    nvme_path: str | tuple | None = None
-    buffer_count: int = 5
-    buffer_size: int = 100_000_000
-    max_in_cpu: int = 1_000_000_000
-    max_grad_in_cpu: int = 1_000_000_000
-    pin_memory: bool | str = "auto"
-    checksum: bool = False
+    device: str = setting("nvme", DEVICE, '``"nvme"``; ``"cpu"`` and ``"none"`` are read from DeepSpeed files '
+                          "but refused by parameter offloading.")
+    nvme_path: str | tuple | None = setting(None, PATHS, "a directory, a list of directories (striped), or "
+                                            "``None``.")
+    buffer_count: int = setting(5, BUFFER_COUNT, "buffers in the parameter pool, 2 to 4096. DeepSpeed's "
+                                "default, 5.")
+    buffer_size: int = setting(100_000_000, POSITIVE_COUNT, "ELEMENTS per buffer (not bytes, as in DeepSpeed).",
+                               shown="1e8")
+    max_in_cpu: int = setting(1_000_000_000, COUNT, "parameter elements that may stay in host memory "
+                              "(smallest parameters first).", shown="1e9")
+    max_grad_in_cpu: int = setting(1_000_000_000, COUNT, "gradient elements of offloaded parameters kept in "
+                                   "host memory between backward and the step instead of a round trip "
+                                   "through NVMe (smallest first).", shown="1e9")
+    pin_memory: bool | str = setting("auto", PIN, "register the pool with CUDA (page-locked); ``\"auto\"``: "
+                                     "when the model is on a GPU.", shown="auto")
+    checksum: bool = setting(False, BOOL, "an xxh3_64 of every weight unit written, verified when read back.")
 
     def __post_init__(self) -> None:
         _validate(self, "offload_param")
@@ -175,6 +190,8 @@ CLASSES = {
     "offload_optimizer": OptimizerOffloadConfig,
     "offload_param": ParamOffloadConfig,
 }
+# What each key accepts, by block, from the declarations above.
+RULES = {name: {f.name: f.metadata["rule"] for f in dataclasses.fields(cls)} for name, cls in CLASSES.items()}
 
 
 @dataclass(frozen=True)
@@ -252,6 +269,13 @@ def read_block(name: str, raw: Mapping, prefix: str, problems: list) -> Any:
     for key, raw_value in raw.items():
         path = f"{prefix}.{key}"
         field_name = aliases.get(key, key)
+        if field_name in IGNORED[name]:
+            # DeepSpeed's key, which does nothing here: checked as it would be there, then dropped.
+            _, problem = convert(IGNORED[name][field_name][0], field_name, raw_value)
+            if problem:
+                problems.append((path, problem))
+                ok = False
+            continue
         if field_name not in rules:
             problems.append((path, unknown_key(key, name)))
             ok = False
@@ -273,6 +297,47 @@ def read_block(name: str, raw: Mapping, prefix: str, problems: list) -> Any:
         elif value is not DEFAULT:
             values[field_name] = value
     return CLASSES[name](**values) if ok else None
+
+
+def unknown_key(key: str, block: str) -> str:
+    """The problem for a key that ``block`` does not have: a "did you mean", or where it belongs."""
+    valid = [*RULES[block], *ALIASES[block], *IGNORED[block]]
+    hint = did_you_mean(key, valid)
+    if not hint:
+        homes = [b for b in BLOCKS if b != block and key in (*RULES[b], *ALIASES[b])]
+        if homes:
+            return f'unknown key in "{block}"; it is a key of "{homes[0]}"'
+        return f'unknown key in "{block}"; valid keys: {", ".join(valid)}'
+    return f'unknown key in "{block}"{hint}'
+
+
+def keys_table() -> str:
+    """The README's table of configuration keys (Markdown), written from the declarations."""
+    rows = ["| block | key | default | meaning |", "|---|---|---|---|"]
+    for name, cls in CLASSES.items():
+        for f in dataclasses.fields(cls):
+            key = " = ".join(f"`{k}`" for k in (f.name, *(a for a, to in ALIASES[name].items() if to == f.name)))
+            rows.append(f"| `{name}` | {key} | {_shown(f)} | {_markdown(f.metadata['doc'])} |")
+        for key, (_, doc) in IGNORED[name].items():
+            rows.append(f"| `{name}` | `{key}` | | {_markdown(doc)} |")
+    return "\n".join(rows) + "\n"
+
+
+def _markdown(doc: str) -> str:
+    return " ".join(doc.replace("``", "`").replace(":func:", "").split())
+
+
+def _shown(f: dataclasses.Field) -> str:
+    if f.metadata["shown"]:
+        return f.metadata["shown"]
+    value = f.default
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if f.metadata["rule"].kind == "bytes" and value >= 1024:
+        return format_size(value)
+    return str(value)
 
 
 def block_to_dict(block: Any) -> dict:

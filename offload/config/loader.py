@@ -7,9 +7,18 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from .blocks import CLASSES, AioConfig, Config, OptimizerOffloadConfig, ParamOffloadConfig, block_to_dict, read_block
+from .blocks import (
+    CLASSES,
+    RULES,
+    AioConfig,
+    Config,
+    OptimizerOffloadConfig,
+    ParamOffloadConfig,
+    block_to_dict,
+    read_block,
+)
 from .files import read_document
-from .rules import ALIASES, BLOCKS, RULES, did_you_mean, raise_if, show
+from .rules import ALIASES, BLOCKS, IGNORED, did_you_mean, raise_if, show
 
 __all__ = ["config_to_dict", "load_config", "offload_config"]
 
@@ -95,7 +104,7 @@ def offload_config(source, block: str, *, user: str, what: str, otherwise: str, 
     cls = CLASSES[block]
     if isinstance(source, cls):
         cfg = Config(**{block: source})
-    elif isinstance(source, Mapping) and source and set(source) <= set(cls.__dataclass_fields__):
+    elif isinstance(source, Mapping) and source and set(source) <= {*RULES[block], *IGNORED[block]}:
         cfg = Config(**{block: dict(source)})
     else:
         cfg = load_config(source)
@@ -188,7 +197,7 @@ def _locate_blocks(doc: Mapping, problems: list) -> dict[str, tuple[str, Any]]:
         if given:
             found[name] = given[0]
     # Misplaced or misspelt blocks would otherwise be ignored like the keys DeepSpeed has and we do not.
-    block_keys = {k: b for b in BLOCKS for k in (*RULES[b], *ALIASES[b])}
+    block_keys = {k: b for b in BLOCKS for k in (*RULES[b], *ALIASES[b], *IGNORED[b])}
     for key in doc:
         if key in _CONTAINERS:
             continue

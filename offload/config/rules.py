@@ -17,15 +17,23 @@ from ..units import ALIGNMENT, format_size, parse_count, parse_size
 __all__ = [
     "ALIASES",
     "BLOCKS",
+    "BOOL",
+    "BUFFER_COUNT",
+    "BYTES",
+    "BLOCK_BYTES",
+    "COUNT",
+    "DEVICE",
+    "IGNORED",
+    "PATHS",
+    "PIN",
+    "POSITIVE_COUNT",
     "DEFAULT",
-    "RULES",
     "Rule",
     "check",
     "convert",
     "did_you_mean",
     "raise_if",
     "show",
-    "unknown_key",
 ]
 
 BLOCKS = ("aio", "offload_optimizer", "offload_param")
@@ -71,49 +79,34 @@ class Rule:
 
 
 _BOOL_AUTO = "write true or false"
-_AIO_RULES = {
-    "block_size": Rule("bytes", lo=ALIGNMENT, hi=MAX_BLOCK_SIZE, multiple=ALIGNMENT),
-    "queue_depth": Rule("int", lo=1, hi=4096),
-    "thread_count": Rule("int", lo=1, hi=64),
-    "single_submit": Rule("bool", auto=_BOOL_AUTO),
-    "overlap_events": Rule("bool", auto=_BOOL_AUTO),
-    "use_gds": Rule("bool", auto=_BOOL_AUTO),
-    "backend": Rule("choice", choices=("auto", "io_uring", "threads"), auto="value"),
-    "o_direct": Rule("o_direct", auto="value"),
-}
 _DEVICE_AUTO = 'name the device: "nvme", or "cpu" for state in host memory'
 _PATH_AUTO = "give a directory on the NVMe drive, or a list of directories, one per drive"
 _DEVICES = ("nvme", "cpu", "none")
 _COUNT = dict(hi=INT64_MAX, why_hi=_INT64)
-_OPTIMIZER_RULES = {
-    "device": Rule("choice", choices=_DEVICES, auto=_DEVICE_AUTO),
-    "nvme_path": Rule("paths", auto=_PATH_AUTO),
-    "buffer_count": Rule("int", lo=2, hi=MAX_BUFFERS, why_hi=_BUFFERS),
-    "buffer_size": Rule("bytes", lo=ALIGNMENT, hi=MAX_BYTES, why_hi=_INT64_BYTES, multiple=ALIGNMENT),
-    "pin_memory": Rule("pin", auto="value"),
-    "pipeline_read": Rule("bool", auto=_BOOL_AUTO),
-    "pipeline_write": Rule("bool", auto=_BOOL_AUTO),
-    "fast_init": Rule("bool", auto=_BOOL_AUTO),
-    "ratio": Rule("ratio"),
-    "small_param_threshold": Rule("count", lo=0, **_COUNT),
-    "host_cache": Rule("cache", auto="value"),
-    "state_dtype": Rule("choice", choices=("fp32", "bf16"), auto='write "fp32" or "bf16"'),
-    "checksum": Rule("bool", auto=_BOOL_AUTO),
-    "overlap_backward": Rule("bool", auto=_BOOL_AUTO),
-}
-_PARAM_RULES = {
-    "device": Rule("choice", choices=_DEVICES, auto=_DEVICE_AUTO),
-    "nvme_path": Rule("paths", auto=_PATH_AUTO),
-    "buffer_count": Rule("int", lo=2, hi=MAX_BUFFERS, why_hi=_BUFFERS),
-    "buffer_size": Rule("count", lo=1, **_COUNT),
-    "max_in_cpu": Rule("count", lo=0, **_COUNT),
-    "max_grad_in_cpu": Rule("count", lo=0, **_COUNT),
-    "pin_memory": Rule("pin", auto="value"),
-    "checksum": Rule("bool", auto=_BOOL_AUTO),
-}
-RULES = {"aio": _AIO_RULES, "offload_optimizer": _OPTIMIZER_RULES, "offload_param": _PARAM_RULES}
+
+# The rules keys share; each key's own is declared with its field (offload.config.blocks).
+BOOL = Rule("bool", auto=_BOOL_AUTO)
+DEVICE = Rule("choice", choices=_DEVICES, auto=_DEVICE_AUTO)
+PATHS = Rule("paths", auto=_PATH_AUTO)
+BUFFER_COUNT = Rule("int", lo=2, hi=MAX_BUFFERS, why_hi=_BUFFERS)
+BYTES = Rule("bytes", lo=ALIGNMENT, hi=MAX_BYTES, why_hi=_INT64_BYTES, multiple=ALIGNMENT)
+BLOCK_BYTES = Rule("bytes", lo=ALIGNMENT, hi=MAX_BLOCK_SIZE, multiple=ALIGNMENT)
+COUNT = Rule("count", lo=0, **_COUNT)
+POSITIVE_COUNT = Rule("count", lo=1, **_COUNT)
+PIN = Rule("pin", auto="value")
+
 # DeepSpeed renamed thread_count to intra_op_parallelism (2025) without an alias; both mean the same.
 ALIASES = {"aio": {"intra_op_parallelism": "thread_count"}, "offload_optimizer": {}, "offload_param": {}}
+# Keys of DeepSpeed's blocks that change nothing here: checked (rule, why it changes nothing), then
+# dropped, so a ds_config.json that sets them loads as it is.
+IGNORED = {
+    "aio": {},
+    "offload_optimizer": {
+        "fast_init": (BOOL, "accepted from DeepSpeed files and ignored: swap files are always preallocated."),
+        "ratio": (Rule("ratio"), "accepted from DeepSpeed files when 1.0: all optimizer state is offloaded."),
+    },
+    "offload_param": {},
+}
 
 DEFAULT = object()  # what convert() returns when "auto" chose the key's default
 
@@ -256,18 +249,6 @@ def raise_if(problems: list[tuple[str, str]], what: str) -> None:
         err = ConfigError(f"{what} ({len(problems)} problems):\n{lines}")
     err.problems = list(problems)  # (json path, message) pairs, for tools and tests
     raise err
-
-
-def unknown_key(key: str, block: str) -> str:
-    """The problem for a key that ``block`` does not have: a "did you mean", or where it belongs."""
-    valid = [*RULES[block], *ALIASES[block]]
-    hint = did_you_mean(key, valid)
-    if not hint:
-        homes = [b for b in BLOCKS if b != block and key in (*RULES[b], *ALIASES[b])]
-        if homes:
-            return f'unknown key in "{block}"; it is a key of "{homes[0]}"'
-        return f'unknown key in "{block}"; valid keys: {", ".join(valid)}'
-    return f'unknown key in "{block}"{hint}'
 
 
 def did_you_mean(word: str, candidates: Iterable[str], cutoff: float = 0.6) -> str:
