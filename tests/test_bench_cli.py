@@ -11,10 +11,12 @@ import subprocess
 import pytest
 import torch
 from helpers import REPO, run_python
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload.aio import gds_status
 from offload.bench.cli import main
-from offload.config import config_to_dict, load_config
+from offload.config import AioConfig, config_to_dict, load_config
 
 TINY = ["--size", "8MiB", "--block-size", "64KiB", "--runs", "2"]
 
@@ -441,4 +443,31 @@ def test_compute_beside_io_times_the_work_while_reads_and_writes_run_and_cleans_
     scratch.mkdir()
     assert workload.compute_beside_io([str(scratch)], AioConfig(), work, buffers=2, piece=64 << 10) == 1.25
     assert rounds and any(rounds), rounds  # rounds ran while the work did
+    assert os.listdir(scratch) == []
+
+
+@settings(max_examples=12, deadline=None)
+@given(read_bytes=st.integers(0, 300_000), write_bytes=st.integers(0, 300_000))
+def test_io_only_moves_any_byte_counts_in_aligned_requests(tmp_path_factory, read_bytes, write_bytes):
+    """io_only reads and writes any byte counts (not only multiples of the alignment: a step's are not): every
+    request starts aligned, reads and writes cover exactly the counts asked for, and no swap file is left."""
+    from offload.bench import workload
+
+    scratch = tmp_path_factory.mktemp("io")
+    seen = []
+    real = workload._run_ops
+
+    def recorded(sp, pool, extent, ops):
+        seen.append(list(ops))
+        return real(sp, pool, extent, ops)
+
+    workload._run_ops = recorded
+    try:
+        assert workload.io_only([str(scratch)], AioConfig(), read_bytes, write_bytes, buffers=2, piece=64 << 10) >= 0
+    finally:
+        workload._run_ops = real
+    timed = seen[-1]
+    assert all(off % 4096 == 0 and 0 < n <= 64 << 10 for _, off, n in timed)
+    assert sum(n for op, _, n in timed if op == "r") == read_bytes
+    assert sum(n for op, _, n in timed if op == "w") == write_bytes
     assert os.listdir(scratch) == []

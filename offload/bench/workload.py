@@ -13,6 +13,7 @@ from torch import nn
 from ..buffers import BufferPool
 from ..pipeline import Pipeline
 from ..space import SwapSpace
+from ..units import round_up
 
 IO_PIECE = 8 << 20  # request size of io_only
 
@@ -50,23 +51,30 @@ def block_model(layers: int, h: int, dtype: torch.dtype, device: torch.device | 
     return nn.Sequential(*(_Block(h) for _ in range(layers))).to(device, dtype)
 
 
-def io_only(paths, aio, read_bytes: int, write_bytes: int, buffers: int = 4) -> float:
-    """Seconds to read ``read_bytes`` and write ``write_bytes`` on a fresh swap space, overlapped."""
-    # Reads and writes go to different blocks, as a step's do (it writes a unit while reading the next).
-    size = max(read_bytes + write_bytes, IO_PIECE)
-    with BufferPool(buffers, IO_PIECE) as pool, SwapSpace(paths, size, aio=aio, buffers=pool, name="iobench") as sp:
+def io_only(paths, aio, read_bytes: int, write_bytes: int, buffers: int = 4, *, piece: int = IO_PIECE) -> float:
+    """Seconds to read ``read_bytes`` and write ``write_bytes`` on a fresh swap space, overlapped, in requests of
+    at most ``piece`` bytes (a multiple of the alignment). Any byte counts work: each region starts aligned."""
+    with BufferPool(buffers, piece) as pool, \
+            SwapSpace(paths, max(read_bytes + write_bytes, piece), aio=aio, buffers=pool, name="iobench") as sp:
+        # Reads and writes go to different blocks, as a step's do (it writes a unit while reading the next).
+        write_at = round_up(read_bytes, sp.alignment)
+        size = max(write_at + round_up(write_bytes, sp.alignment), piece)
         extent = sp.alloc(size)
         # Lay the bytes down first, so the reads read real blocks (not holes of the preallocation).
-        ops = [("w", off, min(IO_PIECE, size - off)) for off in range(0, size, IO_PIECE)]
-        _run_ops(sp, pool, extent, ops)
-        reads = [("r", off, min(IO_PIECE, read_bytes - off)) for off in range(0, read_bytes, IO_PIECE)]
-        writes = [("w", read_bytes + off, min(IO_PIECE, write_bytes - off)) for off in range(0, write_bytes, IO_PIECE)]
+        _run_ops(sp, pool, extent, _pieces("w", 0, size, piece))
+        reads = _pieces("r", 0, read_bytes, piece)
+        writes = _pieces("w", write_at, write_bytes, piece)
         mixed = [op for pair in zip(reads, writes) for op in pair]
         n = min(len(reads), len(writes))
         mixed += reads[n:] + writes[n:]
         t = time.perf_counter()
         _run_ops(sp, pool, extent, mixed)
         return time.perf_counter() - t
+
+
+def _pieces(op: str, start: int, nbytes: int, piece: int) -> list[tuple[str, int, int]]:
+    """``(op, offset, length)`` requests covering ``nbytes`` from ``start``, ``piece`` bytes each but the last."""
+    return [(op, start + off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
 
 
 def compute_beside_io(paths, aio, work: Callable[[], float], *, buffers: int = 4, piece: int = IO_PIECE) -> float:
