@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -240,7 +241,7 @@ def test_full_disk_is_reported_at_construction_with_bytes_needed_and_free(tmpfs)
     message = str(info.value)
     assert str(64 * MIB) in message
     free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
-    assert f"has {free} bytes" in message
+    assert f"has {free - 4096} bytes" in message  # while the new file held its 4 KiB guard block
     assert os.listdir(mnt) == []
 
 
@@ -322,21 +323,62 @@ def _dead_pid() -> int:
     return p.pid
 
 
-def test_stale_file_is_found_warned_about_and_removable(tmp_path):
-    """A swap-named file nobody holds (its process is gone) is reported as stale, warned about with
-    the space it holds, never reused, and removed by remove_stale."""
-    import socket
+def _crashed_run(directory) -> str:
+    """The swap file of a run that died without cleaning up (1 MiB of space, unlocked, its pid gone)."""
+    done = run_code(f"""
+        import os
+        from offload.space import SwapSpace
+        space = SwapSpace({str(directory)!r}, 1 << 20)
+        print(space.files[0], flush=True)
+        os._exit(0)
+    """, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
 
-    stale = tmp_path / f"nvme-offload-swap-{socket.gethostname()}-{_dead_pid()}-0123abcd.swap"
-    stale.write_bytes(b"\0" * 8192)
+
+def test_stale_file_is_found_warned_about_and_removable(tmp_path):
+    """A crashed run's swap file (nobody holds it, its process is gone) is reported as stale, warned about
+    with the space it holds, never reused, and removed by remove_stale; files merely named like one are not."""
+    stale = _crashed_run(tmp_path)
+    user = tmp_path / _swap_name(_dead_pid())
+    user.write_bytes(b"\0" * 8192)
     (tmp_path / "unrelated.swap").write_bytes(b"x")
-    assert SwapSpace.find_stale(tmp_path) == [str(stale)]
+    assert SwapSpace.find_stale(tmp_path) == [stale]
     with pytest.warns(RuntimeWarning, match=r"stale swap files.*remove_stale") as record:
         with SwapSpace(tmp_path, MIB, aio=AIO) as space:
-            assert str(stale) not in space.files
-    assert "8.00 KiB" in str(record[0].message)
-    assert SwapSpace.remove_stale(tmp_path) == [str(stale)]
-    assert sorted(os.listdir(tmp_path)) == ["unrelated.swap"]
+            assert stale not in space.files
+    assert "1.00 MiB" in str(record[0].message)
+    assert SwapSpace.remove_stale(tmp_path) == [stale]
+    assert sorted(os.listdir(tmp_path)) == sorted([user.name, "unrelated.swap"])
+
+
+def test_only_files_provably_ours_are_stale(tmp_path):
+    """A stale swap file must be this user's, end in the seal we wrote with its name's random part, and be as
+    long as the seal says. A user's file named like one (whatever its pid), a crashed run's file that was cut
+    short or grown, one renamed to another swap name, and one of another user are never reported or removed."""
+    real = _crashed_run(tmp_path / "a")
+    names = {}
+    for tag in ("user", "cut", "grown", "renamed", "other_uid"):
+        names[tag] = tmp_path / tag / os.path.basename(real)
+        names[tag].parent.mkdir()
+        shutil.copyfile(real, names[tag])
+    names["user"].write_bytes(b"my notes\n" * 1000)
+    os.truncate(names["cut"], os.path.getsize(real) - 4096)
+    with open(names["grown"], "ab") as f:
+        f.write(b"\0" * 4096)
+    renamed = names["renamed"].parent / _swap_name(_dead_pid(), rand="89abcdef")
+    os.rename(names["renamed"], renamed)
+    names["renamed"] = renamed
+    if os.geteuid() == 0:
+        os.chown(names["other_uid"], 65534, 65534)
+    else:
+        names.pop("other_uid")
+    for tag, path in names.items():
+        before = path.read_bytes()
+        assert SwapSpace.find_stale(path.parent) == [], tag
+        assert SwapSpace.remove_stale(path.parent) == [], tag
+        assert path.read_bytes() == before, tag
+    assert SwapSpace.remove_stale(tmp_path / "a") == [real]
 
 
 def test_files_are_removed_at_exit_and_a_crash_leaves_a_stale_file(tmp_path):
@@ -570,12 +612,23 @@ def test_symlinks_named_like_swap_files_are_never_followed_or_deleted(tmp_path):
 
 
 def test_half_created_file_of_a_dead_process_is_stale_and_one_of_a_live_process_is_not(tmp_path):
-    """A hidden file a crashed run left while creating a swap file is stale and removable; one whose
-    creator is alive (this process) is never reported, even unlocked."""
-    dead = tmp_path / ("." + _swap_name(_dead_pid()) + ".new")
-    live = tmp_path / ("." + _swap_name(os.getpid()) + ".new")
-    dead.write_bytes(b"\0" * 4096)
-    live.write_bytes(b"\0" * 4096)
+    """A hidden file a crashed run left while creating a swap file (sealed, not yet renamed) is stale and
+    removable; one whose creator is alive (this process) is never reported, even unlocked."""
+    from types import SimpleNamespace
+
+    from offload.space import files as swap_files
+
+    found = []
+    for pid in (_dead_pid(), os.getpid()):
+        final = tmp_path / _swap_name(pid)
+        hidden = tmp_path / ("." + final.name + ".new")
+        fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            swap_files.seal(SimpleNamespace(fd=fd, path=str(final)), 0, 4096)
+        finally:
+            os.close(fd)
+        found.append(hidden)
+    dead, live = found
     assert SwapSpace.find_stale(tmp_path) == [str(dead)]
     assert SwapSpace.remove_stale(tmp_path) == [str(dead)]
     assert os.listdir(tmp_path) == [live.name]

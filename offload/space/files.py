@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import errno as _errno
 import fcntl
+import mmap
 import os
 import re
 import secrets
 import socket
 import stat
+import struct
 import warnings
 from typing import Mapping
 
@@ -17,7 +19,7 @@ from ..aio import AioFile, wrap_fd
 from ..distributed import rank_info
 from ..units import format_size
 
-__all__ = ["create_swap_file", "find_stale", "remove_stale", "warn_stale"]
+__all__ = ["create_swap_file", "find_stale", "remove_stale", "seal", "warn_stale"]
 
 _PREFIX = "nvme-offload-"
 _SUFFIX = ".swap"
@@ -28,6 +30,11 @@ _PATTERN = re.compile(rf"^{_FIELDS}$")
 # A file being created: hidden, and a name the stale scan of live files never matches.
 _NEW_PATTERN = re.compile(rf"^\.{_FIELDS}\.new$")
 _TRIES = 16
+# The seal: the last bytes of a swap file's guard block, which say the file is ours and how long we made it:
+# a magic, the bytes of address space before the guard block, the guard block's size, and the random part
+# of the file's name.
+_SEAL = struct.Struct("<24sQQ8s")
+_MAGIC = b"nvme-offload swap file 1"
 
 
 def _host() -> str:
@@ -82,6 +89,7 @@ def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
             os.close(fd)
             raise
         try:
+            seal(f, 0, max(4096, f.alignment))  # ours from its first moment under a swap-file name
             os.rename(temp, final)
         except BaseException:
             _unlink_if_same(temp, f.fd)
@@ -89,6 +97,42 @@ def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
             raise
         return f
     raise FileExistsError(_errno.EEXIST, f"no free swap file name after {_TRIES} tries", directory)
+
+
+def seal(f: AioFile, data_bytes: int, guard: int) -> None:
+    """Write ``f``'s guard block, the ``guard`` bytes after its ``data_bytes`` of address space: zeros, then the
+    seal that proves the file is ours and how long we made it (what :func:`find_stale` checks before it calls a
+    file stale). Called when the file is created and each time it grows, after its size was checked.
+
+    Raises:
+        OSError: the write failed or was short, naming the file.
+    """
+    token = _PATTERN.match(os.path.basename(f.path))["rand"].encode()
+    with mmap.mmap(-1, guard) as block:  # page-aligned, as direct I/O needs
+        block[guard - _SEAL.size:] = _SEAL.pack(_MAGIC, data_bytes, guard, token)
+        try:
+            done = os.pwrite(f.fd, block, data_bytes)
+        except OSError as err:
+            raise OSError(err.errno, f"cannot write the swap file's guard block ({err.strerror})", f.path) from err
+    if done != guard:
+        raise OSError(_errno.EIO, f"short write of the swap file's guard block ({done} of {guard} bytes)", f.path)
+
+
+def _sealed_by_us(fd: int, rand: str) -> bool:
+    """Whether the file open on ``fd`` is a swap file we made: this user's, ending in our seal with its name's
+    random part, exactly as long as the seal says. A file merely named like one is never ours."""
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_size < _SEAL.size:
+            return False
+        raw = os.pread(fd, _SEAL.size, st.st_size - _SEAL.size)
+    except OSError:
+        return False
+    if len(raw) != _SEAL.size:
+        return False
+    magic, data_bytes, guard, token = _SEAL.unpack(raw)
+    return (magic == _MAGIC and token == rand.encode() and guard >= _SEAL.size and guard % 4096 == 0
+            and data_bytes % 4096 == 0 and data_bytes + guard == st.st_size)
 
 
 def _lock(fd: int, path: str) -> None:
@@ -104,8 +148,10 @@ def find_stale(path: str | os.PathLike) -> list[str]:
     """Swap files in ``path`` left by runs that ended without cleaning up (e.g. a crash).
 
     A swap file is stale when no process holds its lock (or, where the file system has no locks,
-    when its process on this host is gone). Only regular files are considered: special files and
-    symlinks named like swap files are never opened, followed or reported.
+    when its process on this host is gone), and it is provably ours: this user's regular file, ending in
+    the seal we wrote with its name's random part, as long as the seal says. A file that is merely named
+    like one (a user's, or one cut short) is never reported; special files and symlinks named like swap
+    files are never opened, followed or reported.
     """
     path = os.fspath(path)
     try:
@@ -129,7 +175,7 @@ def find_stale(path: str | os.PathLike) -> list[str]:
         if fd is None:
             continue
         try:
-            if _take_lock(fd, gone) and _still_named(full, fd):
+            if _sealed_by_us(fd, m["rand"]) and _take_lock(fd, gone) and _still_named(full, fd):
                 stale.append(full)
         finally:
             os.close(fd)
@@ -147,8 +193,8 @@ def remove_stale(path: str | os.PathLike) -> list[str]:
         try:
             m = _PATTERN.match(os.path.basename(full)) or _NEW_PATTERN.match(os.path.basename(full))
             gone = m is not None and m["host"] == host and not pid_alive(int(m["pid"]))
-            # Under the lock, checked again: still nobody's, and still the file the name leads to.
-            if _take_lock(fd, gone) and _still_named(full, fd):
+            # Under the lock, checked again: still nobody's, still ours, and still the file the name leads to.
+            if m is not None and _take_lock(fd, gone) and _sealed_by_us(fd, m["rand"]) and _still_named(full, fd):
                 os.unlink(full)
                 removed.append(full)
         except OSError:

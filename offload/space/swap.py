@@ -69,9 +69,10 @@ class _Resources:
 # an extent becomes one vectored request per path, so N drives move an extent in parallel and one
 # slow drive does not stall the others' queues. Space grows only by whole stripes on every file,
 # and always before the allocator records an extent there: a failed growth changes nothing. After the
-# address space each file has one guard block (the alignment), never written: our writes cannot give a
-# truncated file its size back, so ``check_intact`` sees a cut made at any time. Only growth (which
-# checks first) and ``regrow`` (for a load that rewrites all the state) ever lengthen a file.
+# address space each file has one guard block (the alignment), which no extent reaches: our writes of
+# state cannot give a truncated file its size back, so ``check_intact`` sees a cut made at any time. Only
+# growth (which checks first) and ``regrow`` (for a load that rewrites all the state) ever lengthen a file
+# or write its guard block, which ends in the seal that lets ``offload-swap clean`` prove a file is ours.
 class SwapSpace:
     """Aligned extents over one preallocated swap file per directory, striped RAID0-style.
 
@@ -262,6 +263,7 @@ class SwapSpace:
         try:
             for f in self._res.files:
                 os.posix_fallocate(f.fd, before, self._file_bytes(per_file) - before)
+                _files.seal(f, per_file, self.alignment)
                 grown += 1
         except OSError as err:
             # Give back what this call took, on the file that failed too (it may have grown part-way),
@@ -318,6 +320,8 @@ class SwapSpace:
                     except OSError as err:
                         raise OSError(err.errno, f"cannot preallocate the swap file again ({err.strerror})",
                                       f.path) from err
+                    if self._per_file:
+                        _files.seal(f, self._per_file, self.alignment)
 
     def free(self, extent: Extent) -> None:
         """Give an extent back for reuse.
