@@ -1,0 +1,356 @@
+"""``offload-bench plan``: before a run, where each kind of training state will live, what host memory and NVMe
+space it needs, the bytes it moves per step, the step's disk-bound time and the drive writes per day, whether
+it fits this machine, and what to change when it does not.
+
+The model is a Hugging Face ``config.json`` (built on the meta device: no memory, exact shapes, tied weights
+counted once) or a parameter count and dtype. Sizes come from the library's own layout of optimizer state
+(units of one pool buffer, the same packing the optimizer does), so what is printed is what the optimizer
+reserves and moves; a test checks it against the optimizer's counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import Optional, Sequence
+
+import psutil
+import torch
+
+from ..config import Config, config_to_dict
+from ..state import HALF_DTYPES, Layout
+from ..units import ALIGNMENT, MIB, format_size, round_up
+from . import report
+from .cli import EXIT_OK, UsageError, add_config_option, count_arg, size_arg
+
+__all__ = ["Plan", "model_params", "plan", "register"]
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DAY = 86400
+# A consumer NVMe drive is rated for about 0.3-1 drive writes per day over its warranty; past this many bytes
+# written per day the plan says so (a 2 TB drive at 1 DWPD).
+WEAR_WARN_BYTES_PER_DAY = 2 * 10**12
+_TENSOR_ELEMENTS = 4 << 20  # a parameter count alone is planned as tensors of this size, like a stack of layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a training run will need and move (bytes, seconds); see :func:`plan`."""
+
+    params: int  # parameter elements (trainable ones)
+    dtype: str
+    unit_bytes: int  # the optimizer's pool buffer, one unit of state
+    state_bytes: int  # optimizer state in units (exp_avg, exp_avg_sq, fp32 masters)
+    state_in_memory_bytes: int  # state of parameters under small_param_threshold, always in host memory
+    host_cache_bytes: int  # state kept resident in host memory between steps
+    optimizer_nvme_bytes: int  # swap space the optimizer reserves
+    weights_nvme_bytes: int  # offloaded weights (offload_parameters), 0 when they stay in memory
+    grads_nvme_bytes: int  # offloaded grads
+    host_bytes: dict  # what holds host memory, by name
+    gpu_bytes: int  # GPU memory for weights and grads when the model is on a GPU (0 otherwise)
+    read_bytes: int  # per step, steady state
+    write_bytes: int
+    read_gib_s: Optional[float]
+    write_gib_s: Optional[float]
+    free_nvme_bytes: dict  # per path
+    available_host_bytes: int
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.optimizer_nvme_bytes + self.weights_nvme_bytes + self.grads_nvme_bytes
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_bytes.values())
+
+    @property
+    def step_seconds(self) -> Optional[float]:
+        """The disk's time for one step's bytes (reads, then writes), or None without bandwidth figures."""
+        if not self.read_gib_s or not self.write_gib_s:
+            return None
+        return self.read_bytes / (self.read_gib_s * (1 << 30)) + self.write_bytes / (self.write_gib_s * (1 << 30))
+
+    @property
+    def written_per_day(self) -> Optional[int]:
+        """Bytes written to the drives per day of training at the disk-bound step time."""
+        s = self.step_seconds
+        return int(self.write_bytes * _DAY / s) if s else None
+
+    def problems(self) -> list[str]:
+        """What does not fit, each with what to change."""
+        out = []
+        if self.host_total > self.available_host_bytes:
+            biggest = max(self.host_bytes, key=self.host_bytes.get)
+            out.append(f"host memory: needs {format_size(self.host_total)}, {format_size(self.available_host_bytes)} "
+                       f"is available; the most is {biggest} ({format_size(self.host_bytes[biggest])}): "
+                       + _HOST_ADVICE.get(biggest, "reduce it"))
+        paths = list(self.free_nvme_bytes)
+        if paths:
+            share = -(-self.nvme_bytes // len(paths))
+            for path, free in self.free_nvme_bytes.items():
+                if share > free:
+                    out.append(f"NVMe space: {path} must hold {format_size(share)}, it has {format_size(free)} free: "
+                               "free space, add a drive to nvme_path (state is striped), or set state_dtype "
+                               '"bf16" (a third less for bf16 models)')
+        return out
+
+    def to_dict(self) -> dict:
+        doc = dataclasses.asdict(self)
+        doc.update(nvme_bytes=self.nvme_bytes, host_total=self.host_total, step_seconds=self.step_seconds,
+                   written_per_day=self.written_per_day, problems=self.problems())
+        return doc
+
+
+_HOST_ADVICE = {
+    "optimizer pool": "lower offload_optimizer.buffer_count or buffer_size",
+    "host cache": "lower offload_optimizer.host_cache",
+    "optimizer state (device cpu)": 'set offload_optimizer.device to "nvme"',
+    "weights and grads": "offload them (offload_parameters, --offload-params)",
+    "parameter pool": "lower offload_param.buffer_count or buffer_size",
+    "weights kept in memory": "lower offload_param.max_in_cpu",
+    "grads kept in memory": "lower offload_param.max_grad_in_cpu",
+    "small parameters' state": "lower offload_optimizer.small_param_threshold",
+}
+
+
+def model_params(*, hf_config: Optional[str] = None, count: Optional[int] = None,
+                 dtype: str = "bf16") -> list[torch.Tensor]:
+    """The trainable parameters of a model, on the meta device (shapes and dtypes only, no memory).
+
+    Args:
+        hf_config: a Hugging Face ``config.json`` (or its directory), built with ``transformers``'
+            ``AutoModelForCausalLM.from_config`` on the meta device; tied weights are counted once.
+        count: a parameter count instead, as tensors of 4M elements (a stack of layers).
+        dtype: ``"fp32"``, ``"bf16"`` or ``"fp16"``.
+
+    Raises:
+        UsageError: neither or both given, a file that is not a model config, or transformers missing.
+    """
+    if (hf_config is None) == (count is None):
+        raise UsageError("give a model: --hf-config config.json or --params N (one of the two)")
+    torch_dtype = _DTYPES[dtype]
+    if count is not None:
+        whole, rest = divmod(count, _TENSOR_ELEMENTS)
+        sizes = [_TENSOR_ELEMENTS] * whole + ([rest] if rest else [])
+        return [torch.empty(n, dtype=torch_dtype, device="meta") for n in sizes]
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("--hf-config needs the transformers package (pip install transformers), or give "
+                         "--params N instead") from None
+    path = os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise UsageError(f"{path} is not a Hugging Face model config ({err})") from None
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(cfg)
+        except ValueError:  # not a causal language model: its base model
+            model = transformers.AutoModel.from_config(cfg)
+    model.to(torch_dtype)
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool = False, on_gpu: bool = False,
+         amsgrad: bool = False, nvme_paths: Sequence[str] = (), read_gib_s: Optional[float] = None,
+         write_gib_s: Optional[float] = None, available_host_bytes: Optional[int] = None) -> Plan:
+    """What training ``params`` with OffloadedAdam(W) (and, with ``offload_params``, offload_parameters) under
+    ``config`` needs and moves: sizes as the optimizer and the parameter store lay them out.
+
+    Per step, the optimizer reads and writes every unit of state not resident in the host cache, less the
+    units still in pool buffers from the last step (the pool as a cache: ``buffer_count - 1``). Offloaded
+    weights are read for forward and for backward and written once; offloaded grads are written in backward
+    and read by the optimizer.
+    """
+    oc, pc = config.offload_optimizer, config.offload_param
+    dtype = next((k for k, v in _DTYPES.items() if params and params[0].dtype == v), "fp32")
+    small = [p for p in params if p.numel() < oc.small_param_threshold]
+    big = [p for p in params if p.numel() >= oc.small_param_threshold]
+    candidates = [(p, {}, amsgrad) for p in big]
+    unit_bytes = _unit_bytes(candidates, oc)
+    units = Layout(unit_bytes, oc.state_dtype).plan(candidates)
+    state = sum(u.nbytes for u in units)
+    in_memory = sum(p.numel() * (8 + (4 if p.dtype in HALF_DTYPES else 0) + (4 if amsgrad else 0)) for p in small)
+    host: dict[str, int] = {}
+    cached_units = 0
+    nvme_state = 0
+    if oc.device == "cpu":
+        host["optimizer state (device cpu)"] = state
+        cache = 0
+    else:
+        host["optimizer pool"] = oc.buffer_count * unit_bytes
+        cache = state if oc.host_cache == "auto" else min(oc.host_cache, state)
+        cached_units = min(len(units), cache // unit_bytes)
+        cache = cached_units * unit_bytes
+        if cache:
+            host["host cache"] = cache
+        npaths = max(1, len(nvme_paths))
+        stripe = config.aio.block_size
+        nvme_state = round_up(sum(round_up(u.nbytes, ALIGNMENT) for u in units), npaths * stripe)
+    if in_memory:
+        host["small parameters' state"] = in_memory
+    weights = sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params)
+    weights_nvme = grads_nvme = 0
+    read = write = 0
+    if oc.device != "cpu":
+        moving = sorted((u.nbytes for u in units), reverse=True)[cached_units:]
+        per_step = sum(round_up(n, ALIGNMENT) for n in moving)
+        pooled = sum(round_up(n, ALIGNMENT) for n in moving[:max(0, oc.buffer_count - 1)])
+        read, write = per_step - pooled, per_step
+    gpu = 0
+    if offload_params:
+        sizes = sorted(p.numel() for p in params)
+        kept, budget = [], pc.max_in_cpu
+        for n in sizes:
+            if n > budget:
+                break
+            budget -= n
+            kept.append(n)
+        itemsize = params[0].element_size() if params else 4
+        offloaded = sizes[len(kept):]
+        weights_nvme = sum(round_up(n * itemsize, ALIGNMENT) for n in offloaded)
+        grad_kept, budget = [], pc.max_grad_in_cpu
+        for n in sorted(offloaded):
+            if n > budget:
+                break
+            budget -= n
+            grad_kept.append(n)
+        grads_nvme = sum(round_up(n * itemsize, ALIGNMENT) for n in sorted(offloaded)[len(grad_kept):])
+        host["parameter pool"] = pc.buffer_count * round_up(pc.buffer_size * itemsize, ALIGNMENT)
+        if kept:
+            host["weights kept in memory"] = sum(kept) * itemsize
+        if grad_kept:
+            host["grads kept in memory"] = sum(grad_kept) * itemsize
+        read += 2 * weights_nvme + grads_nvme
+        write += weights_nvme + grads_nvme
+        gpu = 0 if not on_gpu else 2 * pc.buffer_count * pc.buffer_size * itemsize
+    elif on_gpu:
+        gpu = 2 * weights
+    else:
+        host["weights and grads"] = 2 * weights
+    free = {}
+    for path in nvme_paths:
+        st = os.statvfs(_existing(path))
+        free[path] = st.f_bavail * st.f_frsize
+    if available_host_bytes is None:
+        available_host_bytes = psutil.virtual_memory().available
+    return Plan(params=sum(p.numel() for p in params), dtype=dtype, unit_bytes=unit_bytes, state_bytes=state,
+                state_in_memory_bytes=in_memory, host_cache_bytes=cache, optimizer_nvme_bytes=nvme_state,
+                weights_nvme_bytes=weights_nvme, grads_nvme_bytes=grads_nvme, host_bytes=host, gpu_bytes=gpu,
+                read_bytes=read, write_bytes=write, read_gib_s=read_gib_s, write_gib_s=write_gib_s,
+                free_nvme_bytes=free, available_host_bytes=available_host_bytes)
+
+
+def _unit_bytes(candidates: list, oc) -> int:
+    """The optimizer's pool buffer: ``buffer_size``, smaller when it is the default and all the state fits in
+    fewer bytes than the pool (as the optimizer sizes it)."""
+    default = type(oc).__dataclass_fields__["buffer_size"].default
+    if oc.buffer_size != default:
+        return oc.buffer_size
+    state = sum(u.nbytes for u in Layout(oc.buffer_size, oc.state_dtype).plan(candidates))
+    if state >= oc.buffer_count * oc.buffer_size:
+        return oc.buffer_size
+    return min(oc.buffer_size, max(MIB, round_up(-(-state // oc.buffer_count), MIB)))
+
+
+def _existing(path: str) -> str:
+    """``path``, or its nearest existing parent (a swap directory is created at the first run)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+# -- the command ----------------------------------------------------------------------------------------
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add the ``plan`` subcommand."""
+    p = sub.add_parser(
+        "plan", parents=[common], help="before a run: what a model needs and moves, whether it fits here",
+        description="Where each kind of training state lives (GPU, host memory, NVMe), host memory and NVMe space "
+                    "needed and what dominates, bytes per step, the step's disk-bound time, drive writes per "
+                    "day, whether it fits this machine and what to change if not. Nothing is allocated.",
+    )
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (or its directory)")
+    model.add_argument("--params", type=count_arg, metavar="N", help="a parameter count instead, e.g. 7B")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16", help="parameter dtype (default bf16)")
+    add_config_option(p)
+    p.add_argument("--path", dest="paths", action="append", default=[], metavar="DIR",
+                   help="an nvme_path (repeat for several drives; default: the config's)")
+    p.add_argument("--offload-params", action="store_true", help="weights and grads on NVMe too (offload_parameters)")
+    p.add_argument("--gpu", action="store_true", help="the model trains on a GPU (weights and grads in its memory)")
+    p.add_argument("--amsgrad", action="store_true", help="AMSGrad (one more moment)")
+    p.add_argument("--read-gib-s", type=float, metavar="X", help="drive read bandwidth, GiB/s (all paths together)")
+    p.add_argument("--write-gib-s", type=float, metavar="X", help="drive write bandwidth, GiB/s")
+    p.add_argument("--sweep", metavar="FILE", help="an `offload-bench sweep --json` result: its best bandwidths")
+    p.add_argument("--host-memory", type=size_arg, metavar="SIZE", help="host memory to plan for (default: "
+                   "what is available now)")
+    p.add_argument("--emit-config", metavar="FILE", help="write the configuration planned for as JSON")
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    config = args.config
+    paths = args.paths or list(config.offload_optimizer.nvme_paths)
+    read, write = args.read_gib_s, args.write_gib_s
+    if args.sweep:
+        try:
+            with open(args.sweep, encoding="utf-8") as f:
+                best = json.load(f)["best"]
+            read, write = read or float(best["read_gib_s"]), write or float(best["write_gib_s"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UsageError(f"--sweep {args.sweep}: not an offload-bench sweep --json result ({err})") from None
+    for name, value in (("--read-gib-s", read), ("--write-gib-s", write)):
+        if value is not None and not value > 0:
+            raise UsageError(f"{name} must be a positive number of GiB/s, got {value}")
+    params = model_params(hf_config=args.hf_config, count=args.params, dtype=args.dtype)
+    result = plan(params, config, offload_params=args.offload_params, on_gpu=args.gpu, amsgrad=args.amsgrad,
+                  nvme_paths=paths, read_gib_s=read, write_gib_s=write, available_host_bytes=args.host_memory)
+    print(render(result))
+    if args.json:
+        report.write_json(args.json, result.to_dict())
+    if args.emit_config:
+        doc = config_to_dict(config, only=None)
+        if paths:
+            doc["offload_optimizer"]["nvme_path"] = doc["offload_param"]["nvme_path"] = paths
+        report.write_json(args.emit_config, doc)
+    return EXIT_OK
+
+
+def render(p: Plan) -> str:
+    """The plan as text."""
+    size = format_size
+    lines = [f"model: {p.params / 1e9:.3f}B parameters, {p.dtype}",
+             f"optimizer state: {size(p.state_bytes)} in units of {size(p.unit_bytes)}"
+             + (f", {size(p.host_cache_bytes)} of it resident in host memory" if p.host_cache_bytes else "")
+             + (f"; small parameters' state in memory: {size(p.state_in_memory_bytes)}" if p.state_in_memory_bytes
+                else "")]
+    where = [("optimizer state", p.optimizer_nvme_bytes), ("weights", p.weights_nvme_bytes),
+             ("grads", p.grads_nvme_bytes)]
+    lines.append(f"NVMe: {size(p.nvme_bytes)} (" + ", ".join(f"{k} {size(v)}" for k, v in where if v) + ")"
+                 + "".join(f"; {path}: {size(free)} free" for path, free in p.free_nvme_bytes.items()))
+    host = sorted(p.host_bytes.items(), key=lambda kv: -kv[1])
+    lines.append(f"host memory: {size(p.host_total)} of {size(p.available_host_bytes)} available ("
+                 + ", ".join(f"{k} {size(v)}" for k, v in host) + ")")
+    if p.gpu_bytes:
+        lines.append(f"GPU memory: about {size(p.gpu_bytes)} for weights and grads, plus activations")
+    lines.append(f"per step: {size(p.read_bytes)} read, {size(p.write_bytes)} written")
+    if p.step_seconds is not None:
+        per_day = p.written_per_day
+        lines.append(f"disk-bound step: {p.step_seconds:.2f} s at {p.read_gib_s:.2f} GiB/s read, "
+                     f"{p.write_gib_s:.2f} GiB/s write; drive writes: {per_day / 1e12:.1f} TB per day of training")
+        if per_day > WEAR_WARN_BYTES_PER_DAY:
+            lines.append(f"  note: over {WEAR_WARN_BYTES_PER_DAY / 1e12:.0f} TB/day wears a consumer SSD out within "
+                         "months; a host cache or bf16 state writes less")
+    else:
+        lines.append("disk-bound step: give --read-gib-s/--write-gib-s or --sweep (offload-bench sweep --json)")
+    problems = p.problems()
+    lines.append("fits: yes" if not problems else "fits: NO")
+    lines.extend(f"  - {problem}" for problem in problems)
+    return "\n".join(lines)
