@@ -1,0 +1,48 @@
+"""offload-report: one line a check (versions, engine, checksums, each path's file system, O_DIRECT and reflink,
+locked memory, host memory, CUDA), what to do where something is off, exit 1 only when a check failed."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from helpers import REPO, run_python
+
+from offload.bench.cli import main as bench_main
+from offload.bench.doctor import FAIL, checks, main
+from offload.config import load_config
+
+
+def test_a_usable_directory_passes_every_check_and_the_json_says_the_same(tmp_path, capsys):
+    """A writable directory: every check is printed, none failed (exit 0); the probes leave nothing behind; the
+    JSON lists the same checks; offload-bench report is the same command."""
+    out = tmp_path / "report.json"
+    assert main([str(tmp_path / "swap"), "--json", str(out)]) == 0  # missing: created at the first run
+    text = capsys.readouterr().out
+    for what in ("versions", "engine", "checksums", f"path {tmp_path / 'swap'}: O_DIRECT", "reflink",
+                 "locked memory", "host memory", "CUDA"):
+        assert what in text, what
+    assert "FAIL" not in text
+    doc = json.loads(out.read_text())
+    assert [c["what"] for c in doc["checks"]] == [c.what for c in checks(load_config(None), [str(tmp_path / "swap")])]
+    assert sorted(os.listdir(tmp_path)) == ["report.json"]
+    assert bench_main(["report", str(tmp_path)]) == 0
+
+
+def test_an_unusable_path_fails_with_what_to_do(tmp_path, capsys):
+    """A file, or a directory whose parent is missing, is a FAIL naming what to give instead: exit 1."""
+    (tmp_path / "file").write_text("x")
+    assert main([str(tmp_path / "file"), str(tmp_path / "no" / "such")]) == 1
+    text = capsys.readouterr().out
+    assert text.count(FAIL) == 2 and "not a directory" in text and "missing, and so is its parent" in text
+    assert "-> give a directory on the NVMe drive" in text
+
+
+def test_the_command_is_installed_and_runs_in_a_fresh_process(tmp_path):
+    """pyproject installs offload-report as this module's main; run as a module in a new process it prints the
+    checks and exits 0."""
+    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
+        assert 'offload-report = "offload.bench.doctor:main"' in f.read()
+    done = run_python("-m", "offload.bench.doctor", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "engine" in done.stdout and not os.listdir(tmp_path)
