@@ -471,3 +471,37 @@ def test_io_only_moves_any_byte_counts_in_aligned_requests(tmp_path_factory, rea
     assert sum(n for op, _, n in timed if op == "r") == read_bytes
     assert sum(n for op, _, n in timed if op == "w") == write_bytes
     assert os.listdir(scratch) == []
+
+
+@pytest.mark.parametrize("release", ["25.04", "24.02"])
+def test_kvikio_gets_our_parallelism_and_registered_buffers_and_is_put_back(release):
+    """io --gds gives kvikio as many threads as the engine has requests in flight and registers the GPU buffers
+    with cuFile, through the interface of its release (defaults.set/get and kvikio.buffer from 25.04;
+    num_threads_reset and kvikio.memory_register before), and undoes both when the passes close."""
+    import types
+
+    from offload.bench.gds import tune_kvikio
+
+    calls = []
+    kvikio = types.SimpleNamespace(defaults=types.SimpleNamespace())
+    if release == "25.04":
+        state = {"num_threads": 1}
+        kvikio.defaults.get = state.__getitem__
+        kvikio.defaults.set = lambda k, v: (calls.append(("set", k, v)), state.__setitem__(k, v))
+        kvikio.buffer = types.SimpleNamespace(memory_register=lambda b: calls.append(("register", b)),
+                                              memory_deregister=lambda b: calls.append(("deregister", b)))
+    else:
+        kvikio.defaults.get_num_threads = lambda: 1
+        kvikio.defaults.num_threads_reset = lambda n: calls.append(("reset", n))
+        kvikio.memory_register = lambda b: calls.append(("register", b))
+        kvikio.memory_deregister = lambda b: calls.append(("deregister", b))
+    undo = []
+    text = tune_kvikio(kvikio, 32, ["src", "dst"], undo)
+    assert text == "32 threads, buffers registered with cuFile"
+    assert calls[0] in (("set", "num_threads", 32), ("reset", 32))
+    assert ("register", "src") in calls and ("register", "dst") in calls
+    calls.clear()
+    for u in reversed(undo):
+        u()
+    assert calls[-1] in (("set", "num_threads", 1), ("reset", 1))
+    assert {c for c in calls if c[0] == "deregister"} == {("deregister", "src"), ("deregister", "dst")}

@@ -588,8 +588,12 @@ def fresh_gds(monkeypatch):
     status.cache_clear()
 
 
-def _fake_kvikio(monkeypatch, *, compat=False, gds=True, broken=None):
-    """Put a stand-in kvikio (version 26.10.0, cuFile 1.15) in sys.modules, and a CUDA device in torch."""
+def _fake_kvikio(monkeypatch, *, compat=False, gds=True, broken=None, api="get"):
+    """Put a stand-in kvikio (version 26.10.0, cuFile 1.15) in sys.modules, and a CUDA device in torch. ``api``:
+    how it gives the cuFile driver's properties, as kvikio's releases did: ``"get"`` (25.04 on:
+    ``kvikio.cufile_driver.get``), ``"properties"`` (24.12: ``cufile_driver.properties``), ``"class"``
+    (``cufile_driver.DriverProperties``), ``"top"`` (before 24.12: ``kvikio.DriverProperties``, no
+    ``kvikio.cufile_driver``; ``defaults.compat_mode()`` instead of ``is_compat_mode_preferred``)."""
     import importlib.machinery
     import sys
     import types
@@ -602,7 +606,19 @@ def _fake_kvikio(monkeypatch, *, compat=False, gds=True, broken=None):
     defaults = types.ModuleType("kvikio.defaults")
     defaults.is_compat_mode_preferred = lambda: compat
     driver = types.ModuleType("kvikio.cufile_driver")
-    driver.get = {"is_gds_available": gds, "major_version": 1, "minor_version": 15}.__getitem__
+    values = {"is_gds_available": gds, "major_version": 1, "minor_version": 15}
+    props = type("DriverProperties", (), values)
+    if api == "get":
+        driver.get = values.__getitem__
+    elif api == "properties":
+        driver.properties = props()
+    elif api == "class":
+        driver.DriverProperties = props
+    else:
+        kvikio.DriverProperties = props
+        driver = None  # import kvikio.cufile_driver raises ImportError
+        del defaults.is_compat_mode_preferred
+        defaults.compat_mode = lambda: compat
     if broken is not None:
         def fail():
             raise broken
@@ -654,6 +670,18 @@ def test_gds_status_tells_each_reason_kvikio_gives(fresh_gds, monkeypatch, machi
     assert re.search(expected, reason), reason
 
 
+@pytest.mark.parametrize("api", ["get", "properties", "class", "top"])
+@pytest.mark.parametrize("gds", [True, False])
+def test_gds_status_reads_the_driver_through_every_kvikio_release_s_interface(fresh_gds, monkeypatch, api, gds):
+    """kvikio gave the cuFile driver's properties four ways over its releases (cufile_driver.get, .properties,
+    .DriverProperties, and kvikio.DriverProperties before cufile_driver existed): each is read, so GDS is
+    reported available or not as the driver says, never "unavailable" because of an interface change."""
+    _fake_kvikio(monkeypatch, api=api, gds=gds)
+    ok, reason = fresh_gds.gds_status()
+    assert ok is gds
+    assert reason == "kvikio 26.10.0, cuFile 1.15" if gds else "reports no GPUDirect Storage" in reason
+
+
 def test_gds_status_without_a_gpu_or_with_a_kvikio_that_cannot_load(fresh_gds, monkeypatch):
     """kvikio installed but no CUDA device, or a kvikio whose import fails: unavailable, saying which."""
     import sys
@@ -665,7 +693,7 @@ def test_gds_status_without_a_gpu_or_with_a_kvikio_that_cannot_load(fresh_gds, m
     assert fresh_gds.gds_status() == (False, "torch sees no CUDA device")
     fresh_gds.gds_status.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setitem(sys.modules, "kvikio.cufile_driver", None)  # import raises ImportError
+    monkeypatch.setitem(sys.modules, "kvikio.defaults", None)  # import raises ImportError
     ok, reason = fresh_gds.gds_status()
     assert not ok and reason.startswith("kvikio cannot be imported (ModuleNotFoundError") or \
         reason.startswith("kvikio cannot be imported (ImportError"), reason

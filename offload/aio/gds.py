@@ -43,10 +43,16 @@ def gds_status() -> tuple[bool, str]:
     try:
         kvikio = importlib.import_module("kvikio")
         defaults = importlib.import_module("kvikio.defaults")
-        driver = importlib.import_module("kvikio.cufile_driver")
     except Exception as err:  # a wheel for another CUDA, a missing libcufile: any import failure is a reason
         return False, f"kvikio cannot be imported ({type(err).__name__}: {err})"
     version = getattr(kvikio, "__version__", "?")
+    try:
+        driver = _driver_properties(kvikio)
+    except Exception as err:
+        return False, f"kvikio {version}'s cuFile driver properties cannot be read ({type(err).__name__}: {err})"
+    if driver is None:
+        return False, (f"kvikio {version} has none of the driver-property interfaces known here (kvikio."
+                       "cufile_driver.get or .properties, cufile_driver.DriverProperties, kvikio.DriverProperties)")
     try:
         compat = _compat_mode_preferred(defaults)
     except Exception as err:
@@ -56,14 +62,14 @@ def gds_status() -> tuple[bool, str]:
                        "libcufile is missing, /run/udev is not readable (a container started without "
                        "--volume /run/udev:/run/udev:ro), or KVIKIO_COMPAT_MODE is ON")
     try:
-        available = bool(_driver_property(driver, "is_gds_available"))
+        available = bool(driver("is_gds_available"))
     except Exception as err:
         return False, f"the cuFile driver cannot be opened ({type(err).__name__}: {err})"
     if not available:
         return False, ("the cuFile driver reports no GPUDirect Storage (the nvidia-fs kernel module is not "
                        "loaded, or this file system or GPU does not support it)")
     try:
-        cufile = f", cuFile {_driver_property(driver, 'major_version')}.{_driver_property(driver, 'minor_version')}"
+        cufile = f", cuFile {driver('major_version')}.{driver('minor_version')}"
     except Exception:
         cufile = ""
     return True, f"kvikio {version}{cufile}"
@@ -77,10 +83,26 @@ def _compat_mode_preferred(defaults) -> bool:
     return getattr(mode, "name", str(mode)).upper() not in ("OFF", "FALSE", "0")
 
 
-def _driver_property(driver, name: str):
-    if hasattr(driver, "get"):
-        return driver.get(name)
-    return getattr(driver.properties, name)
+def _driver_properties(kvikio):
+    """A function of a cuFile driver property's name (``is_gds_available``, ``major_version``, ...) giving its
+    value, through whichever interface this kvikio has, or None: ``kvikio.cufile_driver.get`` (25.04 on),
+    ``kvikio.cufile_driver.properties`` or ``.DriverProperties()`` (24.12 on), ``kvikio.DriverProperties()``
+    (before 24.12, where ``kvikio.cufile_driver`` does not exist)."""
+    try:
+        driver = importlib.import_module("kvikio.cufile_driver")
+    except ImportError:
+        driver = None
+    if driver is not None and callable(getattr(driver, "get", None)):
+        return driver.get
+    if driver is not None and hasattr(driver, "properties"):
+        props = driver.properties
+    elif driver is not None and hasattr(driver, "DriverProperties"):
+        props = driver.DriverProperties()
+    elif hasattr(kvikio, "DriverProperties"):
+        props = kvikio.DriverProperties()
+    else:
+        return None
+    return lambda name: getattr(props, name)
 
 
 def warn_use_gds() -> None:
