@@ -2,8 +2,8 @@
 
 A swap file is stale when no process holds its lock and it is provably ours (this user's, ending in the
 seal written when it was made, as long as the seal says; see ``SwapSpace.find_stale``): a file of a live
-run, in this process or any other, or a file merely named like a swap file, is never listed nor removed. Exit codes: 0 success, 1 a path that
-is not a directory, 2 a bad argument.
+run, in this process or any other, or a file merely named like a swap file, is never listed nor removed.
+Exit codes: 0 success, 1 a path that is not a directory, 2 a bad argument.
 
 Examples::
 
