@@ -505,3 +505,22 @@ def test_kvikio_gets_our_parallelism_and_registered_buffers_and_is_put_back(rele
         u()
     assert calls[-1] in (("set", "num_threads", 1), ("reset", 1))
     assert {c for c in calls if c[0] == "deregister"} == {("deregister", "src"), ("deregister", "dst")}
+
+
+def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeypatch, capsys):
+    """offload-bench compare where DeepSpeed is not importable: ours runs (in a process of its own), the report
+    names why DeepSpeed did not, the JSON holds every run with iterations, step(), bytes moved and peak RSS,
+    and the scratch directories are gone."""
+    from offload.bench import compare
+
+    monkeypatch.setattr(compare, "_DEFAULT_PEER", str(tmp_path / "no-python"))
+    out = tmp_path / "compare.json"
+    assert main(["compare", "--params", "4M", "--rounds", "1", "--iterations", "3", "--path", str(tmp_path / "d"),
+                 "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "DeepSpeed is not importable here" in text and "ours" in text
+    doc = json.loads(out.read_text())
+    (run,) = doc["runs"]["ours"]
+    assert run["system"] == "nvme-offload" and len(run["iteration_s"]) == 2 and run["peak_rss_bytes"] > 0
+    assert run["bytes_per_iteration"] > 0 and doc["medians"]["ours"]["speedup_vs_deepspeed"] is None
+    assert not (tmp_path / "d").exists()

@@ -1,0 +1,143 @@
+"""``offload-bench compare``: nvme-offload beside DeepSpeed ZeRO-3 on the same model, sizes, disk and aio settings,
+interleaved in one run, per iteration (forward, backward, step, zero_grad).
+
+Each run is a process of its own (``python -m offload.bench.peer``), so its peak RSS is its own. DeepSpeed runs
+where a Python that imports it is given (``--peer-python``; ``../shared/peers/setup.sh``-style venvs are found
+at ``~/.peer-venv``) and is never a dependency: without it only our variants are timed, and the report says so.
+Ours runs plain, and with its extras, each labelled: a host cache sized so our peak RSS matches DeepSpeed's
+(measured in the same run), and bf16 state for bf16 models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from typing import Optional
+
+from ..units import format_size
+from . import report
+from .cli import EXIT_OK, BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
+
+__all__ = ["register", "run_compare"]
+
+DEEPSPEED = "deepspeed"
+_DEFAULT_PEER = os.path.expanduser("~/.peer-venv/bin/python")
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """Add the ``compare`` subcommand."""
+    p = sub.add_parser("compare", parents=[common], help="iterations beside DeepSpeed ZeRO-3, interleaved",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=count_arg, default=64_000_000, metavar="N",
+                   help="parameters, in Linear(2048, 2048) layers (default 64M)")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights (ours keeps fp32 masters, as DeepSpeed)")
+    p.add_argument("--params-nvme", action="store_true", help="weights on NVMe too (offload_parameters / "
+                   "ZeRO-3 offload_param)")
+    p.add_argument("--rounds", type=positive_int_arg(1, 20), default=2, metavar="N",
+                   help="rounds, each running every variant once, in alternating order (default 2)")
+    p.add_argument("--iterations", type=positive_int_arg(3, 100), default=6, metavar="N",
+                   help="iterations per run; the first is left out of the medians (default 6)")
+    p.add_argument("--peer-python", metavar="PYTHON", help="a Python that imports deepspeed (default: "
+                   "~/.peer-venv/bin/python if present, else this one if it imports deepspeed)")
+    p.add_argument("--no-extras", action="store_true", help="ours plain only (no host cache, no bf16 state)")
+    add_path_option(p)
+    p.add_argument("--json", metavar="FILE", help="write every run and the medians as JSON")
+    p.set_defaults(run=run_compare)
+
+
+def _peer_python(given: Optional[str]) -> tuple[Optional[str], str]:
+    """(a Python that imports deepspeed, or None; why not)."""
+    if given and not (os.path.exists(given) or shutil.which(given)):
+        raise UsageError(f"--peer-python {given}: no such program")
+    candidates = [given] if given else [_DEFAULT_PEER, sys.executable]
+    for py in candidates:
+        if not (os.path.exists(py) or shutil.which(py)):
+            continue
+        done = subprocess.run([py, "-c", "import deepspeed; print(deepspeed.__version__)"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode == 0:
+            return py, done.stdout.strip().splitlines()[-1]
+        if given:
+            raise UsageError(f"--peer-python {given} cannot import deepspeed: {done.stderr.strip()[-300:]}")
+    return None, "DeepSpeed is not importable here (give --peer-python, e.g. a venv from ../shared/peers/setup.sh)"
+
+
+def _run(python: str, system: str, directory: str, args, *, host_cache: int = 0, state_dtype: str = "fp32") -> dict:
+    cmd = [python, "-m", "offload.bench.peer", system, directory, str(args.params), "--iterations",
+           str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype]
+    cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
+    os.makedirs(directory, exist_ok=True)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise BenchFailure(f"the {system} run failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
+    return json.loads(lines[-1])
+
+
+def _repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    peer, why = _peer_python(args.peer_python)
+    with bench_paths(args.paths) as paths:
+        root = paths[0]
+        variants = [("ours", {})]
+        if peer:
+            variants.append((DEEPSPEED, {}))
+        print(f"compare: {format_size(args.params * (2 if args.bf16 else 4))} of {'bf16' if args.bf16 else 'fp32'} "
+              f"weights ({args.params / 1e6:.0f}M parameters), optimizer state on NVMe"
+              + (", weights on NVMe" if args.params_nvme else "") + f", {args.rounds} round(s), in {root}")
+        print(f"DeepSpeed: {why}" if not peer else f"DeepSpeed {why} ({peer})")
+        runs: dict[str, list] = {}
+        for r in range(args.rounds):
+            order = variants if r % 2 == 0 else variants[::-1]
+            for name, kw in order:
+                system = DEEPSPEED if name == DEEPSPEED else "ours"
+                runs.setdefault(name, []).append(_run(peer if system == DEEPSPEED else sys.executable, system,
+                                                      os.path.join(root, f"compare-{name}"), args, **kw))
+            if r == 0 and not args.no_extras:
+                variants += _extras(args, runs)
+        rows, doc = [], {"params": args.params, "bf16": args.bf16, "params_nvme": args.params_nvme,
+                         "deepspeed": why, "runs": runs, "medians": {}}
+        ds = _median(runs.get(DEEPSPEED), "iteration_s_median")
+        for name, results in runs.items():
+            it, st = _median(results, "iteration_s_median"), _median(results, "step_s_median")
+            rss = max(x["peak_rss_bytes"] for x in results)
+            moved = results[-1].get("bytes_per_iteration")
+            spread = [f"{x['iteration_s_median']:.2f}" for x in results]
+            rows.append([name, f"{it:.3f} s ({', '.join(spread)})", f"{st:.3f} s", format_size(rss),
+                         format_size(moved) if moved else "-", f"{ds / it:.2f}x" if ds and name != DEEPSPEED else "-"])
+            doc["medians"][name] = {"iteration_s": it, "step_s": st, "peak_rss_bytes": rss,
+                                    "bytes_per_iteration": moved, "speedup_vs_deepspeed": ds / it if ds else None}
+        print(report.table(["variant", "iteration (runs)", "step()", "peak RSS", "moved/iter", "vs DeepSpeed"],
+                           rows))
+        if args.json:
+            report.write_json(args.json, doc)
+    return EXIT_OK
+
+
+def _extras(args, runs: dict) -> list:
+    """Our variants with extras, labelled: a host cache that brings our peak RSS up to DeepSpeed's (when it ran),
+    and bf16 state for a bf16 model."""
+    out = []
+    if DEEPSPEED in runs:
+        room = runs[DEEPSPEED][0]["peak_rss_bytes"] - runs["ours"][0]["peak_rss_bytes"]
+        if room > 64 << 20:
+            out.append((f"ours + host cache {format_size(room)} (DeepSpeed's RSS)", {"host_cache": room}))
+    if args.bf16:
+        out.append(("ours + bf16 state", {"state_dtype": "bf16"}))
+    return out
+
+
+def _median(results, key) -> Optional[float]:
+    return statistics.median(x[key] for x in results) if results else None

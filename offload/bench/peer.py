@@ -1,0 +1,140 @@
+"""One run of a side-by-side comparison, in a process of its own (so its peak RSS is its own): nvme-offload or
+DeepSpeed ZeRO-3 training the same stack of ``Linear(width, width)`` layers on the same disk, with optimizer state
+(and with ``--params-nvme`` the weights) on NVMe. Prints one JSON line. Run by ``offload-bench compare``;
+DeepSpeed's run needs a Python where ``import deepspeed`` works (``--peer-python``), and is never a dependency.
+
+Usage: ``python -m offload.bench.peer {ours,deepspeed} NVME_DIR PARAMS [--params-nvme] [--bf16]
+[--host-cache BYTES] [--state-dtype fp32|bf16] [--iterations N]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import time
+
+WIDTH = 2048
+BATCH = 4
+
+
+def _model(params: int, dtype):
+    import torch
+
+    layers = max(1, params // (WIDTH * WIDTH))
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)]).to(dtype)
+
+
+def _ours(args, dtype) -> dict:
+    from offload import OffloadedAdamW, offload_parameters
+    from offload.params import offloaded
+
+    model = _model(args.params, dtype)
+    if args.params_nvme:
+        offload_parameters(model, nvme_path=os.path.join(args.nvme, "w"), max_in_cpu=0, max_grad_in_cpu=0)
+    opt = OffloadedAdamW(model.parameters(), lr=1e-3, nvme_path=os.path.join(args.nvme, "s"),
+                         host_cache=args.host_cache, state_dtype=args.state_dtype)
+
+    def moved() -> int:
+        r, w = opt.io_bytes()
+        store = offloaded(model).store if args.params_nvme else None
+        extra = (store.bytes_read + store.bytes_written + store.grad_bytes_read + store.grad_bytes_written
+                 if store is not None else 0)
+        return r + w + extra
+
+    def iteration(x):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        s = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        return s
+
+    try:
+        result = _loop(iteration, dtype, args.iterations, moved)
+    finally:
+        opt.close()
+    return dict(result, system="nvme-offload")
+
+
+def _deepspeed(args, dtype) -> dict:
+    import torch
+
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                 ("LOCAL_RANK", "0")):
+        os.environ.setdefault(k, v)
+    import deepspeed
+
+    model = _model(args.params, torch.float32)
+    # DeepSpeed stops with "Not enough buffers" for weights on NVMe with fewer than about 20 buffers here.
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme, "buffer_count": 4, "pin_memory": False},
+            "offload_param": ({"device": "nvme", "nvme_path": args.nvme, "buffer_count": 20, "buffer_size": 1e8,
+                               "max_in_cpu": 0, "pin_memory": False} if args.params_nvme else {"device": "cpu"})},
+        "aio": {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+    }
+    if dtype == torch.bfloat16:
+        cfg["bf16"] = {"enabled": True}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+
+    def iteration(x):
+        loss = engine(x).float().pow(2).mean()
+        engine.backward(loss)
+        s = time.perf_counter()
+        engine.step()
+        return s
+
+    return dict(_loop(iteration, dtype, args.iterations, None), system="deepspeed", version=deepspeed.__version__)
+
+
+def _loop(iteration, dtype, n: int, moved) -> dict:
+    """Time ``n`` iterations (forward, backward, step, zero_grad); the first (no state to read) is left out of
+    the medians."""
+    import torch
+
+    x = torch.randn(BATCH, WIDTH, dtype=dtype)
+    iters, steps, per_iter = [], [], []
+    for _ in range(n):
+        before = moved() if moved else 0
+        t0 = time.perf_counter()
+        s = iteration(x)
+        end = time.perf_counter()
+        iters.append(end - t0)
+        steps.append(end - s)
+        per_iter.append(moved() - before if moved else None)
+    return {"iteration_s": iters[1:], "step_s": steps[1:], "iteration_s_median": statistics.median(iters[1:]),
+            "step_s_median": statistics.median(steps[1:]), "bytes_per_iteration": per_iter[-1],
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m offload.bench.peer", description=__doc__.splitlines()[0])
+    p.add_argument("system", choices=("ours", "deepspeed"))
+    p.add_argument("nvme")
+    p.add_argument("params", type=int)
+    p.add_argument("--params-nvme", action="store_true")
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--host-cache", type=int, default=0)
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--iterations", type=int, default=6)
+    args = p.parse_args(argv)
+    import torch
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH
+    result = (_ours if args.system == "ours" else _deepspeed)(args, dtype)
+    print(json.dumps(dict(result, params=n, params_on_nvme=args.params_nvme, bf16=args.bf16,
+                          host_cache=args.host_cache, state_dtype=args.state_dtype)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
