@@ -280,7 +280,9 @@ def run_adam(args: argparse.Namespace) -> int:
         ["step (median of steady steps)", f"{step_med:.3f} s ({_spread(times)})"],
         ["first step (nothing to read)", f"{first:.3f} s"],
         ["read / written per step", f"{format_size(read_per_step)} / {format_size(written_per_step)}"],
+        ["drive writes at this step rate (optimizer alone)", report.drive_writes(written_per_step, step_med)[1]],
     ]
+    result["drive_writes_per_day"] = report.drive_writes(written_per_step, step_med)[0]
     if unchecked_med:
         rows.append(["without checksums (same optimizer, in turn)",
                      f"{unchecked_med:.3f} s: checksums cost {100 * (step_med / unchecked_med - 1):+.1f}%"])

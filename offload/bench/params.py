@@ -163,6 +163,7 @@ def run_params(args: argparse.Namespace) -> int:
                                                    aio.block_size, aio.queue_depth, aio.thread_count)
 
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound = max(io_s, compute_s)
     disk_bound = read_total / GIB / fio_read + write_total / GIB / fio_write if fio_read and fio_write else None
     result: dict[str, Any] = {
@@ -170,6 +171,9 @@ def run_params(args: argparse.Namespace) -> int:
         "device": device.type,
         "step_s_median": step_med,
         "fetch_bytes_per_step": fetch,
+        "weight_bytes": weight_bytes,
+        "fetch_vs_weights": fetch / weight_bytes,
+        "drive_writes_per_day": report.drive_writes(write + opt_write + grad_write, step_med)[0],
         "write_bytes_per_step": write,
         "io_only_s": io_s,
         "compute_only_s": compute_s,
@@ -205,7 +209,9 @@ def run_params(args: argparse.Namespace) -> int:
     rows = [
         ["step (median of steady steps)", f"{step_med:.3f} s"],
         ["first step (records order, creates state)", f"{first:.3f} s"],
-        ["weights read / written per step", f"{format_size(fetch)} / {format_size(write)}"],
+        ["weights read / written per step", f"{format_size(fetch)} / {format_size(write)} ({fetch / weight_bytes:.2f}x"
+         f" / {write / weight_bytes:.2f}x the weights; forward and backward need 2x / 1x)"],
+        ["drive writes at this step rate", report.drive_writes(write + opt_write + grad_write, step_med)[1]],
         ["optimizer state read / written per step", f"{format_size(opt_read)} / {format_size(opt_write)}"],
         ["grads read / written per step", f"{format_size(grad_read)} / {format_size(grad_write)}"],
         ["same bytes, I/O only", f"{io_s:.3f} s"],

@@ -117,6 +117,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def drive_writes(bytes_per_step: int, step_s: float) -> tuple[float, str]:
+    """Bytes written per day of training at ``bytes_per_step`` every ``step_s`` seconds, and as text (TB/day),
+    which SSDs' endurance ratings (TB written, drive writes per day) are stated in."""
+    per_day = bytes_per_step * 86400 / step_s if step_s > 0 else 0.0
+    return per_day, f"{per_day / 1e12:.1f} TB/day"
+
+
 def fmt_gib(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
