@@ -22,6 +22,7 @@ from typing import Optional
 from ..units import format_size
 from . import report
 from .cli import EXIT_OK, BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
+from .peer import WIDTH
 
 __all__ = ["register", "run_compare"]
 
@@ -94,8 +95,9 @@ def run_compare(args: argparse.Namespace) -> int:
         variants = [("ours", {})]
         if peer:
             variants.append((DEEPSPEED, {}))
-        print(f"compare: {format_size(args.params * (2 if args.bf16 else 4))} of {'bf16' if args.bf16 else 'fp32'} "
-              f"weights ({args.params / 1e6:.0f}M parameters), optimizer state on NVMe"
+        n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH  # whole Linear(2048, 2048) layers
+        print(f"compare: {format_size(n * (2 if args.bf16 else 4))} of {'bf16' if args.bf16 else 'fp32'} "
+              f"weights ({n / 1e6:.1f}M parameters in {n // (WIDTH * WIDTH)} layers), optimizer state on NVMe"
               + (", weights on NVMe" if args.params_nvme else "") + f", {args.rounds} round(s), in {root}")
         print(f"DeepSpeed: {why}" if not peer else f"DeepSpeed {why} ({peer})")
         runs: dict[str, list] = {}
