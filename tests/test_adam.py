@@ -709,3 +709,28 @@ def test_the_default_pool_is_sized_down_to_a_small_state(nvme, closing):
     assert_same(a, b)
     given = closing(OffloadedAdamW(make_params(), nvme_path=nvme + "-2", buffer_size="8MiB", buffer_count=3))
     assert given.host_pool_bytes == 3 * 8 * MiB
+
+
+def test_the_drive_writes_per_day_are_said_once_and_warned_past_the_threshold(nvme, closing, caplog):
+    """At the first step that writes after an earlier one, logger "offload" says once how many TB per day the
+    optimizer writes at the rate seen between the two steps: INFO below the documented threshold, a WARNING
+    naming the endurance rating past it; later steps say nothing."""
+    import logging
+
+    from offload.adam.wear import WEAR_WARN_BYTES_PER_DAY
+
+    for threshold, level in ((WEAR_WARN_BYTES_PER_DAY, logging.INFO), (1, logging.WARNING)):
+        a = make_params()
+        ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, **SMALL))
+        ticks = iter(float(t) for t in range(0, 100, 10))  # one step every 10 s
+        ours._wear.threshold, ours._wear.clock = threshold, ticks.__next__
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="offload"):
+            for step in range(4):
+                set_grads(a, seed=step)
+                ours.step()
+        said = [r for r in caplog.records if "TB per day" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == level
+        written = ours.state_store.bytes_written // 4  # every step writes every unit
+        assert f"{written * 86400 / 10 / 1e12:.1f} TB per day" in said[0].getMessage()
+        assert ("endurance" in said[0].getMessage()) is (level == logging.WARNING)

@@ -18,6 +18,7 @@ from ..params import ParamAccess
 from ..state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, local_entry, step_tensor
 from .checks import check_dtensor_options, check_grad, check_params, no_duplicate_warning
 from .update import NO_SCALING, GradScaling, kernel_flags, update_chunks, update_in_memory
+from .wear import WearMeter
 
 __all__ = ["OffloadedAdam", "OffloadedAdamW"]
 
@@ -120,6 +121,7 @@ class OffloadedAdam(torch.optim.Adam):
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._scaling = NO_SCALING  # what step() does to the grads, for its updates
+        self._wear = WearMeter()  # says once what the writes mean for the drives
         check_params(self.param_groups)
         check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
                                overlap_backward=self.config.offload_optimizer.overlap_backward)
@@ -219,6 +221,7 @@ class OffloadedAdam(torch.optim.Adam):
             raise
         finally:
             self._scaling = NO_SCALING
+        self._wear.step(store.bytes_written)
         return loss
 
     def no_step(self):
