@@ -46,6 +46,11 @@ class HostBuffer:
         self.pinned = False
         if pin_memory:
             self.pinned = _cuda_host_register(self.address, self.nbytes)
+            if self.pinned:
+                # A fork would copy page-locked pages at once (the kernel will not share pages a device may
+                # DMA to), for every DataLoader worker: a child gets no mapping instead. A CUDA child cannot
+                # use the parent's optimizer anyway.
+                self._mmap.madvise(mmap.MADV_DONTFORK)
 
     @property
     def tensor(self) -> torch.Tensor:
@@ -181,11 +186,15 @@ class BufferPool:
         self.close()
 
 
+_CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
 def _cuda_host_register(address: int, nbytes: int) -> bool:
     if not torch.cuda.is_available():
         warnings.warn("pin_memory=True but CUDA is not available: host buffers are not pinned", stacklevel=3)
         return False
-    rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    # Portable: page-locked for every CUDA context, so a copy on any GPU of the process is DMA.
+    rc = torch.cuda.cudart().cudaHostRegister(address, nbytes, _CUDA_HOST_REGISTER_PORTABLE)
     if int(rc) != 0:
         warnings.warn(f"cudaHostRegister failed ({rc}); host buffers are not pinned", stacklevel=3)
         return False

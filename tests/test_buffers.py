@@ -236,3 +236,44 @@ def test_a_pool_of_bad_size_is_refused(size):
     """A buffer size that is not a positive int is a ValueError naming it, before any check or allocation."""
     with pytest.raises(ValueError, match="positive number of bytes"):
         BufferPool(2, size)
+
+
+def _mapping_flags(address: int) -> str | None:
+    """The VmFlags of this process's mapping that holds ``address`` (/proc/self/smaps), or None if unmapped."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("VmFlags:"):
+                return line
+    return None
+
+
+def test_a_pinned_buffer_is_registered_portable_and_not_copied_into_a_forked_child(monkeypatch):
+    """With CUDA (faked here: cudaHostRegister recorded), a pinned buffer is registered portable (for every
+    context) and marked MADV_DONTFORK: a forked child (a DataLoader worker) gets no mapping of it, so the
+    page-locked pages are neither copied at the fork nor reachable from the child; the parent's bytes are
+    intact. An unpinned buffer is left to fork as usual."""
+    calls = []
+    fake = types.SimpleNamespace(cudaHostRegister=lambda a, n, flags: calls.append(("register", flags)) or 0,
+                                 cudaHostUnregister=lambda a: calls.append(("unregister",)) or 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    pinned, plain = HostBuffer(1 << 20, pin_memory=True), HostBuffer(1 << 20)
+    try:
+        assert pinned.pinned and calls == [("register", 1)]
+        assert " dc" in _mapping_flags(pinned.address) and " dc" not in _mapping_flags(plain.address)
+        pinned.tensor.fill_(7)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if _mapping_flags(pinned.address) is None and _mapping_flags(plain.address) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert bool((pinned.tensor == 7).all())
+    finally:
+        pinned.close()
+        plain.close()
+    assert calls[-1] == ("unregister",)
