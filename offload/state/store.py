@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import psutil
 import torch
 
-from ..aio import CheckedRead, FutureGroup, hex_digest, wait_quietly
+from ..aio import FutureGroup
 from ..buffers import BufferPool
 from ..config import Config
 from ..distributed import local
 from ..errors import ConfigError, StateError
 from ..pipeline import BufferRing, Pipeline
 from ..space import SwapSpace
+from ..store import ByteStore, HostTier, TierSource, auto_cache_bytes
 from ..units import MIB, format_size, round_up
 from .layout import Chunk, Layout, ParamSlot, Unit
-from .tiers import HostTier, TierSource, auto_cache_bytes
 
 __all__ = ["StateStore"]
 
@@ -34,10 +33,9 @@ __all__ = ["StateStore"]
 # * the tiers: a unit lives on NVMe, or resident in host memory (``host_cache``; every unit with
 #   ``device: "cpu"``, where there is no swap space at all). A step visits units in snake order, so
 #   the units it updates last stay resident and are the first the next step updates;
-# * the pipeline that moves units through the pool, and a checksum of every unit written, verified on
-#   every read, so that bytes changed on disk behind our back are named instead of trained on;
-# * the failure state: after an error part-way through a change of state (a step, a load) the store
-#   refuses to be used until state is restored from a state dict or a checkpoint.
+# * the pipeline that moves units through the pool.
+# The bytes themselves (checked reads, the landing of writes, the failed state, the swap files' cuts,
+# freezes for consistent copies) belong to a ByteStore (``bytes``), as the offloaded weights' do.
 class StateStore:
     """Offloaded optimizer state: where it lives and how it moves.
 
@@ -52,7 +50,8 @@ class StateStore:
         pool: the host buffers state moves through (``None`` with ``device: "cpu"``).
         space: the :class:`SwapSpace` (``None`` with ``device: "cpu"``).
         tier: the :class:`HostTier` of resident units, or ``None`` without one.
-        threshold: the small-parameter threshold. error: why the store is unusable, or ``None``.
+        threshold: the small-parameter threshold.
+        bytes: the :class:`offload.store.ByteStore` the units' bytes move through (failed state, checksums).
     """
 
     def __init__(self, state: dict, param_groups: list, config: Config, *, name: str = "adam"):
@@ -62,7 +61,6 @@ class StateStore:
         self.config = config
         self.threshold = oc.small_param_threshold
         self.checksum = oc.checksum
-        self.error: Optional[BaseException] = None
         self.in_memory = oc.device == "cpu"
         self.pin_memory = resolve_pin(oc.pin_memory, (p for g in param_groups for p in g["params"]))
         self.pool = self.space = self.tier = None
@@ -79,6 +77,10 @@ class StateStore:
             _close(self.space, self.pool, self.tier)
             raise
         unit_bytes = self.pool.buffer_size if self.pool is not None else size
+        self.bytes = ByteStore(self.space, unit_bytes, checksum=self.checksum, mismatch_fails=True, remedy=(
+            "Training on it would be silently wrong; restore the state with load_checkpoint() (or "
+            "load_state_dict()) before stepping again."))
+        self.bytes.tier = self.tier
         # The pool's buffers in circulation, with the writes still landing from them. It outlives runs:
         # a step returns with its last writes in flight (they land during the next forward), and with a
         # host tier buffers change hands between the pool and resident units (see tiers.TierSource).
@@ -87,9 +89,7 @@ class StateStore:
         # ring, no lock: one thread uses the store at a time (the overlap worker's step, which every other
         # use of the store refuses to run beside or ends first).
         self._holding: dict[int, Unit] = {}
-        self._tail: list = []  # writes a run left landing (futures), until they are seen to have landed
-        self.bytes_read = self.bytes_written = 0
-        self._guards: list[Callable[[Unit, Any], None]] = []  # see add_change_guard
+        self.bytes.on_failure.append(self._holding.clear)
         # With B buffers: one holds the unit being updated, one (or more) the writes still landing,
         # and the rest the reads ahead (B - 2 of them, at least 1).
         lookahead = max(1, oc.buffer_count - 1) if oc.pipeline_read else 0
@@ -137,7 +137,7 @@ class StateStore:
             budget = auto_cache_bytes(pools=self.pool.nbytes, state=len(self.layout.units) * self.layout.unit_bytes)
         count = budget // self.layout.unit_bytes
         if count > 0:
-            self.tier = HostTier(count, self.layout.unit_bytes, pin_memory=self.pin_memory)
+            self.tier = self.bytes.tier = HostTier(count, self.layout.unit_bytes, pin_memory=self.pin_memory)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
@@ -195,6 +195,11 @@ class StateStore:
 
     # -- failures -------------------------------------------------------------------------------
 
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why the store is unusable, or ``None``."""
+        return self.bytes.error
+
     def check_usable(self, doing: str = "step") -> None:
         """Raise unless state may be used for ``doing`` (e.g. ``"step"``, ``"save a checkpoint"``).
 
@@ -210,14 +215,24 @@ class StateStore:
                 "may be half written. Restore it with load_state_dict() or load_checkpoint() first."
             ) from self.error
 
-    def failed(self, err: BaseException) -> None:
-        """Record that state may be half written: every use raises until :meth:`restored`."""
-        self.error = err
-        self._holding.clear()
+    def mark_failed(self, err: BaseException) -> None:
+        """Record that state may be half written: every use raises until :meth:`mark_restored`."""
+        self.bytes.mark_failed(err)
 
-    def restored(self) -> None:
+    def mark_restored(self) -> None:
         """State is whole again (a load succeeded)."""
-        self.error = None
+        self.bytes.mark_restored()
+
+    failed = mark_failed  # the name offload.checkpoint uses
+    restored = mark_restored
+
+    @property
+    def bytes_read(self) -> int:
+        return self.bytes.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.bytes.bytes_written
 
     # -- moving units ---------------------------------------------------------------------------
 
@@ -244,7 +259,7 @@ class StateStore:
                 run left landing; the store is then failed.
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
-        self._collect_tail()
+        self.bytes.collect_landed()
         # Units kept in host memory (resident, or still in a pool buffer) are written without being read
         # first: a write past a cut in a truncated file would leave holes that read back as zeros.
         self._check_intact()
@@ -261,7 +276,7 @@ class StateStore:
             if resident(unit, buf):
                 fut = None
             elif self._holds(unit, buf):
-                self._land(unit)  # its bytes are in the buffer: no read, once its write has landed
+                self.bytes.land(unit)  # its bytes are in the buffer: no read, once its write has landed
                 fut = None
             else:
                 self._holding.pop(id(buf), None)
@@ -273,8 +288,8 @@ class StateStore:
 
         def process(unit: Unit, buf) -> bool:
             at_home = resident(unit, buf)
-            for guard in list(self._guards) if changes else ():
-                guard(unit, buf)
+            if changes:
+                self.bytes.changing(unit, buf)
             try:
                 changed = update(unit, buf)
             except BaseException:
@@ -297,11 +312,9 @@ class StateStore:
             if resident(unit, buf):
                 tier.leave(unit)
                 source.evicted()
-            fut = self._write(unit, buf)
+            fut = self._write(unit, buf, landing=not drain)
             self._forget(unit)
             self._holding[id(buf)] = unit
-            if not drain:
-                self._tail.append(fut)
             return fut
 
         self.pipeline.run(units, read=read, process=process, write=write, source=source, drain=drain)
@@ -362,7 +375,7 @@ class StateStore:
             after_unit(unit)
             return True
 
-        with self._failing_on(BaseException):
+        with self.bytes.failing_on(BaseException):
             self.run(units, copy_in, needs_read=needs_read)
         for slot in by_slot:
             slot.initialized = True
@@ -370,18 +383,17 @@ class StateStore:
     def rewriting_all(self) -> None:
         """Say that every unit holding state is about to be overwritten (a whole load): a swap file cut
         behind our back gets its size back, since nothing will be read from the cut."""
-        if self.space is not None:
-            self.space.regrow()
+        self.bytes.regrow()
 
-    def add_change_guard(self, guard: Callable[[Unit, Any], None]) -> Callable[[], None]:
+    def freeze(self, guard: Callable[[Unit, Any], None]) -> Callable[[], None]:
         """Call ``guard(unit, buffer)`` before any run changes a unit's state, with ``buffer`` holding the
-        unit's bytes as they are then (read from NVMe, or its host-memory home). For a consistent copy
-        taken while training goes on (an asynchronous checkpoint): the guard captures the unit first if
-        it has not yet. Returns the function that removes the guard. ``write_unit`` (a load) is not
-        guarded: it replaces state wholesale, and must not run while a copy is being taken.
+        unit's bytes as they are then (read from NVMe, or its host-memory home): see
+        :meth:`offload.store.ByteStore.freeze`. Returns the function that removes the guard. ``write_unit``
+        (a load) is not guarded: it replaces state wholesale, and must not run while a copy is being taken.
         """
-        self._guards.append(guard)
-        return lambda: self._guards.remove(guard) if guard in self._guards else None
+        return self.bytes.freeze(guard)
+
+    add_change_guard = freeze  # the name offload.checkpoint uses
 
     # -- units one at a time (checkpoints) ------------------------------------------------------
 
@@ -450,26 +462,16 @@ class StateStore:
         Raises:
             OSError: one of them failed (file and offset named); the store is then failed.
         """
-        tail, self._tail = self._tail, []
-        first = None
-        for fut in tail:
-            try:
-                fut.wait()
-            except OSError as err:
-                first = first or err
+        self.bytes.drain(quiet=quiet)
         if quiet:
             self._holding.clear()  # the state is about to be replaced
             for unit in self.layout.units:
-                unit.written = None
-        elif first is not None:
-            self.failed(first)
-            raise first
+                unit.writes = []
 
     def close(self) -> None:
         """Let the last writes land, then remove the swap files and free the pool and the host tier."""
         if self._finalizer.alive:
-            wait_quietly(self._tail)
-            self._tail = []
+            self.bytes.close()
         self._finalizer()
 
     def _settle_set(self, units: Sequence[Unit]) -> set:
@@ -483,20 +485,9 @@ class StateStore:
         room = max(0, tier.capacity - elsewhere)
         return {id(u) for u in list(units)[len(units) - room:]} if room else set()
 
-    @contextlib.contextmanager
-    def _failing_on(self, *errors: type):
-        """The store is failed (see :meth:`failed`) when the block raises one of ``errors``, then re-raised."""
-        try:
-            yield
-        except errors as err:
-            self.failed(err)
-            raise
-
     def _check_intact(self) -> None:
         """Raise (and fail the store) if a swap file was truncated behind our back."""
-        if self.space is not None:
-            with self._failing_on(OSError):
-                self.space.check_intact()
+        self.bytes.check_intact()
 
     def _holds(self, unit: Unit, buf) -> bool:
         """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
@@ -510,67 +501,21 @@ class StateStore:
         for key in [k for k, u in self._holding.items() if u is unit]:
             del self._holding[key]
 
-    def _write(self, unit: Unit, buf):
-        self._land(unit)  # requests complete in any order: an older write must not land after this one
-        fut = self.space.write(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
-        self.bytes_written += unit.extent.nbytes
-        unit.written = fut
-        # The checksum of what the write puts on disk, known once it lands (computed by the engine).
-        unit.digest = fut if self.checksum else None
-        return fut
+    def _write(self, unit: Unit, buf, *, landing: bool = False):
+        self.bytes.land(unit)  # requests complete in any order: an older write must not land after this one
+        return self.bytes.write(unit, buf, landing=landing)
 
     def _read(self, unit: Unit, buf):
-        self._land(unit)  # a write a step left landing must be there before its bytes are read back
-        fut = self.space.read(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
-        self.bytes_read += unit.extent.nbytes
-        if not (self.checksum and unit.digest is not None):
-            return fut
-        return CheckedRead(fut, lambda: self._last_digest(unit), lambda found, want: self._corrupt(unit, found))
+        self.bytes.land(unit)  # a write a step left landing must be there before its bytes are read back
+        return self.bytes.read(unit, buf, what=lambda: self._describe(unit))
 
-    def _land(self, unit: Unit) -> None:
-        """Wait for ``unit``'s last write; if it failed, the store is failed and the error raised here."""
-        if unit.written is None:
-            return
-        with self._failing_on(OSError):
-            unit.written.wait()
-        unit.written = None
-
-    def _collect_tail(self) -> None:
-        """Forget tail writes that landed; the first that failed fails the store and is raised now."""
-        still, first = [], None
-        for fut in self._tail:
-            if not fut.done():
-                still.append(fut)
-                continue
-            try:
-                fut.wait()
-            except OSError as err:
-                first = first or err
-        self._tail = still
-        if first is not None:
-            self.failed(first)
-            raise first
-
-    @staticmethod
-    def _last_digest(unit: Unit) -> tuple:
-        if not isinstance(unit.digest, tuple):
-            unit.digest = unit.digest.digest()  # the write landed long ago
-        return unit.digest
-
-    def _corrupt(self, unit: Unit, found: tuple) -> StateError:
-        """The error of a read of ``unit`` whose bytes are not those of its last write; the store is failed."""
+    def _describe(self, unit: Unit) -> str:
+        """``unit`` in words, for a message."""
         index = self.layout.units.index(unit)
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = ", ".join(f"parameter {position.get(id(c.slot.param), '?')} (shape {tuple(c.slot.param.shape)})"
                           for c in unit.chunks)
-        path, offset = self.space.locate(unit.extent.offset)
-        err = StateError(
-            f"offloaded optimizer state was changed on disk behind our back: unit {index} ({unit.nbytes} bytes at "
-            f"offset {offset} of {path}) holding the state of {names} has xxh3_64 {hex_digest(found)}, its last "
-            f"write had {hex_digest(unit.digest)}. Training on it would be silently wrong; restore the state with "
-            "load_checkpoint() (or load_state_dict()) before stepping again.")
-        self.failed(err)
-        return err
+        return f"offloaded optimizer state, unit {index} holding the state of {names}"
 
 
 def resolve_pin(setting, params: Iterable[torch.Tensor]) -> bool:
