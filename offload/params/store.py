@@ -14,6 +14,7 @@ from ..buffers import BufferPool, HostBuffer
 from ..config import Config
 from ..errors import StateError
 from ..space import Extent, SwapSpace
+from ..store import ByteStore, Stored
 from ..units import ALIGNMENT, round_up
 from . import registry
 from .gradstore import GradStore
@@ -25,20 +26,17 @@ __all__ = ["ParamStore", "resident"]
 store_of = registry.store_of
 
 
-@dataclass(eq=False)
-class _Record:
-    """One offloaded parameter."""
+@dataclass(eq=False, kw_only=True)
+class _Record(Stored):
+    """One offloaded parameter: its bytes (``extent``, None when kept in the host cache instead; the writes
+    and checksums of its blocks) and its residency."""
 
     param: torch.Tensor
-    nbytes: int
-    extent: Optional[Extent] = None  # None: kept in the host cache instead
     host: Optional[torch.Tensor] = None  # the host cache's copy (uint8), device parameters only
     users: int = 0  # fetches not yet released
     resident: bool = True
     dirty: bool = False
-    prefetched: dict = field(default_factory=dict)  # unit index -> (Slot, read future)
-    writes: list = field(default_factory=list)  # write futures of the extent, in the order issued
-    digests: list = field(default_factory=list)  # xxh3_64 of each unit last written (None: unknown)
+    prefetched: dict = field(default_factory=dict)  # block index -> (Slot, read future)
     cls: type = None  # the parameter's class before offload, restored on undo
     name: str = "?"
 
@@ -72,8 +70,6 @@ class ParamStore:
         params = list(params)
         self.config = config
         self.offload_grads = offload_grads
-        # Set when weights were lost or half loaded: a load failed part-way, or a write-back failed.
-        self.error: Optional[BaseException] = None
         self._names = names or {}
         self.device = params[0].device if params else torch.device("cpu")
         self.records: dict[torch.Tensor, _Record] = {}
@@ -103,8 +99,14 @@ class ParamStore:
         self._host_cache = self.space = None
         try:
             self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
+            # Weights are fetched one parameter at a time: a block whose bytes changed on disk names itself
+            # at each fetch, and fails nothing else.
+            self.bytes = ByteStore(self.space, self.pool.buffer_size // self.space.alignment * self.space.alignment,
+                                   checksum=pc.checksum, mismatch_fails=False, remedy=(
+                                       "Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to "
+                                       "restore it."))
             self.slots = SlotPool(self.pool, self._drop_latest_prefetch)
-            self.io = TensorIO(self.space, self.slots, cuda=self._cuda, checksum=pc.checksum)
+            self.io = TensorIO(self.bytes, self.slots, cuda=self._cuda)
             self.grads = GradStore(self.io, self._lock)
             on_disk = [p for p in params if p not in cached]
             with_grad = [p for p in params if offload_grads and p.requires_grad and (p not in cached or self._cuda)]
@@ -185,13 +187,12 @@ class ParamStore:
                 return
             if any(not f.done() for f in rec.writes):
                 return  # its latest bytes are still landing; read them when they are there
-            for k in range(self.io.count(rec.nbytes)):
+            for k in range(self.bytes.block_count(rec.nbytes)):
                 slot = self.slots.take(wait=False)
                 if slot is None:
                     break
-                rec.prefetched[k] = (slot, self.io.read_unit(rec.extent, k, rec.nbytes, slot.buffer,
-                                                              digests=rec.digests, what=lambda: self._what(rec)))
-                self.bytes_read += self.io.extent_of(rec.extent, k, rec.nbytes)[0].nbytes
+                rec.prefetched[k] = (slot, self.bytes.read(rec, slot.buffer, k, what=lambda: self._what(rec)))
+                self.bytes_read += self.bytes.block(rec, k)[0].nbytes
             if rec.prefetched:
                 self._issued.append(rec)
 
@@ -224,6 +225,21 @@ class ParamStore:
     def reset_grad_peak(self) -> None:
         """Restart ``grad_resident_bytes_max`` from the gradient bytes resident now."""
         self.grads.reset_peak()
+
+    # -- failures -------------------------------------------------------------------------------
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why offloaded weights are lost or half loaded (a load failed part-way, a write-back failed), or
+        ``None``. Setting it marks the byte store failed (``None``: restored)."""
+        return self.bytes.error
+
+    @error.setter
+    def error(self, err: Optional[BaseException]) -> None:
+        if err is None:
+            self.bytes.mark_restored()
+        else:
+            self.bytes.mark_failed(err)
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -342,8 +358,7 @@ class ParamStore:
         """Start reading unit ``k`` of ``param``'s extent into ``buffer``; waiting for the future checks the
         bytes against the unit's last write (``StateError`` if they changed on disk behind our back)."""
         rec = self.records[param]
-        return self.io.read_unit(rec.extent, k, rec.nbytes, buffer, digests=rec.digests,
-                                 what=lambda: self._what(rec))
+        return self.bytes.read(rec, buffer, k, what=lambda: self._what(rec))
 
     def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
         """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
@@ -356,13 +371,12 @@ class ParamStore:
             copies.append(self._data(rec))
         if rec.host is not None:
             copies.append(rec.host.reshape(-1))
-        rec.digests = [None] * self.io.count(rec.nbytes)
+        self.bytes.forget_digests(rec)
         return rec.extent, copies
 
     def write_unit(self, param: torch.Tensor, k: int, buffer):
         """Start writing unit ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
-        rec = self.records[param]
-        return self.io.write_unit(rec.extent, k, rec.nbytes, buffer, digests=rec.digests)
+        return self.bytes.write(self.records[param], buffer, k)
 
     def loaded(self, params: Iterable[torch.Tensor]) -> None:
         """New weights of ``params`` are in place: their in-memory copies equal their extents now, and
@@ -371,13 +385,13 @@ class ParamStore:
             for p in params:
                 self.records[p].dirty = False
                 self.grads.clear(p)
-            self.error = None
+            self.bytes.mark_restored()
 
     # -- internals ----------------------------------------------------------------------------
 
     def _add(self, p: torch.Tensor, extent: Optional[Extent], grad: bool, grad_extent: Optional[Extent]) -> None:
         nbytes = p.numel() * p.element_size()
-        rec = _Record(p, nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
+        rec = _Record(param=p, nbytes=nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
         if grad:
             self.grads.add(p, grad_extent, rec.name)  # no extent: kept in host memory
         if extent is None:
@@ -449,22 +463,19 @@ class ParamStore:
         if rec in self._issued:
             self._issued.remove(rec)
             self.prefetch_hits += 1
-        self.bytes_read += self.io.read_into(self._data(rec), rec.extent, digests=rec.digests, pending=pending,
-                                             what=lambda: self._what(rec))
+        self.bytes_read += self.io.read_into(self._data(rec), rec, pending=pending, what=lambda: self._what(rec))
 
     def rewriting(self, params: Iterable[torch.Tensor]) -> None:
         """``params``' stored bytes are about to be overwritten (a load). If that is every offloaded tensor, a
         swap file cut behind our back gets its size back: nothing will be read from the cut. A partial load
         leaves the cut to be named."""
         if self.space is not None and {id(p) for p in self.records} <= {id(p) for p in params}:
-            self.space.regrow()
+            self.bytes.regrow()
 
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
         self._land(rec)  # requests complete in any order: an old write must not land after this one
-        digests = [None] * self.io.count(rec.nbytes)
-        self.bytes_written += self.io.write_from(self._data(rec), rec.extent, rec.writes, digests=digests)
-        rec.digests = digests  # (a write refused before it began keeps the checksums of the bytes on disk)
+        self.bytes_written += self.io.write_from(self._data(rec), rec)
 
     @staticmethod
     def _what(rec: _Record) -> str:
@@ -473,13 +484,7 @@ class ParamStore:
     def _land(self, rec: _Record) -> None:
         """Wait for every write of ``rec``'s extent. A failed one lost the weights it carried: the store
         is failed (fetches raise ``StateError``) until a checkpoint is loaded."""
-        futures, rec.writes = rec.writes, []
-        for fut in futures:
-            try:
-                fut.wait()
-            except OSError as err:
-                self.error = err
-                raise
+        self.bytes.land(rec)
 
     def _drain(self) -> None:
         """Let every write and prefetch land (before closing, or before the files are read elsewhere)."""

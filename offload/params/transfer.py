@@ -9,11 +9,10 @@ from typing import Callable, Optional
 
 import torch
 
-from ..aio import CheckedRead, hex_digest, wait_quietly
+from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
-from ..errors import StateError
 from ..pipeline import Pipeline
-from ..space import Extent, SwapSpace
+from ..store import ByteStore, Stored
 
 __all__ = ["TensorIO", "Slot", "SlotPool"]
 
@@ -87,73 +86,36 @@ class SlotPool:
 
 
 class TensorIO:
-    """Moves a tensor's bytes between an extent and memory in units of one buffer, pipelined.
+    """Moves a tensor's bytes between its extent and memory in blocks of one pool buffer, pipelined.
 
-    With ``checksum``, each unit written has the checksum of the bytes it put on disk recorded (in the
-    caller's ``digests`` list; computed by the engine as the write lands), and each unit read is checked
-    against it as its read lands, so bytes changed on disk behind our back are named, not used.
+    Reads, writes, checksums and the landing of writes are the byte store's; this adds the pipeline
+    over the pool's slots and the copies between the blocks and the tensor.
 
     Args:
-        space: the swap space. slots: the pool. cuda: copies to and from the device are asynchronous
-            (each records an event on its slot). checksum: keep and check the units' checksums.
+        store: the :class:`offload.store.ByteStore` the bytes live in. slots: the pool. cuda: copies to and
+            from the device are asynchronous (each records an event on its slot).
     """
 
-    def __init__(self, space: SwapSpace, slots: SlotPool, *, cuda: bool, checksum: bool = True):
-        self.space = space
+    def __init__(self, store: ByteStore, slots: SlotPool, *, cuda: bool):
+        self.store = store
+        self.space = store.space
         self.slots = slots
         self.cuda = cuda
-        self.checksum = checksum
-        self.unit_bytes = slots.pool.buffer_size // space.alignment * space.alignment
+        self.unit_bytes = store.block_bytes
         self.pipeline = Pipeline(slots, lookahead=max(0, len(slots) - 1))
 
     def count(self, nbytes: int) -> int:
-        """Units of a tensor of ``nbytes`` bytes."""
-        return -(-nbytes // self.unit_bytes)
+        """Blocks of a tensor of ``nbytes`` bytes."""
+        return self.store.block_count(nbytes)
 
-    def extent_of(self, extent: Extent, k: int, nbytes: int) -> tuple[Extent, int]:
-        """The sub-extent of unit ``k`` of a tensor of ``nbytes`` bytes, and the bytes it holds."""
-        start = k * self.unit_bytes
-        n = min(self.unit_bytes, nbytes - start)
-        return self.space.sub(extent, start, n), n
-
-    def read_unit(self, extent: Extent, k: int, nbytes: int, buffer, *, digests: Optional[list] = None,
-                  what: Callable[[], str] = lambda: "a tensor"):
-        """Start reading unit ``k`` into ``buffer`` (a HostBuffer); returns the future. With ``digests``
-        holding unit ``k``'s last write, waiting for the future also checks the bytes (``StateError``)."""
-        ext, n = self.extent_of(extent, k, nbytes)
-        check = self.checksum and digests is not None and digests[k] is not None
-        fut = self.space.read(ext, buffer, nbytes=n, digest=check)
-        if not check:
-            return fut
-
-        def expected() -> Optional[tuple]:
-            if digests[k] is not None and not isinstance(digests[k], tuple):
-                digests[k] = digests[k].digest()  # the write landed long ago
-            return digests[k]
-
-        def mismatch(found, want) -> StateError:
-            return StateError(
-                f"{what()}: unit {k} ({n} bytes at byte {k * self.unit_bytes} of it) has xxh3_64 {hex_digest(found)} "
-                f"on disk, its last write had {hex_digest(want)}; the swap file was changed behind our back. Load a "
-                "checkpoint (load_checkpoint(..., model=) or load_parameters) to restore it.")
-
-        return CheckedRead(fut, expected, mismatch)
-
-    def write_unit(self, extent: Extent, k: int, nbytes: int, buffer, *, digests: Optional[list] = None):
-        """Start writing unit ``k`` from ``buffer``; its checksum goes to ``digests[k]`` (if given)."""
-        ext, n = self.extent_of(extent, k, nbytes)
-        fut = self.space.write(ext, buffer, nbytes=n, digest=self.checksum and digests is not None)
-        if digests is not None:
-            digests[k] = fut if self.checksum else None
-        return fut
-
-    def read_into(self, dst: torch.Tensor, extent: Extent, *, digests: Optional[list] = None,
-                  pending: Optional[dict] = None, what: Callable[[], str] = lambda: "a tensor") -> int:
-        """Fill ``dst`` (flat uint8) from ``extent``. ``pending``: ``{unit: (slot, read future)}`` already
-        in flight (prefetches: units 0..m-1); they are consumed (and their slots given back) first.
+    def read_into(self, dst: torch.Tensor, stored: Stored, *, pending: Optional[dict] = None,
+                  what: Callable[[], str] = lambda: "a tensor") -> int:
+        """Fill ``dst`` (flat uint8) from ``stored``'s extent, each block checked. ``pending``: ``{block: (slot,
+        read future)}`` already in flight (prefetches: blocks 0..m-1); they are consumed (and their slots
+        given back) first. The caller lands the extent's writes first.
 
         Returns:
-            The bytes this call read from disk (prefetched units were counted when issued).
+            The bytes this call read from disk (prefetched blocks were counted when issued).
         """
         nbytes = dst.numel()
         pending = dict(pending or {})
@@ -183,39 +145,39 @@ class TensorIO:
 
         def read(k: int, slot: Slot):
             nonlocal moved
-            moved += self.extent_of(extent, k, nbytes)[0].nbytes
-            return self.read_unit(extent, k, nbytes, slot.buffer, digests=digests, what=what)
+            moved += self.store.block(stored, k)[0].nbytes
+            return self.store.read(stored, slot.buffer, k, what=what)
 
         first = max(pending, default=-1) + 1 if pending else 0
         rest = [k for k in range(self.count(nbytes)) if k >= first]
         self.pipeline.run(rest, read=read, process=copy)
         return moved
 
-    def write_from(self, src: torch.Tensor, extent: Extent, futures: list, *,
-                   digests: Optional[list] = None, fill: Optional[Callable] = None,
+    def write_from(self, src: torch.Tensor, stored: Stored, *, fill: Optional[Callable] = None,
                    read_first: Optional[Callable[[int], bool]] = None) -> int:
-        """Write ``src`` (flat uint8, in memory) to ``extent``; the writes land while the caller goes on
-        (their futures go to ``futures``; a later read or write of the extent must wait for them).
+        """Write ``src`` (flat uint8, in memory) to ``stored``'s extent; the writes land while the caller goes
+        on (they join ``stored.writes``; a later read or write of the extent lands them first). The caller
+        lands the extent's earlier writes first.
 
-        ``fill(k, view, stored)`` replaces the plain copy of unit ``k`` into the buffer view (``stored``:
-        the unit was read first, because ``read_first(k)`` said so).
+        ``fill(k, view, stored)`` replaces the plain copy of block ``k`` into the buffer view (``stored``:
+        the block was read first, because ``read_first(k)`` said so).
 
         Returns:
-            The bytes that reach the disk (units rounded up to the alignment).
+            The bytes that reach the disk (blocks rounded up to the alignment).
         """
         nbytes = src.numel()
         moved = 0
         # Weights written back are often not read first (an fp32 master holds them): a write past a cut in
         # a truncated file would fill it with a hole from which other tensors read back as zeros.
-        self.space.check_intact()
+        self.store.check_intact(fails=False)
 
         def read(k: int, slot: Slot):
             if read_first is None or not read_first(k):
                 return None
-            return self.read_unit(extent, k, nbytes, slot.buffer)
+            return self.store.read(stored, slot.buffer, k)
 
         def process(k: int, slot: Slot) -> bool:
-            ext, n = self.extent_of(extent, k, nbytes)
+            ext, n = self.store.block(stored, k)
             view = slot.buffer.tensor[:n]
             if fill is None:
                 view.copy_(src[k * self.unit_bytes:k * self.unit_bytes + n])
@@ -227,9 +189,8 @@ class TensorIO:
 
         def write(k: int, slot: Slot):
             nonlocal moved
-            fut = self.write_unit(extent, k, nbytes, slot.buffer, digests=digests)
-            futures.append(fut)
-            moved += self.extent_of(extent, k, nbytes)[0].nbytes
+            fut = self.store.write(stored, slot.buffer, k)
+            moved += self.store.block(stored, k)[0].nbytes
             return fut
 
         self.pipeline.run(range(self.count(nbytes)), read=read, process=process, write=write, drain=False)
