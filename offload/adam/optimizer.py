@@ -432,7 +432,7 @@ class OffloadedAdam(torch.optim.Adam):
                 torch.cuda.current_stream(dev).synchronize()
 
         with self._access.units(units, candidates) as unit_pass:
-            def update(unit, buf) -> bool:
+            def update(unit, buf) -> None:
                 if gate is not None:
                     gate(unit)
                 # What this update changes: the chunks whose parameter has a grad now. Only their weights
@@ -451,12 +451,10 @@ class OffloadedAdam(torch.optim.Adam):
                 if devices:
                     copying[id(unit)] = devices
                 unit_pass.done(unit)
-                return True
 
             # Its last writes land while the caller goes on (the next forward); reading a unit back, a
             # checkpoint, state_dict() or close() waits for them.
-            store.run(units, update, needs_read=lambda u: any(c.slot.initialized for c in u.chunks),
-                      before_write=before_write, settle=True, drain=False)
+            store.step(units, update, before_write)
         # Units resident in host memory were never written: their copies back must land before the step ends.
         for dev in set().union(*copying.values()) if copying else ():
             torch.cuda.current_stream(dev).synchronize()

@@ -8,16 +8,15 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import psutil
 import torch
 
-from ..aio import FutureGroup
 from ..buffers import BufferPool
 from ..config import Config
 from ..distributed import local
 from ..errors import ConfigError, StateError
-from ..pipeline import BufferRing, Pipeline
 from ..space import SwapSpace
-from ..store import ByteStore, HostTier, TierSource, auto_cache_bytes
+from ..store import ByteStore, HostTier, auto_cache_bytes
 from ..units import MIB, format_size, round_up
 from .layout import Chunk, Layout, ParamSlot, Unit
+from .moves import UnitMover
 
 __all__ = ["StateStore"]
 
@@ -81,20 +80,12 @@ class StateStore:
             "Training on it would be silently wrong; restore the state with load_checkpoint() (or "
             "load_state_dict()) before stepping again."))
         self.bytes.tier = self.tier
-        # The pool's buffers in circulation, with the writes still landing from them. It outlives runs:
-        # a step returns with its last writes in flight (they land during the next forward), and with a
-        # host tier buffers change hands between the pool and resident units (see tiers.TierSource).
-        self._ring = BufferRing(list(self.pool), prefer=self._holds) if self.pool is not None else None
-        # id(pool buffer) -> the unit whose state it holds as last written from it (see _holds). Like the
-        # ring, no lock: one thread uses the store at a time (the overlap worker's step, which every other
-        # use of the store refuses to run beside or ends first).
-        self._holding: dict[int, Unit] = {}
-        self.bytes.on_failure.append(self._holding.clear)
         # With B buffers: one holds the unit being updated, one (or more) the writes still landing,
         # and the rest the reads ahead (B - 2 of them, at least 1).
         lookahead = max(1, oc.buffer_count - 1) if oc.pipeline_read else 0
-        self.pipeline = Pipeline(self._ring, lookahead=lookahead, write_behind=oc.pipeline_write)
         self.layout = Layout(unit_bytes, oc.state_dtype)
+        self.moves = UnitMover(self.bytes, self.pool, self.layout, lookahead=lookahead,
+                               write_behind=oc.pipeline_write, describe=self._describe)
         self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
     def _pool_buffer_size(self, oc) -> int:
@@ -236,89 +227,22 @@ class StateStore:
 
     # -- moving units ---------------------------------------------------------------------------
 
-    def run(self, units: Sequence[Unit], update: Callable[[Unit, Any], bool], *,
-            needs_read: Callable[[Unit], bool] = lambda unit: True,
-            also_read: Optional[Callable[[Unit, Any], Any]] = None,
-            before_write: Optional[Callable[[Unit], None]] = None, settle: bool = False,
-            drain: bool = True, changes: bool = True) -> None:
-        """Stream ``units`` through the pool: read, ``update(unit, buffer)``, write back if it returns True.
-
-        A unit resident in the host tier is updated where it lives (no read, no write). ``needs_read(unit)``
-        False skips the read (no chunk's state exists yet; ``update`` overwrites the buffer).
-        ``also_read(unit, buffer)`` may start more reads the update needs (a future or None); they are
-        waited for with the unit's. ``before_write(unit)`` runs before a unit's write is issued (to wait
-        for device copies into its buffer). ``settle=True`` (a step) moves units between the tiers: the
-        last ones visited stay resident, resident ones not among them are written out. ``drain=False``
-        returns with the last writes still landing (a step: they land during the next forward); a unit
-        read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
-        for all of them. Every unit read is checked against the checksum of its last write. ``changes``
-        False says ``update`` only reads the units (no change guard is called).
+    def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
+             before_write: Callable[[Unit], None]) -> None:
+        """One step over ``units`` (in the order given): each is read (unless it is resident in host memory, still
+        in a pool buffer, or has no state yet), ``update(unit, buffer)`` changes it, and it is written back,
+        kept resident or evicted as :meth:`UnitMover.fates` decides; ``before_write(unit)`` runs before its
+        write is issued (to wait for device copies into its buffer). Every unit read is checked against the
+        checksum of its last write. The last writes are left landing (they land during the next forward); a
+        unit read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
+        for all of them.
 
         Raises:
-            OSError: a read or write failed (file and offset named), in this run or a write an earlier
-                run left landing; the store is then failed.
+            OSError: a read or write failed (file and offset named), in this step or a write an earlier
+                step left landing; the store is then failed.
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
-        self.bytes.collect_landed()
-        # Units kept in host memory (resident, or still in a pool buffer) are written without being read
-        # first: a write past a cut in a truncated file would leave holes that read back as zeros.
-        self._check_intact()
-        tier = self.tier
-        source = self._ring
-        if tier is not None:
-            source = TierSource(self._ring, len(self.pool) if self.pool is not None else 0, tier,
-                                self._settle_set(units) if settle else set())
-
-        def resident(unit: Unit, buf) -> bool:
-            return tier is not None and tier.home(unit) is buf
-
-        def read(unit: Unit, buf):
-            if resident(unit, buf):
-                fut = None
-            elif self._holds(unit, buf):
-                self.bytes.land(unit)  # its bytes are in the buffer: no read, once its write has landed
-                fut = None
-            else:
-                self._holding.pop(id(buf), None)
-                fut = self._read(unit, buf) if needs_read(unit) else None
-            more = also_read(unit, buf) if also_read is not None else None
-            if more is None:
-                return fut
-            return FutureGroup([f for f in (fut, more) if f is not None])
-
-        def process(unit: Unit, buf) -> bool:
-            at_home = resident(unit, buf)
-            if changes:
-                self.bytes.changing(unit, buf)
-            try:
-                changed = update(unit, buf)
-            except BaseException:
-                self._holding.pop(id(buf), None)  # the update may have changed the buffer part-way
-                raise
-            if at_home:
-                write = settle and id(unit) not in source.settle  # evicted: the disk copy is stale
-            elif tier is not None and id(unit) in source.settling:
-                self._holding.pop(id(buf), None)
-                tier.keep(unit, buf)  # it stays resident, unwritten, in the buffer it was read into
-                source.settled()
-                write = False
-            else:
-                write = changed
-            return write
-
-        def write(unit: Unit, buf):
-            if before_write is not None:
-                before_write(unit)
-            if resident(unit, buf):
-                tier.leave(unit)
-                source.evicted()
-            fut = self._write(unit, buf, landing=not drain)
-            self._forget(unit)
-            self._holding[id(buf)] = unit
-            return fut
-
-        self.pipeline.run(units, read=read, process=process, write=write, source=source, drain=drain)
-        self._check_intact()  # a cut made while this run went on (the units read there may have been zeros)
+        self.moves.step(units, update, before_write)
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
         """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
@@ -330,14 +254,13 @@ class StateStore:
         wanted = [s for s in self.layout.slots.values() if s.initialized]
         out = {s: {k: torch.empty(local(s.param).shape, dtype=_export_dtype(s, k)) for k in s.keys} for s in wanted}
 
-        def copy_out(unit: Unit, buf) -> bool:
+        def copy_out(unit: Unit, buf) -> None:
             for c in unit.chunks:
                 if c.slot in out:
                     for k in c.slot.keys:
                         out[c.slot][k].view(-1)[c.start:c.start + c.numel].copy_(c.slice(buf, k))
-            return False
 
-        self.run(self.units_of(wanted), copy_out, changes=False)
+        self.moves.export(self.units_of(wanted), copy_out)
         for s in wanted:
             yield s, out[s]
 
@@ -358,7 +281,7 @@ class StateStore:
         if not any(needs_read(u) for u in self.layout.units):
             self.rewriting_all()
 
-        def copy_in(unit: Unit, buf) -> bool:
+        def copy_in(unit: Unit, buf) -> None:
             for c in unit.chunks:
                 entry = by_slot.get(c.slot)
                 if entry is None:
@@ -373,10 +296,9 @@ class StateStore:
                     else:
                         view.zero_()
             after_unit(unit)
-            return True
 
         with self.bytes.failing_on(BaseException):
-            self.run(units, copy_in, needs_read=needs_read)
+            self.moves.restore(units, copy_in, keeps_state=needs_read)
         for slot in by_slot:
             slot.initialized = True
 
@@ -405,17 +327,17 @@ class StateStore:
         if home is not None:
             buf.tensor[:unit.nbytes].copy_(home.tensor[:unit.nbytes])
             return None
-        return self._read(unit, buf)
+        return self.moves.read(unit, buf)
 
     def write_unit(self, unit: Unit, buf):
         """Make ``buf``'s first ``unit.nbytes`` bytes ``unit``'s state: copied into its host-memory home if it
         is resident (returns None), else written to its extent (returns the future; checksum recorded)."""
-        self._forget(unit)
+        self.moves.forget(unit)
         home = self.tier.home(unit) if self.tier is not None else None
         if home is not None:
             home.tensor[:unit.nbytes].copy_(buf.tensor[:unit.nbytes])
             return None
-        return self._write(unit, buf)
+        return self.moves.write(unit, buf)
 
     # -- introspection and lifetime -------------------------------------------------------------
 
@@ -425,8 +347,7 @@ class StateStore:
         "cpu"`` a few of the tier's size made for the purpose."""
         if self.pool is not None:
             self.drain()
-            self._holding.clear()  # the caller fills them with whatever it likes
-            return self._ring.buffers()
+            return self.moves.lend()
         if not hasattr(self, "_spare"):
             self._spare = BufferPool(2, self.layout.unit_bytes)
             weakref.finalize(self, self._spare.close)
@@ -464,7 +385,7 @@ class StateStore:
         """
         self.bytes.drain(quiet=quiet)
         if quiet:
-            self._holding.clear()  # the state is about to be replaced
+            self.moves.forget()  # the state is about to be replaced
             for unit in self.layout.units:
                 unit.writes = []
 
@@ -473,41 +394,6 @@ class StateStore:
         if self._finalizer.alive:
             self.bytes.close()
         self._finalizer()
-
-    def _settle_set(self, units: Sequence[Unit]) -> set:
-        """Ids of the units of this run to be resident after it: as many of the last visited as the tier
-        has room for, besides resident units this run does not visit."""
-        tier = self.tier
-        if tier.capacity is None:
-            return {id(u) for u in units}
-        visiting = {id(u) for u in units}
-        elsewhere = sum(1 for u in self.layout.units if tier.resident(u) and id(u) not in visiting)
-        room = max(0, tier.capacity - elsewhere)
-        return {id(u) for u in list(units)[len(units) - room:]} if room else set()
-
-    def _check_intact(self) -> None:
-        """Raise (and fail the store) if a swap file was truncated behind our back."""
-        self.bytes.check_intact()
-
-    def _holds(self, unit: Unit, buf) -> bool:
-        """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
-        used for anything since. A step that visits it first (the snake order visits first the units the last
-        step wrote last) then updates it there instead of reading it back: the pool's buffers act as a small
-        cache, at no cost in memory."""
-        return self._holding.get(id(buf)) is unit
-
-    def _forget(self, unit: Unit) -> None:
-        """No pool buffer holds ``unit``'s state any more (it is being written from elsewhere)."""
-        for key in [k for k, u in self._holding.items() if u is unit]:
-            del self._holding[key]
-
-    def _write(self, unit: Unit, buf, *, landing: bool = False):
-        self.bytes.land(unit)  # requests complete in any order: an older write must not land after this one
-        return self.bytes.write(unit, buf, landing=landing)
-
-    def _read(self, unit: Unit, buf):
-        self.bytes.land(unit)  # a write a step left landing must be there before its bytes are read back
-        return self.bytes.read(unit, buf, what=lambda: self._describe(unit))
 
     def _describe(self, unit: Unit) -> str:
         """``unit`` in words, for a message."""
