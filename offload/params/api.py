@@ -125,7 +125,6 @@ def offload_parameters(
     except BaseException:
         store.restore()
         raise
-    store.scheduler = scheduler
     setattr(model, _ATTR, ParamOffload(store, scheduler, cfg))
     return model
 
@@ -168,7 +167,7 @@ def register_external_parameter(module: nn.Module, param: torch.Tensor) -> None:
     if not any(q is param for q in declared):
         declared.append(param)
     store = store_of(param)
-    scheduler = store.scheduler if store is not None else None
+    scheduler = store.handoff.hooks if store is not None else None
     if scheduler is not None:
         scheduler.add_external(module, param)
 

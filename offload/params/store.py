@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from ..units import ALIGNMENT, round_up
 from . import registry
 from .gradstore import GradStore
 from .guard import OffloadedParameter
+from .handoff import Handoff
 from .transfer import SlotPool, TensorIO
 
 __all__ = ["ParamStore", "resident"]
@@ -58,6 +59,7 @@ class ParamStore:
         name: a tag in the swap file name.
         offload_grads: give each parameter that requires grad a place in the grad store (``grads``).
         names: parameter -> a name for error messages.
+        handoff: the overlap hand-off between this store's hooks and an optimizer (a new one if None).
 
     Every parameter is written to the swap space (or copied into the host cache) and released before
     this returns. The pool holds ``buffer_count`` buffers of ``buffer_size`` elements of the widest
@@ -65,7 +67,7 @@ class ParamStore:
     """
 
     def __init__(self, params: Iterable[torch.Tensor], config: Config, *, name: str = "params",
-                 offload_grads: bool = False, names: Optional[dict] = None):
+                 offload_grads: bool = False, names: Optional[dict] = None, handoff: Optional[Handoff] = None):
         pc = config.offload_param
         params = list(params)
         self.config = config
@@ -78,10 +80,8 @@ class ParamStore:
         self.bytes_read = self.bytes_written = 0
         self.cache_hits = self.prefetch_hits = self.prefetches_dropped = 0
         self.resident_bytes = self.resident_bytes_max = 0
-        self.scheduler = None  # the module hooks using this store (set by offload_parameters)
-        # param -> an optimizer updating during backward, told when the param's gradient is final and asked
-        # whether it takes the param as it is (ParamAccess.watch, Scheduler._on_grad_accumulated).
-        self.watchers: dict[torch.Tensor, Any] = {}
+        # Between the hooks and an optimizer updating during backward (overlap_backward).
+        self.handoff = handoff if handoff is not None else Handoff()
         self._issued: list[_Record] = []  # records with prefetches in flight, oldest first
 
         itemsize = max((p.element_size() for p in params), default=4)
