@@ -137,7 +137,7 @@ class OffloadedAdam(torch.optim.Adam):
         self._overlap = None
         if self.config.offload_optimizer.overlap_backward:
             self._overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
-                                            clip=max_grad_norm is not None, failed=self.state_store.failed,
+                                            clip=max_grad_norm is not None, mark_failed=self.state_store.mark_failed,
                                             access=self._access)
             self._overlap.hook(p for g in self.param_groups for p in g["params"])
 
@@ -215,7 +215,7 @@ class OffloadedAdam(torch.optim.Adam):
             if overlap is not None:
                 overlap.abandon(err)
             if changing and not isinstance(err, (ValueError, TypeError)):
-                store.failed(err)
+                store.mark_failed(err)
             raise
         finally:
             self._scaling = NO_SCALING
@@ -481,7 +481,7 @@ class OffloadedAdam(torch.optim.Adam):
                 "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
                 "overlap_backward.")
             self._overlap.abandon(err)
-            self.state_store.failed(err)
+            self.state_store.mark_failed(err)
             raise err
 
     def _grad_scaling(self, params: list, scale: Optional[torch.Tensor]) -> GradScaling:

@@ -190,7 +190,7 @@ class UnitPass:
             return {c: r.wait() for c, r in reads}
         finally:
             for _, r in reads:
-                r.settle()  # after an error: nothing may still be reading into the buffer
+                r.wait_quietly()  # after an error: nothing may still be reading into the buffer
 
     # -- weights -------------------------------------------------------------------------------
 

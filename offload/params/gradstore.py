@@ -24,16 +24,13 @@ _NONE, _ZERO, _STORED, _CONSUMED = 0, 1, 2, 3  # what a grad extent holds (_CONS
 class GradRead:
     """A read of part of a stored gradient into a host buffer.
 
-    ``wait_io()`` waits for the bytes (returns how many moved); ``wait()`` then gives the elements as a
-    typed view with pending clip factors applied (once, however often it is called).
+    ``wait()`` waits for the bytes, then gives the elements as a typed view with pending clip factors
+    applied (once, however often it is called).
     """
 
     def __init__(self, future, view: torch.Tensor, zero: bool, scales: list):
         self._future, self._view, self._zero, self._scales = future, view, zero, scales
         self._ready = False
-
-    def wait_io(self) -> int:
-        return self._future.wait()
 
     def wait(self) -> torch.Tensor:
         if not self._ready:
@@ -48,7 +45,7 @@ class GradRead:
     def done(self) -> bool:
         return self._future.done()
 
-    def settle(self) -> None:
+    def wait_quietly(self) -> None:
         """Let the read land, ignoring its error (error paths: the buffer is about to be reused)."""
         wait_quietly([self._future])
 
@@ -292,8 +289,8 @@ class GradStore:
         """Bytes of the swap space reserved for gradients."""
         return sum(g.extent.nbytes for g in self.grads.values() if g.extent is not None)
 
-    def drain(self) -> None:
-        """Forget landed writes (the pool's slots were settled: every write's source was one of them)."""
+    def forget_landed(self) -> None:
+        """Forget landed writes (the pool's buffers are idle: every write's source was one of them)."""
         for g in self.grads.values():
             g.writes.clear()
 

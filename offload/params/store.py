@@ -20,7 +20,7 @@ from . import registry
 from .gradstore import GradStore
 from .guard import OffloadedParameter
 from .handoff import Handoff
-from .transfer import SlotPool, TensorIO
+from .transfer import BufferLender, TensorIO
 
 __all__ = ["ParamStore", "resident"]
 
@@ -37,7 +37,7 @@ class _Record(Stored):
     users: int = 0  # fetches not yet released
     resident: bool = True
     dirty: bool = False
-    prefetched: dict = field(default_factory=dict)  # block index -> (Slot, read future)
+    prefetched: dict = field(default_factory=dict)  # block index -> (PoolBuffer, read future)
     cls: type = None  # the parameter's class before offload, restored on undo
     name: str = "?"
 
@@ -75,7 +75,9 @@ class ParamStore:
         self._names = names or {}
         self.device = params[0].device if params else torch.device("cpu")
         self.records: dict[torch.Tensor, _Record] = {}
-        self.kept_bytes = 0  # host-cache parameters of a CPU model: left in place, never offloaded
+        # Host-cache parameters of a CPU model: left in place, never offloaded (a figure users read, see
+        # docs/integrations.md).
+        self.kept_bytes = 0
         self._lock = threading.RLock()
         self.bytes_read = self.bytes_written = 0
         self.cache_hits = self.prefetch_hits = self.prefetches_dropped = 0
@@ -105,8 +107,8 @@ class ParamStore:
                                    checksum=pc.checksum, mismatch_fails=False, remedy=(
                                        "Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to "
                                        "restore it."))
-            self.slots = SlotPool(self.pool, self._drop_latest_prefetch)
-            self.io = TensorIO(self.bytes, self.slots, cuda=self._cuda)
+            self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
+            self.io = TensorIO(self.bytes, self.lender, cuda=self._cuda)
             self.grads = GradStore(self.io, self._lock)
             on_disk = [p for p in params if p not in cached]
             with_grad = [p for p in params if offload_grads and p.requires_grad and (p not in cached or self._cuda)]
@@ -133,7 +135,7 @@ class ParamStore:
                     self.kept_bytes += p.numel() * p.element_size()
                 else:
                     self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)))
-            self._drain()
+            self._quiesce()
         except BaseException:
             self.close()
             raise
@@ -188,10 +190,10 @@ class ParamStore:
             if any(not f.done() for f in rec.writes):
                 return  # its latest bytes are still landing; read them when they are there
             for k in range(self.bytes.block_count(rec.nbytes)):
-                slot = self.slots.take(wait=False)
-                if slot is None:
+                pbuf = self.lender.take(wait=False)
+                if pbuf is None:
                     break
-                rec.prefetched[k] = (slot, self.bytes.read(rec, slot.buffer, k, what=lambda: self._what(rec)))
+                rec.prefetched[k] = (pbuf, self.bytes.read(rec, pbuf.buffer, k, what=lambda: self._what(rec)))
                 self.bytes_read += self.bytes.block(rec, k)[0].nbytes
             if rec.prefetched:
                 self._issued.append(rec)
@@ -289,7 +291,7 @@ class ParamStore:
                     rec.param.grad = None  # the update took it during backward (overlap_backward)
                 elif self.grads.holds(rec.param):
                     rec.param.grad = self.grads.load(rec.param)
-            self._drain()
+            self._quiesce()
         self.close()
 
     def close(self) -> None:
@@ -306,7 +308,7 @@ class ParamStore:
                     rec.param.__dict__.pop("_nvme_resident", None)
                     rec.param.__dict__.pop("_nvme_name", None)
             if self.space is not None:
-                self._drain()
+                self._quiesce()
             self.records = {}
             if self.space is not None:
                 self.space.close()
@@ -333,13 +335,13 @@ class ParamStore:
             OSError: a write-back had failed (the weights it carried are lost: the store is failed).
         """
         with self._lock:
-            self._drain()
-            slots = list(self.slots.free)
-            self.slots.free.clear()
+            self._quiesce()
+            pbufs = list(self.lender.free)
+            self.lender.free.clear()
             try:
-                yield [s.buffer for s in slots]
+                yield [s.buffer for s in pbufs]
             finally:
-                self.slots.free.extend(slots)
+                self.lender.free.extend(pbufs)
 
     def current_bytes(self, param: torch.Tensor) -> tuple[Optional[Extent], Optional[torch.Tensor]]:
         """Where ``param``'s latest bytes are: ``(extent, None)`` or ``(None, flat uint8 tensor)``.
@@ -444,9 +446,9 @@ class ParamStore:
         self._shrink(rec)
 
     def _drop_prefetch(self, rec: _Record) -> None:
-        for slot, fut in rec.prefetched.values():
+        for pbuf, fut in rec.prefetched.values():
             wait_quietly([fut])  # a failed read nobody needs is no error; the buffer must be idle
-            self.slots.give(slot)
+            self.lender.give(pbuf)
         rec.prefetched.clear()
         if rec in self._issued:
             self._issued.remove(rec)
@@ -486,18 +488,18 @@ class ParamStore:
         is failed (fetches raise ``StateError``) until a checkpoint is loaded."""
         self.bytes.land(rec)
 
-    def _drain(self) -> None:
+    def _quiesce(self) -> None:
         """Let every write and prefetch land (before closing, or before the files are read elsewhere)."""
         for rec in list(self._issued):
             self._drop_prefetch(rec)
-        self.slots.settle()
+        self.lender.wait_idle()
         failed = None
         for rec in self.records.values():
             try:
                 self._land(rec)
             except OSError as err:
                 failed = failed or err
-        self.grads.drain()
+        self.grads.forget_landed()
         if failed is not None:
             raise failed
 

@@ -1,5 +1,5 @@
 """The parameter pool: its buffers shared by fetches, write-backs, gradients and prefetches, and the
-unit-by-unit moves of a tensor's bytes between an extent and memory."""
+block-by-block moves of a tensor's bytes between its extent and memory."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from ..buffers import BufferPool, HostBuffer
 from ..pipeline import Pipeline
 from ..store import ByteStore, Stored
 
-__all__ = ["TensorIO", "Slot", "SlotPool"]
+__all__ = ["TensorIO", "PoolBuffer", "BufferLender"]
 
 
 @dataclass(eq=False)
-class Slot:
+class PoolBuffer:
     """A pool buffer and what may still be using it."""
 
     buffer: HostBuffer
@@ -28,7 +28,7 @@ class Slot:
     def idle(self) -> bool:
         return (self.pending is None or self.pending.done()) and (self.event is None or self.event.query())
 
-    def settle(self) -> None:
+    def wait_idle(self) -> None:
         """Wait until nothing uses the buffer. A failed write is not raised here: whoever issued it
         holds its future and reports it."""
         if self.pending is not None:
@@ -39,70 +39,70 @@ class Slot:
             self.event = None
 
 
-# NOTE: prefetches hold slots between calls, with reads in flight. They never wait for a slot; a take
+# NOTE: prefetches hold buffers between calls, with reads in flight. They never wait for a buffer; a take
 # that must have one and finds none free calls ``reclaim``, which drops the prefetch issued last (it
 # is needed latest), so the pool cannot deadlock whatever order parameters are asked for in.
-class SlotPool:
-    """The pool's buffers as :class:`Slot` s, lent to pipelines (a :class:`offload.pipeline.BufferSource`).
+class BufferLender:
+    """The pool's buffers as :class:`PoolBuffer` s, lent to pipelines (a :class:`offload.pipeline.BufferSource`).
 
     Args:
         pool: the buffers.
-        reclaim: called when a slot is needed and none is free; must give at least one back.
+        reclaim: called when a buffer is needed and none is free; must give at least one back.
     """
 
     def __init__(self, pool: BufferPool, reclaim: Callable[[], None]):
         self.pool = pool
-        self.free: deque[Slot] = deque(Slot(b) for b in pool)
+        self.free: deque[PoolBuffer] = deque(PoolBuffer(b) for b in pool)
         self._reclaim = reclaim
 
     def __len__(self) -> int:
         return len(self.pool)
 
-    def take(self, wait: bool, item=None) -> Optional[Slot]:
-        """A slot nobody uses; ``wait=False``: only one idle now, else None."""
+    def take(self, wait: bool, item=None) -> Optional[PoolBuffer]:
+        """A pool buffer nobody uses; ``wait=False``: only one idle now, else None."""
         if not wait:
             for _ in range(len(self.free)):
-                slot = self.free[0]
-                if slot.idle():
+                pbuf = self.free[0]
+                if pbuf.idle():
                     self.free.popleft()
-                    slot.settle()
-                    return slot
+                    pbuf.wait_idle()
+                    return pbuf
                 self.free.rotate(-1)
             return None
         if not self.free:
             self._reclaim()
-        slot = self.free.popleft()
-        slot.settle()
-        return slot
+        pbuf = self.free.popleft()
+        pbuf.wait_idle()
+        return pbuf
 
-    def give(self, slot: Slot, pending=None) -> None:
-        slot.pending = pending
-        self.free.append(slot)
+    def give(self, pbuf: PoolBuffer, pending=None) -> None:
+        pbuf.pending = pending
+        self.free.append(pbuf)
 
-    def settle(self) -> None:
-        """Every free slot idle (its writes landed, its copies done)."""
-        for slot in self.free:
-            slot.settle()
+    def wait_idle(self) -> None:
+        """Every free buffer idle (its writes landed, its copies done)."""
+        for pbuf in self.free:
+            pbuf.wait_idle()
 
 
 class TensorIO:
     """Moves a tensor's bytes between its extent and memory in blocks of one pool buffer, pipelined.
 
     Reads, writes, checksums and the landing of writes are the byte store's; this adds the pipeline
-    over the pool's slots and the copies between the blocks and the tensor.
+    over the pool's buffers and the copies between the blocks and the tensor.
 
     Args:
-        store: the :class:`offload.store.ByteStore` the bytes live in. slots: the pool. cuda: copies to and
-            from the device are asynchronous (each records an event on its slot).
+        store: the :class:`offload.store.ByteStore` the bytes live in. lender: the pool. cuda: copies to and
+            from the device are asynchronous (each records an event on its pool buffer).
     """
 
-    def __init__(self, store: ByteStore, slots: SlotPool, *, cuda: bool):
+    def __init__(self, store: ByteStore, lender: BufferLender, *, cuda: bool):
         self.store = store
         self.space = store.space
-        self.slots = slots
+        self.lender = lender
         self.cuda = cuda
         self.unit_bytes = store.block_bytes
-        self.pipeline = Pipeline(slots, lookahead=max(0, len(slots) - 1))
+        self.pipeline = Pipeline(lender, lookahead=max(0, len(lender) - 1))
 
     def count(self, nbytes: int) -> int:
         """Blocks of a tensor of ``nbytes`` bytes."""
@@ -110,8 +110,8 @@ class TensorIO:
 
     def read_into(self, dst: torch.Tensor, stored: Stored, *, pending: Optional[dict] = None,
                   what: Callable[[], str] = lambda: "a tensor") -> int:
-        """Fill ``dst`` (flat uint8) from ``stored``'s extent, each block checked. ``pending``: ``{block: (slot,
-        read future)}`` already in flight (prefetches: blocks 0..m-1); they are consumed (and their slots
+        """Fill ``dst`` (flat uint8) from ``stored``'s extent, each block checked. ``pending``: ``{block: (pbuf,
+        read future)}`` already in flight (prefetches: blocks 0..m-1); they are consumed (and their buffers
         given back) first. The caller lands the extent's writes first.
 
         Returns:
@@ -120,33 +120,33 @@ class TensorIO:
         nbytes = dst.numel()
         pending = dict(pending or {})
 
-        def copy(k: int, slot: Slot) -> bool:
+        def copy(k: int, pbuf: PoolBuffer) -> bool:
             start = k * self.unit_bytes
             n = min(self.unit_bytes, nbytes - start)
-            dst[start:start + n].copy_(slot.buffer.tensor[:n], non_blocking=self.cuda)
+            dst[start:start + n].copy_(pbuf.buffer.tensor[:n], non_blocking=self.cuda)
             if self.cuda:
-                slot.event = torch.cuda.Event()
-                slot.event.record()
+                pbuf.event = torch.cuda.Event()
+                pbuf.event.record()
             return False
 
         try:
             for k in sorted(pending):
-                slot, fut = pending.pop(k)
+                pbuf, fut = pending.pop(k)
                 try:
                     fut.wait()
-                    copy(k, slot)
+                    copy(k, pbuf)
                 finally:
-                    self.slots.give(slot)
+                    self.lender.give(pbuf)
         finally:
-            for slot, fut in pending.values():
+            for pbuf, fut in pending.values():
                 wait_quietly([fut])
-                self.slots.give(slot)
+                self.lender.give(pbuf)
         moved = 0
 
-        def read(k: int, slot: Slot):
+        def read(k: int, pbuf: PoolBuffer):
             nonlocal moved
             moved += self.store.block(stored, k)[0].nbytes
-            return self.store.read(stored, slot.buffer, k, what=what)
+            return self.store.read(stored, pbuf.buffer, k, what=what)
 
         first = max(pending, default=-1) + 1 if pending else 0
         rest = [k for k in range(self.count(nbytes)) if k >= first]
@@ -171,25 +171,25 @@ class TensorIO:
         # a truncated file would fill it with a hole from which other tensors read back as zeros.
         self.store.check_intact(fails=False)
 
-        def read(k: int, slot: Slot):
+        def read(k: int, pbuf: PoolBuffer):
             if read_first is None or not read_first(k):
                 return None
-            return self.store.read(stored, slot.buffer, k)
+            return self.store.read(stored, pbuf.buffer, k)
 
-        def process(k: int, slot: Slot) -> bool:
+        def process(k: int, pbuf: PoolBuffer) -> bool:
             ext, n = self.store.block(stored, k)
-            view = slot.buffer.tensor[:n]
+            view = pbuf.buffer.tensor[:n]
             if fill is None:
                 view.copy_(src[k * self.unit_bytes:k * self.unit_bytes + n])
             else:
                 fill(k, view, read_first is not None and read_first(k))
             # The tail of the last block goes to disk too: make it deterministic, not stale bytes.
-            slot.buffer.tensor[n:ext.nbytes].zero_()
+            pbuf.buffer.tensor[n:ext.nbytes].zero_()
             return True
 
-        def write(k: int, slot: Slot):
+        def write(k: int, pbuf: PoolBuffer):
             nonlocal moved
-            fut = self.store.write(stored, slot.buffer, k)
+            fut = self.store.write(stored, pbuf.buffer, k)
             moved += self.store.block(stored, k)[0].nbytes
             return fut
 

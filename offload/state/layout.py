@@ -15,7 +15,6 @@ SLICE_ALIGN = 64
 GRAIN = 1024
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
