@@ -11,8 +11,8 @@ from ..buffers import BufferPool
 from ..distributed import local
 from ..errors import StateError
 from ..units import round_up
+from .holds import release_each, resident
 from .registry import store_of
-from .store import release_each, resident
 
 __all__ = ["ParamAccess"]
 

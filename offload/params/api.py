@@ -12,9 +12,10 @@ from ..aio import warn_use_gds
 from ..config import Config, offload_config
 from ..distributed import is_dtensor
 from ..errors import ConfigError
+from .holds import resident
 from .hooks import _EXTERNAL, DDP_GRADS, Scheduler
 from .registry import store_of
-from .store import ParamStore, resident
+from .store import ParamStore
 
 __all__ = [
     "ParamOffload", "compile_offloaded", "materialized", "offload_parameters", "offloaded",

@@ -9,7 +9,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
-from .store import ParamStore, release_each, resident
+from .holds import release_each, resident
+from .store import ParamStore
 
 _EXTERNAL = "_nvme_external_params"  # a module's declared external parameters (a list)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -22,9 +22,7 @@ from .guard import OffloadedParameter
 from .handoff import Handoff
 from .transfer import BufferLender, TensorIO
 
-__all__ = ["ParamStore", "resident"]
-
-store_of = registry.store_of
+__all__ = ["ParamStore"]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -502,35 +500,3 @@ class ParamStore:
         self.grads.forget_landed()
         if failed is not None:
             raise failed
-
-
-@contextlib.contextmanager
-def resident(params: Iterable[torch.Tensor], *, dirty: bool = False) -> Iterator[None]:
-    """Fetch those of ``params`` whose weights are on NVMe for the block; release them after it.
-
-    Ordinary parameters are left alone. ``dirty=True`` writes the fetched ones back afterwards.
-    """
-    held = []
-    try:
-        for p in params:
-            store = store_of(p)
-            if store is not None:
-                store.fetch(p)
-                held.append((store, p))
-        yield
-    finally:
-        release_each(held, lambda item: item[0].release(item[1], dirty=dirty))
-
-
-def release_each(items: Iterable, release: Callable) -> None:
-    """``release(item)`` for every item, even after one fails (a write-back error, a refused release):
-    the others never stay resident for good. The first error is raised after all were tried."""
-    first = None
-    for item in items:
-        try:
-            release(item)
-        except BaseException as err:  # noqa: BLE001 - re-raised below, once every item was tried
-            first = first or err
-    if first is not None:
-        raise first
-
