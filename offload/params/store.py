@@ -89,13 +89,7 @@ class ParamStore:
                                pin_memory=pc.pin_memory if pc.pin_memory != "auto" else self.device.type == "cuda",
                                keys=("offload_param.buffer_count", "offload_param.buffer_size"))
         self._cuda = self.device.type == "cuda"
-        # The host cache: smallest parameters first, since for them a disk request costs the most per byte.
-        budget, cached = pc.max_in_cpu, set()
-        for p in sorted(params, key=lambda t: t.numel()):
-            if p.numel() > budget:
-                break
-            budget -= p.numel()
-            cached.add(p)
+        cached = _smallest_within(params, pc.max_in_cpu)  # the host cache
         self._host_cache = self.space = None
         try:
             self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
@@ -108,21 +102,7 @@ class ParamStore:
             self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
             self.io = TensorIO(self.bytes, self.lender, cuda=self._cuda)
             self.grads = GradStore(self.io, self._lock)
-            on_disk = [p for p in params if p not in cached]
-            with_grad = [p for p in params if offload_grads and p.requires_grad and (p not in cached or self._cuda)]
-            # Gradients that fit max_grad_in_cpu stay in host memory (smallest first, as for weights).
-            grad_budget, host_grads = pc.max_grad_in_cpu, set()
-            for p in sorted(with_grad, key=lambda t: t.numel()):
-                if p.numel() > grad_budget:
-                    break
-                grad_budget -= p.numel()
-                host_grads.add(p)
-            grads_on_disk = [p for p in with_grad if p not in host_grads]
-            # Reserve everything first: a full disk is reported now, with the whole need.
-            extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
-            extent_of = dict(zip(map(id, on_disk), extents[:len(on_disk)]))
-            grad_extent_of = dict(zip(map(id, grads_on_disk), extents[len(on_disk):]))
-            grad_extent_of.update((id(p), None) for p in host_grads)
+            extent_of, grad_extent_of = self._reserve(params, cached)
             # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
             # (torch's pinned allocator would round each parameter up to a power of two).
             cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._cuda else 0
@@ -389,6 +369,20 @@ class ParamStore:
 
     # -- internals ----------------------------------------------------------------------------
 
+    def _reserve(self, params: list, cached: set) -> tuple[dict, dict]:
+        """Extents for the weights not ``cached`` and for the gradients to offload, all reserved at once (a
+        full disk is reported now, with the whole need). Returns ``id(param) ->`` the weights' extent, and
+        ``id(param) ->`` the gradient's extent (None: kept in host memory, ``max_grad_in_cpu``)."""
+        on_disk = [p for p in params if p not in cached]
+        with_grad = [p for p in params if self.offload_grads and p.requires_grad and (p not in cached or self._cuda)]
+        host_grads = _smallest_within(with_grad, self.config.offload_param.max_grad_in_cpu)
+        grads_on_disk = [p for p in with_grad if p not in host_grads]
+        extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
+        extent_of = dict(zip(map(id, on_disk), extents[:len(on_disk)]))
+        grad_extent_of = dict(zip(map(id, grads_on_disk), extents[len(on_disk):]))
+        grad_extent_of.update((id(p), None) for p in host_grads)
+        return extent_of, grad_extent_of
+
     def _add(self, p: torch.Tensor, extent: Optional[Extent], grad: bool, grad_extent: Optional[Extent]) -> None:
         nbytes = p.numel() * p.element_size()
         rec = _Record(param=p, nbytes=nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
@@ -500,3 +494,15 @@ class ParamStore:
         self.grads.forget_landed()
         if failed is not None:
             raise failed
+
+
+def _smallest_within(params: list, budget: int) -> set:
+    """The parameters kept in host memory under a budget of ``budget`` elements: smallest first, since for
+    them a disk request costs the most per byte."""
+    chosen = set()
+    for p in sorted(params, key=lambda t: t.numel()):
+        if p.numel() > budget:
+            break
+        budget -= p.numel()
+        chosen.add(p)
+    return chosen

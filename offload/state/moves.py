@@ -112,7 +112,7 @@ class UnitMover:
         """
         tier = self.bytes.tier
         if exists is None:
-            exists = (lambda u: any(c.slot.initialized for c in u.chunks)) if step else (lambda u: True)
+            exists = _has_state if step else _always
         stay = self._to_stay(units) if step and tier is not None else set()
         out = {}
         for u in units:
@@ -230,3 +230,12 @@ class UnitMover:
         """Every pool buffer, for a caller that fills them with whatever it likes (a checkpoint)."""
         self.forget()
         return self.ring.buffers()
+
+
+def _has_state(unit: Unit) -> bool:
+    """Whether any chunk of ``unit`` has state yet (else a step's update fills the buffer from nothing)."""
+    return any(c.slot.initialized for c in unit.chunks)
+
+
+def _always(unit: Unit) -> bool:
+    return True
