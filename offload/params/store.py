@@ -314,12 +314,8 @@ class ParamStore:
         """
         with self._lock:
             self._quiesce()
-            pbufs = list(self.lender.free)
-            self.lender.free.clear()
-            try:
-                yield [s.buffer for s in pbufs]
-            finally:
-                self.lender.free.extend(pbufs)
+            with self.lender.lend_all() as buffers:
+                yield buffers
 
     def current_bytes(self, param: torch.Tensor) -> tuple[Optional[Extent], Optional[torch.Tensor]]:
         """Where ``param``'s latest bytes are: ``(extent, None)`` or ``(None, flat uint8 tensor)``.

@@ -3,9 +3,10 @@ block-by-block moves of a tensor's bytes between its extent and memory."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -83,6 +84,18 @@ class BufferLender:
         """Every free buffer idle (its writes landed, its copies done)."""
         for pbuf in self.free:
             pbuf.wait_idle()
+
+    @contextlib.contextmanager
+    def lend_all(self) -> Iterator[list[HostBuffer]]:
+        """Every free buffer, idle, for the block (a checkpoint streams through them); given back after it.
+        The caller holds the store still meanwhile (no prefetch in flight: every buffer is free)."""
+        self.wait_idle()
+        lent = list(self.free)
+        self.free.clear()
+        try:
+            yield [pbuf.buffer for pbuf in lent]
+        finally:
+            self.free.extend(lent)
 
 
 class TensorIO:
