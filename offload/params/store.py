@@ -45,7 +45,7 @@ class _Record(Stored):
 # SAME storage object back and fills it, so every alias of the parameter (autograd's saved tensors,
 # ``weight.t()`` views, activation checkpointing's detached copies) sees the fetched bytes again.
 # Bytes move through a fixed pool of page-aligned buffers (O_DIRECT needs aligned memory; a
-# parameter's own storage is not) in units of one buffer, pipelined (TensorIO). Everything here runs
+# parameter's own storage is not) in blocks of one buffer, pipelined (TensorIO). Everything here runs
 # under one lock: autograd may call hooks from its own device threads.
 class ParamStore:
     """Holds parameters' bytes on a swap space and materialises them on demand.
@@ -254,7 +254,7 @@ class ParamStore:
 
     @property
     def unit_bytes(self) -> int:
-        """Bytes per unit: parameters move in units of one pool buffer."""
+        """Bytes per block (the checkpoint interface's name): parameters move in blocks of one pool buffer."""
         return self.io.unit_bytes
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -331,15 +331,15 @@ class ParamStore:
         return rec.extent, None
 
     def read_unit(self, param: torch.Tensor, k: int, buffer):
-        """Start reading unit ``k`` of ``param``'s extent into ``buffer``; waiting for the future checks the
-        bytes against the unit's last write (``StateError`` if they changed on disk behind our back)."""
+        """Start reading block ``k`` of ``param``'s extent into ``buffer``; waiting for the future checks the
+        bytes against the block's last write (``StateError`` if they changed on disk behind our back)."""
         rec = self.records[param]
         return self.bytes.read(rec, buffer, k, what=lambda: self._what(rec))
 
     def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
         """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
         overwrite with them (its storage while resident, the host cache's copy). Call inside
-        :meth:`exclusive`, write units of :attr:`unit_bytes` bytes (with :meth:`write_unit`, which keeps
+        :meth:`exclusive`, write blocks of :attr:`unit_bytes` bytes (with :meth:`write_unit`, which keeps
         their checksums), then call :meth:`loaded`."""
         rec = self.records[param]
         copies = []
@@ -351,7 +351,7 @@ class ParamStore:
         return rec.extent, copies
 
     def write_unit(self, param: torch.Tensor, k: int, buffer):
-        """Start writing unit ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
+        """Start writing block ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
         return self.bytes.write(self.records[param], buffer, k)
 
     def loaded(self, params: Iterable[torch.Tensor]) -> None:
@@ -447,7 +447,7 @@ class ParamStore:
         self.prefetches_dropped += 1
 
     def _load(self, rec: _Record) -> None:
-        """Fill ``rec``'s (grown) storage from the swap space; prefetched units are used first."""
+        """Fill ``rec``'s (grown) storage from the swap space; prefetched blocks are used first."""
         self._land(rec)  # the read must see the latest bytes
         pending, rec.prefetched = rec.prefetched, {}
         if rec in self._issued:

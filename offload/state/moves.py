@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -70,6 +71,7 @@ class UnitMover:
         self.ring = BufferRing(list(pool), prefer=self.holds) if pool is not None else None
         self.pipeline = Pipeline(self.ring, lookahead=lookahead, write_behind=write_behind)
         self._holding: dict[int, Unit] = {}  # id(pool buffer) -> the unit last written from it
+        self._spare: Optional[BufferPool] = None  # see lend
         bytes.on_failure.append(self._holding.clear)
 
     # -- the three passes ---------------------------------------------------------------------
@@ -227,9 +229,16 @@ class UnitMover:
             del self._holding[key]
 
     def lend(self) -> list:
-        """Every pool buffer, for a caller that fills them with whatever it likes (a checkpoint)."""
+        """Buffers for a caller that fills them with whatever it likes (a checkpoint): every pool buffer, or
+        with ``device: "cpu"`` (no pool) two of a unit's size, made once for the purpose."""
         self.forget()
-        return self.ring.buffers()
+        if self.ring is not None:
+            return self.ring.buffers()
+        if self._spare is None:
+            self._spare = BufferPool(2, self.layout.unit_bytes)
+            # Freed with the mover, not at close(): a save still streaming through them may outlive it.
+            weakref.finalize(self, self._spare.close)
+        return list(self._spare)
 
 
 def _has_state(unit: Unit) -> bool:

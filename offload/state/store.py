@@ -347,11 +347,7 @@ class StateStore:
         "cpu"`` a few of the tier's size made for the purpose."""
         if self.pool is not None:
             self.drain()
-            return self.moves.lend()
-        if not hasattr(self, "_spare"):
-            self._spare = BufferPool(2, self.layout.unit_bytes)
-            weakref.finalize(self, self._spare.close)
-        return list(self._spare)
+        return self.moves.lend()
 
     @property
     def state_bytes(self) -> int:
