@@ -34,16 +34,16 @@ class BackwardOverlap:
         slots_now: the slots a step may update now (placed parameters that require grad).
         units_of: ``units_of(slots)`` in layout order.
         clip: whether updates must wait for the global gradient norm (``max_grad_norm``).
-        failed: ``failed(err)`` is called (on the worker) when the step in progress fails: the state may then be
-            half updated, and the owner refuses further steps until it is restored.
+        mark_failed: ``mark_failed(err)`` is called (on the worker) when the step in progress fails: the state
+            may then be half updated, and the owner refuses further steps until it is restored.
         access: the optimizer's :class:`ParamAccess`, through which gradients are watched and parameters
             whose weights live on NVMe are taken as backward finishes them.
     """
 
     def __init__(self, run_step: Callable, slots_now: Callable, units_of: Callable, *, clip: bool,
-                 failed: Callable[[BaseException], None], access: ParamAccess):
+                 mark_failed: Callable[[BaseException], None], access: ParamAccess):
         self._run_step = run_step
-        self._failed = failed
+        self._mark_failed = mark_failed
         self._slots_now = slots_now
         self._units_of = units_of
         self.clip = clip
@@ -254,7 +254,7 @@ class _Run:
             self.updated = self.owner._run_step(slots, self.gate, self.order)
         except BaseException as err:  # noqa: BLE001 - reported by the next hook and by step()
             self.error = self.error or err
-            self.owner._failed(self.error)
+            self.owner._mark_failed(self.error)
         finally:
             with self.lock:
                 self.ended = True

@@ -445,7 +445,7 @@ def test_pipeline_settings_do_not_change_results(nvme, closing, pipeline_read, p
     ours = closing(OffloadedAdamW(a, nvme_path=nvme, fused=True, pipeline_read=pipeline_read,
                                   pipeline_write=pipeline_write, **{**SMALL, "buffer_count": count}))
     ref = torch.optim.AdamW(b, fused=True)
-    pipeline = ours.state_store.pipeline
+    pipeline = ours.state_store.moves.pipeline
     assert pipeline.write_behind == pipeline_write
     assert pipeline.lookahead == (max(1, count - 1) if pipeline_read else 0)
     step_together(ours, ref, a, b, range(3))

@@ -326,7 +326,7 @@ def test_a_failed_write_back_of_weights_loses_no_pool_buffer_and_is_reported(nvm
             # The failed write is found when its extent is next touched.
             loss_of(model, 1).backward()
         prefetching = sum(len(r.prefetched) for r in store.records.values())
-        assert len(store.slots.free) + prefetching == len(store.pool), "a pool buffer was lost"
+        assert len(store.lender.free) + prefetching == len(store.pool), "a pool buffer was lost"
         opt.close()
     finally:
         offloaded(model).scheduler.remove()

@@ -181,7 +181,7 @@ def test_an_io_error_while_evicting_names_the_file_and_blocks_steps(nvme):
 def test_host_cache_auto_with_little_free_memory_picks_a_small_cache_and_says_so(nvme, monkeypatch):
     """"auto" takes a share of available memory after the pools and a margin: a machine reporting
     little free memory gets a small cache (here none) and a warning saying so."""
-    import offload.state.tiers as tiers
+    import offload.store.tier as tiers
 
     class Memory:
         total, available = 8 << 30, 2 << 30  # all of it the margin: no room for a cache

@@ -139,7 +139,7 @@ class OffloadedAdam(torch.optim.Adam):
         self._overlap = None
         if self.config.offload_optimizer.overlap_backward:
             self._overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
-                                            clip=max_grad_norm is not None, failed=self.state_store.failed,
+                                            clip=max_grad_norm is not None, mark_failed=self.state_store.mark_failed,
                                             access=self._access)
             self._overlap.hook(p for g in self.param_groups for p in g["params"])
 
@@ -217,7 +217,7 @@ class OffloadedAdam(torch.optim.Adam):
             if overlap is not None:
                 overlap.abandon(err)
             if changing and not isinstance(err, (ValueError, TypeError)):
-                store.failed(err)
+                store.mark_failed(err)
             raise
         finally:
             self._scaling = NO_SCALING
@@ -435,7 +435,7 @@ class OffloadedAdam(torch.optim.Adam):
                 torch.cuda.current_stream(dev).synchronize()
 
         with self._access.units(units, candidates) as unit_pass:
-            def update(unit, buf) -> bool:
+            def update(unit, buf) -> None:
                 if gate is not None:
                     gate(unit)
                 # What this update changes: the chunks whose parameter has a grad now. Only their weights
@@ -454,12 +454,10 @@ class OffloadedAdam(torch.optim.Adam):
                 if devices:
                     copying[id(unit)] = devices
                 unit_pass.done(unit)
-                return True
 
             # Its last writes land while the caller goes on (the next forward); reading a unit back, a
             # checkpoint, state_dict() or close() waits for them.
-            store.run(units, update, needs_read=lambda u: any(c.slot.initialized for c in u.chunks),
-                      before_write=before_write, settle=True, drain=False)
+            store.step(units, update, before_write)
         # Units resident in host memory were never written: their copies back must land before the step ends.
         for dev in set().union(*copying.values()) if copying else ():
             torch.cuda.current_stream(dev).synchronize()
@@ -486,7 +484,7 @@ class OffloadedAdam(torch.optim.Adam):
                 "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
                 "overlap_backward.")
             self._overlap.abandon(err)
-            self.state_store.failed(err)
+            self.state_store.mark_failed(err)
             raise err
 
     def _grad_scaling(self, params: list, scale: Optional[torch.Tensor]) -> GradScaling:

@@ -16,8 +16,9 @@ from .api import (
 )
 from .grads import clip_grad_norm_, load_grad
 from .guard import OffloadedGrad, OffloadedParameter
+from .holds import resident
 from .registry import store_of
-from .store import ParamStore, resident
+from .store import ParamStore
 
 __all__ = [
     "OffloadedGrad",

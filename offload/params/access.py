@@ -11,8 +11,8 @@ from ..buffers import BufferPool
 from ..distributed import local
 from ..errors import StateError
 from ..units import round_up
+from .holds import release_each, resident
 from .registry import store_of
-from .store import release_each, resident
 
 __all__ = ["ParamAccess"]
 
@@ -66,14 +66,13 @@ class ParamAccess:
         """Tell ``watcher.final(p)`` when each of ``params``' gradient is final in a backward, once it is where
         :meth:`UnitPass.grads` and ``p.grad`` will find it; for a parameter on NVMe also ask ``watcher.take(p)``
         first whether the optimizer takes it as it is (then it stays resident, its gradient in memory, until
-        the update: see :meth:`adopt`). Returns handles to remove.
+        the update: see :meth:`adopt`), through its store's :class:`Handoff`. Returns handles to remove.
         """
         handles = []
         for p in params:
             store = store_of(p)
-            if store is not None and store.scheduler is not None:
-                store.watchers[p] = watcher
-                handles.append(_Unwatch(store.watchers, p))
+            if store is not None and store.handoff.reported:
+                handles.append(store.handoff.watch(p, watcher))
             else:
                 handles.append(p.register_post_accumulate_grad_hook(_direct(watcher)))
         return handles
@@ -191,7 +190,7 @@ class UnitPass:
             return {c: r.wait() for c, r in reads}
         finally:
             for _, r in reads:
-                r.settle()  # after an error: nothing may still be reading into the buffer
+                r.wait_quietly()  # after an error: nothing may still be reading into the buffer
 
     # -- weights -------------------------------------------------------------------------------
 
@@ -244,16 +243,6 @@ class UnitPass:
             self._adopted.discard(slot)
             if store.offload_grads:
                 store.grads.consume(slot.param)  # updated: the gradient is not needed, nor kept
-
-
-class _Unwatch:
-    """A handle that stops a store telling a watcher about a parameter."""
-
-    def __init__(self, watchers: dict, p: torch.Tensor):
-        self._watchers, self._p = watchers, p
-
-    def remove(self) -> None:
-        self._watchers.pop(self._p, None)
 
 
 def _direct(watcher):

@@ -12,9 +12,10 @@ from ..aio import warn_use_gds
 from ..config import Config, offload_config
 from ..distributed import is_dtensor
 from ..errors import ConfigError
+from .holds import resident
 from .hooks import _EXTERNAL, DDP_GRADS, Scheduler
 from .registry import store_of
-from .store import ParamStore, resident
+from .store import ParamStore
 
 __all__ = [
     "ParamOffload", "compile_offloaded", "materialized", "offload_parameters", "offloaded",
@@ -125,7 +126,6 @@ def offload_parameters(
     except BaseException:
         store.restore()
         raise
-    store.scheduler = scheduler
     setattr(model, _ATTR, ParamOffload(store, scheduler, cfg))
     return model
 
@@ -168,7 +168,7 @@ def register_external_parameter(module: nn.Module, param: torch.Tensor) -> None:
     if not any(q is param for q in declared):
         declared.append(param)
     store = store_of(param)
-    scheduler = store.scheduler if store is not None else None
+    scheduler = store.handoff.hooks if store is not None else None
     if scheduler is not None:
         scheduler.add_external(module, param)
 

@@ -11,6 +11,7 @@ import torch
 from ..aio import CompletedFuture, wait_quietly
 from ..buffers import HostBuffer
 from ..space import Extent
+from ..store import Stored
 from ..units import round_up
 from .guard import make_placeholder
 from .transfer import TensorIO
@@ -23,16 +24,13 @@ _NONE, _ZERO, _STORED, _CONSUMED = 0, 1, 2, 3  # what a grad extent holds (_CONS
 class GradRead:
     """A read of part of a stored gradient into a host buffer.
 
-    ``wait_io()`` waits for the bytes (returns how many moved); ``wait()`` then gives the elements as a
-    typed view with pending clip factors applied (once, however often it is called).
+    ``wait()`` waits for the bytes, then gives the elements as a typed view with pending clip factors
+    applied (once, however often it is called).
     """
 
     def __init__(self, future, view: torch.Tensor, zero: bool, scales: list):
         self._future, self._view, self._zero, self._scales = future, view, zero, scales
         self._ready = False
-
-    def wait_io(self) -> int:
-        return self._future.wait()
 
     def wait(self) -> torch.Tensor:
         if not self._ready:
@@ -47,24 +45,23 @@ class GradRead:
     def done(self) -> bool:
         return self._future.done()
 
-    def settle(self) -> None:
+    def wait_quietly(self) -> None:
         """Let the read land, ignoring its error (error paths: the buffer is about to be reused)."""
         wait_quietly([self._future])
 
 
-@dataclass(eq=False)
-class _Grad:
-    """One parameter's gradient in the store. Its bytes are valid only while ``p.grad`` is the
-    placeholder (torch's zero_grad(set_to_none=True) or a user's assignment replaces it)."""
+@dataclass(eq=False, kw_only=True)
+class _Grad(Stored):
+    """One parameter's gradient in the store (``extent`` None: kept in host memory, ``host``, instead). Its
+    bytes are valid only while ``p.grad`` is the placeholder (torch's zero_grad(set_to_none=True) or a
+    user's assignment replaces it). No checksums: a gradient lives for one iteration, read in parts."""
 
     param: torch.Tensor
-    nbytes: int
-    extent: Optional[Extent]  # None: the gradient is kept in host memory (``host``) instead
     placeholder: torch.Tensor
+    digests: Optional[list] = None
     in_host: bool = False  # kept in host memory, never written to NVMe
     host: Optional[torch.Tensor] = None  # the gradient (a CPU tensor) while in_host and stored
     state: int = _NONE  # _NONE, _ZERO, _STORED or _CONSUMED
-    writes: list = field(default_factory=list)  # write futures of the extent, in the order issued
     scales: list = field(default_factory=list)  # clip factors not yet applied to the stored bytes
 
 
@@ -97,8 +94,8 @@ class GradStore:
 
     def add(self, param: torch.Tensor, extent: Optional[Extent], name: str) -> None:
         """Give ``param``'s gradient a place: ``extent`` (as large as the parameter), or host memory (None)."""
-        self.grads[param] = _Grad(param, param.numel() * param.element_size(), extent,
-                                  make_placeholder(param, name, self.mark_zero), in_host=extent is None)
+        self.grads[param] = _Grad(param=param, nbytes=param.numel() * param.element_size(), extent=extent,
+                                  placeholder=make_placeholder(param, name, self.mark_zero), in_host=extent is None)
 
     @property
     def host_bytes(self) -> int:
@@ -237,14 +234,13 @@ class GradStore:
             self._check_not_consumed(g, "read it")
             if g.in_host:
                 return GradRead(CompletedFuture(), g.host.view(-1)[lo:hi], False, []), 0
-            space = self.io.space
-            align, size = space.alignment, param.element_size()
+            align, size = self.io.space.alignment, param.element_size()
             a, b = (lo * size) // align * align, round_up(hi * size, align)
             view = buffer.view(param.dtype, buffer_offset + lo * size - a, hi - lo)
             if g.state == _ZERO:
                 return GradRead(CompletedFuture(), view, True, []), b - a
-            _land(g)  # the read must see the latest bytes
-            fut = space.read(space.sub(g.extent, a, b - a), buffer, buffer_offset=buffer_offset, nbytes=b - a)
+            self._land(g)  # the read must see the latest bytes
+            fut = self.io.store.read_range(g, a, b - a, buffer, buffer_offset=buffer_offset)
             self.bytes_read += b - a
             return GradRead(fut, view, False, list(g.scales)), b - a
 
@@ -268,8 +264,8 @@ class GradStore:
         out = torch.empty(param.shape, dtype=param.dtype, device=device)
         self._count(g.nbytes)
         self._count(-g.nbytes)  # the caller holds it; counted as one gradient resident at a time
-        _land(g)  # the read must see the latest bytes
-        self.bytes_read += self.io.read_into(out.view(-1).view(torch.uint8), g.extent,
+        self._land(g)  # the read must see the latest bytes
+        self.bytes_read += self.io.read_into(out.view(-1).view(torch.uint8), g,
                                              what=lambda: f"the gradient of {g.placeholder._nvme_name}")
         for coef in g.scales:
             out.mul_(coef)
@@ -293,10 +289,22 @@ class GradStore:
         """Bytes of the swap space reserved for gradients."""
         return sum(g.extent.nbytes for g in self.grads.values() if g.extent is not None)
 
-    def drain(self) -> None:
-        """Forget landed writes (the pool's slots were settled: every write's source was one of them)."""
+    def forget_landed(self) -> None:
+        """Forget landed writes (the pool's buffers are idle: every write's source was one of them)."""
         for g in self.grads.values():
             g.writes.clear()
+
+    def _land(self, g: _Grad) -> None:
+        """Wait for every write of ``g``'s extent. If one failed, the stored gradient is gone (raised once,
+        here; ``p.grad`` no longer claims it, so the next backward starts afresh). A lost gradient fails
+        nothing else: the weights and the optimizer's state are whole."""
+        try:
+            self.io.store.land(g, fails=False)
+        except OSError:
+            g.state, g.scales = _NONE, []
+            if g.param.grad is g.placeholder:
+                g.param.grad = None
+            raise
 
     def _forget(self, g: _Grad) -> None:
         g.state, g.scales = _NONE, []
@@ -324,7 +332,7 @@ class GradStore:
 
     def _write(self, g: _Grad, grad: torch.Tensor) -> None:
         """Write ``grad`` to ``g``'s extent, added to what is stored there (per ``g.state``)."""
-        _land(g)  # earlier writes of this extent first: a read-add sees them, a rewrite follows them
+        self._land(g)  # earlier writes of this extent first: a read-add sees them, a rewrite follows them
         with torch._C.DisableTorchFunctionSubclass():
             src = grad.reshape(-1)
             if not src.is_contiguous():
@@ -349,22 +357,5 @@ class GradStore:
                     typed.zero_()  # zero_grad(set_to_none=False): torch adds into zeros, so do we
                 typed.add_(part if part.device.type == "cpu" else part.to("cpu"))
 
-            self.bytes_written += self.io.write_from(raw, g.extent, g.writes, fill=fill,
-                                                     read_first=lambda k: state == _STORED)
+            self.bytes_written += self.io.write_from(raw, g, fill=fill, read_first=lambda k: state == _STORED)
 
-
-def _land(g: _Grad) -> None:
-    """Wait for every write of ``g``'s extent and forget them. If one failed, the stored gradient is
-    gone (raised once, here; ``p.grad`` no longer claims it, so the next backward starts afresh)."""
-    futures, g.writes = g.writes, []
-    first = None
-    for fut in futures:
-        try:
-            fut.wait()
-        except OSError as err:
-            first = first or err
-    if first is not None:
-        g.state, g.scales = _NONE, []
-        if g.param.grad is g.placeholder:
-            g.param.grad = None
-        raise first

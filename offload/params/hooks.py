@@ -9,7 +9,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
-from .store import ParamStore, release_each, resident
+from .holds import release_each, resident
+from .store import ParamStore
 
 _EXTERNAL = "_nvme_external_params"  # a module's declared external parameters (a list)
 
@@ -57,9 +58,9 @@ def _tensors(value: Any, out: list) -> list:
 # Gradients (``store.offload_grads``): a tensor hook on each parameter (before torch accumulates into
 # ``p.grad``) and the post-accumulate-grad hook (after) hand the gradient to the store, which moves it
 # to NVMe and leaves a placeholder in ``p.grad`` (see GradStore.begin/put). An optimizer that updates
-# during backward (overlap_backward) watches the parameter through the store (``store.watchers``, told
-# once the gradient is in place) and may take it at that hook, resident, with its gradient in memory:
-# it is then updated, written back once, and its gradient dropped, with no trip through NVMe.
+# during backward (overlap_backward) watches the parameter through the store's hand-off (``Handoff``,
+# told once the gradient is in place) and may take it at that hook, resident, with its gradient in
+# memory: it is then updated, written back once, and its gradient dropped, with no trip through NVMe.
 #
 # External parameters: a module that uses another module's parameter in its forward declares it
 # (``register_external_parameter``); the parameter is then fetched and released around that
@@ -81,6 +82,7 @@ class Scheduler:
     def __init__(self, root: nn.Module, store: ParamStore, prefetch: int):
         self.root = root
         self.store = store
+        store.handoff.join(self)  # final gradients are reported to an optimizer updating during backward
         self.prefetch = prefetch
         self.modules: list[nn.Module] = []
         self.params: list[list[torch.Tensor]] = []
@@ -239,8 +241,8 @@ class Scheduler:
         return hook
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
-        watcher = self.store.watchers.get(p)
-        if watcher is not None and p in self._held and watcher.take(p):
+        handoff = self.store.handoff
+        if handoff.offer(p, held=p in self._held):
             # An optimizer updating during backward took p as it is: the weights stay resident (this hold is
             # now the optimizer's, released after the update) and the gradient in memory, never written.
             self._held.discard(p)
@@ -252,8 +254,7 @@ class Scheduler:
             if p in self._held:
                 self._held.discard(p)
                 self.store.release(p)
-        if watcher is not None:
-            watcher.final(p)  # after the gradient is where the optimizer will look for it
+        handoff.final(p)  # after the gradient is where the optimizer will look for it
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
@@ -14,31 +14,28 @@ from ..buffers import BufferPool, HostBuffer
 from ..config import Config
 from ..errors import StateError
 from ..space import Extent, SwapSpace
+from ..store import ByteStore, Stored
 from ..units import ALIGNMENT, round_up
 from . import registry
 from .gradstore import GradStore
 from .guard import OffloadedParameter
-from .transfer import SlotPool, TensorIO
+from .handoff import Handoff
+from .transfer import BufferLender, TensorIO
 
-__all__ = ["ParamStore", "resident"]
-
-store_of = registry.store_of
+__all__ = ["ParamStore"]
 
 
-@dataclass(eq=False)
-class _Record:
-    """One offloaded parameter."""
+@dataclass(eq=False, kw_only=True)
+class _Record(Stored):
+    """One offloaded parameter: its bytes (``extent``, None when kept in the host cache instead; the writes
+    and checksums of its blocks) and its residency."""
 
     param: torch.Tensor
-    nbytes: int
-    extent: Optional[Extent] = None  # None: kept in the host cache instead
     host: Optional[torch.Tensor] = None  # the host cache's copy (uint8), device parameters only
     users: int = 0  # fetches not yet released
     resident: bool = True
     dirty: bool = False
-    prefetched: dict = field(default_factory=dict)  # unit index -> (Slot, read future)
-    writes: list = field(default_factory=list)  # write futures of the extent, in the order issued
-    digests: list = field(default_factory=list)  # xxh3_64 of each unit last written (None: unknown)
+    prefetched: dict = field(default_factory=dict)  # block index -> (PoolBuffer, read future)
     cls: type = None  # the parameter's class before offload, restored on undo
     name: str = "?"
 
@@ -48,7 +45,7 @@ class _Record:
 # SAME storage object back and fills it, so every alias of the parameter (autograd's saved tensors,
 # ``weight.t()`` views, activation checkpointing's detached copies) sees the fetched bytes again.
 # Bytes move through a fixed pool of page-aligned buffers (O_DIRECT needs aligned memory; a
-# parameter's own storage is not) in units of one buffer, pipelined (TensorIO). Everything here runs
+# parameter's own storage is not) in blocks of one buffer, pipelined (TensorIO). Everything here runs
 # under one lock: autograd may call hooks from its own device threads.
 class ParamStore:
     """Holds parameters' bytes on a swap space and materialises them on demand.
@@ -60,6 +57,7 @@ class ParamStore:
         name: a tag in the swap file name.
         offload_grads: give each parameter that requires grad a place in the grad store (``grads``).
         names: parameter -> a name for error messages.
+        handoff: the overlap hand-off between this store's hooks and an optimizer (a new one if None).
 
     Every parameter is written to the swap space (or copied into the host cache) and released before
     this returns. The pool holds ``buffer_count`` buffers of ``buffer_size`` elements of the widest
@@ -67,25 +65,23 @@ class ParamStore:
     """
 
     def __init__(self, params: Iterable[torch.Tensor], config: Config, *, name: str = "params",
-                 offload_grads: bool = False, names: Optional[dict] = None):
+                 offload_grads: bool = False, names: Optional[dict] = None, handoff: Optional[Handoff] = None):
         pc = config.offload_param
         params = list(params)
         self.config = config
         self.offload_grads = offload_grads
-        # Set when weights were lost or half loaded: a load failed part-way, or a write-back failed.
-        self.error: Optional[BaseException] = None
         self._names = names or {}
         self.device = params[0].device if params else torch.device("cpu")
         self.records: dict[torch.Tensor, _Record] = {}
-        self.kept_bytes = 0  # host-cache parameters of a CPU model: left in place, never offloaded
+        # Host-cache parameters of a CPU model: left in place, never offloaded (a figure users read, see
+        # docs/integrations.md).
+        self.kept_bytes = 0
         self._lock = threading.RLock()
         self.bytes_read = self.bytes_written = 0
         self.cache_hits = self.prefetch_hits = self.prefetches_dropped = 0
         self.resident_bytes = self.resident_bytes_max = 0
-        self.scheduler = None  # the module hooks using this store (set by offload_parameters)
-        # param -> an optimizer updating during backward, told when the param's gradient is final and asked
-        # whether it takes the param as it is (ParamAccess.watch, Scheduler._on_grad_accumulated).
-        self.watchers: dict[torch.Tensor, Any] = {}
+        # Between the hooks and an optimizer updating during backward (overlap_backward).
+        self.handoff = handoff if handoff is not None else Handoff()
         self._issued: list[_Record] = []  # records with prefetches in flight, oldest first
 
         itemsize = max((p.element_size() for p in params), default=4)
@@ -93,34 +89,20 @@ class ParamStore:
                                pin_memory=pc.pin_memory if pc.pin_memory != "auto" else self.device.type == "cuda",
                                keys=("offload_param.buffer_count", "offload_param.buffer_size"))
         self._cuda = self.device.type == "cuda"
-        # The host cache: smallest parameters first, since for them a disk request costs the most per byte.
-        budget, cached = pc.max_in_cpu, set()
-        for p in sorted(params, key=lambda t: t.numel()):
-            if p.numel() > budget:
-                break
-            budget -= p.numel()
-            cached.add(p)
+        cached = _smallest_within(params, pc.max_in_cpu)  # the host cache
         self._host_cache = self.space = None
         try:
             self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
-            self.slots = SlotPool(self.pool, self._drop_latest_prefetch)
-            self.io = TensorIO(self.space, self.slots, cuda=self._cuda, checksum=pc.checksum)
+            # Weights are fetched one parameter at a time: a block whose bytes changed on disk names itself
+            # at each fetch, and fails nothing else.
+            self.bytes = ByteStore(self.space, self.pool.buffer_size // self.space.alignment * self.space.alignment,
+                                   checksum=pc.checksum, mismatch_fails=False, remedy=(
+                                       "Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to "
+                                       "restore it."))
+            self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
+            self.io = TensorIO(self.bytes, self.lender, cuda=self._cuda)
             self.grads = GradStore(self.io, self._lock)
-            on_disk = [p for p in params if p not in cached]
-            with_grad = [p for p in params if offload_grads and p.requires_grad and (p not in cached or self._cuda)]
-            # Gradients that fit max_grad_in_cpu stay in host memory (smallest first, as for weights).
-            grad_budget, host_grads = pc.max_grad_in_cpu, set()
-            for p in sorted(with_grad, key=lambda t: t.numel()):
-                if p.numel() > grad_budget:
-                    break
-                grad_budget -= p.numel()
-                host_grads.add(p)
-            grads_on_disk = [p for p in with_grad if p not in host_grads]
-            # Reserve everything first: a full disk is reported now, with the whole need.
-            extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
-            extent_of = dict(zip(map(id, on_disk), extents[:len(on_disk)]))
-            grad_extent_of = dict(zip(map(id, grads_on_disk), extents[len(on_disk):]))
-            grad_extent_of.update((id(p), None) for p in host_grads)
+            extent_of, grad_extent_of = self._reserve(params, cached)
             # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
             # (torch's pinned allocator would round each parameter up to a power of two).
             cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._cuda else 0
@@ -131,7 +113,7 @@ class ParamStore:
                     self.kept_bytes += p.numel() * p.element_size()
                 else:
                     self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)))
-            self._drain()
+            self._quiesce()
         except BaseException:
             self.close()
             raise
@@ -185,13 +167,12 @@ class ParamStore:
                 return
             if any(not f.done() for f in rec.writes):
                 return  # its latest bytes are still landing; read them when they are there
-            for k in range(self.io.count(rec.nbytes)):
-                slot = self.slots.take(wait=False)
-                if slot is None:
+            for k in range(self.bytes.block_count(rec.nbytes)):
+                pbuf = self.lender.take(wait=False)
+                if pbuf is None:
                     break
-                rec.prefetched[k] = (slot, self.io.read_unit(rec.extent, k, rec.nbytes, slot.buffer,
-                                                              digests=rec.digests, what=lambda: self._what(rec)))
-                self.bytes_read += self.io.extent_of(rec.extent, k, rec.nbytes)[0].nbytes
+                rec.prefetched[k] = (pbuf, self.bytes.read(rec, pbuf.buffer, k, what=lambda: self._what(rec)))
+                self.bytes_read += self.bytes.block(rec, k)[0].nbytes
             if rec.prefetched:
                 self._issued.append(rec)
 
@@ -224,6 +205,21 @@ class ParamStore:
     def reset_grad_peak(self) -> None:
         """Restart ``grad_resident_bytes_max`` from the gradient bytes resident now."""
         self.grads.reset_peak()
+
+    # -- failures -------------------------------------------------------------------------------
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why offloaded weights are lost or half loaded (a load failed part-way, a write-back failed), or
+        ``None``. Setting it marks the byte store failed (``None``: restored)."""
+        return self.bytes.error
+
+    @error.setter
+    def error(self, err: Optional[BaseException]) -> None:
+        if err is None:
+            self.bytes.mark_restored()
+        else:
+            self.bytes.mark_failed(err)
 
     # -- introspection ------------------------------------------------------------------------
 
@@ -258,7 +254,7 @@ class ParamStore:
 
     @property
     def unit_bytes(self) -> int:
-        """Bytes per unit: parameters move in units of one pool buffer."""
+        """Bytes per block (the checkpoint interface's name): parameters move in blocks of one pool buffer."""
         return self.io.unit_bytes
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -273,7 +269,7 @@ class ParamStore:
                     rec.param.grad = None  # the update took it during backward (overlap_backward)
                 elif self.grads.holds(rec.param):
                     rec.param.grad = self.grads.load(rec.param)
-            self._drain()
+            self._quiesce()
         self.close()
 
     def close(self) -> None:
@@ -290,7 +286,7 @@ class ParamStore:
                     rec.param.__dict__.pop("_nvme_resident", None)
                     rec.param.__dict__.pop("_nvme_name", None)
             if self.space is not None:
-                self._drain()
+                self._quiesce()
             self.records = {}
             if self.space is not None:
                 self.space.close()
@@ -317,13 +313,9 @@ class ParamStore:
             OSError: a write-back had failed (the weights it carried are lost: the store is failed).
         """
         with self._lock:
-            self._drain()
-            slots = list(self.slots.free)
-            self.slots.free.clear()
-            try:
-                yield [s.buffer for s in slots]
-            finally:
-                self.slots.free.extend(slots)
+            self._quiesce()
+            with self.lender.lend_all() as buffers:
+                yield buffers
 
     def current_bytes(self, param: torch.Tensor) -> tuple[Optional[Extent], Optional[torch.Tensor]]:
         """Where ``param``'s latest bytes are: ``(extent, None)`` or ``(None, flat uint8 tensor)``.
@@ -339,16 +331,15 @@ class ParamStore:
         return rec.extent, None
 
     def read_unit(self, param: torch.Tensor, k: int, buffer):
-        """Start reading unit ``k`` of ``param``'s extent into ``buffer``; waiting for the future checks the
-        bytes against the unit's last write (``StateError`` if they changed on disk behind our back)."""
+        """Start reading block ``k`` of ``param``'s extent into ``buffer``; waiting for the future checks the
+        bytes against the block's last write (``StateError`` if they changed on disk behind our back)."""
         rec = self.records[param]
-        return self.io.read_unit(rec.extent, k, rec.nbytes, buffer, digests=rec.digests,
-                                 what=lambda: self._what(rec))
+        return self.bytes.read(rec, buffer, k, what=lambda: self._what(rec))
 
     def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
         """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
         overwrite with them (its storage while resident, the host cache's copy). Call inside
-        :meth:`exclusive`, write units of :attr:`unit_bytes` bytes (with :meth:`write_unit`, which keeps
+        :meth:`exclusive`, write blocks of :attr:`unit_bytes` bytes (with :meth:`write_unit`, which keeps
         their checksums), then call :meth:`loaded`."""
         rec = self.records[param]
         copies = []
@@ -356,13 +347,12 @@ class ParamStore:
             copies.append(self._data(rec))
         if rec.host is not None:
             copies.append(rec.host.reshape(-1))
-        rec.digests = [None] * self.io.count(rec.nbytes)
+        self.bytes.forget_digests(rec)
         return rec.extent, copies
 
     def write_unit(self, param: torch.Tensor, k: int, buffer):
-        """Start writing unit ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
-        rec = self.records[param]
-        return self.io.write_unit(rec.extent, k, rec.nbytes, buffer, digests=rec.digests)
+        """Start writing block ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
+        return self.bytes.write(self.records[param], buffer, k)
 
     def loaded(self, params: Iterable[torch.Tensor]) -> None:
         """New weights of ``params`` are in place: their in-memory copies equal their extents now, and
@@ -371,13 +361,27 @@ class ParamStore:
             for p in params:
                 self.records[p].dirty = False
                 self.grads.clear(p)
-            self.error = None
+            self.bytes.mark_restored()
 
     # -- internals ----------------------------------------------------------------------------
 
+    def _reserve(self, params: list, cached: set) -> tuple[dict, dict]:
+        """Extents for the weights not ``cached`` and for the gradients to offload, all reserved at once (a
+        full disk is reported now, with the whole need). Returns ``id(param) ->`` the weights' extent, and
+        ``id(param) ->`` the gradient's extent (None: kept in host memory, ``max_grad_in_cpu``)."""
+        on_disk = [p for p in params if p not in cached]
+        with_grad = [p for p in params if self.offload_grads and p.requires_grad and (p not in cached or self._cuda)]
+        host_grads = _smallest_within(with_grad, self.config.offload_param.max_grad_in_cpu)
+        grads_on_disk = [p for p in with_grad if p not in host_grads]
+        extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
+        extent_of = dict(zip(map(id, on_disk), extents[:len(on_disk)]))
+        grad_extent_of = dict(zip(map(id, grads_on_disk), extents[len(on_disk):]))
+        grad_extent_of.update((id(p), None) for p in host_grads)
+        return extent_of, grad_extent_of
+
     def _add(self, p: torch.Tensor, extent: Optional[Extent], grad: bool, grad_extent: Optional[Extent]) -> None:
         nbytes = p.numel() * p.element_size()
-        rec = _Record(p, nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
+        rec = _Record(param=p, nbytes=nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
         if grad:
             self.grads.add(p, grad_extent, rec.name)  # no extent: kept in host memory
         if extent is None:
@@ -430,9 +434,9 @@ class ParamStore:
         self._shrink(rec)
 
     def _drop_prefetch(self, rec: _Record) -> None:
-        for slot, fut in rec.prefetched.values():
+        for pbuf, fut in rec.prefetched.values():
             wait_quietly([fut])  # a failed read nobody needs is no error; the buffer must be idle
-            self.slots.give(slot)
+            self.lender.give(pbuf)
         rec.prefetched.clear()
         if rec in self._issued:
             self._issued.remove(rec)
@@ -443,28 +447,25 @@ class ParamStore:
         self.prefetches_dropped += 1
 
     def _load(self, rec: _Record) -> None:
-        """Fill ``rec``'s (grown) storage from the swap space; prefetched units are used first."""
+        """Fill ``rec``'s (grown) storage from the swap space; prefetched blocks are used first."""
         self._land(rec)  # the read must see the latest bytes
         pending, rec.prefetched = rec.prefetched, {}
         if rec in self._issued:
             self._issued.remove(rec)
             self.prefetch_hits += 1
-        self.bytes_read += self.io.read_into(self._data(rec), rec.extent, digests=rec.digests, pending=pending,
-                                             what=lambda: self._what(rec))
+        self.bytes_read += self.io.read_into(self._data(rec), rec, pending=pending, what=lambda: self._what(rec))
 
     def rewriting(self, params: Iterable[torch.Tensor]) -> None:
         """``params``' stored bytes are about to be overwritten (a load). If that is every offloaded tensor, a
         swap file cut behind our back gets its size back: nothing will be read from the cut. A partial load
         leaves the cut to be named."""
         if self.space is not None and {id(p) for p in self.records} <= {id(p) for p in params}:
-            self.space.regrow()
+            self.bytes.regrow()
 
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
         self._land(rec)  # requests complete in any order: an old write must not land after this one
-        digests = [None] * self.io.count(rec.nbytes)
-        self.bytes_written += self.io.write_from(self._data(rec), rec.extent, rec.writes, digests=digests)
-        rec.digests = digests  # (a write refused before it began keeps the checksums of the bytes on disk)
+        self.bytes_written += self.io.write_from(self._data(rec), rec)
 
     @staticmethod
     def _what(rec: _Record) -> str:
@@ -473,57 +474,31 @@ class ParamStore:
     def _land(self, rec: _Record) -> None:
         """Wait for every write of ``rec``'s extent. A failed one lost the weights it carried: the store
         is failed (fetches raise ``StateError``) until a checkpoint is loaded."""
-        futures, rec.writes = rec.writes, []
-        for fut in futures:
-            try:
-                fut.wait()
-            except OSError as err:
-                self.error = err
-                raise
+        self.bytes.land(rec)
 
-    def _drain(self) -> None:
+    def _quiesce(self) -> None:
         """Let every write and prefetch land (before closing, or before the files are read elsewhere)."""
         for rec in list(self._issued):
             self._drop_prefetch(rec)
-        self.slots.settle()
+        self.lender.wait_idle()
         failed = None
         for rec in self.records.values():
             try:
                 self._land(rec)
             except OSError as err:
                 failed = failed or err
-        self.grads.drain()
+        self.grads.forget_landed()
         if failed is not None:
             raise failed
 
 
-@contextlib.contextmanager
-def resident(params: Iterable[torch.Tensor], *, dirty: bool = False) -> Iterator[None]:
-    """Fetch those of ``params`` whose weights are on NVMe for the block; release them after it.
-
-    Ordinary parameters are left alone. ``dirty=True`` writes the fetched ones back afterwards.
-    """
-    held = []
-    try:
-        for p in params:
-            store = store_of(p)
-            if store is not None:
-                store.fetch(p)
-                held.append((store, p))
-        yield
-    finally:
-        release_each(held, lambda item: item[0].release(item[1], dirty=dirty))
-
-
-def release_each(items: Iterable, release: Callable) -> None:
-    """``release(item)`` for every item, even after one fails (a write-back error, a refused release):
-    the others never stay resident for good. The first error is raised after all were tried."""
-    first = None
-    for item in items:
-        try:
-            release(item)
-        except BaseException as err:  # noqa: BLE001 - re-raised below, once every item was tried
-            first = first or err
-    if first is not None:
-        raise first
-
+def _smallest_within(params: list, budget: int) -> set:
+    """The parameters kept in host memory under a budget of ``budget`` elements: smallest first, since for
+    them a disk request costs the most per byte."""
+    chosen = set()
+    for p in sorted(params, key=lambda t: t.numel()):
+        if p.numel() > budget:
+            break
+        budget -= p.numel()
+        chosen.add(p)
+    return chosen

@@ -8,13 +8,13 @@ from typing import Iterable
 import torch
 
 from ..distributed import local
+from ..store import Stored
 from ..units import round_up
 
 SLICE_ALIGN = 64
 GRAIN = 1024
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -67,14 +67,16 @@ class Chunk:
 
 
 @dataclass(eq=False)
-class Unit:
-    """Chunks that travel together: one extent on disk, one pool buffer in memory."""
+class Unit(Stored):
+    """Chunks that travel together: one extent on disk (``extent``: None with state in host memory only),
+    one pool buffer in memory. Its bytes are one block of its store (see :class:`offload.store.Stored`)."""
 
     chunks: list[Chunk] = field(default_factory=list)
-    nbytes: int = 0
-    extent: object = None  # space.Extent once allocated (None: state in host memory only)
-    digest: object = None  # checksum of the bytes last written to the extent (or that write's future)
-    written: object = None  # the last write's future while it may still be landing
+
+    @property
+    def digest(self):
+        """The checksum of the bytes last written to the extent (or that write's future), or None."""
+        return self.digests[0] if self.digests else None
 
 
 @dataclass(eq=False)

@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import psutil
 import torch
 
-from ..aio import CheckedRead, FutureGroup, hex_digest, wait_quietly
 from ..buffers import BufferPool
 from ..config import Config
 from ..distributed import local
 from ..errors import ConfigError, StateError
-from ..pipeline import BufferRing, Pipeline
 from ..space import SwapSpace
+from ..store import ByteStore, HostTier, auto_cache_bytes
 from ..units import MIB, format_size, round_up
 from .layout import Chunk, Layout, ParamSlot, Unit
-from .tiers import HostTier, TierSource, auto_cache_bytes
+from .moves import UnitMover
 
 __all__ = ["StateStore"]
 
@@ -34,10 +32,9 @@ __all__ = ["StateStore"]
 # * the tiers: a unit lives on NVMe, or resident in host memory (``host_cache``; every unit with
 #   ``device: "cpu"``, where there is no swap space at all). A step visits units in snake order, so
 #   the units it updates last stay resident and are the first the next step updates;
-# * the pipeline that moves units through the pool, and a checksum of every unit written, verified on
-#   every read, so that bytes changed on disk behind our back are named instead of trained on;
-# * the failure state: after an error part-way through a change of state (a step, a load) the store
-#   refuses to be used until state is restored from a state dict or a checkpoint.
+# * the pipeline that moves units through the pool.
+# The bytes themselves (checked reads, the landing of writes, the failed state, the swap files' cuts,
+# freezes for consistent copies) belong to a ByteStore (``bytes``), as the offloaded weights' do.
 class StateStore:
     """Offloaded optimizer state: where it lives and how it moves.
 
@@ -52,7 +49,8 @@ class StateStore:
         pool: the host buffers state moves through (``None`` with ``device: "cpu"``).
         space: the :class:`SwapSpace` (``None`` with ``device: "cpu"``).
         tier: the :class:`HostTier` of resident units, or ``None`` without one.
-        threshold: the small-parameter threshold. error: why the store is unusable, or ``None``.
+        threshold: the small-parameter threshold.
+        bytes: the :class:`offload.store.ByteStore` the units' bytes move through (failed state, checksums).
     """
 
     def __init__(self, state: dict, param_groups: list, config: Config, *, name: str = "adam"):
@@ -62,7 +60,6 @@ class StateStore:
         self.config = config
         self.threshold = oc.small_param_threshold
         self.checksum = oc.checksum
-        self.error: Optional[BaseException] = None
         self.in_memory = oc.device == "cpu"
         self.pin_memory = resolve_pin(oc.pin_memory, (p for g in param_groups for p in g["params"]))
         self.pool = self.space = self.tier = None
@@ -79,22 +76,16 @@ class StateStore:
             _close(self.space, self.pool, self.tier)
             raise
         unit_bytes = self.pool.buffer_size if self.pool is not None else size
-        # The pool's buffers in circulation, with the writes still landing from them. It outlives runs:
-        # a step returns with its last writes in flight (they land during the next forward), and with a
-        # host tier buffers change hands between the pool and resident units (see tiers.TierSource).
-        self._ring = BufferRing(list(self.pool), prefer=self._holds) if self.pool is not None else None
-        # id(pool buffer) -> the unit whose state it holds as last written from it (see _holds). Like the
-        # ring, no lock: one thread uses the store at a time (the overlap worker's step, which every other
-        # use of the store refuses to run beside or ends first).
-        self._holding: dict[int, Unit] = {}
-        self._tail: list = []  # writes a run left landing (futures), until they are seen to have landed
-        self.bytes_read = self.bytes_written = 0
-        self._guards: list[Callable[[Unit, Any], None]] = []  # see add_change_guard
+        self.bytes = ByteStore(self.space, unit_bytes, checksum=self.checksum, mismatch_fails=True, remedy=(
+            "Training on it would be silently wrong; restore the state with load_checkpoint() (or "
+            "load_state_dict()) before stepping again."))
+        self.bytes.tier = self.tier
         # With B buffers: one holds the unit being updated, one (or more) the writes still landing,
         # and the rest the reads ahead (B - 2 of them, at least 1).
         lookahead = max(1, oc.buffer_count - 1) if oc.pipeline_read else 0
-        self.pipeline = Pipeline(self._ring, lookahead=lookahead, write_behind=oc.pipeline_write)
         self.layout = Layout(unit_bytes, oc.state_dtype)
+        self.moves = UnitMover(self.bytes, self.pool, self.layout, lookahead=lookahead,
+                               write_behind=oc.pipeline_write, describe=self._describe)
         self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
     def _pool_buffer_size(self, oc) -> int:
@@ -137,7 +128,7 @@ class StateStore:
             budget = auto_cache_bytes(pools=self.pool.nbytes, state=len(self.layout.units) * self.layout.unit_bytes)
         count = budget // self.layout.unit_bytes
         if count > 0:
-            self.tier = HostTier(count, self.layout.unit_bytes, pin_memory=self.pin_memory)
+            self.tier = self.bytes.tier = HostTier(count, self.layout.unit_bytes, pin_memory=self.pin_memory)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
@@ -195,6 +186,11 @@ class StateStore:
 
     # -- failures -------------------------------------------------------------------------------
 
+    @property
+    def error(self) -> Optional[BaseException]:
+        """Why the store is unusable, or ``None``."""
+        return self.bytes.error
+
     def check_usable(self, doing: str = "step") -> None:
         """Raise unless state may be used for ``doing`` (e.g. ``"step"``, ``"save a checkpoint"``).
 
@@ -210,102 +206,43 @@ class StateStore:
                 "may be half written. Restore it with load_state_dict() or load_checkpoint() first."
             ) from self.error
 
-    def failed(self, err: BaseException) -> None:
-        """Record that state may be half written: every use raises until :meth:`restored`."""
-        self.error = err
-        self._holding.clear()
+    def mark_failed(self, err: BaseException) -> None:
+        """Record that state may be half written: every use raises until :meth:`mark_restored`."""
+        self.bytes.mark_failed(err)
 
-    def restored(self) -> None:
+    def mark_restored(self) -> None:
         """State is whole again (a load succeeded)."""
-        self.error = None
+        self.bytes.mark_restored()
+
+    failed = mark_failed  # the name offload.checkpoint uses
+    restored = mark_restored
+
+    @property
+    def bytes_read(self) -> int:
+        return self.bytes.bytes_read
+
+    @property
+    def bytes_written(self) -> int:
+        return self.bytes.bytes_written
 
     # -- moving units ---------------------------------------------------------------------------
 
-    def run(self, units: Sequence[Unit], update: Callable[[Unit, Any], bool], *,
-            needs_read: Callable[[Unit], bool] = lambda unit: True,
-            also_read: Optional[Callable[[Unit, Any], Any]] = None,
-            before_write: Optional[Callable[[Unit], None]] = None, settle: bool = False,
-            drain: bool = True, changes: bool = True) -> None:
-        """Stream ``units`` through the pool: read, ``update(unit, buffer)``, write back if it returns True.
-
-        A unit resident in the host tier is updated where it lives (no read, no write). ``needs_read(unit)``
-        False skips the read (no chunk's state exists yet; ``update`` overwrites the buffer).
-        ``also_read(unit, buffer)`` may start more reads the update needs (a future or None); they are
-        waited for with the unit's. ``before_write(unit)`` runs before a unit's write is issued (to wait
-        for device copies into its buffer). ``settle=True`` (a step) moves units between the tiers: the
-        last ones visited stay resident, resident ones not among them are written out. ``drain=False``
-        returns with the last writes still landing (a step: they land during the next forward); a unit
-        read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
-        for all of them. Every unit read is checked against the checksum of its last write. ``changes``
-        False says ``update`` only reads the units (no change guard is called).
+    def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
+             before_write: Callable[[Unit], None]) -> None:
+        """One step over ``units`` (in the order given): each is read (unless it is resident in host memory, still
+        in a pool buffer, or has no state yet), ``update(unit, buffer)`` changes it, and it is written back,
+        kept resident or evicted as :meth:`UnitMover.fates` decides; ``before_write(unit)`` runs before its
+        write is issued (to wait for device copies into its buffer). Every unit read is checked against the
+        checksum of its last write. The last writes are left landing (they land during the next forward); a
+        unit read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
+        for all of them.
 
         Raises:
-            OSError: a read or write failed (file and offset named), in this run or a write an earlier
-                run left landing; the store is then failed.
+            OSError: a read or write failed (file and offset named), in this step or a write an earlier
+                step left landing; the store is then failed.
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
-        self._collect_tail()
-        # Units kept in host memory (resident, or still in a pool buffer) are written without being read
-        # first: a write past a cut in a truncated file would leave holes that read back as zeros.
-        self._check_intact()
-        tier = self.tier
-        source = self._ring
-        if tier is not None:
-            source = TierSource(self._ring, len(self.pool) if self.pool is not None else 0, tier,
-                                self._settle_set(units) if settle else set())
-
-        def resident(unit: Unit, buf) -> bool:
-            return tier is not None and tier.home(unit) is buf
-
-        def read(unit: Unit, buf):
-            if resident(unit, buf):
-                fut = None
-            elif self._holds(unit, buf):
-                self._land(unit)  # its bytes are in the buffer: no read, once its write has landed
-                fut = None
-            else:
-                self._holding.pop(id(buf), None)
-                fut = self._read(unit, buf) if needs_read(unit) else None
-            more = also_read(unit, buf) if also_read is not None else None
-            if more is None:
-                return fut
-            return FutureGroup([f for f in (fut, more) if f is not None])
-
-        def process(unit: Unit, buf) -> bool:
-            at_home = resident(unit, buf)
-            for guard in list(self._guards) if changes else ():
-                guard(unit, buf)
-            try:
-                changed = update(unit, buf)
-            except BaseException:
-                self._holding.pop(id(buf), None)  # the update may have changed the buffer part-way
-                raise
-            if at_home:
-                write = settle and id(unit) not in source.settle  # evicted: the disk copy is stale
-            elif tier is not None and id(unit) in source.settling:
-                self._holding.pop(id(buf), None)
-                tier.keep(unit, buf)  # it stays resident, unwritten, in the buffer it was read into
-                source.settled()
-                write = False
-            else:
-                write = changed
-            return write
-
-        def write(unit: Unit, buf):
-            if before_write is not None:
-                before_write(unit)
-            if resident(unit, buf):
-                tier.leave(unit)
-                source.evicted()
-            fut = self._write(unit, buf)
-            self._forget(unit)
-            self._holding[id(buf)] = unit
-            if not drain:
-                self._tail.append(fut)
-            return fut
-
-        self.pipeline.run(units, read=read, process=process, write=write, source=source, drain=drain)
-        self._check_intact()  # a cut made while this run went on (the units read there may have been zeros)
+        self.moves.step(units, update, before_write)
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
         """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
@@ -317,14 +254,13 @@ class StateStore:
         wanted = [s for s in self.layout.slots.values() if s.initialized]
         out = {s: {k: torch.empty(local(s.param).shape, dtype=_export_dtype(s, k)) for k in s.keys} for s in wanted}
 
-        def copy_out(unit: Unit, buf) -> bool:
+        def copy_out(unit: Unit, buf) -> None:
             for c in unit.chunks:
                 if c.slot in out:
                     for k in c.slot.keys:
                         out[c.slot][k].view(-1)[c.start:c.start + c.numel].copy_(c.slice(buf, k))
-            return False
 
-        self.run(self.units_of(wanted), copy_out, changes=False)
+        self.moves.export(self.units_of(wanted), copy_out)
         for s in wanted:
             yield s, out[s]
 
@@ -345,7 +281,7 @@ class StateStore:
         if not any(needs_read(u) for u in self.layout.units):
             self.rewriting_all()
 
-        def copy_in(unit: Unit, buf) -> bool:
+        def copy_in(unit: Unit, buf) -> None:
             for c in unit.chunks:
                 entry = by_slot.get(c.slot)
                 if entry is None:
@@ -360,28 +296,26 @@ class StateStore:
                     else:
                         view.zero_()
             after_unit(unit)
-            return True
 
-        with self._failing_on(BaseException):
-            self.run(units, copy_in, needs_read=needs_read)
+        with self.bytes.failing_on(BaseException):
+            self.moves.restore(units, copy_in, keeps_state=needs_read)
         for slot in by_slot:
             slot.initialized = True
 
     def rewriting_all(self) -> None:
         """Say that every unit holding state is about to be overwritten (a whole load): a swap file cut
         behind our back gets its size back, since nothing will be read from the cut."""
-        if self.space is not None:
-            self.space.regrow()
+        self.bytes.regrow()
 
-    def add_change_guard(self, guard: Callable[[Unit, Any], None]) -> Callable[[], None]:
+    def freeze(self, guard: Callable[[Unit, Any], None]) -> Callable[[], None]:
         """Call ``guard(unit, buffer)`` before any run changes a unit's state, with ``buffer`` holding the
-        unit's bytes as they are then (read from NVMe, or its host-memory home). For a consistent copy
-        taken while training goes on (an asynchronous checkpoint): the guard captures the unit first if
-        it has not yet. Returns the function that removes the guard. ``write_unit`` (a load) is not
-        guarded: it replaces state wholesale, and must not run while a copy is being taken.
+        unit's bytes as they are then (read from NVMe, or its host-memory home): see
+        :meth:`offload.store.ByteStore.freeze`. Returns the function that removes the guard. ``write_unit``
+        (a load) is not guarded: it replaces state wholesale, and must not run while a copy is being taken.
         """
-        self._guards.append(guard)
-        return lambda: self._guards.remove(guard) if guard in self._guards else None
+        return self.bytes.freeze(guard)
+
+    add_change_guard = freeze  # the name offload.checkpoint uses
 
     # -- units one at a time (checkpoints) ------------------------------------------------------
 
@@ -393,17 +327,17 @@ class StateStore:
         if home is not None:
             buf.tensor[:unit.nbytes].copy_(home.tensor[:unit.nbytes])
             return None
-        return self._read(unit, buf)
+        return self.moves.read(unit, buf)
 
     def write_unit(self, unit: Unit, buf):
         """Make ``buf``'s first ``unit.nbytes`` bytes ``unit``'s state: copied into its host-memory home if it
         is resident (returns None), else written to its extent (returns the future; checksum recorded)."""
-        self._forget(unit)
+        self.moves.forget(unit)
         home = self.tier.home(unit) if self.tier is not None else None
         if home is not None:
             home.tensor[:unit.nbytes].copy_(buf.tensor[:unit.nbytes])
             return None
-        return self._write(unit, buf)
+        return self.moves.write(unit, buf)
 
     # -- introspection and lifetime -------------------------------------------------------------
 
@@ -413,12 +347,7 @@ class StateStore:
         "cpu"`` a few of the tier's size made for the purpose."""
         if self.pool is not None:
             self.drain()
-            self._holding.clear()  # the caller fills them with whatever it likes
-            return self._ring.buffers()
-        if not hasattr(self, "_spare"):
-            self._spare = BufferPool(2, self.layout.unit_bytes)
-            weakref.finalize(self, self._spare.close)
-        return list(self._spare)
+        return self.moves.lend()
 
     @property
     def state_bytes(self) -> int:
@@ -450,127 +379,25 @@ class StateStore:
         Raises:
             OSError: one of them failed (file and offset named); the store is then failed.
         """
-        tail, self._tail = self._tail, []
-        first = None
-        for fut in tail:
-            try:
-                fut.wait()
-            except OSError as err:
-                first = first or err
+        self.bytes.drain(quiet=quiet)
         if quiet:
-            self._holding.clear()  # the state is about to be replaced
+            self.moves.forget()  # the state is about to be replaced
             for unit in self.layout.units:
-                unit.written = None
-        elif first is not None:
-            self.failed(first)
-            raise first
+                unit.writes = []
 
     def close(self) -> None:
         """Let the last writes land, then remove the swap files and free the pool and the host tier."""
         if self._finalizer.alive:
-            wait_quietly(self._tail)
-            self._tail = []
+            self.bytes.close()
         self._finalizer()
 
-    def _settle_set(self, units: Sequence[Unit]) -> set:
-        """Ids of the units of this run to be resident after it: as many of the last visited as the tier
-        has room for, besides resident units this run does not visit."""
-        tier = self.tier
-        if tier.capacity is None:
-            return {id(u) for u in units}
-        visiting = {id(u) for u in units}
-        elsewhere = sum(1 for u in self.layout.units if tier.resident(u) and id(u) not in visiting)
-        room = max(0, tier.capacity - elsewhere)
-        return {id(u) for u in list(units)[len(units) - room:]} if room else set()
-
-    @contextlib.contextmanager
-    def _failing_on(self, *errors: type):
-        """The store is failed (see :meth:`failed`) when the block raises one of ``errors``, then re-raised."""
-        try:
-            yield
-        except errors as err:
-            self.failed(err)
-            raise
-
-    def _check_intact(self) -> None:
-        """Raise (and fail the store) if a swap file was truncated behind our back."""
-        if self.space is not None:
-            with self._failing_on(OSError):
-                self.space.check_intact()
-
-    def _holds(self, unit: Unit, buf) -> bool:
-        """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
-        used for anything since. A step that visits it first (the snake order visits first the units the last
-        step wrote last) then updates it there instead of reading it back: the pool's buffers act as a small
-        cache, at no cost in memory."""
-        return self._holding.get(id(buf)) is unit
-
-    def _forget(self, unit: Unit) -> None:
-        """No pool buffer holds ``unit``'s state any more (it is being written from elsewhere)."""
-        for key in [k for k, u in self._holding.items() if u is unit]:
-            del self._holding[key]
-
-    def _write(self, unit: Unit, buf):
-        self._land(unit)  # requests complete in any order: an older write must not land after this one
-        fut = self.space.write(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
-        self.bytes_written += unit.extent.nbytes
-        unit.written = fut
-        # The checksum of what the write puts on disk, known once it lands (computed by the engine).
-        unit.digest = fut if self.checksum else None
-        return fut
-
-    def _read(self, unit: Unit, buf):
-        self._land(unit)  # a write a step left landing must be there before its bytes are read back
-        fut = self.space.read(unit.extent, buf, nbytes=unit.nbytes, digest=self.checksum)
-        self.bytes_read += unit.extent.nbytes
-        if not (self.checksum and unit.digest is not None):
-            return fut
-        return CheckedRead(fut, lambda: self._last_digest(unit), lambda found, want: self._corrupt(unit, found))
-
-    def _land(self, unit: Unit) -> None:
-        """Wait for ``unit``'s last write; if it failed, the store is failed and the error raised here."""
-        if unit.written is None:
-            return
-        with self._failing_on(OSError):
-            unit.written.wait()
-        unit.written = None
-
-    def _collect_tail(self) -> None:
-        """Forget tail writes that landed; the first that failed fails the store and is raised now."""
-        still, first = [], None
-        for fut in self._tail:
-            if not fut.done():
-                still.append(fut)
-                continue
-            try:
-                fut.wait()
-            except OSError as err:
-                first = first or err
-        self._tail = still
-        if first is not None:
-            self.failed(first)
-            raise first
-
-    @staticmethod
-    def _last_digest(unit: Unit) -> tuple:
-        if not isinstance(unit.digest, tuple):
-            unit.digest = unit.digest.digest()  # the write landed long ago
-        return unit.digest
-
-    def _corrupt(self, unit: Unit, found: tuple) -> StateError:
-        """The error of a read of ``unit`` whose bytes are not those of its last write; the store is failed."""
+    def _describe(self, unit: Unit) -> str:
+        """``unit`` in words, for a message."""
         index = self.layout.units.index(unit)
         position = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         names = ", ".join(f"parameter {position.get(id(c.slot.param), '?')} (shape {tuple(c.slot.param.shape)})"
                           for c in unit.chunks)
-        path, offset = self.space.locate(unit.extent.offset)
-        err = StateError(
-            f"offloaded optimizer state was changed on disk behind our back: unit {index} ({unit.nbytes} bytes at "
-            f"offset {offset} of {path}) holding the state of {names} has xxh3_64 {hex_digest(found)}, its last "
-            f"write had {hex_digest(unit.digest)}. Training on it would be silently wrong; restore the state with "
-            "load_checkpoint() (or load_state_dict()) before stepping again.")
-        self.failed(err)
-        return err
+        return f"offloaded optimizer state, unit {index} holding the state of {names}"
 
 
 def resolve_pin(setting, params: Iterable[torch.Tensor]) -> bool:

@@ -77,10 +77,6 @@ class HostTier:
         """Host memory holding resident units now."""
         return sum(b.nbytes for b in self.homes.values())
 
-    @property
-    def resident_count(self) -> int:
-        return len(self.homes)
-
     def settle_in(self, unit) -> HostBuffer:
         """Give ``unit`` a home now (``capacity=None`` tiers, at placement). Its bytes are undefined."""
         buf = self.new_buffer()
@@ -127,13 +123,13 @@ class TierSource:
     Args:
         ring: the pool's buffers in circulation (a ring that outlives the run; ``None``: every unit is
             resident). size: how many buffers the ring should keep (the pool's count). tier: the tier.
-        settle: ids of the units that are to be resident after the run (those already resident stay).
+        to_settle: ids of the units read into a pool buffer that they keep as their home (they settle in).
     """
 
-    def __init__(self, ring: Optional[BufferRing], size: int, tier: HostTier, settle: set):
+    def __init__(self, ring: Optional[BufferRing], size: int, tier: HostTier, to_settle: set):
         self.ring = ring
         self.tier = tier
-        self.settle = settle
+        self.to_settle = to_settle
         self.settling: set = set()  # ids of units read into a pool buffer that they keep
         self._size = size
         self._circulating = len(ring) if ring is not None else 0
@@ -149,7 +145,7 @@ class TierSource:
         if self.ring is None:
             raise RuntimeError("a unit without a home in a tier with no pool behind it")  # a bug, not input
         buf = self.ring.take(wait, item)
-        if buf is not None and id(item) in self.settle:
+        if buf is not None and id(item) in self.to_settle:
             self.settling.add(id(item))
         return buf
 

@@ -1,0 +1,250 @@
+"""Passes over the optimizer's units: each unit's fate in a pass, decided in one place, and the pipeline."""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from ..buffers import BufferPool
+from ..pipeline import BufferRing, Pipeline
+from ..store import ByteStore, TierSource
+from .layout import Layout, Unit
+
+__all__ = ["After", "Fate", "UnitMover"]
+
+
+class After(enum.Enum):
+    """What becomes of a unit once a pass has updated it."""
+
+    STAYS = "stays"  # resident in the host tier, changed where it lives: nothing is written
+    EVICTED = "evicted"  # resident, but not among those to stay: written out, its buffer joins the pool
+    SETTLES = "settles"  # read into a pool buffer and to stay: the buffer becomes its home, unwritten
+    WRITTEN = "written"  # written back from the pool buffer, which then still holds its bytes
+    UNCHANGED = "unchanged"  # the pass only read it
+
+
+@dataclass(frozen=True)
+class Fate:
+    """A unit's fate in one pass: whether it is read and what becomes of it after its update.
+
+    ``home``: it is resident in the host tier, so it is updated in its home buffer and never read.
+    ``read``: it is read from NVMe (unless a pool buffer still holds its bytes as last written, which
+    the pipeline then hands it: see :meth:`UnitMover.holds`). ``after``: see :class:`After`.
+    """
+
+    home: bool
+    read: bool
+    after: After
+
+
+# NOTE: three passes move units, each a named operation: a step (update in snake order; units the step
+# visits last stay resident in the host tier, and its last writes are left landing for the next forward
+# to hide), an export (every unit read, none written) and a restore (units overwritten from a state dict,
+# read first only where they also hold state that is kept). ``fates`` decides for every unit of a pass,
+# before it starts, whether it is read and what becomes of it; the pipeline's read/process/write steps
+# only follow those decisions. The pool's buffers double as a small cache: a buffer keeps the bytes of
+# the unit last written from it until it is used for another, and a unit visited again gets it back
+# without a read (``holds``). No lock: one thread uses the store at a time (the overlap worker's step,
+# which every other use of the store refuses to run beside or ends first).
+class UnitMover:
+    """Moves units through the pool (and the host tier) in passes: :meth:`step`, :meth:`export`, :meth:`restore`.
+
+    Args:
+        bytes: the byte store (reads, writes, failures, the host tier ``bytes.tier``).
+        pool: the pool (``None`` with ``device: "cpu"``: every unit is resident).
+        layout: the layout (every unit, for the tier's room).
+        lookahead, write_behind: the pipeline's.
+        describe: ``describe(unit)`` names a unit in messages.
+    """
+
+    def __init__(self, bytes: ByteStore, pool: Optional[BufferPool], layout: Layout, *, lookahead: int,
+                 write_behind: bool, describe: Callable[[Unit], str]):
+        self.bytes = bytes
+        self.describe = describe
+        self.pool = pool
+        self.layout = layout
+        # The pool's buffers in circulation, with the writes still landing from them. It outlives passes:
+        # a step returns with its last writes in flight, and with a host tier buffers change hands between
+        # the pool and resident units (see offload.store.TierSource).
+        self.ring = BufferRing(list(pool), prefer=self.holds) if pool is not None else None
+        self.pipeline = Pipeline(self.ring, lookahead=lookahead, write_behind=write_behind)
+        self._holding: dict[int, Unit] = {}  # id(pool buffer) -> the unit last written from it
+        self._spare: Optional[BufferPool] = None  # see lend
+        bytes.on_failure.append(self._holding.clear)
+
+    # -- the three passes ---------------------------------------------------------------------
+
+    def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], bool],
+             before_write: Callable[[Unit], None]) -> None:
+        """Update ``units`` in order: ``update(unit, buffer)``, then ``before_write(unit)`` before a unit's write
+        (to wait for device copies into its buffer). The tiers are settled (see :meth:`fates`); the last
+        writes are left landing (see :meth:`offload.store.ByteStore.drain`)."""
+        self._pass(units, self.fates(units, step=True), update, before_write=before_write, drain=False)
+
+    def export(self, units: Sequence[Unit], copy_out: Callable[[Unit, Any], None]) -> None:
+        """Read ``units`` and give each to ``copy_out(unit, buffer)``; nothing is written or frozen."""
+        def update(unit: Unit, buf) -> bool:
+            copy_out(unit, buf)
+            return False
+        self._pass(units, self.fates(units, changes=False), update, changes=False)
+
+    def restore(self, units: Sequence[Unit], copy_in: Callable[[Unit, Any], None],
+                keeps_state: Callable[[Unit], bool]) -> None:
+        """Overwrite ``units`` with ``copy_in(unit, buffer)``; a unit is read first only if
+        ``keeps_state(unit)`` (it also holds state that is not replaced)."""
+        def update(unit: Unit, buf) -> bool:
+            copy_in(unit, buf)
+            return True
+        self._pass(units, self.fates(units, exists=keeps_state), update)
+
+    # -- each unit's fate ---------------------------------------------------------------------
+
+    def fates(self, units: Sequence[Unit], *, step: bool = False, changes: bool = True,
+              exists: Optional[Callable[[Unit], bool]] = None) -> dict[int, Fate]:
+        """Every unit's fate in a pass, by ``id``; decided here and nowhere else.
+
+        Read: a unit resident in the host tier is not (it is updated where it lives); nor is one without
+        state yet (``exists(unit)`` False; in a step, no chunk initialized: the update fills the buffer).
+        After: only a step moves units between the tiers. The units it visits last stay resident, as many as
+        the tier has room for beside resident units it does not visit; a resident unit not among them is
+        evicted, and a unit read into a pool buffer that is among them settles in that buffer. Every other
+        unit is written back if the pass changes it.
+        """
+        tier = self.bytes.tier
+        if exists is None:
+            exists = _has_state if step else _always
+        stay = self._to_stay(units) if step and tier is not None else set()
+        out = {}
+        for u in units:
+            home = tier is not None and tier.resident(u)
+            to_stay = id(u) in stay
+            if home:
+                after = After.STAYS if to_stay or not step else After.EVICTED
+            elif to_stay:
+                after = After.SETTLES
+            else:
+                after = After.WRITTEN if changes else After.UNCHANGED
+            out[id(u)] = Fate(home=home, read=not home and exists(u), after=after)
+        return out
+
+    def _to_stay(self, units: Sequence[Unit]) -> set:
+        """Ids of the units of a step to be resident after it: as many of the last visited as the tier has
+        room for, besides resident units the step does not visit."""
+        tier = self.bytes.tier
+        if tier.capacity is None:
+            return {id(u) for u in units}
+        visiting = {id(u) for u in units}
+        elsewhere = sum(1 for u in self.layout.units if tier.resident(u) and id(u) not in visiting)
+        room = max(0, tier.capacity - elsewhere)
+        return {id(u) for u in list(units)[len(units) - room:]} if room else set()
+
+    # -- the pass -----------------------------------------------------------------------------
+
+    def _pass(self, units: Sequence[Unit], fates: dict, update: Callable[[Unit, Any], bool], *,
+              before_write: Optional[Callable[[Unit], None]] = None, changes: bool = True,
+              drain: bool = True) -> None:
+        """Stream ``units`` through the pool, each as ``fates`` decided.
+
+        Raises:
+            OSError: a read or write failed (file and offset named), in this pass or a write an earlier
+                pass left landing; the store is then failed.
+            StateError: a unit's bytes on disk are not the bytes last written there.
+        """
+        store, tier = self.bytes, self.bytes.tier
+        store.collect_landed()
+        # Units kept in host memory (resident, or still in a pool buffer) are written without being read
+        # first: a write past a cut in a truncated file would leave holes that read back as zeros.
+        store.check_intact()
+        source = self.ring
+        if tier is not None:
+            settling = {i for i, f in fates.items() if f.after is After.SETTLES}
+            source = TierSource(self.ring, len(self.pool) if self.pool is not None else 0, tier, settling)
+
+        def read(unit: Unit, buf):
+            fate = fates[id(unit)]
+            if fate.home:
+                return None
+            if self.holds(unit, buf):
+                store.land(unit)  # its bytes are in the buffer: no read, once its write has landed
+                return None
+            self._holding.pop(id(buf), None)
+            return self.read(unit, buf) if fate.read else None
+
+        def process(unit: Unit, buf) -> bool:
+            fate = fates[id(unit)]
+            if changes:
+                store.changing(unit, buf)
+            try:
+                update(unit, buf)
+            except BaseException:
+                self._holding.pop(id(buf), None)  # the update may have changed the buffer part-way
+                raise
+            if fate.after is After.SETTLES:
+                self._holding.pop(id(buf), None)
+                tier.keep(unit, buf)
+                source.settled()
+            return fate.after in (After.EVICTED, After.WRITTEN)
+
+        def write(unit: Unit, buf):
+            if before_write is not None:
+                before_write(unit)
+            if fates[id(unit)].after is After.EVICTED:
+                tier.leave(unit)
+                source.evicted()
+            fut = self.write(unit, buf, landing=not drain)
+            self._holding[id(buf)] = unit
+            return fut
+
+        self.pipeline.run(units, read=read, process=process, write=write, source=source, drain=drain)
+        store.check_intact()  # a cut made while this pass went on (the units read there may have been zeros)
+
+    # -- single units and the pool's buffers --------------------------------------------------
+
+    def read(self, unit: Unit, buf):
+        """Start reading ``unit`` from its extent into ``buf``, once its last write landed (checked)."""
+        self.bytes.land(unit)
+        return self.bytes.read(unit, buf, what=lambda: self.describe(unit))
+
+    def write(self, unit: Unit, buf, *, landing: bool = False):
+        """Start writing ``unit`` from ``buf`` to its extent, after its last write (an older write must not
+        land after this one)."""
+        self.bytes.land(unit)
+        self.forget(unit)
+        return self.bytes.write(unit, buf, landing=landing)
+
+    def holds(self, unit: Unit, buf) -> bool:
+        """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
+        used for anything since. A step that visits it first (the snake order visits first the units the last
+        step wrote last) then updates it there instead of reading it back."""
+        return self._holding.get(id(buf)) is unit
+
+    def forget(self, unit: Optional[Unit] = None) -> None:
+        """No pool buffer holds ``unit``'s state any more (every unit's with None)."""
+        if unit is None:
+            self._holding.clear()
+            return
+        for key in [k for k, u in self._holding.items() if u is unit]:
+            del self._holding[key]
+
+    def lend(self) -> list:
+        """Buffers for a caller that fills them with whatever it likes (a checkpoint): every pool buffer, or
+        with ``device: "cpu"`` (no pool) two of a unit's size, made once for the purpose."""
+        self.forget()
+        if self.ring is not None:
+            return self.ring.buffers()
+        if self._spare is None:
+            self._spare = BufferPool(2, self.layout.unit_bytes)
+            # Freed with the mover, not at close(): a save still streaming through them may outlive it.
+            weakref.finalize(self, self._spare.close)
+        return list(self._spare)
+
+
+def _has_state(unit: Unit) -> bool:
+    """Whether any chunk of ``unit`` has state yet (else a step's update fills the buffer from nothing)."""
+    return any(c.slot.initialized for c in unit.chunks)
+
+
+def _always(unit: Unit) -> bool:
+    return True
