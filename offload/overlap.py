@@ -189,11 +189,16 @@ class _Run:
             self.abort(err)
             raise err
         self.fired.add(id(p))
-        if id(p) in self.chunks_of and p.grad is not None and store_of(p) is None:
+        store = store_of(p)
+        in_store = store is not None and store.holds_grad(p)  # p.grad is then a placeholder
+        if id(p) in self.chunks_of and p.grad is not None and (store is None or not store.offload_grads):
+            # An ordinary grad tensor (offload_grads=False too) that a GradScaler's unscale_ or clip_grad_norm_
+            # could change in place: watched. (A grad the store holds, or hands to the update, is not the
+            # user's to change: its placeholder refuses.)
             g = p.grad
             self.seen_grads.append((p, g, _sample(g)))
         if self.owner.clip and p.grad is not None:
-            self.norms[id(p)] = grad_norm(p.grad)
+            self.norms[id(p)] = grad_norm(ParamAccess.grad(p) if in_store else p.grad)
         for u in self.chunks_of.get(id(p), ()):
             for c in u.chunks:
                 if c.slot.param is p:

@@ -734,3 +734,19 @@ def test_the_drive_writes_per_day_are_said_once_and_warned_past_the_threshold(nv
         written = ours.state_store.bytes_written // 4  # every step writes every unit
         assert f"{written * 86400 / 10 / 1e12:.1f} TB per day" in said[0].getMessage()
         assert ("endurance" in said[0].getMessage()) is (level == logging.WARNING)
+
+
+def test_max_grad_norm_over_small_and_offloaded_params_in_any_order_is_torch_s_norm(nvme, closing):
+    """Small parameters (state in memory) listed after offloaded ones: the norms are stacked in parameter order,
+    as torch's clip_grad_norm_ does, so last_grad_norm and the weights equal torch's bit for bit."""
+    sizes = (5000, 10, 70_000, 100, 300_001, 7)
+    a, b = make_params(sizes), make_params(sizes)
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, fused=False, max_grad_norm=1.0, **SMALL))
+    ref = torch.optim.AdamW(b, lr=1e-2, fused=False)
+    for step in range(3):
+        set_grads(a, b, seed=step)
+        norm = torch.nn.utils.clip_grad_norm_(b, 1.0)
+        ours.step()
+        ref.step()
+        assert torch.equal(ours.last_grad_norm, norm)
+        assert_same(a, b)

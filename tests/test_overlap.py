@@ -188,13 +188,16 @@ def test_a_closure_and_a_grad_scaler_are_refused(nvme, closing):
 def test_grads_changed_between_backward_and_step_are_refused(nvme, closing, change):
     """torch's clip_grad_norm_ after backward, or a GradScaler with the for-loop kernel (which unscales the
     grads in place), would be silently ignored by updates that already ran during backward: step() refuses
-    with a StateError naming max_grad_norm, and the optimizer refuses to step until state is restored."""
+    with a StateError naming max_grad_norm (the scaler: naming the GradScaler, refused as it looks at the
+    optimizer, before it unscales anything), and the optimizer refuses to step until state is restored."""
     a = Tied()
     ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, overlap_backward=True, fused=False, **OPT))
     train(a, ours, range(1))
     x, y = batch(1)
     loss = torch.nn.functional.cross_entropy(a(x).reshape(-1, 50), y.reshape(-1))
-    with pytest.raises(StateError, match="changed between backward and step.*max_grad_norm"):
+    expected = "changed between backward and step.*max_grad_norm" if change == "clip_grad_norm_" else \
+        "GradScaler cannot be used with overlap_backward"
+    with pytest.raises(StateError, match=expected):
         if change == "clip_grad_norm_":
             loss.backward()
             torch.nn.utils.clip_grad_norm_(a.parameters(), 1e-3)
@@ -416,3 +419,64 @@ def test_a_nan_gradient_is_not_taken_for_a_changed_one(nvme, closing):
         opt.zero_grad()
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p.isnan(), q.isnan()) and torch.equal(p.nan_to_num(), q.nan_to_num())
+
+
+# -- combinations found by tests/test_combinations.py ----------------------------------------------------------
+
+
+def test_max_grad_norm_with_offloaded_grads_trains_like_without_overlap(nvme, closing):
+    """max_grad_norm with overlap_backward over weights and grads on NVMe: the norms taken during backward read
+    each grad through the parameter store (its p.grad is a placeholder), so backward does not fail, and the
+    results and last_grad_norm equal the same optimizer's without overlap bit for bit."""
+    a, b, oa, ob = _offloaded_pair(nvme, closing, max_grad_norm=0.05)
+    ob.max_grad_norm = 0.05
+    for s in range(3):
+        for m, o in ((a, oa), (b, ob)):
+            loss_of(m, s).backward()
+            o.step()
+            o.zero_grad()
+        assert torch.equal(oa.last_grad_norm, ob.last_grad_norm)
+    with materialized(a), materialized(b):
+        assert_same(list(a.parameters()), list(b.parameters()))
+
+
+def test_a_grad_scaler_over_offloaded_grads_is_refused_and_the_state_failed(nvme, closing):
+    """A GradScaler with overlap_backward over weights whose grads the parameter store holds: backward already
+    updated on the scaled grads, so scaler.step raises the GradScaler StateError (before it would fail reading a
+    placeholder with another error) and the optimizer refuses to step until state is restored."""
+    a, _, oa, _ = _offloaded_pair(nvme, closing)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4096.0)
+    scaler.scale(loss_of(a, 0)).backward()
+    with pytest.raises(StateError, match="GradScaler cannot be used with overlap_backward"):
+        scaler.step(oa)
+    with pytest.raises(StateError, match="failed part-way"):
+        oa.step()
+
+
+def test_torch_clip_grad_norm_on_ordinary_grads_of_offloaded_weights_is_refused(nvme, closing):
+    """offload_parameters(offload_grads=False) keeps ordinary grads, which torch's clip_grad_norm_ changes in
+    place after an overlapped backward already updated on them: step() refuses (the change is seen) instead of
+    going on silently."""
+    torch.manual_seed(0)
+    model = Net()
+    closing(offload_parameters(model, nvme_path=nvme + "-p", offload_grads=False, **TINY))
+    opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme, overlap_backward=True, **OPT))
+    loss_of(model, 0).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-4)
+    with pytest.raises(StateError, match="changed between backward and step"):
+        opt.step()
+
+
+def test_parameters_without_a_grad_get_no_state_entry(nvme, closing):
+    """With overlap_backward, a parameter that got no grad has no entry in state_dict(), as in torch (an entry
+    with only a step count would not load into torch's Adam and step there)."""
+    a, b = Tied(), Tied()
+    for m in (a, b):
+        m.twice.requires_grad_(True)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, overlap_backward=True, **OPT))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"])
+    for m, o in ((a, ours), (b, ref)):
+        x, _ = batch(0)
+        m.embed(x).sum().backward()  # only the embedding gets a grad
+        o.step()
+    assert sorted(ours.state_dict()["state"]) == sorted(ref.state_dict()["state"])

@@ -150,7 +150,14 @@ class OffloadedAdam(torch.optim.Adam):
         """Whether a GradScaler may hand its scale to step() (torch's fused kernel unscales and skips inf
         steps itself): as torch's, when every group uses the fused kernel. Then fp16 parameters work with
         a GradScaler, their grads unscaled against the fp32 master; otherwise the scaler unscales the
-        grads first, as for any optimizer (and refuses fp16 ones, as torch does)."""
+        grads first, as for any optimizer (and refuses fp16 ones, as torch does).
+
+        A GradScaler asks this first in ``scaler.step``: with overlap_backward, once backward has started an
+        update (on the scaled grads), that is where the scaler is refused and the state marked failed,
+        before the scaler reads any grad (an offloaded one would fail it with another error, and the
+        state would look usable)."""
+        if self._overlap is not None and self._overlap.running:
+            self._refuse_scaler_in_overlap()
         return all(kernel_flags(g, p.device)["fused"] for g in self.param_groups for p in g["params"])
 
     @_step_supports_amp_scaling.setter
@@ -198,7 +205,10 @@ class OffloadedAdam(torch.optim.Adam):
         # all or nothing), unless an update is already under way since backward.
         changing = overlap is not None and overlap.running
         try:
-            self._scaling = self._grad_scaling([p for _, p in in_memory + offloaded], scale)
+            # In the groups' parameter order, as torch's clip_grad_norm_ stacks the norms.
+            with_grad = {id(p) for _, p in in_memory + offloaded}
+            self._scaling = self._grad_scaling(
+                [p for g in self.param_groups for p in g["params"] if id(p) in with_grad], scale)
             late = {p for _, p in offloaded if store.slot(p) is None}
             if late:
                 # Parameters that were frozen at construction and now have grads get their place.
@@ -421,8 +431,6 @@ class OffloadedAdam(torch.optim.Adam):
         is one of ``slots`` and its parameter has a grad then. Returns the slots updated."""
         store = self.state_store
         candidates = {id(s) for s in slots}
-        for s in slots:
-            self.state[s.param].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
         units = order if order is not None else store.step_order(store.units_of(slots))
         # With an fp32 master copy on disk the old weights are not read: the update rewrites all of them.
         has_master = lambda slot: "master" in slot.keys and slot.initialized  # noqa: E731
@@ -448,6 +456,9 @@ class OffloadedAdam(torch.optim.Adam):
                 for c in chunks:
                     by_group.setdefault(id(c.slot.group), []).append(c)
                     updated.add(c.slot)
+                    # A state entry only for a parameter that is updated (a parameter without a grad gets
+                    # none, as in torch).
+                    self.state[c.slot.param].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
                 devices = set()
                 for chunks in by_group.values():
                     devices |= update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
@@ -478,14 +489,17 @@ class OffloadedAdam(torch.optim.Adam):
             raise ValueError("step(closure) cannot be used with overlap_backward=True: the update runs during "
                              "backward; call loss.backward() yourself, then step()")
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            err = StateError(
-                "a GradScaler cannot be used with overlap_backward=True: the update ran during backward on the "
-                "scaled gradients, before the scaler could unscale them or skip an inf step. Restore the state "
-                "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
-                "overlap_backward.")
-            self._overlap.abandon(err)
-            self.state_store.mark_failed(err)
-            raise err
+            self._refuse_scaler_in_overlap()
+
+    def _refuse_scaler_in_overlap(self) -> None:
+        err = StateError(
+            "a GradScaler cannot be used with overlap_backward=True: the update ran during backward on the "
+            "scaled gradients, before the scaler could unscale them or skip an inf step. Restore the state "
+            "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
+            "overlap_backward.")
+        self._overlap.abandon(err)
+        self.state_store.mark_failed(err)
+        raise err
 
     def _grad_scaling(self, params: list, scale: Optional[torch.Tensor]) -> GradScaling:
         """What this step does to ``params``' grads. ``scale``: a GradScaler's, handed to step() (see
