@@ -54,8 +54,8 @@ settings.register_profile(
 PROFILE = os.environ.get("OFFLOAD_HYPOTHESIS_PROFILE", "combinations")
 SOAK = PROFILE == "soak"
 
-D, H, LAYERS, BATCH = 16, 64, 3, 4
-UNIT = 16384  # optimizer pool buffers of 16 KiB: the state is 4-6 units, more than the pool's 3 buffers
+D, H, LAYERS, BATCH = 32, 128, 3, 4
+UNIT = 64 * 1024  # optimizer pool buffers of 64 KiB: the state is 4-6 units, more than the pool's 3 buffers
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TIERS = {"nvme": dict(host_cache=0), "part": dict(host_cache=2 * UNIT), "all": dict(host_cache=64 * UNIT),
          "cpu": dict(device="cpu")}
@@ -94,19 +94,18 @@ class Config:
 @st.composite
 def configs(draw) -> Config:
     dtype = draw(st.sampled_from(sorted(DTYPES)))
-    scale = draw(st.sampled_from([None, None, 2.0 ** 12, 1000.0]))
+    scale = draw(st.sampled_from([None, None, None, 2.0 ** 12, 1000.0]))
     # With a scaler, half weights take the fused kernel (which unscales their grads in fp32, against the master):
     # the for-loop kernel has GradScaler unscale the half grads in place, which torch refuses for fp16, and in
     # bf16 rounds otherwise than an fp32 master's reference would.
     fused = draw(st.booleans()) if scale is None or dtype == "fp32" else True
-    cfg = Config(
+    return Config(
         adamw=draw(st.booleans()), fused=fused, dtype=dtype, tier=draw(st.sampled_from(sorted(TIERS))),
         overlap=draw(st.booleans()), params=draw(st.sampled_from([None, *GRADS])),
         max_in_cpu=draw(st.sampled_from([0, 200, 10 ** 9])), clip=draw(st.sampled_from([None, 0.05, 1e3])),
         scale=scale, unscale_first=dtype == "fp32" and fused and draw(st.booleans()),
         narrow=draw(st.booleans()), checksum=draw(st.booleans()), small=draw(st.sampled_from([0, 64])),
         groups=draw(st.integers(1, 2)), frozen=draw(st.booleans()))
-    return cfg
 
 
 # -- the program --------------------------------------------------------------------------------------
@@ -136,14 +135,18 @@ class AddGroup:
     pass
 
 
+# The blocks an iteration runs: all of them (in order or not) or some, so that trained blocks go unused.
+USED = [(0, 1, 2), (2, 0, 1), (0, 1), (0, 2), (1, 2), (0,), (2,)]
 iterations = st.builds(
-    Iteration, micro=st.integers(1, 3),
-    used=st.one_of(st.just(tuple(range(LAYERS))), st.permutations(range(LAYERS)).flatmap(
-        lambda order: st.integers(1, LAYERS).map(lambda k: tuple(order[:k])))),
-    overflow=st.sampled_from([False, False, False, True]), set_to_none=st.booleans(), check_state=st.booleans())
+    Iteration, micro=st.integers(1, 3), used=st.sampled_from(USED),
+    overflow=st.sampled_from([False, False, False, True]), set_to_none=st.sampled_from([True, True, False]),
+    check_state=st.booleans())
 saves = st.builds(Save, st.sampled_from(["checkpoint", "async", "state_dict"]))
 ops = st.one_of(iterations, iterations, iterations, saves, st.just(Restore()), st.just(AddGroup()))
-programs = st.lists(ops, min_size=3, max_size=14 if SOAK else 8)
+# A first iteration trains every block (later ones may leave some unused), then the drawn operations.
+programs = st.tuples(st.builds(Iteration, micro=st.integers(1, 2), used=st.just(USED[0]), overflow=st.just(False),
+                               set_to_none=st.sampled_from([True, True, False]), check_state=st.booleans()),
+                     st.lists(ops, min_size=2, max_size=14 if SOAK else 7)).map(lambda t: [t[0], *t[1]])
 
 
 # -- the model ------------------------------------------------------------------------------------------
@@ -282,7 +285,7 @@ class Run:
         if cfg.params is not None:
             grads = {"nvme": dict(max_grad_in_cpu=0), "host": dict(max_grad_in_cpu=10 ** 9),
                      "tensor": dict(offload_grads=False)}[cfg.params]
-            offload_parameters(model, nvme_path=nvme, max_in_cpu=cfg.max_in_cpu, buffer_count=3, buffer_size=1024,
+            offload_parameters(model, nvme_path=nvme, max_in_cpu=cfg.max_in_cpu, buffer_count=3, buffer_size=2048,
                                **grads)
             stack.callback(lambda: offloaded(model) is not None and restore_parameters(model))
         cls = OffloadedAdamW if cfg.adamw else OffloadedAdam
@@ -331,6 +334,9 @@ def assert_same_weights(run: Run, ref: Reference, when: str) -> None:
 
 def assert_same_state(run: Run, ref: Reference, when: str) -> None:
     ours, theirs = run.opt.state_dict(), ref.opt.state_dict()
+    # torch's fused kernel makes zero state (step 0) for a parameter whose first step a GradScaler skipped; the
+    # library makes it at the first step it takes: the same numbers from then on.
+    theirs["state"] = {i: e for i, e in theirs["state"].items() if float(e["step"]) > 0 or i in ours["state"]}
     masters = [m for g in ref.opt.param_groups for m in g["params"]]
     assert sorted(ours["state"]) == sorted(theirs["state"]), f"{when}: state kept for other parameters"
     for i, entry in theirs["state"].items():
@@ -436,6 +442,10 @@ def test_every_combination_trains_bit_for_bit_as_torch(nvme, tmp_path, cfg, prog
                 else:
                     run.opt.load_checkpoint(what, model=mine)
                 ref.restore(snap)
+                # Loading weights clears an offloaded model's grads (docs/params.md); drop them on both sides.
+                run.opt.zero_grad()
+                ref.opt.zero_grad()
+                ref.model.zero_grad()
                 if run.scaler:  # the scaler's state is the caller's to save; both continue from the saved one
                     for scaler in (run.scaler, ref.scaler):
                         scaler.load_state_dict(snap["scaler"])
