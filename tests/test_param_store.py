@@ -63,3 +63,23 @@ def test_a_weight_is_never_written_while_an_earlier_write_of_it_is_in_flight(nvm
     monkeypatch.undo()
     with materialized(model):
         assert torch.equal(model.weight, torch.full((256, 256), 2.0))
+
+
+def test_a_prefetched_parameter_is_read_from_disk_once(tmp_path):
+    """prefetch then fetch of a weight spanning several pool buffers reads each block once: the blocks the
+    prefetch read are used, and only the rest are read by the fetch (they were read twice, the prefetch's
+    work thrown away)."""
+    from offload import restore_parameters
+
+    m = torch.nn.Linear(512, 512, bias=False).to(torch.bfloat16)
+    offload_parameters(m, nvme_path=str(tmp_path), max_in_cpu=0, buffer_size=65536, buffer_count=3)
+    try:
+        store = offloaded(m).store
+        before = store.bytes_read
+        store.prefetch(m.weight)
+        store.fetch(m.weight)
+        store.release(m.weight)
+        assert store.prefetch_hits == 1
+        assert store.bytes_read - before == m.weight.numel() * m.weight.element_size()
+    finally:
+        restore_parameters(m)

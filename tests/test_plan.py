@@ -71,7 +71,7 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing)
     assert predicted.grads_nvme_bytes == grads_written == grads_read
     with materialized(model):
         assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert read >= 2 * predicted.weights_nvme_bytes  # read for forward and for backward (and, today, more)
+    assert read >= 2 * predicted.weights_nvme_bytes  # read for forward and for backward
 
 
 def test_the_command_prints_the_plan_says_what_does_not_fit_and_emits_a_config(tmp_path, capsys):

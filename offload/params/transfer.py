@@ -142,6 +142,7 @@ class TensorIO:
                 pbuf.event.record()
             return False
 
+        first = max(pending, default=-1) + 1  # the prefetched blocks are the first ones: read the rest
         try:
             for k in sorted(pending):
                 pbuf, fut = pending.pop(k)
@@ -161,7 +162,6 @@ class TensorIO:
             moved += self.store.block(stored, k)[0].nbytes
             return self.store.read(stored, pbuf.buffer, k, what=what)
 
-        first = max(pending, default=-1) + 1 if pending else 0
         rest = [k for k in range(self.count(nbytes)) if k >= first]
         self.pipeline.run(rest, read=read, process=copy)
         return moved
