@@ -515,6 +515,9 @@ def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeyp
 
     monkeypatch.setattr(compare, "_DEFAULT_PEER", str(tmp_path / "no-python"))
     out = tmp_path / "compare.json"
+    mine = tmp_path / "d" / "compare-ours"  # a user's directory with a name like a run's: left alone
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
     assert main(["compare", "--params", "4M", "--rounds", "1", "--iterations", "3", "--path", str(tmp_path / "d"),
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -523,4 +526,4 @@ def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeyp
     (run,) = doc["runs"]["ours"]
     assert run["system"] == "nvme-offload" and len(run["iteration_s"]) == 2 and run["peak_rss_bytes"] > 0
     assert run["bytes_per_iteration"] > 0 and doc["medians"]["ours"]["speedup_vs_deepspeed"] is None
-    assert not (tmp_path / "d").exists()
+    assert os.listdir(tmp_path / "d") == ["compare-ours"] and (mine / "notes.txt").read_text() == "mine"

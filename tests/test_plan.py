@@ -74,6 +74,41 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing)
     assert read >= 2 * predicted.weights_nvme_bytes  # read for forward and for backward
 
 
+def test_a_host_cache_is_planned_as_the_optimizer_keeps_it(nvme, closing):
+    """With a host cache of 40 units the plan's bytes written per step are the optimizer's within one unit and
+    read within the pool's hits (fewer by the cached units, each way: a plan that ignored the cache would be 40
+    units off); "auto" is the share of the memory planned for that the optimizer would take."""
+    import psutil
+
+    from offload.store import auto_cache_bytes
+    from offload.store.tier import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(1_200_000)) for _ in range(12)]
+    config = load_config({"offload_optimizer": {"buffer_count": 4, "buffer_size": 256 << 10, "nvme_path": nvme,
+                                                "host_cache": 40 * (256 << 10)}})
+    predicted = plan([p.detach().to("meta") for p in params], config, nvme_paths=[nvme])
+    assert predicted.host_cache_bytes == 40 * (256 << 10)
+    opt = closing(OffloadedAdamW(params, config=config))
+    moved = []
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        before = opt.io_bytes()
+        opt.step()
+        moved.append([b - a for a, b in zip(before, opt.io_bytes())])
+    # Which units the cache holds turns with the snake order (the last, shorter unit in it or not): one unit.
+    assert all(abs(w - predicted.write_bytes) <= predicted.unit_bytes for _, w in moved[1:])
+    # Beside a host cache the pool cache's hits vary from none to the pool, step to step.
+    assert all(abs(r - predicted.read_bytes) <= 5 * predicted.unit_bytes for r, _ in moved[1:])
+    auto = load_config({"offload_optimizer": {"host_cache": "auto", "buffer_size": 256 << 10}})
+    margin = max(AUTO_MARGIN_MIN, int(psutil.virtual_memory().total * AUTO_MARGIN_FRACTION))
+    available = margin + 4 * (256 << 10) + predicted.state_bytes  # room for the whole state: auto takes a share
+    small = plan([p.detach().to("meta") for p in params], auto, available_host_bytes=available)
+    expected = auto_cache_bytes(pools=4 * (256 << 10), state=small.state_bytes, available=available, quiet=True)
+    assert 0 < small.host_cache_bytes == expected // small.unit_bytes * small.unit_bytes < small.state_bytes
+
+
 def test_the_command_prints_the_plan_says_what_does_not_fit_and_emits_a_config(tmp_path, capsys):
     """`offload-bench plan` prints where state lives, bytes per step, the step time and drive writes from given
     bandwidths; a host memory too small is named with what to change; --emit-config writes a config that

@@ -17,6 +17,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from typing import Optional
 
 from ..units import format_size
@@ -68,12 +69,12 @@ def _peer_python(given: Optional[str]) -> tuple[Optional[str], str]:
     return None, "DeepSpeed is not importable here (give --peer-python, e.g. a venv from ../shared/peers/setup.sh)"
 
 
-def _run(python: str, system: str, directory: str, args, *, host_cache: int = 0, state_dtype: str = "fp32") -> dict:
+def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, state_dtype: str = "fp32") -> dict:
+    directory = tempfile.mkdtemp(prefix=f"compare-{system}-", dir=root)  # a new one: removed after, nothing else
     cmd = [python, "-m", "offload.bench.peer", system, directory, str(args.params), "--iterations",
            str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype]
     cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
-    os.makedirs(directory, exist_ok=True)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     finally:
@@ -105,8 +106,8 @@ def run_compare(args: argparse.Namespace) -> int:
             order = variants if r % 2 == 0 else variants[::-1]
             for name, kw in order:
                 system = DEEPSPEED if name == DEEPSPEED else "ours"
-                runs.setdefault(name, []).append(_run(peer if system == DEEPSPEED else sys.executable, system,
-                                                      os.path.join(root, f"compare-{name}"), args, **kw))
+                runs.setdefault(name, []).append(_run(peer if system == DEEPSPEED else sys.executable, system, root,
+                                                      args, **kw))
             if r == 0 and not args.no_extras:
                 variants += _extras(args, runs)
         rows, doc = [], {"params": args.params, "bf16": args.bf16, "params_nvme": args.params_nvme,

@@ -19,9 +19,11 @@ from typing import Optional, Sequence
 import psutil
 import torch
 
+from ..adam.wear import WEAR_WARN_BYTES_PER_DAY
 from ..config import Config, config_to_dict
-from ..state import HALF_DTYPES, Layout
-from ..units import ALIGNMENT, MIB, format_size, round_up
+from ..state import HALF_DTYPES, Layout, pool_buffer_size
+from ..store import auto_cache_bytes
+from ..units import ALIGNMENT, format_size, round_up
 from . import report
 from .cli import EXIT_OK, UsageError, add_config_option, count_arg, size_arg
 
@@ -29,9 +31,6 @@ __all__ = ["Plan", "model_params", "plan", "register"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DAY = 86400
-# A consumer NVMe drive is rated for about 0.3-1 drive writes per day over its warranty; past this many bytes
-# written per day the plan says so (a 2 TB drive at 1 DWPD).
-WEAR_WARN_BYTES_PER_DAY = 2 * 10**12
 _TENSOR_ELEMENTS = 4 << 20  # a parameter count alone is planned as tensors of this size, like a stack of layers
 
 
@@ -170,10 +169,12 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
     small = [p for p in params if p.numel() < oc.small_param_threshold]
     big = [p for p in params if p.numel() >= oc.small_param_threshold]
     candidates = [(p, {}, amsgrad) for p in big]
-    unit_bytes = _unit_bytes(candidates, oc)
+    unit_bytes = pool_buffer_size(oc, candidates)
     units = Layout(unit_bytes, oc.state_dtype).plan(candidates)
     state = sum(u.nbytes for u in units)
     in_memory = sum(p.numel() * (8 + (4 if p.dtype in HALF_DTYPES else 0) + (4 if amsgrad else 0)) for p in small)
+    if available_host_bytes is None:
+        available_host_bytes = psutil.virtual_memory().available
     host: dict[str, int] = {}
     cached_units = 0
     nvme_state = 0
@@ -182,7 +183,8 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
         cache = 0
     else:
         host["optimizer pool"] = oc.buffer_count * unit_bytes
-        cache = state if oc.host_cache == "auto" else min(oc.host_cache, state)
+        cache = min(oc.host_cache, state) if oc.host_cache != "auto" else auto_cache_bytes(
+            pools=oc.buffer_count * unit_bytes, state=state, available=available_host_bytes, quiet=True)
         cached_units = min(len(units), cache // unit_bytes)
         cache = cached_units * unit_bytes
         if cache:
@@ -235,25 +237,11 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
     for path in nvme_paths:
         st = os.statvfs(_existing(path))
         free[path] = st.f_bavail * st.f_frsize
-    if available_host_bytes is None:
-        available_host_bytes = psutil.virtual_memory().available
     return Plan(params=sum(p.numel() for p in params), dtype=dtype, unit_bytes=unit_bytes, state_bytes=state,
                 state_in_memory_bytes=in_memory, host_cache_bytes=cache, optimizer_nvme_bytes=nvme_state,
                 weights_nvme_bytes=weights_nvme, grads_nvme_bytes=grads_nvme, host_bytes=host, gpu_bytes=gpu,
                 read_bytes=read, write_bytes=write, read_gib_s=read_gib_s, write_gib_s=write_gib_s,
                 free_nvme_bytes=free, available_host_bytes=available_host_bytes)
-
-
-def _unit_bytes(candidates: list, oc) -> int:
-    """The optimizer's pool buffer: ``buffer_size``, smaller when it is the default and all the state fits in
-    fewer bytes than the pool (as the optimizer sizes it)."""
-    default = type(oc).__dataclass_fields__["buffer_size"].default
-    if oc.buffer_size != default:
-        return oc.buffer_size
-    state = sum(u.nbytes for u in Layout(oc.buffer_size, oc.state_dtype).plan(candidates))
-    if state >= oc.buffer_count * oc.buffer_size:
-        return oc.buffer_size
-    return min(oc.buffer_size, max(MIB, round_up(-(-state // oc.buffer_count), MIB)))
 
 
 def _existing(path: str) -> str:
@@ -345,7 +333,7 @@ def render(p: Plan) -> str:
         per_day = p.written_per_day
         lines.append(f"disk-bound step: {p.step_seconds:.2f} s at {p.read_gib_s:.2f} GiB/s read, "
                      f"{p.write_gib_s:.2f} GiB/s write; drive writes: {per_day / 1e12:.1f} TB per day of training")
-        if per_day > WEAR_WARN_BYTES_PER_DAY:
+        if per_day >= WEAR_WARN_BYTES_PER_DAY:
             lines.append(f"  note: over {WEAR_WARN_BYTES_PER_DAY / 1e12:.0f} TB/day wears a consumer SSD out within "
                          "months; a host cache or bf16 state writes less")
     else:

@@ -2,7 +2,7 @@
 
 from .dicts import check_param_state, check_state_dict, in_memory_state, local_entry, match_groups, step_tensor
 from .layout import GRAIN, HALF_DTYPES, Chunk, Layout, ParamSlot, Unit, state_dtype_for, state_keys_for
-from .store import StateStore, resolve_pin
+from .store import StateStore, pool_buffer_size, resolve_pin
 
 __all__ = [
     "GRAIN",
@@ -17,6 +17,7 @@ __all__ = [
     "in_memory_state",
     "local_entry",
     "match_groups",
+    "pool_buffer_size",
     "resolve_pin",
     "state_dtype_for",
     "state_keys_for",

@@ -18,7 +18,19 @@ from ..units import MIB, format_size, round_up
 from .layout import Chunk, Layout, ParamSlot, Unit
 from .moves import UnitMover
 
-__all__ = ["StateStore"]
+__all__ = ["StateStore", "pool_buffer_size"]
+
+
+def pool_buffer_size(oc, candidates: list) -> int:
+    """The optimizer's pool buffer (one unit of state) for ``candidates`` ``(param, group, amsgrad)`` under the
+    ``offload_optimizer`` settings ``oc``: ``buffer_size``, or when it is the default and the state is smaller
+    than the pool, about state / ``buffer_count`` (whole MiB): a small model gets a small pool."""
+    if oc.buffer_size != type(oc)().buffer_size:
+        return oc.buffer_size
+    state = sum(u.nbytes for u in Layout(oc.buffer_size, oc.state_dtype).plan(candidates))
+    if state >= oc.buffer_count * oc.buffer_size:
+        return oc.buffer_size
+    return min(oc.buffer_size, max(MIB, round_up(-(-state // oc.buffer_count), MIB)))
 
 
 # NOTE: an optimizer keeps torch's bookkeeping (param_groups, ``state`` with every parameter's step,
@@ -89,16 +101,7 @@ class StateStore:
         self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
     def _pool_buffer_size(self, oc) -> int:
-        """``buffer_size``, or when it is the default and the state the optimizer starts with is smaller
-        than the pool, about state / ``buffer_count`` (whole MiB): a small model gets a small pool."""
-        default = type(oc).__dataclass_fields__["buffer_size"].default
-        if oc.buffer_size != default:
-            return oc.buffer_size
-        state = self.layout_bytes(self._candidates(self.param_groups, trainable_only=True), oc.buffer_size,
-                                  oc.state_dtype)
-        if state >= oc.buffer_count * oc.buffer_size:
-            return oc.buffer_size
-        return min(oc.buffer_size, max(MIB, round_up(-(-state // oc.buffer_count), MIB)))
+        return pool_buffer_size(oc, self._candidates(self.param_groups, trainable_only=True))
 
     @staticmethod
     def layout_bytes(candidates: list, unit_bytes: int, state_dtype: str) -> int:

@@ -22,16 +22,20 @@ AUTO_MARGIN_MIN = 2 * GIB
 AUTO_MARGIN_FRACTION = 0.10
 
 
-def auto_cache_bytes(*, pools: int, state: int) -> int:
+def auto_cache_bytes(*, pools: int, state: int, available: Optional[int] = None, quiet: bool = False) -> int:
     """The host cache ``"auto"`` picks: ``AUTO_SHARE`` of (available memory - ``pools`` - a margin of
     max(2 GiB, 10% of total memory)), at most ``state``. It never counts on memory that is not free
-    now, so it cannot push the machine into swap; with little memory free it picks little, and says so.
+    now, so it cannot push the machine into swap; with little memory free it picks little, and says so
+    (unless ``quiet``). ``available``: the memory to plan for instead of what is available now.
     """
     vm = psutil.virtual_memory()
+    available = vm.available if available is None else available
     margin = max(AUTO_MARGIN_MIN, int(vm.total * AUTO_MARGIN_FRACTION))
-    room = max(0, vm.available - pools - margin)
+    room = max(0, available - pools - margin)
     budget = min(state, int(room * AUTO_SHARE))
-    text = (f'host_cache "auto": {format_size(vm.available)} of memory available; keeping '
+    if quiet:
+        return budget
+    text = (f'host_cache "auto": {format_size(available)} of memory available; keeping '
             f"{format_size(budget)} of {format_size(state)} of optimizer state in host memory "
             f"(half of what is left after the pools, {format_size(pools)}, and a margin of {format_size(margin)})")
     if state and budget < state // 10:
