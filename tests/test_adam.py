@@ -729,10 +729,10 @@ def test_the_drive_writes_per_day_are_said_once_and_warned_past_the_threshold(nv
             for step in range(4):
                 set_grads(a, seed=step)
                 ours.step()
-        said = [r for r in caplog.records if "TB per day" in r.getMessage()]
+        said = [r for r in caplog.records if "TB of optimizer state per day" in r.getMessage()]
         assert len(said) == 1 and said[0].levelno == level
         written = ours.state_store.bytes_written // 4  # every step writes every unit
-        assert f"{written * 86400 / 10 / 1e12:.1f} TB per day" in said[0].getMessage()
+        assert f"{written * 86400 / 10 / 1e12:.1f} TB of optimizer state per day" in said[0].getMessage()
         assert ("endurance" in said[0].getMessage()) is (level == logging.WARNING)
 
 

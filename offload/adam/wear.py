@@ -42,7 +42,7 @@ class WearMeter:
         self.said = True
         per_day = (written - last[1]) * 86400 / (now - last[0])
         level = logging.WARNING if per_day >= self.threshold else logging.INFO
-        log.log(level, "the optimizer writes %.1f TB per day of training at this rate (%.2f GiB per step, one "
-                "step every %.2f s)%s", per_day / 1e12, (written - last[1]) / (1 << 30), now - last[0],
-                ": check your drives' endurance rating (TBW); a host_cache or state_dtype \"bf16\" writes less"
-                if level == logging.WARNING else "")
+        advice = ": check your drives' endurance rating (TBW); a host_cache or state_dtype \"bf16\" writes less"
+        log.log(level, "the optimizer writes %.1f TB of optimizer state per day of training at this rate (%.2f GiB "
+                "per step, one step every %.2f s; offloaded weights and grads come on top)%s", per_day / 1e12,
+                (written - last[1]) / (1 << 30), now - last[0], advice if level == logging.WARNING else "")

@@ -63,8 +63,7 @@ def _versions() -> Check:
 
 
 def _engine() -> list[Check]:
-    from .._native import HAVE_IO_URING, HAVE_XXHASH
-    from ..aio import Engine
+    from ..aio import HAVE_IO_URING, HAVE_XXHASH, Engine
     from ..config import AioConfig
 
     out = []
@@ -129,11 +128,12 @@ def _o_direct(what: str, fd: int) -> Check:
 
 
 def _reflink(what: str, fd: int, directory: str) -> Check:
-    os.pwrite(fd, b"\0" * ALIGNMENT, 0)
     try:
+        os.pwrite(fd, b"\0" * ALIGNMENT, 0)
         clone_fd, clone = tempfile.mkstemp(prefix=".offload-report-", dir=directory)
-    except OSError:
-        return Check(INFO, f"{what}: reflink", "not checked")
+    except OSError as err:
+        return Check(FAIL, f"{what}: write", f"cannot write a file ({err.strerror})",
+                     "free space, or choose a writable nvme_path")
     try:
         fcntl.ioctl(clone_fd, _FICLONE, struct.pack("i", fd))
         return Check(OK, f"{what}: reflink", "supported: checkpoint snapshots clone the state in place")

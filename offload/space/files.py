@@ -215,7 +215,8 @@ def warn_stale(stale: Mapping[str, list[str]], stacklevel: int = 2) -> None:
         parts.append(f"{p}: {len(files)} file(s) holding {format_size(held)}")
     warnings.warn(
         "stale swap files from runs that did not clean up (not reused): " + "; ".join(parts)
-        + ". Remove them with SwapSpace.remove_stale(path) or `rm` once no run uses them.",
+        + ". Remove them with `offload-swap clean PATH` (or SwapSpace.remove_stale(path)), which removes only "
+        "files proved ours whose run is gone.",
         RuntimeWarning, stacklevel=stacklevel + 1)
 
 
