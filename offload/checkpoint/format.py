@@ -92,12 +92,6 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
-def _step_tensor(step) -> torch.Tensor:
-    if torch.is_tensor(step):
-        return step.detach().to("cpu", torch.float32).clone()
-    return torch.tensor(float(step), dtype=torch.float32)
-
-
 def _cpu_state(state: dict) -> dict:
     """A parameter's in-memory state copied to the CPU, as memory.pt holds it."""
     return {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in state.items()}

@@ -73,7 +73,6 @@ class Retention:
             raise ValueError(f"keep_last must be at least 1, got {keep_last!r}")
         self.root = os.path.abspath(os.fspath(root))
         self.keep_last = keep_last
-        self._milestones = milestones
         self._is_milestone = milestones if callable(milestones) else set(milestones).__contains__
         self.verify = verify
         if mirror is not None and not isinstance(mirror, Retention):
