@@ -26,7 +26,7 @@ from typing import Sequence
 from . import checkpoint
 from .checkpoint.commit import reading
 from .checkpoint.format import JOB_FORMAT
-from .checkpoint.ownership import _is_our_format
+from .checkpoint.ownership import is_our_format
 from .checkpoint.verify import _read_manifest
 
 PROG = "offload-ckpt"
@@ -145,7 +145,7 @@ def _run(args) -> int:
             return EXIT_USAGE
         for name in sorted(os.listdir(args.root)):
             path = os.path.join(args.root, name)
-            if not os.path.isdir(path) or not _is_our_format(path):
+            if not os.path.isdir(path) or not is_our_format(path):
                 continue
             try:
                 m = _read_manifest(path)

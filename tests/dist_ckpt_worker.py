@@ -68,39 +68,23 @@ def inject(fault: dict, rank: int):
     """Wrap the checkpoint's streaming loop so that ``fault`` strikes on its rank after its units (a "late"
     fault instead holds its rank back a second before it looks for the ranks that share its directory, a
     "blind" one makes its rank find none there, not even itself, a "commit" fault makes the commit of its
-    directory fail, an "after_exchange" one makes it fail once the new checkpoint has taken the name, and
-    its roll back wait a second)."""
-    if fault is not None and fault["kind"] == "commit":
-        original = job_module._JobCommit.commit
+    directory fail, an "after_rename" one makes it fail once the job manifest has been renamed)."""
+    if fault is not None and fault["kind"] in ("commit", "after_rename"):
+        original = job_module._commit_job
 
-        def failing(self, manifest):
-            raise OSError(errno.EIO, "injected fault in the commit", self.target)
-
-        if fault["rank"] == rank:
-            job_module._JobCommit.commit = failing
-        return lambda: setattr(job_module._JobCommit, "commit", original)
-    if fault is not None and fault["kind"] == "after_exchange":
-        commit, roll_back = job_module._JobCommit.commit, job_module._JobCommit.roll_back
-
-        def committed_then_failing(self, manifest):
-            commit(self, manifest)
-            raise OSError(errno.EIO, "injected fault after the commit's rename", self.target)
-
-        def late_roll_back(self):
-            time.sleep(1.0)  # the other ranks see the failure before this rank puts the old checkpoint back
-            return roll_back(self)
+        def failing(target, given, generation, manifest):
+            if fault["kind"] == "after_rename":
+                original(target, given, generation, manifest)
+                raise OSError(errno.EIO, "injected fault after the commit's rename", target)
+            raise OSError(errno.EIO, "injected fault in the commit", target)
 
         if fault["rank"] == rank:
-            job_module._JobCommit.commit, job_module._JobCommit.roll_back = committed_then_failing, late_roll_back
-
-        def undo():
-            job_module._JobCommit.commit, job_module._JobCommit.roll_back = commit, roll_back
-
-        return undo
+            job_module._commit_job = failing
+        return lambda: setattr(job_module, "_commit_job", original)
     if fault is not None and fault["kind"] == "blind":
         original = job_module._ranks_here
         if fault["rank"] == rank:
-            job_module._ranks_here = lambda *args: None  # as if its own shard's manifest could not be read
+            job_module._ranks_here = lambda *args: []  # as if its own shard's manifest could not be read
         return lambda: setattr(job_module, "_ranks_here", original)
     if fault is not None and fault["kind"] == "late":
         original = job_module._ranks_here

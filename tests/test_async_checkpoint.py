@@ -9,7 +9,7 @@ import os
 import threading
 
 import pytest
-from helpers import SMALL, assert_same_state, make_params, train
+from helpers import SMALL, assert_same_state, ckpt_file, make_params, train
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -66,7 +66,8 @@ def test_an_async_save_equals_a_blocking_one_taken_at_the_same_step(tmp_path, nv
     train(opt, params, range(3, 7))
     assert handle.wait() == str(tmp_path / "async") and handle.done() and handle.exception() is None
     for name in ("state.bin", "memory.pt"):
-        assert filecmp.cmp(tmp_path / "blocking" / name, tmp_path / "async" / name, shallow=False), name
+        assert filecmp.cmp(ckpt_file(tmp_path / "blocking", name), ckpt_file(tmp_path / "async", name),
+                           shallow=False), name
     assert ckpt.verify_checkpoint(tmp_path / "async")["snapshot"]["asynchronous"] is True
     assert_same_state(loaded_state(tmp_path / "async", str(tmp_path / "nvme2"), **kw), expected)
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
-from helpers import SMALL, assert_same, assert_same_state, flip_bit, make_params, restore, snapshot, train
+from helpers import SMALL, assert_same, assert_same_state, ckpt_file, flip_bit, make_params, restore, snapshot, train
 
 from offload import OffloadedAdam, OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -87,7 +88,8 @@ def test_params_without_state_stay_without_state(tmp_path, nvme, closing):
 
 
 def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme, closing):
-    """A second save over an existing checkpoint replaces it whole and leaves no temporary siblings."""
+    """A second save over an existing checkpoint replaces it whole: its files under the new generation's
+    names, the previous generation's deleted, nothing beside the directory."""
     params = make_params()
     opt = closing(make_opt(params, nvme))
     train(opt, params, range(1))
@@ -95,8 +97,11 @@ def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme, 
     train(opt, params, range(1, 3))
     ckpt.save_checkpoint(opt, tmp_path / "c", extra={"marker": 2})
     assert sorted(os.listdir(tmp_path)) == ["c", "nvme"]
-    assert ckpt.read_manifest(tmp_path / "c")["step"] == 3
-    assert sorted(os.listdir(tmp_path / "c")) == ["extra.pt", "manifest.json", "memory.pt", "state.bin"]
+    manifest = ckpt.read_manifest(tmp_path / "c")
+    assert manifest["step"] == 3
+    assert sorted(manifest["files"]) == ["extra.pt", "memory.pt", "state.bin"]
+    named = {e["file"] for e in manifest["files"].values()}
+    assert sorted(os.listdir(tmp_path / "c")) == sorted(named | {"manifest.json"})
     ckpt.verify_checkpoint(tmp_path / "c")
 
 
@@ -118,7 +123,7 @@ def test_manifest_describes_groups_params_config_and_files(tmp_path, nvme, closi
     assert m["params"][0]["where"] == "memory"
     assert m["config"]["offload_optimizer"]["buffer_size"] == 256 * 1024
     for name, f in m["files"].items():
-        assert os.path.getsize(tmp_path / "c" / name) == f["bytes"] and len(f["xxh3_64"]) == 16
+        assert os.path.getsize(ckpt_file(tmp_path / "c", name)) == f["bytes"] and len(f["xxh3_64"]) == 16
 
 
 def test_mismatched_optimizer_is_refused_naming_the_parameter_and_nothing_changes(tmp_path, nvme, closing):
@@ -202,10 +207,11 @@ def test_cli_inspect_and_verify_report_and_exit_codes(tmp_path, nvme, closing, c
     assert json.loads(capsys.readouterr().out)["version"] == ckpt.FORMAT_VERSION
     assert ckpt_main(["verify", str(tmp_path / "c")]) == 0
     assert "OK" in capsys.readouterr().out
-    flip_bit(tmp_path / "c" / "state.bin", 5000, 0x10)
+    flip_bit(ckpt_file(tmp_path / "c", "state.bin"), 5000, 0x10)
     assert ckpt_main(["verify", str(tmp_path / "c"), str(tmp_path / "missing")]) == 1
     out = capsys.readouterr().out
-    assert "state.bin: bytes [0, " in out and "FAILED" in out and "no checkpoint directory" in out
+    assert re.search(r"state\.[0-9a-f]{16}\.bin: bytes \[0, ", out)
+    assert "FAILED" in out and "no checkpoint directory" in out
 
 
 def test_retention_keeps_the_last_n_and_milestones(tmp_path, nvme, closing):

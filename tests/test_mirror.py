@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from helpers import SMALL, assert_same_state, flip_bit, make_params, python_env, train
+from helpers import SMALL, assert_same_state, ckpt_file, flip_bit, make_params, python_env, train
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -34,9 +34,10 @@ def test_a_save_with_mirror_to_copies_it_verified_and_a_corrupt_local_copy_loads
     handle = ckpt.save_checkpoint(opt, tmp_path / "local" / "c", blocking=False, mirror_to=tmp_path / "remote")
     train(opt, params, range(2, 4))
     handle.wait()
-    for name in os.listdir(tmp_path / "local" / "c"):
-        assert (tmp_path / "local" / "c" / name).read_bytes() == (tmp_path / "remote" / "c" / name).read_bytes()
-    flip_bit(tmp_path / "local" / "c" / "state.bin", 100)
+    for name in ckpt.read_manifest(tmp_path / "local" / "c")["files"]:
+        assert open(ckpt_file(tmp_path / "local" / "c", name), "rb").read() == \
+            open(ckpt_file(tmp_path / "remote" / "c", name), "rb").read()
+    flip_bit(ckpt_file(tmp_path / "local" / "c", "state.bin"), 100)
     with pytest.warns(RuntimeWarning, match="loading the mirror's copy"):
         ckpt.load_checkpoint(opt, tmp_path / "local" / "c", mirror=tmp_path / "remote")
     assert_same_state(copy.deepcopy(opt.state_dict()), expected)
@@ -58,7 +59,7 @@ def test_a_mirror_whose_copy_reads_back_wrong_is_not_committed(tmp_path, nvme, c
 
     def corrupting(src, dst, bar):
         real(src, dst, bar)
-        if dst.endswith("state.bin"):
+        if os.path.basename(dst).startswith("state."):
             flip_bit(dst, 4096)
 
     monkeypatch.setattr(mirror_module, "_copy_file", corrupting)
@@ -92,7 +93,7 @@ def test_retention_keeps_per_level_and_never_deletes_one_held_open_by_another_pr
     train(opt, params, range(1))
     keep.save(opt, 1)
     holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'rb'); print('open', "
-                               "flush=True); sys.stdin.readline()", os.path.join(keep.path_for(1), "state.bin")],
+                               "flush=True); sys.stdin.readline()", ckpt_file(keep.path_for(1), "state.bin")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "open"
@@ -169,7 +170,7 @@ def test_pruning_keeps_the_newest_checkpoint_that_verifies_when_newer_ones_are_c
     for step in (1, 2, 3):
         train(opt, params, range(step, step + 1))
         writer.save(opt, step)
-    flip_bit(os.path.join(writer.path_for(3), "state.bin"), 10)
+    flip_bit(ckpt_file(writer.path_for(3), "state.bin"), 10)
     with pytest.warns(RuntimeWarning, match="does not verify"):
         removed = ckpt.Retention(tmp_path, keep_last=1).prune()
     assert removed == [writer.path_for(1)]

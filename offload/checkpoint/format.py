@@ -131,6 +131,17 @@ def _check_digest(manifest: dict, path: str, u: int, found: str) -> None:
             "checkpoint is corrupt, load an older one")
 
 
+def file_path(directory: str, name: str, entry: dict) -> str:
+    """Where the file ``name`` of the format is in checkpoint ``directory``, from its manifest entry:
+    under the generation's name the save recorded (``file``), or under ``name`` itself (the first
+    format's layout)."""
+    on_disk = entry.get("file", name) if isinstance(entry, dict) else name
+    if not isinstance(on_disk, str) or os.path.basename(on_disk) != on_disk or on_disk in ("", ".", ".."):
+        raise CheckpointError(f"checkpoint {directory}: its manifest gives {name} the file name {on_disk!r}, "
+                              "which is not a file of the checkpoint directory")
+    return os.path.join(directory, on_disk)
+
+
 def _check_data_digest(manifest: dict, path: str, found: str, name: str = DATA) -> None:
     """``found``, the xxh3_64 of the whole data file ``name``, against the manifest's."""
     if found != manifest["files"][name]["xxh3_64"]:
@@ -140,7 +151,7 @@ def _check_data_digest(manifest: dict, path: str, found: str, name: str = DATA) 
 
 def _check_data_size(directory: str, manifest: dict, name: str = DATA) -> str:
     """The path of data file ``name``, after checking it exists with the size the manifest gives."""
-    path = os.path.join(directory, name)
+    path = file_path(directory, name, manifest["files"][name])
     expected = manifest["files"][name]["bytes"]
     try:
         size = os.stat(path).st_size
@@ -153,7 +164,7 @@ def _check_data_size(directory: str, manifest: dict, name: str = DATA) -> str:
 
 
 def _check_file_hash(directory: str, name: str, entry: dict) -> None:
-    path = os.path.join(directory, name)
+    path = file_path(directory, name, entry)
     h, n = xxhash.xxh3_64(), 0
     try:
         with open(path, "rb") as f:
@@ -261,7 +272,7 @@ def _write_bytes(data: bytes, path: str) -> dict:
 
 
 def _read_torch(directory: str, name: str, entry: dict) -> Any:
-    path = os.path.join(directory, name)
+    path = file_path(directory, name, entry)
     try:
         with open(path, "rb") as f:
             data = f.read()

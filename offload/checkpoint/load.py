@@ -29,6 +29,7 @@ from .format import (
     _key_dtypes,
     _read_torch,
     _slice_offset,
+    file_path,
 )
 from .job import _gather, job_world
 from .model import _load_model, _model_section
@@ -239,7 +240,7 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, 
     if late:
         store.place(opt.param_groups, only=late)
     slots = store.layout.slots
-    path = os.path.join(directory, DATA)
+    path = file_path(directory, DATA, manifest["files"][DATA])
     units = manifest["units"]
     aio = opt.config.aio
     engine = stream._make_engine(aio)

@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..errors import CheckpointError, ChecksumError
 from .commit import SaveHandle, _Staged, _track, _write_atomically, reading
-from .format import _io_error
+from .format import _io_error, file_path
 from .stream import _progress
 from .verify import _verify_files, read_manifest
 
@@ -60,9 +60,11 @@ def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike,
             total = sum(f["bytes"] for f in manifest["files"].values())
             with _progress(total, "mirror", progress) as bar:
                 for name in sorted(manifest["files"]):
-                    _copy_file(os.path.join(src, name), staged.path(name), bar)
-        _verify_files(staged.tmp, manifest)  # the copy, read back from its drive
-        return {k: v for k, v in manifest.items() if k != "manifest_xxh3_64"}
+                    _copy_file(file_path(src, name, manifest["files"][name]), staged.path(name), bar)
+        copy = {k: v for k, v in manifest.items() if k != "manifest_xxh3_64"}
+        copy["files"] = {n: {**e, "file": staged.written[n]} for n, e in manifest["files"].items()}
+        _verify_files(staged.target, copy)  # the copy, read back from its drive
+        return copy
 
     return _write_atomically(dst, write)
 

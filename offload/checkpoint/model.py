@@ -31,6 +31,7 @@ from .format import (
     _dtype_name,
     _read_torch,
     _write_torch,
+    file_path,
 )
 from .stream import _DONE, _TOOL_BUFFER_MAX, _stream, _write_data
 
@@ -416,7 +417,7 @@ def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[
 def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine: Engine, buffers: list,
                stores: list) -> None:
     """Second pass: every tensor's new bytes into the extents and the in-memory copies."""
-    path = os.path.join(directory, PARAMS_DATA)
+    path = file_path(directory, PARAMS_DATA, manifest["files"][PARAMS_DATA])
     unit_bytes = _unit_size(buffers, stores)
     units, direct, after = [], [], []
     for _, t, e in jobs:

@@ -161,13 +161,11 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
                 _commit(staged, finish(data))
             else:
                 model_part = _save_model(model, staged) if model is not None else None
-                handle, refused = SaveHandle(staged.directory), []
+                handle = SaveHandle(staged.directory)
                 state.guard_on()
                 threading.Thread(target=_work, name="offload-checkpoint-save", args=(
-                    handle, started, refused, staged, state, finish, show, then, mirror, then_mirror)).start()
-                started.wait()
-                if refused:
-                    raise refused[0]  # the worker has cleaned up
+                    handle, staged, state, finish, show, then, mirror, then_mirror)).start()
+                started.set()
                 _track(store, handle)
                 return handle
         finally:
@@ -186,21 +184,10 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
     return staged.directory
 
 
-def _work(handle: SaveHandle, started: threading.Event, refused: list, staged: _Staged, state: _StateCopy,
-          finish, show, then, mirror, then_mirror) -> None:
+def _work(handle: SaveHandle, staged: _Staged, state: _StateCopy, finish, show, then, mirror,
+          then_mirror) -> None:
     """The thread of an asynchronous save: the units not copied yet, memory.pt, the commit, then the copy to
-    the mirror. It first makes the parent directory's lock its own, then sets ``started`` (the caller waits
-    for that, and raises what is in ``refused`` instead of returning the handle)."""
-    try:
-        staged.hand_over(threading.get_ident())  # it commits, so it holds the lock and lets it go
-    except BaseException as err:
-        refused.append(err)
-        state.close()
-        staged.abort()
-        staged.close()
-        return
-    finally:
-        started.set()
+    the mirror. The directory's lock goes with ``staged`` (an open descriptor), which it closes."""
     error = None
     try:
         try:

@@ -31,6 +31,7 @@ from .format import (
     _read_torch,
 )
 from .model import _verify_model
+from .ownership import parse_manifest, shard_manifest_name
 from .stream import _aio_of, _stream, _tool_pool
 
 
@@ -78,7 +79,7 @@ def _read_manifest(directory: str | os.PathLike) -> dict:
     with reading(directory):
         if not os.path.isdir(directory):
             raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
-        path = os.path.join(directory, MANIFEST)
+        path = os.path.join(directory, _manifest_name(directory))
         try:
             with open(path, "rb") as f:
                 text = f.read()
@@ -102,6 +103,20 @@ def _read_manifest(directory: str | os.PathLike) -> dict:
         raise ChecksumError(f"{path}: xxh3_64 of its content is {found}, it records "
                             f"{manifest.get('manifest_xxh3_64')}; the manifest is corrupt")
     return manifest
+
+
+def _manifest_name(directory: str) -> str:
+    """The name of ``directory``'s manifest: a job's shard has the one its job manifest names (a save
+    writes it under the job's generation), anything else ``manifest.json``."""
+    parent, name = os.path.split(directory)
+    job = parse_manifest(parent)
+    if isinstance(job, dict) and job.get("format") == JOB_FORMAT and isinstance(job.get("shards"), list):
+        for entry in job["shards"]:
+            if isinstance(entry, dict) and entry.get("name") == name:
+                found = shard_manifest_name(entry)
+                if isinstance(found, str) and os.path.basename(found) == found and found:
+                    return found
+    return MANIFEST
 
 
 def _world_mismatch(directory: str, job: dict, world: int) -> str:
