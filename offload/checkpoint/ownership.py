@@ -198,11 +198,12 @@ def remove_checkpoint(path: str) -> bool:
     if problem is not None:
         warnings.warn(f"not deleting {path}: it {problem}", RuntimeWarning, stacklevel=2)
         return False
-    # Data first, the manifest last: a deletion cut short leaves a checkpoint that fails verification,
-    # which the next prune deletes, never one that loads with files missing unnoticed.
-    delete_named(path, named_files(path, our_manifest(path)), {})
+    # The manifest first: a deletion cut short leaves no checkpoint that lacks files, only files of a
+    # generation's name that no manifest names, which the next prune deletes (remove_leftovers).
+    named = named_files(path, our_manifest(path))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(path, MANIFEST))
+    delete_named(path, named, {})
     try:
         os.rmdir(path)
     except OSError as err:
@@ -210,6 +211,19 @@ def remove_checkpoint(path: str) -> bool:
             raise
         warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
                       f"{_listing(os.listdir(path))}, which are not ours to delete", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def remove_leftovers(path: str) -> bool:
+    """Delete directory ``path`` if all it holds is what saves that died (or a deletion cut short) left:
+    no manifest, only files of a generation's name. Run under its lock. True if it is gone."""
+    if os.path.lexists(os.path.join(path, MANIFEST)) or not _leftovers_only(path):
+        return False
+    sweep(path, None)
+    try:
+        os.rmdir(path)
+    except OSError:
         return False
     return True
 

@@ -17,7 +17,7 @@ from .commit import SaveHandle, _lock
 from .format import MANIFEST
 from .job import _gather, job_world
 from .load import load_checkpoint
-from .ownership import is_job, is_our_format, remove_checkpoint, used_elsewhere
+from .ownership import is_job, is_our_format, remove_checkpoint, remove_leftovers, used_elsewhere
 from .save import _save
 from .verify import _read_manifest, _verify_job, verify_checkpoint
 
@@ -148,6 +148,7 @@ class Retention:
         none while a process reads this directory or holds a file of that checkpoint open (pruning
         is then left to the next save).
         """
+        self._remove_leftovers()
         found = self.checkpoints()
         doomed = [p for p in found[: max(0, len(found) - self.keep_last)] if not self.is_milestone(p)]
         if not doomed:
@@ -165,6 +166,25 @@ class Retention:
             self._verified.pop(path, None)
             removed.append(path)
         return removed
+
+    def _remove_leftovers(self) -> None:
+        """Delete ``step-<n>`` directories that hold only what a save or a deletion cut short left."""
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for n in names:
+            path = os.path.join(self.root, n)
+            if not self._NAME.match(n) or is_our_format(path) or not os.path.isdir(path):
+                continue
+            try:
+                fd = _lock(path, exclusive=True, timeout=0)
+            except (CheckpointError, OSError):
+                continue  # a save is writing it
+            try:
+                remove_leftovers(path)
+            finally:
+                os.close(fd)
 
     def _remove(self, path: str) -> bool:
         """Delete checkpoint ``path`` unless it is in use: read or written (its lock) or held open by
