@@ -17,6 +17,7 @@ from helpers import SMALL, assert_same, assert_same_state, ckpt_file, flip_bit, 
 
 from offload import OffloadedAdam, OffloadedAdamW
 from offload import checkpoint as ckpt
+from offload.checkpoint.format import _manifest_digest
 from offload.ckpt_cli import main as ckpt_main
 
 
@@ -229,3 +230,51 @@ def test_retention_keeps_the_last_n_and_milestones(tmp_path, nvme, closing):
     ckpt.save_with_retention(opt, tmp_path / "ckpts", 8, keep_last=1)
     assert [os.path.basename(p) for p in keep.checkpoints()] == ["step-0000000003", "step-0000000008"]
     assert not [n for n in os.listdir(tmp_path / "ckpts") if ".tmp-" in n]
+
+
+def _reshape(manifest: dict, change: str) -> None:
+    """Break ``manifest``'s shape as ``change`` says (its checksum is recomputed after)."""
+    swap = next(p for p in manifest["params"] if p["where"] == "swap")
+    if change == "files-missing":
+        del manifest["files"]
+    elif change == "file-bytes-text":
+        manifest["files"]["state.bin"]["bytes"] = "many"
+    elif change == "chunk-short":
+        swap["chunks"][0] = swap["chunks"][0][:4]
+    elif change == "chunk-unit-beyond":
+        swap["chunks"][0][0] = len(manifest["units"])
+    elif change == "unit-offset-negative":
+        manifest["units"][0]["offset"] = -4096
+    elif change == "where-unknown":
+        swap["where"] = "cloud"
+    elif change == "params-not-a-list":
+        manifest["params"] = {"0": swap}
+    elif change == "group-params-text":
+        manifest["param_groups"][0]["params"] = "all"
+
+
+@pytest.mark.parametrize("change, field", [
+    ("files-missing", "field files is missing"), ("file-bytes-text", r"field files\['state.bin'\].bytes must be"),
+    ("chunk-short", r"field params\[\d\].chunks\[0\] must be a list of 5"),
+    ("chunk-unit-beyond", r"field params\[\d\].chunks\[0\] names unit"),
+    ("unit-offset-negative", r"field units\[0\].offset must be"), ("where-unknown", r"field params\[\d\].where must"),
+    ("params-not-a-list", "field params must be a list"),
+    ("group-params-text", r"field param_groups\[0\].params must be")])
+def test_a_manifest_of_the_wrong_shape_is_refused_naming_the_field(tmp_path, nvme, closing, change, field):
+    """A manifest whose checksum holds but whose shape is wrong (a field missing, of the wrong type, a
+    chunk naming a unit that is not there) is refused by a load, a verify and read_manifest with a
+    ValueError naming the field, before anything changes; never a KeyError, TypeError or IndexError."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(1))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    path = tmp_path / "c" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    _reshape(manifest, change)
+    manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
+    path.write_text(json.dumps(manifest))
+    before = copy.deepcopy(opt.state_dict())
+    for read in (ckpt.read_manifest, ckpt.verify_checkpoint, lambda d: ckpt.load_checkpoint(opt, d)):
+        with pytest.raises(ValueError, match=field):
+            read(tmp_path / "c")
+    assert_same_state(before, opt.state_dict())

@@ -30,6 +30,7 @@ from .format import (
     _manifest_digest,
     _read_torch,
 )
+from .manifest import check_manifest
 from .model import _verify_model
 from .ownership import parse_manifest, shard_manifest_name
 from .stream import _aio_of, _stream, _tool_pool
@@ -84,8 +85,8 @@ def _read_manifest(directory: str | os.PathLike) -> dict:
             with open(path, "rb") as f:
                 text = f.read()
         except FileNotFoundError:
-            raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save that did "
-                                  "not finish leaves only temporary directories, so this was never one") from None
+            raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save commits by "
+                                  f"writing its {MANIFEST} last, so no save of ours finished here") from None
         except OSError as err:
             raise _io_error(err, path, "cannot read") from err
     try:
@@ -102,6 +103,7 @@ def _read_manifest(directory: str | os.PathLike) -> dict:
     if found != manifest.get("manifest_xxh3_64"):
         raise ChecksumError(f"{path}: xxh3_64 of its content is {found}, it records "
                             f"{manifest.get('manifest_xxh3_64')}; the manifest is corrupt")
+    check_manifest(manifest, path)
     return manifest
 
 
