@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "atomically, verified after the copy")
     p.add_argument("source", metavar="SRC", help="checkpoint directory to copy")
     p.add_argument("destination", metavar="DST",
-                   help="the copy's directory: new or empty, or a checkpoint (replaced atomically); any other "
-                        "directory is refused")
+                   help="the copy's directory: new or empty, or a checkpoint (its files replaced by the copy's, "
+                        "committed by one rename); any other directory is refused")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar (default: when stderr is a terminal)")
     return parser

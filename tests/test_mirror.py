@@ -23,27 +23,41 @@ def make_opt(params, nvme, **kw):
     return OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **{**SMALL, **kw})
 
 
-def test_a_save_with_mirror_to_copies_it_verified_and_a_corrupt_local_copy_loads_from_the_mirror(
+def test_retention_with_a_mirror_copies_it_verified_and_a_corrupt_local_copy_loads_from_the_mirror(
         tmp_path, nvme, closing):
-    """save_checkpoint(mirror_to=) leaves a verified byte-for-byte copy on the second level; when the
-    local checkpoint is corrupt or gone, load_checkpoint(mirror=) loads the copy, with a warning."""
+    """Retention(mirror=) leaves a verified byte-for-byte copy of an asynchronous save on the second level;
+    when the local checkpoint is corrupt or gone, load_latest loads the copy, with a warning."""
     params = make_params()
     opt = closing(make_opt(params, nvme))
     train(opt, params, range(2))
     expected = copy.deepcopy(opt.state_dict())
-    handle = ckpt.save_checkpoint(opt, tmp_path / "local" / "c", blocking=False, mirror_to=tmp_path / "remote")
+    keep = ckpt.Retention(tmp_path / "local", mirror=tmp_path / "remote")
+    handle = keep.save(opt, 2, blocking=False)
     train(opt, params, range(2, 4))
     handle.wait()
-    for name in ckpt.read_manifest(tmp_path / "local" / "c")["files"]:
-        assert open(ckpt_file(tmp_path / "local" / "c", name), "rb").read() == \
-            open(ckpt_file(tmp_path / "remote" / "c", name), "rb").read()
-    flip_bit(ckpt_file(tmp_path / "local" / "c", "state.bin"), 100)
-    with pytest.warns(RuntimeWarning, match="loading the mirror's copy"):
-        ckpt.load_checkpoint(opt, tmp_path / "local" / "c", mirror=tmp_path / "remote")
+    ckpt.wait_for_saves(opt)  # and the copy to the mirror
+    local, remote = keep.path_for(2), keep.mirror.path_for(2)
+    for name in ckpt.read_manifest(local)["files"]:
+        assert open(ckpt_file(local, name), "rb").read() == open(ckpt_file(remote, name), "rb").read()
+    flip_bit(ckpt_file(local, "state.bin"), 100)
+    with pytest.warns(RuntimeWarning, match="trying the mirror's copy"):
+        assert keep.load_latest(opt)[0] == remote
     assert_same_state(copy.deepcopy(opt.state_dict()), expected)
-    os.rename(tmp_path / "local" / "c", tmp_path / "gone")
-    with pytest.warns(RuntimeWarning, match="loading the mirror's copy"):
-        ckpt.load_checkpoint(opt, tmp_path / "local" / "c", mirror=tmp_path / "remote")
+    os.rename(local, tmp_path / "gone")
+    assert keep.load_latest(opt)[0] == remote
+    assert_same_state(copy.deepcopy(opt.state_dict()), expected)
+
+
+def test_save_and_load_take_no_mirror_of_their_own(tmp_path, nvme, closing):
+    """A second copy is Retention's (mirror=): save_checkpoint and load_checkpoint refuse the arguments
+    that used to ask for one, as any unknown argument."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    with pytest.raises(TypeError, match="mirror_to"):
+        ckpt.save_checkpoint(opt, tmp_path / "c", mirror_to=tmp_path / "remote")
+    with pytest.raises(TypeError, match="mirror"):
+        ckpt.load_checkpoint(opt, tmp_path / "c", mirror=tmp_path / "remote")
+    assert sorted(os.listdir(tmp_path)) == ["nvme"]
 
 
 def test_a_mirror_whose_copy_reads_back_wrong_is_not_committed(tmp_path, nvme, closing, monkeypatch):

@@ -318,31 +318,29 @@ class OffloadedAdam(torch.optim.Adam):
             store.write_state(by_slot, master_from=unit_pass.weights, after_unit=unit_pass.done)
         store.restored()
 
-    def save_checkpoint(self, directory, *, model=None, extra=None, blocking: bool = True, mirror_to=None,
+    def save_checkpoint(self, directory, *, model=None, extra=None, blocking: bool = True,
                         snapshot: str = "auto", progress: Optional[bool] = None, alone: bool = False):
         """Save the whole optimizer state to ``directory`` atomically, streaming it through the pool.
 
         Host memory stays bounded by the pool whatever the model size. ``model``'s weights are saved
         beside it (offloaded ones streamed through the parameter pool), and ``extra`` (for instance
         ``{"step": step}``). ``blocking=False`` returns a handle at once while training goes on (the
-        checkpoint holds the state at the call); ``mirror_to`` copies the committed checkpoint to a
-        second directory. In a job of several ranks every rank calls it (one checkpoint for the job), unless
-        ``alone=True`` (one rank saving by itself, e.g. rank 0 under DDP). See
+        checkpoint holds the state at the call). In a job of several ranks every rank calls it (one
+        checkpoint for the job), unless ``alone=True`` (one rank saving by itself, e.g. rank 0 under DDP). See
         :func:`offload.checkpoint.save_checkpoint`.
         """
         self._refuse_during_backward_step("save_checkpoint()")
-        return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
+        return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking,
                                snapshot=snapshot, progress=progress, alone=alone)
 
-    def load_checkpoint(self, directory, *, model=None, mirror=None, progress: Optional[bool] = None,
+    def load_checkpoint(self, directory, *, model=None, progress: Optional[bool] = None,
                         alone: bool = False):
         """Restore state saved by :meth:`save_checkpoint` (checksums verified), and ``model``'s
-        weights if given; returns its ``extra``. ``mirror`` is a second directory to load from when
-        ``directory`` is missing or damaged; ``alone`` as for :meth:`save_checkpoint`. See
+        weights if given; returns its ``extra``. ``alone`` as for :meth:`save_checkpoint`. See
         :func:`offload.checkpoint.load_checkpoint`.
         """
         self._abandon_backward_step("load_checkpoint()")
-        return load_checkpoint(self, directory, model=model, mirror=mirror, progress=progress, alone=alone)
+        return load_checkpoint(self, directory, model=model, progress=progress, alone=alone)
 
     def _refuse_during_backward_step(self, what: str) -> None:
         """With overlap_backward, between a backward and step() the step is running on the pool: what

@@ -10,7 +10,7 @@ Example::
     save_checkpoint(opt, "/ckpt/run1", model=model, extra={"step": step})
     extra = load_checkpoint(opt, "/ckpt/run1", model=model)
 
-    handle = save_checkpoint(opt, "/ckpt/run2", blocking=False, mirror_to="/mnt/remote/ckpt")
+    handle = save_checkpoint(opt, "/ckpt/run2", blocking=False)
     ...  # training goes on; the checkpoint holds the state at the call
     handle.wait()
 """

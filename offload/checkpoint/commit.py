@@ -268,7 +268,7 @@ class SaveHandle:
 
     Attributes:
         directory: the checkpoint directory (absolute).
-        committed: True once the checkpoint at ``directory`` is complete (a copy to ``mirror_to``
+        committed: True once the checkpoint at ``directory`` is complete (a copy to a mirror level
             may still be under way).
     """
 
@@ -280,7 +280,7 @@ class SaveHandle:
         self._observed = False
 
     def done(self) -> bool:
-        """Whether the save (and its copy to ``mirror_to``, if any) has finished, well or not. Never blocks."""
+        """Whether the save (and its copy to a mirror level, if any) has finished, well or not. Never blocks."""
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> str:

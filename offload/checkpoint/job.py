@@ -84,7 +84,7 @@ def _gather(obj: Any, doing: str) -> list:
 # with node-local directories) writes the job manifest there, which names every shard's manifest, and
 # commits it with one rename onto manifest.json, then deletes the files of the previous checkpoint
 # there. A last exchange tells every rank whether every directory committed.
-def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional[Callable[[str], None]],
+def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Callable[[str], None]],
               write_shard: Callable[[_Shard], None]) -> str:
     """``save_checkpoint`` on every rank of a job (see the NOTE above), ``write_shard(shard)`` writing this
     rank's shard as a save of its own would; returns the directory."""
@@ -95,9 +95,9 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional
                               f"{world} ranks save with blocking=True (the ranks agree on the commit with "
                               "collectives, which a background thread would interleave with training's), or "
                               "save one rank's state by itself with alone=True")
-    if mirror_to is not None:
-        raise CheckpointError(f"mirror_to is for a process that saves alone; in a job of {world} ranks copy "
-                              "each rank's directory to the second level yourself (offload-ckpt mirror), or "
+    if mirror is not None:
+        raise CheckpointError(f"Retention(mirror=...) is for a process that saves alone; in a job of {world} ranks "
+                              "copy each rank's directory to the second level yourself (offload-ckpt mirror), or "
                               "save one rank's state by itself with alone=True")
     target = os.path.realpath(given)
     made = not os.path.lexists(target)  # looked at before any rank can make it (the gather waits for all)

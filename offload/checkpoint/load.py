@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -42,8 +41,7 @@ from .verify import _job_shard, _verify_data, read_manifest
 # packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
 # space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
 def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
-                    mirror: str | os.PathLike | None = None, progress: Optional[bool] = None,
-                    alone: bool = False) -> Any:
+                    progress: Optional[bool] = None, alone: bool = False) -> Any:
     """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
 
     Everything that can be checked without touching the optimizer is checked first: the manifest,
@@ -64,9 +62,6 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         optimizer: the :class:`offload.OffloadedAdam` or ``OffloadedAdamW`` to restore.
         directory: the checkpoint directory.
         model: the model whose weights to load too.
-        mirror: the second level the checkpoint was copied to (``save_checkpoint(mirror_to=...)``):
-            when ``directory`` is missing, incomplete or corrupt (or cannot be read), its copy
-            ``mirror/<name of directory>`` is loaded instead, with a ``RuntimeWarning`` saying why.
         progress: a progress bar on stderr for a long load; None: where stderr is a terminal.
         alone: where torch.distributed runs a job of several ranks, the load is the job's: every
             rank calls it, loads its own shard of a job's checkpoint (or the whole of a process's
@@ -86,19 +81,10 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     # A save in the background copies units as steps change them; a load changes them all unguarded.
     _settle(optimizer.state_store, report=False)
     if not alone and job_world() is not None:
-        return _load_job(optimizer, directory, model, mirror, progress)
-    copy = None if mirror is None else os.path.join(os.fspath(mirror), os.path.basename(os.path.abspath(directory)))
-    try:
-        # Held for the whole load: a save of the same directory by another process waits until it ends.
-        with reading(directory) as directory:
-            return _load_checkpoint(optimizer, directory, model, progress)
-    except (CheckpointError, OSError) as err:
-        if copy is None or not os.path.isdir(copy):
-            raise
-        warnings.warn(f"loading the mirror's copy {copy}: {directory} could not be loaded ({err})", RuntimeWarning,
-                      stacklevel=2)
-        with reading(copy) as copy:
-            return _load_checkpoint(optimizer, copy, model, progress)
+        return _load_job(optimizer, directory, model, progress)
+    # Held for the whole load: a save of the same directory by another process waits until it ends.
+    with reading(directory) as directory:
+        return _load_checkpoint(optimizer, directory, model, progress)
 
 
 def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool] = None) -> Any:
@@ -146,16 +132,13 @@ def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optiona
 # the outcome, and only if every rank passed does any rank change its state: either all load or all
 # raise. A failure while streaming (a unit that fails its checksum, an I/O error) is exchanged too: the
 # ranks that loaded then refuse to step, as the one that failed does, until a load succeeds.
-def _load_job(optimizer, directory, model, mirror, progress) -> Any:
+def _load_job(optimizer, directory, model, progress) -> Any:
     """:func:`load_checkpoint` on every rank of a job (see the NOTE above)."""
     rank, world = rank_info().rank, job_world()
     given = os.path.abspath(os.fspath(directory))
     with contextlib.ExitStack() as stack:
         own, status, shard, checked = None, {"rank": rank, "ok": False}, None, None
         try:
-            if mirror is not None:
-                raise CheckpointError(f"mirror is for a process that loads alone; in a job of {world} ranks load "
-                                      "each rank's directory (copy it back from the second level first)")
             stack.enter_context(reading(given))
             shard, job = _job_shard(given, world, rank)
             checked = _check(optimizer, shard, model)

@@ -17,18 +17,6 @@ from .verify import _verify_files, read_manifest
 __all__ = ["mirror_checkpoint"]
 
 
-def _mirror_path(directory, mirror_to) -> Optional[str]:
-    """Where ``mirror_to`` puts the copy of ``directory``: ``mirror_to/<its name>``."""
-    if mirror_to is None:
-        return None
-    root = os.path.abspath(os.fspath(mirror_to))
-    here = os.path.abspath(os.fspath(directory))
-    if os.path.realpath(root) == os.path.realpath(os.path.dirname(here)):
-        raise ValueError(f"mirror_to {root} is the directory the checkpoint {here} is saved in: its copy would "
-                         "replace the checkpoint itself. Give a directory on another drive or a network mount")
-    return os.path.join(root, os.path.basename(here))
-
-
 def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike, *,
                       progress: Optional[bool] = None) -> str:
     """Copy the checkpoint ``source`` to ``destination`` (another drive, a network mount), atomically, and

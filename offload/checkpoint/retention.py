@@ -137,7 +137,7 @@ class Retention:
             self.mirror.prune()
 
         return _save(optimizer, self.path_for(step), model=model, extra=extra, blocking=blocking,
-                     mirror_to=None if self.mirror is None else self.mirror.root, snapshot=snapshot,
+                     mirror=None if self.mirror is None else self.mirror.path_for(step), snapshot=snapshot,
                      progress=progress, then=then, then_mirror=then_mirror, alone=alone)
 
     def prune(self) -> list[str]:
@@ -223,17 +223,17 @@ class Retention:
             steps |= {e.step for e in self.mirror._entries()}
         first = None
         for step in sorted(steps, reverse=True):
-            here = self.path_for(step)
-            try:
-                if os.path.isdir(here):
-                    mirror = None if self.mirror is None else self.mirror.root
-                    return here, load_checkpoint(optimizer, here, model=model, mirror=mirror, alone=alone)
-                there = self.mirror.path_for(step)
-                return there, load_checkpoint(optimizer, there, model=model, alone=alone)
-            except (CheckpointError, OSError) as err:
-                first = first or err
-                warnings.warn(f"step {step} does not load ({err}); trying the next older checkpoint",
-                              RuntimeWarning, stacklevel=2)
+            copies = [self.path_for(step)] + ([self.mirror.path_for(step)] if self.mirror is not None else [])
+            for path in [p for p in copies if os.path.isdir(p)]:
+                try:
+                    return path, load_checkpoint(optimizer, path, model=model, alone=alone)
+                except (CheckpointError, OSError) as err:
+                    # A corruption found while streaming has overwritten part of the state: the next
+                    # copy's load replaces it whole.
+                    first = first or err
+                    warnings.warn(f"{path} does not load ({err}); trying the "
+                                  + ("mirror's copy" if path != copies[-1] else "next older checkpoint"),
+                                  RuntimeWarning, stacklevel=2)
         if first is not None:
             raise CheckpointError(f"no checkpoint under {self.root}"
                                   + (f" or {self.mirror.root}" if self.mirror else "") + " loads") from first

@@ -1,6 +1,6 @@
 """Saving an offloaded optimizer and a model, blocking or in the background: the entry points, the save's
 steps and its thread; what is captured at the call is ``snapshot``'s, a job's save ``job``'s, the copy to
-a second level ``mirror``'s."""
+the copy to a mirror level ``mirror``'s."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..errors import CheckpointError
 from .commit import SaveHandle, _settle, _Staged, _track
 from .format import _torch_bytes, _write_memory_and_manifest
 from .job import _save_job, job_world
-from .mirror import _mirror_in_background, _mirror_path, mirror_checkpoint
+from .mirror import _mirror_in_background, mirror_checkpoint
 from .model import _save_model
 from .snapshot import _plan, _StateCopy
 from .stream import _progress
@@ -27,8 +27,8 @@ SNAPSHOTS = ("auto", "stream", "reflink")
 
 
 def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
-                    extra: Any = None, blocking: bool = True, mirror_to: str | os.PathLike | None = None,
-                    snapshot: str = "auto", progress: Optional[bool] = None, alone: bool = False) -> str | SaveHandle:
+                    extra: Any = None, blocking: bool = True, snapshot: str = "auto",
+                    progress: Optional[bool] = None, alone: bool = False) -> str | SaveHandle:
     """Save an offloaded optimizer's whole state to ``directory``, atomically, without materialising it.
 
     Offloaded state goes from the swap space to ``state.bin``: where the checkpoint directory is on
@@ -54,9 +54,6 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         model: the model whose weights to save too (offloaded with ``offload_parameters`` or not).
         extra: anything ``torch.save`` can write and ``torch.load(weights_only=True)`` can read back.
         blocking: False: return at once with a :class:`SaveHandle` (see above).
-        mirror_to: a directory on a second level (another drive, a network mount): once committed,
-            the checkpoint is copied to ``mirror_to/<name of directory>`` in the background,
-            atomically, and verified by checksum after the copy (see :func:`mirror_checkpoint`).
         snapshot: ``"auto"`` clones extents where the file system can and streams elsewhere;
             ``"stream"`` always streams; ``"reflink"`` raises ``CheckpointError`` where it cannot clone.
         progress: show a progress bar on stderr for a long save; None: for a blocking save where
@@ -78,12 +75,12 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         CheckpointError: the previous asynchronous save failed and nobody looked at its error (it
             is chained); this save did not start.
     """
-    return _save(optimizer, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
-                 snapshot=snapshot, progress=progress, alone=alone)
+    return _save(optimizer, directory, model=model, extra=extra, blocking=blocking, snapshot=snapshot,
+                 progress=progress, alone=alone)
 
 
 def wait_for_saves(optimizer, timeout: float | None = None) -> None:
-    """Wait for ``optimizer``'s save in flight (and its copy to ``mirror_to``), if any.
+    """Wait for ``optimizer``'s save in flight (and its copy to a mirror level of ``Retention``), if any.
 
     Call it before closing the optimizer or exiting when saves were started with ``blocking=False``.
 
@@ -94,12 +91,13 @@ def wait_for_saves(optimizer, timeout: float | None = None) -> None:
     _settle(optimizer.state_store, report=True, timeout=timeout)
 
 
-def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror_to=None, snapshot="auto",
+def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=None, snapshot="auto",
           progress=None, then: Optional[Callable[[str], None]] = None,
           then_mirror: Optional[Callable[[str], None]] = None, shard: Optional[_Staged] = None,
           alone: bool = False):
-    """:func:`save_checkpoint`, with ``then(directory)`` run once committed (before the copy to the mirror)
-    and ``then_mirror(copy)`` once the copy is done (``Retention`` verifies and prunes with them).
+    """:func:`save_checkpoint`, with ``then(directory)`` run once committed, then a copy to ``mirror`` (a
+    directory of ``Retention``'s mirror level), and ``then_mirror(mirror)`` once the copy is done
+    (``Retention`` verifies and prunes with them).
 
     Where torch.distributed runs a job of several ranks, the save is the job's (:func:`job._save_job`),
     which writes this rank's part through this function with ``shard``, a ``commit._Shard`` to fill
@@ -110,10 +108,9 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if shard is None and not alone and job_world() is not None:
-        return _save_job(optimizer, directory, blocking=blocking, mirror_to=mirror_to, then=then,
+        return _save_job(optimizer, directory, blocking=blocking, mirror=mirror, then=then,
                          write_shard=lambda shard: _save(optimizer, shard.directory, model=model, extra=extra,
                                                          snapshot=snapshot, progress=progress, shard=shard))
-    mirror = _mirror_path(directory, mirror_to)
     store = optimizer.state_store
     _settle(store, report=True)  # one save at a time per optimizer; a failure nobody saw is raised here
     store.check_usable("save a checkpoint")
