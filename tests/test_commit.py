@@ -17,28 +17,34 @@ from offload import checkpoint as ckpt
 from offload.checkpoint import commit
 from offload.checkpoint.format import MANIFEST, _manifest_digest
 
-OPERATIONS = ("fsync", "rename", "unlink", "rmdir")
-
 
 class Crash(BaseException):
     """Stands for the process dying: nothing after it runs, no clean-up either."""
 
 
-def failing_at(monkeypatch, n: int, error) -> list:
-    """Make the ``n``-th file-system operation (``OPERATIONS``, counted from 0) raise ``error()``; the
-    list returned gets each operation's name as it runs."""
-    seen = []
-    for name in OPERATIONS:
-        real = getattr(os, name)
+class FailingAt(ckpt.Storage):
+    """A checkpoint ``Storage`` whose ``n``-th file-system operation (fsync of a file or a directory,
+    rename, unlink; counted from 0) raises ``error()``; ``seen`` gets each operation as it runs."""
 
-        def op(*args, _real=real, _name=name, **kw):
-            seen.append(_name)
-            if len(seen) - 1 == n:
-                raise error()
-            return _real(*args, **kw)
+    def __init__(self, n: int, error):
+        self.n, self.error, self.seen = n, error, []
 
-        monkeypatch.setattr(os, name, op)
-    return seen
+    def _op(self, name: str) -> None:
+        self.seen.append(name)
+        if len(self.seen) - 1 == self.n:
+            raise self.error()
+
+    def fsync(self, fd, path):
+        self._op("fsync")
+        super().fsync(fd, path)
+
+    def rename(self, src, dst):
+        self._op("rename")
+        super().rename(src, dst)
+
+    def unlink(self, path):
+        self._op("unlink")
+        super().unlink(path)
 
 
 def ours_only(directory) -> list[str]:
@@ -70,13 +76,12 @@ def test_a_save_that_stops_anywhere_leaves_the_old_or_the_new_checkpoint(tmp_pat
             train(opt, params, range(step, step + 1))
             step += 1
             expected = opt.state_dict()
-            with monkeypatch.context() as m:
-                seen = failing_at(m, n, error)
-                try:
-                    ckpt.save_checkpoint(opt, target, extra={"step": step})
-                except (Crash, OSError):
-                    pass
-            reached = len(seen) > n  # else the save ran to its end before operation n
+            storage = FailingAt(n, error)
+            try:
+                ckpt.save_checkpoint(opt, target, extra={"step": step}, storage=storage)
+            except (Crash, OSError):
+                pass
+            reached = len(storage.seen) > n  # else the save ran to its end before operation n
             found = ckpt.verify_checkpoint(target)["step"]
             assert found in (step - 1, step), f"stopped before operation {n}: step {found}"
             assert (target / "notes.txt").read_text() == "mine" and (tmp_path / "c.notes").read_text() == "mine too"

@@ -41,7 +41,6 @@ from helpers import (
 from offload import OffloadedAdamW, StateError
 from offload import checkpoint as ckpt
 from offload.aio import Engine
-from offload.checkpoint import stream as ckpt_stream
 
 
 @pytest.fixture
@@ -52,24 +51,25 @@ def opt_and_params(nvme):
     opt.close()
 
 
-def faulty_engines(monkeypatch, kind, **kw) -> list[dict]:
-    """Make the checkpoint code's engines arm a fault as they are created. Returns a list that gets
-    each engine's final stats() as it is closed, to tell whether the fault fired."""
-    final_stats = []
+class FaultyStorage(ckpt.Storage):
+    """A checkpoint ``Storage`` whose engines arm a fault as they are created; ``final_stats`` gets
+    each engine's stats() as it is closed, to tell whether the fault fired."""
 
-    class Faulty(Engine):
-        def close(self):
-            if not self.closed:
-                final_stats.append(self.stats())
-            super().close()
+    def __init__(self, kind, **kw):
+        self.kind, self.kw, self.final_stats = kind, kw, []
 
-    def make(aio):
+    def engine(self, aio):
+        stats = self.final_stats
+
+        class Faulty(Engine):
+            def close(self):
+                if not self.closed:
+                    stats.append(self.stats())
+                super().close()
+
         engine = Faulty(aio)
-        engine.inject_fault(kind, **kw)
+        engine.inject_fault(self.kind, **self.kw)
         return engine
-
-    monkeypatch.setattr(ckpt_stream, "_make_engine", make)
-    return final_stats
 
 
 # -- faults during a step -------------------------------------------------------------------------
@@ -118,16 +118,15 @@ def test_write_error_while_saving_leaves_the_previous_checkpoint_intact(tmp_path
     ckpt.save_checkpoint(opt, tmp_path / "c")
     before = ckpt.read_manifest(tmp_path / "c")
     train(opt, params, range(1, 3))
-    faulty_engines(monkeypatch, "error", op="write", skip=3, count=1, errno=err)
+    faulty = FaultyStorage("error", op="write", skip=3, count=1, errno=err)
     with pytest.raises(OSError) as info:
-        ckpt.save_checkpoint(opt, tmp_path / "c")
+        ckpt.save_checkpoint(opt, tmp_path / "c", storage=faulty)
     assert info.value.errno == err
     assert re.fullmatch(r"state\.[0-9a-f]{16}\.bin", os.path.basename(info.value.filename))
     assert "write at offset" in str(info.value)
     assert sorted(os.listdir(tmp_path)) == ["c", "nvme"]
     assert ckpt.verify_checkpoint(tmp_path / "c")["files"] == before["files"]
     # The failed save did not disturb the optimizer: a later save works.
-    monkeypatch.undo()
     train(opt, params, range(3, 4))
     ckpt.save_checkpoint(opt, tmp_path / "c")
     assert ckpt.read_manifest(tmp_path / "c")["step"] == 4
@@ -137,9 +136,9 @@ def test_short_writes_while_saving_are_completed(tmp_path, nvme, monkeypatch, op
     """Writes that come back short are resubmitted for the rest: the checkpoint is whole and loads."""
     opt, params = opt_and_params
     train(opt, params, range(2))
-    engines = faulty_engines(monkeypatch, "short", op="write", count=-1)
-    ckpt.save_checkpoint(opt, tmp_path / "c")
-    monkeypatch.undo()
+    faulty = FaultyStorage("short", op="write", count=-1)
+    ckpt.save_checkpoint(opt, tmp_path / "c", storage=faulty)
+    engines = faulty.final_stats
     assert engines and sum(s["resubmits"] for s in engines) > 0, f"no short write happened: {engines}"
     ckpt.verify_checkpoint(tmp_path / "c")
     # Loaded into a fresh optimizer (one loaded into itself would keep its state whatever was read).
@@ -158,13 +157,11 @@ def test_read_error_while_loading_blocks_steps_until_a_good_load(tmp_path, monke
     opt, params = opt_and_params
     train(opt, params, range(2))
     ckpt.save_checkpoint(opt, tmp_path / "c")
-    faulty_engines(monkeypatch, "error", op="read", skip=2, count=1)
     with pytest.raises(OSError) as info:
-        ckpt.load_checkpoint(opt, tmp_path / "c")
+        ckpt.load_checkpoint(opt, tmp_path / "c", storage=FaultyStorage("error", op="read", skip=2, count=1))
     assert info.value.filename == ckpt_file(tmp_path / "c", "state.bin") and info.value.errno == errno.EIO
     with pytest.raises(StateError):
         train(opt, params, [2])
-    monkeypatch.undo()
     ckpt.load_checkpoint(opt, tmp_path / "c")
     train(opt, params, [2])
 

@@ -18,7 +18,6 @@ from offload import OffloadedAdamW, StateError, offload_parameters, restore_para
 from offload import checkpoint as ckpt
 from offload.aio import Engine
 from offload.checkpoint import load_parameters, save_parameters
-from offload.checkpoint import stream as ckpt_stream
 from offload.ckpt_cli import main as ckpt_main
 from offload.params import materialized, offloaded, store_of
 
@@ -236,20 +235,19 @@ def test_write_fault_while_saving_weights_leaves_the_previous_checkpoint_loadabl
     saved = weights(model)
     train(model, opt, range(2, 3), torch.float32)
 
-    engines = []
+    class SecondEngineFails(ckpt.Storage):
+        engines = 0
 
-    def make(aio):
-        engine = Engine(aio)
-        engines.append(engine)
-        if len(engines) == 2:  # the first writes state.bin, the second params.bin
-            engine.inject_fault("error", op="write", skip=1)
-        return engine
+        def engine(self, aio):
+            engine = Engine(aio)
+            self.engines += 1
+            if self.engines == 2:  # the first writes state.bin, the second params.bin
+                engine.inject_fault("error", op="write", skip=1)
+            return engine
 
-    monkeypatch.setattr(ckpt_stream, "_make_engine", make)
     with pytest.raises(OSError, match=r"params\.[0-9a-f]{16}\.bin") as info:
-        opt.save_checkpoint(tmp_path / "c", model=model)
+        ckpt.save_checkpoint(opt, tmp_path / "c", model=model, storage=SecondEngineFails())
     assert info.value.errno == 5
-    monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["c", "nvme"]
 
     other, opt2 = build(11)
@@ -362,15 +360,14 @@ def test_failed_load_blocks_fetches_until_a_load_succeeds(tmp_path, build, monke
     checked = sum(-(-e["length"] // unit) for e in ckpt.read_manifest(tmp_path / "c")["model"]["tensors"]
                   if e.get("where") == "params.bin")
 
-    def make(aio):
-        engine = Engine(aio)
-        engine.inject_fault("error", op="read", skip=checked + 5)
-        return engine
+    class ReadFails(ckpt.Storage):
+        def engine(self, aio):
+            engine = Engine(aio)
+            engine.inject_fault("error", op="read", skip=checked + 5)
+            return engine
 
-    monkeypatch.setattr(ckpt_stream, "_make_engine", make)
     with pytest.raises(OSError, match=r"params\.[0-9a-f]{16}\.bin"):
-        opt2.load_checkpoint(tmp_path / "c", model=other)
-    monkeypatch.undo()
+        ckpt.load_checkpoint(opt2, tmp_path / "c", model=other, storage=ReadFails())
     with pytest.raises(StateError, match="failed part-way"):
         loss_of(other, 0)
     with pytest.raises(StateError):

@@ -30,6 +30,7 @@ from .format import FORMAT_VERSION
 from .load import load_checkpoint
 from .retention import Retention, save_with_retention
 from .save import mirror_checkpoint, save_checkpoint, wait_for_saves
+from .storage import Storage
 from .verify import inspect_checkpoint, read_manifest, verify_checkpoint
 from .weights import load_parameters, save_parameters
 
@@ -39,6 +40,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Retention",
     "SaveHandle",
+    "Storage",
     "export_checkpoint",
     "export_model_checkpoint",
     "export_model_state_dict",

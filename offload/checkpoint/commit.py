@@ -19,16 +19,11 @@ from typing import Callable, Iterator
 from ..errors import CheckpointError
 from .format import MANIFEST, _io_error, _manifest_digest
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
+from .storage import DEFAULT_STORAGE, Storage
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        raise _io_error(err, path, "cannot fsync") from err
-    finally:
-        os.close(fd)
+    DEFAULT_STORAGE.fsync_dir(path)
 
 
 # -- the directory's lock ------------------------------------------------------------------------
@@ -126,14 +121,14 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
 # -- writing and committing ------------------------------------------------------------------------
 
 
-def _write_json(path: str, manifest: dict) -> None:
+def _write_json(path: str, manifest: dict, storage: Storage = DEFAULT_STORAGE) -> None:
     """Write ``manifest`` to the new file ``path`` and fsync it."""
     try:
         with open(path, "x") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
             f.flush()
-            os.fsync(f.fileno())
+            storage.fsync(f.fileno(), path)
     except OSError as err:
         raise _io_error(err, path, "cannot write") from err
 
@@ -143,10 +138,13 @@ class _Staged:
 
     ``directory`` is the path as given (absolute); ``target`` the real directory it names (a symbolic
     link followed), where the files go. ``path(name)`` is where the file ``name`` of the format is
-    written; :meth:`commit` records those names in the manifest and commits it.
+    written; :meth:`commit` records those names in the manifest and commits it. Every file-system
+    call of the save goes through ``storage``.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, generation: str | None = None, locked: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, generation: str | None = None, locked: bool = True,
+                 storage: Storage = DEFAULT_STORAGE):
+        self.storage = storage
         self.directory = os.path.abspath(os.fspath(directory))
         self.target = os.path.realpath(self.directory)
         self.parent = self.target
@@ -158,14 +156,14 @@ class _Staged:
         self.made = not os.path.isdir(self.target)
         if self.made:
             os.makedirs(self.target, exist_ok=True)
-            _fsync_dir(os.path.dirname(self.target))
+            storage.fsync_dir(os.path.dirname(self.target))
         if locked:
             self._fd = _lock(self.target, exclusive=True)
         try:
             check_target(self.target, self.directory)  # again, now that no other save runs here
             self.previous = our_manifest(self.target)
             if locked:
-                sweep(self.target, self.previous)
+                sweep(self.target, self.previous, unlink=storage.unlink)
         except BaseException:
             self.close()
             raise
@@ -181,23 +179,24 @@ class _Staged:
             entry["file"] = self.written[name]
         manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
         path = self.path(MANIFEST)
-        _write_json(path, manifest)
-        _fsync_dir(self.target)
+        _write_json(path, manifest, self.storage)
+        self.storage.fsync_dir(self.target)
         return path
 
     def commit(self, manifest: dict) -> None:
         staged = self.finish(manifest)
-        os.rename(staged, os.path.join(self.target, MANIFEST))  # the commit
+        self.storage.rename(staged, os.path.join(self.target, MANIFEST))  # the commit
         self.committed = True
-        _fsync_dir(self.target)
-        delete_named(self.target, named_files(self.target, self.previous), named_files(self.target, manifest))
+        self.storage.fsync_dir(self.target)
+        delete_named(self.target, named_files(self.target, self.previous), named_files(self.target, manifest),
+                     unlink=self.storage.unlink)
 
     def abort(self) -> None:
         """Delete what this save wrote (it never committed, so nothing names it)."""
         if not self.committed:
             for name in self.written.values():
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.target, name))
+                    self.storage.unlink(os.path.join(self.target, name))
             if self.made:
                 with contextlib.suppress(OSError):
                     os.rmdir(self.target)  # only if still empty: it was made for this save
@@ -214,7 +213,8 @@ class _Shard(_Staged):
     otherwise queue, one shard at a time). Its ``commit`` writes the shard's manifest under a fresh
     name and fsyncs it; the job manifest, which names it, commits it (``job._save_job``)."""
 
-    def __init__(self, job_directory: str, name: str, generation: str):
+    def __init__(self, job_directory: str, name: str, generation: str, storage: Storage = DEFAULT_STORAGE):
+        self.storage = storage
         self.directory = self.target = self.parent = os.path.join(job_directory, name)
         self.generation = generation
         self.committed = False
@@ -223,14 +223,15 @@ class _Shard(_Staged):
         self.manifest: dict | None = None
         self.made = not os.path.isdir(self.target)
         os.makedirs(self.target, exist_ok=True)
-        sweep(job_directory, our_manifest(job_directory), shard=name)
+        sweep(job_directory, our_manifest(job_directory), shard=name, unlink=storage.unlink)
 
     def commit(self, manifest: dict) -> None:
         self.finish(manifest)
         self.manifest = manifest
 
 
-def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], dict]) -> str:
+def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], dict],
+                      storage: Storage = DEFAULT_STORAGE) -> str:
     """Stage ``directory``, let ``write`` fill it and return its manifest, then commit; returns the path.
 
     ``directory`` must be missing, an empty directory or a checkpoint of ours (see
@@ -242,7 +243,7 @@ def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], d
         FileExistsError: ``directory`` is a file, or a directory that is not one of our checkpoints.
         OSError: writing failed (``OSError(errno, message, path)``, the original chained).
     """
-    staged = _Staged(directory)
+    staged = _Staged(directory, storage=storage)
     try:
         try:
             manifest = write(staged)

@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import _fsync_dir, _lock, _Shard, _write_json
+from .commit import _lock, _Shard, _write_json
 from .format import JOB_FORMAT, JOB_VERSION, MANIFEST, _manifest_digest, _shard_name
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, parse_manifest, sweep
+from .storage import Storage
 
 
 def job_world() -> int | None:
@@ -85,7 +86,7 @@ def _gather(obj: Any, doing: str) -> list:
 # commits it with one rename onto manifest.json, then deletes the files of the previous checkpoint
 # there. A last exchange tells every rank whether every directory committed.
 def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Callable[[str], None]],
-              write_shard: Callable[[_Shard], None]) -> str:
+              write_shard: Callable[[_Shard], None], storage: Storage) -> str:
     """``save_checkpoint`` on every rank of a job (see the NOTE above), ``write_shard(shard)`` writing this
     rank's shard as a save of its own would; returns the directory."""
     rank, world = rank_info().rank, job_world()
@@ -107,7 +108,7 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
     try:
         check_target(target, given)  # refused before anything is written (and again at the commit)
         os.makedirs(target, exist_ok=True)
-        shard = _Shard(target, name, generation)
+        shard = _Shard(target, name, generation, storage)
         write_shard(shard)
         status.update(ok=True, manifest=shard.written[MANIFEST], manifest_xxh3_64=shard.manifest["manifest_xxh3_64"],
                       step=shard.manifest["step"], files=shard.manifest["files"])
@@ -140,7 +141,7 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
         if rank not in here:
             raise CheckpointError(f"this rank's shard {name} is not in {given} as it wrote it")
         if min(here) == rank:
-            _commit_job(target, given, generation, _job_manifest(generation, statuses))
+            _commit_job(target, given, generation, _job_manifest(generation, statuses), storage)
     except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
         own = err
         result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
@@ -186,7 +187,7 @@ def _ranks_here(target: str, statuses: list) -> list:
     return here
 
 
-def _commit_job(target: str, given: str, generation: str, manifest: dict) -> None:
+def _commit_job(target: str, given: str, generation: str, manifest: dict, storage: Storage) -> None:
     """Commit a job's checkpoint in directory ``target``: under its lock, the job manifest under a fresh
     name, fsynced, then one rename onto manifest.json; then delete the previous checkpoint's files."""
     fd = _lock(target, exclusive=True)
@@ -195,12 +196,12 @@ def _commit_job(target: str, given: str, generation: str, manifest: dict) -> Non
         previous = our_manifest(target)
         staged = os.path.join(target, fresh_name(MANIFEST, generation))
         manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
-        _write_json(staged, manifest)
-        _fsync_dir(target)
-        os.rename(staged, os.path.join(target, MANIFEST))  # the commit
-        _fsync_dir(target)
-        delete_named(target, named_files(target, previous), named_files(target, manifest))
-        sweep(target, manifest)  # and what saves that died left here
+        _write_json(staged, manifest, storage)
+        storage.fsync_dir(target)
+        storage.rename(staged, os.path.join(target, MANIFEST))  # the commit
+        storage.fsync_dir(target)
+        delete_named(target, named_files(target, previous), named_files(target, manifest), unlink=storage.unlink)
+        sweep(target, manifest, unlink=storage.unlink)  # and what saves that died left here
     finally:
         os.close(fd)
 

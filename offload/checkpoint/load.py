@@ -15,7 +15,6 @@ from ..distributed import rank_info
 from ..errors import CheckpointError
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, match_groups, step_tensor
-from . import stream
 from .commit import _settle, reading
 from .format import (
     DATA,
@@ -32,6 +31,7 @@ from .format import (
 )
 from .job import _gather, job_world
 from .model import _load_model, _model_section
+from .storage import DEFAULT_STORAGE, Storage
 from .stream import _progress, _RangeReader, _stream
 from .verify import _job_shard, _verify_data, read_manifest
 
@@ -41,7 +41,8 @@ from .verify import _job_shard, _verify_data, read_manifest
 # packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
 # space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
 def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
-                    progress: Optional[bool] = None, alone: bool = False) -> Any:
+                    progress: Optional[bool] = None, alone: bool = False,
+                    storage: Optional[Storage] = None) -> Any:
     """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
 
     Everything that can be checked without touching the optimizer is checked first: the manifest,
@@ -67,6 +68,8 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
             rank calls it, loads its own shard of a job's checkpoint (or the whole of a process's
             checkpoint), and either all load or all raise. ``alone=True`` loads into this process by
             itself, as outside a job (a process's checkpoint, or one shard ``directory/rank-<n>``).
+        storage: the file-system and engine calls the load makes (:class:`Storage`); the default does
+            what they say. Tests pass one that fails where they want it to.
 
     Raises:
         CheckpointError: the checkpoint does not fit this optimizer or ``model`` (the message names
@@ -81,14 +84,15 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     # A save in the background copies units as steps change them; a load changes them all unguarded.
     _settle(optimizer.state_store, report=False)
     if not alone and job_world() is not None:
-        return _load_job(optimizer, directory, model, progress)
+        return _load_job(optimizer, directory, model, progress, storage or DEFAULT_STORAGE)
     # Held for the whole load: a save of the same directory by another process waits until it ends.
     with reading(directory) as directory:
-        return _load_checkpoint(optimizer, directory, model, progress)
+        return _load_checkpoint(optimizer, directory, model, progress, storage or DEFAULT_STORAGE)
 
 
-def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool] = None) -> Any:
-    return _apply(optimizer, directory, model, progress, _check(optimizer, directory, model))
+def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool],
+                     storage: Storage) -> Any:
+    return _apply(optimizer, directory, model, progress, _check(optimizer, directory, model), storage)
 
 
 def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
@@ -108,17 +112,18 @@ def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
     return manifest, memory, extra, params
 
 
-def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool], checked: tuple) -> Any:
+def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool], checked: tuple,
+           storage: Storage) -> Any:
     """The load's part that changes the optimizer (and ``model``), once :func:`_check` has passed."""
     store = optimizer.state_store
     manifest, memory, extra, params = checked
     if model is not None:
         # Weights first: a checkpoint without fp32 masters seeds them from the weights at load.
         # On failure part-way its state is intact, but the weights it updates are half loaded.
-        _load_model(model, directory, manifest, optimizer.config.aio, on_partial=store.failed)
+        _load_model(model, directory, manifest, optimizer.config.aio, on_partial=store.failed, storage=storage)
 
     try:
-        _load_into(optimizer, directory, manifest, memory, params, progress)
+        _load_into(optimizer, directory, manifest, memory, params, progress, storage)
     except BaseException as err:
         for slot in store.layout.slots.values():
             slot.initialized = False
@@ -132,7 +137,7 @@ def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optiona
 # the outcome, and only if every rank passed does any rank change its state: either all load or all
 # raise. A failure while streaming (a unit that fails its checksum, an I/O error) is exchanged too: the
 # ranks that loaded then refuse to step, as the one that failed does, until a load succeeds.
-def _load_job(optimizer, directory, model, progress) -> Any:
+def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
     """:func:`load_checkpoint` on every rank of a job (see the NOTE above)."""
     rank, world = rank_info().rank, job_world()
     given = os.path.abspath(os.fspath(directory))
@@ -159,7 +164,7 @@ def _load_job(optimizer, directory, model, progress) -> Any:
                                   "rank: load an older checkpoint")
         extra, own, status = None, None, {"rank": rank, "ok": False}
         try:
-            extra = _apply(optimizer, shard, model, progress, checked)
+            extra = _apply(optimizer, shard, model, progress, checked, storage)
             status["ok"] = True
         except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
             own = err
@@ -213,7 +218,8 @@ def _match(opt, manifest: dict, memory: dict, directory: str) -> list:
     return params
 
 
-def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, progress: Optional[bool]) -> None:
+def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, progress: Optional[bool],
+               storage: Storage) -> None:
     store = opt.state_store
     store.drain(quiet=True)  # the last step's writes land first; their state is overwritten now
     store.rewriting_all()  # all of the state is replaced: a swap file cut behind our back is whole again
@@ -226,7 +232,7 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, 
     path = file_path(directory, DATA, manifest["files"][DATA])
     units = manifest["units"]
     aio = opt.config.aio
-    engine = stream._make_engine(aio)
+    engine = storage.engine(aio)
     new_state: dict = {}
     try:
         with contextlib.ExitStack() as stack:

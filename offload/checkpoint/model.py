@@ -19,7 +19,6 @@ from ..errors import CheckpointError, ChecksumError, StateError
 from ..params import store_of
 from ..space import Extent
 from ..units import ALIGNMENT, round_up
-from . import stream
 from .commit import _Staged, _write_atomically
 from .format import (
     MODEL_MEMORY,
@@ -33,6 +32,7 @@ from .format import (
     _write_torch,
     file_path,
 )
+from .storage import DEFAULT_STORAGE, Storage
 from .stream import _DONE, _TOOL_BUFFER_MAX, _stream, _write_data
 
 
@@ -291,7 +291,7 @@ def _verify_model(directory: str, manifest: dict, aio: AioConfig) -> None:
     """Check model.pt's and params.bin's checksums, and every parameter's in params.bin."""
     _read_torch(directory, MODEL_MEMORY, manifest["files"][MODEL_MEMORY])
     with _tool_pool(manifest, directory) as pool:
-        engine = stream._make_engine(aio)
+        engine = Engine(aio)
         try:
             _scan_params(directory, manifest, engine, list(pool))
         finally:
@@ -318,7 +318,7 @@ def _read_state_dict(directory: str, manifest: dict, aio: AioConfig) -> OrderedD
         flat[id(e)][start:start + data.numel()].copy_(data)
 
     with _tool_pool(manifest, directory) as pool:
-        engine = stream._make_engine(aio)
+        engine = Engine(aio)
         try:
             _scan_params(directory, manifest, engine, list(pool), sink)
         finally:
@@ -368,8 +368,10 @@ def _match(model: nn.Module, directory: str, manifest: dict) -> list[tuple[str, 
 
 
 def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[AioConfig] = None, *,
-               on_partial: Optional[Callable[[BaseException], None]] = None) -> None:
-    """Load the checkpoint's model section into ``model``: check everything, then stream.
+               on_partial: Optional[Callable[[BaseException], None]] = None,
+               storage: Storage = DEFAULT_STORAGE) -> None:
+    """Load the checkpoint's model section into ``model``: check everything, then stream (with an
+    engine of ``storage``).
 
     ``on_partial(err)`` is called when streaming failed after the first bytes changed.
 
@@ -392,7 +394,7 @@ def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[
     if aio is None:
         aio = stores[0].config.aio if stores else AioConfig()
     own_pool = None if stores else _tool_pool(manifest, directory)
-    engine = stream._make_engine(aio)
+    engine = storage.engine(aio)
     try:
         with _held(stores) as lent:
             buffers = lent if lent is not None else list(own_pool)

@@ -10,6 +10,7 @@ import os
 import re
 import stat
 import warnings
+from typing import Callable
 
 from .format import _SHARD, FORMAT, JOB_FORMAT, MANIFEST, _manifest_digest
 
@@ -153,7 +154,8 @@ def check_target(path: str, given: str) -> None:
                               "into an nvme-offload checkpoint or an empty directory: " + _WHAT_TO_DO, given)
 
 
-def sweep(path: str, manifest: dict | None, shard: str | None = None) -> None:
+def sweep(path: str, manifest: dict | None, shard: str | None = None, *,
+          unlink: Callable[[str], None] = os.unlink) -> None:
     """Delete what saves that died left in ``path`` (or in its shard directory ``shard`` only): files of
     a generation's name that ``manifest``, the directory's own, does not name. Run under the directory's
     lock (or, for a shard, by the only rank that writes it), so no save in progress owns them."""
@@ -166,12 +168,13 @@ def sweep(path: str, manifest: dict | None, shard: str | None = None) -> None:
             for n in os.listdir(d):
                 if _GENERATION_FILE.match(n) and n not in keep:
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(d, n))
+                        unlink(os.path.join(d, n))
             if sub and sub != shard and not os.listdir(d):
                 os.rmdir(d)
 
 
-def delete_named(path: str, old: dict[str, set[str]], new: dict[str, set[str]]) -> None:
+def delete_named(path: str, old: dict[str, set[str]], new: dict[str, set[str]], *,
+                 unlink: Callable[[str], None] = os.unlink) -> None:
     """Unlink the regular files ``old`` names (see :func:`named_files`) that ``new`` does not, then the
     shard directories this leaves empty. Errors become warnings: this runs once a save has committed."""
     try:
@@ -181,7 +184,7 @@ def delete_named(path: str, old: dict[str, set[str]], new: dict[str, set[str]]) 
                 p = os.path.join(d, n)
                 with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                     if stat.S_ISREG(os.lstat(p).st_mode):
-                        os.unlink(p)
+                        unlink(p)
             if sub and sub not in new:
                 with contextlib.suppress(OSError):
                     os.rmdir(d)  # only if empty: a user's file in it stays, and so does the directory

@@ -18,7 +18,6 @@ from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
 from ..pipeline import BufferRing
 from ..units import ALIGNMENT, format_size, round_up
-from . import stream
 from .commit import _Staged
 from .format import DATA, _chunk_table, _cpu_state, _dtype_name, _io_error, _torch_groups
 from .stream import _clone_range, _stream
@@ -121,7 +120,7 @@ class _StateCopy:
         self.spares: Optional[BufferPool] = None
         self.spares_ready = threading.Event()
         self.ring: Optional[BufferRing] = None
-        self.engine = stream._make_engine(aio)
+        self.engine = staged.storage.engine(aio)
         self.file = None
         try:
             self.file = self.engine.open(self.path, "x+")
