@@ -255,7 +255,7 @@ def _reshape(manifest: dict, change: str) -> None:
 
 @pytest.mark.parametrize("change, field", [
     ("files-missing", "field files is missing"), ("file-bytes-text", r"field files\['state.bin'\].bytes must be"),
-    ("chunk-short", r"field params\[\d\].chunks\[0\] must be a list of 5"),
+    ("chunk-short", r"field params\[\d\].chunks\[0\] must be a list of 5 numbers"),
     ("chunk-unit-beyond", r"field params\[\d\].chunks\[0\] names unit"),
     ("unit-offset-negative", r"field units\[0\].offset must be"), ("where-unknown", r"field params\[\d\].where must"),
     ("params-not-a-list", "field params must be a list"),

@@ -94,8 +94,18 @@ def _map(item: Check) -> Check:
 
 
 _FILE = _object({"bytes": _integer, "xxh3_64": _text}, {"file": _text})
-# A chunk of a parameter's state in state.bin: [unit, first element, elements, byte offset in unit, bytes per key].
-_CHUNK = _list(_integer, length=5)
+def _chunk(value: Any, name: str) -> None:
+    """A chunk of a parameter's state in state.bin: [unit, first element, elements, byte offset in unit,
+    bytes per key], and where the keys' dtypes differ (stride 0) a sixth: each key's slice offset."""
+    if not isinstance(value, list) or len(value) not in (5, 6):
+        _fail(name, "a list of 5 numbers (and the keys' offsets)", value)
+    for i, v in enumerate(value[:5]):
+        _integer(v, f"{name}[{i}]")
+    if len(value) == 6:
+        _list(_integer)(value[5], f"{name}[5]")
+
+
+_CHUNK = _chunk
 _PARAM = _object(
     {"index": _integer, "where": _one_of("swap", "memory", "none"), "initialized": _flag},
     {"shape": _maybe(_list(_integer)), "dtype": _maybe(_text), "numel": _maybe(_integer), "keys": _list(_text),
