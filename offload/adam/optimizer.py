@@ -9,13 +9,14 @@ import torch
 
 from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
+from ..checkpoint.load import restore_in_memory
 from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
-from ..distributed import like, local
+from ..distributed import like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
 from ..params import ParamAccess
-from ..state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, local_entry, step_tensor
+from ..state import ParamSlot, StateStore, check_state_dict, local_entry
 from .checks import check_dtensor_options, check_grad, check_params, no_duplicate_warning
 from .update import NO_SCALING, GradScaling, kernel_flags, update_chunks, update_in_memory
 
@@ -293,25 +294,14 @@ class OffloadedAdam(torch.optim.Adam):
             raise ValueError("the optimizer is closed")
         params = check_state_dict(self.param_groups, state_dict)
         self._abandon_backward_step("load_state_dict()")
-        for g, s in zip(self.param_groups, state_dict["param_groups"]):
-            g.update({k: v for k, v in s.items() if k != "params"})
         entries = {params[k]: local_entry(entry, params[k]) for k, entry in state_dict["state"].items()}
-        late = {p for p in entries if not store.is_small(p) and store.slot(p) is None}
+        offloaded = {p: e for p, e in entries.items() if not store.is_small(p)}
+        restore_in_memory(self, state_dict["param_groups"], {p: e for p, e in entries.items() if p not in offloaded},
+                          {p: e.get("step", 0.0) for p, e in offloaded.items()})
+        late = {p for p in offloaded if store.slot(p) is None}
         if late:
             store.place(self.param_groups, only=late)  # frozen at construction: placed now, together
-        self.state.clear()
-        for slot in store.layout.slots.values():
-            slot.initialized = False
-        by_slot = {}
-        for p, entry in entries.items():
-            if store.is_small(p):
-                # An fp32 master missing from it is seeded from the weights (fetched if they are offloaded).
-                with self._access.resident([p] if p.dtype in HALF_DTYPES and "master" not in entry else []):
-                    st = in_memory_state(local(p), entry)
-                self.state[p] = {k: like(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in st.items()}
-            else:
-                self.state[p] = {"step": step_tensor(entry.get("step", 0.0))}
-                by_slot[store.slot(p)] = entry
+        by_slot = {store.slot(p): e for p, e in offloaded.items()}
         units = store.units_of(by_slot)
         with self._access.units(units, {id(s) for s in by_slot}, write_back=False) as unit_pass:
             # A master copy made from weights on NVMe needs them resident, one unit's worth at a time.

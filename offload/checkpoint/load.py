@@ -11,10 +11,10 @@ import xxhash
 from torch import nn
 
 from ..aio import Engine
-from ..distributed import rank_info
+from ..distributed import like, local, rank_info
 from ..errors import CheckpointError
 from ..params import ParamAccess
-from ..state import HALF_DTYPES, check_param_state, in_memory_state, match_groups, step_tensor
+from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
 from .commit import _settle, reading
 from .format import (
     DATA,
@@ -266,14 +266,7 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, 
         engine.close()
 
     # The data is in place: now the in-memory side, which cannot fail half way.
-    groups = opt.param_groups
-    for g, s in zip(groups, memory["param_groups"]):
-        for k, v in s.items():
-            if k != "params":
-                g[k] = v
-    opt.state.clear()
-    for slot in slots.values():
-        slot.initialized = False
+    small, offloaded = {}, {}
     for e in entries:
         if not e.get("initialized"):
             continue
@@ -281,14 +274,42 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, 
         p = params[i]
         step = memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", 0.0)
         if store.is_small(p):
+            # As load_state_dict takes it: a DTensor parameter's state as this rank's part of it.
             source = memory["state"][i] if e["where"] == "memory" else new_state[i]
-            # An fp32 master missing from it is seeded from the weights (fetched if they are offloaded).
-            with ParamAccess.resident([p] if p.dtype in HALF_DTYPES and "master" not in source else []):
-                opt.state[p] = in_memory_state(p, {**source, "step": step})
+            small[p] = local_entry({**source, "step": step}, p)
         else:
-            opt.state[p] = {"step": step_tensor(step)}
-            slots[p].initialized = True
+            offloaded[p] = step
+    restore_in_memory(opt, memory["param_groups"], small, offloaded)
+    for p in offloaded:
+        slots[p].initialized = True
     store.restored()
+
+
+def restore_in_memory(optimizer, groups: list, small: dict, offloaded: dict) -> None:
+    """What every load does once the offloaded state is settled, ``load_state_dict`` and checkpoints
+    alike: the groups' hyperparameters from ``groups`` (torch's layout), ``optimizer.state`` rebuilt
+    (the whole state of each small parameter in ``small``, the step of each offloaded one in
+    ``offloaded``), every slot marked as holding no state (the caller marks those it wrote).
+
+    Args:
+        optimizer: an :class:`offload.OffloadedAdam` or ``OffloadedAdamW``.
+        groups: the param groups loaded, in order (their ``params`` are ignored).
+        small: ``{param: state}`` for parameters whose state lives in memory (a DTensor's as its
+            local part); an fp32 master missing from it is seeded from the weights.
+        offloaded: ``{param: step}`` for parameters whose state is offloaded.
+    """
+    for g, s in zip(optimizer.param_groups, groups):
+        g.update({k: v for k, v in s.items() if k != "params"})
+    optimizer.state.clear()
+    for slot in optimizer.state_store.layout.slots.values():
+        slot.initialized = False
+    for p, source in small.items():
+        # The weights are fetched (if offloaded) only where a master copy is to be made from them.
+        with ParamAccess.resident([p] if p.dtype in HALF_DTYPES and "master" not in source else []):
+            state = in_memory_state(local(p), source)
+        optimizer.state[p] = {k: like(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in state.items()}
+    for p, step in offloaded.items():
+        optimizer.state[p] = {"step": step_tensor(step)}
 
 
 def _same_packing(store, manifest: dict, params: list) -> Optional[list]:
