@@ -225,8 +225,13 @@ class _HashingWriter:
             raise
 
 
-def _write_torch(obj: Any, path: str) -> dict:
-    """``torch.save(obj)`` into a new file ``path``, fsynced; returns its size and xxh3_64.
+def _fsync(fd: int, path: str) -> None:
+    os.fsync(fd)
+
+
+def _write_torch(obj: Any, path: str, fsync: Callable[[int, str], None] = _fsync) -> dict:
+    """``torch.save(obj)`` into a new file ``path``, fsynced with ``fsync(fd, path)`` (a save's
+    ``Storage.fsync``); returns its size and xxh3_64.
 
     Raises:
         OSError: writing failed (ENOSPC, EIO, ...): ``OSError(errno, message, path)``, with the
@@ -238,7 +243,7 @@ def _write_torch(obj: Any, path: str) -> dict:
             w = _HashingWriter(f)
             torch.save(obj, w)
             w.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno(), path)
     except OSError as err:
         raise _io_error(err, path, "cannot write") from err
     except RuntimeError:
@@ -259,13 +264,13 @@ def _torch_bytes(obj: Any) -> _Serialized:
     return _Serialized(out.getvalue())
 
 
-def _write_bytes(data: bytes, path: str) -> dict:
+def _write_bytes(data: bytes, path: str, fsync: Callable[[int, str], None] = _fsync) -> dict:
     """``data`` into a new file ``path``, fsynced; returns its size and xxh3_64 (as :func:`_write_torch`)."""
     try:
         with open(path, "xb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno(), path)
     except OSError as err:
         raise _io_error(err, path, "cannot write") from err
     return {"bytes": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}
@@ -355,9 +360,9 @@ def _write_memory_and_manifest(staged, *, kind: str, groups: list[dict], entries
     files = {DATA: data["file"]}
     memory = memory_state if isinstance(memory_state, _Serialized) else \
         {"param_groups": groups, "state": memory_state, "steps": steps}
-    files[MEMORY] = _write_any(memory, staged.path(MEMORY))
+    files[MEMORY] = _write_any(memory, staged.path(MEMORY), staged.storage.fsync)
     if extra is not None:
-        files[EXTRA] = _write_any(extra, staged.path(EXTRA))
+        files[EXTRA] = _write_any(extra, staged.path(EXTRA), staged.storage.fsync)
     manifest = _base_manifest(kind, _groups_json(groups), entries, config, unit_bytes)
     manifest["threshold"] = threshold
     manifest["units"] = data["units"]
@@ -365,10 +370,10 @@ def _write_memory_and_manifest(staged, *, kind: str, groups: list[dict], entries
     return manifest
 
 
-def _write_any(obj: Any, path: str) -> dict:
+def _write_any(obj: Any, path: str, fsync: Callable[[int, str], None]) -> dict:
     if isinstance(obj, _Serialized):
-        return _write_bytes(obj, path)
-    return _write_torch(obj, path)
+        return _write_bytes(obj, path, fsync)
+    return _write_torch(obj, path, fsync)
 
 
 def _base_manifest(kind: str, groups_json: list, params: list, config: dict, unit_bytes: int) -> dict:

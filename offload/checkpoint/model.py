@@ -192,7 +192,8 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
     for e, t, _ in offloaded:
         e["length"] = t.numel() * t.element_size()
         e["xxh3_64"] = hashes[id(e)].hexdigest()
-    files = {PARAMS_DATA: data["file"], MODEL_MEMORY: _write_torch(memory, staged.path(MODEL_MEMORY))}
+    files = {PARAMS_DATA: data["file"], MODEL_MEMORY: _write_torch(memory, staged.path(MODEL_MEMORY),
+                                                                          staged.storage.fsync)}
     section = {"tensors": entries, "offloaded_bytes": sum(e["length"] for e, _, _ in offloaded)}
     return section, files
 

@@ -120,6 +120,7 @@ class _StateCopy:
         self.spares: Optional[BufferPool] = None
         self.spares_ready = threading.Event()
         self.ring: Optional[BufferRing] = None
+        self.storage = staged.storage
         self.engine = staged.storage.engine(aio)
         self.file = None
         try:
@@ -332,10 +333,7 @@ class _StateCopy:
             except (ValueError, RuntimeError, OSError):
                 pass  # fixed buffers only save a little CPU
         _stream(range(len(self.units)), list(buffers), read=read, process=process, write=write)
-        try:
-            os.fsync(self.file.fd)
-        except OSError as err:
-            raise _io_error(err, self.path, "cannot fsync") from err
+        self.storage.fsync(self.file.fd, self.path)
         table = [{"offset": o, "nbytes": u.nbytes, "length": n, "xxh3_64": d}
                  for u, o, n, d in zip(self.units, self.offsets, self.lengths, self.digests)]
         return {"file": {"bytes": self.total, "xxh3_64": whole.hexdigest()}, "units": table}
