@@ -26,7 +26,7 @@ from typing import Sequence
 from . import checkpoint
 from .checkpoint.commit import reading
 from .checkpoint.format import JOB_FORMAT
-from .checkpoint.ownership import _is_our_format
+from .checkpoint.ownership import is_our_format
 from .checkpoint.verify import _read_manifest
 
 PROG = "offload-ckpt"
@@ -80,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                                       "atomically, verified after the copy")
     p.add_argument("source", metavar="SRC", help="checkpoint directory to copy")
     p.add_argument("destination", metavar="DST",
-                   help="the copy's directory: new or empty, or a checkpoint (replaced atomically); any other "
-                        "directory is refused")
+                   help="the copy's directory: new or empty, or a checkpoint (its files replaced by the copy's, "
+                        "committed by one rename); any other directory is refused")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar (default: when stderr is a terminal)")
     return parser
@@ -145,7 +145,7 @@ def _run(args) -> int:
             return EXIT_USAGE
         for name in sorted(os.listdir(args.root)):
             path = os.path.join(args.root, name)
-            if not os.path.isdir(path) or not _is_our_format(path):
+            if not os.path.isdir(path) or not is_our_format(path):
                 continue
             try:
                 m = _read_manifest(path)

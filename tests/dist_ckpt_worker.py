@@ -42,7 +42,7 @@ import offload.checkpoint.format as format_module
 import offload.checkpoint.job as job_module
 import offload.checkpoint.snapshot as snapshot_module
 from offload import OffloadedAdamW
-from offload.checkpoint import Retention, load_checkpoint, save_checkpoint
+from offload.checkpoint import Retention, Storage, load_checkpoint, save_checkpoint
 
 
 class FixedClock:
@@ -67,40 +67,14 @@ class Holder(nn.Module):
 def inject(fault: dict, rank: int):
     """Wrap the checkpoint's streaming loop so that ``fault`` strikes on its rank after its units (a "late"
     fault instead holds its rank back a second before it looks for the ranks that share its directory, a
-    "blind" one makes its rank find none there, not even itself, a "commit" fault makes the commit of its
-    directory fail, an "after_exchange" one makes it fail once the new checkpoint has taken the name, and
-    its roll back wait a second)."""
-    if fault is not None and fault["kind"] == "commit":
-        original = job_module._JobCommit.commit
-
-        def failing(self, manifest):
-            raise OSError(errno.EIO, "injected fault in the commit", self.target)
-
-        if fault["rank"] == rank:
-            job_module._JobCommit.commit = failing
-        return lambda: setattr(job_module._JobCommit, "commit", original)
-    if fault is not None and fault["kind"] == "after_exchange":
-        commit, roll_back = job_module._JobCommit.commit, job_module._JobCommit.roll_back
-
-        def committed_then_failing(self, manifest):
-            commit(self, manifest)
-            raise OSError(errno.EIO, "injected fault after the commit's rename", self.target)
-
-        def late_roll_back(self):
-            time.sleep(1.0)  # the other ranks see the failure before this rank puts the old checkpoint back
-            return roll_back(self)
-
-        if fault["rank"] == rank:
-            job_module._JobCommit.commit, job_module._JobCommit.roll_back = committed_then_failing, late_roll_back
-
-        def undo():
-            job_module._JobCommit.commit, job_module._JobCommit.roll_back = commit, roll_back
-
-        return undo
+    "blind" one makes its rank find none there, not even itself; "commit" and "after_rename" faults come
+    from the save's Storage instead, see storage_for)."""
+    if fault is not None and fault["kind"] in ("commit", "after_rename"):
+        return lambda: None  # a Storage of its own (storage_for)
     if fault is not None and fault["kind"] == "blind":
         original = job_module._ranks_here
         if fault["rank"] == rank:
-            job_module._ranks_here = lambda *args: None  # as if its own shard's manifest could not be read
+            job_module._ranks_here = lambda *args: []  # as if its own shard's manifest could not be read
         return lambda: setattr(job_module, "_ranks_here", original)
     if fault is not None and fault["kind"] == "late":
         original = job_module._ranks_here
@@ -130,6 +104,27 @@ def inject(fault: dict, rank: int):
     if fault is not None and fault["rank"] == rank:
         snapshot_module._stream = faulty
     return lambda: setattr(snapshot_module, "_stream", original)
+
+
+class FailingCommit(Storage):
+    """A checkpoint Storage whose renames (in a job's save, only the job manifest's: its commit) fail,
+    before the rename ("commit") or after it ("after_rename")."""
+
+    def __init__(self, after: bool):
+        self.after = after
+
+    def rename(self, src, dst):
+        if self.after:
+            super().rename(src, dst)
+            raise OSError(errno.EIO, "injected fault after the commit's rename", dst)
+        raise OSError(errno.EIO, "injected fault in the commit", dst)
+
+
+def storage_for(fault, rank: int):
+    """The Storage a save of ``rank`` uses under ``fault``: a failing commit, or the default (None)."""
+    if fault is not None and fault["rank"] == rank and fault["kind"] in ("commit", "after_rename"):
+        return FailingCommit(after=fault["kind"] == "after_rename")
+    return None
 
 
 def rank_main(spec: dict, rank: int, world: int) -> None:
@@ -170,7 +165,8 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
                 try:
                     entry["result"] = save_checkpoint(opt, action["dir"], model=holder, extra=extra,
                                                       snapshot="stream", blocking=action.get("blocking", True),
-                                                      alone=action.get("alone", False))
+                                                      alone=action.get("alone", False),
+                                                      storage=storage_for(action.get("fault"), rank))
                 finally:
                     undo()
                     format_module.datetime = datetime

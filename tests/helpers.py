@@ -207,3 +207,15 @@ def sigkill_then_resume_equals_uninterrupted(tmp_path, options: dict, *, kill_st
     for k in b["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     assert_same_state(a["opt"], b["opt"])
+
+
+def ckpt_file(directory, name: str) -> str:
+    """The path of the file ``name`` of the format (``state.bin``, ``memory.pt``, ...) in checkpoint
+    ``directory``: saves write it under their generation's name, which the manifest records."""
+    import json
+
+    if name == "manifest.json":
+        return os.path.join(directory, name)
+    with open(os.path.join(directory, "manifest.json")) as f:
+        entry = json.load(f)["files"][name]
+    return os.path.join(directory, entry.get("file", name))

@@ -9,13 +9,15 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 
 import pytest
 import torch
-from helpers import SMALL, assert_same, assert_same_state, flip_bit, make_params, restore, snapshot, train
+from helpers import SMALL, assert_same, assert_same_state, ckpt_file, flip_bit, make_params, restore, snapshot, train
 
 from offload import OffloadedAdam, OffloadedAdamW
 from offload import checkpoint as ckpt
+from offload.checkpoint.format import _manifest_digest
 from offload.ckpt_cli import main as ckpt_main
 
 
@@ -87,7 +89,8 @@ def test_params_without_state_stay_without_state(tmp_path, nvme, closing):
 
 
 def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme, closing):
-    """A second save over an existing checkpoint replaces it whole and leaves no temporary siblings."""
+    """A second save over an existing checkpoint replaces it whole: its files under the new generation's
+    names, the previous generation's deleted, nothing beside the directory."""
     params = make_params()
     opt = closing(make_opt(params, nvme))
     train(opt, params, range(1))
@@ -95,8 +98,11 @@ def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme, 
     train(opt, params, range(1, 3))
     ckpt.save_checkpoint(opt, tmp_path / "c", extra={"marker": 2})
     assert sorted(os.listdir(tmp_path)) == ["c", "nvme"]
-    assert ckpt.read_manifest(tmp_path / "c")["step"] == 3
-    assert sorted(os.listdir(tmp_path / "c")) == ["extra.pt", "manifest.json", "memory.pt", "state.bin"]
+    manifest = ckpt.read_manifest(tmp_path / "c")
+    assert manifest["step"] == 3
+    assert sorted(manifest["files"]) == ["extra.pt", "memory.pt", "state.bin"]
+    named = {e["file"] for e in manifest["files"].values()}
+    assert sorted(os.listdir(tmp_path / "c")) == sorted(named | {"manifest.json"})
     ckpt.verify_checkpoint(tmp_path / "c")
 
 
@@ -118,7 +124,7 @@ def test_manifest_describes_groups_params_config_and_files(tmp_path, nvme, closi
     assert m["params"][0]["where"] == "memory"
     assert m["config"]["offload_optimizer"]["buffer_size"] == 256 * 1024
     for name, f in m["files"].items():
-        assert os.path.getsize(tmp_path / "c" / name) == f["bytes"] and len(f["xxh3_64"]) == 16
+        assert os.path.getsize(ckpt_file(tmp_path / "c", name)) == f["bytes"] and len(f["xxh3_64"]) == 16
 
 
 def test_mismatched_optimizer_is_refused_naming_the_parameter_and_nothing_changes(tmp_path, nvme, closing):
@@ -202,10 +208,11 @@ def test_cli_inspect_and_verify_report_and_exit_codes(tmp_path, nvme, closing, c
     assert json.loads(capsys.readouterr().out)["version"] == ckpt.FORMAT_VERSION
     assert ckpt_main(["verify", str(tmp_path / "c")]) == 0
     assert "OK" in capsys.readouterr().out
-    flip_bit(tmp_path / "c" / "state.bin", 5000, 0x10)
+    flip_bit(ckpt_file(tmp_path / "c", "state.bin"), 5000, 0x10)
     assert ckpt_main(["verify", str(tmp_path / "c"), str(tmp_path / "missing")]) == 1
     out = capsys.readouterr().out
-    assert "state.bin: bytes [0, " in out and "FAILED" in out and "no checkpoint directory" in out
+    assert re.search(r"state\.[0-9a-f]{16}\.bin: bytes \[0, ", out)
+    assert "FAILED" in out and "no checkpoint directory" in out
 
 
 def test_retention_keeps_the_last_n_and_milestones(tmp_path, nvme, closing):
@@ -223,3 +230,51 @@ def test_retention_keeps_the_last_n_and_milestones(tmp_path, nvme, closing):
     ckpt.save_with_retention(opt, tmp_path / "ckpts", 8, keep_last=1)
     assert [os.path.basename(p) for p in keep.checkpoints()] == ["step-0000000003", "step-0000000008"]
     assert not [n for n in os.listdir(tmp_path / "ckpts") if ".tmp-" in n]
+
+
+def _reshape(manifest: dict, change: str) -> None:
+    """Break ``manifest``'s shape as ``change`` says (its checksum is recomputed after)."""
+    swap = next(p for p in manifest["params"] if p["where"] == "swap")
+    if change == "files-missing":
+        del manifest["files"]
+    elif change == "file-bytes-text":
+        manifest["files"]["state.bin"]["bytes"] = "many"
+    elif change == "chunk-short":
+        swap["chunks"][0] = swap["chunks"][0][:4]
+    elif change == "chunk-unit-beyond":
+        swap["chunks"][0][0] = len(manifest["units"])
+    elif change == "unit-offset-negative":
+        manifest["units"][0]["offset"] = -4096
+    elif change == "where-unknown":
+        swap["where"] = "cloud"
+    elif change == "params-not-a-list":
+        manifest["params"] = {"0": swap}
+    elif change == "group-params-text":
+        manifest["param_groups"][0]["params"] = "all"
+
+
+@pytest.mark.parametrize("change, field", [
+    ("files-missing", "field files is missing"), ("file-bytes-text", r"field files\['state.bin'\].bytes must be"),
+    ("chunk-short", r"field params\[\d\].chunks\[0\] must be a list of 5 numbers"),
+    ("chunk-unit-beyond", r"field params\[\d\].chunks\[0\] names unit"),
+    ("unit-offset-negative", r"field units\[0\].offset must be"), ("where-unknown", r"field params\[\d\].where must"),
+    ("params-not-a-list", "field params must be a list"),
+    ("group-params-text", r"field param_groups\[0\].params must be")])
+def test_a_manifest_of_the_wrong_shape_is_refused_naming_the_field(tmp_path, nvme, closing, change, field):
+    """A manifest whose checksum holds but whose shape is wrong (a field missing, of the wrong type, a
+    chunk naming a unit that is not there) is refused by a load, a verify and read_manifest with a
+    ValueError naming the field, before anything changes; never a KeyError, TypeError or IndexError."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(1))
+    ckpt.save_checkpoint(opt, tmp_path / "c")
+    path = tmp_path / "c" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    _reshape(manifest, change)
+    manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
+    path.write_text(json.dumps(manifest))
+    before = copy.deepcopy(opt.state_dict())
+    for read in (ckpt.read_manifest, ckpt.verify_checkpoint, lambda d: ckpt.load_checkpoint(opt, d)):
+        with pytest.raises(ValueError, match=field):
+            read(tmp_path / "c")
+    assert_same_state(before, opt.state_dict())

@@ -1,5 +1,5 @@
-"""Checkpoint safety: a save replaces only a checkpoint of ours (or an empty directory) and deletes only
-what a save of ours wrote; its I/O errors name the file; a load never sees a checkpoint a save is
+"""Checkpoint safety: a save writes only into a checkpoint of ours (or an empty directory) and deletes only
+files a manifest of ours names; its I/O errors name the file; a load never sees a checkpoint a save is
 replacing."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -46,14 +47,18 @@ def tree(root) -> dict:
 
 
 def leftovers(*dirs) -> list[str]:
-    """Temporary siblings (``.tmp-``, ``.old-``) a save left in these directories."""
-    return [n for d in dirs for n in os.listdir(d) if ".tmp-" in n or ".old-" in n]
+    """Anything beside the checkpoints in these directories (a save writes only inside its own)."""
+    return [n for d in dirs for n in os.listdir(d) if "." in n]
+
+
+def on_disk(manifest: dict) -> list[str]:
+    """The files a checkpoint directory holds: its manifest and the files the manifest names."""
+    return sorted([MANIFEST, *(e.get("file", n) for n, e in manifest["files"].items())])
 
 
 # -- what a save may replace ------------------------------------------------------------------------
 
-REFUSED = ["cwd", "run-folder", "nvme-path", "file", "link-to-dir", "foreign-manifest", "checkpoint-plus-file",
-           "corrupt-manifest"]
+REFUSED = ["cwd", "run-folder", "nvme-path", "file", "link-to-dir", "foreign-manifest", "corrupt-manifest"]
 
 
 def make_refused(kind: str, home, make_checkpoint) -> tuple[str, str, str]:
@@ -97,12 +102,9 @@ def make_refused(kind: str, home, make_checkpoint) -> tuple[str, str, str]:
         return str(d), str(home), str(d)
     d = home / "ckpt"
     make_checkpoint(d)
-    if kind == "checkpoint-plus-file":  # a user's file put into a checkpoint would go with it
-        (d / "README.txt").write_text("what this run was\n")
-    else:  # corrupt-manifest: its file list cannot be trusted
-        manifest = json.loads((d / MANIFEST).read_text())
-        manifest["step"] = 12345
-        (d / MANIFEST).write_text(json.dumps(manifest))
+    manifest = json.loads((d / MANIFEST).read_text())  # corrupt-manifest: its file list cannot be trusted
+    manifest["step"] = 12345
+    (d / MANIFEST).write_text(json.dumps(manifest))
     return str(d), str(home), str(d)
 
 
@@ -143,7 +145,7 @@ SAVERS = ["save_checkpoint", "save_parameters", "import_state_dict"]
 @pytest.mark.parametrize("kind", REFUSED)
 def test_a_save_refuses_whatever_is_not_a_checkpoint_and_touches_nothing(tmp_path, monkeypatch, saver, kind):
     """Saving onto a directory that is not one of our checkpoints (cwd, a run folder, an nvme_path,
-    a link to one), a file, or a checkpoint holding other files or a corrupt manifest, raises
+    a link to one), a file, or a checkpoint with a corrupt manifest, raises
     FileExistsError naming it before anything is written; every user file stays byte for byte."""
     home = tmp_path / "home"
     target, cwd, named = make_refused(kind, home, weights_checkpoint)
@@ -181,35 +183,37 @@ def test_saving_into_the_optimizers_own_nvme_path_is_refused_and_the_swap_file_s
 
 
 @pytest.mark.parametrize("saver", SAVERS, indirect=True)
-def test_an_empty_directory_is_replaced_by_the_checkpoint(tmp_path, saver):
+def test_an_empty_directory_becomes_the_checkpoint(tmp_path, saver):
     """An empty directory is used as the target (nothing to lose): it becomes a complete checkpoint,
     and nothing is left beside it."""
     target = tmp_path / "empty"
     target.mkdir()
-    inode = os.stat(target).st_ino
     saver(target)
-    ckpt.verify_checkpoint(target)
-    assert os.stat(target).st_ino != inode  # replaced, not filled in place
+    manifest = ckpt.verify_checkpoint(target)
+    assert sorted(os.listdir(target)) == on_disk(manifest)
     assert not leftovers(tmp_path)
 
 
 @pytest.mark.parametrize("saver", SAVERS, indirect=True)
-def test_a_checkpoint_is_replaced_by_its_next_save(tmp_path, saver):
-    """Saving over a checkpoint of ours replaces it (the ordinary re-save still works) and leaves no
-    temporary sibling."""
+def test_a_checkpoint_is_replaced_by_its_next_save_and_a_users_file_in_it_stays(tmp_path, saver):
+    """Saving over a checkpoint of ours replaces its files with the new save's (the ordinary re-save
+    still works): a file of the user's inside it, and one beside it, stay byte for byte."""
     saver(tmp_path / "c")
-    first = os.stat(tmp_path / "c").st_ino
+    first = ckpt.read_manifest(tmp_path / "c")
+    (tmp_path / "c" / "README.txt").write_text("what this run was\n")
+    (tmp_path / "c.txt").write_text("beside it\n")
     saver(tmp_path / "c")
     second = ckpt.verify_checkpoint(tmp_path / "c")
-    assert os.stat(tmp_path / "c").st_ino != first  # a new directory took the name
-    assert sorted(os.listdir(tmp_path / "c")) == sorted([MANIFEST, *second["files"]])
-    assert not leftovers(tmp_path)
+    assert not set(on_disk(first)) - {MANIFEST} & set(on_disk(second))  # every file is new
+    assert sorted(os.listdir(tmp_path / "c")) == sorted([*on_disk(second), "README.txt"])
+    assert (tmp_path / "c" / "README.txt").read_text() == "what this run was\n"
+    assert (tmp_path / "c.txt").read_text() == "beside it\n"
 
 
 @pytest.mark.parametrize("saver", SAVERS, indirect=True)
 def test_a_link_to_a_checkpoint_is_followed_and_stays_a_link(tmp_path, saver):
     """Saving to a symbolic link to a checkpoint replaces the checkpoint it points to: the link stays
-    a link to the same place, and no temporary sibling is left beside either."""
+    a link to the same place, and nothing is left beside either."""
     (tmp_path / "runs").mkdir()
     real = tmp_path / "runs" / "real"
     weights_checkpoint(real)
@@ -220,47 +224,23 @@ def test_a_link_to_a_checkpoint_is_followed_and_stays_a_link(tmp_path, saver):
     assert os.path.islink(link) and os.readlink(link) == os.path.join("runs", "real")
     new = ckpt.verify_checkpoint(real)
     assert new["files"] != old["files"]
-    assert not leftovers(tmp_path, tmp_path / "runs")
+    assert sorted(os.listdir(real)) == on_disk(new)
+    assert not leftovers(tmp_path / "runs")
 
 
-def test_a_user_file_that_appears_in_the_old_checkpoint_during_a_save_is_not_deleted(tmp_path, monkeypatch):
-    """The checkpoint a save swaps out is deleted only if all of it is ours: with a file written into
-    it after the exchange, it is left (with a warning) under the temporary name, the file intact."""
-    model = torch.nn.Linear(16, 8)
-    save_parameters(model, tmp_path / "c")
-    real_exchange = commit._exchange
-
-    def exchange_then_write(a, b):
-        done = real_exchange(a, b)
-        if done:
-            with open(os.path.join(a, "late.txt"), "w") as f:  # `a` now holds the old checkpoint
-                f.write("written by someone else\n")
-        return done
-
-    monkeypatch.setattr(commit, "_exchange", exchange_then_write)
-    with pytest.warns(RuntimeWarning, match="not ours"):
-        save_parameters(model, tmp_path / "c")
-    kept = [n for n in os.listdir(tmp_path) if n.startswith("c.tmp-")]
-    assert len(kept) == 1 and "late.txt" in os.listdir(tmp_path / kept[0])
-    assert (tmp_path / kept[0] / "late.txt").read_text() == "written by someone else\n"
-    ckpt.verify_checkpoint(tmp_path / "c")
-
-
-def test_stale_sibling_clean_up_removes_only_leftovers_of_ours(tmp_path):
-    """Siblings named like a save's temporary directories are removed only if they hold nothing but a
-    save's files: a directory of someone else's with such a name is left byte for byte."""
-    dead = 2 ** 22 + 12345  # above pid_max's default: no such process
-    foreign = {f"c.tmp-{dead}-0123abcd": "notes.txt", "c.old-89abcdef": "train.py",
-               "c.tmp-del-00ff00ff": "data.csv"}
-    for name, f in foreign.items():
-        (tmp_path / name).mkdir()
-        (tmp_path / name / f).write_text("mine\n")
-    (tmp_path / f"c.tmp-{dead}-feedbeef").mkdir()  # a save that died: only our file names
-    (tmp_path / f"c.tmp-{dead}-feedbeef" / "state.bin").write_bytes(b"\0" * 4096)
-    before = {n: tree(tmp_path / n) for n in foreign}
+def test_what_a_dead_save_left_is_removed_and_nothing_else(tmp_path):
+    """Files of a generation's name that no manifest names (what a save that died left) are removed by
+    the next save of that directory; a user's file there, and any name of another shape, stay."""
     save_parameters(torch.nn.Linear(16, 8), tmp_path / "c")
-    assert {n: tree(tmp_path / n) for n in foreign} == before
-    assert not (tmp_path / f"c.tmp-{dead}-feedbeef").exists()
+    dead = ["params.0123456789abcdef.bin", "manifest.0123456789abcdef.json", "model.fedcba9876543210.pt"]
+    for name in dead:
+        (tmp_path / "c" / name).write_bytes(b"\0" * 4096)
+    mine = ["params.bin.bak", "state.0123.bin", "notes.txt"]
+    for name in mine:
+        (tmp_path / "c" / name).write_text("mine\n")
+    save_parameters(torch.nn.Linear(16, 8), tmp_path / "c")
+    manifest = ckpt.verify_checkpoint(tmp_path / "c")
+    assert sorted(os.listdir(tmp_path / "c")) == sorted([*on_disk(manifest), *mine])
 
 
 # -- offload-ckpt import -----------------------------------------------------------------------------
@@ -292,7 +272,7 @@ def test_cli_import_refuses_whatever_is_not_a_checkpoint_and_fills_an_empty_dire
     out, err = empty.communicate(timeout=120)
     assert empty.returncode == 0, err
     ckpt.verify_checkpoint(tmp_path / "empty")
-    assert not leftovers(tmp_path)
+    assert leftovers(tmp_path) == ["adamw.pt"]
 
 
 # -- a full disk: errors that name the file ----------------------------------------------------------
@@ -302,8 +282,10 @@ def assert_names_the_file(err: OSError, target, name: str) -> None:
     """``err`` is ENOSPC as ``OSError(errno, message, path)`` naming ``name`` in the save of ``target``,
     with the original error chained (not torch's RuntimeError)."""
     assert type(err) is OSError and err.errno == errno.ENOSPC and err.filename, repr(err)
-    assert os.path.basename(err.filename) == name and err.filename.startswith(str(target)), err.filename
-    assert name in str(err) and "No space left" in str(err)
+    stem, ext = os.path.splitext(name)
+    assert re.fullmatch(rf"{stem}\.[0-9a-f]{{16}}{ext}", os.path.basename(err.filename)), err.filename
+    assert err.filename.startswith(str(target)), err.filename
+    assert stem in str(err) and "No space left" in str(err)
     assert isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOSPC
 
 
@@ -428,10 +410,10 @@ def test_loads_racing_another_processs_saves_see_whole_checkpoints(tmp_path, nvm
 
 
 def test_a_reader_that_cannot_wait_says_a_save_is_in_progress(tmp_path):
-    """``reading(dir, timeout=...)`` while another process's save holds the parent's lock raises a
+    """``reading(dir, timeout=...)`` while another process's save holds the directory's lock raises a
     CheckpointError saying a save is in progress, instead of reading a checkpoint being replaced."""
     weights_checkpoint(tmp_path / "c")
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE,
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / "c")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -446,9 +428,9 @@ def test_a_reader_that_cannot_wait_says_a_save_is_in_progress(tmp_path):
 
 
 def test_reads_inside_a_save_of_the_same_thread_do_not_wait_for_it(tmp_path):
-    """A checkpoint read while this same thread saves into the same parent (which holds the lock) goes
-    on at once instead of waiting for itself; a save inside this thread's ``reading`` is refused with
-    an error instead of hanging."""
+    """A checkpoint read while this same thread saves into another directory beside it goes on at once;
+    a save into a directory inside this thread's ``reading`` of it is refused with an error instead of
+    hanging."""
     weights_checkpoint(tmp_path / "a")
     model = torch.nn.Linear(16, 8)
     result = {}
@@ -469,7 +451,7 @@ def test_reads_inside_a_save_of_the_same_thread_do_not_wait_for_it(tmp_path):
     assert not worker.is_alive(), "a read inside a save waited for the save's own lock"
     assert "error" not in result, result.get("error")
     assert result["a"] and ckpt.verify_checkpoint(tmp_path / "b")
-    with commit.reading(tmp_path / "a"):
+    with commit.reading(tmp_path / "b"):
         with pytest.raises(ckpt.CheckpointError, match="while this thread is reading"):
             save_parameters(model, tmp_path / "b")
     ckpt.verify_checkpoint(tmp_path / "b")
@@ -491,8 +473,8 @@ def _manifest_of(model, staged) -> dict:
 
 def test_retention_never_deletes_what_is_not_ours(tmp_path):
     """Pruning under a root that also holds another tool's ``step-<n>`` directory (with a
-    manifest.json of its own), a checkpoint a user put a file into, and a foreign directory named
-    like an interrupted deletion deletes none of them; our own old checkpoints still go."""
+    manifest.json of its own) and a foreign directory named like an interrupted deletion deletes none
+    of them; our own old checkpoints go, and a user's file inside one stays where it was."""
     root = tmp_path / "ckpts"
     root.mkdir()
     foreign = root / "step-1"
@@ -510,14 +492,14 @@ def test_retention_never_deletes_what_is_not_ours(tmp_path):
         annotated = keep.save(opt, 2)
         with open(os.path.join(annotated, "notes.txt"), "w") as f:
             f.write("the good run\n")
-        kept[os.path.basename(annotated)] = tree(annotated)
         for step in range(4, 7):
             train(opt, params, range(step - 1, step))
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # "not deleting ...": the point of the test
                 keep.save(opt, step)
         assert {n: tree(root / n) for n in kept} == kept
-        assert keep.checkpoints() == [annotated, keep.path_for(6)]  # 4 and 5, ours, were deleted
+        assert keep.checkpoints() == [keep.path_for(6)]  # 2, 4 and 5, ours, were deleted
+        assert tree(annotated) == {".": ("dir",), "./notes.txt": ("file", b"the good run\n")}
         assert not [n for n in os.listdir(root) if n.startswith("step-0") and ".tmp-" in n]
     finally:
         opt.close()

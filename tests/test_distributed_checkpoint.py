@@ -149,13 +149,13 @@ def runs(tmp_path_factory):
             {"do": "load", "dir": os.path.join(blind, "a")},
             {"do": "dump", "tag": "blind-loaded"},
             {"do": "train", "steps": 1},
-            {"do": "save", "dir": os.path.join(blind, "a"), "fault": {"rank": 0, "kind": "after_exchange"}},
-            {"do": "barrier"},  # rank 0 puts the old checkpoint back a second late
+            {"do": "save", "dir": os.path.join(blind, "a"), "fault": {"rank": 0, "kind": "after_rename"}},
+            {"do": "barrier"},
             {"do": "listdir", "dir": os.path.join(blind, "a")},
             {"do": "load", "dir": os.path.join(blind, "a")},
             {"do": "dump", "tag": "exchanged-loaded"},
             {"do": "mkdir", "dir": os.path.join(blind, "empty")},
-            {"do": "save", "dir": os.path.join(blind, "empty"), "fault": {"rank": 0, "kind": "after_exchange"}},
+            {"do": "save", "dir": os.path.join(blind, "empty"), "fault": {"rank": 0, "kind": "after_rename"}},
             {"do": "barrier"},
             {"do": "listdir", "dir": blind},
             {"do": "listdir", "dir": os.path.join(blind, "empty")},
@@ -258,7 +258,7 @@ def test_rank_raising_during_save_commits_nothing_and_previous_loads_everywhere(
 def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_on_all_ranks(runs):
     """A rank SIGKILLed while its shard's state is half written: the other rank's save raises instead of
     hanging, the previous checkpoint still verifies and loads on every rank of a new job, and that job's
-    next save clears what the killed one left staged."""
+    next save deletes what the killed one left in the shard directories."""
     tmp, jobs = runs
     job, after = jobs["killed"], jobs["resume"]
     assert job.returncodes == [0, -signal.SIGKILL], job.explain()
@@ -268,12 +268,15 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable_on_all_ranks(r
     assert len(job.logs[1]) == 4  # killed in its fifth action
     assert_ok(after, 13)
     for r in range(WORLD):
-        leftover = after.logs[r][8]["result"]
-        assert leftover[0] == "a" and len(leftover) == 2 and ".tmp-job-" in leftover[1]  # the half shard
+        assert after.logs[r][8]["result"] == ["a"]  # nothing beside the checkpoint
         assert_same(after.dump(r, "after-kill"), job.dump(r, "s1"), f"rank {r}")
-    # The next save removed it: the rank that committed lists only the checkpoint once its save returns.
     assert after.logs[0][12]["result"] == ["a"]
-    assert os.listdir(os.path.join(tmp, "ckpt-killed")) == ["a"]
+    killed = os.path.join(tmp, "ckpt-killed", "a")
+    manifest = read_job_manifest(killed)
+    assert sorted(os.listdir(killed)) == ["manifest.json", "rank-00000", "rank-00001"]
+    for s in manifest["shards"]:
+        named = {e["file"] for e in s["files"].values()} | {s["manifest"]}
+        assert sorted(os.listdir(os.path.join(killed, s["name"]))) == sorted(named), s["name"]
 
 
 def test_rank_that_looks_for_its_directory_late_still_commits_once(runs):
@@ -288,20 +291,22 @@ def test_rank_that_looks_for_its_directory_late_still_commits_once(runs):
     assert os.listdir(os.path.join(tmp, "ckpt-late")) == ["a"]
 
 
-def test_directory_that_cannot_commit_makes_the_others_put_their_previous_checkpoint_back(runs):
-    """Node-local directories: rank 1's commit fails after rank 0's directory has taken the new checkpoint;
-    rank 0 exchanges its previous one back, so both ranks load the checkpoint before the failed save."""
+def test_directory_that_cannot_commit_fails_the_save_everywhere_and_a_load_refuses_the_mix(runs):
+    """Node-local directories: rank 1's commit fails after rank 0's directory has committed. Every rank's
+    save raises (rank 0's saying which rank could not commit), and a load of the directory, which now
+    holds different saves on the two nodes, is refused on every rank with nothing changed."""
     tmp, jobs = runs
     job = jobs["first"]
     for r, log in enumerate(job.logs):
-        assert [e["ok"] for e in log[18:23]] == [True, True, True, False, True], job.explain()
+        assert [e["ok"] for e in log[18:23]] == [True, True, True, False, False], job.explain()
         if r == 1:
             assert log[21]["type"] == "OSError" and "injected fault in the commit" in log[21]["error"]
         else:
             assert "could not be committed on rank 1" in log[21]["error"]
-            assert "previous checkpoint back" in log[21]["error"]
-        assert_same(job.dump(r, "back-loaded"), job.dump(r, "back"), f"rank {r}")
+        assert "different saves" in log[22]["error"] or "cannot load" in log[22]["error"], job.explain()
         assert os.listdir(os.path.join(tmp, f"ckpt-back{r}")) == ["a"]
+    assert read_job_manifest(os.path.join(tmp, "ckpt-back0", "a"))["job"] != \
+        read_job_manifest(os.path.join(tmp, "ckpt-back1", "a"))["job"]
 
 
 def test_asynchronous_save_of_a_job_is_refused_on_every_rank(runs):
@@ -393,13 +398,13 @@ def test_verify_names_the_shard_missing_here(runs, capsys):
 
 def test_late_rank_whose_shard_is_unchanged_does_not_put_the_old_checkpoint_back(runs):
     """Two saves of a directory where only rank 0's shard changes and rank 1's is byte for byte the one it
-    replaces: rank 1, late, sees the directory committed (not the replaced checkpoint, which now has the
-    staging name, as its own to commit), so the new checkpoint stays and verifies."""
+    replaces: rank 1, late, finds its shard committed by rank 0, so the new checkpoint stays and verifies."""
     tmp, jobs = runs
     job = jobs["identical"]
     assert_ok(job)
     same = os.path.join(tmp, "ckpt-same", "a")
-    extra = torch.load(os.path.join(same, "rank-00000", "extra.pt"), weights_only=True)
+    shard = os.path.join(same, "rank-00000")
+    extra = torch.load(os.path.join(shard, read_manifest(shard)["files"]["extra.pt"]["file"]), weights_only=True)
     assert extra.get("mark") == 1, job.explain()
     verify_checkpoint(same)
     assert os.listdir(os.path.join(tmp, "ckpt-same")) == ["a"]
@@ -408,37 +413,37 @@ def test_late_rank_whose_shard_is_unchanged_does_not_put_the_old_checkpoint_back
 def test_save_that_no_rank_commits_fails_everywhere_and_keeps_the_previous_checkpoint(runs):
     """Rank 0, the one to commit the shared directory, cannot see the shards there (not even its own), so
     nobody commits: every rank's save fails saying so (it never reports success with the old checkpoint in
-    place), the staging directory is gone, and the checkpoint that was there loads on every rank."""
+    place), nothing of it is left, and the checkpoint that was there loads on every rank."""
     tmp, jobs = runs
     job = jobs["first"]
     for r, log in enumerate(job.logs):
         assert [e["ok"] for e in log[24:32]] == [True, True, True, False, True, True, True, True], job.explain()
-        assert log[27]["type"] == "CheckpointError" and "could not be committed on rank" in log[27]["error"]
-        assert "previous checkpoint back" in log[27]["error"]
+        assert "could not be committed on rank" in log[27]["error"] or r == 0, job.explain()
         assert log[29]["result"] == ["a"], job.explain()
         assert_same(job.dump(r, "blind-loaded"), job.dump(r, "blind-before"), f"rank {r}")
 
 
-def test_commit_that_fails_after_taking_the_name_leaves_the_previous_checkpoint_whole_on_every_rank(runs):
-    """Rank 0 commits the shared directory (the new checkpoint takes its name, the old one the staging name)
-    and then fails; while it is slow to put the old one back, rank 1 must not delete its own shard from it:
-    both saves fail, and the checkpoint from before loads on both ranks with every shard."""
+def test_commit_that_fails_after_its_rename_fails_everywhere_and_the_new_checkpoint_loads(runs):
+    """Rank 0 commits the shared directory (one rename of the job manifest) and then fails: every rank's
+    save raises, and the checkpoint that the rename committed loads on both ranks with every shard."""
     tmp, jobs = runs
     job = jobs["first"]
     for r, log in enumerate(job.logs):
         assert [e["ok"] for e in log[32:38]] == [True, False, True, True, True, True], job.explain()
         assert "injected fault after the commit" in log[33]["error"] or "on rank 0" in log[33]["error"], job.explain()
         assert log[35]["result"] == ["manifest.json", "rank-00000", "rank-00001"], job.explain()
-        assert_same(job.dump(r, "exchanged-loaded"), job.dump(r, "blind-before"), f"rank {r}")
+        with pytest.raises(AssertionError):  # a step later than the checkpoint before
+            assert_same(job.dump(r, "exchanged-loaded"), job.dump(r, "blind-before"))
 
 
-def test_commit_into_an_empty_directory_that_fails_after_taking_the_name_gives_the_directory_back(runs):
-    """The target is an empty directory of the user's: rank 0's commit exchanges it out (it then has the
-    staging name) and fails; rank 1 must not remove it as an empty staging directory, so rank 0 puts it back
-    and both ranks report the same failure: the directory is there, empty, and nothing else is left."""
+def test_commit_into_an_empty_directory_that_fails_after_its_rename_leaves_the_checkpoint_there(runs):
+    """The target is an empty directory of the user's: rank 0's commit renames the job manifest into it
+    and fails; both ranks report the failure, and the directory holds the committed checkpoint, nothing
+    else beside it."""
     _, jobs = runs
     job = jobs["first"]
     for log in job.logs:
         assert [e["ok"] for e in log[38:43]] == [True, False, True, True, True], job.explain()
         assert "injected fault after the commit" in log[39]["error"] or "on rank 0" in log[39]["error"], job.explain()
-        assert log[41]["result"] == ["a", "empty"] and log[42]["result"] == [], job.explain()
+        assert log[41]["result"] == ["a", "empty"], job.explain()
+        assert log[42]["result"] == ["manifest.json", "rank-00000", "rank-00001"], job.explain()

@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from helpers import SMALL, assert_same_state, flip_bit, make_params, python_env, train
+from helpers import SMALL, assert_same_state, ckpt_file, flip_bit, make_params, python_env, train
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -23,26 +23,41 @@ def make_opt(params, nvme, **kw):
     return OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, **{**SMALL, **kw})
 
 
-def test_a_save_with_mirror_to_copies_it_verified_and_a_corrupt_local_copy_loads_from_the_mirror(
+def test_retention_with_a_mirror_copies_it_verified_and_a_corrupt_local_copy_loads_from_the_mirror(
         tmp_path, nvme, closing):
-    """save_checkpoint(mirror_to=) leaves a verified byte-for-byte copy on the second level; when the
-    local checkpoint is corrupt or gone, load_checkpoint(mirror=) loads the copy, with a warning."""
+    """Retention(mirror=) leaves a verified byte-for-byte copy of an asynchronous save on the second level;
+    when the local checkpoint is corrupt or gone, load_latest loads the copy, with a warning."""
     params = make_params()
     opt = closing(make_opt(params, nvme))
     train(opt, params, range(2))
     expected = copy.deepcopy(opt.state_dict())
-    handle = ckpt.save_checkpoint(opt, tmp_path / "local" / "c", blocking=False, mirror_to=tmp_path / "remote")
+    keep = ckpt.Retention(tmp_path / "local", mirror=tmp_path / "remote")
+    handle = keep.save(opt, 2, blocking=False)
     train(opt, params, range(2, 4))
     handle.wait()
-    for name in os.listdir(tmp_path / "local" / "c"):
-        assert (tmp_path / "local" / "c" / name).read_bytes() == (tmp_path / "remote" / "c" / name).read_bytes()
-    flip_bit(tmp_path / "local" / "c" / "state.bin", 100)
-    with pytest.warns(RuntimeWarning, match="loading the mirror's copy"):
-        ckpt.load_checkpoint(opt, tmp_path / "local" / "c", mirror=tmp_path / "remote")
+    ckpt.wait_for_saves(opt)  # and the copy to the mirror
+    local, remote = keep.path_for(2), keep.mirror.path_for(2)
+    for name in ckpt.read_manifest(local)["files"]:
+        assert open(ckpt_file(local, name), "rb").read() == open(ckpt_file(remote, name), "rb").read()
+    flip_bit(ckpt_file(local, "state.bin"), 100)
+    with pytest.warns(RuntimeWarning, match="trying the mirror's copy"):
+        assert keep.load_latest(opt)[0] == remote
     assert_same_state(copy.deepcopy(opt.state_dict()), expected)
-    os.rename(tmp_path / "local" / "c", tmp_path / "gone")
-    with pytest.warns(RuntimeWarning, match="loading the mirror's copy"):
-        ckpt.load_checkpoint(opt, tmp_path / "local" / "c", mirror=tmp_path / "remote")
+    os.rename(local, tmp_path / "gone")
+    assert keep.load_latest(opt)[0] == remote
+    assert_same_state(copy.deepcopy(opt.state_dict()), expected)
+
+
+def test_save_and_load_take_no_mirror_of_their_own(tmp_path, nvme, closing):
+    """A second copy is Retention's (mirror=): save_checkpoint and load_checkpoint refuse the arguments
+    that used to ask for one, as any unknown argument."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    with pytest.raises(TypeError, match="mirror_to"):
+        ckpt.save_checkpoint(opt, tmp_path / "c", mirror_to=tmp_path / "remote")
+    with pytest.raises(TypeError, match="mirror"):
+        ckpt.load_checkpoint(opt, tmp_path / "c", mirror=tmp_path / "remote")
+    assert sorted(os.listdir(tmp_path)) == ["nvme"]
 
 
 def test_a_mirror_whose_copy_reads_back_wrong_is_not_committed(tmp_path, nvme, closing, monkeypatch):
@@ -58,7 +73,7 @@ def test_a_mirror_whose_copy_reads_back_wrong_is_not_committed(tmp_path, nvme, c
 
     def corrupting(src, dst, bar):
         real(src, dst, bar)
-        if dst.endswith("state.bin"):
+        if os.path.basename(dst).startswith("state."):
             flip_bit(dst, 4096)
 
     monkeypatch.setattr(mirror_module, "_copy_file", corrupting)
@@ -92,7 +107,7 @@ def test_retention_keeps_per_level_and_never_deletes_one_held_open_by_another_pr
     train(opt, params, range(1))
     keep.save(opt, 1)
     holder = subprocess.Popen([sys.executable, "-c", "import sys; f = open(sys.argv[1], 'rb'); print('open', "
-                               "flush=True); sys.stdin.readline()", os.path.join(keep.path_for(1), "state.bin")],
+                               "flush=True); sys.stdin.readline()", ckpt_file(keep.path_for(1), "state.bin")],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "open"
@@ -169,7 +184,7 @@ def test_pruning_keeps_the_newest_checkpoint_that_verifies_when_newer_ones_are_c
     for step in (1, 2, 3):
         train(opt, params, range(step, step + 1))
         writer.save(opt, step)
-    flip_bit(os.path.join(writer.path_for(3), "state.bin"), 10)
+    flip_bit(ckpt_file(writer.path_for(3), "state.bin"), 10)
     with pytest.warns(RuntimeWarning, match="does not verify"):
         removed = ckpt.Retention(tmp_path, keep_last=1).prune()
     assert removed == [writer.path_for(1)]

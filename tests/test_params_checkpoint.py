@@ -12,13 +12,12 @@ import os
 
 import pytest
 import torch
-from helpers import OPT, TINY, Net, assert_same_state, assert_same_weights, flip_bit, loss_of
+from helpers import OPT, TINY, Net, assert_same_state, assert_same_weights, ckpt_file, flip_bit, loss_of
 
 from offload import OffloadedAdamW, StateError, offload_parameters, restore_parameters
 from offload import checkpoint as ckpt
 from offload.aio import Engine
 from offload.checkpoint import load_parameters, save_parameters
-from offload.checkpoint import stream as ckpt_stream
 from offload.ckpt_cli import main as ckpt_main
 from offload.params import materialized, offloaded, store_of
 
@@ -185,12 +184,12 @@ def test_flipped_bit_in_params_bin_is_named_and_nothing_changes(tmp_path, build)
     opt.save_checkpoint(tmp_path / "c", model=model)
     entry = next(e for e in ckpt.read_manifest(tmp_path / "c")["model"]["tensors"]
                  if e["name"] == "blocks.1.up.weight")
-    flip_bit(tmp_path / "c" / "params.bin", entry["offset"] + 100, 0x04)
+    flip_bit(ckpt_file(tmp_path / "c", "params.bin"), entry["offset"] + 100, 0x04)
 
     other, opt2 = build(6)
     train(other, opt2, range(1), torch.float32)
     before, state = weights(other), copy.deepcopy(opt2.state_dict())  # in-memory state comes back live
-    with pytest.raises(ckpt.ChecksumError, match=r"params.bin: parameter 'blocks.1.up.weight' \(bytes "
+    with pytest.raises(ckpt.ChecksumError, match=r"params\.[0-9a-f]{16}\.bin: parameter 'blocks.1.up.weight' \(bytes "
                                                  rf"\[{entry['offset']}, {entry['offset'] + entry['length']}\)\)"):
         opt2.load_checkpoint(tmp_path / "c", model=other)
     assert_same_tensors(before, weights(other))
@@ -236,20 +235,19 @@ def test_write_fault_while_saving_weights_leaves_the_previous_checkpoint_loadabl
     saved = weights(model)
     train(model, opt, range(2, 3), torch.float32)
 
-    engines = []
+    class SecondEngineFails(ckpt.Storage):
+        engines = 0
 
-    def make(aio):
-        engine = Engine(aio)
-        engines.append(engine)
-        if len(engines) == 2:  # the first writes state.bin, the second params.bin
-            engine.inject_fault("error", op="write", skip=1)
-        return engine
+        def engine(self, aio):
+            engine = Engine(aio)
+            self.engines += 1
+            if self.engines == 2:  # the first writes state.bin, the second params.bin
+                engine.inject_fault("error", op="write", skip=1)
+            return engine
 
-    monkeypatch.setattr(ckpt_stream, "_make_engine", make)
-    with pytest.raises(OSError, match="params.bin") as info:
-        opt.save_checkpoint(tmp_path / "c", model=model)
+    with pytest.raises(OSError, match=r"params\.[0-9a-f]{16}\.bin") as info:
+        ckpt.save_checkpoint(opt, tmp_path / "c", model=model, storage=SecondEngineFails())
     assert info.value.errno == 5
-    monkeypatch.undo()
     assert sorted(os.listdir(tmp_path)) == ["c", "nvme"]
 
     other, opt2 = build(11)
@@ -311,7 +309,8 @@ def test_checkpoint_without_a_model_loads_as_before_and_refuses_a_model(tmp_path
     model, opt = build(16)
     train(model, opt, range(2), torch.float32)
     opt.save_checkpoint(tmp_path / "c")
-    assert sorted(os.listdir(tmp_path / "c")) == ["manifest.json", "memory.pt", "state.bin"]
+    assert sorted(ckpt.read_manifest(tmp_path / "c")["files"]) == ["memory.pt", "state.bin"]
+    assert len(os.listdir(tmp_path / "c")) == 3
     opt.load_checkpoint(tmp_path / "c")
     before = weights(model)
     with pytest.raises(ckpt.CheckpointError, match="holds no model weights"):
@@ -361,15 +360,14 @@ def test_failed_load_blocks_fetches_until_a_load_succeeds(tmp_path, build, monke
     checked = sum(-(-e["length"] // unit) for e in ckpt.read_manifest(tmp_path / "c")["model"]["tensors"]
                   if e.get("where") == "params.bin")
 
-    def make(aio):
-        engine = Engine(aio)
-        engine.inject_fault("error", op="read", skip=checked + 5)
-        return engine
+    class ReadFails(ckpt.Storage):
+        def engine(self, aio):
+            engine = Engine(aio)
+            engine.inject_fault("error", op="read", skip=checked + 5)
+            return engine
 
-    monkeypatch.setattr(ckpt_stream, "_make_engine", make)
-    with pytest.raises(OSError, match="params.bin"):
-        opt2.load_checkpoint(tmp_path / "c", model=other)
-    monkeypatch.undo()
+    with pytest.raises(OSError, match=r"params\.[0-9a-f]{16}\.bin"):
+        ckpt.load_checkpoint(opt2, tmp_path / "c", model=other, storage=ReadFails())
     with pytest.raises(StateError, match="failed part-way"):
         loss_of(other, 0)
     with pytest.raises(StateError):

@@ -9,13 +9,14 @@ import torch
 
 from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
+from ..checkpoint.load import restore_in_memory
 from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
-from ..distributed import like, local
+from ..distributed import like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
 from ..params import ParamAccess
-from ..state import HALF_DTYPES, ParamSlot, StateStore, check_state_dict, in_memory_state, local_entry, step_tensor
+from ..state import ParamSlot, StateStore, check_state_dict, local_entry
 from .checks import check_dtensor_options, check_grad, check_params, no_duplicate_warning
 from .update import NO_SCALING, GradScaling, kernel_flags, update_chunks, update_in_memory
 from .wear import WearMeter
@@ -306,56 +307,43 @@ class OffloadedAdam(torch.optim.Adam):
             raise ValueError("the optimizer is closed")
         params = check_state_dict(self.param_groups, state_dict)
         self._abandon_backward_step("load_state_dict()")
-        for g, s in zip(self.param_groups, state_dict["param_groups"]):
-            g.update({k: v for k, v in s.items() if k != "params"})
         entries = {params[k]: local_entry(entry, params[k]) for k, entry in state_dict["state"].items()}
-        late = {p for p in entries if not store.is_small(p) and store.slot(p) is None}
+        offloaded = {p: e for p, e in entries.items() if not store.is_small(p)}
+        restore_in_memory(self, state_dict["param_groups"], {p: e for p, e in entries.items() if p not in offloaded},
+                          {p: e.get("step", 0.0) for p, e in offloaded.items()})
+        late = {p for p in offloaded if store.slot(p) is None}
         if late:
             store.place(self.param_groups, only=late)  # frozen at construction: placed now, together
-        self.state.clear()
-        for slot in store.layout.slots.values():
-            slot.initialized = False
-        by_slot = {}
-        for p, entry in entries.items():
-            if store.is_small(p):
-                # An fp32 master missing from it is seeded from the weights (fetched if they are offloaded).
-                with self._access.resident([p] if p.dtype in HALF_DTYPES and "master" not in entry else []):
-                    st = in_memory_state(local(p), entry)
-                self.state[p] = {k: like(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in st.items()}
-            else:
-                self.state[p] = {"step": step_tensor(entry.get("step", 0.0))}
-                by_slot[store.slot(p)] = entry
+        by_slot = {store.slot(p): e for p, e in offloaded.items()}
         units = store.units_of(by_slot)
         with self._access.units(units, {id(s) for s in by_slot}, write_back=False) as unit_pass:
             # A master copy made from weights on NVMe needs them resident, one unit's worth at a time.
             store.write_state(by_slot, master_from=unit_pass.weights, after_unit=unit_pass.done)
         store.restored()
 
-    def save_checkpoint(self, directory, *, model=None, extra=None, blocking: bool = True, mirror_to=None,
+    def save_checkpoint(self, directory, *, model=None, extra=None, blocking: bool = True,
                         snapshot: str = "auto", progress: Optional[bool] = None, alone: bool = False):
         """Save the whole optimizer state to ``directory`` atomically, streaming it through the pool.
 
         Host memory stays bounded by the pool whatever the model size. ``model``'s weights are saved
         beside it (offloaded ones streamed through the parameter pool), and ``extra`` (for instance
         ``{"step": step}``). ``blocking=False`` returns a handle at once while training goes on (the
-        checkpoint holds the state at the call); ``mirror_to`` copies the committed checkpoint to a
-        second directory. In a job of several ranks every rank calls it (one checkpoint for the job), unless
-        ``alone=True`` (one rank saving by itself, e.g. rank 0 under DDP). See
+        checkpoint holds the state at the call). In a job of several ranks every rank calls it (one
+        checkpoint for the job), unless ``alone=True`` (one rank saving by itself, e.g. rank 0 under DDP). See
         :func:`offload.checkpoint.save_checkpoint`.
         """
         self._refuse_during_backward_step("save_checkpoint()")
-        return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
+        return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking,
                                snapshot=snapshot, progress=progress, alone=alone)
 
-    def load_checkpoint(self, directory, *, model=None, mirror=None, progress: Optional[bool] = None,
+    def load_checkpoint(self, directory, *, model=None, progress: Optional[bool] = None,
                         alone: bool = False):
         """Restore state saved by :meth:`save_checkpoint` (checksums verified), and ``model``'s
-        weights if given; returns its ``extra``. ``mirror`` is a second directory to load from when
-        ``directory`` is missing or damaged; ``alone`` as for :meth:`save_checkpoint`. See
+        weights if given; returns its ``extra``. ``alone`` as for :meth:`save_checkpoint`. See
         :func:`offload.checkpoint.load_checkpoint`.
         """
         self._abandon_backward_step("load_checkpoint()")
-        return load_checkpoint(self, directory, model=model, mirror=mirror, progress=progress, alone=alone)
+        return load_checkpoint(self, directory, model=model, progress=progress, alone=alone)
 
     def _refuse_during_backward_step(self, what: str) -> None:
         """With overlap_backward, between a backward and step() the step is running on the pool: what

@@ -10,7 +10,7 @@ Example::
     save_checkpoint(opt, "/ckpt/run1", model=model, extra={"step": step})
     extra = load_checkpoint(opt, "/ckpt/run1", model=model)
 
-    handle = save_checkpoint(opt, "/ckpt/run2", blocking=False, mirror_to="/mnt/remote/ckpt")
+    handle = save_checkpoint(opt, "/ckpt/run2", blocking=False)
     ...  # training goes on; the checkpoint holds the state at the call
     handle.wait()
 """
@@ -30,6 +30,7 @@ from .format import FORMAT_VERSION
 from .load import load_checkpoint
 from .retention import Retention, save_with_retention
 from .save import mirror_checkpoint, save_checkpoint, wait_for_saves
+from .storage import Storage
 from .verify import inspect_checkpoint, read_manifest, verify_checkpoint
 from .weights import load_parameters, save_parameters
 
@@ -39,6 +40,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Retention",
     "SaveHandle",
+    "Storage",
     "export_checkpoint",
     "export_model_checkpoint",
     "export_model_state_dict",

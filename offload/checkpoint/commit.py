@@ -1,113 +1,89 @@
-"""Atomic commit of a checkpoint directory: staging, fsync, and the exchange of the old checkpoint for
-the new. Readers (``reading``) hold it still under the parent's lock, and put back a checkpoint that a
-save which died half way left aside."""
+"""The commit rule of checkpoints: a save writes its files under fresh names (its generation's), fsyncs
+them, writes its manifest last and fsyncs it, and one rename onto ``manifest.json`` commits it; the
+previous generation's files are deleted once that rename is durable. Saves of one directory take its
+lock alone, readers (``reading``) share it."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno as _errno
+import fcntl
 import json
 import os
-import re
 import secrets
-import shutil
 import threading
+import time
 import weakref
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError
 from .format import MANIFEST, _io_error, _manifest_digest
-from .locks import _Hold, _lock
-from .ownership import _checkpoint_problem, _clean_stale, _remove_ours, _target_kind
+from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
+from .storage import DEFAULT_STORAGE, Storage
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    DEFAULT_STORAGE.fsync_dir(path)
+
+
+# -- the directory's lock ------------------------------------------------------------------------
+
+_NO_LOCKS = (_errno.ENOLCK, _errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EINVAL, _errno.ENOSYS)
+_READING = threading.local()  # the directories (st_dev, st_ino) this thread is inside reading() of
+
+
+# NOTE: saves hold the checkpoint directory's flock exclusively from their first file to the deletion
+# of the previous generation, readers hold it shared, so a load never has a file deleted under it and
+# two saves of one directory never interleave. A thread that saves into a directory it is reading
+# would wait for itself: that is refused instead.
+def _lock(path: str, *, exclusive: bool, timeout: float | None = None) -> int | None:
+    """Take directory ``path``'s flock; returns the descriptor that holds it (close it to let go), or
+    None for a reader where the directory is missing or the file system has no flock."""
     try:
-        os.fsync(fd)
-    except OSError as err:
-        raise _io_error(err, path, "cannot fsync") from err
-    finally:
-        os.close(fd)
-
-
-_libc = None
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap two paths atomically (renameat2 RENAME_EXCHANGE); False where unsupported."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.renameat2  # noqa: B018 - probe: older C libraries lack it
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc is False:
-        return False
-    rc = _libc.renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (_errno.EINVAL, _errno.ENOSYS, _errno.ENOTSUP, _errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}", b)
-
-
-def _rename(src: str, dst: str) -> None:
-    os.rename(src, dst)
-
-
-# -- readers: recovery under the shared lock -------------------------------------------------------
-
-
-def _recover(directory: str) -> None:
-    """Put back a checkpoint left aside by a save that died between its two renames.
-
-    Only a complete checkpoint of ours under ``<directory>.old-<hex>`` is put back, the most recently
-    set aside first. Safe to run by several readers at once (they hold the parent's shared lock).
-    """
-    if os.path.lexists(directory):
-        return
-    parent, name = os.path.split(directory)
-    pattern = re.compile(re.escape(name) + r"\.old-[0-9a-f]+$")
-    try:
-        aside = [os.path.join(parent, n) for n in os.listdir(parent) if pattern.match(n)]
-    except FileNotFoundError:
-        return
-    found = []
-    for p in aside:
-        with contextlib.suppress(FileNotFoundError):
-            found.append((os.lstat(p).st_ctime_ns, p))
-    for _, p in sorted(found, reverse=True):
-        if _checkpoint_problem(p) is not None:
-            continue
-        try:
-            os.rename(p, directory)
-        except FileNotFoundError:
-            continue  # another reader put it back first
-        except OSError as err:
-            if err.errno in (_errno.ENOTEMPTY, _errno.EEXIST) and os.path.lexists(directory):
-                return  # likewise
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+    except OSError:
+        if exclusive:
             raise
-        _fsync_dir(parent)
-        return
+        return None
+    try:
+        st = os.fstat(fd)
+        if exclusive and (st.st_dev, st.st_ino) in getattr(_READING, "dirs", ()):
+            raise CheckpointError(f"cannot save into {path} while this thread is reading it (inside reading()); "
+                                  "finish reading first")
+        op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.005
+        while True:
+            try:
+                fcntl.flock(fd, op | (fcntl.LOCK_NB if deadline is not None else 0))
+                return fd
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckpointError(
+                        f"a save into {path} is in progress (another process or thread holds its lock); waited "
+                        f"{timeout:g} s for it to finish. Load again once it is done, or load another checkpoint"
+                    ) from None
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, 0.25)
+            except OSError as err:
+                if exclusive or err.errno not in _NO_LOCKS:
+                    raise
+                os.close(fd)
+                return None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
 
 
 @contextlib.contextmanager
 def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> Iterator[str]:
-    """Hold a checkpoint still while it is read: no save into its parent directory runs meanwhile.
+    """Hold a checkpoint still while it is read: no save into it commits or deletes meanwhile.
 
-    Takes the parent directory's lock shared (saves take it exclusively for their whole duration),
-    so it waits for a save in progress in another process or thread, and a save started meanwhile
-    waits until the block ends. Inside it, a checkpoint that a save which died between its two
-    renames left aside as ``<directory>.old-*`` is put back first. A read inside a save of the same
-    thread, or inside another ``reading`` of the same parent, takes nothing more. Hold it for the
-    whole of a load (manifest, small files and data): files read one by one otherwise may come
-    from two different saves.
+    Takes the checkpoint directory's lock shared (saves take it exclusively), so it waits for a save
+    in progress in another process or thread, and a save started meanwhile waits until the block
+    ends. Hold it for the whole of a load (manifest, small files and data).
 
     Args:
         directory: the checkpoint directory (a symbolic link is followed).
@@ -118,8 +94,8 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
 
     Raises:
         CheckpointError: ``timeout`` passed with a save still in progress (the message says so).
-            A save started inside ``reading`` of the same parent, in the same thread, raises it
-            too, instead of waiting forever for its own reader.
+            A save into the same directory started inside ``reading`` of it, in the same thread,
+            raises it too, instead of waiting forever for its own reader.
 
     Example::
 
@@ -127,147 +103,147 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
             extra = load_checkpoint(opt, ckpt_dir)
     """
     given = os.path.abspath(os.fspath(directory))
-    real = os.path.realpath(given)
-    release = _lock(os.path.dirname(real), exclusive=False, timeout=timeout)
+    fd = _lock(os.path.realpath(given), exclusive=False, timeout=timeout)
+    key = None
+    if fd is not None:
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        dirs = _READING.__dict__.setdefault("dirs", [])
+        dirs.append(key)
     try:
-        _recover(real)
         yield given
     finally:
-        release()
+        if fd is not None:
+            _READING.dirs.remove(key)
+            os.close(fd)
 
 
-def recover_for_reading(directory: str) -> None:
-    """:func:`_recover` for readers, under the parent's lock (see :func:`reading`), so that it never
-    runs between a save's two renames. Only a missing directory needs it."""
-    if os.path.exists(directory):
-        return
-    with reading(directory):
-        pass
+# -- writing and committing ------------------------------------------------------------------------
 
 
-# -- staging and committing ---------------------------------------------------------------------
-
-
-def _write_json(path: str, manifest: dict) -> None:
+def _write_json(path: str, manifest: dict, storage: Storage = DEFAULT_STORAGE) -> None:
     """Write ``manifest`` to the new file ``path`` and fsync it."""
     try:
         with open(path, "x") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
             f.flush()
-            os.fsync(f.fileno())
+            storage.fsync(f.fileno(), path)
     except OSError as err:
         raise _io_error(err, path, "cannot write") from err
 
 
 class _Staged:
-    """A checkpoint being written under a temporary sibling name, then committed atomically.
+    """A checkpoint being written into its directory under its generation's names, then committed.
 
     ``directory`` is the path as given (absolute); ``target`` the real directory it names (a symbolic
-    link followed), where the renames happen; ``tmp`` the sibling being written.
+    link followed), where the files go. ``path(name)`` is where the file ``name`` of the format is
+    written; :meth:`commit` records those names in the manifest and commits it. Every file-system
+    call of the save goes through ``storage``.
     """
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, *, generation: str | None = None, locked: bool = True,
+                 storage: Storage = DEFAULT_STORAGE):
+        self.storage = storage
         self.directory = os.path.abspath(os.fspath(directory))
         self.target = os.path.realpath(self.directory)
-        self.parent = os.path.dirname(self.target)
-        self._committed = False
-        os.makedirs(self.parent, exist_ok=True)
-        # Saves of one directory from several processes queue here rather than race on the renames.
-        self._release: _Hold | None = _lock(self.parent, exclusive=True)
+        self.parent = self.target
+        self.generation = generation or secrets.token_hex(8)
+        self.committed = False
+        self.written: dict[str, str] = {}  # name in the format -> name on disk
+        self._fd: int | None = None
+        check_target(self.target, self.directory)  # refused before anything is written
+        self.made = not os.path.isdir(self.target)
+        if self.made:
+            os.makedirs(self.target, exist_ok=True)
+            storage.fsync_dir(os.path.dirname(self.target))
+        if locked:
+            self._fd = _lock(self.target, exclusive=True)
         try:
-            _recover(self.target)
-            _target_kind(self.target, self.directory)  # refuse before anything is written
-            _clean_stale(self.target)
-            self.tmp = f"{self.target}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-            os.mkdir(self.tmp, 0o755)
+            check_target(self.target, self.directory)  # again, now that no other save runs here
+            self.previous = our_manifest(self.target)
+            if locked:
+                sweep(self.target, self.previous, unlink=storage.unlink)
         except BaseException:
             self.close()
             raise
 
     def path(self, name: str) -> str:
-        return os.path.join(self.tmp, name)
+        self.written[name] = fresh_name(name, self.generation)
+        return os.path.join(self.target, self.written[name])
 
-    def _write_manifest(self, manifest: dict) -> None:
-        _write_json(self.path(MANIFEST), manifest)
+    def finish(self, manifest: dict) -> str:
+        """Name this generation's files in ``manifest``, write it under a fresh name and fsync it (and
+        the directory, so every file it names is there after a crash); returns its path."""
+        for name, entry in manifest["files"].items():
+            entry["file"] = self.written[name]
+        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
+        path = self.path(MANIFEST)
+        _write_json(path, manifest, self.storage)
+        self.storage.fsync_dir(self.target)
+        return path
 
     def commit(self, manifest: dict) -> None:
-        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
-        self._write_manifest(manifest)
-        _fsync_dir(self.tmp)
-        # Again: something may have taken the name while the files were written.
-        kind = _target_kind(self.target, self.directory)
-        if kind == "missing":
-            _rename(self.tmp, self.target)
-            self._committed = True
-            _fsync_dir(self.parent)
-            return
-        if _exchange(self.tmp, self.target):
-            # The old checkpoint now carries the temporary name: from here on only the new is loadable.
-            self._committed = True
-            _fsync_dir(self.parent)
-            _remove_ours(self.tmp)
-            return
-        aside = f"{self.target}.old-{secrets.token_hex(4)}"
-        _rename(self.target, aside)
-        _rename(self.tmp, self.target)  # a crash just before this: _recover() restores `aside`
-        self._committed = True
-        _fsync_dir(self.parent)
-        _remove_ours(aside)
+        staged = self.finish(manifest)
+        self.storage.rename(staged, os.path.join(self.target, MANIFEST))  # the commit
+        self.committed = True
+        self.storage.fsync_dir(self.target)
+        delete_named(self.target, named_files(self.target, self.previous), named_files(self.target, manifest),
+                     unlink=self.storage.unlink)
 
     def abort(self) -> None:
-        if not self._committed:
-            shutil.rmtree(self.tmp, ignore_errors=True)  # ours: made by this object under a fresh name
-
-    def hand_over(self, thread: int) -> None:
-        """The parent's lock becomes thread ``thread``'s, which then finishes (or aborts) and closes this."""
-        if self._release is not None:
-            self._release.hand_over(thread)
+        """Delete what this save wrote (it never committed, so nothing names it)."""
+        if not self.committed:
+            for name in self.written.values():
+                with contextlib.suppress(FileNotFoundError):
+                    self.storage.unlink(os.path.join(self.target, name))
+            if self.made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.target)  # only if still empty: it was made for this save
 
     def close(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor of the open file lets its flock go
+            self._fd = None
 
 
 class _Shard(_Staged):
-    """A rank's shard of a job's checkpoint, written in place inside the job's staging directory.
+    """A rank's shard of a job's checkpoint, written into ``<job directory>/rank-<r>`` under the job's
+    generation. Only this rank writes there, so no lock is taken (ranks that share a file system would
+    otherwise queue, one shard at a time). Its ``commit`` writes the shard's manifest under a fresh
+    name and fsyncs it; the job manifest, which names it, commits it (``job._save_job``)."""
 
-    Only this rank writes there, under a name no other save uses, so no lock is taken (ranks that
-    share a file system would otherwise queue on the parent's lock, one shard at a time). Its
-    ``commit`` writes the shard's manifest and fsyncs it; the job's commit (``job._JobCommit``)
-    gives the staging directory the checkpoint's name.
-    """
-
-    def __init__(self, path: str):
-        self.directory = self.target = self.tmp = os.path.abspath(path)
-        self.parent = os.path.dirname(self.tmp)
-        self._committed = False
-        self._release = None
+    def __init__(self, job_directory: str, name: str, generation: str, storage: Storage = DEFAULT_STORAGE):
+        self.storage = storage
+        self.directory = self.target = self.parent = os.path.join(job_directory, name)
+        self.generation = generation
+        self.committed = False
+        self.written = {}
+        self._fd = None
         self.manifest: dict | None = None
-        os.mkdir(self.tmp, 0o755)
+        self.made = not os.path.isdir(self.target)
+        os.makedirs(self.target, exist_ok=True)
+        sweep(job_directory, our_manifest(job_directory), shard=name, unlink=storage.unlink)
 
     def commit(self, manifest: dict) -> None:
-        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
-        self._write_manifest(manifest)
-        _fsync_dir(self.tmp)
-        _fsync_dir(self.parent)
+        self.finish(manifest)
         self.manifest = manifest
 
 
-def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], dict]) -> str:
+def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], dict],
+                      storage: Storage = DEFAULT_STORAGE) -> str:
     """Stage ``directory``, let ``write`` fill it and return its manifest, then commit; returns the path.
 
-    ``directory`` must be missing, an empty directory or a complete checkpoint of ours (see
-    :func:`_target_kind`); anything else is refused before anything is written. On any error (or
-    interruption) the staged directory is removed and ``directory`` is untouched; an I/O error names
-    the file (or, where the failing call did not say, the checkpoint directory).
+    ``directory`` must be missing, an empty directory or a checkpoint of ours (see
+    :func:`ownership.check_target`); anything else is refused before anything is written. On any
+    error (or interruption) what was written is removed and the checkpoint there is untouched; an
+    I/O error names the file (or, where the failing call did not say, the checkpoint directory).
 
     Raises:
         FileExistsError: ``directory`` is a file, or a directory that is not one of our checkpoints.
         OSError: writing failed (``OSError(errno, message, path)``, the original chained).
     """
-    staged = _Staged(directory)
+    staged = _Staged(directory, storage=storage)
     try:
         try:
             manifest = write(staged)
@@ -293,7 +269,7 @@ class SaveHandle:
 
     Attributes:
         directory: the checkpoint directory (absolute).
-        committed: True once the checkpoint at ``directory`` is complete (a copy to ``mirror_to``
+        committed: True once the checkpoint at ``directory`` is complete (a copy to a mirror level
             may still be under way).
     """
 
@@ -305,7 +281,7 @@ class SaveHandle:
         self._observed = False
 
     def done(self) -> bool:
-        """Whether the save (and its copy to ``mirror_to``, if any) has finished, well or not. Never blocks."""
+        """Whether the save (and its copy to a mirror level, if any) has finished, well or not. Never blocks."""
         return self._done.is_set()
 
     def wait(self, timeout: float | None = None) -> str:

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 import xxhash
 
+from ..aio import Engine
 from ..buffers import BufferPool
 from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
 from ..state import Layout, step_tensor
 from ..units import ALIGNMENT
-from . import stream
 from .commit import _fsync_dir, _Staged, _write_atomically, reading
 from .format import (
     MEMORY,
@@ -84,7 +84,7 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
     units = manifest["units"]
     whole = xxhash.xxh3_64()
     with _tool_pool(manifest) as pool:
-        engine = stream._make_engine(_aio_of(manifest))
+        engine = Engine(_aio_of(manifest))
         try:
             with engine.open(path, "r") as f:
                 def read(u, buf):

@@ -92,12 +92,6 @@ def _numel(shape: Iterable[int]) -> int:
     return n
 
 
-def _step_tensor(step) -> torch.Tensor:
-    if torch.is_tensor(step):
-        return step.detach().to("cpu", torch.float32).clone()
-    return torch.tensor(float(step), dtype=torch.float32)
-
-
 def _cpu_state(state: dict) -> dict:
     """A parameter's in-memory state copied to the CPU, as memory.pt holds it."""
     return {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in state.items()}
@@ -137,6 +131,17 @@ def _check_digest(manifest: dict, path: str, u: int, found: str) -> None:
             "checkpoint is corrupt, load an older one")
 
 
+def file_path(directory: str, name: str, entry: dict) -> str:
+    """Where the file ``name`` of the format is in checkpoint ``directory``, from its manifest entry:
+    under the generation's name the save recorded (``file``), or under ``name`` itself (the first
+    format's layout)."""
+    on_disk = entry.get("file", name) if isinstance(entry, dict) else name
+    if not isinstance(on_disk, str) or os.path.basename(on_disk) != on_disk or on_disk in ("", ".", ".."):
+        raise CheckpointError(f"checkpoint {directory}: its manifest gives {name} the file name {on_disk!r}, "
+                              "which is not a file of the checkpoint directory")
+    return os.path.join(directory, on_disk)
+
+
 def _check_data_digest(manifest: dict, path: str, found: str, name: str = DATA) -> None:
     """``found``, the xxh3_64 of the whole data file ``name``, against the manifest's."""
     if found != manifest["files"][name]["xxh3_64"]:
@@ -146,7 +151,7 @@ def _check_data_digest(manifest: dict, path: str, found: str, name: str = DATA) 
 
 def _check_data_size(directory: str, manifest: dict, name: str = DATA) -> str:
     """The path of data file ``name``, after checking it exists with the size the manifest gives."""
-    path = os.path.join(directory, name)
+    path = file_path(directory, name, manifest["files"][name])
     expected = manifest["files"][name]["bytes"]
     try:
         size = os.stat(path).st_size
@@ -159,7 +164,7 @@ def _check_data_size(directory: str, manifest: dict, name: str = DATA) -> str:
 
 
 def _check_file_hash(directory: str, name: str, entry: dict) -> None:
-    path = os.path.join(directory, name)
+    path = file_path(directory, name, entry)
     h, n = xxhash.xxh3_64(), 0
     try:
         with open(path, "rb") as f:
@@ -220,8 +225,13 @@ class _HashingWriter:
             raise
 
 
-def _write_torch(obj: Any, path: str) -> dict:
-    """``torch.save(obj)`` into a new file ``path``, fsynced; returns its size and xxh3_64.
+def _fsync(fd: int, path: str) -> None:
+    os.fsync(fd)
+
+
+def _write_torch(obj: Any, path: str, fsync: Callable[[int, str], None] = _fsync) -> dict:
+    """``torch.save(obj)`` into a new file ``path``, fsynced with ``fsync(fd, path)`` (a save's
+    ``Storage.fsync``); returns its size and xxh3_64.
 
     Raises:
         OSError: writing failed (ENOSPC, EIO, ...): ``OSError(errno, message, path)``, with the
@@ -233,7 +243,7 @@ def _write_torch(obj: Any, path: str) -> dict:
             w = _HashingWriter(f)
             torch.save(obj, w)
             w.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno(), path)
     except OSError as err:
         raise _io_error(err, path, "cannot write") from err
     except RuntimeError:
@@ -254,20 +264,20 @@ def _torch_bytes(obj: Any) -> _Serialized:
     return _Serialized(out.getvalue())
 
 
-def _write_bytes(data: bytes, path: str) -> dict:
+def _write_bytes(data: bytes, path: str, fsync: Callable[[int, str], None] = _fsync) -> dict:
     """``data`` into a new file ``path``, fsynced; returns its size and xxh3_64 (as :func:`_write_torch`)."""
     try:
         with open(path, "xb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            fsync(f.fileno(), path)
     except OSError as err:
         raise _io_error(err, path, "cannot write") from err
     return {"bytes": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}
 
 
 def _read_torch(directory: str, name: str, entry: dict) -> Any:
-    path = os.path.join(directory, name)
+    path = file_path(directory, name, entry)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -350,9 +360,9 @@ def _write_memory_and_manifest(staged, *, kind: str, groups: list[dict], entries
     files = {DATA: data["file"]}
     memory = memory_state if isinstance(memory_state, _Serialized) else \
         {"param_groups": groups, "state": memory_state, "steps": steps}
-    files[MEMORY] = _write_any(memory, staged.path(MEMORY))
+    files[MEMORY] = _write_any(memory, staged.path(MEMORY), staged.storage.fsync)
     if extra is not None:
-        files[EXTRA] = _write_any(extra, staged.path(EXTRA))
+        files[EXTRA] = _write_any(extra, staged.path(EXTRA), staged.storage.fsync)
     manifest = _base_manifest(kind, _groups_json(groups), entries, config, unit_bytes)
     manifest["threshold"] = threshold
     manifest["units"] = data["units"]
@@ -360,10 +370,10 @@ def _write_memory_and_manifest(staged, *, kind: str, groups: list[dict], entries
     return manifest
 
 
-def _write_any(obj: Any, path: str) -> dict:
+def _write_any(obj: Any, path: str, fsync: Callable[[int, str], None]) -> dict:
     if isinstance(obj, _Serialized):
-        return _write_bytes(obj, path)
-    return _write_torch(obj, path)
+        return _write_bytes(obj, path, fsync)
+    return _write_torch(obj, path, fsync)
 
 
 def _base_manifest(kind: str, groups_json: list, params: list, config: dict, unit_bytes: int) -> dict:

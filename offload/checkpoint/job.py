@@ -1,12 +1,10 @@
-"""A job's checkpoints (torch.distributed): the ranks' agreement, a job's save, and its commit in each
-directory with the way back."""
+"""A job's checkpoints (torch.distributed): the ranks' agreement, and a job's save committed in each
+directory by one rename of the job manifest."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import errno as _errno
-import json
 import os
 import secrets
 import warnings
@@ -17,10 +15,10 @@ import torch.distributed as dist
 
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import _exchange, _fsync_dir, _recover, _rename, _Shard, _write_json
+from .commit import _lock, _Shard, _write_json
 from .format import JOB_FORMAT, JOB_VERSION, MANIFEST, _manifest_digest, _shard_name
-from .locks import _Hold, _lock
-from .ownership import _clean_stale_jobs, _parse_manifest, _remove_ours, _target_kind
+from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, parse_manifest, sweep
+from .storage import Storage
 
 
 def job_world() -> int | None:
@@ -77,20 +75,18 @@ def _gather(obj: Any, doing: str) -> list:
     return out
 
 
-# NOTE: a job's checkpoint is complete on every rank or is not there. Every rank writes its shard, as
-# a save of its own would (streamed from its own swap space, checksummed, fsynced), into a staging
-# directory ``<dir>.tmp-job-<id>`` whose id rank 0 draws; the ranks then exchange what they did
-# (all_gather over the checkpoints' gloo group). If any failed, or one does not answer (dead, or past
-# the process group's timeout), every rank removes its shard and raises: nothing is committed. Else
-# the lowest rank among those that see the same staging directory (all of them on a shared file
-# system, those of one node with node-local directories) writes the job manifest into it and commits
-# it (``_JobCommit`` below): the job manifest is written last, and in each directory by one rank,
-# so ranks that share a file system never race on it, and directories that share nothing each get a
-# complete manifest of the whole job. The ranks then exchange again: if a directory could not commit,
-# the others put their previous checkpoint back. Once all commits are made, a last exchange says
-# whether each rank's directory holds this save: one that nobody committed fails the save everywhere too.
-def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional[Callable[[str], None]],
-              write_shard: Callable[[_Shard], None]) -> str:
+# NOTE: a job's checkpoint follows the commit rule of one process's. Every rank writes its shard into
+# ``<dir>/rank-<r>`` under the save's generation (rank 0 draws it), as a save of its own would (streamed
+# from its own swap space, checksummed, fsynced), its shard's manifest last and under a fresh name too;
+# the ranks then exchange what they did (all_gather over the checkpoints' gloo group). If any failed, or
+# one does not answer (dead, or past the process group's timeout), every rank deletes what it wrote and
+# raises: nothing names those files, the previous checkpoint is as it was. Else the lowest rank among
+# those whose shards are in the same directory (all of them on a shared file system, those of one node
+# with node-local directories) writes the job manifest there, which names every shard's manifest, and
+# commits it with one rename onto manifest.json, then deletes the files of the previous checkpoint
+# there. A last exchange tells every rank whether every directory committed.
+def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Callable[[str], None]],
+              write_shard: Callable[[_Shard], None], storage: Storage) -> str:
     """``save_checkpoint`` on every rank of a job (see the NOTE above), ``write_shard(shard)`` writing this
     rank's shard as a save of its own would; returns the directory."""
     rank, world = rank_info().rank, job_world()
@@ -100,84 +96,65 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional
                               f"{world} ranks save with blocking=True (the ranks agree on the commit with "
                               "collectives, which a background thread would interleave with training's), or "
                               "save one rank's state by itself with alone=True")
-    if mirror_to is not None:
-        raise CheckpointError(f"mirror_to is for a process that saves alone; in a job of {world} ranks copy "
-                              "each rank's directory to the second level yourself (offload-ckpt mirror), or "
+    if mirror is not None:
+        raise CheckpointError(f"Retention(mirror=...) is for a process that saves alone; in a job of {world} ranks "
+                              "copy each rank's directory to the second level yourself (offload-ckpt mirror), or "
                               "save one rank's state by itself with alone=True")
     target = os.path.realpath(given)
-    token = _gather(secrets.token_hex(8), f"saving {given}")[0]
-    stage = f"{target}.tmp-job-{token}"
+    made = not os.path.lexists(target)  # looked at before any rank can make it (the gather waits for all)
+    generation = _gather(secrets.token_hex(8), f"saving {given}")[0]
     name = _shard_name(rank)
-    status, own = {"rank": rank, "name": name, "ok": False}, None
+    status, own, shard = {"rank": rank, "name": name, "ok": False}, None, None
     try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        _target_kind(target, given)  # refused before anything is written (and again at the commit)
-        os.makedirs(stage, exist_ok=True)
-        shard = _Shard(os.path.join(stage, name))
+        check_target(target, given)  # refused before anything is written (and again at the commit)
+        os.makedirs(target, exist_ok=True)
+        shard = _Shard(target, name, generation, storage)
         write_shard(shard)
-        status.update(ok=True, manifest_xxh3_64=shard.manifest["manifest_xxh3_64"], step=shard.manifest["step"],
-                      files=shard.manifest["files"])
+        status.update(ok=True, manifest=shard.written[MANIFEST], manifest_xxh3_64=shard.manifest["manifest_xxh3_64"],
+                      step=shard.manifest["step"], files=shard.manifest["files"])
     except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
         own = err
         status["error"] = f"{type(err).__name__}: {err}"
     try:
         statuses = _gather(status, f"saving {given}")
     except CheckpointError as err:
-        _discard_shard(stage, name)
+        _discard(shard, target, made)
         if own is not None:
             raise own from err
         raise
     failed = [s for s in statuses if not s["ok"]]
     if failed:
-        _discard_shard(stage, name)
+        _discard(shard, target, made=False)
+        with contextlib.suppress(CheckpointError):  # every rank has deleted its shard after this
+            _gather(None, f"cleaning up {given}")
+        if made:  # then the directory this save made goes too
+            with contextlib.suppress(OSError):
+                os.rmdir(target)
         if own is not None:
             raise own
         raise CheckpointError(f"the job's save to {given} failed on rank {failed[0]['rank']} "
                               f"({failed[0]['error']}); nothing was committed on any rank, and the checkpoint "
                               "that was there (if any) is as it was")
-    job = _job_manifest(token, statuses)
-    commit, result, own = None, {"ok": True}, None
+    result = {"ok": True}
     try:
-        here = _ranks_here(stage, statuses, rank)
-        if here is not None and min(here) == rank:
-            commit = _JobCommit(stage, given)
-            commit.commit(job)
+        here = _ranks_here(target, statuses)
+        if rank not in here:
+            raise CheckpointError(f"this rank's shard {name} is not in {given} as it wrote it")
+        if min(here) == rank:
+            _commit_job(target, given, generation, _job_manifest(generation, statuses), storage)
     except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-        if commit is None:  # nothing was committed here (the lock was refused): the shard is not wanted
-            _discard_shard(stage, name)
         own = err
         result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    try:
-        results = _gather({"rank": rank, **result}, f"committing {given}")
-    except CheckpointError:
-        if commit is not None:
-            commit.roll_back()
-        raise
+    results = _gather({"rank": rank, **result}, f"committing {given}")
     failed = [r for r in results if not r["ok"]]
-    if not failed:
-        # Every commit that was made is made now: each rank checks that its directory holds this save
-        # (a directory whose committing rank could not see the shards there would otherwise keep the old
-        # checkpoint while every rank reports success).
-        try:
-            results = _gather({"rank": rank, **_check_committed(target, token, name)}, f"committing {given}")
-        except CheckpointError:
-            if commit is not None:
-                commit.roll_back()
-            else:
-                _discard_uncommitted(stage, name)
-            raise
-        failed = [r for r in results if not r["ok"]]
     if failed:
-        if commit is not None:
-            commit.roll_back()
-        else:
-            _discard_uncommitted(stage, name)
+        if (our_manifest(target) or {}).get("job") != generation:
+            _discard(shard, target, made)  # nothing here names it
         if own is not None:
             raise own
         raise CheckpointError(f"the job's save to {given} could not be committed on rank {failed[0]['rank']} "
-                              f"({failed[0]['error']}); every directory of the job has its previous checkpoint back")
-    if commit is not None:
-        commit.finish()
+                              f"({failed[0]['error']}); directories that committed hold the new checkpoint, the "
+                              "others their previous one (a load refuses the mix: load the step before)")
     if then is not None:
         # Every rank agreed the commit: a failure of what follows (Retention's verify and prune) on one
         # rank must not make it report a committed save as failed while the others report success.
@@ -189,162 +166,58 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror_to, then: Optional
     return given
 
 
-def _ranks_here(stage: str, statuses: list, rank: int) -> Optional[list]:
-    """The ranks whose shards are in the same staging directory as this rank's (those that share its file
-    system), or None once another of them has committed it (it is no longer at ``stage``).
+def _discard(shard: Optional[_Shard], target: str, made: bool) -> None:
+    """Delete what this rank wrote for a save that was not committed, and the job's directory if this
+    save made it and nothing is left in it."""
+    if shard is not None:
+        shard.abort()
+    if made:
+        with contextlib.suppress(OSError):
+            os.rmdir(target)  # the last rank to get here removes it
 
-    The directory is opened once and read through that descriptor, which follows it if the rank that
-    commits it renames it meanwhile; what ``stage`` names after such a rename (the checkpoint it replaced)
-    does not hold this rank's shard as written, which tells that it was committed.
-    """
-    try:
-        fd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        def digest(name: str) -> Optional[str]:
-            try:
-                m = os.open(os.path.join(name, MANIFEST), os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd)
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-            with os.fdopen(m, "rb") as f:
-                try:
-                    return json.loads(f.read()).get("manifest_xxh3_64")
-                except (ValueError, AttributeError):
-                    return None
 
-        # A staging directory gets the job manifest only at its commit: one that holds a manifest is being
-        # committed by another rank, or is already the checkpoint it replaced (whose shard may be
-        # byte-identical to this rank's, so the digests alone cannot tell).
-        try:
-            os.stat(MANIFEST, dir_fd=fd, follow_symlinks=False)
-            return None
-        except FileNotFoundError:
-            pass
-        if digest(statuses[rank]["name"]) != statuses[rank]["manifest_xxh3_64"]:
-            return None
-        return [s["rank"] for s in statuses if digest(s["name"]) == s["manifest_xxh3_64"]]
+def _ranks_here(target: str, statuses: list) -> list:
+    """The ranks whose shards, as they wrote them, are in directory ``target`` here (all of them on a
+    shared file system, those of this node with node-local directories)."""
+    here = []
+    for s in statuses:
+        found = parse_manifest(os.path.join(target, s["name"]), s["manifest"])
+        if isinstance(found, dict) and found.get("manifest_xxh3_64") == s["manifest_xxh3_64"]:
+            here.append(s["rank"])
+    return here
+
+
+def _commit_job(target: str, given: str, generation: str, manifest: dict, storage: Storage) -> None:
+    """Commit a job's checkpoint in directory ``target``: under its lock, the job manifest under a fresh
+    name, fsynced, then one rename onto manifest.json; then delete the previous checkpoint's files."""
+    fd = _lock(target, exclusive=True)
+    try:
+        check_target(target, given)
+        previous = our_manifest(target)
+        staged = os.path.join(target, fresh_name(MANIFEST, generation))
+        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
+        _write_json(staged, manifest, storage)
+        storage.fsync_dir(target)
+        storage.rename(staged, os.path.join(target, MANIFEST))  # the commit
+        storage.fsync_dir(target)
+        delete_named(target, named_files(target, previous), named_files(target, manifest), unlink=storage.unlink)
+        sweep(target, manifest, unlink=storage.unlink)  # and what saves that died left here
     finally:
         os.close(fd)
 
 
-def _check_committed(target: str, token: str, name: str) -> dict:
-    """``{"ok": True}`` if ``target`` is this save's checkpoint (its job manifest has ``token``) and holds
-    this rank's shard ``name``, else ``{"ok": False, "error": why}``."""
-    try:
-        manifest = _parse_manifest(target)
-    except OSError as err:  # told to the other ranks, who wait for this answer
-        return {"ok": False, "error": f"its directory's job manifest cannot be read ({err})"}
-    if not isinstance(manifest, dict) or manifest.get("job") != token:
-        return {"ok": False, "error": "its directory does not hold this save (the rank that was to commit it did "
-                                      "not find the shards there)"}
-    if not os.path.isdir(os.path.join(target, name)):
-        return {"ok": False, "error": f"its shard {name} is not in the committed directory"}
-    return {"ok": True}
-
-
-def _job_manifest(token: str, statuses: list) -> dict:
-    """The job manifest: its id, the world size, every rank's shard with its manifest's checksum and files."""
-    shards = [{"rank": s["rank"], "name": s["name"], "manifest_xxh3_64": s["manifest_xxh3_64"], "step": s["step"],
-               "files": s["files"]} for s in statuses]
+def _job_manifest(generation: str, statuses: list) -> dict:
+    """The job manifest: its id, the world size, every rank's shard with its manifest's name, checksum
+    and files."""
+    shards = [{"rank": s["rank"], "name": s["name"], "manifest": s["manifest"],
+               "manifest_xxh3_64": s["manifest_xxh3_64"], "step": s["step"], "files": s["files"]}
+              for s in statuses]
     return {
         "format": JOB_FORMAT,
         "version": JOB_VERSION,
-        "job": token,
+        "job": generation,
         "world_size": len(statuses),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "step": max(s["step"] for s in shards),
         "shards": shards,
     }
-
-
-def _discard_uncommitted(stage: str, name: str) -> None:
-    """After a failed commit, on a rank that did not commit: remove its shard from the staging directory if
-    nobody committed that directory. Whatever else has the staging name belongs to another rank's commit,
-    which puts it right: the checkpoint it replaced (it holds a job manifest) or the directory it replaced
-    (it does not hold this rank's shard), or the new checkpoint being rolled back (a job manifest)."""
-    if not os.path.lexists(os.path.join(stage, MANIFEST)) and os.path.lexists(os.path.join(stage, name)):
-        _discard_shard(stage, name)
-
-
-def _discard_shard(stage: str, name: str) -> None:
-    """Remove this rank's shard from a job's staging directory, and the directory once empty."""
-    with contextlib.suppress(OSError):
-        path = os.path.join(stage, name)
-        if os.path.lexists(path):
-            _remove_ours(path, quiet=True)
-        os.rmdir(stage)
-
-
-# NOTE: a job's checkpoint is committed in each directory that holds shards of it (one per node with
-# node-local directories, one in all on a shared file system) by one rank there, once every rank has
-# reported its shard fsynced: the staging directory, with the job manifest written into it last, takes
-# the checkpoint's name in one rename (exchanged with the checkpoint it replaces). The replaced one is
-# kept, under the staging name, until every directory of the job has committed: if one could not, the
-# others exchange theirs back, so the job's previous checkpoint stays whole everywhere.
-class _JobCommit:
-    """The commit of a job's checkpoint in one directory, with its way back (see the NOTE above).
-
-    Holds the parent directory's lock, as a save does, from its creation until :meth:`finish` or
-    :meth:`roll_back`.
-    """
-
-    def __init__(self, stage: str, directory: str):
-        self.stage = stage
-        self.directory = os.path.abspath(directory)
-        self.target = os.path.realpath(self.directory)
-        self.parent = os.path.dirname(self.target)
-        self.aside: str | None = None  # where the replaced checkpoint (or empty directory) waits
-        self.committed = False
-        self._release: _Hold | None = _lock(self.parent, exclusive=True)
-
-    def commit(self, manifest: dict) -> None:
-        """Write the job manifest into the staging directory, then give it the checkpoint's name."""
-        _recover(self.target)
-        _target_kind(self.target, self.directory)
-        _clean_stale_jobs(self.target, keep=self.stage)
-        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
-        _write_json(os.path.join(self.stage, MANIFEST), manifest)
-        _fsync_dir(self.stage)
-        if _target_kind(self.target, self.directory) == "missing":
-            _rename(self.stage, self.target)
-        elif _exchange(self.stage, self.target):
-            self.aside = self.stage
-        else:
-            self.aside = f"{self.target}.old-{secrets.token_hex(4)}"
-            _rename(self.target, self.aside)
-            _rename(self.stage, self.target)  # a crash just before this: _recover() restores `aside`
-        self.committed = True
-        _fsync_dir(self.parent)
-
-    def finish(self) -> None:
-        """Every directory of the job has committed: delete the replaced checkpoint, let the lock go."""
-        try:
-            if self.aside is not None:
-                _remove_ours(self.aside)
-        finally:
-            self.close()
-
-    def roll_back(self) -> None:
-        """Another directory of the job could not commit: put back what this one replaced (if it was
-        committed) and delete the new checkpoint; let the lock go."""
-        try:
-            if self.committed:
-                if self.aside is None:
-                    _rename(self.target, self.stage)
-                elif self.aside == self.stage:
-                    if not _exchange(self.stage, self.target):
-                        raise OSError(_errno.ENOTSUP, "the file system no longer exchanges directories", self.target)
-                else:
-                    _rename(self.target, self.stage)
-                    _rename(self.aside, self.target)
-                self.committed = False
-                _fsync_dir(self.parent)
-            _remove_ours(self.stage, quiet=True)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self._release is not None:
-            self._release()
-            self._release = None

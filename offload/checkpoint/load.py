@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -12,11 +11,10 @@ import xxhash
 from torch import nn
 
 from ..aio import Engine
-from ..distributed import rank_info
+from ..distributed import like, local, rank_info
 from ..errors import CheckpointError
 from ..params import ParamAccess
-from ..state import HALF_DTYPES, check_param_state, in_memory_state, match_groups, step_tensor
-from . import stream
+from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
 from .commit import _settle, reading
 from .format import (
     DATA,
@@ -29,9 +27,11 @@ from .format import (
     _key_dtypes,
     _read_torch,
     _slice_offset,
+    file_path,
 )
 from .job import _gather, job_world
 from .model import _load_model, _model_section
+from .storage import DEFAULT_STORAGE, Storage
 from .stream import _progress, _RangeReader, _stream
 from .verify import _job_shard, _verify_data, read_manifest
 
@@ -41,8 +41,8 @@ from .verify import _job_shard, _verify_data, read_manifest
 # packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
 # space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
 def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
-                    mirror: str | os.PathLike | None = None, progress: Optional[bool] = None,
-                    alone: bool = False) -> Any:
+                    progress: Optional[bool] = None, alone: bool = False,
+                    storage: Optional[Storage] = None) -> Any:
     """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
 
     Everything that can be checked without touching the optimizer is checked first: the manifest,
@@ -63,14 +63,13 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         optimizer: the :class:`offload.OffloadedAdam` or ``OffloadedAdamW`` to restore.
         directory: the checkpoint directory.
         model: the model whose weights to load too.
-        mirror: the second level the checkpoint was copied to (``save_checkpoint(mirror_to=...)``):
-            when ``directory`` is missing, incomplete or corrupt (or cannot be read), its copy
-            ``mirror/<name of directory>`` is loaded instead, with a ``RuntimeWarning`` saying why.
         progress: a progress bar on stderr for a long load; None: where stderr is a terminal.
         alone: where torch.distributed runs a job of several ranks, the load is the job's: every
             rank calls it, loads its own shard of a job's checkpoint (or the whole of a process's
             checkpoint), and either all load or all raise. ``alone=True`` loads into this process by
             itself, as outside a job (a process's checkpoint, or one shard ``directory/rank-<n>``).
+        storage: the file-system and engine calls the load makes (:class:`Storage`); the default does
+            what they say. Tests pass one that fails where they want it to.
 
     Raises:
         CheckpointError: the checkpoint does not fit this optimizer or ``model`` (the message names
@@ -85,23 +84,15 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     # A save in the background copies units as steps change them; a load changes them all unguarded.
     _settle(optimizer.state_store, report=False)
     if not alone and job_world() is not None:
-        return _load_job(optimizer, directory, model, mirror, progress)
-    copy = None if mirror is None else os.path.join(os.fspath(mirror), os.path.basename(os.path.abspath(directory)))
-    try:
-        # Held for the whole load: a save of the same directory by another process waits until it ends.
-        with reading(directory) as directory:
-            return _load_checkpoint(optimizer, directory, model, progress)
-    except (CheckpointError, OSError) as err:
-        if copy is None or not os.path.isdir(copy):
-            raise
-        warnings.warn(f"loading the mirror's copy {copy}: {directory} could not be loaded ({err})", RuntimeWarning,
-                      stacklevel=2)
-        with reading(copy) as copy:
-            return _load_checkpoint(optimizer, copy, model, progress)
+        return _load_job(optimizer, directory, model, progress, storage or DEFAULT_STORAGE)
+    # Held for the whole load: a save of the same directory by another process waits until it ends.
+    with reading(directory) as directory:
+        return _load_checkpoint(optimizer, directory, model, progress, storage or DEFAULT_STORAGE)
 
 
-def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool] = None) -> Any:
-    return _apply(optimizer, directory, model, progress, _check(optimizer, directory, model))
+def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool],
+                     storage: Storage) -> Any:
+    return _apply(optimizer, directory, model, progress, _check(optimizer, directory, model), storage)
 
 
 def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
@@ -121,17 +112,18 @@ def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
     return manifest, memory, extra, params
 
 
-def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool], checked: tuple) -> Any:
+def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool], checked: tuple,
+           storage: Storage) -> Any:
     """The load's part that changes the optimizer (and ``model``), once :func:`_check` has passed."""
     store = optimizer.state_store
     manifest, memory, extra, params = checked
     if model is not None:
         # Weights first: a checkpoint without fp32 masters seeds them from the weights at load.
         # On failure part-way its state is intact, but the weights it updates are half loaded.
-        _load_model(model, directory, manifest, optimizer.config.aio, on_partial=store.failed)
+        _load_model(model, directory, manifest, optimizer.config.aio, on_partial=store.failed, storage=storage)
 
     try:
-        _load_into(optimizer, directory, manifest, memory, params, progress)
+        _load_into(optimizer, directory, manifest, memory, params, progress, storage)
     except BaseException as err:
         for slot in store.layout.slots.values():
             slot.initialized = False
@@ -145,16 +137,13 @@ def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optiona
 # the outcome, and only if every rank passed does any rank change its state: either all load or all
 # raise. A failure while streaming (a unit that fails its checksum, an I/O error) is exchanged too: the
 # ranks that loaded then refuse to step, as the one that failed does, until a load succeeds.
-def _load_job(optimizer, directory, model, mirror, progress) -> Any:
+def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
     """:func:`load_checkpoint` on every rank of a job (see the NOTE above)."""
     rank, world = rank_info().rank, job_world()
     given = os.path.abspath(os.fspath(directory))
     with contextlib.ExitStack() as stack:
         own, status, shard, checked = None, {"rank": rank, "ok": False}, None, None
         try:
-            if mirror is not None:
-                raise CheckpointError(f"mirror is for a process that loads alone; in a job of {world} ranks load "
-                                      "each rank's directory (copy it back from the second level first)")
             stack.enter_context(reading(given))
             shard, job = _job_shard(given, world, rank)
             checked = _check(optimizer, shard, model)
@@ -175,7 +164,7 @@ def _load_job(optimizer, directory, model, mirror, progress) -> Any:
                                   "rank: load an older checkpoint")
         extra, own, status = None, None, {"rank": rank, "ok": False}
         try:
-            extra = _apply(optimizer, shard, model, progress, checked)
+            extra = _apply(optimizer, shard, model, progress, checked, storage)
             status["ok"] = True
         except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
             own = err
@@ -229,7 +218,8 @@ def _match(opt, manifest: dict, memory: dict, directory: str) -> list:
     return params
 
 
-def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, progress: Optional[bool]) -> None:
+def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, progress: Optional[bool],
+               storage: Storage) -> None:
     store = opt.state_store
     store.drain(quiet=True)  # the last step's writes land first; their state is overwritten now
     store.rewriting_all()  # all of the state is replaced: a swap file cut behind our back is whole again
@@ -239,10 +229,10 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, 
     if late:
         store.place(opt.param_groups, only=late)
     slots = store.layout.slots
-    path = os.path.join(directory, DATA)
+    path = file_path(directory, DATA, manifest["files"][DATA])
     units = manifest["units"]
     aio = opt.config.aio
-    engine = stream._make_engine(aio)
+    engine = storage.engine(aio)
     new_state: dict = {}
     try:
         with contextlib.ExitStack() as stack:
@@ -276,14 +266,7 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, 
         engine.close()
 
     # The data is in place: now the in-memory side, which cannot fail half way.
-    groups = opt.param_groups
-    for g, s in zip(groups, memory["param_groups"]):
-        for k, v in s.items():
-            if k != "params":
-                g[k] = v
-    opt.state.clear()
-    for slot in slots.values():
-        slot.initialized = False
+    small, offloaded = {}, {}
     for e in entries:
         if not e.get("initialized"):
             continue
@@ -291,14 +274,42 @@ def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, 
         p = params[i]
         step = memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", 0.0)
         if store.is_small(p):
+            # As load_state_dict takes it: a DTensor parameter's state as this rank's part of it.
             source = memory["state"][i] if e["where"] == "memory" else new_state[i]
-            # An fp32 master missing from it is seeded from the weights (fetched if they are offloaded).
-            with ParamAccess.resident([p] if p.dtype in HALF_DTYPES and "master" not in source else []):
-                opt.state[p] = in_memory_state(p, {**source, "step": step})
+            small[p] = local_entry({**source, "step": step}, p)
         else:
-            opt.state[p] = {"step": step_tensor(step)}
-            slots[p].initialized = True
+            offloaded[p] = step
+    restore_in_memory(opt, memory["param_groups"], small, offloaded)
+    for p in offloaded:
+        slots[p].initialized = True
     store.restored()
+
+
+def restore_in_memory(optimizer, groups: list, small: dict, offloaded: dict) -> None:
+    """What every load does once the offloaded state is settled, ``load_state_dict`` and checkpoints
+    alike: the groups' hyperparameters from ``groups`` (torch's layout), ``optimizer.state`` rebuilt
+    (the whole state of each small parameter in ``small``, the step of each offloaded one in
+    ``offloaded``), every slot marked as holding no state (the caller marks those it wrote).
+
+    Args:
+        optimizer: an :class:`offload.OffloadedAdam` or ``OffloadedAdamW``.
+        groups: the param groups loaded, in order (their ``params`` are ignored).
+        small: ``{param: state}`` for parameters whose state lives in memory (a DTensor's as its
+            local part); an fp32 master missing from it is seeded from the weights.
+        offloaded: ``{param: step}`` for parameters whose state is offloaded.
+    """
+    for g, s in zip(optimizer.param_groups, groups):
+        g.update({k: v for k, v in s.items() if k != "params"})
+    optimizer.state.clear()
+    for slot in optimizer.state_store.layout.slots.values():
+        slot.initialized = False
+    for p, source in small.items():
+        # The weights are fetched (if offloaded) only where a master copy is to be made from them.
+        with ParamAccess.resident([p] if p.dtype in HALF_DTYPES and "master" not in source else []):
+            state = in_memory_state(local(p), source)
+        optimizer.state[p] = {k: like(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in state.items()}
+    for p, step in offloaded.items():
+        optimizer.state[p] = {"step": step_tensor(step)}
 
 
 def _same_packing(store, manifest: dict, params: list) -> Optional[list]:

@@ -10,23 +10,11 @@ from typing import Optional
 
 from ..errors import CheckpointError, ChecksumError
 from .commit import SaveHandle, _Staged, _track, _write_atomically, reading
-from .format import _io_error
+from .format import _io_error, file_path
 from .stream import _progress
 from .verify import _verify_files, read_manifest
 
 __all__ = ["mirror_checkpoint"]
-
-
-def _mirror_path(directory, mirror_to) -> Optional[str]:
-    """Where ``mirror_to`` puts the copy of ``directory``: ``mirror_to/<its name>``."""
-    if mirror_to is None:
-        return None
-    root = os.path.abspath(os.fspath(mirror_to))
-    here = os.path.abspath(os.fspath(directory))
-    if os.path.realpath(root) == os.path.realpath(os.path.dirname(here)):
-        raise ValueError(f"mirror_to {root} is the directory the checkpoint {here} is saved in: its copy would "
-                         "replace the checkpoint itself. Give a directory on another drive or a network mount")
-    return os.path.join(root, os.path.basename(here))
 
 
 def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike, *,
@@ -60,9 +48,11 @@ def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike,
             total = sum(f["bytes"] for f in manifest["files"].values())
             with _progress(total, "mirror", progress) as bar:
                 for name in sorted(manifest["files"]):
-                    _copy_file(os.path.join(src, name), staged.path(name), bar)
-        _verify_files(staged.tmp, manifest)  # the copy, read back from its drive
-        return {k: v for k, v in manifest.items() if k != "manifest_xxh3_64"}
+                    _copy_file(file_path(src, name, manifest["files"][name]), staged.path(name), bar)
+        copy = {k: v for k, v in manifest.items() if k != "manifest_xxh3_64"}
+        copy["files"] = {n: {**e, "file": staged.written[n]} for n, e in manifest["files"].items()}
+        _verify_files(staged.target, copy)  # the copy, read back from its drive
+        return copy
 
     return _write_atomically(dst, write)
 

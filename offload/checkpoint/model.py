@@ -19,7 +19,6 @@ from ..errors import CheckpointError, ChecksumError, StateError
 from ..params import store_of
 from ..space import Extent
 from ..units import ALIGNMENT, round_up
-from . import stream
 from .commit import _Staged, _write_atomically
 from .format import (
     MODEL_MEMORY,
@@ -31,7 +30,9 @@ from .format import (
     _dtype_name,
     _read_torch,
     _write_torch,
+    file_path,
 )
+from .storage import DEFAULT_STORAGE, Storage
 from .stream import _DONE, _TOOL_BUFFER_MAX, _stream, _write_data
 
 
@@ -191,7 +192,8 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
     for e, t, _ in offloaded:
         e["length"] = t.numel() * t.element_size()
         e["xxh3_64"] = hashes[id(e)].hexdigest()
-    files = {PARAMS_DATA: data["file"], MODEL_MEMORY: _write_torch(memory, staged.path(MODEL_MEMORY))}
+    files = {PARAMS_DATA: data["file"], MODEL_MEMORY: _write_torch(memory, staged.path(MODEL_MEMORY),
+                                                                          staged.storage.fsync)}
     section = {"tensors": entries, "offloaded_bytes": sum(e["length"] for e, _, _ in offloaded)}
     return section, files
 
@@ -290,7 +292,7 @@ def _verify_model(directory: str, manifest: dict, aio: AioConfig) -> None:
     """Check model.pt's and params.bin's checksums, and every parameter's in params.bin."""
     _read_torch(directory, MODEL_MEMORY, manifest["files"][MODEL_MEMORY])
     with _tool_pool(manifest, directory) as pool:
-        engine = stream._make_engine(aio)
+        engine = Engine(aio)
         try:
             _scan_params(directory, manifest, engine, list(pool))
         finally:
@@ -317,7 +319,7 @@ def _read_state_dict(directory: str, manifest: dict, aio: AioConfig) -> OrderedD
         flat[id(e)][start:start + data.numel()].copy_(data)
 
     with _tool_pool(manifest, directory) as pool:
-        engine = stream._make_engine(aio)
+        engine = Engine(aio)
         try:
             _scan_params(directory, manifest, engine, list(pool), sink)
         finally:
@@ -367,8 +369,10 @@ def _match(model: nn.Module, directory: str, manifest: dict) -> list[tuple[str, 
 
 
 def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[AioConfig] = None, *,
-               on_partial: Optional[Callable[[BaseException], None]] = None) -> None:
-    """Load the checkpoint's model section into ``model``: check everything, then stream.
+               on_partial: Optional[Callable[[BaseException], None]] = None,
+               storage: Storage = DEFAULT_STORAGE) -> None:
+    """Load the checkpoint's model section into ``model``: check everything, then stream (with an
+    engine of ``storage``).
 
     ``on_partial(err)`` is called when streaming failed after the first bytes changed.
 
@@ -391,7 +395,7 @@ def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[
     if aio is None:
         aio = stores[0].config.aio if stores else AioConfig()
     own_pool = None if stores else _tool_pool(manifest, directory)
-    engine = stream._make_engine(aio)
+    engine = storage.engine(aio)
     try:
         with _held(stores) as lent:
             buffers = lent if lent is not None else list(own_pool)
@@ -416,7 +420,7 @@ def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[
 def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine: Engine, buffers: list,
                stores: list) -> None:
     """Second pass: every tensor's new bytes into the extents and the in-memory copies."""
-    path = os.path.join(directory, PARAMS_DATA)
+    path = file_path(directory, PARAMS_DATA, manifest["files"][PARAMS_DATA])
     unit_bytes = _unit_size(buffers, stores)
     units, direct, after = [], [], []
     for _, t, e in jobs:

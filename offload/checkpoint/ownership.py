@@ -1,5 +1,5 @@
-"""What a save may replace and what may be removed: our manifest, our file names, and removals that
-never delete a file a save of ours did not write."""
+"""What is ours in a checkpoint directory: the files its manifest names, and what a save that died left
+under a generation's name. Nothing else there is ever written over or deleted."""
 
 from __future__ import annotations
 
@@ -8,29 +8,26 @@ import errno as _errno
 import json
 import os
 import re
-import secrets
 import stat
 import warnings
+from typing import Callable
 
-from .._proc import pid_alive
-from .format import (
-    _SHARD,
-    DATA,
-    EXTRA,
-    FORMAT,
-    JOB_FORMAT,
-    MANIFEST,
-    MEMORY,
-    MODEL_MEMORY,
-    PARAMS_DATA,
-    _manifest_digest,
-)
-
-# Every name a save of this format writes into a checkpoint directory. A leftover of a save (a
-# temporary sibling without a trustworthy manifest) is ours only if it holds nothing else.
-_OUR_FILES = frozenset({MANIFEST, DATA, MEMORY, EXTRA, PARAMS_DATA, MODEL_MEMORY})
+from .format import _SHARD, FORMAT, JOB_FORMAT, MANIFEST, _manifest_digest
 
 _WHAT_TO_DO = "save into a new directory, or remove this one yourself if nothing in it is needed"
+
+# A file a save writes is named for its generation: ``state.<16 hex>.bin``, ``manifest.<16 hex>.json``
+# (the manifest before the rename that commits it, or a shard's). Only names of this shape that no
+# manifest names are a dead save's leftovers; the fixed names of the first format (``state.bin``, ...)
+# are deleted only where a manifest names them.
+_GENERATION_FILE = re.compile(r"^(?:state|memory|extra|params|model|manifest)\.[0-9a-f]{16}\.(?:bin|pt|json)$")
+
+
+def fresh_name(name: str, generation: str) -> str:
+    """The name under which a save of ``generation`` writes the file ``name`` (``state.bin`` ->
+    ``state.<generation>.bin``)."""
+    stem, ext = os.path.splitext(name)
+    return f"{stem}.{generation}{ext}"
 
 
 def _listing(names: list[str], most: int = 5) -> str:
@@ -39,270 +36,202 @@ def _listing(names: list[str], most: int = 5) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _foreign(path: str, allowed: frozenset) -> list[str]:
-    """Entries of directory ``path`` that are not regular files named in ``allowed``."""
-    out = []
-    for n in os.listdir(path):
-        try:
-            regular = stat.S_ISREG(os.lstat(os.path.join(path, n)).st_mode)
-        except FileNotFoundError:
-            continue
-        if n not in allowed or not regular:
-            out.append(n)
-    return out
-
-
-def _parse_manifest(path: str):
-    """The JSON in ``path/manifest.json``; None if there is none or it does not parse."""
+def parse_manifest(path: str, name: str = MANIFEST):
+    """The JSON in ``path/name``; None if there is none or it does not parse."""
     try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
+        with open(os.path.join(path, name), "rb") as f:
             return json.loads(f.read())
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
         return None
 
 
-def _manifest_problem(path: str) -> tuple[dict | None, str | None]:
-    """``(manifest, None)`` if directory ``path`` holds a manifest of ours whose checksum holds,
-    else ``(None, why not)``."""
-    if not os.path.lexists(os.path.join(path, MANIFEST)):
-        return None, f"is not an nvme-offload checkpoint (no {MANIFEST}; it holds {_listing(os.listdir(path))})"
-    manifest = _parse_manifest(path)
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        return None, f"has a {MANIFEST} that is not an nvme-offload checkpoint's"
-    if _manifest_digest(manifest) != manifest.get("manifest_xxh3_64") or not isinstance(manifest.get("files"), dict):
-        return None, (f"has an nvme-offload {MANIFEST} that fails its checksum (corrupt or edited), so which of "
-                      "its files belong to the checkpoint cannot be told")
-    return manifest, None
+def our_manifest(path: str) -> dict | None:
+    """The manifest of directory ``path`` if it is one of ours (a process's or a job's) whose checksum
+    holds, else None."""
+    manifest = parse_manifest(path)
+    if (isinstance(manifest, dict) and manifest.get("format") in (FORMAT, JOB_FORMAT)
+            and _manifest_digest(manifest) == manifest.get("manifest_xxh3_64")):
+        return manifest
+    return None
 
 
-def _is_our_format(path: str) -> bool:
+def is_our_format(path: str) -> bool:
     """Whether directory ``path`` has a manifest that says it is one of our checkpoints, a process's or a
     job's (unchecked)."""
-    manifest = _parse_manifest(path)
+    manifest = parse_manifest(path)
     return isinstance(manifest, dict) and manifest.get("format") in (FORMAT, JOB_FORMAT)
 
 
-def _is_job(path: str) -> bool:
-    """Whether directory ``path`` is (or was being staged as) a job's checkpoint: a job manifest, or no
-    manifest and shard directories (``rank-<n>``)."""
-    manifest = _parse_manifest(path)
-    if manifest is not None:
-        return isinstance(manifest, dict) and manifest.get("format") == JOB_FORMAT
-    try:
-        return any(_SHARD.match(n) and os.path.isdir(os.path.join(path, n)) for n in os.listdir(path))
-    except OSError:
-        return False
+def is_job(path: str) -> bool:
+    """Whether directory ``path`` holds a job's checkpoint (its manifest is a job manifest)."""
+    manifest = parse_manifest(path)
+    return isinstance(manifest, dict) and manifest.get("format") == JOB_FORMAT
 
 
-def _checkpoint_problem(path: str) -> str | None:
-    """None if directory ``path`` is a complete checkpoint of ours with nothing else in it (so a save
-    may replace it and retention may delete it); else why not, for an error message. A job's checkpoint
-    is complete when its manifest holds and every shard in it is the complete one the manifest lists;
-    shards of other ranks may be elsewhere (node-local directories)."""
-    job = _parse_manifest(path)
-    if isinstance(job, dict) and job.get("format") == JOB_FORMAT:
-        return _job_problem(path, job)
-    manifest, problem = _manifest_problem(path)
-    if problem is not None:
-        return problem
-    foreign = _foreign(path, frozenset(manifest["files"]) | {MANIFEST})
-    if foreign:
-        return f"is a checkpoint but also holds {_listing(foreign)}, which are not part of it"
-    return None
+def file_names(entries: dict) -> set[str]:
+    """The names on disk of the files a manifest's ``files`` section lists (the first format wrote
+    each under its fixed name; later saves under a generation's name, recorded as ``file``)."""
+    return {e.get("file", n) if isinstance(e, dict) else n for n, e in entries.items()}
 
 
-def _job_problem(path: str, job: dict) -> str | None:
-    """:func:`_checkpoint_problem` of a job's checkpoint ``path`` whose manifest is ``job``."""
-    shards = job.get("shards")
-    if _manifest_digest(job) != job.get("manifest_xxh3_64") or not isinstance(shards, list):
-        return (f"has an nvme-offload job {MANIFEST} that fails its checksum (corrupt or edited), so which of "
-                "its shards belong to the checkpoint cannot be told")
-    listed = {s.get("name"): s for s in shards if isinstance(s, dict)}
-    foreign = []
+def shard_manifest_name(entry: dict) -> str:
+    """The name of a shard's manifest inside its directory, from the job manifest's entry for it."""
+    return entry.get("manifest", MANIFEST)
+
+
+def named_files(path: str, manifest: dict | None) -> dict[str, set[str]]:
+    """Every file of ``path`` that ``manifest`` (its own) names, by the directory it is in (``""`` for
+    ``path`` itself, else a shard's name): the files a later save may delete once it has committed."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", manifest.get("shards")), (dict, list)):
+        return {}
+    if manifest.get("format") != JOB_FORMAT:
+        return {"": file_names(manifest["files"])}
+    out: dict[str, set[str]] = {}
+    for s in manifest["shards"]:
+        if isinstance(s, dict) and isinstance(s.get("name"), str) and _SHARD.match(s["name"]):
+            files = s.get("files") if isinstance(s.get("files"), dict) else {}
+            out[s["name"]] = file_names(files) | {shard_manifest_name(s)}
+    return out
+
+
+def _leftovers_only(path: str) -> bool:
+    """Whether directory ``path`` holds nothing but what saves that died left (generation files, and
+    shard directories of only those)."""
     for n in os.listdir(path):
         p = os.path.join(path, n)
-        if n == MANIFEST:
+        if _GENERATION_FILE.match(n) and stat.S_ISREG(os.lstat(p).st_mode):
             continue
-        if n not in listed or os.path.islink(p) or not os.path.isdir(p):
-            foreign.append(n)
+        if _SHARD.match(n) and stat.S_ISDIR(os.lstat(p).st_mode) and _leftovers_only(p):
             continue
-        problem = _checkpoint_problem(p)
-        if problem is not None:
-            return f"is a job's checkpoint whose shard {n} {problem}"
-        if (_parse_manifest(p) or {}).get("manifest_xxh3_64") != listed[n].get("manifest_xxh3_64"):
-            return f"is a job's checkpoint whose shard {n} is not the one its {MANIFEST} lists (another save's)"
-    if foreign:
-        return f"is a job's checkpoint but also holds {_listing(foreign)}, which are not part of it"
+        return False
+    return True
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """None if directory ``path`` holds a checkpoint of ours whose manifest's checksum holds (so a save
+    may write its next generation there and retention may delete it); else why not."""
+    if not os.path.lexists(os.path.join(path, MANIFEST)):
+        return f"is not an nvme-offload checkpoint (no {MANIFEST}; it holds {_listing(os.listdir(path))})"
+    manifest = parse_manifest(path)
+    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, JOB_FORMAT):
+        return f"has a {MANIFEST} that is not an nvme-offload checkpoint's"
+    if our_manifest(path) is None:
+        return (f"has an nvme-offload {MANIFEST} that fails its checksum (corrupt or edited), so which of its "
+                "files belong to the checkpoint cannot be told")
     return None
 
 
-def _ours(path: str) -> frozenset | None:
-    """The names that may be deleted from directory ``path`` if all of it is ours (a complete
-    checkpoint with nothing else in it, or what a save that died left: only files of our names and no
-    manifest of someone else's); None if anything in it is not ours."""
+# NOTE: a save writes its files under fresh names into the directory it is given and commits them by
+# renaming its manifest onto manifest.json; afterwards it deletes the files the previous manifest named.
+# So it must only be given a directory that holds nothing of the user's a manifest could name, and one
+# where no other tool keeps a manifest.json: missing, empty, one of our checkpoints (its manifest's
+# checksum good: a corrupt one cannot say which files are the checkpoint's), or what saves that died
+# left there. A user's file inside one of our checkpoints is never named by a manifest and stays.
+# Refusals are FileExistsError (an OSError with the path, as os.mkdir raises for a name that is taken),
+# not CheckpointError: nothing is wrong with any checkpoint, the name is taken by something else.
+def check_target(path: str, given: str) -> None:
+    """Refuse directory ``path`` (the real path of the ``given`` one) unless a save may write there.
+
+    Raises:
+        FileExistsError: ``path`` is a file, or a directory that is not one of our checkpoints.
+    """
+    name = given if given == path else f"{given} (a link to {path})"
     try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return None
+        st = os.lstat(path)
     except FileNotFoundError:
-        return None
-    manifest, _ = _manifest_problem(path)
-    allowed = _OUR_FILES | (frozenset(manifest["files"]) if manifest is not None else frozenset())
-    if _foreign(path, allowed):
-        return None
-    found = _parse_manifest(path)
-    if found is not None and not (isinstance(found, dict) and found.get("format") == FORMAT):
-        return None  # valid JSON that is not our manifest: someone else's directory
-    return allowed
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise FileExistsError(_errno.EEXIST, f"checkpoint path {name} is a symbolic link that does not resolve "
+                              "(a loop); point it at a directory or remove it", given)
+    if not stat.S_ISDIR(st.st_mode):
+        raise FileExistsError(_errno.EEXIST, f"checkpoint path {name} is a file, not a checkpoint directory; not "
+                              f"writing there: {_WHAT_TO_DO.replace('this one', 'the file')}", given)
+    if _leftovers_only(path):
+        return
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise FileExistsError(_errno.EEXIST, f"checkpoint path {name} exists and {problem}. A save writes only "
+                              "into an nvme-offload checkpoint or an empty directory: " + _WHAT_TO_DO, given)
 
 
-def _delete(path: str, allowed: frozenset) -> bool:
-    """Unlink the regular files named in ``allowed`` from directory ``path`` (the manifest first, so
-    that a half-deleted directory is never complete), then the directory if it is then empty."""
-    names = sorted(set(os.listdir(path)) & allowed, key=lambda n: n != MANIFEST)
-    for n in names:
-        p = os.path.join(path, n)
-        with contextlib.suppress(FileNotFoundError):
-            if stat.S_ISREG(os.lstat(p).st_mode):
-                os.unlink(p)
+def sweep(path: str, manifest: dict | None, shard: str | None = None, *,
+          unlink: Callable[[str], None] = os.unlink) -> None:
+    """Delete what saves that died left in ``path`` (or in its shard directory ``shard`` only): files of
+    a generation's name that ``manifest``, the directory's own, does not name. Run under the directory's
+    lock (or, for a shard, by the only rank that writes it), so no save in progress owns them."""
+    named = named_files(path, manifest)
+    where = [shard] if shard is not None else ["", *(n for n in os.listdir(path) if _SHARD.match(n))]
+    for sub in where:
+        d = os.path.join(path, sub)
+        keep = named.get(sub, set())
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for n in os.listdir(d):
+                if _GENERATION_FILE.match(n) and n not in keep:
+                    with contextlib.suppress(FileNotFoundError):
+                        unlink(os.path.join(d, n))
+            if sub and sub != shard and not os.listdir(d):
+                os.rmdir(d)
+
+
+def delete_named(path: str, old: dict[str, set[str]], new: dict[str, set[str]], *,
+                 unlink: Callable[[str], None] = os.unlink) -> None:
+    """Unlink the regular files ``old`` names (see :func:`named_files`) that ``new`` does not, then the
+    shard directories this leaves empty. Errors become warnings: this runs once a save has committed."""
+    try:
+        for sub, names in old.items():
+            d = os.path.join(path, sub)
+            for n in names - new.get(sub, set()):
+                p = os.path.join(d, n)
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                    if stat.S_ISREG(os.lstat(p).st_mode):
+                        unlink(p)
+            if sub and sub not in new:
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)  # only if empty: a user's file in it stays, and so does the directory
+    except OSError as err:
+        warnings.warn(f"could not delete the previous checkpoint's files in {path}: {err}", RuntimeWarning,
+                      stacklevel=3)
+
+
+def remove_checkpoint(path: str) -> bool:
+    """Delete checkpoint ``path``: the files its manifest names, then the manifest, then the directory
+    if nothing else is in it (else it stays, with a warning). Refused, with a warning, where ``path``
+    is not a checkpoint of ours. True if the directory is gone."""
+    problem = "is a symbolic link" if os.path.islink(path) else checkpoint_problem(path)
+    if problem is not None:
+        warnings.warn(f"not deleting {path}: it {problem}", RuntimeWarning, stacklevel=2)
+        return False
+    # The manifest first: a deletion cut short leaves no checkpoint that lacks files, only files of a
+    # generation's name that no manifest names, which the next prune deletes (remove_leftovers).
+    named = named_files(path, our_manifest(path))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(path, MANIFEST))
+    delete_named(path, named, {})
     try:
         os.rmdir(path)
     except OSError as err:
         if err.errno not in (_errno.ENOTEMPTY, _errno.EEXIST):
             raise
         warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
-                      f"{_listing(os.listdir(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
+                      f"{_listing(os.listdir(path))}, which are not ours to delete", RuntimeWarning, stacklevel=2)
         return False
     return True
 
 
-def _remove_ours(path: str, *, quiet: bool = False) -> bool:
-    """Delete directory ``path`` if everything in it is ours (see :func:`_ours`); True if it is gone.
-
-    Anything else is left where it is, with a warning unless ``quiet``: this never deletes a file
-    that a save of ours did not write. I/O errors while deleting become warnings too (the callers
-    run after a commit, when the save itself has succeeded).
-    """
-    try:
-        if _is_job(path):
-            return _remove_job(path, quiet=quiet)
-        allowed = _ours(path)
-        if allowed is None:
-            if not quiet and os.path.lexists(path):
-                warnings.warn(f"left {path} in place: it holds {_listing(_foreign(path, _OUR_FILES))}, which are "
-                              "not a checkpoint's and not ours to delete", RuntimeWarning, stacklevel=2)
-            return False
-        return _delete(path, allowed)
-    except OSError as err:
-        warnings.warn(f"could not delete {path}: {err}", RuntimeWarning, stacklevel=2)
+def remove_leftovers(path: str) -> bool:
+    """Delete directory ``path`` if all it holds is what saves that died (or a deletion cut short) left:
+    no manifest, only files of a generation's name. Run under its lock. True if it is gone."""
+    if os.path.lexists(os.path.join(path, MANIFEST)) or not _leftovers_only(path):
         return False
-
-
-def _remove_job(path: str, *, quiet: bool) -> bool:
-    """:func:`_remove_ours` of a job's checkpoint, or of what a job's save left staged: the job manifest
-    first (a half-deleted job is never complete), then each shard that is all ours, then the directory."""
-    manifest = os.path.join(path, MANIFEST)
-    if os.path.lexists(manifest):
-        os.unlink(manifest)  # _is_job() read it: a job manifest of ours
-    for n in os.listdir(path):
-        if _SHARD.match(n):
-            _remove_ours(os.path.join(path, n), quiet=quiet)
+    sweep(path, None)
     try:
         os.rmdir(path)
-    except OSError as err:
-        if err.errno not in (_errno.ENOTEMPTY, _errno.EEXIST):
-            raise
-        if not quiet:
-            warnings.warn(f"left {path} in place: besides a job checkpoint's shards it holds "
-                          f"{_listing(os.listdir(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
+    except OSError:
         return False
     return True
 
 
-def _clean_stale_jobs(directory: str, keep: str) -> None:
-    """Remove what saves of a job into ``directory`` left staged (``<directory>.tmp-job-<hex>``) when
-    their job stopped, except ``keep`` (the save in progress). Only what is all ours is removed."""
-    parent, name = os.path.split(directory)
-    pattern = re.compile(re.escape(name) + r"\.tmp-job-[0-9a-f]+$")
-    for n in os.listdir(parent):
-        p = os.path.join(parent, n)
-        if pattern.match(n) and p != keep and _is_job(p):
-            _remove_ours(p, quiet=True)
-
-
-def _remove_checkpoint(path: str) -> bool:
-    """Delete checkpoint ``path`` if it is a complete checkpoint of ours with nothing else in it; it is
-    renamed first, so a half-deleted one never carries a checkpoint's name. Otherwise warn and leave
-    it. True if it is gone."""
-    problem = "is a symbolic link" if os.path.islink(path) else _checkpoint_problem(path)
-    if problem is not None:
-        warnings.warn(f"not deleting {path}: it {problem}", RuntimeWarning, stacklevel=2)
-        return False
-    doomed = f"{path}.tmp-del-{secrets.token_hex(4)}"
-    os.rename(path, doomed)
-    return _remove_ours(doomed)
-
-
-# NOTE: a save replaces the whole directory it is given, so it must never be given one that holds
-# anything of the user's: ``save_checkpoint(".")`` or into a run's output folder or the nvme_path
-# would otherwise swap that directory out and delete it. The rule, checked under the parent's lock
-# before anything is written and again just before the exchange: the target may be missing, an
-# empty directory (replaced, not filled: filling in place would lose atomicity, and a save that died
-# half way would leave a directory no later save may replace), or a complete checkpoint of ours (our
-# manifest, its checksum good, no other files). A manifest that fails its checksum cannot say which
-# files are the checkpoint's, so that directory is refused too. A symbolic link is followed: the
-# checkpoint it points to is replaced and the link stays. Refusals are FileExistsError (an OSError
-# with the path, as os.mkdir raises for a name that is taken), not CheckpointError: nothing is wrong
-# with any checkpoint, the name is taken by something else.
-def _target_kind(path: str, given: str) -> str:
-    """What is at ``path`` (the real path of the ``given`` one): "missing", "empty" (a directory with
-    nothing in it) or "checkpoint" (a complete one of ours); raises for anything a save must not replace.
-
-    Raises:
-        FileExistsError: ``path`` is a file, or a directory that is not one of our checkpoints.
-        OSError: ``path`` is a mount point (EBUSY: a save renames the directory, a mount point cannot be).
-    """
-    name = given if given == path else f"{given} (a link to {path})"
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "missing"
-    if stat.S_ISLNK(st.st_mode):
-        raise FileExistsError(_errno.EEXIST, f"checkpoint path {name} is a symbolic link that does not resolve "
-                              "(a loop); point it at a directory or remove it", given)
-    if not stat.S_ISDIR(st.st_mode):
-        raise FileExistsError(_errno.EEXIST, f"checkpoint path {name} is a file, not a checkpoint directory; not "
-                              f"replacing it: {_WHAT_TO_DO.replace('this one', 'the file')}", given)
-    if os.path.ismount(path):
-        raise OSError(_errno.EBUSY, f"checkpoint path {name} is a mount point, which a save cannot replace (it "
-                      "renames the directory); save into a directory inside it", given)
-    if not os.listdir(path):
-        return "empty"
-    problem = _checkpoint_problem(path)
-    if problem is not None:
-        raise FileExistsError(_errno.EEXIST, f"checkpoint path {name} exists and {problem}. A save replaces the "
-                              "whole directory, so it only replaces an nvme-offload checkpoint or an empty "
-                              f"directory: {_WHAT_TO_DO}", given)
-    return "checkpoint"
-
-
-def _clean_stale(directory: str) -> None:
-    """Remove temporary siblings of ``directory`` left by saves whose process is gone.
-
-    Only siblings named as a save names them and holding nothing but what a save writes are removed
-    (see :func:`_ours`); a directory of someone else's that happens to match the name is left alone.
-    """
-    parent, name = os.path.split(directory)
-    pattern = re.compile(re.escape(name) + r"\.(tmp-(?P<pid>\d+)-[0-9a-f]+|tmp-del-[0-9a-f]+|old-[0-9a-f]+)$")
-    for n in os.listdir(parent):
-        m = pattern.match(n)
-        if m is None:
-            continue
-        if m["pid"] is not None and pid_alive(int(m["pid"])):
-            continue  # a save in progress in another live process
-        _remove_ours(os.path.join(parent, n), quiet=True)
-
-
-def _used_elsewhere(path: str) -> int | None:
+def used_elsewhere(path: str) -> int | None:
     """The id of another process with a file under directory ``path`` open (or it as its working
     directory), or None. Linux's /proc; processes this one may not look into are not seen."""
     prefix = os.path.realpath(path) + os.sep

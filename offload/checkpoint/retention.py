@@ -13,12 +13,11 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import SaveHandle
+from .commit import SaveHandle, _lock
 from .format import MANIFEST
 from .job import _gather, job_world
 from .load import load_checkpoint
-from .locks import _lock
-from .ownership import _is_job, _is_our_format, _remove_checkpoint, _remove_ours, _used_elsewhere
+from .ownership import is_job, is_our_format, remove_checkpoint, remove_leftovers, used_elsewhere
 from .save import _save
 from .verify import _read_manifest, _verify_job, verify_checkpoint
 
@@ -38,11 +37,10 @@ class Retention:
     which ``milestones`` says so (a set of steps, or a function of the step), or one saved with
     ``milestone=True`` (marked by a ``step-<step>.keep`` file next to it; delete that file to let
     it go). An older checkpoint is deleted only once a newer one has been read back and verified
-    (the newest verified one is never deleted), only if it is a complete checkpoint of ours with
-    nothing else in it, and never while it is in use: a process reading a checkpoint of ``root``
-    (``reading()``, a load, a verify) or holding one of its files open makes pruning wait for the
-    next save. A ``step-<n>`` directory of someone else's, or one a user put a file into, is left
-    alone (with a warning).
+    (the newest verified one is never deleted), only the files its manifest names, and never while
+    it is in use: a process reading it (``reading()``, a load, a verify) or holding one of its files
+    open makes pruning it wait for the next save. A ``step-<n>`` directory of someone else's is left
+    alone, and so is a user's file inside one of ours (its directory stays, with a warning).
 
     Args:
         root: the directory holding the checkpoints.
@@ -64,7 +62,6 @@ class Retention:
     """
 
     _NAME = re.compile(r"^step-(\d+)$")
-    _DELETING = re.compile(r"^step-\d+\.tmp-del-[0-9a-f]+$")  # a deletion that a crash interrupted
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 2,
                  milestones: Iterable[int] | Callable[[int], bool] = (), *, verify: bool = True,
@@ -73,7 +70,6 @@ class Retention:
             raise ValueError(f"keep_last must be at least 1, got {keep_last!r}")
         self.root = os.path.abspath(os.fspath(root))
         self.keep_last = keep_last
-        self._milestones = milestones
         self._is_milestone = milestones if callable(milestones) else set(milestones).__contains__
         self.verify = verify
         if mirror is not None and not isinstance(mirror, Retention):
@@ -99,7 +95,7 @@ class Retention:
         found = []
         for n in names:
             m = self._NAME.match(n)
-            if m and _is_our_format(os.path.join(self.root, n)):
+            if m and is_our_format(os.path.join(self.root, n)):
                 found.append(_Entry(int(m[1]), os.path.join(self.root, n)))
         return sorted(found, key=lambda e: e.step)
 
@@ -141,7 +137,7 @@ class Retention:
             self.mirror.prune()
 
         return _save(optimizer, self.path_for(step), model=model, extra=extra, blocking=blocking,
-                     mirror_to=None if self.mirror is None else self.mirror.root, snapshot=snapshot,
+                     mirror=None if self.mirror is None else self.mirror.path_for(step), snapshot=snapshot,
                      progress=progress, then=then, then_mirror=then_mirror, alone=alone)
 
     def prune(self) -> list[str]:
@@ -152,39 +148,60 @@ class Retention:
         none while a process reads this directory or holds a file of that checkpoint open (pruning
         is then left to the next save).
         """
-        for n in os.listdir(self.root) if os.path.isdir(self.root) else ():
-            if self._DELETING.match(n):
-                _remove_ours(os.path.join(self.root, n), quiet=True)
+        self._remove_leftovers()
         found = self.checkpoints()
         doomed = [p for p in found[: max(0, len(found) - self.keep_last)] if not self.is_milestone(p)]
         if not doomed:
             return []
-        try:
-            release = _lock(self.root, exclusive=True, timeout=0)
-        except CheckpointError:
-            log.info("not pruning %s now: a checkpoint there is being read or written", self.root)
+        good = self._newest_good(found)
+        if good is None:
+            warnings.warn(f"not pruning {self.root}: none of its checkpoints verifies", RuntimeWarning, stacklevel=2)
             return []
+        removed = []
+        for path in doomed:
+            if found.index(path) >= found.index(good):
+                continue
+            if not self._remove(path):
+                continue
+            self._verified.pop(path, None)
+            removed.append(path)
+        return removed
+
+    def _remove_leftovers(self) -> None:
+        """Delete ``step-<n>`` directories that hold only what a save or a deletion cut short left."""
         try:
-            found = self.checkpoints()  # again, under the lock
-            good = self._newest_good(found)
-            if good is None:
-                warnings.warn(f"not pruning {self.root}: none of its checkpoints verifies", RuntimeWarning,
-                              stacklevel=2)
-                return []
-            removed = []
-            for path in found[: max(0, len(found) - self.keep_last)]:
-                if found.index(path) >= found.index(good) or self.is_milestone(path):
-                    continue
-                pid = _used_elsewhere(path)
-                if pid is not None:
-                    log.info("not deleting %s now: process %d has a file of it open", path, pid)
-                    continue
-                if _remove_checkpoint(path):
-                    self._verified.pop(path, None)
-                    removed.append(path)
-            return removed
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return
+        for n in names:
+            path = os.path.join(self.root, n)
+            if not self._NAME.match(n) or is_our_format(path) or not os.path.isdir(path):
+                continue
+            try:
+                fd = _lock(path, exclusive=True, timeout=0)
+            except (CheckpointError, OSError):
+                continue  # a save is writing it
+            try:
+                remove_leftovers(path)
+            finally:
+                os.close(fd)
+
+    def _remove(self, path: str) -> bool:
+        """Delete checkpoint ``path`` unless it is in use: read or written (its lock) or held open by
+        another process; True if it is gone."""
+        try:
+            fd = _lock(path, exclusive=True, timeout=0)
+        except (CheckpointError, OSError):
+            log.info("not deleting %s now: it is being read or written", path)
+            return False
+        try:
+            pid = used_elsewhere(path)
+            if pid is not None:
+                log.info("not deleting %s now: process %d has a file of it open", path, pid)
+                return False
+            return remove_checkpoint(path)
         finally:
-            release()
+            os.close(fd)
 
     def load_latest(self, optimizer, *, model=None, alone: bool = False) -> tuple[Optional[str], Any]:
         """Load the newest checkpoint that loads, from this level or else from the mirror level; returns
@@ -206,17 +223,17 @@ class Retention:
             steps |= {e.step for e in self.mirror._entries()}
         first = None
         for step in sorted(steps, reverse=True):
-            here = self.path_for(step)
-            try:
-                if os.path.isdir(here):
-                    mirror = None if self.mirror is None else self.mirror.root
-                    return here, load_checkpoint(optimizer, here, model=model, mirror=mirror, alone=alone)
-                there = self.mirror.path_for(step)
-                return there, load_checkpoint(optimizer, there, model=model, alone=alone)
-            except (CheckpointError, OSError) as err:
-                first = first or err
-                warnings.warn(f"step {step} does not load ({err}); trying the next older checkpoint",
-                              RuntimeWarning, stacklevel=2)
+            copies = [self.path_for(step)] + ([self.mirror.path_for(step)] if self.mirror is not None else [])
+            for path in [p for p in copies if os.path.isdir(p)]:
+                try:
+                    return path, load_checkpoint(optimizer, path, model=model, alone=alone)
+                except (CheckpointError, OSError) as err:
+                    # A corruption found while streaming has overwritten part of the state: the next
+                    # copy's load replaces it whole.
+                    first = first or err
+                    warnings.warn(f"{path} does not load ({err}); trying the "
+                                  + ("mirror's copy" if path != copies[-1] else "next older checkpoint"),
+                                  RuntimeWarning, stacklevel=2)
         if first is not None:
             raise CheckpointError(f"no checkpoint under {self.root}"
                                   + (f" or {self.mirror.root}" if self.mirror else "") + " loads") from first
@@ -269,7 +286,7 @@ def _verify(path: str) -> None:
     """Verify checkpoint ``path``. A job's: on a rank of the job, its job manifest and this rank's own
     shard (every rank checks its own, once, whether or not the ranks share a file system); elsewhere
     the shards that are here."""
-    if not _is_job(path):
+    if not is_job(path):
         verify_checkpoint(path)
     elif job_world() is not None:
         _verify_job(path, _read_manifest(path), ranks={rank_info().rank})

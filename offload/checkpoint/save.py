@@ -1,6 +1,6 @@
 """Saving an offloaded optimizer and a model, blocking or in the background: the entry points, the save's
 steps and its thread; what is captured at the call is ``snapshot``'s, a job's save ``job``'s, the copy to
-a second level ``mirror``'s."""
+the copy to a mirror level ``mirror``'s."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from ..errors import CheckpointError
 from .commit import SaveHandle, _settle, _Staged, _track
 from .format import _torch_bytes, _write_memory_and_manifest
 from .job import _save_job, job_world
-from .mirror import _mirror_in_background, _mirror_path, mirror_checkpoint
+from .mirror import _mirror_in_background, mirror_checkpoint
 from .model import _save_model
 from .snapshot import _plan, _StateCopy
+from .storage import DEFAULT_STORAGE, Storage
 from .stream import _progress
 
 __all__ = ["mirror_checkpoint", "save_checkpoint", "wait_for_saves"]
@@ -27,8 +28,9 @@ SNAPSHOTS = ("auto", "stream", "reflink")
 
 
 def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
-                    extra: Any = None, blocking: bool = True, mirror_to: str | os.PathLike | None = None,
-                    snapshot: str = "auto", progress: Optional[bool] = None, alone: bool = False) -> str | SaveHandle:
+                    extra: Any = None, blocking: bool = True, snapshot: str = "auto",
+                    progress: Optional[bool] = None, alone: bool = False,
+                    storage: Optional[Storage] = None) -> str | SaveHandle:
     """Save an offloaded optimizer's whole state to ``directory``, atomically, without materialising it.
 
     Offloaded state goes from the swap space to ``state.bin``: where the checkpoint directory is on
@@ -54,9 +56,6 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         model: the model whose weights to save too (offloaded with ``offload_parameters`` or not).
         extra: anything ``torch.save`` can write and ``torch.load(weights_only=True)`` can read back.
         blocking: False: return at once with a :class:`SaveHandle` (see above).
-        mirror_to: a directory on a second level (another drive, a network mount): once committed,
-            the checkpoint is copied to ``mirror_to/<name of directory>`` in the background,
-            atomically, and verified by checksum after the copy (see :func:`mirror_checkpoint`).
         snapshot: ``"auto"`` clones extents where the file system can and streams elsewhere;
             ``"stream"`` always streams; ``"reflink"`` raises ``CheckpointError`` where it cannot clone.
         progress: show a progress bar on stderr for a long save; None: for a blocking save where
@@ -66,6 +65,8 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
             ``docs/checkpoint.md``, "Saves of a job"). ``alone=True`` saves this process's state by
             itself, an ordinary checkpoint, as outside a job (rank 0 saving DDP's replicated state
             while the other ranks do not call it).
+        storage: the file-system and engine calls the save makes (:class:`Storage`); the default does
+            what they say. Tests pass one that fails where they want it to.
 
     Returns:
         The checkpoint directory (absolute); with ``blocking=False``, a :class:`SaveHandle`.
@@ -78,12 +79,12 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         CheckpointError: the previous asynchronous save failed and nobody looked at its error (it
             is chained); this save did not start.
     """
-    return _save(optimizer, directory, model=model, extra=extra, blocking=blocking, mirror_to=mirror_to,
-                 snapshot=snapshot, progress=progress, alone=alone)
+    return _save(optimizer, directory, model=model, extra=extra, blocking=blocking, snapshot=snapshot,
+                 progress=progress, alone=alone, storage=storage)
 
 
 def wait_for_saves(optimizer, timeout: float | None = None) -> None:
-    """Wait for ``optimizer``'s save in flight (and its copy to ``mirror_to``), if any.
+    """Wait for ``optimizer``'s save in flight (and its copy to a mirror level of ``Retention``), if any.
 
     Call it before closing the optimizer or exiting when saves were started with ``blocking=False``.
 
@@ -94,12 +95,13 @@ def wait_for_saves(optimizer, timeout: float | None = None) -> None:
     _settle(optimizer.state_store, report=True, timeout=timeout)
 
 
-def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror_to=None, snapshot="auto",
+def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=None, snapshot="auto",
           progress=None, then: Optional[Callable[[str], None]] = None,
           then_mirror: Optional[Callable[[str], None]] = None, shard: Optional[_Staged] = None,
-          alone: bool = False):
-    """:func:`save_checkpoint`, with ``then(directory)`` run once committed (before the copy to the mirror)
-    and ``then_mirror(copy)`` once the copy is done (``Retention`` verifies and prunes with them).
+          alone: bool = False, storage: Optional[Storage] = None):
+    """:func:`save_checkpoint`, with ``then(directory)`` run once committed, then a copy to ``mirror`` (a
+    directory of ``Retention``'s mirror level), and ``then_mirror(mirror)`` once the copy is done
+    (``Retention`` verifies and prunes with them).
 
     Where torch.distributed runs a job of several ranks, the save is the job's (:func:`job._save_job`),
     which writes this rank's part through this function with ``shard``, a ``commit._Shard`` to fill
@@ -109,11 +111,11 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
         raise ValueError(f"snapshot must be one of {', '.join(SNAPSHOTS)}, got {snapshot!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    storage = storage or DEFAULT_STORAGE
     if shard is None and not alone and job_world() is not None:
-        return _save_job(optimizer, directory, blocking=blocking, mirror_to=mirror_to, then=then,
+        return _save_job(optimizer, directory, blocking=blocking, mirror=mirror, then=then, storage=storage,
                          write_shard=lambda shard: _save(optimizer, shard.directory, model=model, extra=extra,
                                                          snapshot=snapshot, progress=progress, shard=shard))
-    mirror = _mirror_path(directory, mirror_to)
     store = optimizer.state_store
     _settle(store, report=True)  # one save at a time per optimizer; a failure nobody saw is raised here
     store.check_usable("save a checkpoint")
@@ -123,7 +125,7 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
     # change guard has copied it).
     store.drain(quiet=True)
     show = progress if progress is not None else (None if blocking else False)  # None: where stderr is a tty
-    staged = _Staged(directory) if shard is None else shard
+    staged = _Staged(directory, storage=storage) if shard is None else shard
     started = threading.Event()  # set once a worker owns the save (and cleans up after it)
     try:
         plan = _plan(optimizer)
@@ -158,16 +160,14 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
                 with _progress(state.total, "save", show) as bar:
                     data = state.run(store.buffers, bar)
                 model_part = _save_model(model, staged) if model is not None else None
-                _commit(staged, finish(data))
+                staged.commit(finish(data))
             else:
                 model_part = _save_model(model, staged) if model is not None else None
-                handle, refused = SaveHandle(staged.directory), []
+                handle = SaveHandle(staged.directory)
                 state.guard_on()
                 threading.Thread(target=_work, name="offload-checkpoint-save", args=(
-                    handle, started, refused, staged, state, finish, show, then, mirror, then_mirror)).start()
-                started.wait()
-                if refused:
-                    raise refused[0]  # the worker has cleaned up
+                    handle, staged, state, finish, show, then, mirror, then_mirror)).start()
+                started.set()
                 _track(store, handle)
                 return handle
         finally:
@@ -186,21 +186,10 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
     return staged.directory
 
 
-def _work(handle: SaveHandle, started: threading.Event, refused: list, staged: _Staged, state: _StateCopy,
-          finish, show, then, mirror, then_mirror) -> None:
+def _work(handle: SaveHandle, staged: _Staged, state: _StateCopy, finish, show, then, mirror,
+          then_mirror) -> None:
     """The thread of an asynchronous save: the units not copied yet, memory.pt, the commit, then the copy to
-    the mirror. It first makes the parent directory's lock its own, then sets ``started`` (the caller waits
-    for that, and raises what is in ``refused`` instead of returning the handle)."""
-    try:
-        staged.hand_over(threading.get_ident())  # it commits, so it holds the lock and lets it go
-    except BaseException as err:
-        refused.append(err)
-        state.close()
-        staged.abort()
-        staged.close()
-        return
-    finally:
-        started.set()
+    the mirror. The directory's lock goes with ``staged`` (an open descriptor), which it closes."""
     error = None
     try:
         try:
@@ -212,7 +201,7 @@ def _work(handle: SaveHandle, started: threading.Event, refused: list, staged: _
             finally:
                 state.close()  # the engine lets go of the pool's buffers before they are freed
                 pool.close()
-            _commit(staged, finish(data))
+            staged.commit(finish(data))
         except BaseException:
             staged.abort()
             raise
@@ -230,9 +219,3 @@ def _work(handle: SaveHandle, started: threading.Event, refused: list, staged: _
         error = err
     finally:
         handle._finish(error)
-
-
-# NOTE: for a rank's shard of a job's checkpoint (``commit._Shard``) this writes the shard's manifest
-# only; the job's commit, once every rank has reported its shard fsynced, is ``job._save_job``'s.
-def _commit(staged: _Staged, manifest: dict) -> None:
-    staged.commit(manifest)

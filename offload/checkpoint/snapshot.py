@@ -18,7 +18,6 @@ from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
 from ..pipeline import BufferRing
 from ..units import ALIGNMENT, format_size, round_up
-from . import stream
 from .commit import _Staged
 from .format import DATA, _chunk_table, _cpu_state, _dtype_name, _io_error, _torch_groups
 from .stream import _clone_range, _stream
@@ -121,7 +120,8 @@ class _StateCopy:
         self.spares: Optional[BufferPool] = None
         self.spares_ready = threading.Event()
         self.ring: Optional[BufferRing] = None
-        self.engine = stream._make_engine(aio)
+        self.storage = staged.storage
+        self.engine = staged.storage.engine(aio)
         self.file = None
         try:
             self.file = self.engine.open(self.path, "x+")
@@ -333,10 +333,7 @@ class _StateCopy:
             except (ValueError, RuntimeError, OSError):
                 pass  # fixed buffers only save a little CPU
         _stream(range(len(self.units)), list(buffers), read=read, process=process, write=write)
-        try:
-            os.fsync(self.file.fd)
-        except OSError as err:
-            raise _io_error(err, self.path, "cannot fsync") from err
+        self.storage.fsync(self.file.fd, self.path)
         table = [{"offset": o, "nbytes": u.nbytes, "length": n, "xxh3_64": d}
                  for u, o, n, d in zip(self.units, self.offsets, self.lengths, self.digests)]
         return {"file": {"bytes": self.total, "xxh3_64": whole.hexdigest()}, "units": table}

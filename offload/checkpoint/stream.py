@@ -20,7 +20,7 @@ from ..errors import CheckpointError, ChecksumError
 from ..pipeline import Pipeline
 from ..units import ALIGNMENT, round_up
 from .commit import _Staged
-from .format import DATA, _io_error
+from .format import DATA
 
 # Pool for tools that read a checkpoint without an optimizer (verify, export): per buffer.
 _TOOL_BUFFER_MAX = 64 << 20
@@ -30,13 +30,7 @@ _TOOL_BUFFER_MAX = 64 << 20
 # few page-aligned buffers (the optimizer's pool, or a small one of the tools' own), never holding
 # more than those buffers in host memory. ``_stream`` overlaps the reads ahead, the processing of
 # one buffer and the writes behind; ``_write_data`` lays units out in state.bin and hashes them as
-# they pass. ``_make_engine`` builds every engine that touches a data file (the fault tests replace
-# it; other modules call it as ``stream._make_engine`` so that one replacement reaches them all).
-def _make_engine(aio: AioConfig) -> Engine:
-    """The engine that writes or reads a checkpoint's data file (tests replace it to inject faults)."""
-    return Engine(aio)
-
-
+# they pass. Every engine that touches a data file comes from the save's or load's ``Storage``.
 def _tool_pool(manifest: dict) -> BufferPool:
     longest = max([u["length"] for u in manifest["units"]] + [ALIGNMENT])
     return BufferPool(3, min(longest, _TOOL_BUFFER_MAX))
@@ -136,7 +130,7 @@ def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Seque
         pos += n
     total = pos
     path = staged.path(name)
-    engine = _make_engine(aio)
+    engine = staged.storage.engine(aio)
     try:
         if buffers and all(b.index == i for i, b in enumerate(buffers)):
             try:
@@ -175,10 +169,7 @@ def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Seque
                 return engine.write_async(f, buf, offsets[i], lengths[i])
 
             _stream(list(units), list(buffers), read=read, process=process, write=write)
-            try:
-                os.fsync(f.fd)
-            except OSError as err:
-                raise _io_error(err, path, "cannot fsync") from err
+            staged.storage.fsync(f.fd, path)
     finally:
         engine.close()
     entry = {"bytes": total, "xxh3_64": whole.hexdigest()}

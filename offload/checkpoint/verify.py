@@ -30,7 +30,9 @@ from .format import (
     _manifest_digest,
     _read_torch,
 )
+from .manifest import check_manifest
 from .model import _verify_model
+from .ownership import parse_manifest, shard_manifest_name
 from .stream import _aio_of, _stream, _tool_pool
 
 
@@ -78,13 +80,13 @@ def _read_manifest(directory: str | os.PathLike) -> dict:
     with reading(directory):
         if not os.path.isdir(directory):
             raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
-        path = os.path.join(directory, MANIFEST)
+        path = os.path.join(directory, _manifest_name(directory))
         try:
             with open(path, "rb") as f:
                 text = f.read()
         except FileNotFoundError:
-            raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save that did "
-                                  "not finish leaves only temporary directories, so this was never one") from None
+            raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save commits by "
+                                  f"writing its {MANIFEST} last, so no save of ours finished here") from None
         except OSError as err:
             raise _io_error(err, path, "cannot read") from err
     try:
@@ -101,7 +103,22 @@ def _read_manifest(directory: str | os.PathLike) -> dict:
     if found != manifest.get("manifest_xxh3_64"):
         raise ChecksumError(f"{path}: xxh3_64 of its content is {found}, it records "
                             f"{manifest.get('manifest_xxh3_64')}; the manifest is corrupt")
+    check_manifest(manifest, path)
     return manifest
+
+
+def _manifest_name(directory: str) -> str:
+    """The name of ``directory``'s manifest: a job's shard has the one its job manifest names (a save
+    writes it under the job's generation), anything else ``manifest.json``."""
+    parent, name = os.path.split(directory)
+    job = parse_manifest(parent)
+    if isinstance(job, dict) and job.get("format") == JOB_FORMAT and isinstance(job.get("shards"), list):
+        for entry in job["shards"]:
+            if isinstance(entry, dict) and entry.get("name") == name:
+                found = shard_manifest_name(entry)
+                if isinstance(found, str) and os.path.basename(found) == found and found:
+                    return found
+    return MANIFEST
 
 
 def _world_mismatch(directory: str, job: dict, world: int) -> str:

@@ -1,0 +1,42 @@
+"""The calls by which checkpoints touch files, in one object: the engine that moves the data files, and
+the file-system operations of the commit rule. Saves and loads take one (``storage=``); the default does
+what it says, and the fault tests hand in one that fails where they want."""
+
+from __future__ import annotations
+
+import os
+
+from ..aio import Engine
+from ..config import AioConfig
+from .format import _io_error
+
+
+class Storage:
+    """The file-system and engine calls of a save or a load. Subclass it to inject faults."""
+
+    def engine(self, aio: AioConfig) -> Engine:
+        """The engine that writes or reads a checkpoint's data file."""
+        return Engine(aio)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def fsync(self, fd: int, path: str) -> None:
+        """fsync the open file ``fd`` (``path`` names it in the error)."""
+        try:
+            os.fsync(fd)
+        except OSError as err:
+            raise _io_error(err, path, "cannot fsync") from err
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.fsync(fd, path)
+        finally:
+            os.close(fd)
+
+
+DEFAULT_STORAGE = Storage()
