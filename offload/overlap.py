@@ -125,6 +125,21 @@ class BackwardOverlap:
         with run.lock:  # never adopted after the worker gave back what it held: that hold would stay
             return not run.ended and run.error is None and run.wants(p) and self.access.adopt(p)
 
+    def refused(self, p: torch.Tensor) -> None:
+        """Something tried to read or change ``p``'s offloaded gradient with torch (a GradScaler's unscale_,
+        torch's clip_grad_norm_) while the step backward started runs: that update used the gradient as
+        backward left it, so the state is failed until restored (the caller also gets the placeholder's
+        RuntimeError)."""
+        if not self.running:
+            return
+        err = StateError(
+            "an offloaded gradient was read with torch (a GradScaler's unscale_, torch's clip_grad_norm_ or other "
+            "math) between backward and step() with overlap_backward=True, but the update ran during backward on "
+            "the gradients as backward left them. Restore the state (load_checkpoint), then clip with the "
+            "optimizer's max_grad_norm=, and use a GradScaler only without overlap_backward.")
+        self.abandon(err)
+        self._mark_failed(err)
+
     def final(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final for this backward."""
         if self._skip:

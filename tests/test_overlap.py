@@ -440,15 +440,21 @@ def test_max_grad_norm_with_offloaded_grads_trains_like_without_overlap(nvme, cl
         assert_same(list(a.parameters()), list(b.parameters()))
 
 
-def test_a_grad_scaler_over_offloaded_grads_is_refused_and_the_state_failed(nvme, closing):
+@pytest.mark.parametrize("unscale_first", [False, True])
+def test_a_grad_scaler_over_offloaded_grads_is_refused_and_the_state_failed(nvme, closing, unscale_first):
     """A GradScaler with overlap_backward over weights whose grads the parameter store holds: backward already
     updated on the scaled grads, so scaler.step raises the GradScaler StateError (before it would fail reading a
-    placeholder with another error) and the optimizer refuses to step until state is restored."""
+    placeholder with another error), or scaler.unscale_ the placeholder's RuntimeError; either way the optimizer
+    then refuses to step until state is restored."""
     a, _, oa, _ = _offloaded_pair(nvme, closing)
     scaler = torch.amp.GradScaler("cpu", init_scale=4096.0)
     scaler.scale(loss_of(a, 0)).backward()
-    with pytest.raises(StateError, match="GradScaler cannot be used with overlap_backward"):
-        scaler.step(oa)
+    if unscale_first:
+        with pytest.raises(RuntimeError, match="offloaded to NVMe"):
+            scaler.unscale_(oa)
+    else:
+        with pytest.raises(StateError, match="GradScaler cannot be used with overlap_backward"):
+            scaler.step(oa)
     with pytest.raises(StateError, match="failed part-way"):
         oa.step()
 

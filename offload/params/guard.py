@@ -188,15 +188,25 @@ def _set_data(t, value):
 
 
 def _checked(func, args, kwargs):
-    for a in args:
+    for a in [*args, *kwargs.values()]:
         bad = _blocked(a)
         if bad is not None:
-            raise RuntimeError(_message(bad, func))
-    for a in kwargs.values():
-        bad = _blocked(a)
-        if bad is not None:
+            if type(bad) is OffloadedGrad:
+                _tell_refused(bad)
             raise RuntimeError(_message(bad, func))
     return _run(func, args, kwargs)
+
+
+def _tell_refused(grad) -> None:
+    """A torch use of a gradient placeholder is refused: its store's hand-off tells an optimizer updating during
+    backward, whose update may already have used the gradient as backward left it (a GradScaler's unscale_,
+    torch's clip_grad_norm_ would have changed it)."""
+    from .registry import store_of
+
+    p = grad._nvme_param()
+    store = store_of(p) if p is not None else None
+    if store is not None:
+        store.handoff.refused(p)
 
 
 def _what(t) -> str:

@@ -47,6 +47,12 @@ class Handoff:
         watcher = self._watchers.get(p)
         return held and watcher is not None and bool(watcher.take(p))
 
+    def refused(self, p: torch.Tensor) -> None:
+        """A torch use of ``p``'s gradient placeholder was refused: tell its watcher, if it wants to know."""
+        watcher: Optional[Any] = self._watchers.get(p)
+        if watcher is not None and hasattr(watcher, "refused"):
+            watcher.refused(p)
+
     def final(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final and in place: tell its watcher, if any."""
         watcher: Optional[Any] = self._watchers.get(p)
