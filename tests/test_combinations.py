@@ -423,7 +423,8 @@ def test_every_combination_trains_bit_for_bit_as_torch(nvme, tmp_path, cfg, prog
                 if op.how == "state_dict":
                     with materialized(mine):
                         weights = {k: v.clone() for k, v in mine.state_dict().items()}
-                    saved = (op.how, (run.opt.state_dict(), weights), snap)
+                    # A copy, as with torch: a state_dict holds the live tensors of state kept in memory.
+                    saved = (op.how, (copy.deepcopy(run.opt.state_dict()), weights), snap)
                 else:
                     where = root / f"ckpt-{saves}"
                     handle = run.opt.save_checkpoint(where, model=mine, blocking=op.how == "checkpoint")
