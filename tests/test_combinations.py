@@ -375,6 +375,7 @@ def refusal(run: Run, ref: Reference, cfg: Config, root) -> None:
     run.opt.load_checkpoint(root / "before", model=run.model)
     run.opt.zero_grad()
     assert_same_weights(run, ref, "restored after the refusal")
+    assert_same_state(run, ref, "restored after the refusal")
 
 
 @settings(settings.get_profile(PROFILE))

@@ -91,6 +91,25 @@ def _program(nvme, root, *, start=None):
         opt.close()
 
 
+def _within_deadline(fn, *args, seconds: float = 120.0, **kw):
+    """``fn(*args, **kw)`` on a thread; a run that does not end in ``seconds`` fails the test (a hang)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kw)
+        except BaseException as err:  # noqa: BLE001 - re-raised on the test's thread
+            out["error"] = err
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{fn.__name__} did not end within {seconds} s: a hang"
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 def _leftovers(nvme) -> list:
     return [f for f in os.listdir(nvme) if f.endswith(".swap")] if os.path.isdir(nvme) else []
 
@@ -133,7 +152,7 @@ def test_every_request_failing_once_ends_in_the_same_results_or_a_clear_restorab
         with monkeypatch.context() as mp:
             faults = _Faults(mp, k, kind)
             try:
-                got_weights, got_state = _program(nvme, str(root))
+                got_weights, got_state = _within_deadline(_program, nvme, str(root))
                 outcomes["same"] += 1
             except (OSError, StateError) as err:
                 assert kind == "error", f"request {k} came back short and the run failed: {err!r}"
@@ -144,7 +163,8 @@ def test_every_request_failing_once_ends_in_the_same_results_or_a_clear_restorab
         if got_weights is None:
             assert not _leftovers(nvme), f"request {k}: a failed run left swap files"
             committed = root / "ckpt"
-            got_weights, got_state = _program(nvme, str(root), start=str(committed) if committed.exists() else None)
+            got_weights, got_state = _within_deadline(_program, nvme, str(root),
+                                                      start=str(committed) if committed.exists() else None)
             outcomes["restored"] += 1
         assert_same(got_weights, weights)
         assert_same_state(got_state, state)
