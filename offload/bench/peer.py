@@ -4,7 +4,7 @@ DeepSpeed ZeRO-3 training the same stack of ``Linear(width, width)`` layers on t
 DeepSpeed's run needs a Python where ``import deepspeed`` works (``--peer-python``), and is never a dependency.
 
 Usage: ``python -m offload.bench.peer {ours,deepspeed} NVME_DIR PARAMS [--params-nvme] [--bf16]
-[--host-cache BYTES] [--state-dtype fp32|bf16] [--iterations N]``
+[--host-cache BYTES] [--state-dtype fp32|bf16] [--iterations N] [--checksum on|off]``
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ def _ours(args, dtype) -> dict:
 
     model = _model(args.params, dtype)
     if args.params_nvme:
-        offload_parameters(model, nvme_path=os.path.join(args.nvme, "w"), max_in_cpu=0, max_grad_in_cpu=0)
+        offload_parameters(model, nvme_path=os.path.join(args.nvme, "w"), max_in_cpu=0, max_grad_in_cpu=0,
+                           config={"checksum": args.checksum == "on"})
     opt = OffloadedAdamW(model.parameters(), lr=1e-3, nvme_path=os.path.join(args.nvme, "s"),
-                         host_cache=args.host_cache, state_dtype=args.state_dtype)
+                         host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum == "on")
 
     def moved() -> int:
         r, w = opt.io_bytes()
@@ -125,6 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--host-cache", type=int, default=0)
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--iterations", type=int, default=6)
+    p.add_argument("--checksum", choices=("on", "off"), default="on", help="ours: checksums of swapped state")
     args = p.parse_args(argv)
     import torch
 
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
     n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH
     result = (_ours if args.system == "ours" else _deepspeed)(args, dtype)
     print(json.dumps(dict(result, params=n, params_on_nvme=args.params_nvme, bf16=args.bf16,
-                          host_cache=args.host_cache, state_dtype=args.state_dtype)), flush=True)
+                          host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum)),
+          flush=True)
     return 0
 
 

@@ -164,84 +164,85 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
     weights are read for forward and for backward and written once; offloaded grads are written in backward
     and read by the optimizer.
     """
-    oc, pc = config.offload_optimizer, config.offload_param
+    oc = config.offload_optimizer
     dtype = next((k for k, v in _DTYPES.items() if params and params[0].dtype == v), "fp32")
     small = [p for p in params if p.numel() < oc.small_param_threshold]
-    big = [p for p in params if p.numel() >= oc.small_param_threshold]
-    candidates = [(p, {}, amsgrad) for p in big]
+    candidates = [(p, {}, amsgrad) for p in params if p.numel() >= oc.small_param_threshold]
     unit_bytes = pool_buffer_size(oc, candidates)
     units = Layout(unit_bytes, oc.state_dtype).plan(candidates)
-    state = sum(u.nbytes for u in units)
-    in_memory = sum(p.numel() * (8 + (4 if p.dtype in HALF_DTYPES else 0) + (4 if amsgrad else 0)) for p in small)
     if available_host_bytes is None:
         available_host_bytes = psutil.virtual_memory().available
-    host: dict[str, int] = {}
-    cached_units = 0
-    nvme_state = 0
-    if oc.device == "cpu":
-        host["optimizer state (device cpu)"] = state
-        cache = 0
-    else:
-        host["optimizer pool"] = oc.buffer_count * unit_bytes
-        cache = min(oc.host_cache, state) if oc.host_cache != "auto" else auto_cache_bytes(
-            pools=oc.buffer_count * unit_bytes, state=state, available=available_host_bytes, quiet=True)
-        cached_units = min(len(units), cache // unit_bytes)
-        cache = cached_units * unit_bytes
-        if cache:
-            host["host cache"] = cache
-        npaths = max(1, len(nvme_paths))
-        stripe = config.aio.block_size
-        nvme_state = round_up(sum(round_up(u.nbytes, ALIGNMENT) for u in units), npaths * stripe)
+    host, cache, nvme_state, read, write = _optimizer(units, unit_bytes, config, len(nvme_paths), available_host_bytes)
+    in_memory = sum(p.numel() * (8 + (4 if p.dtype in HALF_DTYPES else 0) + (4 if amsgrad else 0)) for p in small)
     if in_memory:
         host["small parameters' state"] = in_memory
-    weights = sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params)
-    weights_nvme = grads_nvme = 0
-    read = write = 0
-    if oc.device != "cpu":
-        moving = sorted((u.nbytes for u in units), reverse=True)[cached_units:]
-        per_step = sum(round_up(n, ALIGNMENT) for n in moving)
-        pooled = sum(round_up(n, ALIGNMENT) for n in moving[:max(0, oc.buffer_count - 1)])
-        read, write = per_step - pooled, per_step
-    gpu = 0
+    weights_nvme = grads_nvme = gpu = 0
     if offload_params:
-        sizes = sorted(p.numel() for p in params)
-        kept, budget = [], pc.max_in_cpu
-        for n in sizes:
-            if n > budget:
-                break
-            budget -= n
-            kept.append(n)
-        itemsize = params[0].element_size() if params else 4
-        offloaded = sizes[len(kept):]
-        weights_nvme = sum(round_up(n * itemsize, ALIGNMENT) for n in offloaded)
-        grad_kept, budget = [], pc.max_grad_in_cpu
-        for n in sorted(offloaded):
-            if n > budget:
-                break
-            budget -= n
-            grad_kept.append(n)
-        grads_nvme = sum(round_up(n * itemsize, ALIGNMENT) for n in sorted(offloaded)[len(grad_kept):])
-        host["parameter pool"] = pc.buffer_count * round_up(pc.buffer_size * itemsize, ALIGNMENT)
-        if kept:
-            host["weights kept in memory"] = sum(kept) * itemsize
-        if grad_kept:
-            host["grads kept in memory"] = sum(grad_kept) * itemsize
-        read += 2 * weights_nvme + grads_nvme
+        held, weights_nvme, grads_nvme, gpu = _offloaded_weights(params, config.offload_param, on_gpu)
+        host.update(held)
+        read += 2 * weights_nvme + grads_nvme  # read for forward and backward; grads read by the optimizer
         write += weights_nvme + grads_nvme
-        gpu = 0 if not on_gpu else 2 * pc.buffer_count * pc.buffer_size * itemsize
     elif on_gpu:
-        gpu = 2 * weights
+        gpu = 2 * sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params)
     else:
-        host["weights and grads"] = 2 * weights
+        host["weights and grads"] = 2 * sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params)
     free = {}
     for path in nvme_paths:
         st = os.statvfs(_existing(path))
         free[path] = st.f_bavail * st.f_frsize
-    return Plan(params=sum(p.numel() for p in params), dtype=dtype, unit_bytes=unit_bytes, state_bytes=state,
-                state_in_memory_bytes=in_memory, host_cache_bytes=cache, optimizer_nvme_bytes=nvme_state,
-                weights_nvme_bytes=weights_nvme, grads_nvme_bytes=grads_nvme, host_bytes=host, gpu_bytes=gpu,
-                read_bytes=read, write_bytes=write, read_gib_s=read_gib_s, write_gib_s=write_gib_s,
-                free_nvme_bytes=free, available_host_bytes=available_host_bytes)
+    return Plan(params=sum(p.numel() for p in params), dtype=dtype, unit_bytes=unit_bytes,
+                state_bytes=sum(u.nbytes for u in units), state_in_memory_bytes=in_memory, host_cache_bytes=cache,
+                optimizer_nvme_bytes=nvme_state, weights_nvme_bytes=weights_nvme, grads_nvme_bytes=grads_nvme,
+                host_bytes=host, gpu_bytes=gpu, read_bytes=read, write_bytes=write, read_gib_s=read_gib_s,
+                write_gib_s=write_gib_s, free_nvme_bytes=free, available_host_bytes=available_host_bytes)
+
+
+def _optimizer(units: list, unit_bytes: int, config: Config, npaths: int, available: int) -> tuple:
+    """(host memory by name, host cache bytes, swap space, bytes read and written per step) of the state."""
+    oc = config.offload_optimizer
+    state = sum(u.nbytes for u in units)
+    if oc.device == "cpu":
+        return {"optimizer state (device cpu)": state}, 0, 0, 0, 0
+    host = {"optimizer pool": oc.buffer_count * unit_bytes}
+    cache = min(oc.host_cache, state) if oc.host_cache != "auto" else auto_cache_bytes(
+        pools=oc.buffer_count * unit_bytes, state=state, available=available, quiet=True)
+    cached_units = min(len(units), cache // unit_bytes)
+    if cached_units:
+        host["host cache"] = cached_units * unit_bytes
+    space = round_up(sum(round_up(u.nbytes, ALIGNMENT) for u in units), max(1, npaths) * config.aio.block_size)
+    moving = sorted((u.nbytes for u in units), reverse=True)[cached_units:]
+    write = sum(round_up(n, ALIGNMENT) for n in moving)
+    pooled = sum(round_up(n, ALIGNMENT) for n in moving[:max(0, oc.buffer_count - 1)])
+    return host, cached_units * unit_bytes, space, write - pooled, write
+
+
+def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool) -> tuple:
+    """(host memory by name, weights on NVMe, grads on NVMe, GPU bytes) with offload_parameters: the smallest
+    parameters within max_in_cpu stay in memory, and the smallest offloaded grads within max_grad_in_cpu."""
+    itemsize = params[0].element_size() if params else 4
+    sizes = sorted(p.numel() for p in params)
+    kept = _smallest_within(sizes, pc.max_in_cpu)
+    offloaded = sizes[len(kept):]
+    grad_kept = _smallest_within(offloaded, pc.max_grad_in_cpu)
+    host = {"parameter pool": pc.buffer_count * round_up(pc.buffer_size * itemsize, ALIGNMENT)}
+    if kept:
+        host["weights kept in memory"] = sum(kept) * itemsize
+    if grad_kept:
+        host["grads kept in memory"] = sum(grad_kept) * itemsize
+    weights = sum(round_up(n * itemsize, ALIGNMENT) for n in offloaded)
+    grads = sum(round_up(n * itemsize, ALIGNMENT) for n in offloaded[len(grad_kept):])
+    return host, weights, grads, 2 * pc.buffer_count * pc.buffer_size * itemsize if on_gpu else 0
+
+
+def _smallest_within(sizes: list, budget: int) -> list:
+    """The first of ``sizes`` (sorted, smallest first) whose sum stays within ``budget``."""
+    out = []
+    for n in sizes:
+        if n > budget:
+            break
+        budget -= n
+        out.append(n)
+    return out
 
 
 def _existing(path: str) -> str:
