@@ -20,6 +20,7 @@ import sys
 from typing import Iterator, Sequence
 
 from .space import SwapSpace
+from .space.files import find_unproven
 from .units import format_size
 
 PROG = "offload-swap"
@@ -81,6 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     count, total = count + 1, total + sizes.get(f, 0)
     what = "stale swap file(s) holding" if args.command == "list" else "stale swap file(s) removed, freeing"
     print(f"{count} {what} {format_size(total)}")
+    unproven = [f for path in args.paths if os.path.isdir(path) for d in _directories(path, args.recursive)
+                for f in find_unproven(d)]
+    if unproven:
+        print(f"{len(unproven)} file(s) named like swap files that nobody holds are not provably ours and are left "
+              "alone (made before swap files were sealed, or changed since, or another user's); remove them with "
+              "rm once you know no run uses them:")
+        for f in unproven:
+            print(f"  {f}\t{format_size(_allocated(f))}")
     return status
 
 

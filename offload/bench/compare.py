@@ -119,7 +119,8 @@ def run_compare(args: argparse.Namespace) -> int:
             moved = results[-1].get("bytes_per_iteration")
             spread = [f"{x['iteration_s_median']:.2f}" for x in results]
             rows.append([name, f"{it:.3f} s ({', '.join(spread)})", f"{st:.3f} s", format_size(rss),
-                         format_size(moved) if moved else "-", f"{ds / it:.2f}x" if ds and name != DEEPSPEED else "-"])
+                         format_size(moved) if moved is not None else "-",
+                         f"{ds / it:.2f}x" if ds and name != DEEPSPEED else "-"])
             doc["medians"][name] = {"iteration_s": it, "step_s": st, "peak_rss_bytes": rss,
                                     "bytes_per_iteration": moved, "speedup_vs_deepspeed": ds / it if ds else None}
         print(report.table(["variant", "iteration (runs)", "step()", "peak RSS", "moved/iter", "vs DeepSpeed"],

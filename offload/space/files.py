@@ -19,7 +19,7 @@ from ..aio import AioFile, wrap_fd
 from ..distributed import rank_info
 from ..units import format_size
 
-__all__ = ["create_swap_file", "find_stale", "remove_stale", "seal", "warn_stale"]
+__all__ = ["create_swap_file", "find_stale", "find_unproven", "remove_stale", "seal", "warn_stale"]
 
 _PREFIX = "nvme-offload-"
 _SUFFIX = ".swap"
@@ -153,13 +153,25 @@ def find_stale(path: str | os.PathLike) -> list[str]:
     like one (a user's, or one cut short) is never reported; special files and symlinks named like swap
     files are never opened, followed or reported.
     """
+    return _scan(path)[0]
+
+
+def find_unproven(path: str | os.PathLike) -> list[str]:
+    """Files in ``path`` named like swap files that nobody holds but that are not provably ours (no seal: made
+    by a version before swap files were sealed, or cut short, changed, or another user's): never removed
+    here; a user who knows no run uses them removes them by hand."""
+    return _scan(path)[1]
+
+
+def _scan(path) -> tuple[list[str], list[str]]:
+    """(stale swap files, unlocked files named like swap files that are not provably ours)."""
     path = os.fspath(path)
     try:
         names = sorted(os.listdir(path))
     except (FileNotFoundError, NotADirectoryError):
-        return []
+        return [], []
     host = _host()
-    stale = []
+    stale, unproven = [], []
     for fname in names:
         m = _PATTERN.match(fname)
         creating = m is None
@@ -175,11 +187,11 @@ def find_stale(path: str | os.PathLike) -> list[str]:
         if fd is None:
             continue
         try:
-            if _sealed_by_us(fd, m["rand"]) and _take_lock(fd, gone) and _still_named(full, fd):
-                stale.append(full)
+            if _take_lock(fd, gone) and _still_named(full, fd):
+                (stale if _sealed_by_us(fd, m["rand"]) else unproven).append(full)
         finally:
             os.close(fd)
-    return stale
+    return stale, unproven
 
 
 def remove_stale(path: str | os.PathLike) -> list[str]:
