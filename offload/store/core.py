@@ -154,12 +154,7 @@ class ByteStore:
         """Wait for every write of ``stored``'s extent. If one failed the bytes it carried are lost: the
         error is raised here, and with ``fails`` the store is failed first."""
         futures, stored.writes = stored.writes, []
-        first = None
-        for fut in futures:
-            try:
-                fut.wait()
-            except OSError as err:
-                first = first or err
+        first = _first_error(futures)
         if first is not None:
             if fails:
                 self.mark_failed(first)
@@ -167,16 +162,10 @@ class ByteStore:
 
     def collect_landed(self) -> None:
         """Forget left-landing writes that landed; the first that failed fails the store and is raised."""
-        still, first = [], None
-        for fut in self._tail:
-            if not fut.done():
-                still.append(fut)
-                continue
-            try:
-                fut.wait()
-            except OSError as err:
-                first = first or err
-        self._tail = still
+        landed = [fut for fut in self._tail if fut.done()]
+        gone = {id(fut) for fut in landed}
+        self._tail = [fut for fut in self._tail if id(fut) not in gone]
+        first = _first_error(landed)
         if first is not None:
             self.mark_failed(first)
             raise first
@@ -194,12 +183,7 @@ class ByteStore:
         if quiet:
             wait_quietly(tail)
             return
-        first = None
-        for fut in tail:
-            try:
-                fut.wait()
-            except OSError as err:
-                first = first or err
+        first = _first_error(tail)
         if first is not None:
             self.mark_failed(first)
             raise first
@@ -261,3 +245,14 @@ class ByteStore:
         if self.mismatch_fails:
             self.mark_failed(err)
         return err
+
+
+def _first_error(futures) -> Optional[OSError]:
+    """Wait for every one of ``futures`` (each lands before any error is reported); the first OSError, or None."""
+    first = None
+    for fut in futures:
+        try:
+            fut.wait()
+        except OSError as err:
+            first = first or err
+    return first
