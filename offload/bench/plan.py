@@ -21,6 +21,7 @@ import torch
 
 from ..adam.wear import WEAR_WARN_BYTES_PER_DAY
 from ..config import Config, config_to_dict
+from ..params import smallest_within
 from ..state import HALF_DTYPES, Layout, pool_buffer_size
 from ..store import auto_cache_bytes
 from ..units import ALIGNMENT, format_size, round_up
@@ -217,32 +218,21 @@ def _optimizer(units: list, unit_bytes: int, config: Config, npaths: int, availa
 
 
 def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool) -> tuple:
-    """(host memory by name, weights on NVMe, grads on NVMe, GPU bytes) with offload_parameters: the smallest
-    parameters within max_in_cpu stay in memory, and the smallest offloaded grads within max_grad_in_cpu."""
+    """(host memory by name, weights on NVMe, grads on NVMe, GPU bytes) with offload_parameters, whose rule
+    (``smallest_within``) keeps the smallest parameters within max_in_cpu in memory, and the smallest offloaded
+    grads within max_grad_in_cpu."""
     itemsize = params[0].element_size() if params else 4
-    sizes = sorted(p.numel() for p in params)
-    kept = _smallest_within(sizes, pc.max_in_cpu)
-    offloaded = sizes[len(kept):]
-    grad_kept = _smallest_within(offloaded, pc.max_grad_in_cpu)
+    kept = smallest_within(list(params), pc.max_in_cpu)
+    offloaded = [p for p in params if p not in kept]
+    grad_kept = smallest_within(offloaded, pc.max_grad_in_cpu)
     host = {"parameter pool": pc.buffer_count * round_up(pc.buffer_size * itemsize, ALIGNMENT)}
     if kept:
-        host["weights kept in memory"] = sum(kept) * itemsize
+        host["weights kept in memory"] = sum(p.numel() for p in kept) * itemsize
     if grad_kept:
-        host["grads kept in memory"] = sum(grad_kept) * itemsize
-    weights = sum(round_up(n * itemsize, ALIGNMENT) for n in offloaded)
-    grads = sum(round_up(n * itemsize, ALIGNMENT) for n in offloaded[len(grad_kept):])
+        host["grads kept in memory"] = sum(p.numel() for p in grad_kept) * itemsize
+    weights = sum(round_up(p.numel() * itemsize, ALIGNMENT) for p in offloaded)
+    grads = sum(round_up(p.numel() * itemsize, ALIGNMENT) for p in offloaded if p not in grad_kept)
     return host, weights, grads, 2 * pc.buffer_count * pc.buffer_size * itemsize if on_gpu else 0
-
-
-def _smallest_within(sizes: list, budget: int) -> list:
-    """The first of ``sizes`` (sorted, smallest first) whose sum stays within ``budget``."""
-    out = []
-    for n in sizes:
-        if n > budget:
-            break
-        budget -= n
-        out.append(n)
-    return out
 
 
 def _existing(path: str) -> str:

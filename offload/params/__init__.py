@@ -18,9 +18,10 @@ from .grads import clip_grad_norm_, load_grad
 from .guard import OffloadedGrad, OffloadedParameter
 from .holds import resident
 from .registry import store_of
-from .store import ParamStore
+from .store import ParamStore, smallest_within
 
 __all__ = [
+    "smallest_within",
     "OffloadedGrad",
     "OffloadedParameter",
     "ParamAccess",

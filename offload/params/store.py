@@ -89,7 +89,7 @@ class ParamStore:
                                pin_memory=pc.pin_memory if pc.pin_memory != "auto" else self.device.type == "cuda",
                                keys=("offload_param.buffer_count", "offload_param.buffer_size"))
         self._cuda = self.device.type == "cuda"
-        cached = _smallest_within(params, pc.max_in_cpu)  # the host cache
+        cached = smallest_within(params, pc.max_in_cpu)  # the host cache
         self._host_cache = self.space = None
         try:
             self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
@@ -371,7 +371,7 @@ class ParamStore:
         ``id(param) ->`` the gradient's extent (None: kept in host memory, ``max_grad_in_cpu``)."""
         on_disk = [p for p in params if p not in cached]
         with_grad = [p for p in params if self.offload_grads and p.requires_grad and (p not in cached or self._cuda)]
-        host_grads = _smallest_within(with_grad, self.config.offload_param.max_grad_in_cpu)
+        host_grads = smallest_within(with_grad, self.config.offload_param.max_grad_in_cpu)
         grads_on_disk = [p for p in with_grad if p not in host_grads]
         extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
         extent_of = dict(zip(map(id, on_disk), extents[:len(on_disk)]))
@@ -492,7 +492,7 @@ class ParamStore:
             raise failed
 
 
-def _smallest_within(params: list, budget: int) -> set:
+def smallest_within(params: list, budget: int) -> set:
     """The parameters kept in host memory under a budget of ``budget`` elements: smallest first, since for
     them a disk request costs the most per byte."""
     chosen = set()
