@@ -16,6 +16,18 @@ from offload.config import load_config
 from offload.params import offloaded
 
 
+def _moved_per_step(opt, params, steps: int) -> list:
+    """(bytes read, bytes written) of the optimizer's state in each of ``steps`` steps on random grads."""
+    moved = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        before = opt.io_bytes()
+        opt.step()
+        moved.append([b - a for a, b in zip(before, opt.io_bytes())])
+    return moved
+
+
 def _within(predicted: int, measured: int, share: float = 0.01) -> bool:
     return abs(predicted - measured) <= share * measured
 
@@ -32,13 +44,7 @@ def test_the_plan_equals_what_the_optimizer_reserves_and_moves(nvme, closing, dt
                                                 "state_dtype": state_dtype}})
     predicted = plan([p.detach().to("meta") for p in params], config, nvme_paths=[nvme])
     opt = closing(OffloadedAdamW(params, config=config))
-    moved = []
-    for _ in range(3):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        before = opt.io_bytes()
-        opt.step()
-        moved.append([b - a for a, b in zip(before, opt.io_bytes())])
+    moved = _moved_per_step(opt, params, 3)
     assert predicted.state_bytes == opt.offloaded_state_bytes
     assert _within(predicted.optimizer_nvme_bytes, opt.swap_space.capacity)
     reads, writes = zip(*moved[1:])  # the first step reads nothing: no state yet
@@ -90,13 +96,7 @@ def test_a_host_cache_is_planned_as_the_optimizer_keeps_it(nvme, closing):
     predicted = plan([p.detach().to("meta") for p in params], config, nvme_paths=[nvme])
     assert predicted.host_cache_bytes == 40 * (256 << 10)
     opt = closing(OffloadedAdamW(params, config=config))
-    moved = []
-    for _ in range(3):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        before = opt.io_bytes()
-        opt.step()
-        moved.append([b - a for a, b in zip(before, opt.io_bytes())])
+    moved = _moved_per_step(opt, params, 3)
     # Which units the cache holds turns with the snake order (the last, shorter unit in it or not): one unit.
     assert all(abs(w - predicted.write_bytes) <= predicted.unit_bytes for _, w in moved[1:])
     # Beside a host cache the pool cache's hits vary from none to the pool, step to step.
