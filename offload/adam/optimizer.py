@@ -445,8 +445,10 @@ class OffloadedAdam(torch.optim.Adam):
                     by_group.setdefault(id(c.slot.group), []).append(c)
                     updated.add(c.slot)
                     # A state entry only for a parameter that is updated (a parameter without a grad gets
-                    # none, as in torch).
-                    self.state[c.slot.param].setdefault("step", torch.tensor(0.0, dtype=torch.float32))
+                    # none, as in torch); made once, not a tensor per chunk per step.
+                    st = self.state[c.slot.param]
+                    if "step" not in st:
+                        st["step"] = torch.tensor(0.0, dtype=torch.float32)
                 devices = set()
                 for chunks in by_group.values():
                     devices |= update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
