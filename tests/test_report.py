@@ -45,4 +45,9 @@ def test_the_command_is_installed_and_runs_in_a_fresh_process(tmp_path):
         assert 'offload-report = "offload.bench.doctor:main"' in f.read()
     done = run_python("-m", "offload.bench.doctor", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    assert "engine" in done.stdout and not os.listdir(tmp_path)
+    # One line a check, in order, each starting with its status (advice lines start with blanks).
+    lines = [ln for ln in done.stdout.splitlines() if not ln.startswith(" ")]
+    expected = checks(load_config(None), [str(tmp_path)])
+    assert [ln.split(None, 1)[0] for ln in lines] == [c.status for c in expected]
+    assert all(c.what in ln for c, ln in zip(expected, lines))
+    assert not os.listdir(tmp_path)
