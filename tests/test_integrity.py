@@ -344,3 +344,38 @@ def test_restore_parameters_after_damage_refuses_instead_of_restoring_garbage(nv
         restore_parameters(model)
     offloaded(model).scheduler.remove()
     store.close()
+
+
+def test_a_read_is_checked_against_the_write_before_it_however_often_it_is_waited_for(tmp_path):
+    """A checked read issued before the extent's next write is checked against the write before it: waited
+    for again after the next write landed (as an asynchronous save and a step's change guard both wait for
+    the save's read), it neither raises nor fails the store. Before, each wait compared with the newest
+    write's checksum: a false mismatch that stopped training."""
+    from offload.buffers import HostBuffer
+    from offload.space import SwapSpace
+    from offload.store import ByteStore, Stored
+
+    block = 64 * 1024
+    space = SwapSpace(str(tmp_path), 0, name="checked")
+    store = ByteStore(space, block, checksum=True, remedy="restore it", mismatch_fails=True)
+    a, b, into = (HostBuffer(block) for _ in range(3))
+    try:
+        stored = Stored(extent=space.alloc(block), nbytes=block)
+        a.tensor.copy_(torch.randint(0, 256, (block,), dtype=torch.uint8))
+        b.tensor.copy_(torch.randint(0, 256, (block,), dtype=torch.uint8))
+        store.write(stored, a)
+        store.land(stored)
+        read = store.read(stored, into)
+        read.wait()  # the first wait: the guard's
+        store.write(stored, b)
+        store.land(stored)
+        read.wait()  # the second: the save's walk, after the step's write
+        assert store.usable and torch.equal(into.tensor, a.tensor)
+        after = store.read(stored, into)
+        after.wait()
+        assert torch.equal(into.tensor, b.tensor)
+    finally:
+        store.close()
+        space.close()
+        for buf in (a, b, into):
+            buf.close()

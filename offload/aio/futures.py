@@ -198,17 +198,24 @@ class CheckedRead:
 
     def __init__(self, read, expected: Callable[[], Any], mismatch: Callable[[Any, Any], BaseException]):
         self._read, self._expected, self._mismatch = read, expected, mismatch
+        self._checked: Optional[tuple] = None  # (bytes read, the mismatch or None) once compared
 
     def done(self) -> bool:
         return self._read.done()
 
     def wait(self) -> int:
-        n = self._read.wait()
-        want = self._expected()
-        if want is not None:
-            found = self._read.digest()
-            if found != want:
-                raise self._mismatch(found, want)
+        """Wait for the read and compare its bytes once; later waits give the same result (or error)."""
+        if self._checked is None:
+            n = self._read.wait()
+            want, error = self._expected(), None
+            if want is not None:
+                found = self._read.digest()
+                if found != want:
+                    error = self._mismatch(found, want)
+            self._checked = (n, error)
+        n, error = self._checked
+        if error is not None:
+            raise error
         return n
 
     def digest(self):

@@ -111,13 +111,15 @@ class ByteStore:
         the bytes against the block's last write (``StateError``). Call :meth:`land` first when the extent
         may have writes in flight (a read must see them)."""
         ext, n = self.block(stored, k)
-        check = self.checksum and stored.digests is not None and k < len(stored.digests) \
-            and stored.digests[k] is not None
-        fut = self.space.read(ext, buffer, nbytes=n, digest=check)
+        # The write this read must see, taken now: a later write of the block (after this read landed and
+        # was waited for once) must not become what a second wait compares with.
+        source = stored.digests[k] if self.checksum and stored.digests is not None \
+            and k < len(stored.digests) else None
+        fut = self.space.read(ext, buffer, nbytes=n, digest=source is not None)
         self.bytes_read += ext.nbytes
-        if not check:
+        if source is None:
             return fut
-        return CheckedRead(fut, lambda: self._last_digest(stored, k),
+        return CheckedRead(fut, lambda: self._digest_of(stored, k, source),
                            lambda found, want: self._mismatch(stored, k, found, want, what))
 
     def read_range(self, stored: Stored, start: int, nbytes: int, buffer, *, buffer_offset: int = 0):
@@ -229,10 +231,13 @@ class ByteStore:
     # -- checksums ---------------------------------------------------------------------------------
 
     @staticmethod
-    def _last_digest(stored: Stored, k: int):
-        digest = stored.digests[k] if stored.digests is not None and k < len(stored.digests) else None
-        if digest is not None and not isinstance(digest, tuple):
-            digest = stored.digests[k] = digest.digest()  # the write landed long ago
+    def _digest_of(stored: Stored, k: int, source):
+        """The checksum of the write ``source`` of block ``k`` (its future, or the checksum it had)."""
+        if isinstance(source, tuple):
+            return source
+        digest = source.digest()  # the write landed before the read was issued
+        if stored.digests is not None and k < len(stored.digests) and stored.digests[k] is source:
+            stored.digests[k] = digest  # keep the checksum, not the future
         return digest
 
     def _mismatch(self, stored: Stored, k: int, found, want, what: Callable[[], str]) -> StateError:
