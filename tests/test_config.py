@@ -48,11 +48,11 @@ def test_defaults_are_the_documented_values():
     o = c.offload_optimizer
     assert (o.device, o.nvme_path, o.buffer_count, o.buffer_size) == ("nvme", None, 4, 64 * MiB)
     assert (o.pin_memory, o.pipeline_read, o.pipeline_write) == ("auto", True, True)
-    assert (o.host_cache, o.state_dtype, o.checksum) == (0, "fp32", False)
+    assert (o.host_cache, o.state_dtype, o.checksum) == (0, "fp32", True)
     assert (o.small_param_threshold, o.nvme_paths) == (4096, ())
     p = c.offload_param
     assert (p.device, p.nvme_path, p.buffer_count, p.buffer_size) == ("nvme", None, 5, 100_000_000)
-    assert (p.max_in_cpu, p.max_grad_in_cpu, p.pin_memory, p.checksum) == (1_000_000_000, 1_000_000_000, "auto", False)
+    assert (p.max_in_cpu, p.max_grad_in_cpu, p.pin_memory, p.checksum) == (1_000_000_000, 1_000_000_000, "auto", True)
 
 
 def test_empty_sources_mean_defaults():

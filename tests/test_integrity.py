@@ -54,6 +54,37 @@ def overwrite_range(path, offset, nbytes):
         f.write(os.urandom(nbytes))
 
 
+def test_with_default_settings_state_and_weights_overwritten_behind_our_back_are_found(nvme, closing):
+    """Checksums are on by default: a unit of optimizer state, and offloaded weights, overwritten on disk
+    between steps are named at the next read (StateError / a RuntimeError naming the parameter), never used."""
+    params = make_params()
+    opt = closing(OffloadedAdamW(params, lr=1e-2, nvme_path=nvme, buffer_size=256 * 1024, buffer_count=3,
+                                 small_param_threshold=64))
+    train(opt, params, [0, 1])
+    middle = len(opt.state_store.layout.units) // 2  # not one a pool buffer still holds: it is read back
+    path, offset, nbytes = unit_on_disk(opt, middle)
+    overwrite_range(path, offset + 8192, 512)
+    with pytest.raises(StateError, match="behind our back"):
+        train(opt, params, [2])
+    torch.manual_seed(0)
+    model = Net()
+    closing(offload_parameters(model, nvme_path=nvme + "-p", **TINY))
+    loss_of(model, 0).backward()
+    model.zero_grad()
+    store = offloaded(model).store
+    rec = store.records[model.blocks[0].up.weight]
+    with open(store.space.files[0], "rb") as f:
+        f.seek(rec.extent.offset)
+        good = f.read(512)
+    overwrite_range(store.space.files[0], rec.extent.offset, 512)
+    with pytest.raises(StateError, match="behind our back") as info:
+        loss_of(model, 1)
+    assert "blocks.0.up.weight" in str(info.value)
+    with open(store.space.files[0], "r+b") as f:  # put the bytes back, so the model can be restored at the end
+        f.seek(rec.extent.offset)
+        f.write(good)
+
+
 @pytest.mark.parametrize("damage", ["flip", "zero", "overwrite"])
 def test_changed_state_is_named_at_the_next_step_and_blocks_steps_until_restored(tmp_path, nvme, damage):
     """A unit's bytes changed on disk between steps: the next step raises StateError naming the swap file,

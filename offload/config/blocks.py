@@ -127,7 +127,7 @@ class OptimizerOffloadConfig:
     state_dtype: str = setting("fp32", Rule("choice", choices=("fp32", "bf16"), auto='write "fp32" or "bf16"'),
                                '``"fp32"`` (bitwise torch) or ``"bf16"`` (moments stored as bf16, computed in '
                                "fp32, rounded to nearest; fp32 masters stay fp32).")
-    checksum: bool = setting(False, BOOL, "an xxh3_64 of every unit written, verified on every read, so state "
+    checksum: bool = setting(True, BOOL, "an xxh3_64 of every unit written, verified on every read, so state "
                              "changed on disk behind our back is found instead of trained on; hashed on the "
                              "engine's threads as requests complete (measure its cost with ``offload-bench adam "
                              "--checksum-cost``).")
@@ -171,7 +171,7 @@ class ParamOffloadConfig:
                                    "through NVMe (smallest first).", shown="1e9")
     pin_memory: bool | str = setting("auto", PIN, "register the pool with CUDA (page-locked); ``\"auto\"``: "
                                      "when the model is on a GPU.", shown="auto")
-    checksum: bool = setting(False, BOOL, "an xxh3_64 of every weight unit written, verified when read back.")
+    checksum: bool = setting(True, BOOL, "an xxh3_64 of every weight unit written, verified when read back.")
 
     def __post_init__(self) -> None:
         _validate(self, "offload_param")
