@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -49,6 +50,10 @@ class BackwardOverlap:
         self.clip = clip
         self.access = access
         self._handles: dict[int, object] = {}
+        # The hooks on the parameters reach this object only weakly, so a model outliving its optimizer does
+        # not keep the optimizer (its pool, its swap files) alive; once it is gone the hooks go too.
+        self._watcher = _Watcher(weakref.ref(self))
+        weakref.finalize(self, _remove_hooks, self._handles)
         self._skip = 0
         self._run: Optional[_Run] = None
         self._order: list = []  # units, in the order the last backward finished them
@@ -57,7 +62,7 @@ class BackwardOverlap:
     def hook(self, params) -> None:
         """Watch ``params``' gradients (those that require grad; each once)."""
         params = [p for p in params if p.requires_grad and id(p) not in self._handles]
-        for p, handle in zip(params, self.access.watch(params, self)):
+        for p, handle in zip(params, self.access.watch(params, self._watcher)):
             self._handles[id(p)] = handle
 
     @contextlib.contextmanager
@@ -108,10 +113,23 @@ class BackwardOverlap:
         if run is not None:
             run.abort(err)
 
+    def cancel(self, what: str) -> None:
+        """A backward started a step and ``what`` came instead of step() (the backward was interrupted, by a
+        KeyboardInterrupt or an error, or step() was skipped): end the step in progress. If it had not updated
+        any unit yet, the state is as before that backward, as torch's would be, and stays usable; else it is
+        failed (part of it holds that backward's update) until restored."""
+        run, self._run = self._run, None
+        if run is None:
+            return
+        run.cancelled = True
+        run.abort(StateError(
+            f"{what} was called after a backward that was not followed by step() (interrupted, or it failed) with "
+            "overlap_backward=True; that backward had already updated part of the optimizer state with its "
+            "gradients, so the state is neither that before nor that after a step. Restore it with "
+            "load_checkpoint() or load_state_dict() before stepping again."))
+
     def remove(self) -> None:
-        for h in self._handles.values():
-            h.remove()
-        self._handles.clear()
+        _remove_hooks(self._handles)
 
     # -- what the parameter layer calls (ParamAccess.watch) --------------------------------------
 
@@ -183,6 +201,8 @@ class _Run:
         self.updated: set = set()
         self.lock = threading.Lock()
         self.ended = False  # the worker has given back the holds it took (under ``lock``)
+        self.begun = 0  # updates the worker has begun (a unit's state changes once one has)
+        self.cancelled = False  # ended by cancel(): state is failed only if an update had begun
         self.thread = threading.Thread(target=self._work, args=(slots,), name="offload-overlap", daemon=True)
         self.thread.start()
 
@@ -241,14 +261,11 @@ class _Run:
     def gate(self, unit) -> None:
         """Before updating ``unit`` (on the worker): wait until its grads are final (and, when clipping,
         the clip factor known)."""
-        if self.owner.clip:
-            self.all_final.wait()
-        else:
-            while not self.ready_units[id(unit)].wait(timeout=0.1):
-                if self.all_final.is_set():
-                    break
+        # finish() and abort() set every unit's event: no polling while backward runs.
+        (self.all_final if self.owner.clip else self.ready_units[id(unit)]).wait()
         if self.error is not None:
             raise self.error
+        self.begun += 1
 
     def finish(self) -> set:
         self.all_final.set()
@@ -274,11 +291,39 @@ class _Run:
             self.updated = self.owner._run_step(slots, self.gate, self.order)
         except BaseException as err:  # noqa: BLE001 - reported by the next hook and by step()
             self.error = self.error or err
-            self.owner._mark_failed(self.error)
+            if self.begun or not self.cancelled:
+                self.owner._mark_failed(self.error)
         finally:
             with self.lock:
                 self.ended = True
             self.owner.access.release_handed()
+
+
+class _Watcher:
+    """What the parameters' hooks call: forwarded to the overlap while it lives, nothing after."""
+
+    def __init__(self, owner: weakref.ref):
+        self._owner = owner
+
+    def take(self, p: torch.Tensor) -> bool:
+        owner = self._owner()
+        return owner is not None and owner.take(p)
+
+    def refused(self, p: torch.Tensor) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.refused(p)
+
+    def final(self, p: torch.Tensor) -> None:
+        owner = self._owner()
+        if owner is not None:
+            owner.final(p)
+
+
+def _remove_hooks(handles: dict) -> None:
+    for h in handles.values():
+        h.remove()
+    handles.clear()
 
 
 # NOTE: a few elements of each final gradient are kept and compared at step(): any scaling or clipping of a

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
+import os
+import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -486,3 +490,105 @@ def test_parameters_without_a_grad_get_no_state_entry(nvme, closing):
         m.embed(x).sum().backward()  # only the embedding gets a grad
         o.step()
     assert sorted(ours.state_dict()["state"]) == sorted(ref.state_dict()["state"])
+
+
+class _Stack(torch.nn.Module):
+    """Six Linear layers; ``interrupt`` raises KeyboardInterrupt in backward at the first layer's output,
+    once ``ready()`` says so (as a Ctrl-C there would)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+        self.interrupt = None
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = torch.tanh(layer(x))
+            if i == 0 and self.interrupt is not None:
+                x.register_hook(self._raise)
+        return x
+
+    def _raise(self, grad):
+        deadline = time.monotonic() + 10
+        while not self.interrupt() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        raise KeyboardInterrupt
+
+
+def _iteration(model, opt, s):
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s))
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _interrupted(model, opt, s, when):
+    model.interrupt = when
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _iteration(model, opt, s)
+    finally:
+        model.interrupt = None
+    opt.zero_grad()
+    assert not [t for t in threading.enumerate() if t.name == "offload-overlap"], "the step's worker outlived it"
+
+
+def test_a_backward_interrupted_before_any_update_leaves_torchs_results(nvme, closing):
+    """Ctrl-C in backward before the step it started updated anything (one unit, its grads not all final): after
+    zero_grad() training goes on, bit for bit torch's AdamW over the iterations that completed."""
+    a, b = _Stack(), _Stack()
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, overlap_backward=True,
+                                  **{**OPT, "buffer_size": 1 << 20}))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    for s in range(2):
+        _iteration(a, ours, s)
+    _interrupted(a, ours, 2, lambda: True)
+    for s in range(2, 4):
+        _iteration(a, ours, s)
+    for s in range(4):
+        _iteration(b, ref, s)
+    assert_same(list(a.parameters()), list(b.parameters()))
+
+
+def test_a_backward_interrupted_after_updates_began_fails_the_state_until_restored(nvme, closing, tmp_path):
+    """Ctrl-C in backward once the step it started has rewritten some units: zero_grad() ends that step, the
+    next step() raises a StateError saying what happened and what to do, and after load_checkpoint() training
+    ends bit for bit where it would have without the interrupted iteration."""
+    a, b = _Stack(), _Stack()
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, overlap_backward=True,
+                                  **{**OPT, "small_param_threshold": 0}))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    for s in range(2):
+        _iteration(a, ours, s)
+    ours.save_checkpoint(tmp_path / "ckpt", model=a)
+    written = ours.io_bytes()[1]
+    _interrupted(a, ours, 2, lambda: ours.io_bytes()[1] > written)  # an update was written
+    with pytest.raises(StateError, match=r"zero_grad\(\) was called after a backward that was not followed by "
+                                         r"step\(\).*Restore it"):
+        _iteration(a, ours, 2)
+    ours.zero_grad()
+    ours.load_checkpoint(tmp_path / "ckpt", model=a)
+    for s in range(2, 4):
+        _iteration(a, ours, s)
+    for s in range(4):
+        _iteration(b, ref, s)
+    assert_same(list(a.parameters()), list(b.parameters()))
+
+
+@pytest.mark.parametrize("weights_offloaded", [False, True], ids=["state", "state-and-weights"])
+def test_an_optimizer_dropped_without_close_is_collected_with_its_swap_file(tmp_path, weights_offloaded):
+    """The hooks overlap_backward puts on the parameters do not keep the optimizer alive: dropped without
+    close(), it is collected, its swap file deleted, and no thread of it is left."""
+    model = _Stack()
+    if weights_offloaded:
+        offload_parameters(model, nvme_path=str(tmp_path / "weights"), **TINY)
+    os.makedirs(tmp_path / "state")
+    opt = OffloadedAdamW(model.parameters(), nvme_path=str(tmp_path / "state"), overlap_backward=True, **OPT)
+    _iteration(model, opt, 0)
+    gone = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert gone() is None and os.listdir(tmp_path / "state") == []
+    assert not [t for t in threading.enumerate() if t.name == "offload-overlap"]
+    model(torch.randn(2, 64)).sum().backward()  # the model goes on without it

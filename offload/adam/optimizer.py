@@ -245,7 +245,11 @@ class OffloadedAdam(torch.optim.Adam):
         return self._overlap.no_step() if self._overlap is not None else contextlib.nullcontext()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch's; gradients held in a parameter grad store are dropped (or marked zero) too."""
+        """As torch's; gradients held in a parameter grad store are dropped (or marked zero) too. With
+        overlap_backward, a step a backward started and no step() finished (an interrupted backward) ends
+        here: the state stays usable if that step had updated nothing, else it is failed until restored."""
+        if self._overlap is not None:
+            self._overlap.cancel("zero_grad()")
         super().zero_grad(set_to_none)
         self._access.forget_grads(p for g in self.param_groups for p in g["params"])
 
