@@ -215,7 +215,51 @@ def run_lightning(root: str) -> dict:
     # Lightning's removal of a .ckpt (save_top_k) takes its directory along.
     trainer.strategy.remove_checkpoint(step2)
     result["removed"] = not os.path.exists(step2) and not os.path.exists(step2 + ".offload")
+    result.update(lightning_attacks(trainer, root, step1))
     return result
+
+
+def lightning_attacks(trainer, root: str, ckpt: str) -> dict:
+    """What a .ckpt from elsewhere or files planted beside one do: each outcome, for the test to judge."""
+    import warnings
+
+    from offload.integrations.lightning import KEY
+
+    out = {}
+    # A received .ckpt naming a directory outside it (its fingerprint recomputed, as any sender can).
+    elsewhere = os.path.join(root, "elsewhere.offload")
+    shutil.copytree(ckpt + ".saved", elsewhere)
+    data = torch.load(ckpt, weights_only=False)
+    for name in ("../elsewhere.offload", elsewhere):
+        data[KEY]["dirs"] = [name]
+        evil = os.path.join(root, "out", "evil.ckpt")
+        torch.save(data, evil)
+        try:
+            trainer.strategy.load_checkpoint(evil)
+            out.setdefault("confined", []).append("loaded")
+        except Exception as err:  # noqa: BLE001 (reported to the test as is)
+            out.setdefault("confined", []).append(f"{type(err).__name__}: {err}")
+    # A user's notes inside the directory and a user's backup beside it survive the .ckpt's removal.
+    with open(ckpt + ".offload/NOTES.txt", "w") as f:
+        f.write("mine")
+    backup = ckpt + ".offload-1-backup"
+    shutil.copytree(ckpt + ".saved", backup)
+    theirs = sorted(os.listdir(backup))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.strategy.remove_checkpoint(ckpt)
+    out["kept_foreign"] = (os.listdir(ckpt + ".offload") == ["NOTES.txt"] and sorted(os.listdir(backup)) == theirs
+                           and not os.path.exists(ckpt))
+    # A link planted where the .ckpt's temporary file would have been named before.
+    victim = os.path.join(root, "victim")
+    with open(victim, "w") as f:
+        f.write("precious")
+    target = os.path.join(root, "out", "planted.ckpt")
+    os.symlink(victim, f"{target}.tmp-{os.getpid()}")
+    trainer.save_checkpoint(target)
+    with open(victim) as f:
+        out["victim"] = f.read()
+    return out
 
 
 def run_accelerate(root: str) -> dict:

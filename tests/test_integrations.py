@@ -86,6 +86,18 @@ def test_lightning_refuses_a_ckpt_beside_another_saves_directory_and_removes_bot
     assert r["removed"]
 
 
+def test_lightning_confines_a_received_ckpt_and_deletes_or_follows_nothing_of_a_user(runs):
+    """A .ckpt naming a directory outside it (``..``, an absolute path; fingerprints recomputed) is refused
+    before anything loads; removing a .ckpt leaves a user's file inside its directory and a user's
+    ``X.ckpt.offload-1-backup`` beside it; a link planted at the old temporary name is not followed."""
+    r = _result(runs, "lightning")
+    assert len(r["confined"]) == 2
+    for outcome in r["confined"]:
+        assert outcome.startswith("CheckpointError") and "not a directory beside it" in outcome, outcome
+    assert r["kept_foreign"]
+    assert r["victim"] == "precious"
+
+
 def test_dcp_refuses_a_streamed_part_from_another_save(nvme, closing, tmp_path):
     """offload.integrations.dcp.load checks that <checkpoint>/offload is the save DCP's part was written with,
     before anything is loaded: another save's directory in its place is refused and the state is untouched."""

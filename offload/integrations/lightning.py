@@ -8,9 +8,9 @@ beside each ``.ckpt`` file (``epoch=3-step=400.ckpt.offload``) through ``save_ch
 
 from __future__ import annotations
 
-import glob
 import os
-import shutil
+import re
+import secrets
 from types import MethodType
 from typing import Any, Optional
 
@@ -23,6 +23,7 @@ __all__ = ["KEY", "SUFFIX", "OffloadCheckpoint", "OffloadCheckpointIO"]  # noqa:
 
 SUFFIX = ".offload"  # X.ckpt -> X.ckpt.offload (optimizer 0 and the weights), X.ckpt.offload-1, ...
 KEY = "nvme_offload"  # what the .ckpt says about the directories beside it
+_NUMBERED = r"(?:-[1-9][0-9]*)?"  # the n of X.ckpt.offload-<n>
 _STREAMED = {KEY: "streamed beside the .ckpt"}  # stands in checkpoint["optimizer_states"][i]
 _OVERRIDES = ("optimizer_state", "lightning_module_state_dict", "load_model_state_dict", "load_optimizer_state_dict")
 
@@ -75,6 +76,42 @@ def _dirs(path: str, count: int) -> list[str]:
     return [f"{path}{SUFFIX}" + (f"-{i}" if i else "") for i in range(count)]
 
 
+def _ours_beside(path: str) -> list[str]:
+    """The directories beside the file ``path`` whose names a save of it writes (``X.ckpt.offload``,
+    ``X.ckpt.offload-<n>``): never ``X.ckpt.offload-1-backup`` or another name a user chose."""
+    where, name = os.path.split(os.path.abspath(path))
+    mine = re.compile(re.escape(name + SUFFIX) + _NUMBERED)
+    try:
+        names = os.listdir(where or ".")
+    except FileNotFoundError:
+        return []
+    return [os.path.join(where, n) for n in sorted(names) if mine.fullmatch(n)]
+
+
+def _confined(info: Any, path: str) -> dict:
+    """``info`` (what the ``.ckpt`` at ``path`` says of its directories), checked: each a name of ours
+    beside the file, never one that leads elsewhere (``..``, an absolute path, a link out)."""
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: its {KEY!r} entry {why}; this .ckpt was not written by OffloadCheckpoint "
+                               "as it is, so it is not loaded. Use the .ckpt and its directories as saved.")
+
+    if not (isinstance(info, dict) and isinstance(info.get("dirs"), list) and isinstance(info.get("fingerprints"), list)
+            and isinstance(info.get("model"), bool) and len(info["dirs"]) == len(info["fingerprints"])):
+        raise bad("is not what a save writes (dirs, fingerprints, model)")
+    where = os.path.dirname(os.path.realpath(path))
+    out = []
+    for name in info["dirs"]:
+        if not (isinstance(name, str) and re.fullmatch(r"[^/\\\x00]+" + re.escape(SUFFIX) + _NUMBERED, name)):
+            raise bad(f"names {name!r}, not a directory beside it")
+        full = os.path.join(where, name)
+        if os.path.islink(full) or os.path.dirname(os.path.realpath(full)) != where:
+            raise bad(f"names {name!r}, which leads out of {where}")
+        out.append(full)
+    if not all(isinstance(f, str) for f in info["fingerprints"]):
+        raise bad("has fingerprints that are not text")
+    return {**info, "dirs": out}
+
+
 def _classes() -> dict:
     """``OffloadCheckpointIO`` and ``OffloadCheckpoint``, built on first use (Lightning imported then)."""
     if _built:
@@ -120,16 +157,19 @@ def _classes() -> dict:
             if type(self.inner) is TorchCheckpointIO and storage_options is None and "://" not in path:
                 # Lightning's own write serialises the whole dict into memory first.
                 os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                temp = f"{path}.tmp-{os.getpid()}"
+                # A name nobody can guess, created exclusively: a link planted beside the .ckpt is never
+                # followed, and only the file made here is ever deleted.
+                temp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+                f = open(temp, "xb")
                 try:
-                    with open(temp, "wb") as f:
+                    with f:
                         torch.save(checkpoint, f)
                         f.flush()
                         os.fsync(f.fileno())
                     os.replace(temp, path)
-                finally:
-                    if os.path.exists(temp):
-                        os.unlink(temp)
+                except BaseException:
+                    os.unlink(temp)
+                    raise
             else:
                 self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
@@ -137,23 +177,19 @@ def _classes() -> dict:
             checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
             info = checkpoint.get(KEY)
             if info is not None:  # the directories lie beside the file (a link's target, if a link)
-                where = os.path.dirname(os.path.realpath(os.fspath(path)))
-                info["dirs"] = [os.path.join(where, d) for d in info["dirs"]]
+                info = checkpoint[KEY] = _confined(info, os.fspath(path))
                 for directory, expected in zip(info["dirs"], info["fingerprints"]):
                     check_fingerprint(directory, expected, os.fspath(path))
             return checkpoint
 
         def remove_checkpoint(self, path) -> None:
-            from ..checkpoint import read_manifest
+            from ..checkpoint.ownership import remove_checkpoint
 
             self.inner.remove_checkpoint(path)
-            path = glob.escape(os.fspath(path))
-            for directory in glob.glob(path + SUFFIX) + glob.glob(path + SUFFIX + "-[0-9]*"):
-                try:
-                    read_manifest(directory)  # only a checkpoint of ours is removed
-                except (CheckpointError, OSError):
-                    continue
-                shutil.rmtree(directory)
+            for directory in _ours_beside(os.fspath(path)):
+                # Only the files its manifest names: a directory holding anything else keeps it (a warning
+                # says so), one that is not a checkpoint of ours (or is a link) is left whole.
+                remove_checkpoint(directory)
 
         def teardown(self) -> None:
             self.inner.teardown()
