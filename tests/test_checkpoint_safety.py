@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import HOLD, REPO, SMALL, THREE_SIZES, make_params, python_env, train
 
-from offload import OffloadedAdamW, save_parameters
+from offload import CheckpointError, OffloadedAdamW, save_parameters
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
 from offload.checkpoint.format import MANIFEST
@@ -501,5 +501,54 @@ def test_retention_never_deletes_what_is_not_ours(tmp_path):
         assert keep.checkpoints() == [keep.path_for(6)]  # 2, 4 and 5, ours, were deleted
         assert tree(annotated) == {".": ("dir",), "./notes.txt": ("file", b"the good run\n")}
         assert not [n for n in os.listdir(root) if n.startswith("step-0") and ".tmp-" in n]
+    finally:
+        opt.close()
+
+
+def test_checkpoints_and_their_copies_are_the_owners_alone(tmp_path):
+    """Optimizer state and weights are the user's data: every file a save writes (data, memory.pt, model.pt,
+    extra.pt, the manifest) is 0600 and a new checkpoint directory 0700, whatever the umask allows; a mirror
+    copy never widens that."""
+    model = torch.nn.Linear(64, 64)
+    params = list(model.parameters())
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
+    old = os.umask(0o022)
+    try:
+        train(opt, params, range(1))
+        ckpt.save_checkpoint(opt, tmp_path / "c", model=model, extra={"step": 1})
+        ckpt.mirror_checkpoint(tmp_path / "c", tmp_path / "copy")
+    finally:
+        os.umask(old)
+        opt.close()
+    checked = 0
+    for top in (tmp_path / "c", tmp_path / "copy"):
+        assert os.stat(top).st_mode & 0o777 == 0o700, top
+        for name in os.listdir(top):
+            mode = os.stat(os.path.join(top, name)).st_mode & 0o777
+            assert mode == 0o600, f"{top}/{name} is {mode:o}"
+            checked += 1
+    assert checked >= 10
+
+
+def test_a_link_planted_at_a_milestone_marker_is_refused_and_its_target_untouched(tmp_path):
+    """Another user plants ``step-<n>.keep`` as a link to a file of the victim's in a shared root: the
+    milestone save refuses to mark it (CheckpointError saying what to remove) and never writes through it;
+    the checkpoint itself is saved."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    root = tmp_path / "root"
+    root.mkdir()
+    params = make_params(THREE_SIZES)
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
+    try:
+        keep = ckpt.Retention(root, keep_last=1)
+        os.symlink(victim, keep.path_for(3) + ".keep")
+        train(opt, params, range(1))
+        with pytest.raises(CheckpointError, match=r"not a plain file.*Remove it"):
+            keep.save(opt, 3, milestone=True)
+        assert victim.read_text() == "precious\n"
+        assert ckpt.verify_checkpoint(keep.path_for(3))
+        keep.save(opt, 4, milestone=True)  # an honest marker: a plain file, durably there
+        assert os.path.isfile(keep.path_for(4) + ".keep") and not os.path.islink(keep.path_for(4) + ".keep")
     finally:
         opt.close()

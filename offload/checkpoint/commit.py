@@ -17,7 +17,7 @@ import weakref
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError
-from .format import MANIFEST, _io_error, _manifest_digest
+from .format import MANIFEST, _io_error, _manifest_digest, create_private
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
 from .storage import DEFAULT_STORAGE, Storage
 
@@ -124,7 +124,7 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
 def _write_json(path: str, manifest: dict, storage: Storage = DEFAULT_STORAGE) -> None:
     """Write ``manifest`` to the new file ``path`` and fsync it."""
     try:
-        with open(path, "x") as f:
+        with create_private(path, text=True) as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.write("\n")
             f.flush()
@@ -155,7 +155,7 @@ class _Staged:
         check_target(self.target, self.directory)  # refused before anything is written
         self.made = not os.path.isdir(self.target)
         if self.made:
-            os.makedirs(self.target, exist_ok=True)
+            os.makedirs(self.target, mode=0o700, exist_ok=True)
             storage.fsync_dir(os.path.dirname(self.target))
         if locked:
             self._fd = _lock(self.target, exclusive=True)
@@ -222,7 +222,7 @@ class _Shard(_Staged):
         self._fd = None
         self.manifest: dict | None = None
         self.made = not os.path.isdir(self.target)
-        os.makedirs(self.target, exist_ok=True)
+        os.makedirs(self.target, mode=0o700, exist_ok=True)
         sweep(job_directory, our_manifest(job_directory), shard=name, unlink=storage.unlink)
 
     def commit(self, manifest: dict) -> None:

@@ -33,6 +33,7 @@ from .format import (
     _slice_offset,
     _torch_groups,
     _write_memory_and_manifest,
+    create_private,
 )
 from .model import _model_section, _read_state_dict
 from .stream import _aio_of, _stream, _tool_pool, _write_data
@@ -142,7 +143,7 @@ def _save_file(obj: Any, out: str | os.PathLike) -> None:
     out = os.path.abspath(os.fspath(out))
     tmp = f"{out}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with open(tmp, "xb") as f:
+        with create_private(tmp) as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())

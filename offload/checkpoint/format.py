@@ -225,6 +225,14 @@ class _HashingWriter:
             raise
 
 
+def create_private(path: str, *, text: bool = False):
+    """A new file ``path`` open for writing, readable by its owner only (0600: state and weights are the
+    user's data), created exclusively and without following a link: a name someone planted there (a link,
+    a file) raises FileExistsError and is never written through or truncated."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "w" if text else "wb")
+
+
 def _fsync(fd: int, path: str) -> None:
     os.fsync(fd)
 
@@ -239,7 +247,7 @@ def _write_torch(obj: Any, path: str, fsync: Callable[[int, str], None] = _fsync
     """
     w = None
     try:
-        with open(path, "xb") as f:
+        with create_private(path) as f:
             w = _HashingWriter(f)
             torch.save(obj, w)
             w.flush()

@@ -10,7 +10,7 @@ from typing import Optional
 
 from ..errors import CheckpointError, ChecksumError
 from .commit import SaveHandle, _Staged, _track, _write_atomically, reading
-from .format import _io_error, file_path
+from .format import _io_error, create_private, file_path
 from .stream import _progress
 from .verify import _verify_files, read_manifest
 
@@ -71,7 +71,7 @@ def _copy_file(src: str, dst: str, bar) -> None:
                               "manifest lists") from None
     with fin:
         try:
-            with open(dst, "xb") as fout:
+            with create_private(dst) as fout:
                 size = os.fstat(fin.fileno()).st_size
                 pos, ranged = 0, True
                 while pos < size:

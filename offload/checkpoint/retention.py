@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import stat
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -14,11 +15,12 @@ from typing import Any, Callable, Iterable, Optional
 from ..distributed import rank_info
 from ..errors import CheckpointError
 from .commit import SaveHandle, _lock
-from .format import MANIFEST
+from .format import MANIFEST, create_private
 from .job import _gather, job_world
 from .load import load_checkpoint
 from .ownership import is_job, is_our_format, remove_checkpoint, remove_leftovers, used_elsewhere
 from .save import _save
+from .storage import DEFAULT_STORAGE
 from .verify import _read_manifest, _verify_job, verify_checkpoint
 
 log = logging.getLogger("offload")
@@ -303,8 +305,18 @@ def _manifest_checksum(path: str) -> Optional[str]:
 
 
 def _mark(path: str) -> None:
-    with open(path + ".keep", "w"):
-        pass
+    """Mark checkpoint ``path`` a milestone (``<path>.keep``), durably; a name planted there that is not a
+    plain file (a link to someone's file) is refused, never followed."""
+    keep = path + ".keep"
+    try:
+        with create_private(keep) as f:
+            os.fsync(f.fileno())
+    except FileExistsError:
+        if not stat.S_ISREG(os.lstat(keep).st_mode):
+            raise CheckpointError(f"cannot mark {path} as a milestone: {keep} exists and is not a plain file (a "
+                                  "link?); it is left as it is. Remove it, then mark the step again") from None
+        return  # marked before
+    DEFAULT_STORAGE.fsync_dir(os.path.dirname(keep))
 
 
 def save_with_retention(optimizer, root: str | os.PathLike, step: int, *, keep_last: int = 2,
