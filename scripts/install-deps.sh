@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what `make demo` and `make test` need and is missing: liburing-dev, libxxhash-dev, fio and xfsprogs
-# (mkfs.xfs, for the reflink snapshot tests) (Debian/Ubuntu,
+# Installs what `make demo` and `make test` need and is missing: liburing-dev, libxxhash-dev, fio, xfsprogs
+# (mkfs.xfs, for the reflink snapshot tests) and fuse3 (the power-loss tests' file system) (Debian/Ubuntu,
 # as root; otherwise prints the command and carries on, and the engine uses its thread-pool backend),
 # then torch's CPU build (2.13.0, which must be installed before anything pulls an unpinned torch),
 # then this package in editable mode with its test extras.
@@ -8,7 +8,7 @@ set -euo pipefail
 PYTHON=${PYTHON:-python3}
 
 missing=()
-for pkg in liburing-dev libxxhash-dev fio xfsprogs; do
+for pkg in liburing-dev libxxhash-dev fio xfsprogs fuse3; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

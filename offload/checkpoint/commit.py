@@ -153,10 +153,7 @@ class _Staged:
         self.written: dict[str, str] = {}  # name in the format -> name on disk
         self._fd: int | None = None
         check_target(self.target, self.directory)  # refused before anything is written
-        self.made = not os.path.isdir(self.target)
-        if self.made:
-            os.makedirs(self.target, mode=0o700, exist_ok=True)
-            storage.fsync_dir(os.path.dirname(self.target))
+        self.made = storage.make_dirs(self.target)
         if locked:
             self._fd = _lock(self.target, exclusive=True)
         try:
@@ -192,10 +189,12 @@ class _Staged:
                      unlink=self.storage.unlink)
 
     def abort(self) -> None:
-        """Delete what this save wrote (it never committed, so nothing names it)."""
+        """Delete what this save wrote (it never committed, so nothing names it). Best effort: on a disk
+        that fails (the reason a save is aborted, often) what stays is swept by the next save, since only
+        files of a generation no manifest names are left."""
         if not self.committed:
             for name in self.written.values():
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     self.storage.unlink(os.path.join(self.target, name))
             if self.made:
                 with contextlib.suppress(OSError):
@@ -221,8 +220,7 @@ class _Shard(_Staged):
         self.written = {}
         self._fd = None
         self.manifest: dict | None = None
-        self.made = not os.path.isdir(self.target)
-        os.makedirs(self.target, mode=0o700, exist_ok=True)
+        self.made = storage.make_dirs(self.target)
         sweep(job_directory, our_manifest(job_directory), shard=name, unlink=storage.unlink)
 
     def commit(self, manifest: dict) -> None:

@@ -107,7 +107,7 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
     status, own, shard = {"rank": rank, "name": name, "ok": False}, None, None
     try:
         check_target(target, given)  # refused before anything is written (and again at the commit)
-        os.makedirs(target, mode=0o700, exist_ok=True)
+        storage.make_dirs(target)
         shard = _Shard(target, name, generation, storage)
         write_shard(shard)
         status.update(ok=True, manifest=shard.written[MANIFEST], manifest_xxh3_64=shard.manifest["manifest_xxh3_64"],

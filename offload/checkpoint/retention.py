@@ -122,7 +122,7 @@ class Retention:
         several ranks (torch.distributed) every rank calls it, as :func:`offload.checkpoint.save_checkpoint`
         says, unless ``alone``.
         """
-        os.makedirs(self.root, exist_ok=True)
+        DEFAULT_STORAGE.make_dirs(self.root)  # durably: a power loss must not take the root away
 
         def then(path: str) -> None:
             if milestone:

@@ -175,8 +175,10 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
                 state.close()  # else the worker's
     except BaseException:
         if not started.is_set():
-            staged.abort()
-            staged.close()
+            try:
+                staged.abort()
+            finally:
+                staged.close()  # the directory's lock goes, whatever the cleanup met
         raise
     staged.close()
     if then is not None:

@@ -31,6 +31,26 @@ class Storage:
         except OSError as err:
             raise _io_error(err, path, "cannot fsync") from err
 
+    def make_dirs(self, path: str) -> bool:
+        """Create directory ``path`` and its missing parents (0700), durably: each new name's directory is
+        fsynced, so a power loss cannot take away a directory whose files were made durable. Returns
+        whether ``path`` was made."""
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        for new in reversed(missing):
+            try:
+                os.mkdir(new, 0o700)
+            except FileExistsError:
+                if not os.path.isdir(new):
+                    raise
+            self.fsync_dir(os.path.dirname(new))
+        return bool(missing)
+
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
