@@ -508,9 +508,9 @@ def test_kvikio_gets_our_parallelism_and_registered_buffers_and_is_put_back(rele
 
 
 def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeypatch, capsys):
-    """offload-bench compare where DeepSpeed is not importable: ours runs (in a process of its own), the report
-    names why DeepSpeed did not, the JSON holds every run with iterations, step(), bytes moved and peak RSS,
-    and the scratch directories are gone."""
+    """offload-bench compare where DeepSpeed is not importable: ours runs (in a process of its own), with and
+    without checksums, the report names why DeepSpeed did not and what checksums cost, the JSON holds every run
+    with iterations, step(), bytes moved and peak RSS, and the scratch directories are gone."""
     from offload.bench import compare
 
     monkeypatch.setattr(compare, "_DEFAULT_PEER", str(tmp_path / "no-python"))
@@ -526,4 +526,6 @@ def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeyp
     (run,) = doc["runs"]["ours"]
     assert run["system"] == "nvme-offload" and len(run["iteration_s"]) == 2 and run["peak_rss_bytes"] > 0
     assert run["bytes_per_iteration"] > 0 and doc["medians"]["ours"]["speedup_vs_deepspeed"] is None
+    assert run["checksum"] == "on" and doc["runs"][compare.UNCHECKED][0]["checksum"] == "off"
+    assert "checksums (on by default) cost" in text and isinstance(doc["checksum_cost"], float)
     assert os.listdir(tmp_path / "d") == ["compare-ours"] and (mine / "notes.txt").read_text() == "mine"

@@ -5,7 +5,8 @@ Each run is a process of its own (``python -m offload.bench.peer``), so its peak
 where a Python that imports it is given (``--peer-python``; ``../shared/peers/setup.sh``-style venvs are found
 at ``~/.peer-venv``) and is never a dependency: without it only our variants are timed, and the report says so.
 Ours runs plain, and with its extras, each labelled: a host cache sized so our peak RSS matches DeepSpeed's
-(measured in the same run), and bf16 state for bf16 models.
+(measured in the same run), bf16 state for bf16 models, and without checksums (in every round, beside ours:
+the cost of the default integrity check, as the median of the rounds' on/off ratios).
 """
 
 from __future__ import annotations
@@ -69,10 +70,14 @@ def _peer_python(given: Optional[str]) -> tuple[Optional[str], str]:
     return None, "DeepSpeed is not importable here (give --peer-python, e.g. a venv from ../shared/peers/setup.sh)"
 
 
-def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, state_dtype: str = "fp32") -> dict:
+UNCHECKED = "ours, checksums off"
+
+
+def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, state_dtype: str = "fp32",
+         checksum: str = "on") -> dict:
     directory = tempfile.mkdtemp(prefix=f"compare-{system}-", dir=root)  # a new one: removed after, nothing else
     cmd = [python, "-m", "offload.bench.peer", system, directory, str(args.params), "--iterations",
-           str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype]
+           str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype, "--checksum", checksum]
     cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
     try:
@@ -94,6 +99,8 @@ def run_compare(args: argparse.Namespace) -> int:
     with bench_paths(args.paths) as paths:
         root = paths[0]
         variants = [("ours", {})]
+        if not args.no_extras:  # what the default integrity check costs, run beside ours in every round
+            variants.append((UNCHECKED, {"checksum": "off"}))
         if peer:
             variants.append((DEEPSPEED, {}))
         n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH  # whole Linear(2048, 2048) layers
@@ -125,6 +132,12 @@ def run_compare(args: argparse.Namespace) -> int:
                                     "bytes_per_iteration": moved, "speedup_vs_deepspeed": ds / it if ds else None}
         print(report.table(["variant", "iteration (runs)", "step()", "peak RSS", "moved/iter", "vs DeepSpeed"],
                            rows))
+        if UNCHECKED in runs:
+            pairs = [a["iteration_s_median"] / b["iteration_s_median"] - 1
+                     for a, b in zip(runs["ours"], runs[UNCHECKED])]
+            doc["checksum_cost"] = statistics.median(pairs)
+            print(f"checksums (on by default) cost {doc['checksum_cost']:+.1%} of an iteration: median of the rounds' "
+                  f"on/off ratios ({', '.join(f'{x:+.1%}' for x in pairs)})")
         if args.json:
             report.write_json(args.json, doc)
     return EXIT_OK
