@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import _lock, _Shard, _write_json
-from .format import JOB_FORMAT, JOB_VERSION, MANIFEST, _manifest_digest, _shard_name
-from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, parse_manifest, sweep
+from .commit import Staged, commit_manifest, lock_directory, write_manifest
+from .format import MANIFEST
+from .manifest import FileEntry, JobManifest, Shard, raw_manifest, shard_name
+from .ownership import check_target, fresh_name, our_manifest, sweep
 from .storage import Storage
 
 
@@ -59,7 +60,7 @@ def _timeout(world):
         return default_pg_timeout
 
 
-def _gather(obj: Any, doing: str) -> list:
+def gather(obj: Any, doing: str) -> list:
     """Every rank's ``obj``, by rank (a collective of the checkpoints' group: every rank calls it).
 
     Raises:
@@ -85,8 +86,8 @@ def _gather(obj: Any, doing: str) -> list:
 # with node-local directories) writes the job manifest there, which names every shard's manifest, and
 # commits it with one rename onto manifest.json, then deletes the files of the previous checkpoint
 # there. A last exchange tells every rank whether every directory committed.
-def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Callable[[str], None]],
-              write_shard: Callable[[_Shard], None], storage: Storage) -> str:
+def save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Callable[[str], None]],
+              write_shard: Callable[[Staged], None], storage: Storage) -> str:
     """``save_checkpoint`` on every rank of a job (see the NOTE above), ``write_shard(shard)`` writing this
     rank's shard as a save of its own would; returns the directory."""
     rank, world = rank_info().rank, job_world()
@@ -102,21 +103,22 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
                               "save one rank's state by itself with alone=True")
     target = os.path.realpath(given)
     made = not os.path.lexists(target)  # looked at before any rank can make it (the gather waits for all)
-    generation = _gather(secrets.token_hex(8), f"saving {given}")[0]
-    name = _shard_name(rank)
+    generation = gather(secrets.token_hex(8), f"saving {given}")[0]
+    name = shard_name(rank)
     status, own, shard = {"rank": rank, "name": name, "ok": False}, None, None
     try:
         check_target(target, given)  # refused before anything is written (and again at the commit)
         os.makedirs(target, exist_ok=True)
-        shard = _Shard(target, name, generation, storage)
+        shard = Staged(name, storage=storage, generation=generation, shard_of=target)
         write_shard(shard)
-        status.update(ok=True, manifest=shard.written[MANIFEST], manifest_xxh3_64=shard.manifest["manifest_xxh3_64"],
-                      step=shard.manifest["step"], files=shard.manifest["files"])
+        written = shard.manifest
+        status.update(ok=True, shard=Shard(rank, name, written.manifest_xxh3_64, written.files,
+                                           shard.written[MANIFEST], written.step).to_json())
     except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
         own = err
         status["error"] = f"{type(err).__name__}: {err}"
     try:
-        statuses = _gather(status, f"saving {given}")
+        statuses = gather(status, f"saving {given}")
     except CheckpointError as err:
         _discard(shard, target, made)
         if own is not None:
@@ -126,7 +128,7 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
     if failed:
         _discard(shard, target, made=False)
         with contextlib.suppress(CheckpointError):  # every rank has deleted its shard after this
-            _gather(None, f"cleaning up {given}")
+            gather(None, f"cleaning up {given}")
         if made:  # then the directory this save made goes too
             with contextlib.suppress(OSError):
                 os.rmdir(target)
@@ -145,10 +147,10 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
     except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
         own = err
         result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    results = _gather({"rank": rank, **result}, f"committing {given}")
+    results = gather({"rank": rank, **result}, f"committing {given}")
     failed = [r for r in results if not r["ok"]]
     if failed:
-        if (our_manifest(target) or {}).get("job") != generation:
+        if getattr(our_manifest(target), "job", None) != generation:
             _discard(shard, target, made)  # nothing here names it
         if own is not None:
             raise own
@@ -166,7 +168,7 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
     return given
 
 
-def _discard(shard: Optional[_Shard], target: str, made: bool) -> None:
+def _discard(shard: Optional[Staged], target: str, made: bool) -> None:
     """Delete what this rank wrote for a save that was not committed, and the job's directory if this
     save made it and nothing is left in it."""
     if shard is not None:
@@ -181,43 +183,31 @@ def _ranks_here(target: str, statuses: list) -> list:
     shared file system, those of this node with node-local directories)."""
     here = []
     for s in statuses:
-        found = parse_manifest(os.path.join(target, s["name"]), s["manifest"])
-        if isinstance(found, dict) and found.get("manifest_xxh3_64") == s["manifest_xxh3_64"]:
+        found = raw_manifest(os.path.join(target, s["shard"]["name"]), s["shard"]["manifest"])
+        if isinstance(found, dict) and found.get("manifest_xxh3_64") == s["shard"]["manifest_xxh3_64"]:
             here.append(s["rank"])
     return here
 
 
-def _commit_job(target: str, given: str, generation: str, manifest: dict, storage: Storage) -> None:
+def _commit_job(target: str, given: str, generation: str, manifest: JobManifest, storage: Storage) -> None:
     """Commit a job's checkpoint in directory ``target``: under its lock, the job manifest under a fresh
     name, fsynced, then one rename onto manifest.json; then delete the previous checkpoint's files."""
-    fd = _lock(target, exclusive=True)
+    fd = lock_directory(target, exclusive=True)
     try:
         check_target(target, given)
         previous = our_manifest(target)
         staged = os.path.join(target, fresh_name(MANIFEST, generation))
-        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
-        _write_json(staged, manifest, storage)
-        storage.fsync_dir(target)
-        storage.rename(staged, os.path.join(target, MANIFEST))  # the commit
-        storage.fsync_dir(target)
-        delete_named(target, named_files(target, previous), named_files(target, manifest), unlink=storage.unlink)
+        manifest = write_manifest(staged, manifest, storage)
+        commit_manifest(target, staged, manifest, previous, storage)
         sweep(target, manifest, unlink=storage.unlink)  # and what saves that died left here
     finally:
         os.close(fd)
 
 
-def _job_manifest(generation: str, statuses: list) -> dict:
+def _job_manifest(generation: str, statuses: list) -> JobManifest:
     """The job manifest: its id, the world size, every rank's shard with its manifest's name, checksum
     and files."""
-    shards = [{"rank": s["rank"], "name": s["name"], "manifest": s["manifest"],
-               "manifest_xxh3_64": s["manifest_xxh3_64"], "step": s["step"], "files": s["files"]}
-              for s in statuses]
-    return {
-        "format": JOB_FORMAT,
-        "version": JOB_VERSION,
-        "job": generation,
-        "world_size": len(statuses),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "step": max(s["step"] for s in shards),
-        "shards": shards,
-    }
+    shards = tuple(Shard(**{**s["shard"], "files": {n: FileEntry(**e) for n, e in s["shard"]["files"].items()}})
+                   for s in statuses)
+    return JobManifest(generation, len(statuses), shards, step=max(s.step for s in shards),
+                       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))

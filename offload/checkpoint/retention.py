@@ -3,7 +3,6 @@ newer one verified, never what is in use, and only what is ours."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -13,13 +12,13 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import SaveHandle, _lock
-from .format import MANIFEST
-from .job import _gather, job_world
+from .commit import SaveHandle, lock_directory
+from .job import gather, job_world
 from .load import load_checkpoint
+from .manifest import raw_manifest, read
 from .ownership import is_job, is_our_format, remove_checkpoint, remove_leftovers, used_elsewhere
-from .save import _save
-from .verify import _read_manifest, _verify_job, verify_checkpoint
+from .save import save
+from .verify import verify_checkpoint, verify_job
 
 log = logging.getLogger("offload")
 
@@ -136,7 +135,7 @@ class Retention:
             self.mirror._remember(copy)  # verified as it was copied
             self.mirror.prune()
 
-        return _save(optimizer, self.path_for(step), model=model, extra=extra, blocking=blocking,
+        return save(optimizer, self.path_for(step), model=model, extra=extra, blocking=blocking,
                      mirror=None if self.mirror is None else self.mirror.path_for(step), snapshot=snapshot,
                      progress=progress, then=then, then_mirror=then_mirror, alone=alone)
 
@@ -178,7 +177,7 @@ class Retention:
             if not self._NAME.match(n) or is_our_format(path) or not os.path.isdir(path):
                 continue
             try:
-                fd = _lock(path, exclusive=True, timeout=0)
+                fd = lock_directory(path, exclusive=True, timeout=0)
             except (CheckpointError, OSError):
                 continue  # a save is writing it
             try:
@@ -190,7 +189,7 @@ class Retention:
         """Delete checkpoint ``path`` unless it is in use: read or written (its lock) or held open by
         another process; True if it is gone."""
         try:
-            fd = _lock(path, exclusive=True, timeout=0)
+            fd = lock_directory(path, exclusive=True, timeout=0)
         except (CheckpointError, OSError):
             log.info("not deleting %s now: it is being read or written", path)
             return False
@@ -243,7 +242,7 @@ class Retention:
         """:meth:`load_latest` on every rank of a job: the ranks try the same steps, newest first (every
         step any rank has here), and each load is the job's (all ranks load it, or all go on to the next)."""
         mine = sorted(e.step for e in self._entries())
-        steps = sorted(set().union(*_gather(mine, f"listing {self.root}")), reverse=True)
+        steps = sorted(set().union(*gather(mine, f"listing {self.root}")), reverse=True)
         first = None
         for step in steps:
             path = self.path_for(step)
@@ -289,17 +288,14 @@ def _verify(path: str) -> None:
     if not is_job(path):
         verify_checkpoint(path)
     elif job_world() is not None:
-        _verify_job(path, _read_manifest(path), ranks={rank_info().rank})
+        verify_job(read(os.path.abspath(path)), ranks={rank_info().rank})
     else:
         verify_checkpoint(path, local=True)
 
 
 def _manifest_checksum(path: str) -> Optional[str]:
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            return json.loads(f.read()).get("manifest_xxh3_64")
-    except (OSError, ValueError, AttributeError):
-        return None
+    manifest = raw_manifest(path)
+    return manifest.get("manifest_xxh3_64") if isinstance(manifest, dict) else None
 
 
 def _mark(path: str) -> None:

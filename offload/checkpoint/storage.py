@@ -8,7 +8,7 @@ import os
 
 from ..aio import Engine
 from ..config import AioConfig
-from .format import _io_error
+from .format import io_error
 
 
 class Storage:
@@ -29,7 +29,7 @@ class Storage:
         try:
             os.fsync(fd)
         except OSError as err:
-            raise _io_error(err, path, "cannot fsync") from err
+            raise io_error(err, path, "cannot fsync") from err
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
