@@ -16,7 +16,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 import torch
@@ -129,48 +129,76 @@ def _object(value: Any, name: str) -> dict:
     return value
 
 
-_REQUIRED = object()
+# -- entries read from and written to JSON, field by field ------------------------------------------
+
+def _field(check: Callable[[Any, str], Any], default: Any = None, *, required: bool = False,
+           null: bool = False) -> Any:
+    """A dataclass field read from the manifest's JSON with ``check`` (``required``: refused if missing) and
+    written back by ``to_json`` (where None only with ``null``)."""
+    meta = {"check": check, "null": null, "required": required}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-class _Fields:
-    """One JSON object's fields, each read with a check that names it (``params[3].chunks``)."""
+def _json(value: Any) -> Any:
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, (list, tuple)):
+        return [_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json(v) for k, v in value.items()}
+    return value
 
-    def __init__(self, value: Any, name: str):
-        self.value, self.name = _object(value, name or "(the whole manifest)"), name
 
-    def __call__(self, key: str, check: Callable[[Any, str], Any], default: Any = _REQUIRED) -> Any:
-        where = f"{self.name}.{key}" if self.name else key
-        if key not in self.value:
-            if default is _REQUIRED:
+class _Entry:
+    """Parsing and writing of the dataclasses below, from their fields' checks."""
+
+    @classmethod
+    def parse(cls, value: Any, name: str, **more):
+        """Read an entry from its JSON ``value`` (field ``name`` of the manifest), checking every field.
+
+        Raises:
+            CheckpointError: a field is missing, of the wrong type or out of range (named).
+        """
+        _object(value, name or "(the whole manifest)")
+        given = {}
+        for f in fields(cls):
+            if "check" not in f.metadata:
+                continue
+            where = f"{name}.{f.name}" if name else f.name
+            if f.name in value:
+                given[f.name] = f.metadata["check"](value[f.name], where)
+            elif f.metadata["required"]:
                 raise CheckpointError(f"manifest field {where} is missing")
-            return default
-        return check(self.value[key], where)
+        entry = cls(**given, **more)
+        entry.check(name)
+        return entry
 
+    def check(self, name: str) -> None:
+        """Checks between fields, once each is read."""
 
-# -- the entries -------------------------------------------------------------------------------------
+    def require(self, name: str, *keys: str) -> None:
+        for key in keys:
+            if getattr(self, key) is None:
+                raise CheckpointError(f"manifest field {name}.{key} is missing")
+
+    def to_json(self) -> dict:
+        return {f.name: _json(getattr(self, f.name)) for f in fields(self)
+                if "check" in f.metadata and (getattr(self, f.name) is not None or f.metadata["null"])}
+
 
 @dataclass(frozen=True)
-class FileEntry:
+class FileEntry(_Entry):
     """A file of the checkpoint: its size and xxh3_64, and its name on disk (``file``; the first format
     wrote each file under its fixed name and recorded none)."""
 
-    bytes: int
-    xxh3_64: str
-    file: Optional[str] = None
-
-    @classmethod
-    def parse(cls, value: Any, name: str) -> FileEntry:
-        f = _Fields(value, name)
-        return cls(f("bytes", _count), f("xxh3_64", _text), f("file", _bare_name, None))
+    bytes: int = _field(_count, required=True)
+    xxh3_64: str = _field(_text, required=True)
+    file: Optional[str] = _field(_bare_name, None)
 
     def on_disk(self, name: str) -> str:
         return self.file or name
-
-    def to_json(self) -> dict:
-        out = {"bytes": self.bytes, "xxh3_64": self.xxh3_64}
-        if self.file is not None:
-            out["file"] = self.file
-        return out
 
 
 def _files(value: Any, name: str) -> dict:
@@ -182,32 +210,20 @@ def _files(value: Any, name: str) -> dict:
 
 
 @dataclass(frozen=True)
-class Unit:
+class Unit(_Entry):
     """A unit of state.bin: ``length`` bytes (padded) at ``offset``, ``nbytes`` of them state, and their
     xxh3_64 over the padded length."""
 
-    offset: int
-    length: int
-    nbytes: Optional[int] = None
-    xxh3_64: Optional[str] = None
+    offset: int = _field(_count, required=True)
+    length: int = _field(_count, required=True)
+    nbytes: Optional[int] = _field(_count, None)
+    xxh3_64: Optional[str] = _field(_text, None)
 
-    @classmethod
-    def parse(cls, value: Any, name: str) -> Unit:
-        f = _Fields(value, name)
-        unit = cls(f("offset", _count), f("length", _count), f("nbytes", _count, None), f("xxh3_64", _text, None))
-        if unit.offset % ALIGNMENT or unit.length % ALIGNMENT:
-            _fail(name, f"a range aligned to {ALIGNMENT} bytes", value)
-        if unit.nbytes is not None and unit.nbytes > unit.length:
-            _fail(f"{name}.nbytes", f"at most its length {unit.length}", unit.nbytes)
-        return unit
-
-    def to_json(self) -> dict:
-        out = {"offset": self.offset, "length": self.length}
-        if self.nbytes is not None:
-            out["nbytes"] = self.nbytes
-        if self.xxh3_64 is not None:
-            out["xxh3_64"] = self.xxh3_64
-        return out
+    def check(self, name: str) -> None:
+        if self.offset % ALIGNMENT or self.length % ALIGNMENT:
+            _fail(name, f"a range aligned to {ALIGNMENT} bytes", self.to_json())
+        if self.nbytes is not None and self.nbytes > self.length:
+            _fail(f"{name}.nbytes", f"at most its length {self.length}", self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -229,8 +245,7 @@ class Chunk:
         if not isinstance(value, list) or len(value) not in (5, 6):
             _fail(name, "a list of 5 numbers (and the keys' offsets)", value)
         numbers = [_count(v, f"{name}[{i}]") for i, v in enumerate(value[:5])]
-        slices = _list(_count)(value[5], f"{name}[5]") if len(value) == 6 else None
-        return cls(*numbers, slices)
+        return cls(*numbers, _list(_count)(value[5], f"{name}[5]") if len(value) == 6 else None)
 
     def key_offset(self, k: int) -> int:
         """Byte offset of state key ``k``'s slice within the unit."""
@@ -242,128 +257,91 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class ParamEntry:
+class ParamEntry(_Entry):
     """A parameter of the optimizer (by its index in the param groups) and where its state is: ``swap``
     (state.bin, by ``chunks``), ``memory`` (memory.pt) or ``none``."""
 
-    index: int
-    where: str
-    initialized: bool
-    shape: Optional[tuple] = None
-    dtype: Optional[str] = None
-    numel: Optional[int] = None
-    keys: tuple = ()
-    state_dtype: Optional[str] = None
-    key_dtypes: Optional[tuple] = None
-    chunks: tuple = ()
-    step: Optional[float] = None
-
-    @classmethod
-    def parse(cls, value: Any, name: str) -> ParamEntry:
-        f = _Fields(value, name)
-        e = cls(f("index", _count), f("where", _one_of("swap", "memory", "none")), f("initialized", _flag),
-                f("shape", _maybe(_list(_count)), None), f("dtype", _maybe(_dtype), None),
-                f("numel", _maybe(_count), None), f("keys", _list(_text), ()), f("state_dtype", _dtype, None),
-                f("key_dtypes", _list(_dtype), None), f("chunks", _list(Chunk.parse), ()), f("step", _number, None))
-        if e.shape is not None and e.numel is not None and _product(e.shape) != e.numel:
-            _fail(f"{name}.numel", f"the product of its shape {list(e.shape)}", e.numel)
-        if e.key_dtypes is not None and len(e.key_dtypes) != len(e.keys):
-            _fail(f"{name}.key_dtypes", f"a list of {len(e.keys)} (one per key)", list(e.key_dtypes))
-        if e.where == "swap" and e.keys and e.state_dtype is None and e.key_dtypes is None:
-            raise CheckpointError(f"manifest field {name}.state_dtype is missing")
-        for i, c in enumerate(e.chunks):
-            if c.slices is not None and len(c.slices) != len(e.keys):
-                _fail(f"{name}.chunks[{i}][5]", f"a list of {len(e.keys)} (one per key)", list(c.slices))
-            if e.numel is not None and c.start + c.numel > e.numel:
-                _fail(f"{name}.chunks[{i}]", f"elements within the parameter's {e.numel}", c.to_json())
-        return e
+    index: int = _field(_count, required=True)
+    where: str = _field(_one_of("swap", "memory", "none"), required=True)
+    initialized: bool = _field(_flag, required=True)
+    shape: Optional[tuple] = _field(_maybe(_list(_count)), None, null=True)
+    dtype: Optional[str] = _field(_maybe(_dtype), None, null=True)
+    numel: Optional[int] = _field(_maybe(_count), None, null=True)
+    keys: tuple = _field(_list(_text), ())
+    state_dtype: Optional[str] = _field(_dtype, None)
+    key_dtypes: Optional[tuple] = _field(_list(_dtype), None)
+    chunks: tuple = _field(_list(Chunk.parse), ())
+    step: Optional[float] = _field(_number, None)
 
     @classmethod
     def offloaded(cls, index: int, shape, dtype, slot, keys, chunks, *, initialized: bool = True,
                   step: Optional[float] = None) -> ParamEntry:
         """The entry of a parameter whose state ``keys`` (of ``slot``'s, a ``state.layout`` slot) lie in
         state.bin in ``chunks``."""
-        dtypes = [dtype_name(slot.dtype_of(k)) for k in keys]
+        dtypes = tuple(dtype_name(slot.dtype_of(k)) for k in keys)
         return cls(index, "swap", initialized, tuple(shape), dtype_name(dtype), _product(shape), tuple(keys),
-                   dtype_name(slot.dtype), tuple(dtypes) if len(set(slot.dtypes)) > 1 else None, tuple(chunks), step)
+                   dtype_name(slot.dtype), dtypes if len(set(slot.dtypes)) > 1 else None, tuple(chunks), step)
+
+    def check(self, name: str) -> None:
+        if self.shape is not None and self.numel is not None and _product(self.shape) != self.numel:
+            _fail(f"{name}.numel", f"the product of its shape {list(self.shape)}", self.numel)
+        if self.key_dtypes is not None and len(self.key_dtypes) != len(self.keys):
+            _fail(f"{name}.key_dtypes", f"a list of {len(self.keys)} (one per key)", list(self.key_dtypes))
+        if self.keys and self.key_dtypes is None:
+            self.require(name, "state_dtype")
+        for i, c in enumerate(self.chunks):
+            if c.slices is not None and len(c.slices) != len(self.keys):
+                _fail(f"{name}.chunks[{i}][5]", f"a list of {len(self.keys)} (one per key)", list(c.slices))
+            if self.numel is not None and c.start + c.numel > self.numel:
+                _fail(f"{name}.chunks[{i}]", f"elements within the parameter's {self.numel}", c.to_json())
 
     def state_dtypes(self) -> list:
         """The torch dtype of each state key, in ``keys`` order."""
         return [dtype_of(n) for n in (self.key_dtypes or [self.state_dtype] * len(self.keys))]
 
-    def to_json(self) -> dict:
-        out = {"index": self.index, "where": self.where, "initialized": self.initialized,
-               "shape": list(self.shape) if self.shape is not None else None, "dtype": self.dtype,
-               "numel": self.numel}
-        if self.where != "none":
-            out.update(keys=list(self.keys), state_dtype=self.state_dtype)
-        if self.where == "swap":
-            out["chunks"] = [c.to_json() for c in self.chunks]
-        if self.key_dtypes is not None:
-            out["key_dtypes"] = list(self.key_dtypes)
-        if self.step is not None:
-            out["step"] = self.step
-        return out
-
 
 @dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(_Entry):
     """A tensor of the model, by its ``state_dict`` name: the same tensor as another name (``same_as``), or
     in ``model.pt``, or ``length`` bytes at ``offset`` in ``params.bin`` with their xxh3_64."""
 
-    name: str
-    same_as: Optional[str] = None
-    kind: Optional[str] = None
-    shape: Optional[tuple] = None
-    dtype: Optional[str] = None
-    where: Optional[str] = None
-    offset: Optional[int] = None
-    length: Optional[int] = None
-    xxh3_64: Optional[str] = None
+    name: str = _field(_text, required=True)
+    same_as: Optional[str] = _field(_text, None)
+    kind: Optional[str] = _field(_one_of("param", "buffer"), None)
+    shape: Optional[tuple] = _field(_list(_count), None)
+    dtype: Optional[str] = _field(_dtype, None)
+    where: Optional[str] = _field(_one_of(PARAMS_DATA, MODEL_MEMORY), None)
+    offset: Optional[int] = _field(_count, None)
+    length: Optional[int] = _field(_count, None)
+    xxh3_64: Optional[str] = _field(_text, None)
 
-    @classmethod
-    def parse(cls, value: Any, name: str) -> TensorEntry:
-        f = _Fields(value, name)
-        if "same_as" in f.value:
-            return cls(f("name", _text), same_as=f("same_as", _text))
-        e = cls(f("name", _text), None, f("kind", _one_of("param", "buffer")), f("shape", _list(_count)),
-                f("dtype", _dtype), f("where", _one_of(PARAMS_DATA, MODEL_MEMORY)))
-        if e.where == PARAMS_DATA:
-            e = replace(e, offset=f("offset", _count), length=f("length", _count), xxh3_64=f("xxh3_64", _text))
-            if e.offset % ALIGNMENT:
-                _fail(f"{name}.offset", f"a multiple of {ALIGNMENT}", e.offset)
-            if e.length != _product(e.shape) * dtype_of(e.dtype).itemsize:
-                _fail(f"{name}.length", f"the bytes of its shape and dtype ({list(e.shape)}, {e.dtype})", e.length)
-        return e
-
-    def to_json(self) -> dict:
+    def check(self, name: str) -> None:
         if self.same_as is not None:
-            return {"name": self.name, "same_as": self.same_as}
-        out = {"name": self.name, "kind": self.kind, "shape": list(self.shape), "dtype": self.dtype,
-               "where": self.where}
+            return
+        self.require(name, "kind", "shape", "dtype", "where")
         if self.where == PARAMS_DATA:
-            out.update(offset=self.offset, length=self.length, xxh3_64=self.xxh3_64)
-        return out
+            self.require(name, "offset", "length", "xxh3_64")
+            if self.offset % ALIGNMENT:
+                _fail(f"{name}.offset", f"a multiple of {ALIGNMENT}", self.offset)
+            if self.length != _product(self.shape) * dtype_of(self.dtype).itemsize:
+                _fail(f"{name}.length", f"the bytes of its shape and dtype ({list(self.shape)}, {self.dtype})",
+                      self.length)
 
 
 @dataclass(frozen=True)
-class ModelSection:
+class ModelSection(_Entry):
     """The model's tensors in ``state_dict`` order, and the bytes of those in params.bin."""
 
-    tensors: tuple
-    offloaded_bytes: Optional[int] = None
+    tensors: tuple = _field(_list(TensorEntry.parse), (), required=True)
+    offloaded_bytes: Optional[int] = _field(_count, None)
 
-    @classmethod
-    def parse(cls, value: Any, name: str) -> ModelSection:
-        f = _Fields(value, name)
-        section = cls(f("tensors", _list(TensorEntry.parse)), f("offloaded_bytes", _count, None))
-        names = {t.name: t for t in section.tensors}
-        if len(names) != len(section.tensors):
-            _fail(f"{name}.tensors", "a list of distinct names", [t.name for t in section.tensors])
-        for i, t in enumerate(section.tensors):
+    def check(self, name: str) -> None:
+        names = {t.name: t for t in self.tensors}
+        if len(names) != len(self.tensors):
+            _fail(f"{name}.tensors", "a list of distinct names", [t.name for t in self.tensors])
+        for i, t in enumerate(self.tensors):
             if t.same_as is not None and (t.same_as not in names or names[t.same_as].same_as is not None):
                 _fail(f"{name}.tensors[{i}].same_as", "the name of a tensor listed with its own bytes", t.same_as)
-        return section
 
     def source(self, name: str) -> TensorEntry:
         """The entry holding the bytes of tensor ``name`` (itself, or the one it is the same as)."""
@@ -374,17 +352,11 @@ class ModelSection:
         """The entries in params.bin, by offset."""
         return sorted((t for t in self.tensors if t.where == PARAMS_DATA), key=lambda t: t.offset)
 
-    def to_json(self) -> dict:
-        out: dict = {"tensors": [t.to_json() for t in self.tensors]}
-        if self.offloaded_bytes is not None:
-            out["offloaded_bytes"] = self.offloaded_bytes
-        return out
-
 
 def _product(shape) -> int:
     n = 1
     for s in shape:
-        n *= s
+        n *= int(s)
     return n
 
 
@@ -400,78 +372,55 @@ def chunk_table(units, index_of: Callable[[Any], int]) -> dict:
 
 
 def _group(value: Any, name: str) -> dict:
-    f = _Fields(value, name)
-    f("params", _list(_count))
+    _list(_count)(_object(value, name).get("params"), f"{name}.params")
     return value
 
 
-# -- a process's manifest ----------------------------------------------------------------------------
+# -- the manifests -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(_Entry):
     """The manifest of one process's checkpoint in directory ``root``.
 
-    Build one with the fields a save knows, or read one with :func:`read` (or :meth:`parse`), which checks
-    it whole; :meth:`to_json` is what ``manifest.json`` holds. :meth:`path` is the only way from a file of
+    Build one with the fields a save knows (:meth:`new`), or read one with :func:`read`, which checks it
+    whole; :meth:`to_json` is what ``manifest.json`` holds. :meth:`path` is the only way from a file of
     the format to a path: always inside ``root``, never through a symbolic link.
     """
 
-    optimizer: Optional[str]
-    files: dict
-    units: tuple = ()
-    params: tuple = ()
-    param_groups: tuple = ()
-    step: float = 0
-    steps: tuple = ()
-    config: dict = field(default_factory=dict)
-    buffer_size: int = 0
-    threshold: Optional[int] = None
-    model: Optional[ModelSection] = None
-    snapshot: Optional[dict] = None
-    library_version: Optional[str] = None
-    torch_version: Optional[str] = None
-    created: Optional[str] = None
-    manifest_xxh3_64: Optional[str] = None
-    version: int = FORMAT_VERSION
+    optimizer: Optional[str] = _field(_maybe(_text), None, null=True)
+    files: dict = _field(_files, {}, required=True)
+    units: tuple = _field(_list(Unit.parse), (), required=True)
+    params: tuple = _field(_list(ParamEntry.parse), ())
+    param_groups: tuple = _field(_list(_group), ())
+    step: float = _field(_number, 0)
+    steps: tuple = _field(_list(_number), ())
+    config: dict = _field(_object, {})
+    buffer_size: int = _field(_count, 0)
+    threshold: Optional[int] = _field(_count, None)
+    model: Optional[ModelSection] = _field(ModelSection.parse, None)
+    snapshot: Optional[dict] = _field(_object, None)
+    library_version: Optional[str] = _field(_maybe(_text), None)
+    torch_version: Optional[str] = _field(_maybe(_text), None)
+    created: Optional[str] = _field(_maybe(_text), None)
+    manifest_xxh3_64: Optional[str] = _field(_text, None)
+    format: str = _field(_one_of(FORMAT), FORMAT)
+    version: int = _field(_count, FORMAT_VERSION)
     root: str = field(default="", compare=False)
 
     @classmethod
     def new(cls, optimizer: Optional[str], *, files: dict, params: tuple = (), param_groups: list = (),
-            config: dict, buffer_size: int = 0, **fields) -> Manifest:
-        """A manifest a save writes: ``files`` as ``write_file`` returned them, ``param_groups`` in torch's
-        layout; the step, the versions and the time filled in."""
+            config: dict, **more) -> Manifest:
+        """A manifest a save writes: ``files`` as ``format.write_file`` returned them, ``param_groups`` in
+        torch's layout; the step, the versions and the time filled in."""
         steps = sorted({p.step for p in params if p.step is not None})
         return cls(optimizer, {n: FileEntry(**e) for n, e in files.items()}, params=tuple(params),
                    param_groups=tuple({k: jsonable(v) for k, v in g.items()} for g in param_groups),
-                   step=max(steps) if steps else 0, steps=tuple(steps), config=config, buffer_size=buffer_size,
+                   step=max(steps) if steps else 0, steps=tuple(steps), config=config,
                    library_version=__version__, torch_version=torch.__version__,
-                   created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **fields)
+                   created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **more)
 
-    @classmethod
-    def parse(cls, raw: Any, root: str) -> Manifest:
-        """Check ``raw`` (the JSON of the manifest of checkpoint ``root``) whole and return it typed.
-
-        Raises:
-            CheckpointError: the first field that is missing, of the wrong type or out of range, named.
-        """
-        f = _Fields(raw, "")
-        m = cls(
-            version=f("version", _count), optimizer=f("optimizer", _maybe(_text), None), files=f("files", _files),
-            units=f("units", _list(Unit.parse)), params=f("params", _list(ParamEntry.parse), ()),
-            param_groups=f("param_groups", _list(_group), ()), step=f("step", _number, 0),
-            steps=f("steps", _list(_number), ()), config=f("config", _object, {}),
-            buffer_size=f("buffer_size", _count, 0), threshold=f("threshold", _count, None),
-            model=f("model", ModelSection.parse, None), snapshot=f("snapshot", _object, None),
-            library_version=f("library_version", _maybe(_text), None),
-            torch_version=f("torch_version", _maybe(_text), None), created=f("created", _maybe(_text), None),
-            manifest_xxh3_64=f("manifest_xxh3_64", _text, None), root=root)
-        m._check_ranges()
-        for name in m.files:
-            m.path(name, must_exist=False)
-        return m
-
-    def _check_ranges(self) -> None:
-        """Every index, offset and size within what it points into."""
+    def check(self, name: str) -> None:
+        """Every index, offset and size within what it points into; every file inside the directory."""
         data = self.files.get(DATA)
         if self.units and data is None:
             raise CheckpointError(f"manifest field units lists {len(self.units)} units, and files has no {DATA}")
@@ -483,28 +432,26 @@ class Manifest:
                 _fail(f"params[{i}].index", f"{i} (its place in the list)", p.index)
             sizes = [d.itemsize for d in p.state_dtypes()] if p.keys else []
             for j, c in enumerate(p.chunks):
-                name = f"params[{i}].chunks[{j}]"
                 if c.unit >= len(self.units):
-                    raise CheckpointError(f"manifest field {name} names unit {c.unit}, and there are "
-                                          f"{len(self.units)}")
+                    raise CheckpointError(f"manifest field params[{i}].chunks[{j}] names unit {c.unit}, and there "
+                                          f"are {len(self.units)}")
                 unit = self.units[c.unit]
                 room = unit.nbytes if unit.nbytes is not None else unit.length
                 if any(c.key_offset(k) + c.numel * size > room for k, size in enumerate(sizes)):
-                    _fail(name, f"slices within unit {c.unit}'s {room} bytes", c.to_json())
+                    _fail(f"params[{i}].chunks[{j}]", f"slices within unit {c.unit}'s {room} bytes", c.to_json())
         for i, g in enumerate(self.param_groups):
             for j, index in enumerate(g["params"]):
                 if index >= len(self.params):
-                    _fail(f"param_groups[{i}].params[{j}]", f"the index of one of the {len(self.params)} params",
-                          index)
-        if self.model is not None:
-            for i, t in enumerate(self.model.tensors):
-                where = t.where if t.same_as is None else None
-                if where is not None and where not in self.files:
-                    raise CheckpointError(f"manifest field model.tensors[{i}].where names {where}, and files has "
-                                          f"no {where}")
-                if where == PARAMS_DATA and t.offset + round_up(t.length, ALIGNMENT) > self.files[where].bytes:
-                    _fail(f"model.tensors[{i}]", f"a range within {PARAMS_DATA}'s {self.files[where].bytes} bytes",
-                          t.to_json())
+                    _fail(f"param_groups[{i}].params[{j}]", f"one of the {len(self.params)} params' indices", index)
+        for i, t in enumerate(self.model.tensors if self.model is not None else ()):
+            if t.where is not None and t.same_as is None and t.where not in self.files:
+                raise CheckpointError(f"manifest field model.tensors[{i}].where names {t.where}, and files has "
+                                      f"no {t.where}")
+            if t.where == PARAMS_DATA and t.offset + round_up(t.length, ALIGNMENT) > self.files[t.where].bytes:
+                _fail(f"model.tensors[{i}]", f"a range within {PARAMS_DATA}'s {self.files[t.where].bytes} bytes",
+                      t.to_json())
+        for n in self.files:
+            self.path(n, must_exist=False)
 
     def path(self, name: str, *, must_exist: bool = True) -> str:
         """The path of the format's file ``name`` in this checkpoint: in its directory, under the name its
@@ -544,78 +491,44 @@ class Manifest:
         """The indices of the parameters with a chunk in unit ``unit``."""
         return [p.index for p in self.params if any(c.unit == unit for c in p.chunks)]
 
-    def to_json(self) -> dict:
-        out = {"format": FORMAT, "version": self.version, "optimizer": self.optimizer, "step": self.step,
-               "steps": list(self.steps), "param_groups": list(self.param_groups),
-               "params": [p.to_json() for p in self.params], "config": self.config,
-               "buffer_size": self.buffer_size, "units": [u.to_json() for u in self.units],
-               "files": {n: e.to_json() for n, e in self.files.items()}}
-        for key in ("threshold", "snapshot", "library_version", "torch_version", "created", "manifest_xxh3_64"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.model is not None:
-            out["model"] = self.model.to_json()
-        return out
-
-
-# -- a job's manifest --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Shard:
+class Shard(_Entry):
     """A rank's shard of a job's checkpoint: its directory, its manifest's name and xxh3_64, its files."""
 
-    rank: int
-    name: str
-    manifest_xxh3_64: str
-    files: dict
-    manifest: str = MANIFEST
-    step: Optional[float] = None
+    rank: int = _field(_count, required=True)
+    name: str = _field(_text, required=True)
+    manifest_xxh3_64: str = _field(_text, required=True)
+    files: dict = _field(_files, {}, required=True)
+    manifest: str = _field(_bare_name, MANIFEST)
+    step: Optional[float] = _field(_number, None)
 
-    @classmethod
-    def parse(cls, value: Any, name: str) -> Shard:
-        f = _Fields(value, name)
-        shard = cls(f("rank", _count), f("name", _text), f("manifest_xxh3_64", _text), f("files", _files),
-                    f("manifest", _bare_name, MANIFEST), f("step", _number, None))
-        if shard.name != shard_name(shard.rank):
-            _fail(f"{name}.name", f"{shard_name(shard.rank)!r} (its rank's directory)", shard.name)
-        return shard
-
-    def to_json(self) -> dict:
-        out = {"rank": self.rank, "name": self.name, "manifest": self.manifest,
-               "manifest_xxh3_64": self.manifest_xxh3_64, "files": {n: e.to_json() for n, e in self.files.items()}}
-        if self.step is not None:
-            out["step"] = self.step
-        return out
+    def check(self, name: str) -> None:
+        if self.name != shard_name(self.rank):
+            _fail(f"{name}.name", f"{shard_name(self.rank)!r} (its rank's directory)", self.name)
 
 
 @dataclass(frozen=True)
-class JobManifest:
+class JobManifest(_Entry):
     """The manifest of a torch.distributed job's checkpoint in directory ``root``: one shard per rank."""
 
-    job: str
-    world_size: int
-    shards: tuple
-    step: float = 0
-    created: Optional[str] = None
-    manifest_xxh3_64: Optional[str] = None
-    version: int = JOB_VERSION
+    job: str = _field(_text, required=True)
+    world_size: int = _field(_count, required=True)
+    shards: tuple = _field(_list(Shard.parse), (), required=True)
+    step: float = _field(_number, 0)
+    created: Optional[str] = _field(_maybe(_text), None)
+    manifest_xxh3_64: Optional[str] = _field(_text, None)
+    format: str = _field(_one_of(JOB_FORMAT), JOB_FORMAT)
+    version: int = _field(_count, JOB_VERSION)
     root: str = field(default="", compare=False)
 
-    @classmethod
-    def parse(cls, raw: Any, root: str) -> JobManifest:
-        """As :meth:`Manifest.parse`, for a job's manifest."""
-        f = _Fields(raw, "")
-        m = cls(version=f("version", _count), job=f("job", _text), world_size=f("world_size", _count),
-                shards=f("shards", _list(Shard.parse)), step=f("step", _number, 0),
-                created=f("created", _maybe(_text), None), manifest_xxh3_64=f("manifest_xxh3_64", _text, None),
-                root=root)
-        if len(m.shards) != m.world_size:
-            raise CheckpointError(f"manifest field shards lists {len(m.shards)} shards for a world_size of "
-                                  f"{m.world_size}")
-        for i, s in enumerate(m.shards):
+    def check(self, name: str) -> None:
+        if len(self.shards) != self.world_size:
+            raise CheckpointError(f"manifest field shards lists {len(self.shards)} shards for a world_size of "
+                                  f"{self.world_size}")
+        for i, s in enumerate(self.shards):
             if s.rank != i:
                 _fail(f"shards[{i}].rank", f"{i} (its place in the list)", s.rank)
-        return m
 
     def refusal(self, world: int) -> str:
         """Why this job's checkpoint does not load into a job of ``world`` ranks, and how to convert it."""
@@ -629,14 +542,6 @@ class JobManifest:
                 f"where the state is sharded (FSDP2), convert through torch.distributed.checkpoint: on {saved} ranks "
                 "load this checkpoint and dcp.save({'optim': get_optimizer_state_dict(model, opt)}, ...), then on "
                 "the new ranks dcp.load it and set_optimizer_state_dict(model, opt, ...), which reshards")
-
-    def to_json(self) -> dict:
-        out = {"format": JOB_FORMAT, "version": self.version, "job": self.job, "world_size": self.world_size,
-               "step": self.step, "shards": [s.to_json() for s in self.shards]}
-        for key in ("created", "manifest_xxh3_64"):
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        return out
 
 
 # -- from disk ---------------------------------------------------------------------------------------
@@ -671,7 +576,7 @@ def parse(raw: Any, root: str, where: str) -> Manifest | JobManifest:
         raise ChecksumError(f"{where}: xxh3_64 of its content is {found}, it records "
                             f"{raw.get('manifest_xxh3_64')}; the manifest is corrupt")
     try:
-        return (JobManifest if kind == JOB_FORMAT else Manifest).parse(raw, root)
+        return (JobManifest if kind == JOB_FORMAT else Manifest).parse(raw, "", root=root)
     except CheckpointError as err:
         raise CheckpointError(f"{where}: {err}; the checkpoint is damaged or was edited: load another one") from None
 
@@ -715,12 +620,13 @@ def read_process(directory: str) -> Manifest:
 
 
 def _manifest_name(directory: str) -> str:
-    """A job's shard's manifest is named by the job manifest in the directory above (a save writes it under
-    the job's generation); a name that is not a bare file name there is ignored."""
+    """A job's shard (a directory named ``rank-<n>``) has the manifest its job manifest in the directory
+    above names (a save writes it under the job's generation); anything else ``manifest.json``. A name that
+    is not a bare file name there is ignored."""
     parent, name = os.path.split(directory)
-    job = raw_manifest(parent)
-    if SHARD_NAME.match(name) and isinstance(job, dict) and job.get("format") == JOB_FORMAT:
-        for entry in job.get("shards") if isinstance(job.get("shards"), list) else ():
+    job = raw_manifest(parent) if SHARD_NAME.match(name) else None
+    if isinstance(job, dict) and job.get("format") == JOB_FORMAT and isinstance(job.get("shards"), list):
+        for entry in job["shards"]:
             if isinstance(entry, dict) and entry.get("name") == name:
                 try:
                     return _bare_name(entry.get("manifest", MANIFEST), "manifest")
