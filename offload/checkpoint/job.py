@@ -76,6 +76,35 @@ def gather(obj: Any, doing: str) -> list:
     return out
 
 
+def on_every_rank(doing: str, step: Callable[[], tuple[Any, dict]]) -> tuple[Any, Optional[Exception], list]:
+    """Run ``step()`` on this rank and tell every rank how it went (a collective: every rank calls it).
+
+    ``step`` returns a result and what to tell the other ranks. Returns the result, this rank's error (None
+    when it succeeded) and every rank's status: ``{"rank", "ok"}`` with what its step told, or ``"error"``.
+
+    Raises:
+        CheckpointError: a rank did not answer (this rank's own error, if any, is raised instead, chained).
+    """
+    status, result, own = {"rank": rank_info().rank, "ok": False}, None, None
+    try:
+        result, told = step()
+        status.update(told, ok=True)
+    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
+        own = err
+        status["error"] = f"{type(err).__name__}: {err}"
+    try:
+        return result, own, gather(status, doing)
+    except CheckpointError as err:
+        if own is not None:
+            raise own from err
+        raise
+
+
+def failures(statuses: list) -> list:
+    """The statuses of :func:`on_every_rank` of the ranks that failed."""
+    return [s for s in statuses if not s["ok"]]
+
+
 # NOTE: a job's checkpoint follows the commit rule of one process's. Every rank writes its shard into
 # ``<dir>/rank-<r>`` under the save's generation (rank 0 draws it), as a save of its own would (streamed
 # from its own swap space, checksummed, fsynced), its shard's manifest last and under a fresh name too;
@@ -105,26 +134,24 @@ def save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Cal
     made = not os.path.lexists(target)  # looked at before any rank can make it (the gather waits for all)
     generation = gather(secrets.token_hex(8), f"saving {given}")[0]
     name = shard_name(rank)
-    status, own, shard = {"rank": rank, "name": name, "ok": False}, None, None
-    try:
+    shard = None
+
+    def write() -> tuple[None, dict]:
+        nonlocal shard
         check_target(target, given)  # refused before anything is written (and again at the commit)
         os.makedirs(target, exist_ok=True)
         shard = Staged(name, storage=storage, generation=generation, shard_of=target)
         write_shard(shard)
         written = shard.manifest
-        status.update(ok=True, shard=Shard(rank, name, written.manifest_xxh3_64, written.files,
-                                           shard.written[MANIFEST], written.step).to_json())
-    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-        own = err
-        status["error"] = f"{type(err).__name__}: {err}"
+        return None, {"shard": Shard(rank, name, written.manifest_xxh3_64, written.files, shard.written[MANIFEST],
+                                     written.step).to_json()}
+
     try:
-        statuses = gather(status, f"saving {given}")
-    except CheckpointError as err:
+        _, own, statuses = on_every_rank(f"saving {given}", write)
+    except Exception:  # a rank did not answer
         _discard(shard, target, made)
-        if own is not None:
-            raise own from err
         raise
-    failed = [s for s in statuses if not s["ok"]]
+    failed = failures(statuses)
     if failed:
         _discard(shard, target, made=False)
         with contextlib.suppress(CheckpointError):  # every rank has deleted its shard after this
@@ -132,31 +159,27 @@ def save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Cal
         if made:  # then the directory this save made goes too
             with contextlib.suppress(OSError):
                 os.rmdir(target)
-        if own is not None:
-            raise own
-        raise CheckpointError(f"the job's save to {given} failed on rank {failed[0]['rank']} "
-                              f"({failed[0]['error']}); nothing was committed on any rank, and the checkpoint "
-                              "that was there (if any) is as it was")
-    result = {"ok": True}
-    try:
+        raise own or CheckpointError(f"the job's save to {given} failed on rank {failed[0]['rank']} "
+                                     f"({failed[0]['error']}); nothing was committed on any rank, and the "
+                                     "checkpoint that was there (if any) is as it was")
+
+    def commit() -> tuple[None, dict]:
         here = _ranks_here(target, statuses)
         if rank not in here:
             raise CheckpointError(f"this rank's shard {name} is not in {given} as it wrote it")
         if min(here) == rank:
             _commit_job(target, given, generation, _job_manifest(generation, statuses), storage)
-    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-        own = err
-        result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    results = gather({"rank": rank, **result}, f"committing {given}")
-    failed = [r for r in results if not r["ok"]]
+        return None, {}
+
+    _, own, results = on_every_rank(f"committing {given}", commit)
+    failed = failures(results)
     if failed:
         if getattr(our_manifest(target), "job", None) != generation:
             _discard(shard, target, made)  # nothing here names it
-        if own is not None:
-            raise own
-        raise CheckpointError(f"the job's save to {given} could not be committed on rank {failed[0]['rank']} "
-                              f"({failed[0]['error']}); directories that committed hold the new checkpoint, the "
-                              "others their previous one (a load refuses the mix: load the step before)")
+        raise own or CheckpointError(f"the job's save to {given} could not be committed on rank "
+                                     f"{failed[0]['rank']} ({failed[0]['error']}); directories that committed "
+                                     "hold the new checkpoint, the others their previous one (a load refuses the "
+                                     "mix: load the step before)")
     if then is not None:
         # Every rank agreed the commit: a failure of what follows (Retention's verify and prune) on one
         # rank must not make it report a committed save as failed while the others report success.

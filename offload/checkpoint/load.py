@@ -16,7 +16,7 @@ from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
 from .commit import reading, wait_for_save
 from .format import DATA, EXTRA, MEMORY, dtype_of, read_torch
-from .job import gather, job_world
+from .job import failures, job_world, on_every_rank
 from .manifest import Manifest, ParamEntry, read_process
 from .model import load_model, model_section
 from .storage import DEFAULT_STORAGE, Storage
@@ -136,62 +136,38 @@ def _apply(optimizer, model: nn.Module | None, progress: Optional[bool], checked
 # ranks that loaded then refuse to step, as the one that failed does, until a load succeeds.
 def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
     """:func:`load_checkpoint` on every rank of a job (see the NOTE above)."""
-    rank, world = rank_info().rank, job_world()
     given = os.path.abspath(os.fspath(directory))
     with contextlib.ExitStack() as stack:
-        own, status, shard, checked = None, {"rank": rank, "ok": False}, None, None
-        try:
+        def check() -> tuple[tuple, dict]:
             stack.enter_context(reading(given))
-            shard, job = job_shard(given, world, rank)
-            checked = _check(optimizer, shard, model)
-            status.update(ok=True, job=job)
-        except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-            own = err
-            status["error"] = f"{type(err).__name__}: {err}"
-        statuses = _agree(status, f"loading {given}", own)
-        failed = [s for s in statuses if not s["ok"]]
+            shard, job = job_shard(given, job_world(), rank_info().rank)
+            return _check(optimizer, shard, model), {"job": job}
+
+        checked, own, statuses = on_every_rank(f"loading {given}", check)
+        failed = failures(statuses)
         if failed:
-            if own is not None:
-                raise own
-            raise CheckpointError(f"rank {failed[0]['rank']} cannot load {given} ({failed[0]['error']}); nothing "
-                                  "was loaded on any rank")
+            raise own or CheckpointError(f"rank {failed[0]['rank']} cannot load {given} ({failed[0]['error']}); "
+                                         "nothing was loaded on any rank")
         if len({s["job"] for s in statuses}) > 1:
             raise CheckpointError(f"the ranks found different saves under {given} (a save of the job was cut off "
                                   "between the commits of directories on different nodes); nothing was loaded on any "
                                   "rank: load an older checkpoint")
-        extra, own, status = None, None, {"rank": rank, "ok": False}
         try:
-            extra = _apply(optimizer, model, progress, checked, storage)
-            status["ok"] = True
-        except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-            own = err
-            status["error"] = f"{type(err).__name__}: {err}"
-        try:
-            statuses = _agree(status, f"loading {given}", own)
+            extra, own, statuses = on_every_rank(
+                f"loading {given}", lambda: (_apply(optimizer, model, progress, checked, storage), {}))
         except BaseException as err:
             # A rank did not answer: it may have failed its load, so this one's state is not whole either.
             optimizer.state_store.failed(err)
             raise
-        failed = [s for s in statuses if not s["ok"]]
+        failed = failures(statuses)
         if failed:
-            if own is not None:
-                raise own
-            err = CheckpointError(f"rank {failed[0]['rank']} failed to load its shard of {given} "
-                                  f"({failed[0]['error']}); this rank loaded its own, but the job's state is not "
-                                  "whole: no rank steps until a load succeeds on every rank")
-            optimizer.state_store.failed(err)
+            err = own or CheckpointError(f"rank {failed[0]['rank']} failed to load its shard of {given} "
+                                         f"({failed[0]['error']}); this rank loaded its own, but the job's state is "
+                                         "not whole: no rank steps until a load succeeds on every rank")
+            if own is None:
+                optimizer.state_store.failed(err)
             raise err
         return extra
-
-
-def _agree(status: dict, doing: str, own: Optional[BaseException]) -> list:
-    """Every rank's ``status``; if a rank does not answer, this rank's own error (if any) is raised."""
-    try:
-        return gather(status, doing)
-    except CheckpointError as err:
-        if own is not None:
-            raise own from err
-        raise
 
 
 def _match(opt, manifest: Manifest, memory: dict) -> list:
