@@ -62,28 +62,23 @@ def _fail(name: str, want: str, value: Any):
     raise CheckpointError(f"manifest field {name} must be {want}, got {shown}")
 
 
-def _count(value: Any, name: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        _fail(name, "a non-negative integer", value)
-    return value
+def _check(want: str, ok: Callable[[Any], bool]) -> Callable[[Any, str], Any]:
+    """A check of a JSON value: ``ok(value)``, else refused as not ``want``."""
+    def read(value: Any, name: str) -> Any:
+        if not ok(value):
+            _fail(name, want, value)
+        return value
+    return read
 
 
-def _number(value: Any, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        _fail(name, "a number", value)
-    return value
-
-
-def _text(value: Any, name: str) -> str:
-    if not isinstance(value, str):
-        _fail(name, "a string", value)
-    return value
-
-
-def _flag(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        _fail(name, "true or false", value)
-    return value
+_count = _check("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+_number = _check("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+_text = _check("a string", lambda v: isinstance(v, str))
+_flag = _check("true or false", lambda v: isinstance(v, bool))
+_object = _check("an object", lambda v: isinstance(v, dict))
+# A file name inside the checkpoint directory: no separator, not absolute, not "." or "..".
+_bare_name = _check("a file name inside the checkpoint directory (no '/', not '..')",
+                    lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\0" not in v)
 
 
 def _dtype(value: Any, name: str) -> str:
@@ -92,14 +87,6 @@ def _dtype(value: Any, name: str) -> str:
         dtype_of(value)
     except CheckpointError:
         _fail(name, "the name of a torch dtype", value)
-    return value
-
-
-def _bare_name(value: Any, name: str) -> str:
-    """A file name inside the checkpoint directory: no separator, not absolute, not ``.`` or ``..``."""
-    if not isinstance(value, str) or value in ("", ".", "..") or "/" in value or "\0" in value \
-            or os.path.basename(value) != value:
-        _fail(name, "a file name inside the checkpoint directory (no '/', not '..')", value)
     return value
 
 
@@ -116,17 +103,7 @@ def _maybe(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
 
 
 def _one_of(*choices: str) -> Callable[[Any, str], str]:
-    def read(value: Any, name: str) -> str:
-        if value not in choices:
-            _fail(name, "one of " + ", ".join(repr(c) for c in choices), value)
-        return value
-    return read
-
-
-def _object(value: Any, name: str) -> dict:
-    if not isinstance(value, dict):
-        _fail(name, "an object", value)
-    return value
+    return _check("one of " + ", ".join(repr(c) for c in choices), lambda v: v in choices)
 
 
 # -- entries read from and written to JSON, field by field ------------------------------------------
