@@ -15,7 +15,7 @@ from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
 from ..state import Layout, step_tensor
 from .commit import Staged, reading, write_atomically
-from .format import DATA, MEMORY, dtype_name, dtype_of, read_torch
+from .format import DATA, MEMORY, dtype_name, dtype_of, read_torch, write_file
 from .manifest import Manifest, ParamEntry, chunk_table, read_process
 from .model import model_section, state_dict
 from .snapshot import Plan, cpu_state, torch_groups, write_small_files
@@ -114,10 +114,7 @@ def _save_file(obj: Any, out: str | os.PathLike) -> None:
     out = os.path.abspath(os.fspath(out))
     tmp = f"{out}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with open(tmp, "xb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_file(obj, tmp, DEFAULT_STORAGE.fsync)
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):

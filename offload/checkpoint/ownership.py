@@ -46,17 +46,11 @@ def our_manifest(path: str) -> Manifest | JobManifest | None:
         return None
 
 
-def is_our_format(path: str) -> bool:
-    """Whether directory ``path`` has a manifest that says it is one of our checkpoints, a process's or a
-    job's (unchecked)."""
+def is_our_format(path: str, formats: tuple = (FORMAT, JOB_FORMAT)) -> bool:
+    """Whether directory ``path`` has a manifest that says it is one of our checkpoints (of one of
+    ``formats``: a process's or a job's), unchecked."""
     manifest = raw_manifest(path)
-    return isinstance(manifest, dict) and manifest.get("format") in (FORMAT, JOB_FORMAT)
-
-
-def is_job(path: str) -> bool:
-    """Whether directory ``path`` holds a job's checkpoint (its manifest is a job manifest)."""
-    manifest = raw_manifest(path)
-    return isinstance(manifest, dict) and manifest.get("format") == JOB_FORMAT
+    return isinstance(manifest, dict) and manifest.get("format") in formats
 
 
 def named_files(manifest: Manifest | JobManifest | None) -> dict[str, set[str]]:

@@ -131,15 +131,8 @@ class StateCopy:
     def reserve(self) -> None:
         """Allocate state.bin's space for the units that were not cloned (a full disk is reported now,
         before any data moves)."""
-        runs, start = [], None
-        for i in range(len(self.units) + 1):
-            copied = i < len(self.units) and self.state[i] != _IN_FILE
-            if copied and start is None:
-                start = i
-            elif not copied and start is not None:
-                runs.append((self.offsets[start], self.offsets[i - 1] + self.lengths[i - 1]))
-                start = None
-        self.data.reserve(runs)
+        self.data.reserve([(self.offsets[i], self.offsets[i] + self.lengths[i])
+                           for i in range(len(self.units)) if self.state[i] != _IN_FILE])
 
     # -- the clone -----------------------------------------------------------------------------------
 
