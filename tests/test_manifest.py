@@ -199,7 +199,8 @@ def test_a_save_into_a_hostile_checkpoint_deletes_nothing_outside(tmp_path, save
 shapes = st.lists(st.integers(1, 40_000), min_size=1, max_size=4)
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(sizes=shapes, dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        saved_buffer=st.sampled_from([64 * 1024, 256 * 1024]), loaded_buffer=st.sampled_from([64 * 1024, 256 * 1024]),
        threshold=st.sampled_from([1, 64, 5000]), steps=st.integers(1, 3), seed=st.integers(0, 2 ** 16))

@@ -183,6 +183,7 @@ class Staged:
             raise
 
     def path(self, name: str) -> str:
+        """Where this save writes the format's file ``name`` (under its generation's name)."""
         self.written[name] = fresh_name(name, self.generation)
         return os.path.join(self.target, self.written[name])
 
@@ -206,6 +207,7 @@ class Staged:
                     os.rmdir(self.target)  # only if still empty: it was made for this save
 
     def close(self) -> None:
+        """Let the directory's lock go (a save that has not committed is aborted first by its caller)."""
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor of the open file lets its flock go
             self._fd = None

@@ -47,6 +47,7 @@ JOB_VERSION = 1
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``, as manifests write dtypes."""
     return str(dtype).removeprefix("torch.")
 
 

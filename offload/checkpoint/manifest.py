@@ -156,11 +156,13 @@ class _Entry:
         """Checks between fields, once each is read."""
 
     def require(self, name: str, *keys: str) -> None:
+        """Refuse the entry (field ``name``) unless it has every one of ``keys``."""
         for key in keys:
             if getattr(self, key) is None:
                 raise CheckpointError(f"manifest field {name}.{key} is missing")
 
     def to_json(self) -> dict:
+        """The entry as the manifest's JSON holds it."""
         return {f.name: _json(getattr(self, f.name)) for f in fields(self)
                 if "check" in f.metadata and (getattr(self, f.name) is not None or f.metadata["null"])}
 
@@ -175,6 +177,7 @@ class FileEntry(_Entry):
     file: Optional[str] = _field(_bare_name, None)
 
     def on_disk(self, name: str) -> str:
+        """The file's name in the checkpoint directory (``name``, the format's, where none is recorded)."""
         return self.file or name
 
 
