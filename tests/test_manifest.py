@@ -237,3 +237,32 @@ def test_random_state_round_trips_through_save_and_load_bit_for_bit(tmp_path_fac
         for o in opts:
             o.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_memory_file_that_lacks_what_the_manifest_lists_is_refused(tmp_path, saved):
+    """memory.pt rewritten without a parameter's step, with its size and checksum recorded anew, is refused
+    by a load and an export naming the parameter, before the optimizer changes."""
+    import xxhash
+
+    directory = tmp_path / "c"
+    shutil.copytree(saved, directory)
+    path = ckpt_file(directory, "memory.pt")
+    memory = torch.load(path, weights_only=True)
+    index = next(p["index"] for p in ckpt.read_manifest(directory)["params"] if p["where"] == "swap")
+    del memory["steps"][index]
+    os.unlink(path)
+    torch.save(memory, path)
+    data = open(path, "rb").read()
+    _edit(directory, lambda m: m["files"]["memory.pt"].update(bytes=len(data),
+                                                              xxh3_64=xxhash.xxh3_64(data).hexdigest()))
+    params = make_params()
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=tmp_path / "nvme", **SMALL)
+    try:
+        train(opt, params, range(1))
+        before = copy.deepcopy(opt.state_dict())
+        for call in (lambda d: ckpt.load_checkpoint(opt, d), ckpt.export_state_dict):
+            with pytest.raises(ckpt.CheckpointError, match=rf"memory\.pt lacks the step of parameter {index}"):
+                call(directory)
+        assert_same_state(before, opt.state_dict())
+    finally:
+        opt.close()

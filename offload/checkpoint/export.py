@@ -45,6 +45,7 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
                               "export the model with export_model_checkpoint (offload-ckpt export --model-out)")
     path = manifest.sized_path(DATA)
     memory = read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
+    manifest.check_memory(memory)
     state: dict = {}
     placements: list[list] = [[] for _ in manifest.units]
     for e in manifest.params:

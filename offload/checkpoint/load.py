@@ -88,25 +88,10 @@ def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
         model_section(manifest)  # before anything is read: a checkpoint without the model
     manifest.sized_path(DATA)
     memory = read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
-    _check_memory(manifest, memory)
+    manifest.check_memory(memory)
     extra = read_torch(manifest.path(EXTRA), manifest.files[EXTRA]) if EXTRA in manifest.files else None
     params = _match(optimizer, manifest, memory)
     return manifest, memory, extra, params
-
-
-def _check_memory(manifest: Manifest, memory: Any) -> None:
-    """memory.pt holds what the manifest says: the groups, each small parameter's state, each offloaded
-    parameter's step."""
-    where = f"checkpoint {manifest.root}: {MEMORY}"
-    if not isinstance(memory, dict) or not all(isinstance(memory.get(k), t) for k, t in
-                                               (("param_groups", list), ("state", dict), ("steps", dict))):
-        raise CheckpointError(f"{where} is not the groups, state and steps of an optimizer; load another checkpoint")
-    for e in manifest.params:
-        if e.initialized and e.where != "none":
-            table, kind = (memory["steps"], "step") if e.where == "swap" else (memory["state"], "state")
-            if not isinstance(table.get(e.index), dict if kind == "state" else (torch.Tensor, float, int)):
-                raise CheckpointError(f"{where} lacks the {kind} of parameter {e.index}, which the manifest lists; "
-                                      "load another checkpoint")
 
 
 def _apply(optimizer, model: nn.Module | None, progress: Optional[bool], checked: tuple,

@@ -33,6 +33,7 @@ from .format import (
     JOB_FORMAT,
     JOB_VERSION,
     MANIFEST,
+    MEMORY,
     MODEL_MEMORY,
     PARAMS_DATA,
     dtype_name,
@@ -466,6 +467,25 @@ class Manifest(_Entry):
             raise ChecksumError(f"{path}: {size} bytes, the manifest says {expected} (truncated or extended); the "
                                 "checkpoint is corrupt, load an older one")
         return path
+
+    def check_memory(self, memory: Any) -> None:
+        """Refuse ``memory`` (memory.pt's content) unless it holds what the manifest says: the groups, each
+        small parameter's state, each offloaded parameter's step.
+
+        Raises:
+            CheckpointError: the first thing missing, named.
+        """
+        where = f"checkpoint {self.root}: {MEMORY}"
+        if not isinstance(memory, dict) or not all(isinstance(memory.get(k), t) for k, t in
+                                                   (("param_groups", list), ("state", dict), ("steps", dict))):
+            raise CheckpointError(f"{where} is not the groups, state and steps of an optimizer; load another "
+                                  "checkpoint")
+        for e in self.params:
+            if e.initialized and e.where != "none":
+                table, kind = (memory["steps"], "step") if e.where == "swap" else (memory["state"], "state")
+                if not isinstance(table.get(e.index), dict if kind == "state" else (torch.Tensor, float, int)):
+                    raise CheckpointError(f"{where} lacks the {kind} of parameter {e.index}, which the manifest "
+                                          "lists; load another checkpoint")
 
     def holders(self, unit: int) -> list:
         """The indices of the parameters with a chunk in unit ``unit``."""
