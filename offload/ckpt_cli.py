@@ -26,8 +26,8 @@ from typing import Sequence
 from . import checkpoint
 from .checkpoint.commit import reading
 from .checkpoint.format import JOB_FORMAT
+from .checkpoint.manifest import read as read_either
 from .checkpoint.ownership import is_our_format
-from .checkpoint.verify import _read_manifest
 
 PROG = "offload-ckpt"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -148,7 +148,8 @@ def _run(args) -> int:
             if not os.path.isdir(path) or not is_our_format(path):
                 continue
             try:
-                m = _read_manifest(path)
+                with reading(path) as path:
+                    m = read_either(path).to_json()
             except (checkpoint.CheckpointError, OSError) as err:
                 print(f"{name}: unreadable: {_describe(err)}")
                 continue

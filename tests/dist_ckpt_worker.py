@@ -86,7 +86,7 @@ def inject(fault: dict, rank: int):
         if fault["rank"] == rank:
             job_module._ranks_here = late
         return lambda: setattr(job_module, "_ranks_here", original)
-    original = snapshot_module._stream
+    original = snapshot_module.stream
 
     def faulty(items, buffers, *, read=None, process, write=None):
         done = [0]
@@ -102,8 +102,8 @@ def inject(fault: dict, rank: int):
         return original(items, buffers, read=read, process=counted, write=write)
 
     if fault is not None and fault["rank"] == rank:
-        snapshot_module._stream = faulty
-    return lambda: setattr(snapshot_module, "_stream", original)
+        snapshot_module.stream = faulty
+    return lambda: setattr(snapshot_module, "stream", original)
 
 
 class FailingCommit(Storage):

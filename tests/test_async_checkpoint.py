@@ -23,13 +23,13 @@ def held_save(monkeypatch) -> threading.Event:
     """Asynchronous saves wait (up to 30 s) for the returned event before they read any unit themselves, so
     that steps and loads meet the units first."""
     go = threading.Event()
-    real_run = snapshot_module._StateCopy.run
+    real_run = snapshot_module.StateCopy.run
 
     def held_run(self, buffers, bar):
         go.wait(30)
         return real_run(self, buffers, bar)
 
-    monkeypatch.setattr(snapshot_module._StateCopy, "run", held_run)
+    monkeypatch.setattr(snapshot_module.StateCopy, "run", held_run)
     return go
 
 
@@ -82,13 +82,13 @@ def test_units_a_step_changes_before_the_save_reaches_them_are_copied_by_the_gua
     expected = copy.deepcopy(opt.state_dict())
     go = held_save
     captured = []
-    real_capture = snapshot_module._StateCopy._capture
+    real_capture = snapshot_module.StateCopy._capture
 
     def counted(self, i, unit, buf):
         captured.append(i)
         return real_capture(self, i, unit, buf)
 
-    monkeypatch.setattr(snapshot_module._StateCopy, "_capture", counted)
+    monkeypatch.setattr(snapshot_module.StateCopy, "_capture", counted)
     handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
     train(opt, params, range(2, 3))
     opt.load_state_dict(copy.deepcopy(expected))  # changes every unit again, reading none of them
@@ -179,7 +179,7 @@ def test_progress_bars_show_on_a_terminal_only_when_asked_or_long(tmp_path, nvme
     ckpt.save_checkpoint(opt, tmp_path / "quiet")
     ckpt.load_checkpoint(opt, tmp_path / "quiet")
     assert capsys.readouterr().err == ""
-    bar = stream_module._progress(100, "save", True, delay=0)  # as a save that has lasted a second
+    bar = stream_module.progress_bar(100, "save", True, delay=0)  # as a save that has lasted a second
     bar.update(50)
     bar.close()
     assert "save" in capsys.readouterr().err

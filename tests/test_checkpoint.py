@@ -17,7 +17,7 @@ from helpers import SMALL, assert_same, assert_same_state, ckpt_file, flip_bit, 
 
 from offload import OffloadedAdam, OffloadedAdamW
 from offload import checkpoint as ckpt
-from offload.checkpoint.format import _manifest_digest
+from offload.checkpoint.manifest import digest
 from offload.ckpt_cli import main as ckpt_main
 
 
@@ -271,7 +271,7 @@ def test_a_manifest_of_the_wrong_shape_is_refused_naming_the_field(tmp_path, nvm
     path = tmp_path / "c" / "manifest.json"
     manifest = json.loads(path.read_text())
     _reshape(manifest, change)
-    manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
+    manifest["manifest_xxh3_64"] = digest(manifest)
     path.write_text(json.dumps(manifest))
     before = copy.deepcopy(opt.state_dict())
     for read in (ckpt.read_manifest, ckpt.verify_checkpoint, lambda d: ckpt.load_checkpoint(opt, d)):

@@ -441,7 +441,7 @@ def test_reads_inside_a_save_of_the_same_thread_do_not_wait_for_it(tmp_path):
             return _manifest_of(model, staged)
 
         try:
-            commit._write_atomically(tmp_path / "b", write)
+            commit.write_atomically(tmp_path / "b", write)
         except BaseException as err:  # noqa: BLE001 - reported below
             result["error"] = err
 
@@ -457,15 +457,13 @@ def test_reads_inside_a_save_of_the_same_thread_do_not_wait_for_it(tmp_path):
     ckpt.verify_checkpoint(tmp_path / "b")
 
 
-def _manifest_of(model, staged) -> dict:
+def _manifest_of(model, staged):
     """What a weights-only save writes into ``staged``, as its ``write`` returns it."""
-    from offload.checkpoint.format import _base_manifest
-    from offload.checkpoint.model import _save_model
+    from offload.checkpoint.manifest import Manifest
+    from offload.checkpoint.model import save_model
 
-    section, files = _save_model(model, staged)
-    manifest = _base_manifest(None, [], [], {}, 0)
-    manifest.update(units=[], files=files, model=section)
-    return manifest
+    section, files = save_model(model, staged)
+    return Manifest.new(None, files=files, config={}, model=section)
 
 
 # -- retention ----------------------------------------------------------------------------------------

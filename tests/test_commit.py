@@ -15,7 +15,8 @@ from helpers import FOUR_SIZES, SMALL, assert_same_state, make_params, train
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
-from offload.checkpoint.format import MANIFEST, _manifest_digest
+from offload.checkpoint.format import MANIFEST
+from offload.checkpoint.manifest import digest
 
 
 class Crash(BaseException):
@@ -69,7 +70,7 @@ def test_a_save_that_stops_anywhere_leaves_the_old_or_the_new_checkpoint(tmp_pat
     (target / "notes.txt").write_text("mine")
     (tmp_path / "c.notes").write_text("mine too")
     if error is Crash:
-        monkeypatch.setattr(commit._Staged, "abort", lambda self: None)  # a dead process cleans nothing
+        monkeypatch.setattr(commit.Staged, "abort", lambda self: None)  # a dead process cleans nothing
     step, n, reached = 1, 0, True
     try:
         while reached:
@@ -106,7 +107,7 @@ def first_format(directory) -> None:
     manifest = json.loads((directory / MANIFEST).read_text())
     for name, entry in manifest["files"].items():
         os.rename(directory / entry.pop("file"), directory / name)
-    manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
+    manifest["manifest_xxh3_64"] = digest(manifest)
     (directory / MANIFEST).write_text(json.dumps(manifest))
 
 

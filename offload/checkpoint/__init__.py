@@ -28,11 +28,11 @@ from .export import (
 )
 from .format import FORMAT_VERSION
 from .load import load_checkpoint
+from .model import load_parameters, save_parameters
 from .retention import Retention, save_with_retention
 from .save import mirror_checkpoint, save_checkpoint, wait_for_saves
 from .storage import Storage
 from .verify import inspect_checkpoint, read_manifest, verify_checkpoint
-from .weights import load_parameters, save_parameters
 
 __all__ = [
     "CheckpointError",

@@ -8,23 +8,19 @@ from __future__ import annotations
 import contextlib
 import errno as _errno
 import fcntl
-import json
 import os
 import secrets
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError
-from .format import MANIFEST, _io_error, _manifest_digest, create_private
+from .format import JSON, MANIFEST, write_file
+from .manifest import JobManifest, Manifest, digest
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
 from .storage import DEFAULT_STORAGE, Storage
-
-
-def _fsync_dir(path: str) -> None:
-    DEFAULT_STORAGE.fsync_dir(path)
-
 
 # -- the directory's lock ------------------------------------------------------------------------
 
@@ -36,7 +32,7 @@ _READING = threading.local()  # the directories (st_dev, st_ino) this thread is 
 # of the previous generation, readers hold it shared, so a load never has a file deleted under it and
 # two saves of one directory never interleave. A thread that saves into a directory it is reading
 # would wait for itself: that is refused instead.
-def _lock(path: str, *, exclusive: bool, timeout: float | None = None) -> int | None:
+def lock_directory(path: str, *, exclusive: bool, timeout: float | None = None) -> int | None:
     """Take directory ``path``'s flock; returns the descriptor that holds it (close it to let go), or
     None for a reader where the directory is missing or the file system has no flock."""
     try:
@@ -103,7 +99,7 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
             extra = load_checkpoint(opt, ckpt_dir)
     """
     given = os.path.abspath(os.fspath(directory))
-    fd = _lock(os.path.realpath(given), exclusive=False, timeout=timeout)
+    fd = lock_directory(os.path.realpath(given), exclusive=False, timeout=timeout)
     key = None
     if fd is not None:
         st = os.fstat(fd)
@@ -121,72 +117,80 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
 # -- writing and committing ------------------------------------------------------------------------
 
 
-def _write_json(path: str, manifest: dict, storage: Storage = DEFAULT_STORAGE) -> None:
-    """Write ``manifest`` to the new file ``path`` and fsync it."""
-    try:
-        with create_private(path, text=True) as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            storage.fsync(f.fileno(), path)
-    except OSError as err:
-        raise _io_error(err, path, "cannot write") from err
+def write_manifest(path: str, manifest: Manifest | JobManifest, storage: Storage) -> Manifest | JobManifest:
+    """Write ``manifest`` with its checksum to the new file ``path``, fsync it and its directory (so every
+    file it names is there after a crash); returns the manifest written."""
+    directory = os.path.dirname(path)
+    manifest = replace(manifest, manifest_xxh3_64=None, root=directory)
+    manifest = replace(manifest, manifest_xxh3_64=digest(manifest.to_json()))
+    write_file(JSON(manifest.to_json()), path, storage.fsync)
+    storage.fsync_dir(directory)
+    return manifest
 
 
-class _Staged:
+def commit_manifest(directory: str, staged: str, manifest: Manifest | JobManifest,
+                    previous: Manifest | JobManifest | None, storage: Storage,
+                    committed: Callable[[], None] = lambda: None) -> None:
+    """The commit: rename the manifest written at ``staged`` onto ``directory``'s manifest.json (then call
+    ``committed()``), fsync the directory, then delete the files ``previous`` (the manifest it replaces)
+    names and ``manifest`` does not."""
+    storage.rename(staged, os.path.join(directory, MANIFEST))
+    committed()
+    storage.fsync_dir(directory)
+    delete_named(directory, named_files(previous), named_files(manifest), unlink=storage.unlink)
+
+
+class Staged:
     """A checkpoint being written into its directory under its generation's names, then committed.
 
     ``directory`` is the path as given (absolute); ``target`` the real directory it names (a symbolic
     link followed), where the files go. ``path(name)`` is where the file ``name`` of the format is
     written; :meth:`commit` records those names in the manifest and commits it. Every file-system
-    call of the save goes through ``storage``.
+    call of the save goes through ``storage``. A job's shard (``shard_of``: the job's directory) is
+    written into ``<job>/<directory>`` without a lock of its own (only its rank writes there), and
+    :meth:`commit` only writes its manifest: the job manifest, which names it, commits it.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, generation: str | None = None, locked: bool = True,
-                 storage: Storage = DEFAULT_STORAGE):
+    def __init__(self, directory: str | os.PathLike, *, storage: Storage = DEFAULT_STORAGE,
+                 generation: str | None = None, shard_of: str | None = None):
         self.storage = storage
-        self.directory = os.path.abspath(os.fspath(directory))
-        self.target = os.path.realpath(self.directory)
-        self.parent = self.target
         self.generation = generation or secrets.token_hex(8)
         self.committed = False
         self.written: dict[str, str] = {}  # name in the format -> name on disk
+        self.manifest: Manifest | None = None  # as committed
         self._fd: int | None = None
+        if shard_of is not None:
+            self.directory = self.target = os.path.join(shard_of, os.fspath(directory))
+            self.made = storage.make_dirs(self.target)
+            sweep(shard_of, our_manifest(shard_of), shard=os.fspath(directory), unlink=storage.unlink)
+            self.previous = None
+            return
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.target = os.path.realpath(self.directory)
         check_target(self.target, self.directory)  # refused before anything is written
         self.made = storage.make_dirs(self.target)
-        if locked:
-            self._fd = _lock(self.target, exclusive=True)
+        self._fd = lock_directory(self.target, exclusive=True)
         try:
             check_target(self.target, self.directory)  # again, now that no other save runs here
             self.previous = our_manifest(self.target)
-            if locked:
-                sweep(self.target, self.previous, unlink=storage.unlink)
+            sweep(self.target, self.previous, unlink=storage.unlink)
         except BaseException:
             self.close()
             raise
 
     def path(self, name: str) -> str:
+        """Where this save writes the format's file ``name`` (under its generation's name)."""
         self.written[name] = fresh_name(name, self.generation)
         return os.path.join(self.target, self.written[name])
 
-    def finish(self, manifest: dict) -> str:
-        """Name this generation's files in ``manifest``, write it under a fresh name and fsync it (and
-        the directory, so every file it names is there after a crash); returns its path."""
-        for name, entry in manifest["files"].items():
-            entry["file"] = self.written[name]
-        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
-        path = self.path(MANIFEST)
-        _write_json(path, manifest, self.storage)
-        self.storage.fsync_dir(self.target)
-        return path
-
-    def commit(self, manifest: dict) -> None:
-        staged = self.finish(manifest)
-        self.storage.rename(staged, os.path.join(self.target, MANIFEST))  # the commit
-        self.committed = True
-        self.storage.fsync_dir(self.target)
-        delete_named(self.target, named_files(self.target, self.previous), named_files(self.target, manifest),
-                     unlink=self.storage.unlink)
+    def commit(self, manifest: Manifest) -> None:
+        """Name this generation's files in ``manifest`` and write it; then, unless a shard, commit it."""
+        files = {n: replace(e, file=self.written[n]) for n, e in manifest.files.items()}
+        staged = self.path(MANIFEST)
+        self.manifest = write_manifest(staged, replace(manifest, files=files), self.storage)
+        if self._fd is not None:
+            commit_manifest(self.target, staged, self.manifest, self.previous, self.storage,
+                            lambda: setattr(self, "committed", True))
 
     def abort(self) -> None:
         """Delete what this save wrote (it never committed, so nothing names it). Best effort: on a disk
@@ -201,35 +205,14 @@ class _Staged:
                     os.rmdir(self.target)  # only if still empty: it was made for this save
 
     def close(self) -> None:
+        """Let the directory's lock go (a save that has not committed is aborted first by its caller)."""
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor of the open file lets its flock go
             self._fd = None
 
 
-class _Shard(_Staged):
-    """A rank's shard of a job's checkpoint, written into ``<job directory>/rank-<r>`` under the job's
-    generation. Only this rank writes there, so no lock is taken (ranks that share a file system would
-    otherwise queue, one shard at a time). Its ``commit`` writes the shard's manifest under a fresh
-    name and fsyncs it; the job manifest, which names it, commits it (``job._save_job``)."""
-
-    def __init__(self, job_directory: str, name: str, generation: str, storage: Storage = DEFAULT_STORAGE):
-        self.storage = storage
-        self.directory = self.target = self.parent = os.path.join(job_directory, name)
-        self.generation = generation
-        self.committed = False
-        self.written = {}
-        self._fd = None
-        self.manifest: dict | None = None
-        self.made = storage.make_dirs(self.target)
-        sweep(job_directory, our_manifest(job_directory), shard=name, unlink=storage.unlink)
-
-    def commit(self, manifest: dict) -> None:
-        self.finish(manifest)
-        self.manifest = manifest
-
-
-def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], dict],
-                      storage: Storage = DEFAULT_STORAGE) -> str:
+def write_atomically(directory: str | os.PathLike, write: Callable[[Staged], Manifest],
+                     storage: Storage = DEFAULT_STORAGE) -> str:
     """Stage ``directory``, let ``write`` fill it and return its manifest, then commit; returns the path.
 
     ``directory`` must be missing, an empty directory or a checkpoint of ours (see
@@ -241,7 +224,7 @@ def _write_atomically(directory: str | os.PathLike, write: Callable[[_Staged], d
         FileExistsError: ``directory`` is a file, or a directory that is not one of our checkpoints.
         OSError: writing failed (``OSError(errno, message, path)``, the original chained).
     """
-    staged = _Staged(directory, storage=storage)
+    staged = Staged(directory, storage=storage)
     try:
         try:
             manifest = write(staged)
@@ -305,10 +288,6 @@ class SaveHandle:
         self._observed = True
         return self._error
 
-    def _finish(self, error: BaseException | None = None) -> None:
-        self._error = error
-        self._done.set()
-
     def __repr__(self) -> str:
         state = "running" if not self.done() else "failed" if self._error is not None else "done"
         return f"SaveHandle({self.directory!r}, {state})"
@@ -319,12 +298,26 @@ _IN_FLIGHT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _IN_FLIGHT_LOCK = threading.Lock()
 
 
-def _track(owner, handle: SaveHandle) -> None:
+def in_background(owner, handle: SaveHandle, work: Callable[[], None], name: str) -> None:
+    """Run ``work()`` in a thread as ``owner``'s save in flight; what it raises goes to ``handle`` (and,
+    if nobody looks there, to the next :func:`wait_for_save` with ``report``)."""
+
+    def run() -> None:
+        error = None
+        try:
+            work()
+        except BaseException as err:  # noqa: BLE001 - surfaces on the handle and at the next save
+            error = err
+        finally:
+            handle._error = error
+            handle._done.set()
+
     with _IN_FLIGHT_LOCK:
         _IN_FLIGHT[owner] = handle
+    threading.Thread(target=run, name=name).start()
 
 
-def _settle(owner, *, report: bool, timeout: float | None = None) -> None:
+def wait_for_save(owner, *, report: bool, timeout: float | None = None) -> None:
     """Wait for ``owner``'s save in flight, if any. With ``report``, a failure nobody has looked at yet
     (``wait()``, ``exception()``) is raised now, once: an asynchronous save's error is never lost.
 

@@ -9,35 +9,18 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-import xxhash
 
 from ..aio import Engine
-from ..buffers import BufferPool
 from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
 from ..state import Layout, step_tensor
-from ..units import ALIGNMENT
-from .commit import _fsync_dir, _Staged, _write_atomically, reading
-from .format import (
-    MEMORY,
-    _check_data_digest,
-    _check_data_size,
-    _check_unit,
-    _chunk_table,
-    _cpu_state,
-    _dtype,
-    _dtype_name,
-    _key_dtypes,
-    _numel,
-    _read_torch,
-    _slice_offset,
-    _torch_groups,
-    _write_memory_and_manifest,
-    create_private,
-)
-from .model import _model_section, _read_state_dict
-from .stream import _aio_of, _stream, _tool_pool, _write_data
-from .verify import read_manifest
+from .commit import Staged, reading, write_atomically
+from .format import DATA, MEMORY, dtype_name, dtype_of, read_torch, write_file
+from .manifest import Manifest, ParamEntry, chunk_table, read_process
+from .model import model_section, state_dict
+from .snapshot import Plan, cpu_state, torch_groups, write_small_files
+from .storage import DEFAULT_STORAGE
+from .stream import aio_of, read_verified, tool_pool, unit_spans, write_data
 
 
 def export_state_dict(directory: str | os.PathLike, *, include_master: bool = True) -> dict:
@@ -56,56 +39,45 @@ def export_state_dict(directory: str | os.PathLike, *, include_master: bool = Tr
 
 
 def _export_state_dict(directory: str, include_master: bool) -> dict:
-    manifest = read_manifest(directory)
-    if manifest.get("optimizer") is None:
+    manifest = read_process(directory)
+    if manifest.optimizer is None:
         raise CheckpointError(f"checkpoint {directory} holds model weights only, no optimizer state to export; "
                               "export the model with export_model_checkpoint (offload-ckpt export --model-out)")
-    path = _check_data_size(directory, manifest)
-    memory = _read_torch(directory, MEMORY, manifest["files"][MEMORY])
+    path = manifest.sized_path(DATA)
+    memory = read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
+    manifest.check_memory(memory)
     state: dict = {}
-    for e in manifest["params"]:
-        if not e.get("initialized"):
+    placements: list[list] = [[] for _ in manifest.units]
+    for e in manifest.params:
+        if not e.initialized:
             continue
-        i = e["index"]
-        if e["where"] == "memory":
-            state[i] = {k: v for k, v in memory["state"][i].items() if k != "master" or include_master}
+        if e.where == "memory":
+            state[e.index] = {k: v for k, v in memory["state"][e.index].items() if k != "master" or include_master}
             continue
-        entry = {"step": step_tensor(memory["steps"][i])}
-        for k, dtype in zip(e["keys"], _key_dtypes(e)):
-            if k == "master" and not include_master:
-                continue
-            # Moments kept in bf16 (state_dtype "bf16") come out in fp32, torch's layout.
-            entry[k] = torch.empty(e["shape"], dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
-        state[i] = entry
-    placements: list[list] = [[] for _ in manifest["units"]]
-    for e in manifest["params"]:
-        if e.get("initialized") and e["where"] == "swap":
-            for chunk in e["chunks"]:
-                placements[chunk[0]].append((e, chunk))
-    units = manifest["units"]
-    whole = xxhash.xxh3_64()
-    with _tool_pool(manifest) as pool:
-        engine = Engine(_aio_of(manifest))
+        entry = {"step": step_tensor(memory["steps"][e.index])}
+        for k, dtype in zip(e.keys, e.state_dtypes()):
+            if k != "master" or include_master:
+                # Moments kept in bf16 (state_dtype "bf16") come out in fp32, torch's layout.
+                entry[k] = torch.empty(e.shape, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+        state[e.index] = entry
+        for c in e.chunks:
+            placements[c.unit].append((e, c))
+
+    def sink(span, start: int, data: torch.Tensor) -> None:
+        buf = data.view(-1)  # the whole unit: the pool's buffers hold the longest
+        for e, c in placements[span.key]:
+            for k, (key, dtype) in enumerate(zip(e.keys, e.state_dtypes())):
+                if key in state[e.index]:
+                    at = c.key_offset(k)
+                    src = buf[at: at + c.numel * dtype.itemsize].view(dtype)
+                    state[e.index][key].view(-1)[c.start:c.start + c.numel].copy_(src)
+
+    with tool_pool([u.length for u in manifest.units], cap=None) as pool:
+        engine = Engine(aio_of(manifest))
         try:
-            with engine.open(path, "r") as f:
-                def read(u, buf):
-                    return engine.read_async(f, buf, units[u]["offset"], units[u]["length"])
-
-                def process(u, buf):
-                    _check_unit(manifest, path, u, buf)
-                    whole.update(buf.tensor[: units[u]["length"]].numpy())
-                    for e, chunk in placements[u]:
-                        _, start, numel = chunk[:3]
-                        for k, (key, dtype) in enumerate(zip(e["keys"], _key_dtypes(e))):
-                            if key in state[e["index"]]:
-                                dest = state[e["index"]][key].view(-1)[start:start + numel]
-                                dest.copy_(buf.view(dtype, _slice_offset(chunk, k), numel))
-                    return False
-
-                _stream(range(len(units)), list(pool), read=read, process=process)
+            read_verified(engine, path, unit_spans(manifest), list(pool), manifest.files[DATA].xxh3_64, sink=sink)
         finally:
             engine.close()
-    _check_data_digest(manifest, path, whole.hexdigest())
     return {"state": state, "param_groups": [dict(g) for g in memory["param_groups"]]}
 
 
@@ -127,9 +99,9 @@ def export_model_state_dict(directory: str | os.PathLike) -> OrderedDict:
         CheckpointError: no model in the checkpoint, or it is incomplete or corrupt.
     """
     with reading(directory) as directory:
-        manifest = read_manifest(directory)
-        _model_section(manifest, directory)
-        return _read_state_dict(directory, manifest, _aio_of(manifest))
+        manifest = read_process(directory)
+        model_section(manifest)
+        return state_dict(manifest, aio_of(manifest))
 
 
 def export_model_checkpoint(directory: str | os.PathLike, out: str | os.PathLike) -> None:
@@ -143,16 +115,13 @@ def _save_file(obj: Any, out: str | os.PathLike) -> None:
     out = os.path.abspath(os.fspath(out))
     tmp = f"{out}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with create_private(tmp) as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write_file(obj, tmp, DEFAULT_STORAGE.fsync)
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    _fsync_dir(os.path.dirname(out))
+    DEFAULT_STORAGE.fsync_dir(os.path.dirname(out))
 
 
 def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.PathLike, *,
@@ -195,14 +164,15 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
     shapes: list = [None] * n
     dtypes: list = [None] * n
     if like is not None:
-        ref = read_manifest(like)
-        cfg = load_config(ref["config"])
-        threshold = ref.get("threshold", cfg.offload_optimizer.small_param_threshold)
-        if len(ref["params"]) != n:
-            raise CheckpointError(f"the state dict has {n} parameters, checkpoint {like} has {len(ref['params'])}")
-        for e in ref["params"]:
-            shapes[e["index"]] = tuple(e["shape"])
-            dtypes[e["index"]] = _dtype(e["dtype"])
+        with reading(like) as like:
+            ref = read_process(like)
+        cfg = load_config(ref.config)
+        threshold = ref.threshold if ref.threshold is not None else cfg.offload_optimizer.small_param_threshold
+        if len(ref.params) != n:
+            raise CheckpointError(f"the state dict has {n} parameters, checkpoint {like} has {len(ref.params)}")
+        for e in ref.params:
+            shapes[e.index] = tuple(e.shape) if e.shape is not None else None
+            dtypes[e.index] = dtype_of(e.dtype) if e.dtype is not None else None
     else:
         cfg = load_config(config) if not isinstance(config, Config) else config
         threshold = cfg.offload_optimizer.small_param_threshold
@@ -247,37 +217,38 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
                     raise CheckpointError(f"parameter {i}: state {key!r} is missing from the state dict")
                 view.copy_(src.detach().reshape(-1)[c.start:c.start + c.numel])
 
-    def write(staged: _Staged) -> dict:
+    def write(staged: Staged) -> Manifest:
         units = layout.units
-        with BufferPool(3, max(unit_bytes, ALIGNMENT)) as pool:
-            data = _write_data(staged, cfg.aio, list(pool), units, read=None, fill=fill,
-                               nbytes_of=lambda u: u.nbytes)
-        chunks_of = _chunk_table(units, lambda param: meta_index[id(param)])
+        with tool_pool([unit_bytes], cap=None) as pool:
+            data = write_data(staged, cfg.aio, list(pool), units, read=None, fill=fill, nbytes_of=lambda u: u.nbytes)
+        chunks_of = chunk_table(units, lambda param: meta_index[id(param)])
         entries, memory_state, steps = [], {}, {}
         for i in range(n):
-            e = {"index": i, "shape": list(shapes[i]) if shapes[i] is not None else None,
-                 "dtype": _dtype_name(dtypes[i]) if dtypes[i] is not None else None,
-                 "numel": _numel(shapes[i]) if shapes[i] is not None else None}
+            shape, dtype = shapes[i], dtypes[i]
+            numel = _numel(shape) if shape is not None else None
+            name = dtype_name(dtype) if dtype is not None else None
+            step = float(state[i].get("step", 0.0)) if i in state else None
             if i not in state:
-                e.update(where="none", initialized=False)
+                e = ParamEntry(i, "none", False, shape, name, numel)
             elif i in metas:
                 slot = layout.slots[metas[i]]
                 keys = [k for k in slot.keys if k in state[i]]
-                e.update(where="swap", initialized=True, keys=keys, state_dtype=_dtype_name(slot.dtype),
-                         chunks=chunks_of.get(i, []))
-                if len(set(slot.dtypes)) > 1:
-                    e["key_dtypes"] = [_dtype_name(slot.dtype_of(k)) for k in keys]
+                e = ParamEntry.offloaded(i, shape, dtype, slot, keys, chunks_of.get(i, ()), step=step)
                 steps[i] = step_tensor(state[i].get("step", 0.0))
             else:
-                memory_state[i] = _cpu_state(state[i])
-                e.update(where="memory", initialized=True, keys=sorted(k for k in state[i] if k != "step"),
-                         state_dtype=_dtype_name(dtypes[i]))
-            if e["initialized"]:
-                e["step"] = float(state[i].get("step", 0.0))
+                memory_state[i] = cpu_state(state[i])
+                e = ParamEntry(i, "memory", True, shape, name, numel, tuple(sorted(k for k in state[i] if k != "step")),
+                               name, step=step)
             entries.append(e)
-        return _write_memory_and_manifest(
-            staged, kind="imported", groups=_torch_groups(groups, renumber), entries=entries,
-            memory_state=memory_state, steps=steps, extra=extra, config=config_to_dict(cfg, only=None),
-            unit_bytes=unit_bytes, threshold=threshold, data=data)
+        taken = Plan(units, entries, torch_groups(groups, renumber), memory_state, steps)
+        return write_small_files(staged, taken, data, kind="imported", extra=extra,
+                                 config=config_to_dict(cfg, only=None), unit_bytes=unit_bytes, threshold=threshold)
 
-    return _write_atomically(directory, write)
+    return write_atomically(directory, write)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

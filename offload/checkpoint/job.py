@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import _lock, _Shard, _write_json
-from .format import JOB_FORMAT, JOB_VERSION, MANIFEST, _manifest_digest, _shard_name
-from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, parse_manifest, sweep
+from .commit import Staged, commit_manifest, lock_directory, write_manifest
+from .format import MANIFEST
+from .manifest import FileEntry, JobManifest, Shard, raw_manifest, shard_name
+from .ownership import check_target, fresh_name, our_manifest, sweep
 from .storage import Storage
 
 
@@ -59,7 +60,7 @@ def _timeout(world):
         return default_pg_timeout
 
 
-def _gather(obj: Any, doing: str) -> list:
+def gather(obj: Any, doing: str) -> list:
     """Every rank's ``obj``, by rank (a collective of the checkpoints' group: every rank calls it).
 
     Raises:
@@ -75,6 +76,35 @@ def _gather(obj: Any, doing: str) -> list:
     return out
 
 
+def on_every_rank(doing: str, step: Callable[[], tuple[Any, dict]]) -> tuple[Any, Optional[Exception], list]:
+    """Run ``step()`` on this rank and tell every rank how it went (a collective: every rank calls it).
+
+    ``step`` returns a result and what to tell the other ranks. Returns the result, this rank's error (None
+    when it succeeded) and every rank's status: ``{"rank", "ok"}`` with what its step told, or ``"error"``.
+
+    Raises:
+        CheckpointError: a rank did not answer (this rank's own error, if any, is raised instead, chained).
+    """
+    status, result, own = {"rank": rank_info().rank, "ok": False}, None, None
+    try:
+        result, told = step()
+        status.update(told, ok=True)
+    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
+        own = err
+        status["error"] = f"{type(err).__name__}: {err}"
+    try:
+        return result, own, gather(status, doing)
+    except CheckpointError as err:
+        if own is not None:
+            raise own from err
+        raise
+
+
+def failures(statuses: list) -> list:
+    """The statuses of :func:`on_every_rank` of the ranks that failed."""
+    return [s for s in statuses if not s["ok"]]
+
+
 # NOTE: a job's checkpoint follows the commit rule of one process's. Every rank writes its shard into
 # ``<dir>/rank-<r>`` under the save's generation (rank 0 draws it), as a save of its own would (streamed
 # from its own swap space, checksummed, fsynced), its shard's manifest last and under a fresh name too;
@@ -85,8 +115,8 @@ def _gather(obj: Any, doing: str) -> list:
 # with node-local directories) writes the job manifest there, which names every shard's manifest, and
 # commits it with one rename onto manifest.json, then deletes the files of the previous checkpoint
 # there. A last exchange tells every rank whether every directory committed.
-def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Callable[[str], None]],
-              write_shard: Callable[[_Shard], None], storage: Storage) -> str:
+def save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Callable[[str], None]],
+              write_shard: Callable[[Staged], None], storage: Storage) -> str:
     """``save_checkpoint`` on every rank of a job (see the NOTE above), ``write_shard(shard)`` writing this
     rank's shard as a save of its own would; returns the directory."""
     rank, world = rank_info().rank, job_world()
@@ -102,59 +132,54 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
                               "save one rank's state by itself with alone=True")
     target = os.path.realpath(given)
     made = not os.path.lexists(target)  # looked at before any rank can make it (the gather waits for all)
-    generation = _gather(secrets.token_hex(8), f"saving {given}")[0]
-    name = _shard_name(rank)
-    status, own, shard = {"rank": rank, "name": name, "ok": False}, None, None
-    try:
+    generation = gather(secrets.token_hex(8), f"saving {given}")[0]
+    name = shard_name(rank)
+    shard = None
+
+    def write() -> tuple[None, dict]:
+        nonlocal shard
         check_target(target, given)  # refused before anything is written (and again at the commit)
         storage.make_dirs(target)
-        shard = _Shard(target, name, generation, storage)
+        shard = Staged(name, storage=storage, generation=generation, shard_of=target)
         write_shard(shard)
-        status.update(ok=True, manifest=shard.written[MANIFEST], manifest_xxh3_64=shard.manifest["manifest_xxh3_64"],
-                      step=shard.manifest["step"], files=shard.manifest["files"])
-    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-        own = err
-        status["error"] = f"{type(err).__name__}: {err}"
+        written = shard.manifest
+        return None, {"shard": Shard(rank, name, written.manifest_xxh3_64, written.files, shard.written[MANIFEST],
+                                     written.step).to_json()}
+
     try:
-        statuses = _gather(status, f"saving {given}")
-    except CheckpointError as err:
+        _, own, statuses = on_every_rank(f"saving {given}", write)
+    except Exception:  # a rank did not answer
         _discard(shard, target, made)
-        if own is not None:
-            raise own from err
         raise
-    failed = [s for s in statuses if not s["ok"]]
+    failed = failures(statuses)
     if failed:
         _discard(shard, target, made=False)
         with contextlib.suppress(CheckpointError):  # every rank has deleted its shard after this
-            _gather(None, f"cleaning up {given}")
+            gather(None, f"cleaning up {given}")
         if made:  # then the directory this save made goes too
             with contextlib.suppress(OSError):
                 os.rmdir(target)
-        if own is not None:
-            raise own
-        raise CheckpointError(f"the job's save to {given} failed on rank {failed[0]['rank']} "
-                              f"({failed[0]['error']}); nothing was committed on any rank, and the checkpoint "
-                              "that was there (if any) is as it was")
-    result = {"ok": True}
-    try:
+        raise own or CheckpointError(f"the job's save to {given} failed on rank {failed[0]['rank']} "
+                                     f"({failed[0]['error']}); nothing was committed on any rank, and the "
+                                     "checkpoint that was there (if any) is as it was")
+
+    def commit() -> tuple[None, dict]:
         here = _ranks_here(target, statuses)
         if rank not in here:
             raise CheckpointError(f"this rank's shard {name} is not in {given} as it wrote it")
         if min(here) == rank:
             _commit_job(target, given, generation, _job_manifest(generation, statuses), storage)
-    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-        own = err
-        result = {"ok": False, "error": f"{type(err).__name__}: {err}"}
-    results = _gather({"rank": rank, **result}, f"committing {given}")
-    failed = [r for r in results if not r["ok"]]
+        return None, {}
+
+    _, own, results = on_every_rank(f"committing {given}", commit)
+    failed = failures(results)
     if failed:
-        if (our_manifest(target) or {}).get("job") != generation:
+        if getattr(our_manifest(target), "job", None) != generation:
             _discard(shard, target, made)  # nothing here names it
-        if own is not None:
-            raise own
-        raise CheckpointError(f"the job's save to {given} could not be committed on rank {failed[0]['rank']} "
-                              f"({failed[0]['error']}); directories that committed hold the new checkpoint, the "
-                              "others their previous one (a load refuses the mix: load the step before)")
+        raise own or CheckpointError(f"the job's save to {given} could not be committed on rank "
+                                     f"{failed[0]['rank']} ({failed[0]['error']}); directories that committed "
+                                     "hold the new checkpoint, the others their previous one (a load refuses the "
+                                     "mix: load the step before)")
     if then is not None:
         # Every rank agreed the commit: a failure of what follows (Retention's verify and prune) on one
         # rank must not make it report a committed save as failed while the others report success.
@@ -166,7 +191,7 @@ def _save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Ca
     return given
 
 
-def _discard(shard: Optional[_Shard], target: str, made: bool) -> None:
+def _discard(shard: Optional[Staged], target: str, made: bool) -> None:
     """Delete what this rank wrote for a save that was not committed, and the job's directory if this
     save made it and nothing is left in it."""
     if shard is not None:
@@ -181,43 +206,31 @@ def _ranks_here(target: str, statuses: list) -> list:
     shared file system, those of this node with node-local directories)."""
     here = []
     for s in statuses:
-        found = parse_manifest(os.path.join(target, s["name"]), s["manifest"])
-        if isinstance(found, dict) and found.get("manifest_xxh3_64") == s["manifest_xxh3_64"]:
+        found = raw_manifest(os.path.join(target, s["shard"]["name"]), s["shard"]["manifest"])
+        if isinstance(found, dict) and found.get("manifest_xxh3_64") == s["shard"]["manifest_xxh3_64"]:
             here.append(s["rank"])
     return here
 
 
-def _commit_job(target: str, given: str, generation: str, manifest: dict, storage: Storage) -> None:
+def _commit_job(target: str, given: str, generation: str, manifest: JobManifest, storage: Storage) -> None:
     """Commit a job's checkpoint in directory ``target``: under its lock, the job manifest under a fresh
     name, fsynced, then one rename onto manifest.json; then delete the previous checkpoint's files."""
-    fd = _lock(target, exclusive=True)
+    fd = lock_directory(target, exclusive=True)
     try:
         check_target(target, given)
         previous = our_manifest(target)
         staged = os.path.join(target, fresh_name(MANIFEST, generation))
-        manifest["manifest_xxh3_64"] = _manifest_digest(manifest)
-        _write_json(staged, manifest, storage)
-        storage.fsync_dir(target)
-        storage.rename(staged, os.path.join(target, MANIFEST))  # the commit
-        storage.fsync_dir(target)
-        delete_named(target, named_files(target, previous), named_files(target, manifest), unlink=storage.unlink)
+        manifest = write_manifest(staged, manifest, storage)
+        commit_manifest(target, staged, manifest, previous, storage)
         sweep(target, manifest, unlink=storage.unlink)  # and what saves that died left here
     finally:
         os.close(fd)
 
 
-def _job_manifest(generation: str, statuses: list) -> dict:
+def _job_manifest(generation: str, statuses: list) -> JobManifest:
     """The job manifest: its id, the world size, every rank's shard with its manifest's name, checksum
     and files."""
-    shards = [{"rank": s["rank"], "name": s["name"], "manifest": s["manifest"],
-               "manifest_xxh3_64": s["manifest_xxh3_64"], "step": s["step"], "files": s["files"]}
-              for s in statuses]
-    return {
-        "format": JOB_FORMAT,
-        "version": JOB_VERSION,
-        "job": generation,
-        "world_size": len(statuses),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "step": max(s["step"] for s in shards),
-        "shards": shards,
-    }
+    shards = tuple(Shard(**{**s["shard"], "files": {n: FileEntry(**e) for n, e in s["shard"]["files"].items()}})
+                   for s in statuses)
+    return JobManifest(generation, len(statuses), shards, step=max(s.step for s in shards),
+                       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))

@@ -7,7 +7,6 @@ import os
 from typing import Any, Optional
 
 import torch
-import xxhash
 from torch import nn
 
 from ..aio import Engine
@@ -15,25 +14,14 @@ from ..distributed import like, local, rank_info
 from ..errors import CheckpointError
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
-from .commit import _settle, reading
-from .format import (
-    DATA,
-    EXTRA,
-    MEMORY,
-    _check_data_digest,
-    _check_data_size,
-    _check_unit,
-    _dtype,
-    _key_dtypes,
-    _read_torch,
-    _slice_offset,
-    file_path,
-)
-from .job import _gather, job_world
-from .model import _load_model, _model_section
+from .commit import reading, wait_for_save
+from .format import DATA, EXTRA, MEMORY, dtype_of, read_torch
+from .job import failures, job_world, on_every_rank
+from .manifest import Manifest, ParamEntry, read_process
+from .model import load_model, model_section
 from .storage import DEFAULT_STORAGE, Storage
-from .stream import _progress, _RangeReader, _stream
-from .verify import _job_shard, _verify_data, read_manifest
+from .stream import RangeReader, progress_bar, read_verified, stream, unit_spans
+from .verify import job_shard, verify_data
 
 
 # NOTE: loading checks the manifest, the sizes and every unit's checksum as the bytes pass, and the
@@ -82,37 +70,31 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     if optimizer.state_store.closed:
         raise ValueError("the optimizer is closed")
     # A save in the background copies units as steps change them; a load changes them all unguarded.
-    _settle(optimizer.state_store, report=False)
+    wait_for_save(optimizer.state_store, report=False)
     if not alone and job_world() is not None:
         return _load_job(optimizer, directory, model, progress, storage or DEFAULT_STORAGE)
     # Held for the whole load: a save of the same directory by another process waits until it ends.
     with reading(directory) as directory:
-        return _load_checkpoint(optimizer, directory, model, progress, storage or DEFAULT_STORAGE)
-
-
-def _load_checkpoint(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool],
-                     storage: Storage) -> Any:
-    return _apply(optimizer, directory, model, progress, _check(optimizer, directory, model), storage)
+        return _apply(optimizer, model, progress, _check(optimizer, directory, model), storage or DEFAULT_STORAGE)
 
 
 def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
     """Everything a load checks before it changes anything; returns what :func:`_apply` needs."""
-    manifest = read_manifest(directory)
-    if manifest.get("optimizer") is None:
+    manifest = read_process(directory)
+    if manifest.optimizer is None:
         raise CheckpointError(f"checkpoint {directory} holds model weights only (offload.params.save_parameters), "
                               "no optimizer state; load it with offload.params.load_parameters(model, ...)")
     if model is not None:
-        _model_section(manifest, directory)  # before anything is read: a checkpoint without the model
-    _check_data_size(directory, manifest)
-    memory = _read_torch(directory, MEMORY, manifest["files"][MEMORY])
-    extra = None
-    if EXTRA in manifest["files"]:
-        extra = _read_torch(directory, EXTRA, manifest["files"][EXTRA])
-    params = _match(optimizer, manifest, memory, directory)
+        model_section(manifest)  # before anything is read: a checkpoint without the model
+    manifest.sized_path(DATA)
+    memory = read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
+    manifest.check_memory(memory)
+    extra = read_torch(manifest.path(EXTRA), manifest.files[EXTRA]) if EXTRA in manifest.files else None
+    params = _match(optimizer, manifest, memory)
     return manifest, memory, extra, params
 
 
-def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optional[bool], checked: tuple,
+def _apply(optimizer, model: nn.Module | None, progress: Optional[bool], checked: tuple,
            storage: Storage) -> Any:
     """The load's part that changes the optimizer (and ``model``), once :func:`_check` has passed."""
     store = optimizer.state_store
@@ -120,10 +102,10 @@ def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optiona
     if model is not None:
         # Weights first: a checkpoint without fp32 masters seeds them from the weights at load.
         # On failure part-way its state is intact, but the weights it updates are half loaded.
-        _load_model(model, directory, manifest, optimizer.config.aio, on_partial=store.failed, storage=storage)
+        load_model(model, manifest, optimizer.config.aio, on_partial=store.failed, storage=storage)
 
     try:
-        _load_into(optimizer, directory, manifest, memory, params, progress, storage)
+        _load_into(optimizer, manifest, memory, params, progress, storage)
     except BaseException as err:
         for slot in store.layout.slots.values():
             slot.initialized = False
@@ -139,149 +121,105 @@ def _apply(optimizer, directory: str, model: nn.Module | None, progress: Optiona
 # ranks that loaded then refuse to step, as the one that failed does, until a load succeeds.
 def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
     """:func:`load_checkpoint` on every rank of a job (see the NOTE above)."""
-    rank, world = rank_info().rank, job_world()
     given = os.path.abspath(os.fspath(directory))
     with contextlib.ExitStack() as stack:
-        own, status, shard, checked = None, {"rank": rank, "ok": False}, None, None
-        try:
+        def check() -> tuple[tuple, dict]:
             stack.enter_context(reading(given))
-            shard, job = _job_shard(given, world, rank)
-            checked = _check(optimizer, shard, model)
-            status.update(ok=True, job=job)
-        except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-            own = err
-            status["error"] = f"{type(err).__name__}: {err}"
-        statuses = _agree(status, f"loading {given}", own)
-        failed = [s for s in statuses if not s["ok"]]
+            shard, job = job_shard(given, job_world(), rank_info().rank)
+            return _check(optimizer, shard, model), {"job": job}
+
+        checked, own, statuses = on_every_rank(f"loading {given}", check)
+        failed = failures(statuses)
         if failed:
-            if own is not None:
-                raise own
-            raise CheckpointError(f"rank {failed[0]['rank']} cannot load {given} ({failed[0]['error']}); nothing "
-                                  "was loaded on any rank")
+            raise own or CheckpointError(f"rank {failed[0]['rank']} cannot load {given} ({failed[0]['error']}); "
+                                         "nothing was loaded on any rank")
         if len({s["job"] for s in statuses}) > 1:
             raise CheckpointError(f"the ranks found different saves under {given} (a save of the job was cut off "
                                   "between the commits of directories on different nodes); nothing was loaded on any "
                                   "rank: load an older checkpoint")
-        extra, own, status = None, None, {"rank": rank, "ok": False}
         try:
-            extra = _apply(optimizer, shard, model, progress, checked, storage)
-            status["ok"] = True
-        except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
-            own = err
-            status["error"] = f"{type(err).__name__}: {err}"
-        try:
-            statuses = _agree(status, f"loading {given}", own)
+            extra, own, statuses = on_every_rank(
+                f"loading {given}", lambda: (_apply(optimizer, model, progress, checked, storage), {}))
         except BaseException as err:
             # A rank did not answer: it may have failed its load, so this one's state is not whole either.
             optimizer.state_store.failed(err)
             raise
-        failed = [s for s in statuses if not s["ok"]]
+        failed = failures(statuses)
         if failed:
-            if own is not None:
-                raise own
-            err = CheckpointError(f"rank {failed[0]['rank']} failed to load its shard of {given} "
-                                  f"({failed[0]['error']}); this rank loaded its own, but the job's state is not "
-                                  "whole: no rank steps until a load succeeds on every rank")
-            optimizer.state_store.failed(err)
+            err = own or CheckpointError(f"rank {failed[0]['rank']} failed to load its shard of {given} "
+                                         f"({failed[0]['error']}); this rank loaded its own, but the job's state is "
+                                         "not whole: no rank steps until a load succeeds on every rank")
+            if own is None:
+                optimizer.state_store.failed(err)
             raise err
         return extra
 
 
-def _agree(status: dict, doing: str, own: Optional[BaseException]) -> list:
-    """Every rank's ``status``; if a rank does not answer, this rank's own error (if any) is raised."""
-    try:
-        return _gather(status, doing)
-    except CheckpointError as err:
-        if own is not None:
-            raise own from err
-        raise
-
-
-def _match(opt, manifest: dict, memory: dict, directory: str) -> list:
+def _match(opt, manifest: Manifest, memory: dict) -> list:
     """Check the checkpoint against the optimizer; return its parameters in index order."""
-    where = f"checkpoint {directory}"
+    where = f"checkpoint {manifest.root}"
     by_index = match_groups(opt.param_groups, memory["param_groups"], where=where, error=CheckpointError)
-    params = [None] * len(manifest["params"])
+    params = [None] * len(manifest.params)
     for i, p in by_index.items():
         if not 0 <= i < len(params):
             raise CheckpointError(f"{where}: parameter index {i} is out of range")
         params[i] = p
     amsgrad = {id(p): bool(g["amsgrad"]) for g in opt.param_groups for p in g["params"]}
-    for entry in manifest["params"]:
-        i, p = entry["index"], params[entry["index"]]
+    for e in manifest.params:
+        p = params[e.index]
         keys = None
-        if entry.get("initialized"):
-            keys = set(memory["state"][i]) - {"step"} if entry["where"] == "memory" else entry.get("keys", ())
-        check_param_state(p, i, shape=entry.get("shape"), keys=keys, amsgrad=amsgrad[id(p)], where=where,
-                          dtype=_dtype(entry["dtype"]) if entry.get("dtype") is not None else None,
-                          error=CheckpointError)
+        if e.initialized:
+            keys = set(memory["state"][e.index]) - {"step"} if e.where == "memory" else e.keys
+        check_param_state(p, e.index, shape=e.shape, keys=keys, amsgrad=amsgrad[id(p)], where=where,
+                          dtype=dtype_of(e.dtype) if e.dtype is not None else None, error=CheckpointError)
     return params
 
 
-def _load_into(opt, directory: str, manifest: dict, memory: dict, params: list, progress: Optional[bool],
+def _load_into(opt, manifest: Manifest, memory: dict, params: list, progress: Optional[bool],
                storage: Storage) -> None:
     store = opt.state_store
     store.drain(quiet=True)  # the last step's writes land first; their state is overwritten now
     store.rewriting_all()  # all of the state is replaced: a swap file cut behind our back is whole again
-    entries = manifest["params"]
     # Parameters frozen when the optimizer was built have no place yet.
-    late = {params[e["index"]] for e in entries if e.get("initialized") and store.slot(params[e["index"]]) is None}
+    late = {params[e.index] for e in manifest.params if e.initialized and store.slot(params[e.index]) is None}
     if late:
         store.place(opt.param_groups, only=late)
-    slots = store.layout.slots
-    path = file_path(directory, DATA, manifest["files"][DATA])
-    units = manifest["units"]
-    aio = opt.config.aio
-    engine = storage.engine(aio)
-    new_state: dict = {}
+    path = manifest.path(DATA)
+    engine = storage.engine(opt.config.aio)
+    small_from_swap: list = []
     try:
-        with contextlib.ExitStack() as stack:
-            f = stack.enter_context(engine.open(path, "r"))
-            plan = _same_packing(store, manifest, params)
-            buffers = store.buffers
-            if plan is not None:
-                whole = xxhash.xxh3_64()
-                bar = stack.enter_context(_progress(manifest["files"][DATA]["bytes"], "load", progress))
+        plan = _same_packing(store, manifest, params)
+        if plan is not None:
+            with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
+                def write(span, buf):
+                    bar.update(span.length)
+                    return store.write_unit(plan[span.key], buf)
 
-                def read(item, buf):
-                    u = units[item[0]]
-                    return engine.read_async(f, buf, u["offset"], u["length"])
-
-                def process(item, buf):
-                    _check_unit(manifest, path, item[0], buf)
-                    whole.update(buf.tensor[: units[item[0]]["length"]].numpy())
-                    bar.update(units[item[0]]["length"])
-                    return True
-
-                _stream(plan, buffers, read=read, process=process,
-                        write=lambda item, buf: store.write_unit(item[1], buf))
-                _check_data_digest(manifest, path, whole.hexdigest())
-                small_from_swap = []
-            else:
-                _verify_data(directory, manifest, engine, buffers)
-                small_from_swap = _rechunk(store, manifest, memory, params, engine, f, buffers)
-            for i, tensors in small_from_swap:
-                new_state[i] = tensors
+                read_verified(engine, path, unit_spans(manifest), store.buffers, manifest.files[DATA].xxh3_64,
+                              write=write)
+        else:
+            verify_data(manifest, engine, store.buffers)
+            with engine.open(path, "r") as f:
+                small_from_swap = _rechunk(store, manifest, memory, params, engine, f, store.buffers)
     finally:
         engine.close()
 
     # The data is in place: now the in-memory side, which cannot fail half way.
     small, offloaded = {}, {}
-    for e in entries:
-        if not e.get("initialized"):
+    for e in manifest.params:
+        if not e.initialized:
             continue
-        i = e["index"]
-        p = params[i]
-        step = memory["steps"][i] if e["where"] == "swap" else memory["state"][i].get("step", 0.0)
+        p = params[e.index]
+        step = memory["steps"][e.index] if e.where == "swap" else memory["state"][e.index].get("step", 0.0)
         if store.is_small(p):
             # As load_state_dict takes it: a DTensor parameter's state as this rank's part of it.
-            source = memory["state"][i] if e["where"] == "memory" else new_state[i]
+            source = memory["state"][e.index] if e.where == "memory" else small_from_swap[e.index]
             small[p] = local_entry({**source, "step": step}, p)
         else:
             offloaded[p] = step
     restore_in_memory(opt, memory["param_groups"], small, offloaded)
     for p in offloaded:
-        slots[p].initialized = True
+        store.layout.slots[p].initialized = True
     store.restored()
 
 
@@ -312,57 +250,53 @@ def restore_in_memory(optimizer, groups: list, small: dict, offloaded: dict) -> 
         optimizer.state[p] = {"step": step_tensor(step)}
 
 
-def _same_packing(store, manifest: dict, params: list) -> Optional[list]:
-    """[(checkpoint unit, optimizer unit)] when every saved unit is packed exactly like one of the
+def _same_packing(store, manifest: Manifest, params: list) -> Optional[dict]:
+    """{checkpoint unit: optimizer unit} when every saved unit is packed exactly like one of the
     optimizer's, so bytes can move as they are; None when state must be re-chunked."""
-    if manifest.get("buffer_size") != store.layout.unit_bytes:
+    if manifest.buffer_size != store.layout.unit_bytes or \
+            any(u.length > min(b.nbytes for b in store.buffers) for u in manifest.units):
         return None
     index = {p: i for i, p in enumerate(params)}
-    signature: list[list] = [[] for _ in manifest["units"]]
-    for e in manifest["params"]:
-        p = params[e["index"]]
-        if e.get("initialized"):
-            slot = store.slot(p)
-            if (e["where"] == "memory") != (slot is None):
+    signature: list[list] = [[] for _ in manifest.units]
+    for e in manifest.params:
+        if e.initialized:
+            slot = store.slot(params[e.index])
+            if (e.where == "memory") != (slot is None):
                 return None  # small here and offloaded there, or the other way round
-            if slot is not None and (list(slot.keys) != list(e["keys"]) or list(slot.dtypes) != _key_dtypes(e)):
+            if slot is not None and (list(slot.keys) != list(e.keys) or list(slot.dtypes) != e.state_dtypes()):
                 return None  # e.g. an imported state without the fp32 master copy, or another state_dtype
-        for chunk in e.get("chunks", ()):
-            signature[chunk[0]].append((e["index"], *chunk[1:5], tuple(chunk[5]) if len(chunk) > 5 else ()))
+        for c in e.chunks:
+            signature[c.unit].append((e.index, c.start, c.numel, c.offset, c.stride, c.slices or ()))
     by_sig = {}
     for unit in store.layout.units:
         sig = tuple(sorted((index[c.slot.param], c.start, c.numel, c.offset, c.stride,
                             () if c.stride else tuple(c.slices)) for c in unit.chunks))
         by_sig[sig] = unit
-    plan = []
+    plan = {}
     for u, sig in enumerate(signature):
         target = by_sig.get(tuple(sorted(sig)))
-        if target is None or target.nbytes != manifest["units"][u]["nbytes"]:
+        if target is None or target.nbytes != manifest.units[u].nbytes:
             return None
-        plan.append((u, target))
+        plan[u] = target
     return plan
 
 
-def _rechunk(store, manifest: dict, memory: dict, params: list, engine: Engine, f, buffers: list) -> list:
+def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engine, f, buffers: list) -> dict:
     """Fill the optimizer's units from the checkpoint by parameter element ranges.
 
-    Returns ``[(index, {key: tensor})]`` for parameters small here whose state the checkpoint holds
-    on disk.
+    Returns ``{index: {key: tensor}}`` for parameters small here whose state the checkpoint holds on disk.
     """
-    reader = _RangeReader(engine, f, buffers[0], manifest["files"][DATA]["bytes"])
-    units = manifest["units"]
-    entries = {e["index"]: e for e in manifest["params"]}
+    reader = RangeReader(engine, f, buffers[0], manifest.files[DATA].bytes)
     index = {p: i for i, p in enumerate(params)}
 
-    def copy_from_disk(dest: torch.Tensor, e: dict, key: str, lo: int, hi: int) -> None:
-        k = e["keys"].index(key)
-        saved = _key_dtypes(e)[k]
-        for chunk in e["chunks"]:
-            u, start, numel = chunk[:3]
-            a, b = max(lo, start), min(hi, start + numel)
+    def copy_from_disk(dest: torch.Tensor, e: ParamEntry, key: str, lo: int, hi: int) -> None:
+        k = e.keys.index(key)
+        saved = e.state_dtypes()[k]
+        for c in e.chunks:
+            a, b = max(lo, c.start), min(hi, c.start + c.numel)
             if a >= b:
                 continue
-            pos = units[u]["offset"] + _slice_offset(chunk, k) + (a - start) * saved.itemsize
+            pos = manifest.units[c.unit].offset + c.key_offset(k) + (a - c.start) * saved.itemsize
             part = dest[a - lo: b - lo]
             if saved == part.dtype:
                 reader.copy(part, pos)
@@ -371,9 +305,9 @@ def _rechunk(store, manifest: dict, memory: dict, params: list, engine: Engine, 
                 reader.copy(wide, pos)
                 part.copy_(wide)
 
-    def wanted(p) -> Optional[dict]:
-        e = entries.get(index[p])
-        return e if e is not None and e.get("initialized") else None
+    def wanted(p) -> Optional[ParamEntry]:
+        e = manifest.params[index[p]]
+        return e if e.initialized else None
 
     todo = [u for u in store.layout.units if any(wanted(c.slot.param) for c in u.chunks)]
     active = {id(c.slot) for u in todo for c in u.chunks if wanted(c.slot.param)}
@@ -383,35 +317,34 @@ def _rechunk(store, manifest: dict, memory: dict, params: list, engine: Engine, 
             e = wanted(c.slot.param)
             if e is None:
                 continue
-            i = e["index"]
             lo, hi = c.start, c.start + c.numel
             for key in c.slot.keys:
                 view = c.slice(buf, key)
-                if e["where"] == "swap" and key in e["keys"]:
+                if e.where == "swap" and key in e.keys:
                     copy_from_disk(view, e, key, lo, hi)
-                elif e["where"] == "memory" and key in memory["state"][i]:
-                    view.copy_(memory["state"][i][key].detach().reshape(-1)[lo:hi])
+                elif e.where == "memory" and key in memory["state"][e.index]:
+                    view.copy_(memory["state"][e.index][key].detach().reshape(-1)[lo:hi])
                 elif key == "master":
                     view.copy_(weights.weights(c))
                 else:
-                    raise CheckpointError(f"parameter {i}: state {key!r} is not in the checkpoint")
+                    raise CheckpointError(f"parameter {e.index}: state {key!r} is not in the checkpoint")
         weights.done(unit)
         return True
 
     # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
     # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
     with ParamAccess().units(todo, active, write_back=False) as weights:
-        _stream(todo, buffers[1:], process=lambda unit, buf: fill(unit, buf, weights), write=store.write_unit)
+        stream(todo, buffers[1:], process=lambda unit, buf: fill(unit, buf, weights), write=store.write_unit)
 
-    out = []
+    out = {}
     for p in params:
         e = wanted(p)
-        if e is None or e["where"] != "swap" or not store.is_small(p):
+        if e is None or e.where != "swap" or not store.is_small(p):
             continue
         tensors = {}
-        for key, dtype in zip(e["keys"], _key_dtypes(e)):
+        for key, dtype in zip(e.keys, e.state_dtypes()):
             t = torch.empty(p.numel(), dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
             copy_from_disk(t, e, key, 0, p.numel())
             tensors[key] = t.view(p.shape)
-        out.append((e["index"], tensors))
+        out[e.index] = tensors
     return out

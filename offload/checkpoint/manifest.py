@@ -1,156 +1,635 @@
-"""The shape of a manifest, checked in one place: every field a reader uses, with its type, so that a
-manifest of the wrong shape is refused with the field's name instead of failing later as a KeyError,
-TypeError or IndexError somewhere in a load."""
+"""A checkpoint's manifest as frozen dataclasses: parsed and checked once, when it is read, before anything
+uses it; written by the same classes with one ``to_json``.
+
+What parsing refuses (a ``CheckpointError``, a ValueError, naming the manifest's path and the field): a
+format or version this library does not read, a field missing or of the wrong type, a size or offset that
+is negative, unaligned or beyond its file's size, a chunk outside its unit, a file name that is not a bare
+name inside the checkpoint directory, and a data file that is a symbolic link or not a regular file. So
+nothing read from a manifest can make a load read or write outside the checkpoint.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import datetime
+import errno as _errno
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional
 
-from ..errors import CheckpointError
-from .format import FORMAT, JOB_FORMAT
+import torch
+import xxhash
 
-# A check takes the value and its field's name and raises CheckpointError (a ValueError) naming it.
-Check = Callable[[Any, str], None]
+from .._version import __version__
+from ..errors import CheckpointError, ChecksumError
+from ..units import ALIGNMENT, round_up
+from .format import (
+    DATA,
+    FILE_NAMES,
+    FORMAT,
+    FORMAT_VERSION,
+    JOB_FORMAT,
+    JOB_VERSION,
+    MANIFEST,
+    MEMORY,
+    MODEL_MEMORY,
+    PARAMS_DATA,
+    dtype_name,
+    dtype_of,
+    io_error,
+    jsonable,
+)
+
+SHARD_NAME = re.compile(r"^rank-(\d{5,})$")
 
 
-def _fail(name: str, want: str, value: Any) -> None:
+def shard_name(rank: int) -> str:
+    """The directory of ``rank``'s shard inside a job's checkpoint."""
+    return f"rank-{rank:05d}"
+
+
+def digest(body: dict) -> str:
+    """The xxh3_64 a manifest records of itself: over its JSON without the ``manifest_xxh3_64`` field."""
+    body = {k: v for k, v in body.items() if k != "manifest_xxh3_64"}
+    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+# -- reading JSON values, each checked with its field's name ----------------------------------------
+
+def _fail(name: str, want: str, value: Any):
     shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
     raise CheckpointError(f"manifest field {name} must be {want}, got {shown}")
 
 
-def _integer(value: Any, name: str) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        _fail(name, "a non-negative integer", value)
+def _check(want: str, ok: Callable[[Any], bool]) -> Callable[[Any, str], Any]:
+    """A check of a JSON value: ``ok(value)``, else refused as not ``want``."""
+    def read(value: Any, name: str) -> Any:
+        if not ok(value):
+            _fail(name, want, value)
+        return value
+    return read
 
 
-def _number(value: Any, name: str) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        _fail(name, "a number", value)
+_count = _check("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+_number = _check("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+_text = _check("a string", lambda v: isinstance(v, str))
+_flag = _check("true or false", lambda v: isinstance(v, bool))
+_object = _check("an object", lambda v: isinstance(v, dict))
+# A file name inside the checkpoint directory: no separator, not absolute, not "." or "..".
+_bare_name = _check("a file name inside the checkpoint directory (no '/', not '..')",
+                    lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\0" not in v)
 
 
-def _text(value: Any, name: str) -> None:
-    if not isinstance(value, str):
-        _fail(name, "a string", value)
+def _dtype(value: Any, name: str) -> str:
+    _text(value, name)
+    try:
+        dtype_of(value)
+    except CheckpointError:
+        _fail(name, "the name of a torch dtype", value)
+    return value
 
 
-def _flag(value: Any, name: str) -> None:
-    if not isinstance(value, bool):
-        _fail(name, "true or false", value)
+def _list(item: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple]:
+    def read(value: Any, name: str) -> tuple:
+        if not isinstance(value, list):
+            _fail(name, "a list", value)
+        return tuple(item(v, f"{name}[{i}]") for i, v in enumerate(value))
+    return read
 
 
-def _any_object(value: Any, name: str) -> None:
-    if not isinstance(value, dict):
-        _fail(name, "an object", value)
+def _maybe(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    return lambda value, name: None if value is None else check(value, name)
 
 
-def _maybe(check: Check) -> Check:
-    def run(value: Any, name: str) -> None:
-        if value is not None:
-            check(value, name)
-    return run
+def _one_of(*choices: str) -> Callable[[Any, str], str]:
+    return _check("one of " + ", ".join(repr(c) for c in choices), lambda v: v in choices)
 
 
-def _one_of(*choices: str) -> Check:
-    def run(value: Any, name: str) -> None:
-        if value not in choices:
-            _fail(name, "one of " + ", ".join(repr(c) for c in choices), value)
-    return run
+# -- entries read from and written to JSON, field by field ------------------------------------------
+
+def _field(check: Callable[[Any, str], Any], default: Any = None, *, required: bool = False,
+           null: bool = False) -> Any:
+    """A dataclass field read from the manifest's JSON with ``check`` (``required``: refused if missing) and
+    written back by ``to_json`` (where None only with ``null``)."""
+    meta = {"check": check, "null": null, "required": required}
+    if isinstance(default, dict):
+        return field(default_factory=dict, metadata=meta)
+    return field(default=default, metadata=meta)
 
 
-def _list(item: Check, length: int | None = None) -> Check:
-    def run(value: Any, name: str) -> None:
-        if not isinstance(value, list) or (length is not None and len(value) != length):
-            _fail(name, "a list" + (f" of {length}" if length is not None else ""), value)
-        for i, v in enumerate(value):
-            item(v, f"{name}[{i}]")
-    return run
+def _json(value: Any) -> Any:
+    if hasattr(value, "to_json"):
+        return value.to_json()
+    if isinstance(value, (list, tuple)):
+        return [_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json(v) for k, v in value.items()}
+    return value
 
 
-def _object(required: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
-    def run(value: Any, name: str) -> None:
-        if not isinstance(value, dict):
-            _fail(name, "an object", value)
-        for key, check in required.items():
-            if key not in value:
-                raise CheckpointError(f"manifest field {_field(name, key)} is missing")
-            check(value[key], _field(name, key))
-        for key, check in (optional or {}).items():
-            if key in value:
-                check(value[key], _field(name, key))
-    return run
+class _Entry:
+    """Parsing and writing of the dataclasses below, from their fields' checks."""
+
+    @classmethod
+    def parse(cls, value: Any, name: str, **more):
+        """Read an entry from its JSON ``value`` (field ``name`` of the manifest), checking every field.
+
+        Raises:
+            CheckpointError: a field is missing, of the wrong type or out of range (named).
+        """
+        _object(value, name or "(the whole manifest)")
+        given = {}
+        for f in fields(cls):
+            if "check" not in f.metadata:
+                continue
+            where = f"{name}.{f.name}" if name else f.name
+            if f.name in value:
+                given[f.name] = f.metadata["check"](value[f.name], where)
+            elif f.metadata["required"]:
+                raise CheckpointError(f"manifest field {where} is missing")
+        entry = cls(**given, **more)
+        entry.check(name)
+        return entry
+
+    def check(self, name: str) -> None:
+        """Checks between fields, once each is read."""
+
+    def require(self, name: str, *keys: str) -> None:
+        """Refuse the entry (field ``name``) unless it has every one of ``keys``."""
+        for key in keys:
+            if getattr(self, key) is None:
+                raise CheckpointError(f"manifest field {name}.{key} is missing")
+
+    def to_json(self) -> dict:
+        """The entry as the manifest's JSON holds it."""
+        return {f.name: _json(getattr(self, f.name)) for f in fields(self)
+                if "check" in f.metadata and (getattr(self, f.name) is not None or f.metadata["null"])}
 
 
-def _field(name: str, key: str) -> str:
-    return f"{name}.{key}" if name else key
+@dataclass(frozen=True)
+class FileEntry(_Entry):
+    """A file of the checkpoint: its size and xxh3_64, and its name on disk (``file``; the first format
+    wrote each file under its fixed name and recorded none)."""
+
+    bytes: int = _field(_count, required=True)
+    xxh3_64: str = _field(_text, required=True)
+    file: Optional[str] = _field(_bare_name, None)
+
+    def on_disk(self, name: str) -> str:
+        """The file's name in the checkpoint directory (``name``, the format's, where none is recorded)."""
+        return self.file or name
 
 
-def _map(item: Check) -> Check:
-    def run(value: Any, name: str) -> None:
-        if not isinstance(value, dict):
-            _fail(name, "an object", value)
-        for key, v in value.items():
-            item(v, f"{name}[{key!r}]")
-    return run
+def _files(value: Any, name: str) -> dict:
+    _object(value, name)
+    for key in value:
+        if key not in FILE_NAMES:
+            _fail(f"{name}[{key!r}]", "one of the format's files (" + ", ".join(FILE_NAMES) + ")", key)
+    return {key: FileEntry.parse(v, f"{name}[{key!r}]") for key, v in value.items()}
 
 
-_FILE = _object({"bytes": _integer, "xxh3_64": _text}, {"file": _text})
-def _chunk(value: Any, name: str) -> None:
-    """A chunk of a parameter's state in state.bin: [unit, first element, elements, byte offset in unit,
-    bytes per key], and where the keys' dtypes differ (stride 0) a sixth: each key's slice offset."""
-    if not isinstance(value, list) or len(value) not in (5, 6):
-        _fail(name, "a list of 5 numbers (and the keys' offsets)", value)
-    for i, v in enumerate(value[:5]):
-        _integer(v, f"{name}[{i}]")
-    if len(value) == 6:
-        _list(_integer)(value[5], f"{name}[5]")
+@dataclass(frozen=True)
+class Unit(_Entry):
+    """A unit of state.bin: ``length`` bytes (padded) at ``offset``, ``nbytes`` of them state, and their
+    xxh3_64 over the padded length."""
+
+    offset: int = _field(_count, required=True)
+    length: int = _field(_count, required=True)
+    nbytes: Optional[int] = _field(_count, None)
+    xxh3_64: Optional[str] = _field(_text, None)
+
+    def check(self, name: str) -> None:
+        if self.offset % ALIGNMENT or self.length % ALIGNMENT:
+            _fail(name, f"a range aligned to {ALIGNMENT} bytes", self.to_json())
+        if self.nbytes is not None and self.nbytes > self.length:
+            _fail(f"{name}.nbytes", f"at most its length {self.length}", self.nbytes)
 
 
-_CHUNK = _chunk
-_PARAM = _object(
-    {"index": _integer, "where": _one_of("swap", "memory", "none"), "initialized": _flag},
-    {"shape": _maybe(_list(_integer)), "dtype": _maybe(_text), "numel": _maybe(_integer), "keys": _list(_text),
-     "state_dtype": _text, "key_dtypes": _list(_text), "chunks": _list(_CHUNK), "step": _number})
-_UNIT = _object({"offset": _integer, "length": _integer}, {"nbytes": _integer, "xxh3_64": _text})
-_TENSOR = _object({"name": _text}, {
-    "same_as": _text, "kind": _one_of("param", "buffer"), "shape": _list(_integer), "dtype": _text,
-    "where": _one_of("params.bin", "model.pt"), "offset": _integer, "length": _integer, "xxh3_64": _text})
-_GROUP = _object({"params": _list(_integer)})
+@dataclass(frozen=True)
+class Chunk:
+    """Where elements ``[start, start + numel)`` of a parameter's state lie in state.bin: in unit ``unit``
+    from byte ``offset``, each state key's slice ``stride`` bytes after the previous one, or, where the
+    keys' dtypes differ (``stride`` 0), at its own offset in ``slices``. On disk a list
+    ``[unit, start, numel, offset, stride]`` (and ``slices``)."""
 
-_PROCESS = _object(
-    {"version": _integer, "files": _map(_FILE), "units": _list(_UNIT)},
-    {"optimizer": _maybe(_text), "step": _number, "steps": _list(_number), "param_groups": _list(_GROUP),
-     "params": _list(_PARAM), "config": _any_object, "buffer_size": _integer, "threshold": _integer,
-     "model": _object({"tensors": _list(_TENSOR)}), "snapshot": _any_object})
-_SHARD = _object({"rank": _integer, "name": _text, "manifest_xxh3_64": _text, "files": _map(_FILE)},
-                 {"manifest": _text, "step": _number})
-_JOB = _object({"version": _integer, "job": _text, "world_size": _integer, "shards": _list(_SHARD)},
-               {"step": _number})
+    unit: int
+    start: int
+    numel: int
+    offset: int
+    stride: int
+    slices: Optional[tuple] = None
+
+    @classmethod
+    def parse(cls, value: Any, name: str) -> Chunk:
+        if not isinstance(value, list) or len(value) not in (5, 6):
+            _fail(name, "a list of 5 numbers (and the keys' offsets)", value)
+        numbers = [_count(v, f"{name}[{i}]") for i, v in enumerate(value[:5])]
+        return cls(*numbers, _list(_count)(value[5], f"{name}[5]") if len(value) == 6 else None)
+
+    def key_offset(self, k: int) -> int:
+        """Byte offset of state key ``k``'s slice within the unit."""
+        return self.offset + (self.slices[k] if self.slices is not None else k * self.stride)
+
+    def to_json(self) -> list:
+        row = [self.unit, self.start, self.numel, self.offset, self.stride]
+        return row + [list(self.slices)] if self.slices is not None else row
 
 
-def check_manifest(manifest: Any, where: str) -> None:
-    """Check that ``manifest`` (a process's or a job's, by its ``format``) has every field a reader uses,
-    of the right type; ``where`` (the manifest's path) begins the message.
+@dataclass(frozen=True)
+class ParamEntry(_Entry):
+    """A parameter of the optimizer (by its index in the param groups) and where its state is: ``swap``
+    (state.bin, by ``chunks``), ``memory`` (memory.pt) or ``none``."""
+
+    index: int = _field(_count, required=True)
+    where: str = _field(_one_of("swap", "memory", "none"), required=True)
+    initialized: bool = _field(_flag, required=True)
+    shape: Optional[tuple] = _field(_maybe(_list(_count)), None, null=True)
+    dtype: Optional[str] = _field(_maybe(_dtype), None, null=True)
+    numel: Optional[int] = _field(_maybe(_count), None, null=True)
+    keys: tuple = _field(_list(_text), ())
+    state_dtype: Optional[str] = _field(_dtype, None)
+    key_dtypes: Optional[tuple] = _field(_list(_dtype), None)
+    chunks: tuple = _field(_list(Chunk.parse), ())
+    step: Optional[float] = _field(_number, None)
+
+    @classmethod
+    def offloaded(cls, index: int, shape, dtype, slot, keys, chunks, *, initialized: bool = True,
+                  step: Optional[float] = None) -> ParamEntry:
+        """The entry of a parameter whose state ``keys`` (of ``slot``'s, a ``state.layout`` slot) lie in
+        state.bin in ``chunks``."""
+        dtypes = tuple(dtype_name(slot.dtype_of(k)) for k in keys)
+        return cls(index, "swap", initialized, tuple(shape), dtype_name(dtype), _product(shape), tuple(keys),
+                   dtype_name(slot.dtype), dtypes if len(set(slot.dtypes)) > 1 else None, tuple(chunks), step)
+
+    def check(self, name: str) -> None:
+        if self.shape is not None and self.numel is not None and _product(self.shape) != self.numel:
+            _fail(f"{name}.numel", f"the product of its shape {list(self.shape)}", self.numel)
+        if self.key_dtypes is not None and len(self.key_dtypes) != len(self.keys):
+            _fail(f"{name}.key_dtypes", f"a list of {len(self.keys)} (one per key)", list(self.key_dtypes))
+        if self.keys and self.key_dtypes is None:
+            self.require(name, "state_dtype")
+        for i, c in enumerate(self.chunks):
+            if c.slices is not None and len(c.slices) != len(self.keys):
+                _fail(f"{name}.chunks[{i}][5]", f"a list of {len(self.keys)} (one per key)", list(c.slices))
+            if self.numel is not None and c.start + c.numel > self.numel:
+                _fail(f"{name}.chunks[{i}]", f"elements within the parameter's {self.numel}", c.to_json())
+
+    def state_dtypes(self) -> list:
+        """The torch dtype of each state key, in ``keys`` order."""
+        return [dtype_of(n) for n in (self.key_dtypes or [self.state_dtype] * len(self.keys))]
+
+
+@dataclass(frozen=True)
+class TensorEntry(_Entry):
+    """A tensor of the model, by its ``state_dict`` name: the same tensor as another name (``same_as``), or
+    in ``model.pt``, or ``length`` bytes at ``offset`` in ``params.bin`` with their xxh3_64."""
+
+    name: str = _field(_text, required=True)
+    same_as: Optional[str] = _field(_text, None)
+    kind: Optional[str] = _field(_one_of("param", "buffer"), None)
+    shape: Optional[tuple] = _field(_list(_count), None)
+    dtype: Optional[str] = _field(_dtype, None)
+    where: Optional[str] = _field(_one_of(PARAMS_DATA, MODEL_MEMORY), None)
+    offset: Optional[int] = _field(_count, None)
+    length: Optional[int] = _field(_count, None)
+    xxh3_64: Optional[str] = _field(_text, None)
+
+    def check(self, name: str) -> None:
+        if self.same_as is not None:
+            return
+        self.require(name, "kind", "shape", "dtype", "where")
+        if self.where == PARAMS_DATA:
+            self.require(name, "offset", "length", "xxh3_64")
+            if self.offset % ALIGNMENT:
+                _fail(f"{name}.offset", f"a multiple of {ALIGNMENT}", self.offset)
+            if self.length != _product(self.shape) * dtype_of(self.dtype).itemsize:
+                _fail(f"{name}.length", f"the bytes of its shape and dtype ({list(self.shape)}, {self.dtype})",
+                      self.length)
+
+
+@dataclass(frozen=True)
+class ModelSection(_Entry):
+    """The model's tensors in ``state_dict`` order, and the bytes of those in params.bin."""
+
+    tensors: tuple = _field(_list(TensorEntry.parse), (), required=True)
+    offloaded_bytes: Optional[int] = _field(_count, None)
+
+    def check(self, name: str) -> None:
+        names = {t.name: t for t in self.tensors}
+        if len(names) != len(self.tensors):
+            _fail(f"{name}.tensors", "a list of distinct names", [t.name for t in self.tensors])
+        for i, t in enumerate(self.tensors):
+            if t.same_as is not None and (t.same_as not in names or names[t.same_as].same_as is not None):
+                _fail(f"{name}.tensors[{i}].same_as", "the name of a tensor listed with its own bytes", t.same_as)
+
+    def source(self, name: str) -> TensorEntry:
+        """The entry holding the bytes of tensor ``name`` (itself, or the one it is the same as)."""
+        entry = next(t for t in self.tensors if t.name == name)
+        return entry if entry.same_as is None else self.source(entry.same_as)
+
+    def on_disk(self) -> list:
+        """The entries in params.bin, by offset."""
+        return sorted((t for t in self.tensors if t.where == PARAMS_DATA), key=lambda t: t.offset)
+
+
+def _product(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def chunk_table(units, index_of: Callable[[Any], int]) -> dict:
+    """Per parameter index, the :class:`Chunk` of each of its chunks in ``units`` (a ``state.layout``'s,
+    in state.bin's order); ``index_of(param)`` is a parameter's index."""
+    chunks_of: dict = {}
+    for ui, u in enumerate(units):
+        for c in u.chunks:
+            row = Chunk(ui, c.start, c.numel, c.offset, c.stride, None if c.stride else tuple(c.slices))
+            chunks_of.setdefault(index_of(c.slot.param), []).append(row)
+    return chunks_of
+
+
+def _group(value: Any, name: str) -> dict:
+    _list(_count)(_object(value, name).get("params"), f"{name}.params")
+    return value
+
+
+# -- the manifests -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Manifest(_Entry):
+    """The manifest of one process's checkpoint in directory ``root``.
+
+    Build one with the fields a save knows (:meth:`new`), or read one with :func:`read`, which checks it
+    whole; :meth:`to_json` is what ``manifest.json`` holds. :meth:`path` is the only way from a file of
+    the format to a path: always inside ``root``, never through a symbolic link.
+    """
+
+    optimizer: Optional[str] = _field(_maybe(_text), None, null=True)
+    files: dict = _field(_files, {}, required=True)
+    units: tuple = _field(_list(Unit.parse), (), required=True)
+    params: tuple = _field(_list(ParamEntry.parse), ())
+    param_groups: tuple = _field(_list(_group), ())
+    step: float = _field(_number, 0)
+    steps: tuple = _field(_list(_number), ())
+    config: dict = _field(_object, {})
+    buffer_size: int = _field(_count, 0)
+    threshold: Optional[int] = _field(_count, None)
+    model: Optional[ModelSection] = _field(ModelSection.parse, None)
+    snapshot: Optional[dict] = _field(_object, None)
+    library_version: Optional[str] = _field(_maybe(_text), None)
+    torch_version: Optional[str] = _field(_maybe(_text), None)
+    created: Optional[str] = _field(_maybe(_text), None)
+    manifest_xxh3_64: Optional[str] = _field(_text, None)
+    format: str = _field(_one_of(FORMAT), FORMAT)
+    version: int = _field(_count, FORMAT_VERSION)
+    root: str = field(default="", compare=False)
+
+    @classmethod
+    def new(cls, optimizer: Optional[str], *, files: dict, params: tuple = (), param_groups: list = (),
+            config: dict, **more) -> Manifest:
+        """A manifest a save writes: ``files`` as ``format.write_file`` returned them, ``param_groups`` in
+        torch's layout; the step, the versions and the time filled in."""
+        steps = sorted({p.step for p in params if p.step is not None})
+        return cls(optimizer, {n: FileEntry(**e) for n, e in files.items()}, params=tuple(params),
+                   param_groups=tuple({k: jsonable(v) for k, v in g.items()} for g in param_groups),
+                   step=max(steps) if steps else 0, steps=tuple(steps), config=config,
+                   library_version=__version__, torch_version=torch.__version__,
+                   created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **more)
+
+    def check(self, name: str) -> None:
+        """Every index, offset and size within what it points into; every file inside the directory."""
+        data = self.files.get(DATA)
+        if self.units and data is None:
+            raise CheckpointError(f"manifest field units lists {len(self.units)} units, and files has no {DATA}")
+        for i, u in enumerate(self.units):
+            if u.offset + u.length > data.bytes:
+                _fail(f"units[{i}]", f"a range within {DATA}'s {data.bytes} bytes", u.to_json())
+        for i, p in enumerate(self.params):
+            if p.index != i:
+                _fail(f"params[{i}].index", f"{i} (its place in the list)", p.index)
+            sizes = [d.itemsize for d in p.state_dtypes()] if p.keys else []
+            for j, c in enumerate(p.chunks):
+                if c.unit >= len(self.units):
+                    raise CheckpointError(f"manifest field params[{i}].chunks[{j}] names unit {c.unit}, and there "
+                                          f"are {len(self.units)}")
+                unit = self.units[c.unit]
+                room = unit.nbytes if unit.nbytes is not None else unit.length
+                if any(c.key_offset(k) + c.numel * size > room for k, size in enumerate(sizes)):
+                    _fail(f"params[{i}].chunks[{j}]", f"slices within unit {c.unit}'s {room} bytes", c.to_json())
+        for i, g in enumerate(self.param_groups):
+            for j, index in enumerate(g["params"]):
+                if index >= len(self.params):
+                    _fail(f"param_groups[{i}].params[{j}]", f"one of the {len(self.params)} params' indices", index)
+        for i, t in enumerate(self.model.tensors if self.model is not None else ()):
+            if t.where is not None and t.same_as is None and t.where not in self.files:
+                raise CheckpointError(f"manifest field model.tensors[{i}].where names {t.where}, and files has "
+                                      f"no {t.where}")
+            if t.where == PARAMS_DATA and t.offset + round_up(t.length, ALIGNMENT) > self.files[t.where].bytes:
+                _fail(f"model.tensors[{i}]", f"a range within {PARAMS_DATA}'s {self.files[t.where].bytes} bytes",
+                      t.to_json())
+        for n in self.files:
+            self.path(n, must_exist=False)
+
+    def path(self, name: str, *, must_exist: bool = True) -> str:
+        """The path of the format's file ``name`` in this checkpoint: in its directory, under the name its
+        entry records, a regular file (not a symbolic link).
+
+        Raises:
+            CheckpointError: the manifest does not list ``name``, or the file is missing (``must_exist``),
+                or it is a link or not a regular file.
+        """
+        entry = self.files.get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint {self.root} has no {name} (its manifest does not list one)")
+        path = os.path.join(self.root, entry.on_disk(name))
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if must_exist:
+                raise CheckpointError(f"checkpoint {self.root} is missing {name}, which its manifest lists") from None
+            return path
+        if not stat.S_ISREG(st.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+            raise CheckpointError(f"checkpoint {self.root}: its {name} ({path}) is {what}; a checkpoint's files are "
+                                  "its own, so it is not read. Load another checkpoint, or replace the link by the "
+                                  "file itself")
+        return path
+
+    def sized_path(self, name: str) -> str:
+        """:meth:`path`, after checking the file has the size the manifest gives."""
+        path = self.path(name)
+        size, expected = os.stat(path).st_size, self.files[name].bytes
+        if size != expected:
+            raise ChecksumError(f"{path}: {size} bytes, the manifest says {expected} (truncated or extended); the "
+                                "checkpoint is corrupt, load an older one")
+        return path
+
+    def check_memory(self, memory: Any) -> None:
+        """Refuse ``memory`` (memory.pt's content) unless it holds what the manifest says: the groups, each
+        small parameter's state, each offloaded parameter's step.
+
+        Raises:
+            CheckpointError: the first thing missing, named.
+        """
+        where = f"checkpoint {self.root}: {MEMORY}"
+        if not isinstance(memory, dict) or not all(isinstance(memory.get(k), t) for k, t in
+                                                   (("param_groups", list), ("state", dict), ("steps", dict))):
+            raise CheckpointError(f"{where} is not the groups, state and steps of an optimizer; load another "
+                                  "checkpoint")
+        for e in self.params:
+            if e.initialized and e.where != "none":
+                table, kind = (memory["steps"], "step") if e.where == "swap" else (memory["state"], "state")
+                if not isinstance(table.get(e.index), dict if kind == "state" else (torch.Tensor, float, int)):
+                    raise CheckpointError(f"{where} lacks the {kind} of parameter {e.index}, which the manifest "
+                                          "lists; load another checkpoint")
+
+    def holders(self, unit: int) -> list:
+        """The indices of the parameters with a chunk in unit ``unit``."""
+        return [p.index for p in self.params if any(c.unit == unit for c in p.chunks)]
+
+
+@dataclass(frozen=True)
+class Shard(_Entry):
+    """A rank's shard of a job's checkpoint: its directory, its manifest's name and xxh3_64, its files."""
+
+    rank: int = _field(_count, required=True)
+    name: str = _field(_text, required=True)
+    manifest_xxh3_64: str = _field(_text, required=True)
+    files: dict = _field(_files, {}, required=True)
+    manifest: str = _field(_bare_name, MANIFEST)
+    step: Optional[float] = _field(_number, None)
+
+    def check(self, name: str) -> None:
+        if self.name != shard_name(self.rank):
+            _fail(f"{name}.name", f"{shard_name(self.rank)!r} (its rank's directory)", self.name)
+
+
+@dataclass(frozen=True)
+class JobManifest(_Entry):
+    """The manifest of a torch.distributed job's checkpoint in directory ``root``: one shard per rank."""
+
+    job: str = _field(_text, required=True)
+    world_size: int = _field(_count, required=True)
+    shards: tuple = _field(_list(Shard.parse), (), required=True)
+    step: float = _field(_number, 0)
+    created: Optional[str] = _field(_maybe(_text), None)
+    manifest_xxh3_64: Optional[str] = _field(_text, None)
+    format: str = _field(_one_of(JOB_FORMAT), JOB_FORMAT)
+    version: int = _field(_count, JOB_VERSION)
+    root: str = field(default="", compare=False)
+
+    def check(self, name: str) -> None:
+        if len(self.shards) != self.world_size:
+            raise CheckpointError(f"manifest field shards lists {len(self.shards)} shards for a world_size of "
+                                  f"{self.world_size}")
+        for i, s in enumerate(self.shards):
+            if s.rank != i:
+                _fail(f"shards[{i}].rank", f"{i} (its place in the list)", s.rank)
+
+    def refusal(self, world: int) -> str:
+        """Why this job's checkpoint does not load into a job of ``world`` ranks, and how to convert it."""
+        here = "this process runs alone" if world == 1 else f"this job has {world} ranks"
+        shard = os.path.join(self.root, self.shards[0].name)
+        saved = self.world_size
+        return (f"checkpoint {self.root} was saved by a job of {saved} ranks (one shard per rank) and {here}; a "
+                f"job's checkpoint loads only into a job of the same size. Load it on every rank of a job of {saved} "
+                "ranks (each rank finds its own shard). To go on with another number of ranks: where every rank "
+                f"holds the whole state (DDP), load one rank's shard on every rank, load_checkpoint(opt, {shard!r}); "
+                f"where the state is sharded (FSDP2), convert through torch.distributed.checkpoint: on {saved} ranks "
+                "load this checkpoint and dcp.save({'optim': get_optimizer_state_dict(model, opt)}, ...), then on "
+                "the new ranks dcp.load it and set_optimizer_state_dict(model, opt, ...), which reshards")
+
+
+# -- from disk ---------------------------------------------------------------------------------------
+
+def raw_manifest(directory: str, name: str = MANIFEST) -> Any:
+    """The JSON in ``directory/name``, unchecked; None if there is none or it does not parse."""
+    try:
+        with open(os.path.join(directory, name), "rb") as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
+        return None
+
+
+def parse(raw: Any, root: str, where: str) -> Manifest | JobManifest:
+    """Check ``raw`` (the JSON read from ``where``, the manifest of checkpoint ``root``): its format, its
+    version, its own checksum, then its whole shape (:meth:`Manifest.parse`, :meth:`JobManifest.parse`).
 
     Raises:
-        CheckpointError: a ValueError naming the first field that is missing or of the wrong type.
+        CheckpointError: not a manifest of ours, a version this library does not read, or a field
+            wrong (named); ``ChecksumError``: its checksum does not hold.
     """
+    kind = raw.get("format") if isinstance(raw, dict) else None
+    if kind not in (FORMAT, JOB_FORMAT):
+        raise CheckpointError(f"{where} is not an nvme-offload checkpoint manifest")
+    version = JOB_VERSION if kind == JOB_FORMAT else FORMAT_VERSION
+    if raw.get("version") != version:
+        raise CheckpointError(f"{where} has format version {raw.get('version')!r}; this library reads version "
+                              f"{version}. Load it with the nvme-offload version that saved it (a newer one, if its "
+                              "version is higher), or load another checkpoint")
+    found = digest(raw)
+    if found != raw.get("manifest_xxh3_64"):
+        raise ChecksumError(f"{where}: xxh3_64 of its content is {found}, it records "
+                            f"{raw.get('manifest_xxh3_64')}; the manifest is corrupt")
     try:
-        if not isinstance(manifest, dict):
-            _fail("(the whole manifest)", "an object", manifest)
-        kind = manifest.get("format")
-        if kind == JOB_FORMAT:
-            _JOB(manifest, "")
-            if len(manifest["shards"]) != manifest["world_size"]:
-                raise CheckpointError(f"manifest field shards lists {len(manifest['shards'])} shards for a "
-                                      f"world_size of {manifest['world_size']}")
-        elif kind == FORMAT:
-            _PROCESS(manifest, "")
-            for p in manifest.get("params", ()):
-                for i, c in enumerate(p.get("chunks", ())):
-                    if c[0] >= len(manifest["units"]):
-                        raise CheckpointError(f"manifest field params[{p['index']}].chunks[{i}] names unit "
-                                              f"{c[0]}, and there are {len(manifest['units'])}")
-        else:
-            _fail("format", f"{FORMAT!r} or {JOB_FORMAT!r}", kind)
+        return (JobManifest if kind == JOB_FORMAT else Manifest).parse(raw, "", root=root)
     except CheckpointError as err:
-        raise CheckpointError(f"{where}: {err}") from None
+        raise CheckpointError(f"{where}: {err}; the checkpoint is damaged or was edited: load another one") from None
+
+
+def read(directory: str) -> Manifest | JobManifest:
+    """The manifest of checkpoint ``directory`` (absolute), parsed and checked (:func:`parse`). A job's
+    shard has the manifest its job manifest names; anything else ``manifest.json``.
+
+    Raises:
+        FileNotFoundError: no such directory.
+        CheckpointError: no manifest (no save of ours finished there), or one :func:`parse` refuses.
+    """
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
+    path = os.path.join(directory, _manifest_name(directory))
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save commits by "
+                              f"writing its {MANIFEST} last, so no save of ours finished here") from None
+    except OSError as err:
+        raise io_error(err, path, "cannot read") from err
+    try:
+        raw = json.loads(text)
+    except ValueError as err:
+        raise ChecksumError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt") from None
+    return parse(raw, directory, path)
+
+
+def read_process(directory: str) -> Manifest:
+    """:func:`read` of a checkpoint that must be one process's, not a job's.
+
+    Raises:
+        CheckpointError: it is a job's (the message says how to load it), or :func:`read` refuses it.
+    """
+    manifest = read(directory)
+    if isinstance(manifest, JobManifest):
+        raise CheckpointError(manifest.refusal(1))
+    return manifest
+
+
+def _manifest_name(directory: str) -> str:
+    """A job's shard (a directory named ``rank-<n>``) has the manifest its job manifest in the directory
+    above names (a save writes it under the job's generation); anything else ``manifest.json``. A name that
+    is not a bare file name there is ignored."""
+    parent, name = os.path.split(directory)
+    job = raw_manifest(parent) if SHARD_NAME.match(name) else None
+    if isinstance(job, dict) and job.get("format") == JOB_FORMAT and isinstance(job.get("shards"), list):
+        for entry in job["shards"]:
+            if isinstance(entry, dict) and entry.get("name") == name:
+                try:
+                    return _bare_name(entry.get("manifest", MANIFEST), "manifest")
+                except CheckpointError:
+                    break
+    return MANIFEST

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import errno as _errno
 import os
-import threading
+from dataclasses import replace
 from typing import Optional
 
 from ..errors import CheckpointError, ChecksumError
-from .commit import SaveHandle, _Staged, _track, _write_atomically, reading
-from .format import _io_error, create_private, file_path
-from .stream import _progress
-from .verify import _verify_files, read_manifest
+from .commit import Staged, reading, write_atomically
+from .format import create_private, io_error
+from .manifest import Manifest, read_process
+from .stream import progress_bar
+from .verify import verify_files
 
 __all__ = ["mirror_checkpoint"]
 
@@ -42,19 +43,19 @@ def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike,
     if os.path.realpath(src) == os.path.realpath(dst):
         raise ValueError(f"cannot mirror {src} onto itself")
 
-    def write(staged: _Staged) -> dict:
+    def write(staged: Staged) -> Manifest:
         with reading(src):  # inside the save of dst's parent: a read there counts up, never waits for itself
-            manifest = read_manifest(src)
-            total = sum(f["bytes"] for f in manifest["files"].values())
-            with _progress(total, "mirror", progress) as bar:
-                for name in sorted(manifest["files"]):
-                    _copy_file(file_path(src, name, manifest["files"][name]), staged.path(name), bar)
-        copy = {k: v for k, v in manifest.items() if k != "manifest_xxh3_64"}
-        copy["files"] = {n: {**e, "file": staged.written[n]} for n, e in manifest["files"].items()}
-        _verify_files(staged.target, copy)  # the copy, read back from its drive
+            manifest = read_process(src)
+            total = sum(e.bytes for e in manifest.files.values())
+            with progress_bar(total, "mirror", progress) as bar:
+                for name in sorted(manifest.files):
+                    _copy_file(manifest.path(name), staged.path(name), bar)
+        copy = replace(manifest, root=staged.target, manifest_xxh3_64=None,
+                       files={n: replace(e, file=staged.written[n]) for n, e in manifest.files.items()})
+        verify_files(copy)  # the copy, read back from its drive
         return copy
 
-    return _write_atomically(dst, write)
+    return write_atomically(dst, write)
 
 
 _COPY_CHUNK = 64 << 20
@@ -97,23 +98,4 @@ def _copy_file(src: str, dst: str, bar) -> None:
                 fout.flush()
                 os.fsync(fout.fileno())
         except OSError as err:
-            raise _io_error(err, dst, "cannot copy to") from err
-
-
-def _mirror_in_background(owner, directory: str, mirror: str, then_mirror) -> None:
-    handle = SaveHandle(directory)
-    handle.committed = True
-
-    def copy_out() -> None:
-        error = None
-        try:
-            mirror_checkpoint(directory, mirror)
-            if then_mirror is not None:
-                then_mirror(mirror)
-        except BaseException as err:  # noqa: BLE001 - surfaces at the next save
-            error = err
-        finally:
-            handle._finish(error)
-
-    _track(owner, handle)
-    threading.Thread(target=copy_out, name="offload-checkpoint-mirror").start()
+            raise io_error(err, dst, "cannot copy to") from err

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -13,30 +12,86 @@ import xxhash
 from torch import nn
 
 from ..aio import Engine
-from ..buffers import BufferPool
 from ..config import AioConfig, config_to_dict
 from ..errors import CheckpointError, ChecksumError, StateError
 from ..params import store_of
 from ..space import Extent
 from ..units import ALIGNMENT, round_up
-from .commit import _Staged, _write_atomically
-from .format import (
-    MODEL_MEMORY,
-    PARAMS_DATA,
-    _base_manifest,
-    _check_data_digest,
-    _check_data_size,
-    _dtype,
-    _dtype_name,
-    _read_torch,
-    _write_torch,
-    file_path,
-)
+from .commit import Staged, reading, write_atomically
+from .format import MODEL_MEMORY, PARAMS_DATA, dtype_name, dtype_of, read_torch, write_file
+from .manifest import Manifest, ModelSection, TensorEntry, read_process
 from .storage import DEFAULT_STORAGE, Storage
-from .stream import _DONE, _TOOL_BUFFER_MAX, _stream, _write_data
+from .stream import DONE, read_verified, stream, tensor_spans, tool_pool, write_data
+
+__all__ = ["load_parameters", "save_parameters"]
 
 
-def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
+def save_parameters(model: nn.Module, directory) -> str:
+    """Save ``model``'s weights to the checkpoint directory ``directory``, atomically, streaming.
+
+    Offloaded parameters go from the swap space through the parameter pool to ``params.bin`` with
+    the native engine (O_DIRECT), each with its xxh3_64: nothing is fetched, so host memory stays the
+    pool whatever the model size. A parameter resident now (inside a forward or ``materialized``)
+    or held in the host cache is saved from that copy, its latest. The model's other parameters
+    and persistent buffers go to ``model.pt``. Gradients are not saved (torch does not save them
+    either). With an ``OffloadedAdam`` use ``opt.save_checkpoint(directory, model=model)`` instead,
+    which saves both in the same directory. See ``docs/checkpoint.md``.
+
+    Returns:
+        The checkpoint directory (absolute).
+
+    Raises:
+        StateError: a load of weights into this model failed part-way, so there is nothing sound to save.
+        OSError: writing failed (file, offset and errno named); a previous checkpoint at ``directory``
+            is left as it was.
+    """
+    named_tensors(model)  # checks the type
+
+    def write(staged: Staged) -> Manifest:
+        section, files = save_model(model, staged)
+        stores = _stores_of(t for _, t, _ in named_tensors(model))
+        config = config_to_dict(stores[0].config, only=None) if stores else {}
+        return Manifest.new(None, files=files, config=config, model=section)
+
+    return write_atomically(directory, write)
+
+
+def load_parameters(model: nn.Module, directory) -> None:
+    """Load weights saved by :func:`save_parameters` (or with ``save_checkpoint(..., model=)``) into ``model``.
+
+    First every name, shape and dtype is compared with the model, and every checksum (``model.pt``,
+    each parameter in ``params.bin``) verified; the first mismatch is named and nothing changes. Then
+    the bytes stream into the parameter store's swap space through its pool (a resident or cached
+    copy is overwritten too), the other tensors are copied in, and offloaded gradients are cleared.
+    The model need not be offloaded the same way as when it was saved (or at all).
+
+    An optimizer keeping fp32 master copies of these weights (``OffloadedAdam`` over bf16/fp16) does
+    not see them: load both with ``opt.load_checkpoint(directory, model=model)``.
+
+    Raises:
+        CheckpointError: the checkpoint holds no model, or does not fit this one (names the first
+            mismatch), or is incomplete; ``ChecksumError``: corrupt. Nothing was changed.
+        OSError: reading or writing failed while streaming; the offloaded weights are then a mix of old
+            and new, and fetching them raises ``StateError`` until a load succeeds.
+    """
+    named_tensors(model)
+    with reading(directory) as directory:
+        load_model(model, read_process(directory))
+
+
+def model_section(manifest: Manifest) -> ModelSection:
+    """The manifest's model section.
+
+    Raises:
+        CheckpointError: the checkpoint holds no model weights.
+    """
+    if manifest.model is None:
+        raise CheckpointError(f"checkpoint {manifest.root} holds no model weights (it was saved without model=); "
+                              "load the model from where its weights were saved, or pass no model")
+    return manifest.model
+
+
+def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
     """``(name, tensor, "param" | "buffer")`` for every entry ``model.state_dict()`` would have, in
     its order (a module's parameters, its persistent buffers, then its children; tied or shared
     tensors under each of their names)."""
@@ -93,16 +148,16 @@ def _stores_of(tensors) -> list:
 
 @dataclass(eq=False)
 class _Unit:
-    """Bytes ``[start, start + n)`` of one tensor on their way to or from params.bin."""
+    """Bytes ``[start, start + n)`` of one tensor (``name``) on their way to or from params.bin."""
 
-    entry: dict
+    name: str
     start: int
     n: int
     extent: Optional[Extent] = None  # on a swap space (of ``store``)
     store: Any = None
     memory: Optional[torch.Tensor] = None  # or in memory (flat uint8)
     copies: tuple = ()  # loading: in-memory copies to refresh
-    from_file: bool = False  # loading: read from params.bin (else from ``memory``)
+    entry: Optional[TensorEntry] = None  # loading: read from params.bin at this entry (else from ``memory``)
     param: Optional[torch.Tensor] = None  # the parameter whose extent this is (with ``store``)
 
     def store_unit(self, unit_bytes: int) -> Optional[int]:
@@ -132,46 +187,43 @@ class _Unit:
 # stale copy survives. Stored gradients are dropped: they belong to the old weights, and torch does
 # not save gradients either. Bytes may move between the two files' kinds: a parameter offloaded
 # when saved loads into a model that keeps it in memory, and the other way round.
-def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
-    """Write params.bin and model.pt into ``staged``; returns the manifest's "model" section and the
-    two files' entries."""
-    named = _named_tensors(model)
+def save_model(model: nn.Module, staged: Staged) -> tuple[ModelSection, dict]:
+    """Write params.bin and model.pt into ``staged``; returns the manifest's model section and the two
+    files' entries (as ``write_file`` returns them)."""
     first: dict[int, str] = {}
     entries, offloaded, memory = [], [], {}
-    for name, t, kind in named:
+    for name, t, kind in named_tensors(model):
         if id(t) in first:
-            entries.append({"name": name, "same_as": first[id(t)]})
+            entries.append(TensorEntry(name, same_as=first[id(t)]))
             continue
         first[id(t)] = name
-        e = {"name": name, "kind": kind, "shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
         store = store_of(t) if kind == "param" else None
-        if store is not None:
-            e["where"] = PARAMS_DATA
-            offloaded.append((e, t, store))
-        else:
-            e["where"] = MODEL_MEMORY
+        where = MODEL_MEMORY if store is None else PARAMS_DATA
+        entries.append(TensorEntry(name, None, kind, tuple(t.shape), dtype_name(t.dtype), where))
+        if store is None:
             memory[name] = _cpu_copy(t, name)
-        entries.append(e)
+        else:
+            offloaded.append((name, t, store))
 
     stores = _stores_of(t for _, t, _ in offloaded)
     for s in stores:
         if s.error is not None:
             raise StateError(f"not saving the model: its offloaded weights were lost or half loaded ({s.error}). "
                              "Load a checkpoint again first.")
-    hashes = {id(e): xxhash.xxh3_64() for e, _, _ in offloaded}
+    hashes = {name: xxhash.xxh3_64() for name, _, _ in offloaded}
     with _held(stores) as buffers:
         units = []
         if offloaded:
             unit_bytes = _unit_size(buffers, stores)
-            for e, t, store in offloaded:
+            for name, t, store in offloaded:
                 nbytes = t.numel() * t.element_size()
                 extent, current = store.current_bytes(t)
                 for start in range(0, nbytes, unit_bytes):
-                    units.append(_Unit(e, start, min(unit_bytes, nbytes - start), extent, store, current, param=t))
+                    units.append(_Unit(name, start, min(unit_bytes, nbytes - start), extent, store, current, param=t))
 
         def read(u: _Unit, buf):
             if u.extent is None:
-                return _DONE
+                return DONE
             if u.store_unit(unit_bytes) is not None:
                 # Checked as it lands: a checkpoint never copies weights changed on disk behind our back.
                 return u.store.read_unit(u.param, u.store_unit(unit_bytes), buf)
@@ -181,21 +233,18 @@ def _save_model(model: nn.Module, staged: _Staged) -> tuple[dict, dict]:
         def fill(u: _Unit, buf) -> None:
             if u.memory is not None:
                 buf.tensor[:u.n].copy_(u.memory[u.start:u.start + u.n])
-            hashes[id(u.entry)].update(buf.tensor[:u.n].numpy())
+            hashes[u.name].update(buf.tensor[:u.n].numpy())
 
         aio = stores[0].config.aio if stores else AioConfig()
-        data = _write_data(staged, aio, buffers or [], units, read=read, fill=fill, nbytes_of=lambda u: u.n,
-                           name=PARAMS_DATA, unit_digests=False)
-    for u, row in zip(units, data["units"]):
-        if u.start == 0:
-            u.entry["offset"] = row["offset"]
-    for e, t, _ in offloaded:
-        e["length"] = t.numel() * t.element_size()
-        e["xxh3_64"] = hashes[id(e)].hexdigest()
-    files = {PARAMS_DATA: data["file"], MODEL_MEMORY: _write_torch(memory, staged.path(MODEL_MEMORY),
-                                                                          staged.storage.fsync)}
-    section = {"tensors": entries, "offloaded_bytes": sum(e["length"] for e, _, _ in offloaded)}
-    return section, files
+        data, table = write_data(staged, aio, buffers or [], units, read=read, fill=fill, nbytes_of=lambda u: u.n,
+                                 name=PARAMS_DATA, unit_digests=False)
+    offset = {u.name: row.offset for u, row in zip(units, table) if u.start == 0}
+    length = {name: t.numel() * t.element_size() for name, t, _ in offloaded}
+    entries = [e if e.where != PARAMS_DATA else
+               TensorEntry(**{**e.__dict__, "offset": offset[e.name], "length": length[e.name],
+                              "xxh3_64": hashes[e.name].hexdigest()}) for e in entries]
+    files = {PARAMS_DATA: data, MODEL_MEMORY: write_file(memory, staged.path(MODEL_MEMORY), staged.storage.fsync)}
+    return ModelSection(tuple(entries), sum(length.values())), files
 
 
 def _cpu_copy(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -211,117 +260,51 @@ def _cpu_copy(t: torch.Tensor, name: str) -> torch.Tensor:
             raise CheckpointError(f"cannot save {name!r}: {err}") from err
 
 
-def _save_model_only(model: nn.Module, directory: str | os.PathLike) -> str:
-    """A checkpoint of ``model``'s weights alone (``offload.params.save_parameters``)."""
-
-    def write(staged: _Staged) -> dict:
-        section, files = _save_model(model, staged)
-        stores = _stores_of(t for _, t, _ in _named_tensors(model))
-        config = config_to_dict(stores[0].config, only=None) if stores else {}
-        manifest = _base_manifest(None, [], [], config, 0)
-        manifest.update(units=[], files=files, model=section)
-        return manifest
-
-    return _write_atomically(directory, write)
-
-
 # -- reading params.bin -----------------------------------------------------------------------
 
 
-def _model_section(manifest: dict, directory: str) -> dict:
-    section = manifest.get("model")
-    if section is None:
-        raise CheckpointError(f"checkpoint {directory} holds no model weights (it was saved without model=); "
-                              "load the model from where its weights were saved, or pass no model")
-    return section
-
-
-def _on_disk(section: dict) -> list[dict]:
-    return sorted((e for e in section["tensors"] if e.get("where") == PARAMS_DATA), key=lambda e: e["offset"])
-
-
-def _params_path(directory: str, manifest: dict) -> str:
-    return _check_data_size(directory, manifest, PARAMS_DATA)
-
-
-def _bad_param(path: str, e: dict, found: str) -> ChecksumError:
-    return ChecksumError(
-        f"{path}: parameter {e['name']!r} (bytes [{e['offset']}, {e['offset'] + e['length']})) has xxh3_64 "
-        f"{found}, the manifest says {e['xxh3_64']}; the checkpoint is corrupt, load an older one")
-
-
-def _scan_params(directory: str, manifest: dict, engine: Engine, buffers: Sequence,
-                 sink: Optional[Callable[[dict, int, torch.Tensor], None]] = None) -> None:
+def scan_params(manifest: Manifest, engine: Engine, buffers: Sequence,
+                sink: Optional[Callable[[TensorEntry, int, torch.Tensor], None]] = None) -> None:
     """Read params.bin once, checking every parameter's checksum and the file's; ``sink(entry, start,
     bytes)`` gets each parameter's bytes as they pass (verified only once the last unit is in)."""
-    path = _params_path(directory, manifest)
-    entries = _on_disk(_model_section(manifest, directory))
-    unit_bytes = _unit_size(buffers, ())
-    units = [(e, off, min(unit_bytes, round_up(e["length"], ALIGNMENT) - off))
-              for e in entries for off in range(0, round_up(e["length"], ALIGNMENT), unit_bytes)]
-    whole = xxhash.xxh3_64()
-    hashes = {id(e): xxhash.xxh3_64() for e in entries}
-    with engine.open(path, "r") as f:
-        def read(item, buf):
-            e, off, n = item
-            return engine.read_async(f, buf, e["offset"] + off, n)
-
-        def process(item, buf) -> bool:
-            e, off, n = item
-            whole.update(buf.tensor[:n].numpy())
-            real = buf.tensor[:max(0, min(n, e["length"] - off))]
-            hashes[id(e)].update(real.numpy())
-            if sink is not None:
-                sink(e, off, real)
-            if off + n >= e["length"]:
-                found = hashes[id(e)].hexdigest()
-                if found != e["xxh3_64"]:
-                    raise _bad_param(path, e, found)
-            return False
-
-        _stream(units, list(buffers), read=read, process=process)
-    _check_data_digest(manifest, path, whole.hexdigest(), PARAMS_DATA)
+    model_section(manifest)
+    read_verified(engine, manifest.sized_path(PARAMS_DATA), tensor_spans(manifest), buffers,
+                  manifest.files[PARAMS_DATA].xxh3_64,
+                  sink=None if sink is None else lambda span, start, data: sink(span.key, start, data))
 
 
-def _tool_pool(manifest: dict, directory: str) -> BufferPool:
-    longest = max([e["length"] for e in _on_disk(_model_section(manifest, directory))] + [ALIGNMENT])
-    return BufferPool(3, min(round_up(longest, ALIGNMENT), _TOOL_BUFFER_MAX))
+def _tool_pool(manifest: Manifest):
+    return tool_pool([t.length for t in model_section(manifest).on_disk()])
 
 
-def _verify_model(directory: str, manifest: dict, aio: AioConfig) -> None:
+def verify_model(manifest: Manifest, aio: AioConfig) -> None:
     """Check model.pt's and params.bin's checksums, and every parameter's in params.bin."""
-    _read_torch(directory, MODEL_MEMORY, manifest["files"][MODEL_MEMORY])
-    with _tool_pool(manifest, directory) as pool:
-        engine = Engine(aio)
-        try:
-            _scan_params(directory, manifest, engine, list(pool))
-        finally:
-            engine.close()
+    read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
+    state_dict(manifest, aio, keep=False)
 
 
-def _read_state_dict(directory: str, manifest: dict, aio: AioConfig) -> OrderedDict:
-    """The checkpoint's model as a ``state_dict`` (every tensor in memory), checksums verified."""
-    memory = _read_torch(directory, MODEL_MEMORY, manifest["files"][MODEL_MEMORY])
-    section = _model_section(manifest, directory)
+def state_dict(manifest: Manifest, aio: AioConfig, *, keep: bool = True) -> OrderedDict:
+    """The checkpoint's model as a ``state_dict`` (every tensor in memory), checksums verified; with
+    ``keep`` False, only verified (nothing is kept)."""
+    memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY]) if keep else {}
     out: OrderedDict = OrderedDict()
-    flat: dict[int, torch.Tensor] = {}
-    for e in section["tensors"]:
-        if "same_as" in e:
-            out[e["name"]] = out[e["same_as"]]
-        elif e["where"] == MODEL_MEMORY:
-            out[e["name"]] = memory[e["name"]]
+    flat: dict[str, torch.Tensor] = {}
+    for e in model_section(manifest).tensors if keep else ():
+        if e.same_as is not None:
+            out[e.name] = out[e.same_as]
+        elif e.where == MODEL_MEMORY:
+            out[e.name] = memory[e.name]
         else:
-            t = torch.empty(e["shape"], dtype=_dtype(e["dtype"]))
-            out[e["name"]] = t
-            flat[id(e)] = _flat_bytes(t)
+            out[e.name] = torch.empty(e.shape, dtype=dtype_of(e.dtype))
+            flat[e.name] = _flat_bytes(out[e.name])
 
-    def sink(e, start, data):
-        flat[id(e)][start:start + data.numel()].copy_(data)
+    def sink(e: TensorEntry, start: int, data: torch.Tensor) -> None:
+        flat[e.name][start:start + data.numel()].copy_(data)
 
-    with _tool_pool(manifest, directory) as pool:
+    with _tool_pool(manifest) as pool:
         engine = Engine(aio)
         try:
-            _scan_params(directory, manifest, engine, list(pool), sink)
+            scan_params(manifest, engine, list(pool), sink if keep else None)
         finally:
             engine.close()
     return out
@@ -330,45 +313,36 @@ def _read_state_dict(directory: str, manifest: dict, aio: AioConfig) -> OrderedD
 # -- loading ----------------------------------------------------------------------------------
 
 
-def _match(model: nn.Module, directory: str, manifest: dict) -> list[tuple[str, torch.Tensor, dict]]:
+def _match(model: nn.Module, manifest: Manifest) -> list[tuple[str, torch.Tensor, TensorEntry]]:
     """Check the model against the checkpoint; returns ``(name, tensor, entry)`` per distinct tensor."""
-    section = _model_section(manifest, directory)
-    where = f"checkpoint {directory}"
-    saved = {e["name"]: e for e in section["tensors"]}
-    named = _named_tensors(model)
+    section = model_section(manifest)
+    where = f"checkpoint {manifest.root}"
+    saved = {e.name for e in section.tensors}
+    named = named_tensors(model)
     present = {n for n, _, _ in named}
     for name, _, kind in named:
         if name not in saved:
             raise CheckpointError(f"{where} has no {kind} {name!r}, which this model has")
-    for e in section["tensors"]:
-        if e["name"] not in present:
-            raise CheckpointError(f"{where} has {e['name']!r}, which this model lacks")
-
-    def source(name: str) -> dict:
-        e = saved[name]
-        for _ in range(len(saved)):
-            if "same_as" not in e:
-                return e
-            e = saved[e["same_as"]]
-        raise CheckpointError(f"{where}: the manifest's tied names around {name!r} form a cycle")
-
+    for e in section.tensors:
+        if e.name not in present:
+            raise CheckpointError(f"{where} has {e.name!r}, which this model lacks")
     jobs, seen = [], set()
     for name, t, _ in named:
         if id(t) in seen:
             continue  # a tied name: the tensor is loaded once, under its first name
         seen.add(id(t))
-        e = source(name)
-        if tuple(e["shape"]) != tuple(t.shape):
-            raise CheckpointError(f"{where}: {name!r} has shape {tuple(e['shape'])} in the checkpoint, "
+        e = section.source(name)
+        if tuple(e.shape) != tuple(t.shape):
+            raise CheckpointError(f"{where}: {name!r} has shape {tuple(e.shape)} in the checkpoint, "
                                   f"{tuple(t.shape)} in this model")
-        if _dtype(e["dtype"]) != t.dtype:
-            raise CheckpointError(f"{where}: {name!r} has dtype {e['dtype']} in the checkpoint, "
-                                  f"{_dtype_name(t.dtype)} in this model")
+        if dtype_of(e.dtype) != t.dtype:
+            raise CheckpointError(f"{where}: {name!r} has dtype {e.dtype} in the checkpoint, "
+                                  f"{dtype_name(t.dtype)} in this model")
         jobs.append((name, t, e))
     return jobs
 
 
-def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[AioConfig] = None, *,
+def load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig] = None, *,
                on_partial: Optional[Callable[[BaseException], None]] = None,
                storage: Storage = DEFAULT_STORAGE) -> None:
     """Load the checkpoint's model section into ``model``: check everything, then stream (with an
@@ -382,27 +356,27 @@ def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[
         OSError: reading or writing failed while streaming: the offloaded weights are then a mix of
             old and new, and the store refuses fetches (``StateError``) until a load succeeds.
     """
-    jobs = _match(model, directory, manifest)
-    memory = _read_torch(directory, MODEL_MEMORY, manifest["files"][MODEL_MEMORY])
+    jobs = _match(model, manifest)
+    memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
     for _, _, e in jobs:
-        if e["where"] == MODEL_MEMORY:
-            src = memory.get(e["name"]) if isinstance(memory, dict) else None
-            if not torch.is_tensor(src) or tuple(src.shape) != tuple(e["shape"]) or src.dtype != _dtype(e["dtype"]):
-                raise CheckpointError(f"checkpoint {directory}: {MODEL_MEMORY} lacks {e['name']!r} as its manifest "
-                                      "describes it")
-    _params_path(directory, manifest)
+        if e.where == MODEL_MEMORY:
+            src = memory.get(e.name) if isinstance(memory, dict) else None
+            if not torch.is_tensor(src) or tuple(src.shape) != tuple(e.shape) or src.dtype != dtype_of(e.dtype):
+                raise CheckpointError(f"checkpoint {manifest.root}: {MODEL_MEMORY} lacks {e.name!r} as its "
+                                      "manifest describes it")
+    manifest.sized_path(PARAMS_DATA)
     stores = _stores_of(t for _, t, _ in jobs)
     if aio is None:
         aio = stores[0].config.aio if stores else AioConfig()
-    own_pool = None if stores else _tool_pool(manifest, directory)
+    own_pool = None if stores else _tool_pool(manifest)
     engine = storage.engine(aio)
     try:
         with _held(stores) as lent:
             buffers = lent if lent is not None else list(own_pool)
             # First pass: every checksum, before anything changes.
-            _scan_params(directory, manifest, engine, buffers)
+            scan_params(manifest, engine, buffers)
             try:
-                _stream_in(directory, manifest, jobs, memory, engine, buffers, stores)
+                _stream_in(manifest, jobs, memory, engine, buffers, stores)
             except BaseException as err:
                 for s in stores:
                     s.error = err
@@ -417,15 +391,14 @@ def _load_model(model: nn.Module, directory: str, manifest: dict, aio: Optional[
             own_pool.close()
 
 
-def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine: Engine, buffers: list,
-               stores: list) -> None:
+def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buffers: list, stores: list) -> None:
     """Second pass: every tensor's new bytes into the extents and the in-memory copies."""
-    path = file_path(directory, PARAMS_DATA, manifest["files"][PARAMS_DATA])
+    path = manifest.path(PARAMS_DATA)
     unit_bytes = _unit_size(buffers, stores)
     units, direct, after = [], [], []
-    for _, t, e in jobs:
+    for name, t, e in jobs:
         store = store_of(t)
-        src = memory[e["name"]] if e["where"] == MODEL_MEMORY else None
+        src = memory[e.name] if e.where == MODEL_MEMORY else None
         if store is None and src is not None:
             direct.append((t, src))  # memory to memory
             continue
@@ -442,25 +415,27 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
             extent, copies = None, [_flat_bytes(dest)]
         memory_bytes = _flat_bytes(src.contiguous()) if src is not None else None
         for start in range(0, nbytes, unit_bytes):
-            units.append(_Unit(e, start, min(unit_bytes, nbytes - start), extent, store, memory_bytes, tuple(copies),
-                                 from_file=src is None, param=t))
+            units.append(_Unit(name, start, min(unit_bytes, nbytes - start), extent, store, memory_bytes,
+                               tuple(copies), entry=e if src is None else None, param=t))
 
     for store in {id(u.store): u.store for u in units if u.store is not None}.values():
         store.rewriting([u.param for u in units if u.store is store])
-    hashes = {id(u.entry): xxhash.xxh3_64() for u in units if u.from_file}
+    hashes = {id(u.entry): xxhash.xxh3_64() for u in units if u.entry is not None}
     with engine.open(path, "r") as f:
         def read(u: _Unit, buf):
-            if not u.from_file:
-                return _DONE
-            return engine.read_async(f, buf, u.entry["offset"] + u.start, round_up(u.n, ALIGNMENT))
+            if u.entry is None:
+                return DONE
+            return engine.read_async(f, buf, u.entry.offset + u.start, round_up(u.n, ALIGNMENT))
 
         def process(u: _Unit, buf) -> bool:
             data = buf.tensor[:u.n]
-            if u.from_file:
-                hashes[id(u.entry)].update(data.numpy())
-                if u.start + u.n == u.entry["length"] and hashes[id(u.entry)].hexdigest() != u.entry["xxh3_64"]:
+            if u.entry is not None:
+                h = hashes[id(u.entry)]
+                h.update(data.numpy())
+                if u.start + u.n == u.entry.length and h.hexdigest() != u.entry.xxh3_64:
                     # Verified a moment ago: the file changed under us.
-                    raise _bad_param(path, u.entry, hashes[id(u.entry)].hexdigest())
+                    raise ChecksumError(f"{path}: parameter {u.entry.name!r} has xxh3_64 {h.hexdigest()} now, "
+                                          f"the manifest says {u.entry.xxh3_64}: the file changed while it was read")
             else:
                 data.copy_(u.memory[u.start:u.start + u.n])
             for c in u.copies:
@@ -477,7 +452,7 @@ def _stream_in(directory: str, manifest: dict, jobs: list, memory: dict, engine:
             space = u.store.space
             return space.write(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
 
-        _stream(units, buffers, read=read, process=process, write=write)
+        stream(units, buffers, read=read, process=process, write=write)
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for t, src in direct:
             t.copy_(src)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import errno as _errno
-import json
 import os
 import re
 import stat
 import warnings
 from typing import Callable
 
-from .format import _SHARD, FORMAT, JOB_FORMAT, MANIFEST, _manifest_digest
+from ..errors import CheckpointError
+from .format import FORMAT, JOB_FORMAT, MANIFEST
+from .manifest import SHARD_NAME, JobManifest, Manifest, parse, raw_manifest
 
 _WHAT_TO_DO = "save into a new directory, or remove this one yourself if nothing in it is needed"
 
@@ -36,62 +37,30 @@ def _listing(names: list[str], most: int = 5) -> str:
     return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def parse_manifest(path: str, name: str = MANIFEST):
-    """The JSON in ``path/name``; None if there is none or it does not parse."""
+def our_manifest(path: str) -> Manifest | JobManifest | None:
+    """The manifest of directory ``path`` if it is one of ours (a process's or a job's) that parses and
+    whose checksum holds, else None."""
     try:
-        with open(os.path.join(path, name), "rb") as f:
-            return json.loads(f.read())
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
+        return parse(raw_manifest(path), path, os.path.join(path, MANIFEST))
+    except CheckpointError:
         return None
 
 
-def our_manifest(path: str) -> dict | None:
-    """The manifest of directory ``path`` if it is one of ours (a process's or a job's) whose checksum
-    holds, else None."""
-    manifest = parse_manifest(path)
-    if (isinstance(manifest, dict) and manifest.get("format") in (FORMAT, JOB_FORMAT)
-            and _manifest_digest(manifest) == manifest.get("manifest_xxh3_64")):
-        return manifest
-    return None
+def is_our_format(path: str, formats: tuple = (FORMAT, JOB_FORMAT)) -> bool:
+    """Whether directory ``path`` has a manifest that says it is one of our checkpoints (of one of
+    ``formats``: a process's or a job's), unchecked."""
+    manifest = raw_manifest(path)
+    return isinstance(manifest, dict) and manifest.get("format") in formats
 
 
-def is_our_format(path: str) -> bool:
-    """Whether directory ``path`` has a manifest that says it is one of our checkpoints, a process's or a
-    job's (unchecked)."""
-    manifest = parse_manifest(path)
-    return isinstance(manifest, dict) and manifest.get("format") in (FORMAT, JOB_FORMAT)
-
-
-def is_job(path: str) -> bool:
-    """Whether directory ``path`` holds a job's checkpoint (its manifest is a job manifest)."""
-    manifest = parse_manifest(path)
-    return isinstance(manifest, dict) and manifest.get("format") == JOB_FORMAT
-
-
-def file_names(entries: dict) -> set[str]:
-    """The names on disk of the files a manifest's ``files`` section lists (the first format wrote
-    each under its fixed name; later saves under a generation's name, recorded as ``file``)."""
-    return {e.get("file", n) if isinstance(e, dict) else n for n, e in entries.items()}
-
-
-def shard_manifest_name(entry: dict) -> str:
-    """The name of a shard's manifest inside its directory, from the job manifest's entry for it."""
-    return entry.get("manifest", MANIFEST)
-
-
-def named_files(path: str, manifest: dict | None) -> dict[str, set[str]]:
-    """Every file of ``path`` that ``manifest`` (its own) names, by the directory it is in (``""`` for
-    ``path`` itself, else a shard's name): the files a later save may delete once it has committed."""
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", manifest.get("shards")), (dict, list)):
+def named_files(manifest: Manifest | JobManifest | None) -> dict[str, set[str]]:
+    """Every file that ``manifest`` names, by the directory it is in (``""`` for its own, else a shard's
+    name): the files a later save may delete once it has committed."""
+    if manifest is None:
         return {}
-    if manifest.get("format") != JOB_FORMAT:
-        return {"": file_names(manifest["files"])}
-    out: dict[str, set[str]] = {}
-    for s in manifest["shards"]:
-        if isinstance(s, dict) and isinstance(s.get("name"), str) and _SHARD.match(s["name"]):
-            files = s.get("files") if isinstance(s.get("files"), dict) else {}
-            out[s["name"]] = file_names(files) | {shard_manifest_name(s)}
-    return out
+    if isinstance(manifest, Manifest):
+        return {"": {e.on_disk(n) for n, e in manifest.files.items()}}
+    return {s.name: {e.on_disk(n) for n, e in s.files.items()} | {s.manifest} for s in manifest.shards}
 
 
 def _leftovers_only(path: str) -> bool:
@@ -101,7 +70,7 @@ def _leftovers_only(path: str) -> bool:
         p = os.path.join(path, n)
         if _GENERATION_FILE.match(n) and stat.S_ISREG(os.lstat(p).st_mode):
             continue
-        if _SHARD.match(n) and stat.S_ISDIR(os.lstat(p).st_mode) and _leftovers_only(p):
+        if SHARD_NAME.match(n) and stat.S_ISDIR(os.lstat(p).st_mode) and _leftovers_only(p):
             continue
         return False
     return True
@@ -112,12 +81,13 @@ def checkpoint_problem(path: str) -> str | None:
     may write its next generation there and retention may delete it); else why not."""
     if not os.path.lexists(os.path.join(path, MANIFEST)):
         return f"is not an nvme-offload checkpoint (no {MANIFEST}; it holds {_listing(os.listdir(path))})"
-    manifest = parse_manifest(path)
-    if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, JOB_FORMAT):
+    if not is_our_format(path):
         return f"has a {MANIFEST} that is not an nvme-offload checkpoint's"
-    if our_manifest(path) is None:
-        return (f"has an nvme-offload {MANIFEST} that fails its checksum (corrupt or edited), so which of its "
-                "files belong to the checkpoint cannot be told")
+    try:
+        parse(raw_manifest(path), path, os.path.join(path, MANIFEST))
+    except CheckpointError as err:
+        return (f"has an nvme-offload {MANIFEST} that fails its checksum or its checks (corrupt or edited: {err}), "
+                "so which of its files belong to the checkpoint cannot be told")
     return None
 
 
@@ -154,13 +124,13 @@ def check_target(path: str, given: str) -> None:
                               "into an nvme-offload checkpoint or an empty directory: " + _WHAT_TO_DO, given)
 
 
-def sweep(path: str, manifest: dict | None, shard: str | None = None, *,
+def sweep(path: str, manifest: Manifest | JobManifest | None, shard: str | None = None, *,
           unlink: Callable[[str], None] = os.unlink) -> None:
     """Delete what saves that died left in ``path`` (or in its shard directory ``shard`` only): files of
     a generation's name that ``manifest``, the directory's own, does not name. Run under the directory's
     lock (or, for a shard, by the only rank that writes it), so no save in progress owns them."""
-    named = named_files(path, manifest)
-    where = [shard] if shard is not None else ["", *(n for n in os.listdir(path) if _SHARD.match(n))]
+    named = named_files(manifest)
+    where = [shard] if shard is not None else ["", *(n for n in os.listdir(path) if SHARD_NAME.match(n))]
     for sub in where:
         d = os.path.join(path, sub)
         keep = named.get(sub, set())
@@ -203,7 +173,7 @@ def remove_checkpoint(path: str) -> bool:
         return False
     # The manifest first: a deletion cut short leaves no checkpoint that lacks files, only files of a
     # generation's name that no manifest names, which the next prune deletes (remove_leftovers).
-    named = named_files(path, our_manifest(path))
+    named = named_files(our_manifest(path))
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(path, MANIFEST))
     delete_named(path, named, {})

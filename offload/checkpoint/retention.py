@@ -3,7 +3,6 @@ newer one verified, never what is in use, and only what is ours."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -14,14 +13,15 @@ from typing import Any, Callable, Iterable, Optional
 
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import SaveHandle, _lock
-from .format import MANIFEST, create_private
-from .job import _gather, job_world
+from .commit import SaveHandle, lock_directory
+from .format import JOB_FORMAT, create_private
+from .job import gather, job_world
 from .load import load_checkpoint
-from .ownership import is_job, is_our_format, remove_checkpoint, remove_leftovers, used_elsewhere
-from .save import _save
+from .manifest import raw_manifest, read
+from .ownership import is_our_format, remove_checkpoint, remove_leftovers, used_elsewhere
+from .save import save
 from .storage import DEFAULT_STORAGE
-from .verify import _read_manifest, _verify_job, verify_checkpoint
+from .verify import verify_checkpoint, verify_job
 
 log = logging.getLogger("offload")
 
@@ -138,7 +138,7 @@ class Retention:
             self.mirror._remember(copy)  # verified as it was copied
             self.mirror.prune()
 
-        return _save(optimizer, self.path_for(step), model=model, extra=extra, blocking=blocking,
+        return save(optimizer, self.path_for(step), model=model, extra=extra, blocking=blocking,
                      mirror=None if self.mirror is None else self.mirror.path_for(step), snapshot=snapshot,
                      progress=progress, then=then, then_mirror=then_mirror, alone=alone)
 
@@ -180,7 +180,7 @@ class Retention:
             if not self._NAME.match(n) or is_our_format(path) or not os.path.isdir(path):
                 continue
             try:
-                fd = _lock(path, exclusive=True, timeout=0)
+                fd = lock_directory(path, exclusive=True, timeout=0)
             except (CheckpointError, OSError):
                 continue  # a save is writing it
             try:
@@ -192,7 +192,7 @@ class Retention:
         """Delete checkpoint ``path`` unless it is in use: read or written (its lock) or held open by
         another process; True if it is gone."""
         try:
-            fd = _lock(path, exclusive=True, timeout=0)
+            fd = lock_directory(path, exclusive=True, timeout=0)
         except (CheckpointError, OSError):
             log.info("not deleting %s now: it is being read or written", path)
             return False
@@ -218,18 +218,21 @@ class Retention:
         Raises:
             CheckpointError: there are checkpoints, and none of them loads (the newest's error chained).
         """
-        if not alone and job_world() is not None:
-            return self._load_latest_job(optimizer, model)
+        job = not alone and job_world() is not None
         steps = {e.step for e in self._entries()}
-        if self.mirror is not None:
+        if job:  # the ranks try the same steps, newest first: every step any rank has here
+            steps = set().union(*gather(sorted(steps), f"listing {self.root}"))
+        elif self.mirror is not None:
             steps |= {e.step for e in self.mirror._entries()}
         first = None
         for step in sorted(steps, reverse=True):
-            copies = [self.path_for(step)] + ([self.mirror.path_for(step)] if self.mirror is not None else [])
-            for path in [p for p in copies if os.path.isdir(p)]:
+            copies = [self.path_for(step)] + ([self.mirror.path_for(step)] if self.mirror and not job else [])
+            for path in [p for p in copies if job or os.path.isdir(p)]:
                 try:
                     return path, load_checkpoint(optimizer, path, model=model, alone=alone)
-                except (CheckpointError, OSError) as err:
+                except Exception as err:  # noqa: BLE001 - a job's load raises on every rank alike; all go on
+                    if not (job or isinstance(err, (CheckpointError, OSError))):
+                        raise
                     # A corruption found while streaming has overwritten part of the state: the next
                     # copy's load replaces it whole.
                     first = first or err
@@ -237,26 +240,8 @@ class Retention:
                                   + ("mirror's copy" if path != copies[-1] else "next older checkpoint"),
                                   RuntimeWarning, stacklevel=2)
         if first is not None:
-            raise CheckpointError(f"no checkpoint under {self.root}"
-                                  + (f" or {self.mirror.root}" if self.mirror else "") + " loads") from first
-        return None, None
-
-    def _load_latest_job(self, optimizer, model) -> tuple[Optional[str], Any]:
-        """:meth:`load_latest` on every rank of a job: the ranks try the same steps, newest first (every
-        step any rank has here), and each load is the job's (all ranks load it, or all go on to the next)."""
-        mine = sorted(e.step for e in self._entries())
-        steps = sorted(set().union(*_gather(mine, f"listing {self.root}")), reverse=True)
-        first = None
-        for step in steps:
-            path = self.path_for(step)
-            try:
-                return path, load_checkpoint(optimizer, path, model=model)
-            except Exception as err:  # noqa: BLE001 - a job's load raises on every rank when one fails; all go on together
-                first = first or err
-                warnings.warn(f"step {step} does not load ({err}); trying the next older checkpoint",
-                              RuntimeWarning, stacklevel=3)
-        if first is not None:
-            raise CheckpointError(f"no checkpoint under {self.root} loads on every rank") from first
+            raise CheckpointError(f"no checkpoint under {self.root}" + (f" or {self.mirror.root}" if self.mirror
+                                                                          else "") + " loads") from first
         return None, None
 
     # -- verification -------------------------------------------------------------------------------
@@ -288,20 +273,17 @@ def _verify(path: str) -> None:
     """Verify checkpoint ``path``. A job's: on a rank of the job, its job manifest and this rank's own
     shard (every rank checks its own, once, whether or not the ranks share a file system); elsewhere
     the shards that are here."""
-    if not is_job(path):
+    if not is_our_format(path, (JOB_FORMAT,)):
         verify_checkpoint(path)
     elif job_world() is not None:
-        _verify_job(path, _read_manifest(path), ranks={rank_info().rank})
+        verify_job(read(os.path.abspath(path)), ranks={rank_info().rank})
     else:
         verify_checkpoint(path, local=True)
 
 
 def _manifest_checksum(path: str) -> Optional[str]:
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            return json.loads(f.read()).get("manifest_xxh3_64")
-    except (OSError, ValueError, AttributeError):
-        return None
+    manifest = raw_manifest(path)
+    return manifest.get("manifest_xxh3_64") if isinstance(manifest, dict) else None
 
 
 def _mark(path: str) -> None:

@@ -1,11 +1,11 @@
 """Saving an offloaded optimizer and a model, blocking or in the background: the entry points, the save's
 steps and its thread; what is captured at the call is ``snapshot``'s, a job's save ``job``'s, the copy to
-the copy to a mirror level ``mirror``'s."""
+a mirror level ``mirror``'s."""
 
 from __future__ import annotations
 
 import os
-import threading
+from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from torch import nn
@@ -13,14 +13,15 @@ from torch import nn
 from ..buffers import BufferPool
 from ..config import config_to_dict
 from ..errors import CheckpointError
-from .commit import SaveHandle, _settle, _Staged, _track
-from .format import _torch_bytes, _write_memory_and_manifest
-from .job import _save_job, job_world
-from .mirror import _mirror_in_background, mirror_checkpoint
-from .model import _save_model
-from .snapshot import _plan, _StateCopy
+from .commit import SaveHandle, Staged, in_background, wait_for_save
+from .format import torch_bytes
+from .job import job_world, save_job
+from .manifest import FileEntry
+from .mirror import mirror_checkpoint
+from .model import save_model
+from .snapshot import StateCopy, plan, write_small_files
 from .storage import DEFAULT_STORAGE, Storage
-from .stream import _progress
+from .stream import progress_bar
 
 __all__ = ["mirror_checkpoint", "save_checkpoint", "wait_for_saves"]
 
@@ -79,7 +80,7 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         CheckpointError: the previous asynchronous save failed and nobody looked at its error (it
             is chained); this save did not start.
     """
-    return _save(optimizer, directory, model=model, extra=extra, blocking=blocking, snapshot=snapshot,
+    return save(optimizer, directory, model=model, extra=extra, blocking=blocking, snapshot=snapshot,
                  progress=progress, alone=alone, storage=storage)
 
 
@@ -92,20 +93,20 @@ def wait_for_saves(optimizer, timeout: float | None = None) -> None:
         CheckpointError: that save failed and its error was not looked at yet (chained).
         TimeoutError: ``timeout`` seconds passed first.
     """
-    _settle(optimizer.state_store, report=True, timeout=timeout)
+    wait_for_save(optimizer.state_store, report=True, timeout=timeout)
 
 
-def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=None, snapshot="auto",
-          progress=None, then: Optional[Callable[[str], None]] = None,
-          then_mirror: Optional[Callable[[str], None]] = None, shard: Optional[_Staged] = None,
-          alone: bool = False, storage: Optional[Storage] = None):
+def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=None, snapshot="auto",
+         progress=None, then: Optional[Callable[[str], None]] = None,
+         then_mirror: Optional[Callable[[str], None]] = None, shard: Optional[Staged] = None,
+         alone: bool = False, storage: Optional[Storage] = None):
     """:func:`save_checkpoint`, with ``then(directory)`` run once committed, then a copy to ``mirror`` (a
     directory of ``Retention``'s mirror level), and ``then_mirror(mirror)`` once the copy is done
     (``Retention`` verifies and prunes with them).
 
-    Where torch.distributed runs a job of several ranks, the save is the job's (:func:`job._save_job`),
-    which writes this rank's part through this function with ``shard``, a ``commit._Shard`` to fill
-    and finish in place of a directory of its own."""
+    Where torch.distributed runs a job of several ranks, the save is the job's (:func:`job.save_job`),
+    which writes this rank's part through this function with ``shard``, a shard's :class:`commit.Staged`
+    to fill and finish in place of a directory of its own."""
     # Arguments are checked first, on every rank alike, before any collective of a job's save.
     if snapshot not in SNAPSHOTS:
         raise ValueError(f"snapshot must be one of {', '.join(SNAPSHOTS)}, got {snapshot!r}")
@@ -113,11 +114,11 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     storage = storage or DEFAULT_STORAGE
     if shard is None and not alone and job_world() is not None:
-        return _save_job(optimizer, directory, blocking=blocking, mirror=mirror, then=then, storage=storage,
-                         write_shard=lambda shard: _save(optimizer, shard.directory, model=model, extra=extra,
-                                                         snapshot=snapshot, progress=progress, shard=shard))
+        return save_job(optimizer, directory, blocking=blocking, mirror=mirror, then=then, storage=storage,
+                        write_shard=lambda shard: save(optimizer, shard.directory, model=model, extra=extra,
+                                                       snapshot=snapshot, progress=progress, shard=shard))
     store = optimizer.state_store
-    _settle(store, report=True)  # one save at a time per optimizer; a failure nobody saw is raised here
+    wait_for_save(store, report=True)  # one save at a time per optimizer; a failure nobody saw is raised here
     store.check_usable("save a checkpoint")
     store.drain()  # the last step's writes, and their errors, before anything is copied
     # Every write has landed without error: forget the futures, so that a read of a unit from the
@@ -125,16 +126,16 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
     # change guard has copied it).
     store.drain(quiet=True)
     show = progress if progress is not None else (None if blocking else False)  # None: where stderr is a tty
-    staged = _Staged(directory, storage=storage) if shard is None else shard
-    started = threading.Event()  # set once a worker owns the save (and cleans up after it)
+    staged = Staged(directory, storage=storage) if shard is None else shard
+    started = False  # True once a worker owns the save (and cleans up after it)
     try:
-        plan = _plan(optimizer)
-        memory = plan.memory_state
+        taken = plan(optimizer)
+        memory = None
         if not blocking:  # copies of what training may change, taken now
-            memory = _torch_bytes({"param_groups": plan.groups, "state": plan.memory_state, "steps": plan.steps})
-            extra = _torch_bytes(extra) if extra is not None else None
+            memory = torch_bytes({"param_groups": taken.groups, "state": taken.memory_state, "steps": taken.steps})
+            extra = torch_bytes(extra) if extra is not None else None
         model_part = None  # the model's files: written at the call, after state.bin's for a blocking save
-        state = _StateCopy(store, staged, optimizer.config.aio, plan.units)
+        state = StateCopy(store, staged, optimizer.config.aio, taken.units)
         try:
             if snapshot != "stream":
                 state.clone()
@@ -144,80 +145,88 @@ def _save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror
                         "; use snapshot=\"auto\" (clones where it can, streams the rest)")
             state.reserve()
 
-            def finish(data: dict) -> dict:
-                manifest = _write_memory_and_manifest(
-                    staged, kind=type(optimizer).__name__, groups=plan.groups, entries=plan.entries,
-                    memory_state=memory, steps=plan.steps, extra=extra,
+            def finish(data: tuple) -> None:
+                manifest = write_small_files(
+                    staged, taken, data, kind=type(optimizer).__name__, extra=extra,
                     config=config_to_dict(optimizer.config, only=None), unit_bytes=store.layout.unit_bytes,
-                    threshold=store.threshold, data=data)
-                manifest["snapshot"] = state.summary(asynchronous=not blocking)
+                    threshold=store.threshold, memory=memory)
+                manifest = replace(manifest, snapshot=state.summary(asynchronous=not blocking))
                 if model_part is not None:
-                    manifest["model"], files = model_part
-                    manifest["files"].update(files)
-                return manifest
+                    section, files = model_part
+                    files = {**manifest.files, **{n: FileEntry(**e) for n, e in files.items()}}
+                    manifest = replace(manifest, model=section, files=files)
+                staged.commit(manifest)
 
             if blocking:
-                with _progress(state.total, "save", show) as bar:
+                with progress_bar(state.total, "save", show) as bar:
                     data = state.run(store.buffers, bar)
-                model_part = _save_model(model, staged) if model is not None else None
-                staged.commit(finish(data))
+                model_part = save_model(model, staged) if model is not None else None
+                finish(data)
             else:
-                model_part = _save_model(model, staged) if model is not None else None
+                model_part = save_model(model, staged) if model is not None else None
                 handle = SaveHandle(staged.directory)
                 state.guard_on()
-                threading.Thread(target=_work, name="offload-checkpoint-save", args=(
-                    handle, staged, state, finish, show, then, mirror, then_mirror)).start()
-                started.set()
-                _track(store, handle)
+
+                def work() -> None:
+                    _finish_in_background(handle, staged, state, finish, show)
+                    _after(staged.directory, then, mirror, then_mirror, background=False)
+
+                in_background(store, handle, work, "offload-checkpoint-save")
+                started = True
                 return handle
         finally:
-            if not started.is_set():
+            if not started:
                 state.close()  # else the worker's
     except BaseException:
-        if not started.is_set():
+        if not started:
             try:
                 staged.abort()
             finally:
                 staged.close()  # the directory's lock goes, whatever the cleanup met
         raise
     staged.close()
-    if then is not None:
-        then(staged.directory)
-    if mirror is not None:
-        _mirror_in_background(store, staged.directory, mirror, then_mirror)
+    _after(staged.directory, then, mirror, then_mirror, background=True, owner=store)
     return staged.directory
 
 
-def _work(handle: SaveHandle, staged: _Staged, state: _StateCopy, finish, show, then, mirror,
-          then_mirror) -> None:
-    """The thread of an asynchronous save: the units not copied yet, memory.pt, the commit, then the copy to
-    the mirror. The directory's lock goes with ``staged`` (an open descriptor), which it closes."""
-    error = None
+def _after(directory: str, then, mirror, then_mirror, *, background: bool, owner=None) -> None:
+    """What follows a committed save: ``then(directory)``, then the copy to ``mirror`` (in the background
+    where the save was not) and ``then_mirror(mirror)``."""
+    if then is not None:
+        then(directory)
+    if mirror is None:
+        return
+
+    def copy_out() -> None:
+        mirror_checkpoint(directory, mirror)
+        if then_mirror is not None:
+            then_mirror(mirror)
+
+    if not background:
+        copy_out()
+        return
+    handle = SaveHandle(directory)
+    handle.committed = True
+    in_background(owner, handle, copy_out, "offload-checkpoint-mirror")
+
+
+def _finish_in_background(handle: SaveHandle, staged: Staged, state: StateCopy, finish, show) -> None:
+    """The thread of an asynchronous save: the units not copied yet, memory.pt, the commit. The directory's
+    lock goes with ``staged`` (an open descriptor), which it closes."""
     try:
+        state.make_spares()
+        pool = BufferPool(2, state.store.layout.unit_bytes)
         try:
-            state.make_spares()
-            pool = BufferPool(2, state.store.layout.unit_bytes)
-            try:
-                with _progress(state.total, "save (background)", bool(show)) as bar:
-                    data = state.run(list(pool), bar)
-            finally:
-                state.close()  # the engine lets go of the pool's buffers before they are freed
-                pool.close()
-            staged.commit(finish(data))
-        except BaseException:
-            staged.abort()
-            raise
+            with progress_bar(state.total, "save (background)", bool(show)) as bar:
+                data = state.run(list(pool), bar)
         finally:
-            state.close()
-            staged.close()
-        handle.committed = True
-        if then is not None:
-            then(staged.directory)
-        if mirror is not None:
-            mirror_checkpoint(staged.directory, mirror)
-            if then_mirror is not None:
-                then_mirror(mirror)
-    except BaseException as err:  # noqa: BLE001 - surfaces on the handle and at the next save
-        error = err
+            state.close()  # the engine lets go of the pool's buffers before they are freed
+            pool.close()
+        finish(data)
+    except BaseException:
+        staged.abort()
+        raise
     finally:
-        handle._finish(error)
+        state.close()
+        staged.close()
+    handle.committed = True

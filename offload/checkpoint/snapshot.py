@@ -10,6 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+import torch
 import xxhash
 
 from ..aio import wait_quietly
@@ -17,15 +18,18 @@ from ..buffers import BufferPool
 from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
 from ..pipeline import BufferRing
-from ..units import ALIGNMENT, format_size, round_up
-from .commit import _Staged
-from .format import DATA, _chunk_table, _cpu_state, _dtype_name, _io_error, _torch_groups
-from .stream import _clone_range, _stream
+from ..units import format_size
+from .commit import Staged
+from .format import DATA, EXTRA, MEMORY, dtype_name, io_error, write_file
+from .manifest import Manifest, ParamEntry, Unit, chunk_table
+from .stream import DataFile, clone_range, packed, stream
 
 
 @dataclass
-class _Plan:
-    """What a save takes from the optimizer at the call (copies: training may go on)."""
+class Plan:
+    """What a save takes from the optimizer at the call (copies: training may go on): the units with
+    state, the manifest's parameter entries, the param groups in torch's layout, small parameters'
+    state and offloaded parameters' steps (by index)."""
 
     units: list
     entries: list
@@ -34,8 +38,18 @@ class _Plan:
     steps: dict
 
 
+def cpu_state(state: dict) -> dict:
+    """A parameter's in-memory state copied to the CPU, as memory.pt holds it."""
+    return {k: (v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v) for k, v in state.items()}
 
-def _plan(opt) -> _Plan:
+
+def torch_groups(param_groups: list[dict], index: dict) -> list[dict]:
+    """param_groups as torch's state_dict writes them: params as indices, the rest copied."""
+    return [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+            for g in param_groups]
+
+
+def plan(opt) -> Plan:
     """Everything of the optimizer a save needs besides the units' bytes, copied now."""
     store = opt.state_store
     params = [p for g in opt.param_groups for p in g["params"]]
@@ -43,30 +57,27 @@ def _plan(opt) -> _Plan:
     slots = store.layout.slots
     units = [u for u in store.layout.units if any(c.slot.initialized for c in u.chunks)]
     entries = []
-    chunks_of = _chunk_table(units, index.__getitem__)
+    chunks_of = chunk_table(units, index.__getitem__)
     memory_state, steps = {}, {}
     for i, p in enumerate(params):
         slot = slots.get(p)
         st = opt.state.get(p, {})
-        entry = {"index": i, "shape": list(p.shape), "dtype": _dtype_name(p.dtype), "numel": p.numel()}
         if slot is not None and (slot.initialized or i in chunks_of):
-            entry.update(where="swap", initialized=slot.initialized, keys=list(slot.keys),
-                         state_dtype=_dtype_name(slot.dtype), chunks=chunks_of.get(i, []))
-            if len(set(slot.dtypes)) > 1:
-                entry["key_dtypes"] = [_dtype_name(d) for d in slot.dtypes]
+            step = None
             if slot.initialized:
                 steps[i] = st["step"].detach().to("cpu", copy=True)
+                step = float(steps[i])
+            entries.append(ParamEntry.offloaded(i, p.shape, p.dtype, slot, slot.keys, chunks_of.get(i, ()),
+                                                initialized=slot.initialized, step=step))
         elif slot is None and len(st) > 0:
-            memory_state[i] = _cpu_state(st)
-            entry.update(where="memory", initialized=True, keys=sorted(k for k in st if k != "step"),
-                         state_dtype=_dtype_name(p.dtype))
+            memory_state[i] = cpu_state(st)
+            entries.append(ParamEntry(i, "memory", True, tuple(p.shape), dtype_name(p.dtype), p.numel(),
+                                      tuple(sorted(k for k in st if k != "step")), dtype_name(p.dtype),
+                                      step=float(memory_state[i].get("step", 0.0))))
         else:
-            entry.update(where="none", initialized=False)
-        if entry["initialized"]:
-            entry["step"] = float(steps[i] if i in steps else memory_state[i].get("step", 0.0))
-        entries.append(entry)
-    groups = copy.deepcopy(_torch_groups(opt.param_groups, index))  # hyperparameters may change in place
-    return _Plan(units, entries, groups, memory_state, steps)
+            entries.append(ParamEntry(i, "none", False, tuple(p.shape), dtype_name(p.dtype), p.numel()))
+    groups = copy.deepcopy(torch_groups(opt.param_groups, index))  # hyperparameters may change in place
+    return Plan(units, entries, groups, memory_state, steps)
 
 
 # -- state.bin: the units as they were at the call ------------------------------------------------
@@ -84,21 +95,15 @@ _PENDING, _READING, _CAPTURING, _IN_FILE = range(4)
 # back those in file, so that every unit's checksum and the file's are computed in order, and what
 # the guard wrote is checked. A blocking save is the same walk with no guard, through the
 # optimizer's own pool.
-class _StateCopy:
+class StateCopy:
     """state.bin of one save: offsets, what each unit's bytes are doing, the clone, the walk and the guard."""
 
-    def __init__(self, store, staged: _Staged, aio: AioConfig, units: Sequence):
+    def __init__(self, store, staged: Staged, aio: AioConfig, units: Sequence):
         self.store = store
         self.units = list(units)
         n = len(self.units)
         self.index = {id(u): i for i, u in enumerate(self.units)}
-        self.lengths = [round_up(u.nbytes, ALIGNMENT) for u in self.units]
-        self.offsets, pos = [], 0
-        for length in self.lengths:
-            self.offsets.append(pos)
-            pos += length
-        self.total = pos
-        self.path = staged.path(DATA)
+        self.offsets, self.lengths, self.total = packed([u.nbytes for u in self.units])
         self.state = [_PENDING] * n
         self.reads: list = [None] * n  # the save's read of a unit from the store (the guard waits for it)
         self.written: list = [None] * n  # the guard's write of a unit
@@ -120,37 +125,14 @@ class _StateCopy:
         self.spares: Optional[BufferPool] = None
         self.spares_ready = threading.Event()
         self.ring: Optional[BufferRing] = None
-        self.storage = staged.storage
-        self.engine = staged.storage.engine(aio)
-        self.file = None
-        try:
-            self.file = self.engine.open(self.path, "x+")
-            if self.file.alignment > ALIGNMENT:
-                raise CheckpointError(f"{self.path}: the file system wants {self.file.alignment}-byte direct I/O; "
-                                      f"checkpoints use {ALIGNMENT}. Set aio.o_direct to false for this path")
-        except BaseException:
-            self.close()
-            raise
+        self.data = DataFile(staged, aio, DATA)
+        self.path, self.engine, self.file = self.data.path, self.data.engine, self.data.file
 
     def reserve(self) -> None:
         """Allocate state.bin's space for the units that were not cloned (a full disk is reported now,
         before any data moves)."""
-        runs, start = [], None
-        for i in range(len(self.units) + 1):
-            copied = i < len(self.units) and self.state[i] != _IN_FILE
-            if copied and start is None:
-                start = i
-            elif not copied and start is not None:
-                runs.append((self.offsets[start], self.offsets[i - 1] + self.lengths[i - 1]))
-                start = None
-        need = sum(b - a for a, b in runs)
-        try:
-            for a, b in runs:
-                os.posix_fallocate(self.file.fd, a, b - a)
-        except OSError as err:
-            st = os.statvfs(os.path.dirname(self.path))
-            raise OSError(err.errno, f"cannot reserve {need} bytes for the checkpoint data ({err.strerror}; "
-                          f"{st.f_bavail * st.f_frsize} bytes free)", self.path) from err
+        self.data.reserve([(self.offsets[i], self.offsets[i] + self.lengths[i])
+                           for i in range(len(self.units)) if self.state[i] != _IN_FILE])
 
     # -- the clone -----------------------------------------------------------------------------------
 
@@ -173,7 +155,7 @@ class _StateCopy:
                 if u.extent is None or (tier and tier.resident(u)):
                     continue  # resident: its bytes are in memory, copied by the walk
                 for path, offset, within, n in space.file_ranges(u.extent, self.lengths[i]):
-                    if not _clone_range(sources[path], offset, n, self.file.fd, self.offsets[i] + within):
+                    if not clone_range(sources[path], offset, n, self.file.fd, self.offsets[i] + within):
                         self.why_not = "the file system cannot clone these extents (no reflink)"
                         return  # this unit (maybe cloned in part) and the rest are copied by the walk
                     if not self.cloned:
@@ -186,7 +168,7 @@ class _StateCopy:
                 self.cloned += 1
                 self.cloned_bytes += self.lengths[i]
         except OSError as err:
-            raise _io_error(err, self.path, "cannot clone the state into") from err
+            raise io_error(err, self.path, "cannot clone the state into") from err
         finally:
             for fd in sources.values():
                 os.close(fd)
@@ -282,7 +264,7 @@ class _StateCopy:
 
     def run(self, buffers: Sequence, bar) -> dict:
         """Put every unit not in state.bin yet there, hash the file in order, fsync; returns the file's
-        entry and the units' table (as ``stream._write_data``)."""
+        entry and the units' table (as ``stream.write_data``)."""
         whole = xxhash.xxh3_64()
         from_store = [False] * len(self.units)
 
@@ -327,16 +309,11 @@ class _StateCopy:
         def write(i: int, buf):
             return self.engine.write_async(self.file, buf, self.offsets[i], self.lengths[i])
 
-        if buffers and all(b.index == k for k, b in enumerate(buffers)):
-            try:
-                self.engine.register_buffers(list(buffers))
-            except (ValueError, RuntimeError, OSError):
-                pass  # fixed buffers only save a little CPU
-        _stream(range(len(self.units)), list(buffers), read=read, process=process, write=write)
-        self.storage.fsync(self.file.fd, self.path)
-        table = [{"offset": o, "nbytes": u.nbytes, "length": n, "xxh3_64": d}
-                 for u, o, n, d in zip(self.units, self.offsets, self.lengths, self.digests)]
-        return {"file": {"bytes": self.total, "xxh3_64": whole.hexdigest()}, "units": table}
+        self.data.register(buffers)
+        stream(range(len(self.units)), list(buffers), read=read, process=process, write=write)
+        self.data.storage.fsync(self.file.fd, self.path)
+        table = [Unit(o, n, u.nbytes, d) for u, o, n, d in zip(self.units, self.offsets, self.lengths, self.digests)]
+        return {"bytes": self.total, "xxh3_64": whole.hexdigest()}, table
 
     def close(self) -> None:
         """Stop guarding (waiting for a guard call under way), let the guard's writes land, release all."""
@@ -349,10 +326,33 @@ class _StateCopy:
             while self.guards:
                 self.mu.wait()
         wait_quietly([f for f in self.written if f is not None])
-        if self.file is not None:
-            self.file.close()
-            self.file = None
-        self.engine.close()
+        self.data.close()
         if self.spares is not None:
             self.spares.close()
             self.spares = None
+
+
+def write_small_files(staged: Staged, plan: Plan, data: tuple, *, kind: str, extra, config: dict, unit_bytes: int,
+                      threshold: int, memory=None) -> Manifest:
+    """Write memory.pt (and extra.pt) into ``staged`` beside state.bin; returns the manifest to commit.
+
+    Args:
+        staged: the checkpoint being written.
+        plan: what was taken from the optimizer (or an imported state dict).
+        data: state.bin's file entry and units, as :meth:`StateCopy.run` or ``stream.write_data`` return them.
+        kind: the optimizer's class name, or ``"imported"``.
+        extra: the caller's ``extra`` (None: no extra.pt); maybe ``format.Serialized``, taken at the call.
+        config: the optimizer's config as a dict.
+        unit_bytes: the unit (buffer) size.
+        threshold: the small-parameter threshold.
+        memory: memory.pt's content serialized at the call (``format.Serialized``), else made from ``plan``.
+    """
+    file, units = data
+    files = {DATA: file}
+    if memory is None:
+        memory = {"param_groups": plan.groups, "state": plan.memory_state, "steps": plan.steps}
+    files[MEMORY] = write_file(memory, staged.path(MEMORY), staged.storage.fsync)
+    if extra is not None:
+        files[EXTRA] = write_file(extra, staged.path(EXTRA), staged.storage.fsync)
+    return Manifest.new(kind, files=files, params=plan.entries, param_groups=plan.groups, config=config,
+                        buffer_size=unit_bytes, threshold=threshold, units=tuple(units))

@@ -8,7 +8,7 @@ import os
 
 from ..aio import Engine
 from ..config import AioConfig
-from .format import _io_error
+from .format import io_error
 
 
 class Storage:
@@ -29,7 +29,7 @@ class Storage:
         try:
             os.fsync(fd)
         except OSError as err:
-            raise _io_error(err, path, "cannot fsync") from err
+            raise io_error(err, path, "cannot fsync") from err
 
     def make_dirs(self, path: str) -> bool:
         """Create directory ``path`` and its missing parents (0700), durably: each new name's directory is

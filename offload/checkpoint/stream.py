@@ -7,6 +7,7 @@ import fcntl
 import os
 import struct
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -19,34 +20,38 @@ from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
 from ..pipeline import Pipeline
 from ..units import ALIGNMENT, round_up
-from .commit import _Staged
 from .format import DATA
+from .manifest import Unit
 
 # Pool for tools that read a checkpoint without an optimizer (verify, export): per buffer.
-_TOOL_BUFFER_MAX = 64 << 20
+TOOL_BUFFER_MAX = 64 << 20
 
 
-# NOTE: save, load, verify, export and import all move state.bin with the native engine through a
-# few page-aligned buffers (the optimizer's pool, or a small one of the tools' own), never holding
-# more than those buffers in host memory. ``_stream`` overlaps the reads ahead, the processing of
-# one buffer and the writes behind; ``_write_data`` lays units out in state.bin and hashes them as
-# they pass. Every engine that touches a data file comes from the save's or load's ``Storage``.
-def _tool_pool(manifest: dict) -> BufferPool:
-    longest = max([u["length"] for u in manifest["units"]] + [ALIGNMENT])
-    return BufferPool(3, min(longest, _TOOL_BUFFER_MAX))
+# NOTE: save, load, verify, export and import all move state.bin (and params.bin) with the native engine
+# through a few page-aligned buffers (the optimizer's pool, or a small one of the tools' own), never
+# holding more than those buffers in host memory. ``stream`` overlaps the reads ahead, the processing of
+# one buffer and the writes behind; ``write_data`` lays units out in a data file and hashes them as they
+# pass; ``read_verified`` reads ranges of one back, checking each range's checksum and the file's.
+# Every engine that touches a data file comes from the save's or load's ``Storage``.
+def tool_pool(lengths, cap: Optional[int] = TOOL_BUFFER_MAX) -> BufferPool:
+    """Three buffers for a tool's read of ranges of ``lengths`` bytes: as long as the longest (at most
+    ``cap``, where not None: longer ranges are read in parts)."""
+    longest = round_up(max([ALIGNMENT, *lengths]), ALIGNMENT)
+    return BufferPool(3, longest if cap is None else min(longest, cap))
 
 
-def _aio_of(manifest: dict) -> AioConfig:
+def aio_of(manifest) -> AioConfig:
+    """The engine settings a checkpoint was saved with (the defaults where this version cannot read them)."""
     try:
-        return load_config({"aio": manifest["config"]["aio"]}).aio
+        return load_config({"aio": manifest.config["aio"]}).aio
     except Exception:  # noqa: BLE001 - a config this version cannot read: the defaults do
         return AioConfig()
 
 
-_DONE = CompletedFuture()
+DONE = CompletedFuture()
 
 
-def _progress(total: int, what: str, enabled: Optional[bool] = None, *, delay: float = 1.0) -> tqdm:
+def progress_bar(total: int, what: str, enabled: Optional[bool] = None, *, delay: float = 1.0) -> tqdm:
     """A progress bar of ``total`` bytes on stderr, shown once the work has lasted ``delay`` seconds;
     ``enabled`` None shows it only where stderr is a terminal."""
     if enabled is None:
@@ -60,11 +65,11 @@ def _progress(total: int, what: str, enabled: Optional[bool] = None, *, delay: f
 FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range)
 # What a file system says when it cannot share extents between these two files: no reflink support
 # (ext4, tmpfs), two file systems, or offsets and lengths that are not multiples of its block size.
-_NO_CLONE = frozenset({_errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EXDEV, _errno.EINVAL, _errno.ENOTTY,
+NO_CLONE_ERRORS = frozenset({_errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EXDEV, _errno.EINVAL, _errno.ENOTTY,
                        _errno.ENOSYS, _errno.EBADF})
 
 
-def _clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
+def clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
     """Make ``length`` bytes of ``dst_fd`` at ``dst_offset`` share the extents of ``src_fd`` at
     ``src_offset`` (``FICLONERANGE``: XFS with reflink, btrfs): metadata only, whatever the length.
     False where the file system cannot (the caller copies the bytes instead).
@@ -75,20 +80,20 @@ def _clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_off
     try:
         fcntl.ioctl(dst_fd, FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, length, dst_offset))
     except OSError as err:
-        if err.errno in _NO_CLONE:
+        if err.errno in NO_CLONE_ERRORS:
             return False
         raise
     return True
 
 
-def _stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,
+def stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,
             process: Callable[[Any, Any], bool], write: Optional[Callable] = None) -> None:
     """:meth:`offload.pipeline.Pipeline.run` over ``buffers``, reads as far ahead as buffers allow."""
     if len(items):
         Pipeline(list(buffers)).run(items, read=read, process=process, write=write)
 
 
-class _RangeReader:
+class RangeReader:
     """Copies byte ranges of a checkpoint's data file into tensors through one staging buffer."""
 
     def __init__(self, engine: Engine, file, buffer, file_bytes: int):
@@ -117,65 +122,165 @@ class _RangeReader:
 # -- writing a data file (state.bin, params.bin) -------------------------------------------
 
 
-def _write_data(staged: _Staged, aio: AioConfig, buffers: Sequence, units: Sequence, *,
-                read: Optional[Callable], fill: Optional[Callable], nbytes_of: Callable[[Any], int],
-                name: str = DATA, unit_digests: bool = True) -> dict:
-    """Write ``units`` to the data file ``name`` in order through ``buffers``, each at a 4096-aligned
-    offset; returns the file entry and the units' table (offsets, lengths and, with
-    ``unit_digests``, each unit's xxh3_64 over its padded length)."""
-    lengths = [round_up(nbytes_of(u), ALIGNMENT) for u in units]
+def packed(sizes: Sequence[int]) -> tuple[list[int], list[int], int]:
+    """Offsets and lengths of ranges of ``sizes`` bytes laid back to back, each padded to ALIGNMENT; and
+    the total."""
+    lengths = [round_up(n, ALIGNMENT) for n in sizes]
     offsets, pos = [], 0
     for n in lengths:
         offsets.append(pos)
         pos += n
-    total = pos
-    path = staged.path(name)
-    engine = staged.storage.engine(aio)
-    try:
-        if buffers and all(b.index == i for i, b in enumerate(buffers)):
+    return offsets, lengths, pos
+
+
+class DataFile:
+    """A new data file ``name`` of the checkpoint being written into ``staged``, open for the engine of
+    ``staged``'s storage (O_DIRECT where the file system allows)."""
+
+    def __init__(self, staged, aio: AioConfig, name: str):
+        self.path = staged.path(name)
+        self.storage = staged.storage
+        self.engine = staged.storage.engine(aio)
+        self.file = None
+        try:
+            self.file = self.engine.open(self.path, "x+")
+            if self.file.alignment > ALIGNMENT:
+                raise CheckpointError(f"{self.path}: the file system wants {self.file.alignment}-byte direct I/O; "
+                                      f"checkpoints use {ALIGNMENT}. Set aio.o_direct to false for this path")
+        except BaseException:
+            self.close()
+            raise
+
+    def register(self, buffers: Sequence) -> None:
+        """Register a pool's ``buffers`` with the engine, where they are a whole pool in order."""
+        if buffers and all(b.index == k for k, b in enumerate(buffers)):
             try:
-                engine.register_buffers(list(buffers))
+                self.engine.register_buffers(list(buffers))
             except (ValueError, RuntimeError, OSError):
                 pass  # fixed buffers only save a little CPU
-        with engine.open(path, "x+") as f:
-            if f.alignment > ALIGNMENT:
-                raise CheckpointError(f"{path}: the file system wants {f.alignment}-byte direct I/O; "
-                                      f"checkpoints use {ALIGNMENT}. Set aio.o_direct to false for this path")
-            if total:
-                try:
-                    os.posix_fallocate(f.fd, 0, total)
-                except OSError as err:
-                    st = os.statvfs(staged.parent)
-                    raise OSError(err.errno, f"cannot reserve {total} bytes for the checkpoint data "
-                                  f"({err.strerror}; {st.f_bavail * st.f_frsize} bytes free)", path) from err
-            whole = xxhash.xxh3_64()
-            digests: list[str] = [""] * len(units)
-            index = {id(u): i for i, u in enumerate(units)}
 
-            def process(u, buf) -> bool:
-                i = index[id(u)]
-                if fill is not None:
-                    fill(u, buf)
-                n = nbytes_of(u)
-                buf.tensor[n: lengths[i]].zero_()  # padding: same state, same bytes
-                data = buf.tensor[: lengths[i]].numpy()
-                if unit_digests:
-                    digests[i] = xxhash.xxh3_64(data).hexdigest()
-                whole.update(data)
-                return True
+    def reserve(self, runs: Sequence[tuple[int, int]]) -> None:
+        """Allocate the file's ranges ``[a, b)`` now, so that a full disk is reported before data moves."""
+        try:
+            for a, b in runs:
+                os.posix_fallocate(self.file.fd, a, b - a)
+        except OSError as err:
+            st = os.statvfs(os.path.dirname(self.path))
+            raise OSError(err.errno, f"cannot reserve {sum(b - a for a, b in runs)} bytes for the checkpoint data "
+                          f"({err.strerror}; {st.f_bavail * st.f_frsize} bytes free)", self.path) from err
 
-            def write(u, buf):
-                i = index[id(u)]
-                return engine.write_async(f, buf, offsets[i], lengths[i])
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        self.engine.close()
 
-            _stream(list(units), list(buffers), read=read, process=process, write=write)
-            staged.storage.fsync(f.fd, path)
+
+def write_data(staged, aio: AioConfig, buffers: Sequence, units: Sequence, *, read: Optional[Callable],
+               fill: Optional[Callable], nbytes_of: Callable[[Any], int], name: str = DATA,
+               unit_digests: bool = True) -> tuple[dict, list]:
+    """Write ``units`` to the data file ``name`` in order through ``buffers``, each at a 4096-aligned
+    offset; returns the file entry (size, xxh3_64) and the units' :class:`manifest.Unit` (with
+    ``unit_digests``, each unit's xxh3_64 over its padded length)."""
+    sizes = [nbytes_of(u) for u in units]
+    offsets, lengths, total = packed(sizes)
+    data = DataFile(staged, aio, name)
+    whole = xxhash.xxh3_64()
+    digests: list = [None] * len(units)
+    index = {id(u): i for i, u in enumerate(units)}
+    try:
+        data.register(buffers)
+        if total:
+            data.reserve([(0, total)])
+
+        def process(u, buf) -> bool:
+            i = index[id(u)]
+            if fill is not None:
+                fill(u, buf)
+            buf.tensor[sizes[i]: lengths[i]].zero_()  # padding: same state, same bytes
+            block = buf.tensor[: lengths[i]].numpy()
+            if unit_digests:
+                digests[i] = xxhash.xxh3_64(block).hexdigest()
+            whole.update(block)
+            return True
+
+        def write(u, buf):
+            i = index[id(u)]
+            return data.engine.write_async(data.file, buf, offsets[i], lengths[i])
+
+        stream(list(units), list(buffers), read=read, process=process, write=write)
+        data.storage.fsync(data.file.fd, data.path)
     finally:
-        engine.close()
-    entry = {"bytes": total, "xxh3_64": whole.hexdigest()}
-    table = [{"offset": o, "nbytes": nbytes_of(u), "length": n, "xxh3_64": d}
-             for u, o, n, d in zip(units, offsets, lengths, digests)]
-    if not unit_digests:
-        for t in table:
-            del t["xxh3_64"]
-    return {"file": entry, "units": table}
+        data.close()
+    table = [Unit(o, n, size, d) for o, n, size, d in zip(offsets, lengths, sizes, digests)]
+    return {"bytes": total, "xxh3_64": whole.hexdigest()}, table
+
+
+# -- reading a data file back, checked --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    """``length`` bytes at ``offset`` of a data file whose first ``nbytes`` have xxh3_64 ``xxh3_64``
+    (None: unchecked); ``what`` names them in an error (``"bytes [a, b) (unit 3, ...) have"``)."""
+
+    offset: int
+    length: int
+    nbytes: int
+    xxh3_64: Optional[str]
+    what: str
+    key: Any = None
+
+
+def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Sequence, whole: str, *,
+                  sink: Optional[Callable[[Span, int, Any], None]] = None,
+                  write: Optional[Callable[[Span, Any], Any]] = None) -> None:
+    """Read ``spans`` of the data file ``path`` through ``buffers`` (in parts where a span is longer than
+    a buffer), check each span's checksum and then ``whole``, the file's (its spans must cover it).
+    ``sink(span, start, bytes)`` gets a span's bytes (its first ``nbytes``) as they pass, checked only
+    once its last part is in; with ``write(span, buffer)`` (spans no longer than a buffer) each span is
+    written on, once checked.
+
+    Raises:
+        ChecksumError: a span's checksum, or the file's, differs (the first named).
+    """
+    size = min(b.nbytes for b in buffers) // ALIGNMENT * ALIGNMENT
+    parts = [(s, off, min(size, s.length - off)) for s in spans for off in range(0, s.length, size)]
+    hashes = {id(s): xxhash.xxh3_64() for s in spans}
+    file_hash = xxhash.xxh3_64()
+    with engine.open(path, "r") as f:
+        def read(part, buf):
+            s, off, n = part
+            return engine.read_async(f, buf, s.offset + off, n)
+
+        def process(part, buf) -> bool:
+            s, off, n = part
+            file_hash.update(buf.tensor[:n].numpy())
+            real = buf.tensor[:max(0, min(n, s.nbytes - off))]
+            hashes[id(s)].update(real.numpy())
+            if off + n == s.length and s.xxh3_64 is not None and hashes[id(s)].hexdigest() != s.xxh3_64:
+                raise ChecksumError(f"{path}: {s.what} xxh3_64 {hashes[id(s)].hexdigest()}, the manifest says "
+                                    f"{s.xxh3_64}; the checkpoint is corrupt, load an older one")
+            if sink is not None:
+                sink(s, off, real)
+            return write is not None
+
+        stream(parts, list(buffers), read=read, process=process,
+               write=None if write is None else lambda part, buf: write(part[0], buf))
+    if file_hash.hexdigest() != whole:
+        raise ChecksumError(f"{path}: xxh3_64 is {file_hash.hexdigest()}, the manifest says {whole}")
+
+
+def unit_spans(manifest) -> list[Span]:
+    """A :class:`Span` per unit of ``manifest``'s state.bin, in order (``key``: the unit's index)."""
+    return [Span(u.offset, u.length, u.length, u.xxh3_64,
+                 f"bytes [{u.offset}, {u.offset + u.length}) (unit {i}, state of parameter(s) "
+                 f"{', '.join(str(p) for p in manifest.holders(i)) or 'none'}) have", i)
+            for i, u in enumerate(manifest.units)]
+
+
+def tensor_spans(manifest) -> list[Span]:
+    """A :class:`Span` per tensor in ``manifest``'s params.bin, by offset (``key``: its entry)."""
+    return [Span(t.offset, round_up(t.length, ALIGNMENT), t.length, t.xxh3_64,
+                 f"parameter {t.name!r} (bytes [{t.offset}, {t.offset + t.length})) has", t)
+            for t in manifest.model.on_disk()]
