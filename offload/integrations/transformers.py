@@ -12,11 +12,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..params import clip_grad_norm_
+from ..params import clip_grad_norm_, offload_parameters
+from ..params.meta import empty_parameters
+from ..pretrained import SafetensorsCheckpoint
+from ..pretrained.load import copy_into, fill_modules, match
 from . import OFFLOAD_DIR
 from ._common import has_offloaded_grads, has_offloaded_weights, offloaded_optimizer, unwrap_model
 
-__all__ = ["OFFLOAD_DIR", "OffloadTrainer", "OffloadTrainerMixin"]  # noqa: F822 (built by __getattr__)
+__all__ = ["OFFLOAD_DIR", "OffloadTrainer", "OffloadTrainerMixin",  # noqa: F822 (built by __getattr__)
+           "from_pretrained"]
 
 _SCHEDULER = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
 
@@ -133,8 +137,55 @@ def _refuse_overlap(optimizer, args) -> None:
             "per-device batch), or build the optimizer without overlap_backward.")
 
 
-_NEEDED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
-           "_clip_grad_norm", "_get_grad_norm")
+def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, model_class=None, dtype=None,
+                    strict: bool = True, **offload_kwargs):
+    """Build a Hugging Face model from ``path``'s config.json with its weights straight on NVMe, and load its
+    safetensors weights, in one call; host memory stays the pools and one module whatever the model's size.
+
+    The model is built with its parameters on the meta device (buffers real), checked against the
+    checkpoint (names, shapes, dtypes, every file's header) before anything is written, then offloaded
+    with :func:`offload.offload_parameters`, each module's weights read from the checkpoint as it is
+    materialised (converted to ``dtype``) and written to the swap space once. Tied weights stay tied.
+    Returns the model in eval mode, as ``transformers`` does.
+
+    Args:
+        path: a directory holding config.json and ``model.safetensors`` or shards with
+            ``model.safetensors.index.json`` (what ``save_pretrained`` writes; nothing is downloaded).
+        nvme_path, config: as for :func:`offload.offload_parameters` (``offload_param`` settings).
+        model_class: the ``transformers`` class to build (default ``AutoModelForCausalLM``).
+        dtype: the weights' dtype (default: config.json's ``dtype``, else float32).
+        strict: refuse a checkpoint whose names differ from the model's; with False, tensors it lacks get
+            the model's own ``_init_weights``.
+        offload_kwargs: more keywords for :func:`offload.offload_parameters` (``max_in_cpu=0``, ...).
+
+    Raises:
+        CheckpointError: the checkpoint is missing, corrupt, or does not fit the config (named); no swap
+            file was made.
+    """
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("from_pretrained needs transformers: pip install 'nvme-offload[integrations]'") from err
+    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(path))
+    if dtype is None:
+        dtype = getattr(hf_config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+    with SafetensorsCheckpoint(path) as ckpt:
+        with empty_parameters():
+            model = cls.from_config(hf_config, dtype=dtype)
+        plan = match(model, ckpt, strict=strict)
+        named_buffers = [(n, b) for n, b in model.named_buffers() if n in plan.entries]
+        fallback = getattr(model, "_init_weights", None) if plan.missing else None
+        offload_parameters(model, nvme_path, config, init=fill_modules(model, ckpt, plan, fallback),
+                           **offload_kwargs)
+        for name, b in named_buffers:
+            copy_into(ckpt, plan.entries[name], b)
+    return model.eval()
+
+
+_NEEDED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+           "_load_optimizer_and_scheduler", "_clip_grad_norm", "_get_grad_norm")
 _classes: dict = {}
 
 

@@ -1,0 +1,10 @@
+"""Hugging Face checkpoints into offloaded models: safetensors weights loaded one tensor at a time.
+
+``transformers`` is not needed here (only ``safetensors``); the one-call ``from_pretrained`` that builds the
+model from its config is in :mod:`offload.integrations.transformers`.
+"""
+
+from .files import SafetensorsCheckpoint
+from .load import Plan, load_safetensors
+
+__all__ = ["Plan", "SafetensorsCheckpoint", "load_safetensors"]
