@@ -1,5 +1,5 @@
-"""Hugging Face checkpoints into offloaded models: safetensors loaded one tensor at a time (sharded, tied,
-converted), bit for bit, and the errors for bad checkpoints."""
+"""Hugging Face checkpoints in and out of offloaded models: safetensors loaded one tensor at a time (sharded, tied,
+converted), models saved as directories from_pretrained reads, bit for bit, and the errors for bad checkpoints."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 from helpers import TINY, Net
 from torch import nn
 
-from offload import CheckpointError, offload_parameters
+from offload import CheckpointError, offload_parameters, restore_parameters, save_parameters
+from offload.ckpt_cli import main as ckpt_main
 from offload.params import load_grad, materialized, offloaded
-from offload.pretrained import load_safetensors
+from offload.pretrained import load_safetensors, save_pretrained
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -189,3 +190,97 @@ def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
     assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
     with materialized(model):
         assert torch.equal(model[5].weight, _weight(5))
+
+
+def test_save_pretrained_of_offloaded_model_loads_with_from_pretrained_bit_for_bit(hf_dir, nvme, closing, tmp_path):
+    """An offloaded model saved as sharded safetensors (tied head saved once) loads with transformers'
+    from_pretrained equal bit for bit, its shards within max_shard_size, and nothing is left beside it."""
+    from offload.integrations.transformers import from_pretrained
+
+    model = closing(from_pretrained(hf_dir, nvme_path=nvme, dtype=torch.bfloat16, **TINY))
+    out = tmp_path / "export"
+    save_pretrained(model, out, max_shard_size="20000")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and "lm_head.weight" not in index["weight_map"]
+    for shard in shards:
+        tensors = safetensors_torch.load_file(out / shard)
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 20000
+    assert sorted(os.listdir(tmp_path)) == ["export", "nvme"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert back.dtype == torch.bfloat16 and back.lm_head.weight is back.model.embed_tokens.weight
+    got = back.state_dict()
+    for name, value in state_of(model).items():
+        assert torch.equal(got[name], value), name
+
+
+def test_save_pretrained_never_replaces_a_directory_with_other_files(tmp_path):
+    """A non-empty target is refused; with overwrite, only a Hugging Face save is replaced, and a file of the
+    user's beside it stops the replacement."""
+    model = nn.Linear(4, 4)
+    out = tmp_path / "out"
+    save_pretrained(model, out)
+    with pytest.raises(CheckpointError, match="not empty.*overwrite=True"):
+        save_pretrained(model, out)
+    save_pretrained(model, out, overwrite=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"notes\.txt.*not replacing"):
+        save_pretrained(model, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_offload_trainer_save_model_writes_a_hugging_face_checkpoint(hf_dir, nvme, closing, tmp_path):
+    """trainer.save_model(dir) of an offloaded model writes config and safetensors from_pretrained loads, equal
+    to the offloaded weights, beside the files already in dir."""
+    from transformers import TrainingArguments
+
+    from offload.integrations.transformers import OffloadTrainer, from_pretrained
+
+    model = closing(from_pretrained(hf_dir, nvme_path=nvme, **TINY))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    targs = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=1)
+    trainer = OffloadTrainer(model=model, args=targs, train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
+    trainer.save_model(str(out))
+    assert (out / "keep.txt").read_text() == "x" and (out / "training_args.bin").is_file()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    got = back.state_dict()
+    for name, value in state_of(model).items():
+        assert torch.equal(got[name], value), name
+
+
+def test_offload_ckpt_export_hf(nvme, closing, tmp_path, hf_dir, capsys):
+    """offload-ckpt export --hf turns a checkpoint of offloaded weights into a directory from_pretrained loads,
+    bit for bit."""
+    from offload.integrations.transformers import from_pretrained
+
+    model = closing(from_pretrained(hf_dir, nvme_path=nvme, **TINY))
+    save_parameters(model, tmp_path / "ckpt")
+    code = ckpt_main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf"), "--config", str(hf_dir),
+                      "--max-shard-size", "20000"])
+    assert code == 0, capsys.readouterr().err
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    got = back.state_dict()
+    for name, value in state_of(model).items():
+        assert torch.equal(got[name], value), name
+    restore_parameters(model)
+
+
+def test_saving_holds_one_tensor_in_memory(nvme, closing, tmp_path):
+    """Saving a 96 MiB offloaded model as Hugging Face shards raises peak RSS by about one 8 MiB tensor and the
+    pool, not by the model: each weight is fetched for its write alone. The shards hold its weights."""
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(SIDE, SIDE, bias=False) for _ in range(LAYERS)])
+    closing(offload_parameters(model, nvme_path=nvme, max_in_cpu=0, max_grad_in_cpu=0, buffer_count=3,
+                               buffer_size=1 << 20))
+    pool = offloaded(model).store.pool.nbytes
+    before = _reset_peak()
+    save_pretrained(model, tmp_path / "out", max_shard_size="40MiB")
+    growth = _status("VmHWM") - before
+    assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+    assert len(os.listdir(tmp_path / "out")) == 4  # 3 shards and the index
+    with materialized(model):
+        assert torch.equal(safetensors_torch.load_file(tmp_path / "out" / "model-00002-of-00003.safetensors")
+                           ["5.weight"], model[5].weight)

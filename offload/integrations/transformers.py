@@ -14,15 +14,17 @@ import torch
 
 from ..params import clip_grad_norm_, offload_parameters
 from ..params.meta import empty_parameters
-from ..pretrained import SafetensorsCheckpoint
+from ..pretrained import SafetensorsCheckpoint, save_pretrained
 from ..pretrained.load import copy_into, fill_modules, match
+from ..pretrained.save import save_into
 from . import OFFLOAD_DIR
 from ._common import has_offloaded_grads, has_offloaded_weights, offloaded_optimizer, unwrap_model
 
 __all__ = ["OFFLOAD_DIR", "OffloadTrainer", "OffloadTrainerMixin",  # noqa: F822 (built by __getattr__)
-           "from_pretrained"]
+           "from_pretrained", "save_pretrained"]
 
 _SCHEDULER = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
+_TRAINING_ARGS = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME
 
 
 # NOTE: Trainer saves a checkpoint with torch.save(optimizer.state_dict()) and the model's weights
@@ -42,6 +44,8 @@ class OffloadTrainerMixin:
       weights, stream to and from ``checkpoint-N/offload`` (``opt.save_checkpoint``); host memory
       stays the pools whatever the model size. A model that is not offloaded is saved by Trainer as
       usual (``model.safetensors``).
+    - ``trainer.save_model(dir)`` of offloaded weights writes a Hugging Face checkpoint (config.json,
+      sharded safetensors) one weight at a time, then the tokenizer and training arguments, as Trainer does.
     - Gradient norm and clipping (``max_grad_norm``, the logged ``grad_norm``) with offloaded
       gradients use :func:`offload.params.clip_grad_norm_`: torch's numbers, bit for bit.
 
@@ -67,6 +71,20 @@ class OffloadTrainerMixin:
             from ..checkpoint import save_parameters
 
             save_parameters(unwrap_model(self.model), os.path.join(output_dir, OFFLOAD_DIR))
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        # Reached from a user's save_model() (a checkpoint's save_model is handled above).
+        if state_dict is not None or not has_offloaded_weights(self.model):
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return None
+        save_into(unwrap_model(self.model), output_dir)
+        tokenizer = self.processing_class if self.processing_class is not None else \
+            getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, _TRAINING_ARGS))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         opt = offloaded_optimizer(self.optimizer)
@@ -184,7 +202,7 @@ def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, mod
     return model.eval()
 
 
-_NEEDED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+_NEEDED = ("save_model", "_save", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
            "_load_optimizer_and_scheduler", "_clip_grad_norm", "_get_grad_norm")
 _classes: dict = {}
 
@@ -209,6 +227,9 @@ def _trainer_class() -> type:
             "__module__": __name__,
         })
     return _classes["OffloadTrainer"]
+
+
+save_pretrained = save_pretrained  # offload.pretrained.save_pretrained: an offloaded model as a HF checkpoint
 
 
 def __getattr__(name: str):

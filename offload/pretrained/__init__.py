@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints into offloaded models: safetensors weights loaded one tensor at a time.
+"""Hugging Face checkpoints in and out of offloaded models: safetensors weights loaded one tensor at a time,
+and models saved as directories ``from_pretrained`` reads, one tensor at a time.
 
 ``transformers`` is not needed here (only ``safetensors``); the one-call ``from_pretrained`` that builds the
 model from its config is in :mod:`offload.integrations.transformers`.
@@ -6,5 +7,6 @@ model from its config is in :mod:`offload.integrations.transformers`.
 
 from .files import SafetensorsCheckpoint
 from .load import Plan, load_safetensors
+from .save import save_pretrained, write_checkpoint
 
-__all__ = ["Plan", "SafetensorsCheckpoint", "load_safetensors"]
+__all__ = ["Plan", "SafetensorsCheckpoint", "load_safetensors", "save_pretrained", "write_checkpoint"]
