@@ -112,6 +112,8 @@ def initialise(model: nn.Module, store, fresh: list[nn.Parameter], init: Init,
             p.untyped_storage().resize_(p.numel() * p.element_size())
             with torch.no_grad():
                 p.zero_()
+    # An initialiser that says it sets every element (a load) spares the zeroing, a pass over new memory.
+    zero = not getattr(init, "sets_every_element", False)
     initialised_modules: set[int] = set()
     for module in _children_first(model) if init is not False else ():
         own = [p for p in module._parameters.values() if p is not None and id(p) in waiting]
@@ -120,14 +122,14 @@ def initialise(model: nn.Module, store, fresh: list[nn.Parameter], init: Init,
             continue
         rng = _rng_state(module)
         try:
-            with _holding(store, own, set(waiting)):
+            with _holding(store, own, set(waiting), zero):
                 fn()
         except RuntimeError:
             # The initialiser reached below the module (a parent resetting a child's bias): hold the
             # module's whole subtree and run it again from the same random state.
             _set_rng_state(rng)
             subtree = list({id(p): p for p in module.parameters()}.values())
-            with _holding(store, subtree, set(waiting)):
+            with _holding(store, subtree, set(waiting), zero):
                 fn()
         initialised_modules.add(id(module))
         waiting.difference_update(id(p) for p in module.parameters(recurse=False))
@@ -152,10 +154,10 @@ def _initialiser(module: nn.Module, init: Init) -> Optional[Callable[[], None]]:
 
 class _holding:
     """Hold ``params`` resident for the block and write them back after it: those still ``waiting`` for
-    their first values are fetched without reading (zeroed), the others read."""
+    their first values are fetched without reading (and zeroed, with ``zero``), the others read."""
 
-    def __init__(self, store, params: list, waiting: set):
-        self.store, self.params, self.waiting = store, params, waiting
+    def __init__(self, store, params: list, waiting: set, zero: bool = True):
+        self.store, self.params, self.waiting, self.zero = store, params, waiting, zero
         self.held: list = []
 
     def __enter__(self):
@@ -166,7 +168,7 @@ class _holding:
                 first = id(p) in self.waiting
                 self.store.fetch(p, read=not first)
                 self.held.append(p)
-                if first:
+                if first and self.zero:
                     with torch.no_grad():
                         p.zero_()  # what a parameter no initialiser sets holds, as on the swap space
         except BaseException:

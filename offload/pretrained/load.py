@@ -184,4 +184,5 @@ def fill_modules(model: nn.Module, ckpt: SafetensorsCheckpoint, plan: Plan,
                 copy_into(ckpt, entry, p)
                 done.add(id(p))
 
+    init.sets_every_element = not plan.missing  # every parameter comes whole from the checkpoint
     return init
