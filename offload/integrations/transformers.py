@@ -12,10 +12,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..params import clip_grad_norm_, offload_parameters
-from ..params.meta import empty_parameters
-from ..pretrained import SafetensorsCheckpoint, save_pretrained
-from ..pretrained.load import copy_into, fill_modules, match
+from ..params import clip_grad_norm_
+from ..pretrained import offload_pretrained, save_pretrained
 from ..pretrained.save import save_into
 from . import OFFLOAD_DIR
 from ._common import has_offloaded_grads, has_offloaded_weights, offloaded_optimizer, unwrap_model
@@ -189,16 +187,8 @@ def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, mod
         dtype = getattr(hf_config, "dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
-    with SafetensorsCheckpoint(path) as ckpt:
-        with empty_parameters():
-            model = cls.from_config(hf_config, dtype=dtype)
-        plan = match(model, ckpt, strict=strict)
-        named_buffers = [(n, b) for n, b in model.named_buffers() if n in plan.entries]
-        fallback = getattr(model, "_init_weights", None) if plan.missing else None
-        offload_parameters(model, nvme_path, config, init=fill_modules(model, ckpt, plan, fallback),
-                           **offload_kwargs)
-        for name, b in named_buffers:
-            copy_into(ckpt, plan.entries[name], b)
+    model = offload_pretrained(lambda: cls.from_config(hf_config, dtype=dtype), path, nvme_path, config,
+                               strict=strict, init_missing=lambda m: m._init_weights, **offload_kwargs)
     return model.eval()
 
 

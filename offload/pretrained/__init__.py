@@ -6,7 +6,8 @@ model from its config is in :mod:`offload.integrations.transformers`.
 """
 
 from .files import SafetensorsCheckpoint
-from .load import Plan, load_safetensors
+from .load import Plan, load_safetensors, offload_pretrained
 from .save import save_pretrained, write_checkpoint
 
-__all__ = ["Plan", "SafetensorsCheckpoint", "load_safetensors", "save_pretrained", "write_checkpoint"]
+__all__ = ["Plan", "SafetensorsCheckpoint", "load_safetensors", "offload_pretrained", "save_pretrained",
+           "write_checkpoint"]

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..params import store_of
+from ..params import empty_parameters, offload_parameters, store_of
 from .files import Entry, SafetensorsCheckpoint
 
-__all__ = ["Plan", "fill_modules", "load_safetensors", "match"]
+__all__ = ["Plan", "fill_modules", "load_safetensors", "match", "offload_pretrained"]
 
 # Bytes of a tensor read from its file at once: a large embedding comes in slices of rows, so what is
 # in memory besides the destination is this much, whatever the tensor's size.
@@ -186,3 +186,37 @@ def fill_modules(model: nn.Module, ckpt: SafetensorsCheckpoint, plan: Plan,
 
     init.sets_every_element = not plan.missing  # every parameter comes whole from the checkpoint
     return init
+
+
+def offload_pretrained(build: Callable[[], nn.Module], path: str | os.PathLike, nvme_path=None, config=None, *,
+                       strict: bool = True, init_missing: Optional[Callable[[nn.Module], Callable]] = None,
+                       **offload_kwargs) -> nn.Module:
+    """Build a model with its parameters on meta, then offload it with the weights of a safetensors checkpoint.
+
+    ``build()`` runs under :func:`offload.params.empty_parameters` (parameters on meta, buffers real); the
+    model is checked against the checkpoint (names, shapes, dtypes, every header) before anything is written,
+    then offloaded with :func:`offload.offload_parameters`, each module's weights read from the checkpoint as
+    it is materialised and written to the swap space once; persistent buffers the checkpoint holds are
+    copied in. Memory: the pools and one module.
+
+    Args:
+        build: makes the model (for Hugging Face models, ``from_config``).
+        path: the checkpoint (see :func:`load_safetensors`).
+        nvme_path, config, offload_kwargs: for :func:`offload.offload_parameters`.
+        strict: refuse a checkpoint whose names differ from the model's.
+        init_missing: ``init_missing(model)`` gives the per-module initialiser for tensors the checkpoint
+            lacks (with ``strict=False``); default zeros.
+
+    Raises:
+        CheckpointError: the checkpoint is missing, corrupt, or does not fit; no swap file was made.
+    """
+    with SafetensorsCheckpoint(path) as ckpt:
+        with empty_parameters():
+            model = build()
+        plan = match(model, ckpt, strict=strict)
+        buffers = [(n, b) for n, b in model.named_buffers() if n in plan.entries]
+        fallback = init_missing(model) if plan.missing and init_missing is not None else None
+        offload_parameters(model, nvme_path, config, init=fill_modules(model, ckpt, plan, fallback), **offload_kwargs)
+        for name, b in buffers:
+            copy_into(ckpt, plan.entries[name], b)
+    return model
