@@ -284,3 +284,23 @@ def test_saving_holds_one_tensor_in_memory(nvme, closing, tmp_path):
     with materialized(model):
         assert torch.equal(safetensors_torch.load_file(tmp_path / "out" / "model-00002-of-00003.safetensors")
                            ["5.weight"], model[5].weight)
+
+
+def test_save_pretrained_refuses_weights_changed_on_disk_and_leaves_nothing(nvme, tmp_path):
+    """A weight whose bytes changed in the swap file behind our back is named (StateError) when the export
+    streams it, and no directory is left, neither the target nor the one beside it."""
+    from helpers import flip_bit
+
+    from offload import StateError
+
+    torch.manual_seed(0)
+    model = offload_parameters(Net(), nvme_path=nvme, **TINY)
+    try:
+        store = offloaded(model).store
+        flip_bit(store.space.files[0], store.records[model.blocks[1].up.weight].extent.offset + 64)
+        with pytest.raises(StateError, match=r"blocks\.1\.up\.weight"):
+            save_pretrained(model, tmp_path / "out")
+        assert sorted(os.listdir(tmp_path)) == ["nvme"]
+    finally:
+        offloaded(model).scheduler.remove()
+        store.close()

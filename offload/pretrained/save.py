@@ -15,8 +15,9 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..errors import CheckpointError
-from ..params import resident
+from ..aio import wait_quietly
+from ..errors import CheckpointError, StateError
+from ..params import store_of
 from ..units import parse_size
 from .files import INDEX, SINGLE, dtype_name
 from .load import _named
@@ -193,15 +194,51 @@ def _write_tensor(f, t: torch.Tensor) -> None:
             f.write(memoryview((ctypes.c_char * n).from_address(d.data_ptr())))
 
 
+# NOTE: an offloaded weight is written from its extent through its store's own pool, block by block, reads
+# running ahead of the file's writes, each block's checksum verified as it lands: nothing is fetched, so no
+# memory is allocated for it (a fetch's new pages cost more than the copy) and memory stays the pool. A
+# weight resident now, or in the host cache, is written from that copy, its latest. The store is held still
+# (``exclusive``) for the tensor's write.
+def _stream_offloaded(f, store, param: torch.Tensor) -> None:
+    with store.exclusive() as buffers:
+        extent, current = store.current_bytes(param)
+        if current is not None:
+            _write_tensor(f, current)
+            return
+        nbytes, unit = param.numel() * param.element_size(), store.unit_bytes
+        count = -(-nbytes // unit)
+        pending: dict[int, tuple] = {}
+        try:
+            for k in range(count):
+                for ahead in range(k, min(count, k + len(buffers))):
+                    if ahead not in pending:
+                        buf = buffers[ahead % len(buffers)]
+                        pending[ahead] = (buf, store.read_unit(param, ahead, buf))
+                buf, fut = pending.pop(k)
+                fut.wait()
+                f.write(buf.tensor[:min(unit, nbytes - k * unit)].numpy())
+        finally:
+            for _, fut in pending.values():
+                wait_quietly([fut])
+
+
 def model_tensors(model: nn.Module) -> list[Tensor]:
-    """``model``'s ``state_dict`` tensors as :class:`Tensor` s, each written from memory, an offloaded
-    parameter fetched for its write alone. A tensor under several names (tied weights) is saved once,
-    under its first name, as Hugging Face saves tied weights; ``from_pretrained`` ties them again."""
+    """``model``'s ``state_dict`` tensors as :class:`Tensor` s: an offloaded parameter streamed from the swap
+    space through its store's pool, the others written from memory. A tensor under several names (tied
+    weights) is saved once, under its first name, as Hugging Face saves tied weights; ``from_pretrained``
+    ties them again."""
     out = []
     for t, names in _named(model).values():
-        def write(f, t=t):
-            with resident([t]):
+        store = store_of(t)
+        if store is not None and store.error is not None:
+            raise StateError(f"not saving {names[0]!r}: the offloaded weights were lost or half loaded "
+                             f"({store.error}); load a checkpoint again first")
+
+        def write(f, t=t, store=store):
+            if store is None:
                 _write_tensor(f, t)
+            else:
+                _stream_offloaded(f, store, t)
 
         out.append(Tensor(names[0], tuple(t.shape), t.dtype, write))
     return out
@@ -212,8 +249,9 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
     """Save ``model`` as a directory ``transformers``' ``from_pretrained`` loads as it is.
 
     Weights go to safetensors shards of at most ``max_shard_size`` (with ``model.safetensors.index.json``
-    when there are several), one tensor at a time: an offloaded parameter is fetched for its write and
-    released after, so memory holds one weight, whatever the model's size. A Hugging Face model's
+    when there are several), one tensor at a time: an offloaded parameter streams from the swap space
+    through its store's pool, each block's checksum verified, so memory holds the pool (and at most one
+    weight that is not offloaded), whatever the model's size. A Hugging Face model's
     ``config`` (and ``generation_config``) are saved beside them. Tied weights are saved once, under their
     first ``state_dict`` name. The directory is written beside ``directory`` and renamed into place when
     complete (see :func:`write_checkpoint`).
@@ -228,7 +266,8 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
         ``directory``, absolute.
 
     Raises:
-        CheckpointError: ``directory`` exists and is not empty (or holds other files); a weight is lost.
+        CheckpointError: ``directory`` exists and is not empty (or holds other files).
+        StateError: offloaded weights were lost (a failed load or write-back), or changed on disk.
         OSError: writing failed; nothing at ``directory`` changed.
     """
     if not isinstance(model, nn.Module):
