@@ -4,6 +4,7 @@ and optimizer state on NVMe, with host memory measured against the pools."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -59,20 +60,19 @@ def _shape(params: int, hidden: int, vocab: int) -> tuple[int, int, int]:
 
 
 class _Timer:
-    def __init__(self):
+    """Each phase's time, and the peak RSS growth (over ``base`` bytes) reached by its end."""
+
+    def __init__(self, base: int):
         self.times: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
+        self.base = base
 
+    @contextlib.contextmanager
     def __call__(self, name: str):
-        timer = self
-
-        class _Span:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.times[name] = time.perf_counter() - self.t
-
-        return _Span()
+        t = time.perf_counter()
+        yield
+        self.times[name] = time.perf_counter() - t
+        self.peaks[name] = _rss_peak() - self.base
 
 
 def _close(model) -> None:
@@ -107,7 +107,6 @@ def run_scale(args: argparse.Namespace) -> int:
 
 def _run(args, transformers, paths: list, work: str, hf_config, layers: int, inter: int) -> int:
     """The run, its files in ``work``."""
-    timer = _Timer()
     swap = os.path.join(work, "swap")
     source, export = os.path.join(work, "pretrained"), os.path.join(work, "finetuned")
     machine = report.machine_info(paths)
@@ -115,6 +114,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     offload = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=5, buffer_size=8 << 20)
     base_rss = _status_field("VmRSS")
     _reset_peak()
+    timer = _Timer(base_rss)
 
     # A pretrained checkpoint to start from, written without the model ever in memory.
     with timer("build"):
@@ -142,17 +142,8 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     try:
         g = torch.Generator().manual_seed(0)
         times, moved = [], []
-        for _ in range(args.steps):
-            ids = torch.randint(0, args.vocab, (1, args.seq), generator=g)
-            before = (store.bytes_read + store.grad_bytes_read + opt.io_bytes()[0],
-                      store.bytes_written + store.grad_bytes_written + opt.io_bytes()[1])
-            t = time.perf_counter()
-            model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            times.append(time.perf_counter() - t)
-            moved.append((store.bytes_read + store.grad_bytes_read + opt.io_bytes()[0] - before[0],
-                           store.bytes_written + store.grad_bytes_written + opt.io_bytes()[1] - before[1]))
+        with timer("train"):
+            _train(model, opt, store, args, g, times, moved)
         pools = store.pool.nbytes + opt.host_pool_bytes + opt.grad_pool_bytes
         state_bytes = opt.offloaded_state_bytes
         swap_bytes = store.swap_bytes + store.grad_swap_bytes + state_bytes
@@ -179,7 +170,8 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     result: dict[str, Any] = {
         "params": n_params, "layers": layers, "hidden": args.hidden, "intermediate": inter,
         "weight_bytes": weight_bytes, "optimizer_state_bytes": state_bytes, "nvme_bytes": swap_bytes,
-        "pool_bytes": pools, "peak_rss_growth_bytes": peak, "peak_rss_minus_pools_bytes": peak - pools,
+        "pool_bytes": pools, "peak_rss_growth_bytes": peak,
+        "peak_rss_growth_by_phase": timer.peaks, "peak_rss_minus_pools_bytes": peak - pools,
         "build_and_init_s": t["build"], "write_checkpoint_s": t["write_checkpoint"], "load_s": t["load"],
         "export_s": t["export"], "verify_s": t["verify"], "step_s": times, "step_s_median": step,
         "read_bytes_per_step": read, "write_bytes_per_step": written, "step_disk_bound_s": step_bound,
@@ -203,6 +195,8 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         ["export checked against the offloaded weights", f"equal ({t['verify']:.1f} s)"],
         ["pools (weights, optimizer, grads)", format_size(pools)],
         ["peak RSS growth (build to export)", f"{format_size(peak)} (pools + {format_size(peak - pools)})"],
+        ["  reached by the end of", ", ".join(f"{k.split('_')[0]} {format_size(v)}"
+                                               for k, v in timer.peaks.items() if k != "verify")],
         ["fio read / write", f"{report.fmt_gib(fio_read)} / {report.fmt_gib(fio_write)} GiB/s"],
     ]
     print(report.table(["", "value"], rows))
@@ -210,6 +204,21 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         report.write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
+
+
+def _train(model, opt, store, args, g, times: list, moved: list) -> None:
+    """``args.steps`` steps; each one's time and (bytes read, bytes written) go to ``times`` and ``moved``."""
+    for _ in range(args.steps):
+        ids = torch.randint(0, args.vocab, (1, args.seq), generator=g)
+        before = (store.bytes_read + store.grad_bytes_read + opt.io_bytes()[0],
+                  store.bytes_written + store.grad_bytes_written + opt.io_bytes()[1])
+        t = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+        moved.append((store.bytes_read + store.grad_bytes_read + opt.io_bytes()[0] - before[0],
+                       store.bytes_written + store.grad_bytes_written + opt.io_bytes()[1] - before[1]))
 
 
 def _check_export(model, directory: str) -> None:
