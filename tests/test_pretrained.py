@@ -304,3 +304,22 @@ def test_save_pretrained_refuses_weights_changed_on_disk_and_leaves_nothing(nvme
     finally:
         offloaded(model).scheduler.remove()
         store.close()
+
+
+def test_from_pretrained_not_strict_initialises_what_the_checkpoint_lacks(hf_dir, nvme, closing, tmp_path):
+    """strict=False loads what the checkpoint has and gives the rest the model's own _init_weights (a norm
+    weight of ones), instead of refusing."""
+    from offload.integrations.transformers import from_pretrained
+
+    src = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
+    del src["model.norm.weight"], src["lm_head.weight"]  # the head is tied: saved as the embedding
+    part = tmp_path / "part"
+    part.mkdir()
+    safetensors_torch.save_file(src, part / "model.safetensors", metadata={"format": "pt"})
+    (part / "config.json").write_text((hf_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        from_pretrained(part, nvme_path=nvme, **TINY)
+    model = closing(from_pretrained(part, nvme_path=nvme, strict=False, **TINY))
+    got = state_of(model)
+    assert torch.equal(got["model.norm.weight"], torch.ones(32))
+    assert all(torch.equal(got[k], v) for k, v in src.items())

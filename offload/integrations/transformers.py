@@ -189,6 +189,9 @@ def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, mod
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
     model = offload_pretrained(lambda: cls.from_config(hf_config, dtype=dtype), path, nvme_path, config,
                                strict=strict, init_missing=lambda m: m._init_weights, **offload_kwargs)
+    if getattr(model, "generation_config", None) is not None and \
+            os.path.isfile(os.path.join(os.fspath(path), "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(os.fspath(path))
     return model.eval()
 
 
