@@ -30,13 +30,22 @@ def weights(model) -> dict:
         return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("how", ["meta", "empty_parameters"])
+def _building(how: str):
+    if how == "meta":
+        return torch.device("meta")
+    if how == "accelerate":
+        return pytest.importorskip("accelerate").init_empty_weights()
+    return empty_parameters()
+
+
+@pytest.mark.parametrize("how", ["meta", "empty_parameters", "accelerate"])
 def test_meta_built_model_gets_the_weights_of_a_normal_build(nvme, closing, how):
-    """With the same seed, every weight of a model built on meta and offloaded equals the normal build's, bit for
-    bit (reset_parameters children first, as constructors run), and lives on the swap space, not in memory."""
+    """With the same seed, every weight of a model built on meta (torch.device, our empty_parameters, accelerate's
+    init_empty_weights) and offloaded equals the normal build's, bit for bit (reset_parameters children first, as
+    constructors run), and lives on the swap space, not in memory."""
     torch.manual_seed(0)
     ref = build()
-    with torch.device("meta") if how == "meta" else empty_parameters():
+    with _building(how):
         model = build()
     assert all(p.is_meta for p in model.parameters())
     torch.manual_seed(0)
@@ -126,8 +135,9 @@ def _status(key: str) -> int:
 
 
 def test_building_from_meta_needs_the_pool_and_one_module(nvme, closing):
-    """Offloading a 96 MiB model built on meta raises peak RSS by about one module (8 MiB) and the pool,
-    not by the model: each module's weights are resident only while its initialiser runs."""
+    """Offloading a 256 MiB model built on meta keeps one module's weights (8 MiB) resident at a time, and raises
+    peak RSS by less than half the model. (glibc keeps a few freed 8 MiB blocks for reuse, so RSS grows by some
+    tens of MiB whatever the model's size; a model held whole would add all of it.)"""
     gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)
@@ -136,15 +146,15 @@ def test_building_from_meta_needs_the_pool_and_one_module(nvme, closing):
     except (AttributeError, OSError) as err:
         pytest.skip(f"cannot reset the peak RSS here: {err}")
     with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(1448, 1448, bias=False) for _ in range(12)])  # 8 MiB each
+        model = nn.Sequential(*[nn.Linear(1448, 1448, bias=False) for _ in range(32)])  # 8 MiB each
     before = _status("VmRSS")
     closing(offload_parameters(model, nvme_path=nvme, max_in_cpu=0, max_grad_in_cpu=0, buffer_count=3,
                                buffer_size=1 << 20))
     growth = _status("VmHWM") - before
     store = offloaded(model).store
     assert store.resident_bytes_max <= 1448 * 1448 * 4
-    assert growth < 8 * MiB + store.pool.nbytes + 24 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
-    assert store.swap_bytes >= 12 * 1448 * 1448 * 4
+    assert growth < 128 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+    assert store.swap_bytes >= 32 * 1448 * 1448 * 4
 
 
 def test_init_failure_leaves_no_swap_file(nvme):
