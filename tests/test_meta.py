@@ -177,3 +177,31 @@ def test_meta_model_copy_is_independent(nvme, closing):
     twin = copy.deepcopy(model)
     closing(offload_parameters(twin, nvme_path=nvme, **TINY))
     assert model.weight.is_meta and not twin.weight.is_meta
+
+
+class _Bare(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(4))  # no initialiser of its own
+
+
+class _Parent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.child = _Bare()
+        self.b = nn.Parameter(torch.empty(4))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.ones_(self.b)
+        nn.init.constant_(self.child.w, 2.0)
+
+
+def test_an_initialiser_that_sets_a_childs_parameter_keeps_its_value(nvme, closing):
+    """A parent's reset_parameters that sets the parameter of a child with no initialiser of its own runs with
+    its subtree resident, and that value is kept, not replaced by the zeros of uninitialised weights."""
+    with torch.device("meta"):
+        model = _Parent()
+    closing(offload_parameters(model, nvme_path=nvme, **TINY))
+    got = weights(model)
+    assert torch.equal(got["b"], torch.ones(4)) and torch.equal(got["child.w"], torch.full((4,), 2.0))

@@ -124,15 +124,17 @@ def initialise(model: nn.Module, store, fresh: list[nn.Parameter], init: Init,
         try:
             with _holding(store, own, set(waiting), zero):
                 fn()
+            done = own
         except RuntimeError:
             # The initialiser reached below the module (a parent resetting a child's bias): hold the
-            # module's whole subtree and run it again from the same random state.
+            # module's whole subtree and run it again from the same random state. What it did not set
+            # of the subtree's new parameters stays zero, and is theirs now.
             _set_rng_state(rng)
-            subtree = list({id(p): p for p in module.parameters()}.values())
-            with _holding(store, subtree, set(waiting), zero):
+            done = list({id(p): p for p in module.parameters()}.values())
+            with _holding(store, done, set(waiting)):
                 fn()
         initialised_modules.add(id(module))
-        waiting.difference_update(id(p) for p in module.parameters(recurse=False))
+        waiting.difference_update(id(p) for p in done)
     # The swap space holds whatever was there before (the file's seal, for one): write zeros.
     for p in fresh:
         if id(p) in waiting:
