@@ -138,7 +138,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
         raise TypeError(f"load_safetensors expects a torch.nn.Module, got {type(model).__name__}")
     with SafetensorsCheckpoint(path) as ckpt:
         plan = match(model, ckpt, strict=strict)
-        done: dict[int, object] = {}  # id(tensor) -> its store (or None)
+        done: dict[int, tuple] = {}  # id(tensor) -> (tensor, its store or None)
         for t, names in _named(model).values():
             entry = next((plan.entries[n] for n in names if n in plan.entries), None)
             if entry is None:
