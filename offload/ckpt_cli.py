@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --hf: a Hugging Face model directory whose config.json (and generation_config.json) "
                         "go with the weights, so that from_pretrained loads DIR as it is")
     p.add_argument("--max-shard-size", default="5GB", help="with --hf: bytes per shard at most (default 5GB)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --hf: replace a Hugging Face checkpoint at DIR (never a directory with other files)")
 
     p = sub.add_parser("import", help="write a torch optimizer state_dict file as a checkpoint")
     p.add_argument("state_dict", metavar="IN.pt", help="a file torch.save wrote (an optimizer state_dict)")
@@ -115,7 +117,7 @@ def _run(args) -> int:
                 checkpoint.export_model_checkpoint(args.checkpoint, args.model_out)
                 print(f"wrote {args.model_out}")
             if args.hf is not None:
-                print(f"wrote {_export_hf(args.checkpoint, args.hf, args.config, args.max_shard_size)}")
+                print(f"wrote {_export_hf(args.checkpoint, args.hf, args.config, args.max_shard_size, args.overwrite)}")
     elif args.command == "import":
         like, config = None, None
         if args.like is not None:
@@ -172,7 +174,7 @@ def _run(args) -> int:
     return EXIT_OK
 
 
-def _export_hf(directory: str, out: str, config: str | None, max_shard_size: str) -> str:
+def _export_hf(directory: str, out: str, config: str | None, max_shard_size: str, overwrite: bool) -> str:
     """A checkpoint's model as a Hugging Face checkpoint: verified first, then each offloaded weight read from
     params.bin alone (its checksum checked again), the others from model.pt mapped, not read whole."""
     manifest = checkpoint.verify_checkpoint(directory)
@@ -207,10 +209,11 @@ def _export_hf(directory: str, out: str, config: str | None, max_shard_size: str
     if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
         raise checkpoint.CheckpointError(f"--config {config}: no config.json there; give the model's Hugging Face "
                                          "directory")
+    written = write_checkpoint(out, tensors, max_shard_size=max_shard_size, extra=extra, overwrite=overwrite)
     if config is None:
         print(f"{PROG} export: note: no --config, so {out} has no config.json; from_pretrained needs one",
               file=sys.stderr)
-    return write_checkpoint(out, tensors, max_shard_size=max_shard_size, extra=extra)
+    return written
 
 
 def _shards_here(path: str, manifest: dict, form: str) -> str:
