@@ -529,3 +529,20 @@ def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeyp
     assert run["checksum"] == "on" and doc["runs"][compare.UNCHECKED][0]["checksum"] == "off"
     assert "checksums (on by default) cost" in text and isinstance(doc["checksum_cost"], float)
     assert os.listdir(tmp_path / "d") == ["compare-ours"] and (mine / "notes.txt").read_text() == "mine"
+
+
+def test_bench_scale_runs_checks_its_export_and_removes_every_file(tmp_path):
+    """``offload-bench scale`` on a tiny Llama writes, loads, trains, exports and checks a checkpoint, reports
+    peak RSS against the pools and the step's bytes, and leaves nothing in its directory."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "scale.json"
+    proc = run_python("-m", "offload.bench", "scale", "--params", "400K", "--hidden", "64", "--vocab", "512",
+                      "--steps", "1", "--seq", "8", "--no-fio", "--path", str(tmp_path / "scratch"),
+                      "--json", str(out), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["layers"] >= 2 and doc["params"] > 300_000
+    assert doc["read_bytes_per_step"] > 0 and doc["write_bytes_per_step"] >= doc["optimizer_state_bytes"]
+    assert 0 < doc["pool_bytes"] and doc["peak_rss_growth_bytes"] > 0
+    assert "equal" in proc.stdout
+    assert not (tmp_path / "scratch").exists()

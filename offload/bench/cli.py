@@ -26,7 +26,7 @@ PROG = "offload-bench"
 # Exit codes: 0 success, 1 a failure while running (I/O error, failed verification, a missing tool),
 # 2 a bad argument, 130 interrupted.
 COMMANDS = ("offload.bench.io", "offload.bench.sweep", "offload.bench.adam", "offload.bench.checkpoint",
-            "offload.bench.params", "offload.bench.gpu", "offload.bench.plan",
+            "offload.bench.params", "offload.bench.scale", "offload.bench.gpu", "offload.bench.plan",
             "offload.bench.doctor", "offload.bench.compare")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130

@@ -13,12 +13,16 @@ from typing import Any, Optional
 import torch
 
 from ..params import clip_grad_norm_
+from ..pretrained import offload_pretrained, save_pretrained
+from ..pretrained.save import save_into
 from . import OFFLOAD_DIR
 from ._common import has_offloaded_grads, has_offloaded_weights, offloaded_optimizer, unwrap_model
 
-__all__ = ["OFFLOAD_DIR", "OffloadTrainer", "OffloadTrainerMixin"]  # noqa: F822 (built by __getattr__)
+__all__ = ["OFFLOAD_DIR", "OffloadTrainer", "OffloadTrainerMixin",  # noqa: F822 (built by __getattr__)
+           "from_pretrained", "save_pretrained"]
 
 _SCHEDULER = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME
+_TRAINING_ARGS = "training_args.bin"  # transformers.trainer.TRAINING_ARGS_NAME
 
 
 # NOTE: Trainer saves a checkpoint with torch.save(optimizer.state_dict()) and the model's weights
@@ -38,6 +42,8 @@ class OffloadTrainerMixin:
       weights, stream to and from ``checkpoint-N/offload`` (``opt.save_checkpoint``); host memory
       stays the pools whatever the model size. A model that is not offloaded is saved by Trainer as
       usual (``model.safetensors``).
+    - ``trainer.save_model(dir)`` of offloaded weights writes a Hugging Face checkpoint (config.json,
+      sharded safetensors) one weight at a time, then the tokenizer and training arguments, as Trainer does.
     - Gradient norm and clipping (``max_grad_norm``, the logged ``grad_norm``) with offloaded
       gradients use :func:`offload.params.clip_grad_norm_`: torch's numbers, bit for bit.
 
@@ -63,6 +69,20 @@ class OffloadTrainerMixin:
             from ..checkpoint import save_parameters
 
             save_parameters(unwrap_model(self.model), os.path.join(output_dir, OFFLOAD_DIR))
+
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        # Reached from a user's save_model() (a checkpoint's save_model is handled above).
+        if state_dict is not None or not has_offloaded_weights(self.model):
+            return super()._save(output_dir, state_dict)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return None
+        save_into(unwrap_model(self.model), output_dir)
+        tokenizer = self.processing_class if self.processing_class is not None else \
+            getattr(self.data_collator, "tokenizer", None)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(output_dir)
+        torch.save(self.args, os.path.join(output_dir, _TRAINING_ARGS))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         opt = offloaded_optimizer(self.optimizer)
@@ -133,8 +153,50 @@ def _refuse_overlap(optimizer, args) -> None:
             "per-device batch), or build the optimizer without overlap_backward.")
 
 
-_NEEDED = ("save_model", "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler",
-           "_clip_grad_norm", "_get_grad_norm")
+def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, model_class=None, dtype=None,
+                    strict: bool = True, **offload_kwargs):
+    """Build a Hugging Face model from ``path``'s config.json with its weights straight on NVMe, and load its
+    safetensors weights, in one call; host memory stays the pools and one module whatever the model's size.
+
+    The model is built with its parameters on the meta device (buffers real), checked against the
+    checkpoint (names, shapes, dtypes, every file's header) before anything is written, then offloaded
+    with :func:`offload.offload_parameters`, each module's weights read from the checkpoint as it is
+    materialised (converted to ``dtype``) and written to the swap space once. Tied weights stay tied.
+    Returns the model in eval mode, as ``transformers`` does.
+
+    Args:
+        path: a directory holding config.json and ``model.safetensors`` or shards with
+            ``model.safetensors.index.json`` (what ``save_pretrained`` writes; nothing is downloaded).
+        nvme_path, config: as for :func:`offload.offload_parameters` (``offload_param`` settings).
+        model_class: the ``transformers`` class to build (default ``AutoModelForCausalLM``).
+        dtype: the weights' dtype (default: config.json's ``dtype``, else float32).
+        strict: refuse a checkpoint whose names differ from the model's; with False, tensors it lacks get
+            the model's own ``_init_weights``.
+        offload_kwargs: more keywords for :func:`offload.offload_parameters` (``max_in_cpu=0``, ...).
+
+    Raises:
+        CheckpointError: the checkpoint is missing, corrupt, or does not fit the config (named); no swap
+            file was made.
+    """
+    try:
+        import transformers
+    except ImportError as err:
+        raise ImportError("from_pretrained needs transformers: pip install 'nvme-offload[integrations]'") from err
+    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(path))
+    if dtype is None:
+        dtype = getattr(hf_config, "dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+    model = offload_pretrained(lambda: cls.from_config(hf_config, dtype=dtype), path, nvme_path, config,
+                               strict=strict, init_missing=lambda m: m._init_weights, **offload_kwargs)
+    if getattr(model, "generation_config", None) is not None and \
+            os.path.isfile(os.path.join(os.fspath(path), "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(os.fspath(path))
+    return model.eval()
+
+
+_NEEDED = ("save_model", "_save", "_save_optimizer_and_scheduler", "_load_from_checkpoint",
+           "_load_optimizer_and_scheduler", "_clip_grad_norm", "_get_grad_norm")
 _classes: dict = {}
 
 
@@ -158,6 +220,9 @@ def _trainer_class() -> type:
             "__module__": __name__,
         })
     return _classes["OffloadTrainer"]
+
+
+save_pretrained = save_pretrained  # offload.pretrained.save_pretrained: an offloaded model as a HF checkpoint
 
 
 def __getattr__(name: str):

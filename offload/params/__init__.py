@@ -17,6 +17,7 @@ from .api import (
 from .grads import clip_grad_norm_, load_grad
 from .guard import OffloadedGrad, OffloadedParameter
 from .holds import resident
+from .meta import empty_parameters
 from .registry import store_of
 from .store import ParamStore, smallest_within
 
@@ -29,6 +30,7 @@ __all__ = [
     "ParamStore",
     "clip_grad_norm_",
     "compile_offloaded",
+    "empty_parameters",
     "load_grad",
     "materialized",
     "offload_parameters",

@@ -14,6 +14,7 @@ from ..distributed import is_dtensor
 from ..errors import ConfigError
 from .holds import resident
 from .hooks import _EXTERNAL, DDP_GRADS, Scheduler
+from .meta import Init, initialise, replace_meta
 from .registry import store_of
 from .store import ParamStore
 
@@ -53,6 +54,8 @@ def offload_parameters(
     buffer_size: Optional[int] = None,
     pin_memory: Optional[bool] = None,
     offload_grads: bool = True,
+    device=None,
+    init: Init = None,
 ) -> nn.Module:
     """Move ``model``'s parameters to NVMe; each submodule's are fetched for its forward and backward.
 
@@ -62,6 +65,14 @@ def offload_parameters(
     use while released raises ``RuntimeError`` instead of reading freed memory. Buffers stay in
     memory. Move the model to its device (and dtype) before calling this: afterwards ``model.to()``
     to where the weights already are does nothing, and a real move or conversion raises.
+
+    Parameters on the meta device (a model built under ``torch.device("meta")``,
+    :func:`offload.params.meta.empty_parameters` or accelerate's ``init_empty_weights``) get their bytes
+    straight in the swap space: one module at a time, its parameters are made resident, initialised by
+    ``init`` (default: the module's own ``reset_parameters``) and written out, so building a model of any
+    size needs the pools and one module. Seed before this call for the draws of a normal build. Weights no
+    initialiser sets are zeros until a load (:func:`offload.pretrained.load_safetensors`). A model may
+    mix meta and real parameters.
 
     Args:
         model: the module whose parameters (all of them, recursively) are offloaded.
@@ -85,6 +96,12 @@ def offload_parameters(
             :func:`clip_grad_norm_`; step with ``OffloadedAdam``), so grads need no memory for the
             whole model. ``False``: ordinary ``p.grad`` tensors, every torch utility works, and the
             grads of all parameters are resident at once.
+        device: where parameters on the meta device go (default: where the model's other parameters
+            are, else the CPU). Meta buffers become zeros there (see :mod:`offload.params.meta`).
+        init: for modules with parameters from the meta device: ``None`` runs each one's
+            ``reset_parameters`` (or ``_reset_parameters``), children before parents as their constructors
+            ran; ``False`` runs none (the weights are zeros, left for a load); a callable ``init(module)`` runs
+            instead (for Hugging Face models, ``model._init_weights``).
 
     Returns:
         ``model``.
@@ -94,8 +111,8 @@ def offload_parameters(
         ConfigError: no ``nvme_path``, or a bad setting; or ``model`` is a ``DistributedDataParallel`` and
             ``offload_grads`` is True (DDP reduces gradients in its own buckets: pass ``offload_grads=False``;
             the same is refused at the first forward of a model a DDP wrapper calls).
-        ValueError: the model is offloaded already, its parameters are on several devices or on the meta
-            device, are DTensors (FSDP2), or two parameters share storage.
+        ValueError: the model is offloaded already, its parameters are on several devices, are DTensors
+            (FSDP2), or two parameters share storage.
         OSError: the swap file cannot be created or the disk cannot hold the parameters.
     """
     if not isinstance(model, nn.Module):
@@ -119,14 +136,29 @@ def offload_parameters(
             "offload_parameters cannot offload DTensor parameters (FSDP2's fully_shard, tensor parallelism): "
             "FSDP2 gathers and frees weights itself. Offload the optimizer state instead (OffloadedAdamW takes "
             "DTensor parameters); offload_parameters works with DDP and with single-process models.")
-    params = _check_params(model)
-    store = ParamStore(params, cfg, name="params", offload_grads=offload_grads, names=_names(model))
+    if init is not None and init is not False and not callable(init):
+        raise TypeError(f"init must be None, False or a callable taking a module, got {init!r}")
+    real = {p.device for p in model.parameters() if not p.is_meta}
+    target = torch.device(device) if device is not None else next(iter(real)) if len(real) == 1 else \
+        torch.device("cpu")
+    fresh, meta_buffers = replace_meta(model, target)
+    params = _check_params(model, fresh)
+    store = ParamStore(params, cfg, name="params", offload_grads=offload_grads, names=_names(model), fresh=fresh)
     try:
         scheduler = Scheduler(model, store, prefetch)
     except BaseException:
         store.restore()
         raise
     setattr(model, _ATTR, ParamOffload(store, scheduler, cfg))
+    if fresh or meta_buffers:
+        try:
+            initialise(model, store, fresh, init, meta_buffers)
+        except BaseException:
+            # The weights from meta have no sound values: the model stays guarded (any use raises).
+            scheduler.remove()
+            store.close()
+            delattr(model, _ATTR)
+            raise
     return model
 
 
@@ -266,18 +298,20 @@ def _names(model: nn.Module) -> dict:
     return names
 
 
-def _check_params(model: nn.Module) -> list[torch.Tensor]:
+def _check_params(model: nn.Module, fresh: list) -> list[torch.Tensor]:
+    """The parameters to offload, checked; ``fresh`` ones (from the meta device) have no bytes yet."""
     params = [p for p in model.parameters() if p.numel() > 0]
+    new = {id(p) for p in fresh}
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(
             f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
             "move the model to one device before offloading its parameters"
         )
-    if any(d.type == "meta" for d in devices):
-        raise ValueError("the model's parameters are on the meta device; materialise them before offloading")
     owners: dict = {}
     for p in params:
+        if id(p) in new:
+            continue
         if type(p) is not nn.Parameter:
             raise ValueError(
                 f"parameter of shape {tuple(p.shape)} is a {type(p).__name__}, not a torch.nn.Parameter; "

@@ -58,6 +58,8 @@ class ParamStore:
         offload_grads: give each parameter that requires grad a place in the grad store (``grads``).
         names: parameter -> a name for error messages.
         handoff: the overlap hand-off between this store's hooks and an optimizer (a new one if None).
+        fresh: parameters with no values yet (their storage empty; see :mod:`offload.params.meta`): they
+            get their place but nothing is written for them.
 
     Every parameter is written to the swap space (or copied into the host cache) and released before
     this returns. The pool holds ``buffer_count`` buffers of ``buffer_size`` elements of the widest
@@ -65,8 +67,10 @@ class ParamStore:
     """
 
     def __init__(self, params: Iterable[torch.Tensor], config: Config, *, name: str = "params",
-                 offload_grads: bool = False, names: Optional[dict] = None, handoff: Optional[Handoff] = None):
+                 offload_grads: bool = False, names: Optional[dict] = None, handoff: Optional[Handoff] = None,
+                 fresh: Iterable[torch.Tensor] = ()):
         pc = config.offload_param
+        self._fresh = {id(p) for p in fresh}
         params = list(params)
         self.config = config
         self.offload_grads = offload_grads
@@ -387,10 +391,12 @@ class ParamStore:
         if extent is None:
             rec.host = self._host_cache.tensor[self._host_used:self._host_used + nbytes]
             self._host_used += round_up(nbytes, 64)
-            rec.host.copy_(self._data(rec))
+            if id(p) not in self._fresh:
+                rec.host.copy_(self._data(rec))
         else:
             rec.extent = extent
-            self._store(rec)
+            if id(p) not in self._fresh:
+                self._store(rec)
         self.records[p] = rec
         registry.register(p, self)
         self.resident_bytes += nbytes

@@ -1,0 +1,169 @@
+"""Safetensors checkpoints as Hugging Face lays them out: one ``model.safetensors``, or shards listed by
+``model.safetensors.index.json``; each file's header read (no tensor data) and checked."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["DTYPES", "INDEX", "SINGLE", "Entry", "SafetensorsCheckpoint", "dtype_name"]
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+# The safetensors format's names for torch dtypes (its specification, README "Format").
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.update(F8_E4M3=torch.float8_e4m3fn, F8_E5M2=torch.float8_e5m2)
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype``."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise CheckpointError(f"safetensors has no dtype for {dtype}") from None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a checkpoint: its file, shape and dtype."""
+
+    name: str
+    file: str
+    shape: tuple
+    dtype: torch.dtype
+
+
+# NOTE: the ``safetensors`` package maps a whole file and copies slices out of the mapping. Pages of a mapping
+# count in the process's RSS for as long as it stays mapped, so a shard kept open while all its tensors are
+# read would show the whole shard in memory. Each read maps the file anew and drops the mapping when done:
+# what is resident from a checkpoint is the slice being read.
+class SafetensorsCheckpoint:
+    """A safetensors checkpoint's files: every tensor's name, shape and dtype from their headers, and
+    :meth:`read` for slices of them. Usable as a context manager.
+
+    Args:
+        path: a ``.safetensors`` file, or a directory holding ``model.safetensors.index.json`` (shards) or
+            ``model.safetensors``.
+
+    Raises:
+        CheckpointError: no checkpoint there, a shard the index names is missing, an index or header is
+            corrupt, or two files hold the same name; each message names the file and what to do.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        path = os.fspath(path)
+        self.path = path
+        self.files = self._files(path)
+        self.entries: dict[str, Entry] = {}
+        try:
+            for file in self.files:
+                try:
+                    handle = safe_open(file, framework="pt")
+                    names = list(handle.keys())
+                    found = {}
+                    for name in names:
+                        s = handle.get_slice(name)
+                        dtype = DTYPES.get(s.get_dtype())
+                        if dtype is None:
+                            raise CheckpointError(f"{file}: tensor {name!r} has dtype {s.get_dtype()}, which this "
+                                                  "loader does not know; convert the checkpoint to F32/F16/BF16")
+                        found[name] = Entry(name, file, tuple(s.get_shape()), dtype)
+                except CheckpointError:
+                    raise
+                except Exception as err:  # safetensors raises its own SafetensorError, or OSError
+                    if isinstance(err, FileNotFoundError):
+                        raise CheckpointError(f"{file}: missing ({err}); copy the whole checkpoint again") from err
+                    raise CheckpointError(
+                        f"{file}: not a readable safetensors file ({err}); its header or size is corrupt. Download "
+                        "or save the checkpoint again") from err
+                del handle  # unmapped
+                for name, e in found.items():
+                    if name in self.entries:
+                        raise CheckpointError(f"{file} and {self.entries[name].file} both hold {name!r}; the "
+                                              "checkpoint's shards overlap: save it again")
+                    self.entries[name] = e
+            self._check_index()
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Nothing stays open between reads; here for the context manager."""
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name`` (all of a 0-d tensor), as a new CPU tensor."""
+        from safetensors import safe_open
+
+        e = self.entries[name]
+        try:
+            handle = safe_open(e.file, framework="pt")
+            try:
+                if not e.shape:
+                    return handle.get_tensor(name)
+                return handle.get_slice(name)[start:stop if stop is not None else e.shape[0]]
+            finally:
+                del handle  # unmapped: its pages leave the RSS
+        except Exception as err:
+            raise CheckpointError(f"{e.file}: cannot read {name!r} ({err}); the file is corrupt or was changed "
+                                  "while loading: download or save it again") from err
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _files(self, path: str) -> list[str]:
+        if os.path.isfile(path):
+            return [path]
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: no such file or directory; give a .safetensors file or a directory "
+                                  f"holding {SINGLE} or {INDEX}")
+        index = os.path.join(path, INDEX)
+        if os.path.isfile(index):
+            self._index_path = index
+            try:
+                with open(index) as f:
+                    self._index = json.load(f)
+                weight_map = self._index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError("weight_map is not an object")
+            except (ValueError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index}: not a safetensors index ({err}); save the checkpoint again") from err
+            shards = sorted(set(weight_map.values()))
+            missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+            if missing:
+                raise CheckpointError(
+                    f"{index} lists {len(shards)} shards, {len(missing)} missing from {path}: "
+                    f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}; copy or download them too")
+            return [os.path.join(path, s) for s in shards]
+        single = os.path.join(path, SINGLE)
+        if os.path.isfile(single):
+            return [single]
+        raise CheckpointError(f"{path} holds neither {SINGLE} nor {INDEX}: not a safetensors checkpoint")
+
+    def _check_index(self) -> None:
+        index = getattr(self, "_index", None)
+        if index is None:
+            return
+        for name, shard in index["weight_map"].items():
+            e = self.entries.get(name)
+            if e is None or os.path.basename(e.file) != shard:
+                raise CheckpointError(f"{self._index_path} says {name!r} is in {shard}, which does not hold it; "
+                                      "the index and the shards are from different saves: save the checkpoint again")

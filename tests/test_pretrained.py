@@ -1,0 +1,325 @@
+"""Hugging Face checkpoints in and out of offloaded models: safetensors loaded one tensor at a time (sharded, tied,
+converted), models saved as directories from_pretrained reads, bit for bit, and the errors for bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import TINY, Net
+from torch import nn
+
+from offload import CheckpointError, offload_parameters, restore_parameters, save_parameters
+from offload.ckpt_cli import main as ckpt_main
+from offload.params import load_grad, materialized, offloaded
+from offload.pretrained import load_safetensors, save_pretrained
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+MiB = 1 << 20
+
+
+def tiny_llama(tie=True, seed=0):
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A sharded fp32 checkpoint of a tiny Llama with tied embeddings, written by save_pretrained."""
+    path = tmp_path_factory.mktemp("hf") / "src"
+    tiny_llama().save_pretrained(path, max_shard_size="30KB")
+    assert os.path.isfile(path / "model.safetensors.index.json") and len(os.listdir(path)) > 4
+    return path
+
+
+def state_of(model) -> dict:
+    with materialized(model):
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_from_pretrained_loads_a_sharded_tied_checkpoint_converted_to_bf16(hf_dir, nvme, closing):
+    """One call builds the model on meta and loads the fp32 shards as bf16 straight into the swap space: every
+    weight equals the source's converted, the embedding and head stay one parameter, and logits equal those of
+    transformers' own from_pretrained in bf16."""
+    from offload.integrations.transformers import from_pretrained
+
+    model = closing(from_pretrained(hf_dir, nvme_path=nvme, dtype=torch.bfloat16, **TINY))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert offloaded(model).store.resident_bytes == 0
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+    got = state_of(model)
+    for name, value in ref.state_dict().items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], value), name
+    x = torch.randint(0, 96, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+
+
+def test_load_safetensors_into_an_offloaded_model(nvme, closing, tmp_path):
+    """A single safetensors file loads into a model already offloaded (and training): weights equal the file's,
+    at most one parameter resident meanwhile, and the stored grads of the old weights dropped."""
+    torch.manual_seed(3)
+    src = Net(d=32, h=64, layers=2)
+    safetensors_torch.save_file(src.state_dict(), tmp_path / "w.safetensors")
+    model = closing(offload_parameters(Net(d=32, h=64, layers=2), nvme_path=nvme, **TINY))
+    model(torch.randn(4, 32)).sum().backward()
+    store = offloaded(model).store
+    store.reset_peak()
+    plan = load_safetensors(model, tmp_path / "w.safetensors")
+    assert not plan.missing and not plan.unexpected
+    assert store.resident_bytes_max <= max(p.numel() * 4 for p in src.parameters())
+    assert all(load_grad(p) is None for p in model.parameters())
+    got = state_of(model)
+    for name, value in src.state_dict().items():
+        assert torch.equal(got[name], value), name
+
+
+def _corrupt_header(path):
+    with open(path, "r+b") as f:
+        f.write(b"\xff" * 8)  # a header length far past the file's end
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("missing_key", r"1 of the model's tensors are missing from it \('head.bias'\).*strict=False"),
+    ("unexpected_key", r"holds 1 the model lacks \('extra'\)"),
+    ("shape", r"'head.weight' has shape \(4, 32\), the model's 'head.weight' has \(8, 32\)"),
+    ("missing_shard", r"lists 2 shards, 1 missing .*model-00002-of-00002.safetensors; copy or download"),
+    ("corrupt_header", r"model-00001-of-00002.safetensors: not a readable safetensors file.*save the checkpoint"),
+])
+def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(nvme, closing, tmp_path, fault, expected):
+    """Missing and unexpected names, a shape mismatch, a missing shard and a corrupt header each raise
+    CheckpointError saying what and where, before any weight changed."""
+    torch.manual_seed(4)
+    src = Net(d=32, h=64, layers=2).state_dict()
+    if fault == "missing_key":
+        del src["head.bias"]
+    elif fault == "unexpected_key":
+        src["extra"] = torch.zeros(3)
+    elif fault == "shape":
+        src["head.weight"] = torch.zeros(4, 32)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    names = list(src)
+    halves = {"model-00001-of-00002.safetensors": names[:6], "model-00002-of-00002.safetensors": names[6:]}
+    for shard, keys in halves.items():
+        safetensors_torch.save_file({k: src[k].contiguous() for k in keys}, ckpt / shard, metadata={"format": "pt"})
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: s for s, keys in halves.items() for k in keys}}))
+    if fault == "missing_shard":
+        os.unlink(ckpt / "model-00002-of-00002.safetensors")
+    elif fault == "corrupt_header":
+        _corrupt_header(ckpt / "model-00001-of-00002.safetensors")
+    model = closing(offload_parameters(Net(d=32, h=64, layers=2), nvme_path=nvme, **TINY))
+    before = state_of(model)
+    with pytest.raises(CheckpointError, match=expected):
+        load_safetensors(model, ckpt)
+    after = state_of(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_from_pretrained_refuses_a_mismatched_checkpoint_before_making_a_swap_file(hf_dir, nvme, tmp_path):
+    """A config that does not fit the weights is refused before any swap file exists."""
+    from offload.integrations.transformers import from_pretrained
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for name in os.listdir(hf_dir):
+        os.symlink(hf_dir / name, bad / name)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg["intermediate_size"] = 48
+    (bad / "config.json").unlink()
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"mlp.*has shape .*config.json"):
+        from_pretrained(bad, nvme_path=nvme, **TINY)
+    assert not os.path.exists(nvme) or not os.listdir(nvme)
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {key} in /proc/self/status")
+
+
+def _reset_peak() -> int:
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (AttributeError, OSError) as err:
+        pytest.skip(f"cannot reset the peak RSS here: {err}")
+    return _status("VmRSS")
+
+
+
+
+SIDE, LAYERS = 1448, 12  # 8 MiB of fp32 each, 96 MiB in all
+
+
+def _weight(i: int) -> torch.Tensor:
+    return torch.randn(SIDE, SIDE, generator=torch.Generator().manual_seed(i))
+
+
+def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
+    """Loading a 96 MiB sharded checkpoint into a meta-built offloaded model raises peak RSS by about one
+    8 MiB tensor and the pool, not by the model (each read's mapping of the file is dropped after it)."""
+    for half in range(2):
+        safetensors_torch.save_file({f"{i}.weight": _weight(i) for i in range(half * 6, half * 6 + 6)},
+                                    tmp_path / f"{half}.safetensors")
+    weight_map = {f"{i}.weight": f"{i // 6}.safetensors" for i in range(LAYERS)}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(SIDE, SIDE, bias=False) for _ in range(LAYERS)])
+    closing(offload_parameters(model, nvme_path=nvme, init=False, max_in_cpu=0, max_grad_in_cpu=0,
+                               buffer_count=3, buffer_size=1 << 20))
+    pool = offloaded(model).store.pool.nbytes
+    before = _reset_peak()
+    load_safetensors(model, tmp_path)
+    growth = _status("VmHWM") - before
+    assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+    with materialized(model):
+        assert torch.equal(model[5].weight, _weight(5))
+
+
+def test_save_pretrained_of_offloaded_model_loads_with_from_pretrained_bit_for_bit(hf_dir, nvme, closing, tmp_path):
+    """An offloaded model saved as sharded safetensors (tied head saved once) loads with transformers'
+    from_pretrained equal bit for bit, its shards within max_shard_size, and nothing is left beside it."""
+    from offload.integrations.transformers import from_pretrained
+
+    model = closing(from_pretrained(hf_dir, nvme_path=nvme, dtype=torch.bfloat16, **TINY))
+    out = tmp_path / "export"
+    save_pretrained(model, out, max_shard_size="20000")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and "lm_head.weight" not in index["weight_map"]
+    for shard in shards:
+        tensors = safetensors_torch.load_file(out / shard)
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 20000
+    assert sorted(os.listdir(tmp_path)) == ["export", "nvme"]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert back.dtype == torch.bfloat16 and back.lm_head.weight is back.model.embed_tokens.weight
+    got = back.state_dict()
+    for name, value in state_of(model).items():
+        assert torch.equal(got[name], value), name
+
+
+def test_save_pretrained_never_replaces_a_directory_with_other_files(tmp_path):
+    """A non-empty target is refused; with overwrite, only a Hugging Face save is replaced, and a file of the
+    user's beside it stops the replacement."""
+    model = nn.Linear(4, 4)
+    out = tmp_path / "out"
+    save_pretrained(model, out)
+    with pytest.raises(CheckpointError, match="not empty.*overwrite=True"):
+        save_pretrained(model, out)
+    save_pretrained(model, out, overwrite=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"notes\.txt.*not replacing"):
+        save_pretrained(model, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_offload_trainer_save_model_writes_a_hugging_face_checkpoint(hf_dir, nvme, closing, tmp_path):
+    """trainer.save_model(dir) of an offloaded model writes config and safetensors from_pretrained loads, equal
+    to the offloaded weights, beside the files already in dir."""
+    from transformers import TrainingArguments
+
+    from offload.integrations.transformers import OffloadTrainer, from_pretrained
+
+    model = closing(from_pretrained(hf_dir, nvme_path=nvme, **TINY))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    targs = TrainingArguments(output_dir=str(out), use_cpu=True, report_to=[], max_steps=1)
+    trainer = OffloadTrainer(model=model, args=targs, train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
+    trainer.save_model(str(out))
+    assert (out / "keep.txt").read_text() == "x" and (out / "training_args.bin").is_file()
+    back = transformers.AutoModelForCausalLM.from_pretrained(out)
+    got = back.state_dict()
+    for name, value in state_of(model).items():
+        assert torch.equal(got[name], value), name
+
+
+def test_offload_ckpt_export_hf(nvme, closing, tmp_path, hf_dir, capsys):
+    """offload-ckpt export --hf turns a checkpoint of offloaded weights into a directory from_pretrained loads,
+    bit for bit."""
+    from offload.integrations.transformers import from_pretrained
+
+    model = closing(from_pretrained(hf_dir, nvme_path=nvme, **TINY))
+    save_parameters(model, tmp_path / "ckpt")
+    code = ckpt_main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "hf"), "--config", str(hf_dir),
+                      "--max-shard-size", "20000"])
+    assert code == 0, capsys.readouterr().err
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    got = back.state_dict()
+    for name, value in state_of(model).items():
+        assert torch.equal(got[name], value), name
+    restore_parameters(model)
+
+
+def test_saving_holds_one_tensor_in_memory(nvme, closing, tmp_path):
+    """Saving a 96 MiB offloaded model as Hugging Face shards raises peak RSS by about one 8 MiB tensor and the
+    pool, not by the model: each weight is fetched for its write alone. The shards hold its weights."""
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(SIDE, SIDE, bias=False) for _ in range(LAYERS)])
+    closing(offload_parameters(model, nvme_path=nvme, max_in_cpu=0, max_grad_in_cpu=0, buffer_count=3,
+                               buffer_size=1 << 20))
+    pool = offloaded(model).store.pool.nbytes
+    before = _reset_peak()
+    save_pretrained(model, tmp_path / "out", max_shard_size="40MiB")
+    growth = _status("VmHWM") - before
+    assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+    assert len(os.listdir(tmp_path / "out")) == 4  # 3 shards and the index
+    with materialized(model):
+        assert torch.equal(safetensors_torch.load_file(tmp_path / "out" / "model-00002-of-00003.safetensors")
+                           ["5.weight"], model[5].weight)
+
+
+def test_save_pretrained_refuses_weights_changed_on_disk_and_leaves_nothing(nvme, tmp_path):
+    """A weight whose bytes changed in the swap file behind our back is named (StateError) when the export
+    streams it, and no directory is left, neither the target nor the one beside it."""
+    from helpers import flip_bit
+
+    from offload import StateError
+
+    torch.manual_seed(0)
+    model = offload_parameters(Net(), nvme_path=nvme, **TINY)
+    try:
+        store = offloaded(model).store
+        flip_bit(store.space.files[0], store.records[model.blocks[1].up.weight].extent.offset + 64)
+        with pytest.raises(StateError, match=r"blocks\.1\.up\.weight"):
+            save_pretrained(model, tmp_path / "out")
+        assert sorted(os.listdir(tmp_path)) == ["nvme"]
+    finally:
+        offloaded(model).scheduler.remove()
+        store.close()
+
+
+def test_from_pretrained_not_strict_initialises_what_the_checkpoint_lacks(hf_dir, nvme, closing, tmp_path):
+    """strict=False loads what the checkpoint has and gives the rest the model's own _init_weights (a norm
+    weight of ones), instead of refusing."""
+    from offload.integrations.transformers import from_pretrained
+
+    src = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()
+    del src["model.norm.weight"], src["lm_head.weight"]  # the head is tied: saved as the embedding
+    part = tmp_path / "part"
+    part.mkdir()
+    safetensors_torch.save_file(src, part / "model.safetensors", metadata={"format": "pt"})
+    (part / "config.json").write_text((hf_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="model.norm.weight"):
+        from_pretrained(part, nvme_path=nvme, **TINY)
+    model = closing(from_pretrained(part, nvme_path=nvme, strict=False, **TINY))
+    got = state_of(model)
+    assert torch.equal(got["model.norm.weight"], torch.ones(32))
+    assert all(torch.equal(got[k], v) for k, v in src.items())
