@@ -7,11 +7,13 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from .. import copies
 from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
 from ..checkpoint.load import restore_in_memory
 from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
+from ..copies import DONE, Ticket
 from ..distributed import like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
@@ -422,46 +424,47 @@ class OffloadedAdam(torch.optim.Adam):
         units = order if order is not None else store.step_order(store.units_of(slots))
         # With an fp32 master copy on disk the old weights are not read: the update rewrites all of them.
         has_master = lambda slot: "master" in slot.keys and slot.initialized  # noqa: E731
-        copying: dict[int, set] = {}  # id(unit) -> CUDA devices still copying state back into its buffer
+        copying: dict[int, Ticket] = {}  # id(unit) -> the copies of its updated state back into its buffer
         updated: set = set()
 
         def before_write(unit) -> None:
             # The state copied back from the device must be in the buffer before it is written.
-            for dev in copying.pop(id(unit), ()):
-                torch.cuda.current_stream(dev).synchronize()
+            copying.pop(id(unit), DONE).wait()
 
-        with self._access.units(units, candidates) as unit_pass:
-            def update(unit, buf) -> None:
-                if gate is not None:
-                    gate(unit)
-                # What this update changes: the chunks whose parameter has a grad now. Only their weights
-                # are fetched (and written back); a parameter unused in this iteration keeps its weights on
-                # NVMe untouched (fetched without a read, as a master allows, they would go back as garbage).
-                chunks = [c for c in unit.chunks if id(c.slot) in candidates and c.slot.param.grad is not None]
-                grads = unit_pass.grads(unit)
-                unit_pass.fetch(unit, {c.slot for c in chunks}, skip_read=has_master)
-                by_group: dict[int, list] = {}
-                for c in chunks:
-                    by_group.setdefault(id(c.slot.group), []).append(c)
-                    updated.add(c.slot)
-                    # A state entry only for a parameter that is updated (a parameter without a grad gets
-                    # none, as in torch); made once, not a tensor per chunk per step.
-                    st = self.state[c.slot.param]
-                    if "step" not in st:
-                        st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                devices = set()
-                for chunks in by_group.values():
-                    devices |= update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
-                if devices:
-                    copying[id(unit)] = devices
-                unit_pass.done(unit)
+        try:
+            with self._access.units(units, candidates) as unit_pass:
+                def update(unit, buf) -> None:
+                    if gate is not None:
+                        gate(unit)
+                    # What this update changes: the chunks whose parameter has a grad now. Only their weights
+                    # are fetched (and written back); a parameter unused in this iteration keeps its weights on
+                    # NVMe untouched (fetched without a read, as a master allows, they would go back as garbage).
+                    chunks = [c for c in unit.chunks if id(c.slot) in candidates and c.slot.param.grad is not None]
+                    grads = unit_pass.grads(unit)
+                    unit_pass.fetch(unit, {c.slot for c in chunks}, skip_read=has_master)
+                    by_group: dict[int, list] = {}
+                    for c in chunks:
+                        by_group.setdefault(id(c.slot.group), []).append(c)
+                        updated.add(c.slot)
+                        # A state entry only for a parameter that is updated (a parameter without a grad gets
+                        # none, as in torch); made once, not a tensor per chunk per step.
+                        st = self.state[c.slot.param]
+                        if "step" not in st:
+                            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    read = landed = DONE
+                    for chunks in by_group.values():
+                        r, w = update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
+                        read, landed = read | r, landed | w
+                    copying[id(unit)] = landed
+                    unit_pass.done(unit)
 
-            # Its last writes land while the caller goes on (the next forward); reading a unit back, a
-            # checkpoint, state_dict() or close() waits for them.
-            store.step(units, update, before_write)
-        # Units resident in host memory were never written: their copies back must land before the step ends.
-        for dev in set().union(*copying.values()) if copying else ():
-            torch.cuda.current_stream(dev).synchronize()
+                # Its last writes land while the caller goes on (the next forward); reading a unit back, a
+                # checkpoint, state_dict() or close() waits for them.
+                store.step(units, update, before_write)
+        finally:
+            # Units resident in host memory are never written: their copies back must land before the step
+            # ends (and after a failure, before anyone reuses their buffers).
+            copies.waited(copying.values())
         for s in updated:
             s.initialized = True
             self.state[s.param]["step"] += 1

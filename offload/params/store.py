@@ -9,9 +9,11 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from .. import copies
 from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
 from ..config import Config
+from ..copies import DONE, Ticket
 from ..errors import StateError
 from ..space import Extent, SwapSpace
 from ..store import ByteStore, Stored
@@ -32,6 +34,7 @@ class _Record(Stored):
 
     param: torch.Tensor
     host: Optional[torch.Tensor] = None  # the host cache's copy (uint8), device parameters only
+    copying: Ticket = DONE  # the last copy between ``host`` and the parameter's device
     users: int = 0  # fetches not yet released
     resident: bool = True
     dirty: bool = False
@@ -88,7 +91,9 @@ class ParamStore:
         self.pool = BufferPool(pc.buffer_count, round_up(pc.buffer_size * itemsize, ALIGNMENT),
                                pin_memory=pc.pin_memory if pc.pin_memory != "auto" else self.device.type == "cuda",
                                keys=("offload_param.buffer_count", "offload_param.buffer_size"))
-        self._cuda = self.device.type == "cuda"
+        # A device model's weights cross to it by copies (and its host cache is a copy of them); a CPU model's
+        # are used where they are.
+        self._cuda = copies.crosses(self.device)
         cached = smallest_within(params, pc.max_in_cpu)  # the host cache
         self._host_cache = self.space = None
         try:
@@ -100,7 +105,7 @@ class ParamStore:
                                        "Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to "
                                        "restore it."))
             self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
-            self.io = TensorIO(self.bytes, self.lender, cuda=self._cuda)
+            self.io = TensorIO(self.bytes, self.lender)
             self.grads = GradStore(self.io, self._lock)
             extent_of, grad_extent_of = self._reserve(params, cached)
             # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
@@ -133,13 +138,14 @@ class ParamStore:
             rec.users += 1
             if rec.resident:
                 return
+            rec.copying.wait()  # its last write-back into the host cache still reads the storage it had
             self._grow(rec)
             if not read:
                 self._drop_prefetch(rec)
                 return
             try:
                 if rec.host is not None:
-                    self._data(rec).copy_(rec.host, non_blocking=True)
+                    rec.copying = copies.into_device(self._data(rec), rec.host)
                     self.cache_hits += 1
                 else:
                     self._load(rec)
@@ -427,7 +433,8 @@ class ParamStore:
     def _evict(self, rec: _Record) -> None:
         if rec.dirty:
             if rec.host is not None:
-                rec.host.copy_(self._data(rec))
+                rec.copying.wait()  # the copy from the host cache at the fetch no longer reads it
+                rec.copying = copies.to_host(rec.host, self._data(rec))
             else:
                 self._store(rec)
             rec.dirty = False
@@ -481,6 +488,7 @@ class ParamStore:
         for rec in list(self._issued):
             self._drop_prefetch(rec)
         self.lender.wait_idle()
+        copies.waited(rec.copying for rec in self.records.values())  # the host cache holds the latest bytes
         failed = None
         for rec in self.records.values():
             try:
