@@ -173,6 +173,8 @@ PATHS = [
     pytest.param(dict(offload=dict(max_in_cpu=10**6, max_grad_in_cpu=0, buffer_size=1024)), id="weights-in-host"),
     pytest.param(dict(offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024), overlap_backward=True),
                  id="weights-nvme-overlap"),
+    pytest.param(dict(device="cpu", offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024)),
+                 id="device-cpu-weights-nvme"),
     pytest.param(dict(ckpt=True, host_cache=16384), id="checkpoint"),
     pytest.param(dict(ckpt=True, offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024)),
                  id="checkpoint-weights-nvme"),
@@ -202,3 +204,19 @@ def test_fp32_training_through_the_emulator_equals_torch_adamw(tmp_path, emulato
         ref.step()
         ref.zero_grad()
     assert_same(got[0], [p.detach() for p in model.parameters()])
+
+
+# -- each ordering rule, with a test that fails when it is broken ---------------------------------
+
+
+def test_a_grad_buffer_is_refilled_only_after_the_copy_reading_it_completed(tmp_path):
+    """Offloaded grads are read from NVMe into one buffer per pass and copied to the device per unit. With
+    the state resident (``device: "cpu"``: no unit is written, so nothing else waits for the copies), the
+    next unit's grads must not land in the buffer while the last unit's copy to the device still reads it."""
+    options = dict(device="cpu", offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024), steps=2)
+    want = train(tmp_path, "plain", **options)
+    with copies.emulated(delay=0.03) as emu:
+        got = train(tmp_path, "emulated", **options)
+        emu.check()
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])

@@ -456,7 +456,7 @@ class OffloadedAdam(torch.optim.Adam):
                         r, w = update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
                         read, landed = read | r, landed | w
                     copying[id(unit)] = landed
-                    unit_pass.done(unit)
+                    unit_pass.done(unit, read)
 
                 # Its last writes land while the caller goes on (the next forward); reading a unit back, a
                 # checkpoint, state_dict() or close() waits for them.
