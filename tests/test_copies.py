@@ -220,3 +220,42 @@ def test_a_grad_buffer_is_refilled_only_after_the_copy_reading_it_completed(tmp_
         emu.check()
     assert_same(got[0], want[0])
     assert_same(got[1], want[1])
+
+
+def test_the_overlapped_update_waits_for_the_stream_that_produced_the_grads(tmp_path):
+    """Backward on a side stream whose kernels finish late: the update that backward starts on the worker
+    thread (which runs on other streams) must wait for that stream before it reads the grads (here the
+    grads of weights on NVMe that the update takes as backward leaves them)."""
+    options = dict(overlap_backward=True, offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024))
+    want = train(tmp_path, "plain", **options)
+    with copies.emulated(delay=0.002) as emu:
+        side = emu.new_stream()
+        model_params: list = []
+
+        def late_grads(p):
+            # The grad's last kernel is still queued on the side stream: its values arrive late.
+            true = p.grad.detach().clone()
+            p.grad.detach().zero_()
+            grad = p.grad
+            emu.later(lambda: grad.detach().copy_(true), delay=0.03)
+
+        def hook(model, step):
+            if not model_params:
+                model_params.extend(model.parameters())
+            return emu.stream(side)
+
+        real_init = Model.__init__
+
+        def init(self, dtype=torch.float32):
+            real_init(self, dtype)
+            for p in self.parameters():  # before offload_parameters and the optimizer: runs first
+                p.register_post_accumulate_grad_hook(late_grads)
+
+        Model.__init__ = init
+        try:
+            got = train(tmp_path, "emulated", hook=hook, **options)
+        finally:
+            Model.__init__ = real_init
+        emu.check()
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])
