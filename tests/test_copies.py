@@ -13,7 +13,7 @@ from helpers import assert_same
 from torch import nn
 
 from offload import OffloadedAdamW, copies, offload_parameters, restore_parameters
-from offload.params import materialized
+from offload.params import materialized, store_of
 
 OPT = dict(lr=1e-2, buffer_size=16384, buffer_count=3, small_param_threshold=0)
 
@@ -256,6 +256,34 @@ def test_the_overlapped_update_waits_for_the_stream_that_produced_the_grads(tmp_
             got = train(tmp_path, "emulated", hook=hook, **options)
         finally:
             Model.__init__ = real_init
+        emu.check()
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])
+
+
+def test_device_grads_kept_in_host_memory_land_late_in_one_page_aligned_block(tmp_path):
+    """Gradients of device weights kept in host memory (``max_grad_in_cpu``) go there by an asynchronous copy
+    (backward's thread does not wait for it) into one page-aligned block, not torch's pinned allocator, which
+    rounds each up to a power of two; whoever reads them waits for the copy (the training equals the run
+    without the emulator)."""
+    options = dict(offload=dict(max_in_cpu=0, max_grad_in_cpu=10**6, buffer_size=1024))
+    want = train(tmp_path, "plain", steps=2, **options)
+    with copies.emulated(delay=0.1) as emu:
+        model = Model()
+        offload_parameters(model, nvme_path=str(tmp_path / "w"), **options["offload"])
+        try:
+            store = store_of(model.a.weight)
+            model(batch(0)).square().mean().backward()
+            block = store.grads._block
+            assert block is not None and block.address % 4096 == 0
+            kept = [g.host for g in store.grads.grads.values() if g.host is not None]
+            assert len(kept) == 6
+            for t in kept:
+                assert block.address <= t.data_ptr() < block.address + block.nbytes
+            assert emu.pending() > 0  # backward returned with the copies in flight
+        finally:
+            restore_parameters(model)
+        got = train(tmp_path, "emulated", steps=2, **options)
         emu.check()
     assert_same(got[0], want[0])
     assert_same(got[1], want[1])

@@ -95,7 +95,7 @@ class ParamStore:
         # are used where they are.
         self._cuda = copies.crosses(self.device)
         cached = smallest_within(params, pc.max_in_cpu)  # the host cache
-        self._host_cache = self.space = None
+        self._host_cache = self.space = self.grads = None
         try:
             self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
             # Weights are fetched one parameter at a time: a block whose bytes changed on disk names itself
@@ -106,7 +106,7 @@ class ParamStore:
                                        "restore it."))
             self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
             self.io = TensorIO(self.bytes, self.lender)
-            self.grads = GradStore(self.io, self._lock)
+            self.grads = GradStore(self.io, self._lock, pin_memory=self.pool[0].pinned)
             extent_of, grad_extent_of = self._reserve(params, cached)
             # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
             # (torch's pinned allocator would round each parameter up to a power of two).
@@ -298,6 +298,8 @@ class ParamStore:
                 self.space.close()
             if self._host_cache is not None:
                 self._host_cache.close()
+            if self.grads is not None:
+                self.grads.close()
             self.pool.close()
 
     # -- checkpoints (offload.checkpoint streams weights through the pool) ---------------------
