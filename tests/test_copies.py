@@ -261,6 +261,37 @@ def test_the_overlapped_update_waits_for_the_stream_that_produced_the_grads(tmp_
     assert_same(got[1], want[1])
 
 
+def test_a_failed_update_leaves_no_copy_in_flight_into_the_buffer_it_hands_back(tmp_path, monkeypatch):
+    """Two groups share a unit; the update fails on the second after the first group's state went back to the
+    host: by the time the error reaches the caller (and the pipeline has handed the buffer back), no copy
+    into or out of it is in flight."""
+    import offload.adam.update as update
+
+    model = Model()
+    groups = [{"params": [model.a.bias]}, {"params": [model.c.bias]}]
+    with copies.emulated(delay=0.05) as emu:
+        opt = OffloadedAdamW(groups, nvme_path=str(tmp_path / "s"), **OPT)
+        try:
+            model(batch(0)).square().mean().backward()
+            calls = []
+            real = update.GradScaling.apply
+
+            def failing(self, grad):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("kernel failed")
+                return real(self, grad)
+
+            monkeypatch.setattr(update.GradScaling, "apply", failing)
+            with pytest.raises(RuntimeError, match="kernel failed"):
+                opt.step()
+            assert len(calls) == 2
+            assert emu.pending() == 0
+        finally:
+            opt.close()
+        emu.check()
+
+
 def test_device_grads_kept_in_host_memory_land_late_in_one_page_aligned_block(tmp_path):
     """Gradients of device weights kept in host memory (``max_grad_in_cpu``) go there by an asynchronous copy
     (backward's thread does not wait for it) into one page-aligned block, not torch's pinned allocator, which

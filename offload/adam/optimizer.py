@@ -452,9 +452,14 @@ class OffloadedAdam(torch.optim.Adam):
                         if "step" not in st:
                             st["step"] = torch.tensor(0.0, dtype=torch.float32)
                     read = landed = DONE
-                    for chunks in by_group.values():
-                        r, w = update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
-                        read, landed = read | r, landed | w
+                    try:
+                        for chunks in by_group.values():
+                            r, w = update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
+                            read, landed = read | r, landed | w
+                    except BaseException:
+                        # The pipeline hands the buffer back at once: no copy of an earlier group may be in flight.
+                        copies.waited([read, landed])
+                        raise
                     copying[id(unit)] = landed
                     unit_pass.done(unit, read)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -142,7 +143,14 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict,
         host memory (the grad views may be refilled after it); ``landed``, done when the updated state is back
         in ``buf`` (it may be written or read after it).
     """
-    return _update_chunks(chunks, buf, grad_views, state, scaling, [], [])
+    read, landed = [], []
+    try:
+        return _update_chunks(chunks, buf, grad_views, state, scaling, read, landed)
+    except BaseException:
+        # Nothing may still copy from or into the buffers when the caller hands them back.
+        with contextlib.suppress(BaseException):
+            copies.waited(read + landed)
+        raise
 
 
 def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: list) -> tuple[Ticket, Ticket]:
