@@ -154,3 +154,25 @@ def test_overlap_backward_on_cuda_equals_torch_fused(nvme, closing):
     assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
     assert_same(list(a.parameters()), list(b.parameters()))
     assert_same_state(ours.state_dict(), ref.state_dict())
+
+
+# -- what the CPU emulator of copies cannot show (tests/test_copies.py shows the ordering) ----------
+
+
+def test_state_dict_of_cuda_params_keeps_offloaded_state_on_the_host(nvme, closing):
+    """state_dict() with CUDA parameters gives offloaded state as CPU tensors (where it lives: larger than the
+    GPU's memory is the case this is for), equal to torch's; no device memory is taken for it."""
+    a, b = model_pair(seed=9)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, **OPT))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    train_model(a, ours, range(2))
+    train_model(b, ref, range(2))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    sd = ours.state_dict()
+    assert torch.cuda.memory_allocated() == before
+    params = [p for g in ours.param_groups for p in g["params"]]
+    for i, entry in sd["state"].items():
+        if not ours.state_store.is_small(params[i]):
+            assert all(t.device.type == "cpu" for k, t in entry.items() if k != "step")
+    assert_same_state(sd, ref.state_dict())

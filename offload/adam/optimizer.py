@@ -14,7 +14,7 @@ from ..checkpoint.load import restore_in_memory
 from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
 from ..copies import DONE, Ticket
-from ..distributed import like
+from ..distributed import is_dtensor, like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
 from ..params import ParamAccess
@@ -275,8 +275,9 @@ class OffloadedAdam(torch.optim.Adam):
     def state_dict(self) -> dict:
         """The state in torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``.
 
-        Offloaded state is read back into memory (one tensor per state entry, shaped like its
-        parameter), so this needs host memory for the whole state. fp16/bf16 parameters also carry
+        Offloaded state is read back into host memory (one CPU tensor per state entry, shaped like its
+        parameter, whatever the parameter's device), so this needs host memory for the whole state, and no
+        device memory. fp16/bf16 parameters also carry
         their fp32 master copy as ``"master"``. A DTensor parameter's state is DTensors laid out as the
         parameter (as torch's optimizers keep it), each rank holding its local shard: what
         ``torch.distributed.checkpoint`` saves and loads.
@@ -289,7 +290,11 @@ class OffloadedAdam(torch.optim.Adam):
         sd = super().state_dict()
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for slot, tensors in self.state_store.read_state():
-            entry = {k: like(t.to(slot.param.device), slot.param) for k, t in tensors.items()}
+            # Offloaded state lives on the host side: it stays there (as torch's optimizers keep state where
+            # it lives), so saving state larger than the GPU's memory works. A DTensor's shard goes to its
+            # mesh's device, where a DTensor's local tensor must be.
+            entry = {k: like(t.to(slot.param.device) if is_dtensor(slot.param) else t, slot.param)
+                     for k, t in tensors.items()}
             entry["step"] = self.state[slot.param]["step"].clone()
             sd["state"][index[slot.param]] = entry
         return sd
