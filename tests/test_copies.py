@@ -45,19 +45,20 @@ def state_tensors(opt) -> list:
 
 
 def train(tmp_path, name: str, *, steps: int = 3, dtype=torch.float32, offload=None, hook=None,
-          ckpt: bool = False, **options):
+          ckpt: bool = False, micro: int = 1, **options):
     """Weights and state after ``steps`` iterations of a small model (``offload``: offload_parameters'
     arguments; ``hook(model, step)``: a context for each backward; ``ckpt``: save after the first step,
-    load it back after the second, and train on)."""
+    load it back after the second, and train on; ``micro``: backward passes accumulated per step)."""
     model = Model(dtype)
     if offload is not None:
         offload_parameters(model, nvme_path=str(tmp_path / f"{name}-w"), **offload)
     opt = OffloadedAdamW(model.parameters(), nvme_path=str(tmp_path / name), **{**OPT, **options})
     try:
         for step in range(steps):
-            loss = model(batch(step)).float().square().mean()
-            with hook(model, step) if hook is not None else _nothing():
-                loss.backward()
+            for m in range(micro):
+                loss = model(batch(step * micro + m)).float().square().mean()
+                with hook(model, step) if hook is not None else _nothing():
+                    loss.backward()
             opt.step()
             opt.zero_grad()
             if ckpt and step == 0:
@@ -171,6 +172,10 @@ PATHS = [
     pytest.param(dict(offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024)), id="weights-grads-nvme"),
     pytest.param(dict(offload=dict(max_in_cpu=0, max_grad_in_cpu=10**6, buffer_size=1024)), id="grads-in-host"),
     pytest.param(dict(offload=dict(max_in_cpu=10**6, max_grad_in_cpu=0, buffer_size=1024)), id="weights-in-host"),
+    pytest.param(dict(micro=2, max_grad_norm=0.5, offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024)),
+                 id="accumulated-clipped-grads-nvme"),
+    pytest.param(dict(micro=2, max_grad_norm=0.5, offload=dict(max_in_cpu=0, max_grad_in_cpu=10**6, buffer_size=1024)),
+                 id="accumulated-clipped-grads-in-host"),
     pytest.param(dict(offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024), overlap_backward=True),
                  id="weights-nvme-overlap"),
     pytest.param(dict(device="cpu", offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024)),

@@ -12,8 +12,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["DONE", "Ticket", "after", "crosses", "emulated", "into_device", "produced", "to_device", "to_host",
-           "waited"]
+__all__ = ["DONE", "Ticket", "after", "crosses", "emulated", "into_device", "on_host", "produced", "to_device",
+           "to_host", "waited"]
 
 
 class Ticket:
@@ -133,6 +133,14 @@ def to_host(dst: torch.Tensor, src: torch.Tensor) -> Ticket:
     device's current stream. ``dst`` holds the bytes only once the ticket is done."""
     b = _backend()
     return b.d2h(dst, src, b.device_of(src))
+
+
+def on_host(src: torch.Tensor) -> torch.Tensor:
+    """A new host tensor holding ``src`` (on a device), once the copy completed: for host code that needs the
+    values now (it waits)."""
+    dst = torch.empty(src.shape, dtype=src.dtype)
+    to_host(dst, src).wait()
+    return dst
 
 
 def produced(tensors: Iterable[Optional[torch.Tensor]]) -> Ticket:

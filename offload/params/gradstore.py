@@ -272,7 +272,11 @@ class GradStore:
         param = g.param
         if g.in_host:
             self._settle(g)
-            return g.host.to(device, copy=True)
+            if not copies.crosses(device):
+                return g.host.to(device, copy=True)
+            # The kept gradient is not changed until this copy read it (see _settle).
+            out, g.copying = copies.to_device(g.host, param)
+            return out
         out = torch.empty(param.shape, dtype=param.dtype, device=device)
         self._count(g.nbytes)
         self._count(-g.nbytes)  # the caller holds it; counted as one gradient resident at a time
@@ -339,7 +343,7 @@ class GradStore:
             self._settle(g)
             if g.state == _ZERO:
                 g.host.zero_()
-            g.host.add_(grad if grad.device.type == "cpu" else grad.to("cpu"))
+            g.host.add_(copies.on_host(grad) if copies.crosses(grad.device) else grad)
 
     @staticmethod
     def _settle(g: _Grad) -> None:
@@ -383,12 +387,16 @@ class GradStore:
             unit = self.io.unit_bytes
             state, scales = g.state, g.scales
 
-            def fill(k: int, view: torch.Tensor, stored: bool) -> None:
+            crossing = copies.crosses(src.device)
+
+            def fill(k: int, view: torch.Tensor, stored: bool):
                 n = view.numel()
                 part = src[k * unit // size:(k * unit + n) // size]
+                if state == _NONE and crossing:
+                    return copies.to_host(view, raw[k * unit:k * unit + n])  # waited for before the disk write
                 if state == _NONE:
                     view.copy_(raw[k * unit:k * unit + n])
-                    return
+                    return None
                 typed = view.view(src.dtype)
                 if stored:
                     self.bytes_read += round_up(n, self.io.space.alignment)
@@ -396,7 +404,8 @@ class GradStore:
                         typed.mul_(coef)
                 else:
                     typed.zero_()  # zero_grad(set_to_none=False): torch adds into zeros, so do we
-                typed.add_(part if part.device.type == "cpu" else part.to("cpu"))
+                typed.add_(copies.on_host(part) if crossing else part)
+                return None
 
             self.bytes_written += self.io.write_from(raw, g, fill=fill, read_first=lambda k: state == _STORED)
 

@@ -176,7 +176,8 @@ class TensorIO:
         lands the extent's earlier writes first.
 
         ``fill(k, view, stored)`` replaces the plain copy of block ``k`` into the buffer view (``stored``:
-        the block was read first, because ``read_first(k)`` said so).
+        the block was read first, because ``read_first(k)`` said so); it may return the :class:`Ticket` of a
+        copy into the view, which the block's write waits for.
 
         Returns:
             The bytes that reach the disk (blocks rounded up to the alignment).
@@ -202,7 +203,9 @@ class TensorIO:
             elif fill is None:
                 view.copy_(src[k * self.unit_bytes:k * self.unit_bytes + n])
             else:
-                fill(k, view, read_first is not None and read_first(k))
+                ticket = fill(k, view, read_first is not None and read_first(k))
+                if ticket is not None:
+                    landing[k] = ticket
             # The tail of the last block goes to disk too: make it deterministic, not stale bytes.
             pbuf.buffer.tensor[n:ext.nbytes].zero_()
             return True
