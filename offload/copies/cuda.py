@@ -31,11 +31,13 @@ class _Recorded:
 
 # NOTE: each device gets two copy streams, one per direction, so the next unit's copy to the device runs
 # while the current unit's copy back runs (a pinned buffer moves about as fast both ways at once as one way).
-# A copy to the device waits for nothing (its destination is new, or not in use: stream order) and the
-# device's current stream waits for it; a copy back waits for the current stream (the work that made its
-# source) and keeps its source alive until it ran (record_stream). Events are recorded on the stream that
-# ran the copy, taken from the tensor's device: in a worker thread the current device is device 0 whatever
-# the parameters' device is, and an event there would complete before a copy on another device.
+# A copy to the device waits for the work queued so far on the device's current stream (its destination may
+# be memory that work just freed or still reads), and that stream waits for the copy; a copy back waits for
+# the current stream (the work that made its source) and keeps its source alive until it ran
+# (record_stream). Events are recorded on the stream that ran the copy, taken from the tensor's device: in a
+# worker thread the current device is device 0 whatever the parameters' device is, and an event there would
+# complete before a copy on another device. The device is made current around each copy (torch.cuda.device
+# restores the old one only where it has a context), so the worker thread makes no CUDA context on device 0.
 class CudaCopies:
     """The backend of :mod:`offload.copies` for CUDA devices (CPU tensors are copied at once)."""
 
@@ -71,7 +73,7 @@ class CudaCopies:
             dst = torch.empty(src.shape, dtype=src.dtype, device=device)  # allocated for the compute stream
         # The destination may be memory the compute stream just freed or still reads.
         side.wait_stream(compute)
-        with torch.cuda.stream(side):
+        with torch.cuda.device(device), torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
         done = _Recorded(side, device)
         compute.wait_event(done.event)
@@ -83,7 +85,7 @@ class CudaCopies:
             return Ticket()
         side = self._stream(device, "d2h")
         side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
+        with torch.cuda.device(device), torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
         src.record_stream(side)  # not reused by the allocator before the copy ran
         return Ticket([_Recorded(side, device)])
