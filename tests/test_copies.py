@@ -80,14 +80,6 @@ class _nothing:
         return False
 
 
-@pytest.fixture
-def emulator():
-    """The copy emulator installed for the test; the ordering rules are checked at its end."""
-    with copies.emulated(delay=0.002) as emu:
-        yield emu
-        emu.check()
-
-
 # -- the emulator itself --------------------------------------------------------------------------
 
 
@@ -199,7 +191,7 @@ def test_every_device_path_trains_bit_for_bit_through_the_emulator(tmp_path, opt
     assert_same(got[1], want[1])
 
 
-def test_fp32_training_through_the_emulator_equals_torch_adamw(tmp_path, emulator):
+def test_fp32_training_through_the_emulator_equals_torch_adamw(tmp_path, copy_emulator):
     """The emulated device path against torch's fused AdamW itself."""
     got = train(tmp_path, "emulated")
     model = Model()

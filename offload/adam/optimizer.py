@@ -276,11 +276,10 @@ class OffloadedAdam(torch.optim.Adam):
         """The state in torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``.
 
         Offloaded state is read back into host memory (one CPU tensor per state entry, shaped like its
-        parameter, whatever the parameter's device), so this needs host memory for the whole state, and no
-        device memory. fp16/bf16 parameters also carry
-        their fp32 master copy as ``"master"``. A DTensor parameter's state is DTensors laid out as the
-        parameter (as torch's optimizers keep it), each rank holding its local shard: what
-        ``torch.distributed.checkpoint`` saves and loads.
+        parameter, whatever the parameter's device), so this needs host memory for the whole state and no
+        device memory. fp16/bf16 parameters also carry their fp32 master copy as ``"master"``. A DTensor
+        parameter's state is DTensors laid out as the parameter (as torch's optimizers keep it), each rank
+        holding its local shard: what ``torch.distributed.checkpoint`` saves and loads.
 
         Raises:
             StateError: the last step failed part-way, so the offloaded state may be half written.
