@@ -93,7 +93,7 @@ class ParamStore:
                                keys=("offload_param.buffer_count", "offload_param.buffer_size"))
         # A device model's weights cross to it by copies (and its host cache is a copy of them); a CPU model's
         # are used where they are.
-        self._cuda = copies.crosses(self.device)
+        self._on_device = copies.crosses(self.device)
         cached = smallest_within(params, pc.max_in_cpu)  # the host cache
         self._host_cache = self.space = self.grads = None
         try:
@@ -110,11 +110,11 @@ class ParamStore:
             extent_of, grad_extent_of = self._reserve(params, cached)
             # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
             # (torch's pinned allocator would round each parameter up to a power of two).
-            cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._cuda else 0
+            cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._on_device else 0
             self._host_cache = HostBuffer(cache_bytes, pin_memory=self.pool[0].pinned) if cache_bytes else None
             self._host_used = 0
             for p in params:
-                if p in cached and not self._cuda:
+                if p in cached and not self._on_device:
                     self.kept_bytes += p.numel() * p.element_size()
                 else:
                     self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)))
@@ -378,7 +378,8 @@ class ParamStore:
         full disk is reported now, with the whole need). Returns ``id(param) ->`` the weights' extent, and
         ``id(param) ->`` the gradient's extent (None: kept in host memory, ``max_grad_in_cpu``)."""
         on_disk = [p for p in params if p not in cached]
-        with_grad = [p for p in params if self.offload_grads and p.requires_grad and (p not in cached or self._cuda)]
+        with_grad = [p for p in params
+                     if self.offload_grads and p.requires_grad and (p not in cached or self._on_device)]
         host_grads = smallest_within(with_grad, self.config.offload_param.max_grad_in_cpu)
         grads_on_disk = [p for p in with_grad if p not in host_grads]
         extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
