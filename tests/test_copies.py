@@ -315,3 +315,14 @@ def test_device_grads_kept_in_host_memory_land_late_in_one_page_aligned_block(tm
         emu.check()
     assert_same(got[0], want[0])
     assert_same(got[1], want[1])
+
+
+def test_with_state_in_host_memory_the_next_units_copy_goes_out_while_the_last_comes_back(tmp_path):
+    """``device: "cpu"``: nothing waits for a unit's state to come back before the next unit's state goes to
+    the device (the two directions have a stream each), so the copies of a step overlap; they are all back
+    when the step returns."""
+    with copies.emulated(delay=0.05) as emu:
+        got = train(tmp_path, "emulated", steps=1, device="cpu")
+        emu.check()
+        assert emu.overlapped > 0
+    assert_same(got[0], train(tmp_path, "plain", steps=1, device="cpu")[0])

@@ -112,6 +112,7 @@ class EmulatedCopies:
     Attributes:
         violations: ordering rules broken so far (:meth:`check` raises them).
         log: ``(kind, device index)`` of every copy and mark, in issue order.
+        overlapped: copies to a device issued while a copy back from it was still in flight.
     """
 
     def __init__(self, delay: float = 0.002):
@@ -122,6 +123,8 @@ class EmulatedCopies:
         self._streams: dict = {}
         self._waited: dict[int, list] = {}  # device -> events its compute stream waits for (copies to it)
         self._copies: list = []  # events of copies maybe in flight
+        self._back: dict[int, list] = {}  # device -> events of its copies to the host maybe in flight
+        self.overlapped = 0
         self._local = threading.local()
         self._lock = threading.Lock()
         self._closed = False
@@ -209,6 +212,9 @@ class EmulatedCopies:
             waited = self._waited.setdefault(device, [])
             waited[:] = [e for e in waited if not e.query()] + [event]
             self._copies.append(event)
+            back = self._back.get(device, [])
+            back[:] = [e for e in back if not e.query()]
+            self.overlapped += bool(back)
         self.log.append(("h2d", device))
         return out, Ticket([event])
 
@@ -228,6 +234,7 @@ class EmulatedCopies:
         event = self._stream(device, "d2h").enqueue(late, delay=self.delay, deps=deps, start=lambda: _poison(dst))
         with self._lock:
             self._copies.append(event)
+            self._back.setdefault(device, []).append(event)
         self.log.append(("d2h", device))
         return Ticket([event])
 
