@@ -5,6 +5,7 @@ ordering rule has a test that fails when the rule is broken."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -44,12 +45,15 @@ def state_tensors(opt) -> list:
     return [t for _, st in sorted(sd["state"].items()) for _, t in sorted(st.items())]
 
 
-def train(tmp_path, name: str, *, steps: int = 3, dtype=torch.float32, offload=None, hook=None,
+def train(tmp_path, name: str, *, steps: int = 3, dtype=torch.float32, offload=None, prepare=None, hook=None,
           ckpt: bool = False, micro: int = 1, **options):
     """Weights and state after ``steps`` iterations of a small model (``offload``: offload_parameters'
-    arguments; ``hook(model, step)``: a context for each backward; ``ckpt``: save after the first step,
-    load it back after the second, and train on; ``micro``: backward passes accumulated per step)."""
+    arguments; ``prepare(model)``: called first; ``hook(model, step)``: a context for each backward;
+    ``ckpt``: save after the first step, load it back after the second, and train on; ``micro``: backward
+    passes accumulated per step)."""
     model = Model(dtype)
+    if prepare is not None:
+        prepare(model)
     if offload is not None:
         offload_parameters(model, nvme_path=str(tmp_path / f"{name}-w"), **offload)
     opt = OffloadedAdamW(model.parameters(), nvme_path=str(tmp_path / name), **{**OPT, **options})
@@ -57,7 +61,7 @@ def train(tmp_path, name: str, *, steps: int = 3, dtype=torch.float32, offload=N
         for step in range(steps):
             for m in range(micro):
                 loss = model(batch(step * micro + m)).float().square().mean()
-                with hook(model, step) if hook is not None else _nothing():
+                with hook(model, step) if hook is not None else contextlib.nullcontext():
                     loss.backward()
             opt.step()
             opt.zero_grad()
@@ -70,14 +74,6 @@ def train(tmp_path, name: str, *, steps: int = 3, dtype=torch.float32, offload=N
         opt.close()
         if offload is not None:
             restore_parameters(model)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # -- the emulator itself --------------------------------------------------------------------------
@@ -131,17 +127,7 @@ def test_copies_go_on_the_streams_of_the_tensors_device_not_the_current_one(tmp_
     every copy and completion is on device 1's streams, and the step equals the same run without emulation."""
     want = train(tmp_path, "plain")
     with copies.emulated(delay=0.002) as emu:
-        real_init = Model.__init__
-
-        def placed_init(self, dtype=torch.float32):
-            real_init(self, dtype)
-            emu.place(self.parameters(), 1)
-
-        Model.__init__ = placed_init
-        try:
-            got = train(tmp_path, "placed")
-        finally:
-            Model.__init__ = real_init
+        got = train(tmp_path, "placed", prepare=lambda model: emu.place(model.parameters(), 1))
         emu.check()
         kinds = {kind for kind, _ in emu.log}
         assert {"h2d", "d2h"} <= kinds
@@ -227,7 +213,6 @@ def test_the_overlapped_update_waits_for_the_stream_that_produced_the_grads(tmp_
     want = train(tmp_path, "plain", **options)
     with copies.emulated(delay=0.002) as emu:
         side = emu.new_stream()
-        model_params: list = []
 
         def late_grads(p):
             # The grad's last kernel is still queued on the side stream: its values arrive late.
@@ -236,23 +221,11 @@ def test_the_overlapped_update_waits_for_the_stream_that_produced_the_grads(tmp_
             grad = p.grad
             emu.later(lambda: grad.detach().copy_(true), delay=0.03)
 
-        def hook(model, step):
-            if not model_params:
-                model_params.extend(model.parameters())
-            return emu.stream(side)
-
-        real_init = Model.__init__
-
-        def init(self, dtype=torch.float32):
-            real_init(self, dtype)
-            for p in self.parameters():  # before offload_parameters and the optimizer: runs first
+        def prepare(model):
+            for p in model.parameters():  # before offload_parameters and the optimizer: runs first
                 p.register_post_accumulate_grad_hook(late_grads)
 
-        Model.__init__ = init
-        try:
-            got = train(tmp_path, "emulated", hook=hook, **options)
-        finally:
-            Model.__init__ = real_init
+        got = train(tmp_path, "emulated", prepare=prepare, hook=lambda model, step: emu.stream(side), **options)
         emu.check()
     assert_same(got[0], want[0])
     assert_same(got[1], want[1])
