@@ -98,10 +98,10 @@ def test_emulator_reports_a_host_source_changed_before_its_copy_completed():
 
 def test_emulator_fills_a_host_destination_only_when_its_copy_completes():
     """A copy to the host lands late: once started and until its ticket is done the destination holds NaN."""
-    with copies.emulated(delay=0.05) as emu:
+    with copies.emulated(delay=0.3) as emu:
         src, dst = torch.ones(4), torch.zeros(4)
         ticket = copies.to_host(dst, src)
-        time.sleep(0.02)
+        time.sleep(0.05)
         assert torch.isnan(dst).all()
         ticket.wait()
         assert torch.equal(dst, src)
@@ -112,7 +112,7 @@ def test_copies_to_and_from_a_device_run_on_two_streams():
     """A copy to the device does not queue behind a copy back (two copy streams per device): with a slow
     copy back in flight, the next copy to the device completes first."""
     with copies.emulated(delay=0.002) as emu:
-        emu.delay = 0.2
+        emu.delay = 0.5
         back = copies.to_host(torch.zeros(4), torch.ones(4))
         emu.delay = 0.002
         _, there = copies.to_device(torch.ones(4), torch.ones(4))
@@ -294,7 +294,7 @@ def test_with_state_in_host_memory_the_next_units_copy_goes_out_while_the_last_c
     """``device: "cpu"``: nothing waits for a unit's state to come back before the next unit's state goes to
     the device (the two directions have a stream each), so the copies of a step overlap; they are all back
     when the step returns."""
-    with copies.emulated(delay=0.05) as emu:
+    with copies.emulated(delay=0.1) as emu:
         got = train(tmp_path, "emulated", steps=1, device="cpu")
         emu.check()
         assert emu.overlapped > 0
