@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from . import copies
 from .clipping import grad_norm
 from .errors import StateError
 from .params import ParamAccess, store_of
@@ -186,6 +187,9 @@ class _Run:
         self.owner = owner
         self.order = order
         self.fired: set = set()
+        # Per parameter whose grad the update reads as backward left it: where the stream that produced it
+        # was when it became final. The worker runs on its own streams, so it waits for that first.
+        self.producers: dict = {}
         self.seen_grads: list = []  # (param, its final grad, a few of its elements): changed later is refused
         self.norms: dict = {}
         # Per unit, how many of its chunks still wait for their parameter's final gradient.
@@ -226,7 +230,12 @@ class _Run:
         self.fired.add(id(p))
         store = store_of(p)
         in_store = store is not None and store.holds_grad(p)  # p.grad is then a placeholder
-        if id(p) in self.chunks_of and p.grad is not None and (store is None or not store.offload_grads):
+        if p.grad is not None and not in_store:
+            self.producers[id(p)] = copies.produced([p.grad])
+        watched = id(p) in self.chunks_of and p.grad is not None and (store is None or not store.offload_grads)
+        if (watched or self.owner.clip) and id(p) in self.producers:
+            copies.after(self.producers[id(p)])  # this thread reads it below
+        if watched:
             # An ordinary grad tensor (offload_grads=False too) that a GradScaler's unscale_ or clip_grad_norm_
             # could change in place: watched. (A grad the store holds, or hands to the update, is not the
             # user's to change: its placeholder refuses.)
@@ -265,6 +274,10 @@ class _Run:
         (self.all_final if self.owner.clip else self.ready_units[id(unit)]).wait()
         if self.error is not None:
             raise self.error
+        for c in unit.chunks:
+            produced = self.producers.get(id(c.slot.param))
+            if produced is not None:
+                copies.after(produced)  # the grad this update reads was produced on another thread's stream
         self.begun += 1
 
     def finish(self) -> set:

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from offload import restore_parameters
+from offload import copies, restore_parameters
 from offload._native import HAVE_IO_URING
 from offload.aio import Engine
 from offload.params import offloaded
@@ -106,6 +106,16 @@ def closing(nvme):
             return thing
 
         yield track
+
+
+@pytest.fixture
+def copy_emulator():
+    """The emulator of asynchronous host-device copies (``offload.copies.emulated``) installed for the test:
+    CPU tensors take the GPU code paths, each copy performed late on a thread; an ordering rule broken during
+    the test fails it at its end."""
+    with copies.emulated(delay=0.002) as emu:
+        yield emu
+        emu.check()
 
 
 @pytest.fixture

@@ -7,9 +7,23 @@ the tensors moved to ``DEVICE``: set ``DEVICE = "cpu"`` and drop the marker to r
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
-from helpers import OPT, SIZES, SMALL, Net, assert_same, assert_same_state, batch, make_params, snapshot
+from helpers import (
+    OPT,
+    REPO,
+    SIZES,
+    SMALL,
+    Net,
+    assert_same,
+    assert_same_state,
+    batch,
+    make_params,
+    run_python,
+    snapshot,
+)
 
 from offload import OffloadedAdamW
 from offload.checkpoint import load_checkpoint, save_checkpoint
@@ -154,3 +168,126 @@ def test_overlap_backward_on_cuda_equals_torch_fused(nvme, closing):
     assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
     assert_same(list(a.parameters()), list(b.parameters()))
     assert_same_state(ours.state_dict(), ref.state_dict())
+
+
+# -- what the CPU emulator of copies cannot show (tests/test_copies.py shows the ordering) ----------
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("tier", [dict(), dict(device="cpu"), dict(overlap_backward=True)],
+                         ids=["nvme", "device-cpu", "overlap"])
+def test_params_on_the_second_gpu_with_the_current_device_the_first(nvme, closing, tier):
+    """Parameters on cuda:1 while the current device is cuda:0 (as in the overlap worker's thread): copies and
+    their completion go on cuda:1's streams, so the model trains like torch's fused AdamW there, and no work
+    lands on cuda:0."""
+    torch.cuda.set_device(0)
+    torch.manual_seed(5)
+    a = Net().to("cuda:1")
+    b = Net().to("cuda:1")
+    b.load_state_dict(a.state_dict())
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, **{**OPT, **tier}))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    before = torch.cuda.memory_allocated(0)
+    for model, opt in ((a, ours), (b, ref)):
+        for step in range(4):
+            x, y = (t.to("cuda:1") for t in batch(step))
+            (model(x) - y).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    assert torch.cuda.current_device() == 0
+    assert torch.cuda.memory_allocated(0) == before
+    assert_same(list(a.parameters()), list(b.parameters()))
+
+
+def test_backward_on_a_side_stream_with_overlap_equals_torch(nvme, closing):
+    """Forward and backward under ``torch.cuda.stream(side)``: the update that backward starts waits for the
+    side stream before reading the grads, so training equals torch's fused AdamW stepped after a sync."""
+    a, b = model_pair(seed=6)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, overlap_backward=True, **OPT))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    side = torch.cuda.Stream()
+    for model, opt in ((a, ours), (b, ref)):
+        for step in range(4):
+            x, y = (t.to(DEVICE) for t in batch(step))
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                (model(x) - y).square().mean().backward()
+            torch.cuda.current_stream().wait_stream(side)
+            opt.step()
+            opt.zero_grad()
+    assert_same(list(a.parameters()), list(b.parameters()))
+
+
+def test_grad_scaler_with_fp16_autocast_on_cuda_equals_torch(nvme, closing):
+    """A GradScaler with fp16 autocast, scale growth and an overflow step skipped: the same weights and state
+    as torch's fused AdamW under the same scaler."""
+    a, b = model_pair(seed=7)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, **OPT))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    for model, opt in ((a, ours), (b, ref)):
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 20, growth_interval=2)
+        for step in range(5):
+            x, y = (t.to(DEVICE) for t in batch(step))
+            with torch.autocast(DEVICE, dtype=torch.float16):
+                loss = (model(x) - y).float().square().mean()
+            scaler.scale(loss * (1e30 if step == 2 else 1.0)).backward()  # step 2 overflows: skipped
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    assert_same(list(a.parameters()), list(b.parameters()))
+    assert_same_state(ours.state_dict(), ref.state_dict())
+
+
+def test_bf16_state_on_cuda_stays_close_to_torch(nvme, closing):
+    """state_dtype "bf16" with bf16 CUDA parameters (fp32 masters): the moments are rounded to bf16 when
+    stored, so the weights follow torch's fused AdamW on fp32 masters closely, not bit for bit."""
+    a, b = model_pair(seed=8, dtype=torch.bfloat16)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, state_dtype="bf16", **OPT))
+    masters = [p.detach().float().clone().requires_grad_() for p in b.parameters()]
+    ref = torch.optim.AdamW(masters, lr=OPT["lr"], fused=True)
+    for step in range(4):
+        x, y = (t.to(DEVICE, torch.bfloat16) for t in batch(step))
+        for model in (a, b):
+            (model(x) - y).float().square().mean().backward()
+        ours.step()
+        for m, p in zip(masters, b.parameters()):
+            m.grad = p.grad.float()
+        ref.step()
+        with torch.no_grad():
+            for m, p in zip(masters, b.parameters()):
+                p.copy_(m)
+        ours.zero_grad()
+        b.zero_grad()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.float(), q.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_state_dict_of_cuda_params_keeps_offloaded_state_on_the_host(nvme, closing):
+    """state_dict() with CUDA parameters gives offloaded state as CPU tensors (where it lives: larger than the
+    GPU's memory is the case this is for), equal to torch's; no device memory is taken for it."""
+    a, b = model_pair(seed=9)
+    ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, **OPT))
+    ref = torch.optim.AdamW(b.parameters(), lr=OPT["lr"], fused=True)
+    train_model(a, ours, range(2))
+    train_model(b, ref, range(2))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    sd = ours.state_dict()
+    assert torch.cuda.memory_allocated() == before
+    params = [p for g in ours.param_groups for p in g["params"]]
+    for i, entry in sd["state"].items():
+        if not ours.state_store.is_small(params[i]):
+            assert all(t.device.type == "cpu" for k, t in entry.items() if k != "step")
+    assert_same_state(sd, ref.state_dict())
+
+
+def test_offload_bench_adam_with_state_in_host_memory_on_cuda_runs(tmp_path):
+    """``offload-bench adam --device cuda --offload-device cpu`` (state in host memory, CUDA parameters: the
+    copies of both directions overlap on two streams) runs and reports a step time."""
+    out = tmp_path / "adam.json"
+    (tmp_path / "scratch").mkdir()
+    proc = run_python("-m", "offload.bench", "adam", "--params", "2M", "--dtype", "bf16", "--device", "cuda",
+                      "--offload-device", "cpu", "--steps", "3", "--no-fio", "--no-torch", "--path",
+                      str(tmp_path / "scratch"), "--json", str(out), timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text())

@@ -7,12 +7,14 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from .. import copies
 from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
 from ..checkpoint.load import restore_in_memory
 from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
-from ..distributed import like
+from ..copies import DONE, Ticket
+from ..distributed import is_dtensor, like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
 from ..params import ParamAccess
@@ -277,11 +279,11 @@ class OffloadedAdam(torch.optim.Adam):
     def state_dict(self) -> dict:
         """The state in torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``.
 
-        Offloaded state is read back into memory (one tensor per state entry, shaped like its
-        parameter), so this needs host memory for the whole state. fp16/bf16 parameters also carry
-        their fp32 master copy as ``"master"``. A DTensor parameter's state is DTensors laid out as the
-        parameter (as torch's optimizers keep it), each rank holding its local shard: what
-        ``torch.distributed.checkpoint`` saves and loads.
+        Offloaded state is read back into host memory (one CPU tensor per state entry, shaped like its
+        parameter, whatever the parameter's device), so this needs host memory for the whole state and no
+        device memory. fp16/bf16 parameters also carry their fp32 master copy as ``"master"``. A DTensor
+        parameter's state is DTensors laid out as the parameter (as torch's optimizers keep it), each rank
+        holding its local shard: what ``torch.distributed.checkpoint`` saves and loads.
 
         Raises:
             StateError: the last step failed part-way, so the offloaded state may be half written.
@@ -291,7 +293,11 @@ class OffloadedAdam(torch.optim.Adam):
         sd = super().state_dict()
         index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
         for slot, tensors in self.state_store.read_state():
-            entry = {k: like(t.to(slot.param.device), slot.param) for k, t in tensors.items()}
+            # Offloaded state lives on the host side: it stays there (as torch's optimizers keep state where
+            # it lives), so saving state larger than the GPU's memory works. A DTensor's shard goes to its
+            # mesh's device, where a DTensor's local tensor must be.
+            entry = {k: like(t.to(slot.param.device) if is_dtensor(slot.param) else t, slot.param)
+                     for k, t in tensors.items()}
             entry["step"] = self.state[slot.param]["step"].clone()
             sd["state"][index[slot.param]] = entry
         return sd
@@ -426,46 +432,52 @@ class OffloadedAdam(torch.optim.Adam):
         units = order if order is not None else store.step_order(store.units_of(slots))
         # With an fp32 master copy on disk the old weights are not read: the update rewrites all of them.
         has_master = lambda slot: "master" in slot.keys and slot.initialized  # noqa: E731
-        copying: dict[int, set] = {}  # id(unit) -> CUDA devices still copying state back into its buffer
+        copying: dict[int, Ticket] = {}  # id(unit) -> the copies of its updated state back into its buffer
         updated: set = set()
 
         def before_write(unit) -> None:
             # The state copied back from the device must be in the buffer before it is written.
-            for dev in copying.pop(id(unit), ()):
-                torch.cuda.current_stream(dev).synchronize()
+            copying.pop(id(unit), DONE).wait()
 
-        with self._access.units(units, candidates) as unit_pass:
-            def update(unit, buf) -> None:
-                if gate is not None:
-                    gate(unit)
-                # What this update changes: the chunks whose parameter has a grad now. Only their weights
-                # are fetched (and written back); a parameter unused in this iteration keeps its weights on
-                # NVMe untouched (fetched without a read, as a master allows, they would go back as garbage).
-                chunks = [c for c in unit.chunks if id(c.slot) in candidates and c.slot.param.grad is not None]
-                grads = unit_pass.grads(unit)
-                unit_pass.fetch(unit, {c.slot for c in chunks}, skip_read=has_master)
-                by_group: dict[int, list] = {}
-                for c in chunks:
-                    by_group.setdefault(id(c.slot.group), []).append(c)
-                    updated.add(c.slot)
-                    # A state entry only for a parameter that is updated (a parameter without a grad gets
-                    # none, as in torch); made once, not a tensor per chunk per step.
-                    st = self.state[c.slot.param]
-                    if "step" not in st:
-                        st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                devices = set()
-                for chunks in by_group.values():
-                    devices |= update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
-                if devices:
-                    copying[id(unit)] = devices
-                unit_pass.done(unit)
+        try:
+            with self._access.units(units, candidates) as unit_pass:
+                def update(unit, buf) -> None:
+                    if gate is not None:
+                        gate(unit)
+                    # What this update changes: the chunks whose parameter has a grad now. Only their weights
+                    # are fetched (and written back); a parameter unused in this iteration keeps its weights on
+                    # NVMe untouched (fetched without a read, as a master allows, they would go back as garbage).
+                    chunks = [c for c in unit.chunks if id(c.slot) in candidates and c.slot.param.grad is not None]
+                    grads = unit_pass.grads(unit)
+                    unit_pass.fetch(unit, {c.slot for c in chunks}, skip_read=has_master)
+                    by_group: dict[int, list] = {}
+                    for c in chunks:
+                        by_group.setdefault(id(c.slot.group), []).append(c)
+                        updated.add(c.slot)
+                        # A state entry only for a parameter that is updated (a parameter without a grad gets
+                        # none, as in torch); made once, not a tensor per chunk per step.
+                        st = self.state[c.slot.param]
+                        if "step" not in st:
+                            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    read = landed = DONE
+                    try:
+                        for chunks in by_group.values():
+                            r, w = update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
+                            read, landed = read | r, landed | w
+                    except BaseException:
+                        # The pipeline hands the buffer back at once: no copy of an earlier group may be in flight.
+                        copies.waited([read, landed])
+                        raise
+                    copying[id(unit)] = landed
+                    unit_pass.done(unit, read)
 
-            # Its last writes land while the caller goes on (the next forward); reading a unit back, a
-            # checkpoint, state_dict() or close() waits for them.
-            store.step(units, update, before_write)
-        # Units resident in host memory were never written: their copies back must land before the step ends.
-        for dev in set().union(*copying.values()) if copying else ():
-            torch.cuda.current_stream(dev).synchronize()
+                # Its last writes land while the caller goes on (the next forward); reading a unit back, a
+                # checkpoint, state_dict() or close() waits for them.
+                store.step(units, update, before_write)
+        finally:
+            # Units resident in host memory are never written: their copies back must land before the step
+            # ends (and after a failure, before anyone reuses their buffers).
+            copies.waited(copying.values())
         for s in updated:
             s.initialized = True
             self.state[s.param]["step"] += 1

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch.optim.adam import adam as _torch_adam
 
+from .. import copies
+from ..copies import Ticket
 from ..distributed import like, local
 from ..state import HALF_DTYPES
 
@@ -123,20 +126,34 @@ def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], to
                 local(p).detach().copy_(target)
 
 
-def update_chunks(chunks, buf, grad_views: dict, *, state: dict, scaling: GradScaling = NO_SCALING) -> set:
+def update_chunks(chunks, buf, grad_views: dict, *, state: dict,
+                  scaling: GradScaling = NO_SCALING) -> tuple[Ticket, Ticket]:
     """Update ``chunks`` (one group's, all in the unit held by ``buf``) in place.
 
     Args:
         chunks: the unit's chunks to update; their slots say where each state key lies in ``buf``.
         buf: the host buffer holding the unit.
-        grad_views: ``{chunk: flat grad}`` for grads read from a grad store; others come from ``p.grad``.
+        grad_views: ``{chunk: flat grad}`` for grads read from a grad store (host memory); others come from
+            ``p.grad``.
         state: the optimizer's ``state`` mapping (its ``"step"`` counts; they are not incremented here).
         scaling: what is done to each grad before the kernel (and the scale the kernel divides by).
 
     Returns:
-        The CUDA devices whose copies back into ``buf`` are queued and must be waited for before the
-        buffer is written.
+        Two tickets, for parameters on a device: ``read``, done when the copies to the device no longer read
+        host memory (the grad views may be refilled after it); ``landed``, done when the updated state is back
+        in ``buf`` (it may be written or read after it).
     """
+    read, landed = [], []
+    try:
+        return _update_chunks(chunks, buf, grad_views, state, scaling, read, landed)
+    except BaseException:
+        # Nothing may still copy from or into the buffers when the caller hands them back.
+        with contextlib.suppress(BaseException):
+            copies.waited(read + landed)
+        raise
+
+
+def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: list) -> tuple[Ticket, Ticket]:
     group = chunks[0].slot.group
     amsgrad = group["amsgrad"]
     params, grads, m, v, vmax, steps = [], [], [], [], [], []
@@ -145,11 +162,13 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, scaling: GradSc
         p = c.slot.param
         lo, hi = c.start, c.start + c.numel
         flat_p = local(p).detach().view(-1)[lo:hi]
+        crossing = copies.crosses(p.device)
         flat_g = grad_views.get(c)
         if flat_g is None:
             flat_g = local(p.grad).reshape(-1)[lo:hi]
-        elif flat_g.device != p.device:
-            flat_g = flat_g.to(p.device, non_blocking=True)
+        elif crossing:
+            flat_g, ticket = copies.to_device(flat_g, flat_p)
+            read.append(ticket)
         flat_g = scaling.apply(flat_g)
         views = {k: c.slice(buf, k) for k in c.slot.keys}
         if not c.slot.initialized:
@@ -159,9 +178,12 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, scaling: GradSc
                 else:
                     t.zero_()
         dev = p.device
-        if dev.type != "cpu":
+        if crossing:
             # State crosses to the parameter's device through the (pinned) buffer.
-            on_dev = {k: t.to(dev, non_blocking=True) for k, t in views.items()}
+            on_dev = {}
+            for k, t in views.items():
+                on_dev[k], ticket = copies.to_device(t, flat_p)
+                read.append(ticket)
             writeback.extend((views[k], on_dev[k]) for k in views)
             views = on_dev
         for k in [k for k in views if k != "master" and views[k].dtype == torch.bfloat16]:
@@ -179,9 +201,12 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, scaling: GradSc
             vmax.append(views["max_exp_avg_sq"])
         step = state[p]["step"]
         # A copy per chunk: the kernel increments it, and a parameter may span several chunks.
-        # non_blocking: a blocking copy would wait for every state copy queued before it.
-        steps.append(step.to(dev, copy=True, non_blocking=True) if kernel_flags(group, dev)["fused"]
-                     else step.clone())
+        if kernel_flags(group, dev)["fused"] and crossing:
+            step, ticket = copies.to_device(step, flat_p)
+            read.append(ticket)
+            steps.append(step)
+        else:
+            steps.append(step.clone())
     run_adam(group, params, grads, m, v, vmax, steps, grad_scale=scaling.kernel_scale)
     for stored, wide in narrow:
         stored.copy_(wide)
@@ -189,5 +214,5 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, scaling: GradSc
         if "master" in c.slot.keys:
             local(c.slot.param).detach().view(-1)[c.start:c.start + c.numel].copy_(target)
     for host, dev_t in writeback:
-        host.copy_(dev_t, non_blocking=True)
-    return {dev_t.device for _, dev_t in writeback}
+        landed.append(copies.to_host(host, dev_t))
+    return Ticket.all(read), Ticket.all(landed)

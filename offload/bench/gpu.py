@@ -10,6 +10,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .. import copies
 from ..buffers import BufferPool
 from . import report
 from .cli import BenchFailure, add_config_option, check_output_file, positive_int_arg, short_size, size_arg
@@ -87,10 +88,10 @@ MEASURES = [(f"{d}, {'pinned' if pin else 'pageable'}", d, pin)
             for d in ("host to device", "device to host", "both at once") for pin in (True, False)]
 
 
-# NOTE: a copy moves one pool buffer to (or from) its own slice of one GPU tensor, with non_blocking=True
-# on a side stream, as the optimizer's update does; a measurement is the wall time from the first copy
-# queued to the GPU idle again. "Both at once" puts the host-to-device copies on one stream and the
-# device-to-host copies on another, half of the buffers each, and counts the bytes of both directions.
+# NOTE: a copy moves one pool buffer to (or from) its own slice of one GPU tensor through offload.copies,
+# as the optimizer's update does (its copy streams, one per direction); a measurement is the wall time from
+# the first copy queued to the GPU idle again. "Both at once" alternates the host-to-device copies of half
+# the buffers with the device-to-host copies of the other half, and counts the bytes of both directions.
 # Pinned and pageable are two pools of the same kind and size (page-aligned mmap), one registered with CUDA,
 # so only the pinning differs; they alternate within a round so that a change of clock or a neighbour weighs
 # on both. From pageable memory a copy blocks the host until it is done, so "both at once, pageable" runs
@@ -122,11 +123,10 @@ def run_gpu(args: argparse.Namespace) -> int:
         _check_round_trip(pinned, gpu)
         ncopies = max(1, -(-args.size // pinned.buffer_size))
         runs: dict[str, list[float]] = {name: [] for name, _, _ in MEASURES}
-        streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         for _ in range(args.rounds):
             for name, direction, pin in MEASURES:
                 pool = pinned if pin else pageable
-                moved, seconds = _copies(pool, gpu, direction, ncopies, streams)
+                moved, seconds = _copies(pool, gpu, direction, ncopies)
                 runs[name].append(moved / seconds / GB)
     finally:
         pinned.close()
@@ -152,34 +152,31 @@ def run_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
-def _copies(pool: BufferPool, gpu: torch.Tensor, direction: str, ncopies: int,
-            streams: tuple[torch.cuda.Stream, torch.cuda.Stream]) -> tuple[int, float]:
+def _copies(pool: BufferPool, gpu: torch.Tensor, direction: str, ncopies: int) -> tuple[int, float]:
     """Queue ``ncopies`` buffer-sized copies in ``direction`` and wait for them; (bytes moved, seconds)."""
     n = pool.buffer_size
     bufs = list(pool)
     slices = [gpu[i * n:(i + 1) * n] for i in range(len(bufs))]
     torch.cuda.synchronize()
     t = time.perf_counter()
+    tickets = []
     if direction == "both at once":
         half = len(bufs) // 2
-        with torch.cuda.stream(streams[0]):
-            for i in range(ncopies):
-                k = i % half
-                slices[k].copy_(bufs[k].tensor, non_blocking=True)
-        with torch.cuda.stream(streams[1]):
-            for i in range(ncopies):
-                k = half + i % (len(bufs) - half)
-                bufs[k].tensor.copy_(slices[k], non_blocking=True)
+        for i in range(ncopies):
+            k = i % half
+            tickets.append(copies.into_device(slices[k], bufs[k].tensor))
+            k = half + i % (len(bufs) - half)
+            tickets.append(copies.to_host(bufs[k].tensor, slices[k]))
         moved = 2 * ncopies * n
     else:
-        with torch.cuda.stream(streams[0]):
-            for i in range(ncopies):
-                k = i % len(bufs)
-                if direction == "host to device":
-                    slices[k].copy_(bufs[k].tensor, non_blocking=True)
-                else:
-                    bufs[k].tensor.copy_(slices[k], non_blocking=True)
+        for i in range(ncopies):
+            k = i % len(bufs)
+            if direction == "host to device":
+                tickets.append(copies.into_device(slices[k], bufs[k].tensor))
+            else:
+                tickets.append(copies.to_host(bufs[k].tensor, slices[k]))
         moved = ncopies * n
+    copies.waited(tickets)
     torch.cuda.synchronize()
     return moved, time.perf_counter() - t
 
@@ -189,9 +186,8 @@ def _check_round_trip(pool: BufferPool, gpu: torch.Tensor) -> None:
     a, b = pool[0].tensor, pool[1].tensor
     a.copy_(torch.randint(0, 256, a.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
     n = pool.buffer_size
-    gpu[:n].copy_(a, non_blocking=True)
-    b.copy_(gpu[:n], non_blocking=True)
-    torch.cuda.synchronize()
+    sent = copies.into_device(gpu[:n], a)
+    copies.waited([sent, copies.to_host(b, gpu[:n])])
     if not torch.equal(a, b):
         raise BenchFailure("a buffer copied to the GPU and back differs from what was sent")
 

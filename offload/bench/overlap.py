@@ -16,7 +16,7 @@ from ..params import offload_parameters, offloaded, restore_parameters
 from ..units import format_size
 from . import report
 from .cli import config_given, positive_int_arg
-from .gpu import pool_pinned
+from .gpu import pool_pinned, synchronize
 from .workload import block_model, compute_beside_io, io_only
 
 CALIBRATION_BATCH = 8
@@ -214,7 +214,8 @@ def _calibrate(seconds: Callable[[int], float], target: float) -> int:
 def _iterate(model, opt, x, steps: int, *, drain_each: bool = False) -> float:
     """Seconds for ``steps`` training iterations, the last writes landed (``drain_each``: after every step,
     so that none overlaps the next forward)."""
-    sync: Callable[[], None] = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+    # The clock starts with the GPU idle: work queued before (calibration, the last iteration) is not ours.
+    synchronize(x.device)
     t = time.perf_counter()
     for i in range(steps):
         model(x).float().square().mean().backward()
@@ -222,7 +223,7 @@ def _iterate(model, opt, x, steps: int, *, drain_each: bool = False) -> float:
         opt.zero_grad(set_to_none=True)
         if isinstance(opt, OffloadedAdamW) and (drain_each or i == steps - 1):
             opt.state_store.drain()
-    sync()
+    synchronize(x.device)
     return time.perf_counter() - t
 
 
@@ -230,11 +231,11 @@ def _step_alone(model, opt, x) -> float:
     """Seconds of one step with its writes landed, grads in place and nothing else running: the state's I/O
     and the update, which overlap_backward hides behind backward."""
     model(x).float().square().mean().backward()
+    synchronize(x.device)  # backward's kernels are not the step's
     t = time.perf_counter()
     opt.step()
     opt.state_store.drain()
-    if x.device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(x.device)
     seconds = time.perf_counter() - t
     opt.zero_grad(set_to_none=True)
     return seconds

@@ -8,6 +8,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from ..buffers import BufferPool
+from ..copies import DONE, Ticket
 from ..distributed import local
 from ..errors import StateError
 from ..units import round_up
@@ -163,13 +164,19 @@ class UnitPass:
                         c.slot.param, c.start, c.start + c.numel, on_disk=True)
             size = max(size, need)
         self._buffer = access._grad_buffers(1, size)[0] if size else None
+        # Copies to the device still reading the gradients of the unit updated last (from the buffer, or
+        # from gradients kept in host memory): the buffer is refilled only after them.
+        self._reading: Ticket = DONE
 
     def __enter__(self) -> UnitPass:
         return self
 
     def __exit__(self, *exc) -> None:
-        held, self._held = self._held, {}
-        release_each(held.items(), lambda item: self._release(*item))
+        try:
+            self._reading.wait()
+        finally:
+            held, self._held = self._held, {}
+            release_each(held.items(), lambda item: self._release(*item))
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -177,6 +184,8 @@ class UnitPass:
         """``{chunk: gradient elements}`` for ``unit``'s active chunks whose gradient is in a grad store
         (read now, from NVMe into the pass's buffer, or as views of gradients kept in host memory); valid
         until the next call."""
+        self._reading.wait()  # the last unit's copies to the device must have read the buffer first
+        self._reading = DONE
         reads, offset = [], 0
         try:
             for c in unit.chunks:
@@ -216,8 +225,10 @@ class UnitPass:
         self._hold(chunk.slot, read=True)
         return local(chunk.slot.param).detach().reshape(-1)[chunk.start:chunk.start + chunk.numel]
 
-    def done(self, unit) -> None:
-        """``unit`` is updated: release (write back) the weights whose last chunk in this pass it held."""
+    def done(self, unit, reading: Ticket = DONE) -> None:
+        """``unit`` is updated: release (write back) the weights whose last chunk in this pass it held.
+        ``reading``: the copies still reading the gradients :meth:`grads` gave for it (the next call waits)."""
+        self._reading = reading
         for c in unit.chunks:
             if c.slot not in self._left:
                 continue

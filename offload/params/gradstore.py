@@ -8,8 +8,10 @@ from typing import Optional
 
 import torch
 
+from .. import copies
 from ..aio import CompletedFuture, wait_quietly
 from ..buffers import HostBuffer
+from ..copies import DONE, Ticket
 from ..space import Extent
 from ..store import Stored
 from ..units import round_up
@@ -61,6 +63,7 @@ class _Grad(Stored):
     digests: Optional[list] = None
     in_host: bool = False  # kept in host memory, never written to NVMe
     host: Optional[torch.Tensor] = None  # the gradient (a CPU tensor) while in_host and stored
+    copying: Ticket = DONE  # the copy of a device gradient into ``host``: read ``host`` after it
     state: int = _NONE  # _NONE, _ZERO, _STORED or _CONSUMED
     scales: list = field(default_factory=list)  # clip factors not yet applied to the stored bytes
 
@@ -81,11 +84,15 @@ class GradStore:
     Args:
         io: the parameter store's unit mover (its space and pool).
         lock: the parameter store's lock (hooks may run on autograd's device threads).
+        pin_memory: pin the host memory that device gradients are kept in (``max_grad_in_cpu``).
     """
 
-    def __init__(self, io: TensorIO, lock: threading.RLock):
+    def __init__(self, io: TensorIO, lock: threading.RLock, *, pin_memory: bool = False):
         self.io = io
         self._lock = lock
+        self._pin = pin_memory
+        self._block: Optional[HostBuffer] = None  # host memory for device gradients kept there, made at first use
+        self._places: dict[torch.Tensor, int] = {}
         self.grads: dict[torch.Tensor, _Grad] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -168,6 +175,7 @@ class GradStore:
             if g is None or param.grad is None or param.grad is g.placeholder:
                 return
             param.grad = g.placeholder
+            self._settle(g)
             g.host, g.state, g.scales = None, _CONSUMED, []
 
     def mark_zero(self, param: torch.Tensor) -> None:
@@ -175,6 +183,7 @@ class GradStore:
         with self._lock:
             g = self.grads[param]
             if g.in_host and g.host is not None:
+                self._settle(g)
                 g.host.zero_()  # as torch zeroes p.grad in place
                 g.state, g.scales = _STORED, []
             else:
@@ -202,6 +211,7 @@ class GradStore:
         with self._lock:
             g = self.grads[param]
             if g.state == _STORED and g.in_host:
+                self._settle(g)
                 g.host.mul_(coef.detach().to("cpu"))
             elif g.state == _STORED:
                 g.scales.append(coef.detach().to("cpu"))
@@ -233,6 +243,7 @@ class GradStore:
                 raise RuntimeError(f"parameter {g.placeholder._nvme_name} has no gradient in the grad store")
             self._check_not_consumed(g, "read it")
             if g.in_host:
+                self._settle(g)
                 return GradRead(CompletedFuture(), g.host.view(-1)[lo:hi], False, []), 0
             align, size = self.io.space.alignment, param.element_size()
             a, b = (lo * size) // align * align, round_up(hi * size, align)
@@ -260,7 +271,12 @@ class GradStore:
         """A new tensor on ``device`` holding the stored gradient, pending clip factors applied."""
         param = g.param
         if g.in_host:
-            return g.host.to(device, copy=True)
+            self._settle(g)
+            if not copies.crosses(device):
+                return g.host.to(device, copy=True)
+            # The kept gradient is not changed until this copy read it (see _settle).
+            out, g.copying = copies.to_device(g.host, param)
+            return out
         out = torch.empty(param.shape, dtype=param.dtype, device=device)
         self._count(g.nbytes)
         self._count(-g.nbytes)  # the caller holds it; counted as one gradient resident at a time
@@ -308,23 +324,52 @@ class GradStore:
 
     def _forget(self, g: _Grad) -> None:
         g.state, g.scales = _NONE, []
-        if g.host is not None and g.host.device == g.param.device:
+        if g.host is not None and not copies.crosses(g.param.device):
             g.host = None  # a CPU model's gradient tensor itself: let it go with p.grad
 
     def _keep(self, g: _Grad, grad: torch.Tensor) -> None:
         """Keep ``grad`` in host memory, accumulated onto what is stored as torch would (stored += new)."""
         with torch._C.DisableTorchFunctionSubclass():
             if g.state == _NONE or g.host is None:
-                if grad.device.type == "cpu":
+                if not copies.crosses(grad.device):
                     g.host = grad  # the tensor torch made: nothing to copy
                     return
+                self._settle(g)
                 if g.host is None:
-                    g.host = torch.empty(grad.shape, dtype=grad.dtype, pin_memory=torch.cuda.is_available())
-                g.host.copy_(grad)
+                    g.host = self._host_place(g)
+                # Backward goes on while the gradient lands; whoever reads ``host`` waits for it first.
+                g.copying = copies.to_host(g.host, grad)
                 return
+            self._settle(g)
             if g.state == _ZERO:
                 g.host.zero_()
-            g.host.add_(grad if grad.device.type == "cpu" else grad.to("cpu"))
+            g.host.add_(copies.on_host(grad) if copies.crosses(grad.device) else grad)
+
+    @staticmethod
+    def _settle(g: _Grad) -> None:
+        """Wait until the device gradient being copied into ``g.host`` is there."""
+        g.copying.wait()
+        g.copying = DONE
+
+    def _host_place(self, g: _Grad) -> torch.Tensor:
+        """``g``'s place in the host memory for device gradients: one page-aligned block for all of them, made
+        at first use (torch's pinned allocator would round each gradient up to a power of two)."""
+        if self._block is None:
+            offset = 0
+            for p, other in self.grads.items():
+                if other.in_host:
+                    self._places[p] = offset
+                    offset += round_up(other.nbytes, 64)
+            self._block = HostBuffer(max(offset, 1), pin_memory=self._pin)
+        start = self._places[g.param]
+        return self._block.tensor[start:start + g.nbytes].view(g.param.dtype).view(g.param.shape)
+
+    def close(self) -> None:
+        """Free the host memory of kept device gradients (after every copy into it)."""
+        copies.waited(g.copying for g in self.grads.values())
+        if self._block is not None:
+            self._block.close()
+            self._block = None
 
     def _count(self, nbytes: int) -> None:
         self.resident_bytes += nbytes
@@ -342,12 +387,16 @@ class GradStore:
             unit = self.io.unit_bytes
             state, scales = g.state, g.scales
 
-            def fill(k: int, view: torch.Tensor, stored: bool) -> None:
+            crossing = copies.crosses(src.device)
+
+            def fill(k: int, view: torch.Tensor, stored: bool):
                 n = view.numel()
                 part = src[k * unit // size:(k * unit + n) // size]
+                if state == _NONE and crossing:
+                    return copies.to_host(view, raw[k * unit:k * unit + n])  # waited for before the disk write
                 if state == _NONE:
                     view.copy_(raw[k * unit:k * unit + n])
-                    return
+                    return None
                 typed = view.view(src.dtype)
                 if stored:
                     self.bytes_read += round_up(n, self.io.space.alignment)
@@ -355,7 +404,8 @@ class GradStore:
                         typed.mul_(coef)
                 else:
                     typed.zero_()  # zero_grad(set_to_none=False): torch adds into zeros, so do we
-                typed.add_(part if part.device.type == "cpu" else part.to("cpu"))
+                typed.add_(copies.on_host(part) if crossing else part)
+                return None
 
             self.bytes_written += self.io.write_from(raw, g, fill=fill, read_first=lambda k: state == _STORED)
 

@@ -9,9 +9,11 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
+from .. import copies
 from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
 from ..config import Config
+from ..copies import DONE, Ticket
 from ..errors import StateError
 from ..space import Extent, SwapSpace
 from ..store import ByteStore, Stored
@@ -32,6 +34,7 @@ class _Record(Stored):
 
     param: torch.Tensor
     host: Optional[torch.Tensor] = None  # the host cache's copy (uint8), device parameters only
+    copying: Ticket = DONE  # the last copy between ``host`` and the parameter's device
     users: int = 0  # fetches not yet released
     resident: bool = True
     dirty: bool = False
@@ -92,9 +95,11 @@ class ParamStore:
         self.pool = BufferPool(pc.buffer_count, round_up(pc.buffer_size * itemsize, ALIGNMENT),
                                pin_memory=pc.pin_memory if pc.pin_memory != "auto" else self.device.type == "cuda",
                                keys=("offload_param.buffer_count", "offload_param.buffer_size"))
-        self._cuda = self.device.type == "cuda"
+        # A device model's weights cross to it by copies (and its host cache is a copy of them); a CPU model's
+        # are used where they are.
+        self._on_device = copies.crosses(self.device)
         cached = smallest_within(params, pc.max_in_cpu)  # the host cache
-        self._host_cache = self.space = None
+        self._host_cache = self.space = self.grads = None
         try:
             self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
             # Weights are fetched one parameter at a time: a block whose bytes changed on disk names itself
@@ -104,16 +109,16 @@ class ParamStore:
                                        "Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to "
                                        "restore it."))
             self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
-            self.io = TensorIO(self.bytes, self.lender, cuda=self._cuda)
-            self.grads = GradStore(self.io, self._lock)
+            self.io = TensorIO(self.bytes, self.lender)
+            self.grads = GradStore(self.io, self._lock, pin_memory=self.pool[0].pinned)
             extent_of, grad_extent_of = self._reserve(params, cached)
             # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
             # (torch's pinned allocator would round each parameter up to a power of two).
-            cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._cuda else 0
+            cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._on_device else 0
             self._host_cache = HostBuffer(cache_bytes, pin_memory=self.pool[0].pinned) if cache_bytes else None
             self._host_used = 0
             for p in params:
-                if p in cached and not self._cuda:
+                if p in cached and not self._on_device:
                     self.kept_bytes += p.numel() * p.element_size()
                 else:
                     self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)))
@@ -137,13 +142,14 @@ class ParamStore:
             rec.users += 1
             if rec.resident:
                 return
+            rec.copying.wait()  # its last write-back into the host cache still reads the storage it had
             self._grow(rec)
             if not read:
                 self._drop_prefetch(rec)
                 return
             try:
                 if rec.host is not None:
-                    self._data(rec).copy_(rec.host, non_blocking=True)
+                    rec.copying = copies.into_device(self._data(rec), rec.host)
                     self.cache_hits += 1
                 else:
                     self._load(rec)
@@ -296,6 +302,8 @@ class ParamStore:
                 self.space.close()
             if self._host_cache is not None:
                 self._host_cache.close()
+            if self.grads is not None:
+                self.grads.close()
             self.pool.close()
 
     # -- checkpoints (offload.checkpoint streams weights through the pool) ---------------------
@@ -374,7 +382,8 @@ class ParamStore:
         full disk is reported now, with the whole need). Returns ``id(param) ->`` the weights' extent, and
         ``id(param) ->`` the gradient's extent (None: kept in host memory, ``max_grad_in_cpu``)."""
         on_disk = [p for p in params if p not in cached]
-        with_grad = [p for p in params if self.offload_grads and p.requires_grad and (p not in cached or self._cuda)]
+        with_grad = [p for p in params
+                     if self.offload_grads and p.requires_grad and (p not in cached or self._on_device)]
         host_grads = smallest_within(with_grad, self.config.offload_param.max_grad_in_cpu)
         grads_on_disk = [p for p in with_grad if p not in host_grads]
         extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
@@ -433,7 +442,8 @@ class ParamStore:
     def _evict(self, rec: _Record) -> None:
         if rec.dirty:
             if rec.host is not None:
-                rec.host.copy_(self._data(rec))
+                rec.copying.wait()  # the copy from the host cache at the fetch no longer reads it
+                rec.copying = copies.to_host(rec.host, self._data(rec))
             else:
                 self._store(rec)
             rec.dirty = False
@@ -487,6 +497,7 @@ class ParamStore:
         for rec in list(self._issued):
             self._drop_prefetch(rec)
         self.lender.wait_idle()
+        copies.waited(rec.copying for rec in self.records.values())  # the host cache holds the latest bytes
         failed = None
         for rec in self.records.values():
             try:

@@ -10,8 +10,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
+from .. import copies
 from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
+from ..copies import DONE, Ticket
 from ..pipeline import Pipeline
 from ..store import ByteStore, Stored
 
@@ -24,10 +26,10 @@ class PoolBuffer:
 
     buffer: HostBuffer
     pending: object = None  # a write future whose source is this buffer
-    event: object = None  # a CUDA event: the last copy out of this buffer to the device
+    copying: Ticket = DONE  # the last copy out of this buffer to a device
 
     def idle(self) -> bool:
-        return (self.pending is None or self.pending.done()) and (self.event is None or self.event.query())
+        return (self.pending is None or self.pending.done()) and self.copying.done()
 
     def wait_idle(self) -> None:
         """Wait until nothing uses the buffer. A failed write is not raised here: whoever issued it
@@ -35,9 +37,8 @@ class PoolBuffer:
         if self.pending is not None:
             wait_quietly([self.pending])
             self.pending = None
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
+        self.copying.wait()
+        self.copying = DONE
 
 
 # NOTE: prefetches hold buffers between calls, with reads in flight. They never wait for a buffer; a take
@@ -105,15 +106,16 @@ class TensorIO:
     over the pool's buffers and the copies between the blocks and the tensor.
 
     Args:
-        store: the :class:`offload.store.ByteStore` the bytes live in. lender: the pool. cuda: copies to and
-            from the device are asynchronous (each records an event on its pool buffer).
+        store: the :class:`offload.store.ByteStore` the bytes live in. lender: the pool.
+
+    Copies between a block and a tensor on a device are asynchronous (:mod:`offload.copies`): a pool buffer
+    a copy reads is lent again only after it completed, and one a copy fills is written only after.
     """
 
-    def __init__(self, store: ByteStore, lender: BufferLender, *, cuda: bool):
+    def __init__(self, store: ByteStore, lender: BufferLender):
         self.store = store
         self.space = store.space
         self.lender = lender
-        self.cuda = cuda
         self.unit_bytes = store.block_bytes
         self.pipeline = Pipeline(lender, lookahead=max(0, len(lender) - 1))
 
@@ -132,14 +134,15 @@ class TensorIO:
         """
         nbytes = dst.numel()
         pending = dict(pending or {})
+        crossing = copies.crosses(dst.device)
 
         def copy(k: int, pbuf: PoolBuffer) -> bool:
             start = k * self.unit_bytes
             n = min(self.unit_bytes, nbytes - start)
-            dst[start:start + n].copy_(pbuf.buffer.tensor[:n], non_blocking=self.cuda)
-            if self.cuda:
-                pbuf.event = torch.cuda.Event()
-                pbuf.event.record()
+            if crossing:
+                pbuf.copying = copies.into_device(dst[start:start + n], pbuf.buffer.tensor[:n])
+            else:
+                dst[start:start + n].copy_(pbuf.buffer.tensor[:n])
             return False
 
         first = max(pending, default=-1) + 1  # the prefetched blocks are the first ones: read the rest
@@ -173,13 +176,16 @@ class TensorIO:
         lands the extent's earlier writes first.
 
         ``fill(k, view, stored)`` replaces the plain copy of block ``k`` into the buffer view (``stored``:
-        the block was read first, because ``read_first(k)`` said so).
+        the block was read first, because ``read_first(k)`` said so); it may return the :class:`Ticket` of a
+        copy into the view, which the block's write waits for.
 
         Returns:
             The bytes that reach the disk (blocks rounded up to the alignment).
         """
         nbytes = src.numel()
         moved = 0
+        crossing = copies.crosses(src.device)
+        landing: dict[int, Ticket] = {}  # block -> its copy from the device into the pool buffer
         # Weights written back are often not read first (an fp32 master holds them): a write past a cut in
         # a truncated file would fill it with a hole from which other tensors read back as zeros.
         self.store.check_intact(fails=False)
@@ -192,19 +198,27 @@ class TensorIO:
         def process(k: int, pbuf: PoolBuffer) -> bool:
             ext, n = self.store.block(stored, k)
             view = pbuf.buffer.tensor[:n]
-            if fill is None:
+            if fill is None and crossing:
+                landing[k] = copies.to_host(view, src[k * self.unit_bytes:k * self.unit_bytes + n])
+            elif fill is None:
                 view.copy_(src[k * self.unit_bytes:k * self.unit_bytes + n])
             else:
-                fill(k, view, read_first is not None and read_first(k))
+                ticket = fill(k, view, read_first is not None and read_first(k))
+                if ticket is not None:
+                    landing[k] = ticket
             # The tail of the last block goes to disk too: make it deterministic, not stale bytes.
             pbuf.buffer.tensor[n:ext.nbytes].zero_()
             return True
 
         def write(k: int, pbuf: PoolBuffer):
             nonlocal moved
+            landing.pop(k, DONE).wait()  # the bytes from the device are in the buffer
             fut = self.store.write(stored, pbuf.buffer, k)
             moved += self.store.block(stored, k)[0].nbytes
             return fut
 
-        self.pipeline.run(range(self.count(nbytes)), read=read, process=process, write=write, drain=False)
+        try:
+            self.pipeline.run(range(self.count(nbytes)), read=read, process=process, write=write, drain=False)
+        finally:
+            copies.waited(landing.values())  # a block that failed before its write: its buffer is lent again
         return moved
