@@ -266,3 +266,25 @@ def test_a_memory_file_that_lacks_what_the_manifest_lists_is_refused(tmp_path, s
         assert_same_state(before, opt.state_dict())
     finally:
         opt.close()
+
+
+def test_a_tied_tensor_entry_that_also_says_where_is_checked_not_crashed_on(tmp_path, saved):
+    """A model tensor marked ``same_as`` another that also claims a place in params.bin (without offset or
+    length): read_manifest, verify_checkpoint and load_checkpoint refuse it with a CheckpointError naming the
+    field, never a TypeError from the missing ones."""
+    directory = tmp_path / "c"
+    shutil.copytree(saved, directory)
+
+    def tie(m):
+        first = m["model"]["tensors"][0]["name"]
+        m["model"]["tensors"][1] = {"name": m["model"]["tensors"][1]["name"], "same_as": first, "where": "params.bin"}
+        m["files"].setdefault("params.bin", {"bytes": 4096, "xxh3_64": "0" * 16})
+    _edit(directory, tie)
+    opt = OffloadedAdamW(make_params(), lr=1e-2, nvme_path=tmp_path / "nvme", **SMALL)
+    try:
+        for call in (lambda: ckpt.read_manifest(directory), lambda: ckpt.verify_checkpoint(directory),
+                     lambda: ckpt.load_checkpoint(opt, directory, model=torch.nn.Linear(8, 4))):
+            with pytest.raises(ckpt.CheckpointError, match=r"tensors\[1\]\.where must be absent: a tied tensor"):
+                call()
+    finally:
+        opt.close()

@@ -298,6 +298,10 @@ class TensorEntry(_Entry):
 
     def check(self, name: str) -> None:
         if self.same_as is not None:
+            for extra in ("where", "offset", "length", "xxh3_64"):
+                if getattr(self, extra) is not None:
+                    _fail(f"{name}.{extra}", f"absent: a tied tensor (same_as {self.same_as!r}) has no bytes of its "
+                          "own", getattr(self, extra))
             return
         self.require(name, "kind", "shape", "dtype", "where")
         if self.where == PARAMS_DATA:
@@ -421,11 +425,20 @@ class Manifest(_Entry):
                 if any(c.key_offset(k) + c.numel * size > room for k, size in enumerate(sizes)):
                     _fail(f"params[{i}].chunks[{j}]", f"slices within unit {c.unit}'s {room} bytes", c.to_json())
         for i, g in enumerate(self.param_groups):
+            # An Adam parameter with state has its moments (and with amsgrad its maximum): what load would
+            # find missing, verify refuses too.
+            need = {"exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if g.get("amsgrad") is True else set())
             for j, index in enumerate(g["params"]):
                 if index >= len(self.params):
                     _fail(f"param_groups[{i}].params[{j}]", f"one of the {len(self.params)} params' indices", index)
+                p = self.params[index]
+                if p.initialized and p.where != "none" and not need <= set(p.keys):
+                    _fail(f"params[{index}].keys", f"the state of an Adam parameter ({', '.join(sorted(need))})",
+                          list(p.keys))
         for i, t in enumerate(self.model.tensors if self.model is not None else ()):
-            if t.where is not None and t.same_as is None and t.where not in self.files:
+            if t.same_as is not None:
+                continue  # the bytes are those of the tensor it names (checked where the section is parsed)
+            if t.where is not None and t.where not in self.files:
                 raise CheckpointError(f"manifest field model.tensors[{i}].where names {t.where}, and files has "
                                       f"no {t.where}")
             if t.where == PARAMS_DATA and t.offset + round_up(t.length, ALIGNMENT) > self.files[t.where].bytes:
