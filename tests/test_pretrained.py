@@ -91,10 +91,12 @@ def _corrupt_header(path):
     ("shape", r"'head.weight' has shape \(4, 32\), the model's 'head.weight' has \(8, 32\)"),
     ("missing_shard", r"lists 2 shards, 1 missing .*model-00002-of-00002.safetensors; copy or download"),
     ("corrupt_header", r"model-00001-of-00002.safetensors: not a readable safetensors file.*save the checkpoint"),
+    ("shard_outside", r"names shards that are not files beside it \(\['\.\./outside.safetensors'\]\)"),
 ])
 def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(nvme, closing, tmp_path, fault, expected):
-    """Missing and unexpected names, a shape mismatch, a missing shard and a corrupt header each raise
-    CheckpointError saying what and where, before any weight changed."""
+    """Missing and unexpected names, a shape mismatch, a missing shard, a corrupt header and an index naming a
+    shard outside the checkpoint each raise CheckpointError saying what and where, before any weight changed
+    (and nothing outside is read)."""
     torch.manual_seed(4)
     src = Net(d=32, h=64, layers=2).state_dict()
     if fault == "missing_key":
@@ -115,6 +117,12 @@ def test_bad_checkpoints_are_refused_naming_the_file_and_nothing_changes(nvme, c
         os.unlink(ckpt / "model-00002-of-00002.safetensors")
     elif fault == "corrupt_header":
         _corrupt_header(ckpt / "model-00001-of-00002.safetensors")
+    elif fault == "shard_outside":
+        os.rename(ckpt / "model-00002-of-00002.safetensors", tmp_path / "outside.safetensors")
+        index = json.loads((ckpt / "model.safetensors.index.json").read_text())
+        index["weight_map"] = {k: "../outside.safetensors" if s.startswith("model-00002") else s
+                               for k, s in index["weight_map"].items()}
+        (ckpt / "model.safetensors.index.json").write_text(json.dumps(index))
     model = closing(offload_parameters(Net(d=32, h=64, layers=2), nvme_path=nvme, **TINY))
     before = state_of(model)
     with pytest.raises(CheckpointError, match=expected):
@@ -194,7 +202,8 @@ def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
 
 def test_save_pretrained_of_offloaded_model_loads_with_from_pretrained_bit_for_bit(hf_dir, nvme, closing, tmp_path):
     """An offloaded model saved as sharded safetensors (tied head saved once) loads with transformers'
-    from_pretrained equal bit for bit, its shards within max_shard_size, and nothing is left beside it."""
+    from_pretrained equal bit for bit, its shards within max_shard_size, its files the owner's alone (0600 in a
+    0700 directory, as our checkpoints), and nothing is left beside it."""
     from offload.integrations.transformers import from_pretrained
 
     model = closing(from_pretrained(hf_dir, nvme_path=nvme, dtype=torch.bfloat16, **TINY))
@@ -207,6 +216,8 @@ def test_save_pretrained_of_offloaded_model_loads_with_from_pretrained_bit_for_b
         tensors = safetensors_torch.load_file(out / shard)
         assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 20000
     assert sorted(os.listdir(tmp_path)) == ["export", "nvme"]
+    assert os.stat(out).st_mode & 0o777 == 0o700
+    assert {n: os.stat(out / n).st_mode & 0o777 for n in os.listdir(out)} == {n: 0o600 for n in os.listdir(out)}
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert back.dtype == torch.bfloat16 and back.lm_head.weight is back.model.embed_tokens.weight
     got = back.state_dict()

@@ -78,6 +78,12 @@ def _header(tensors: list[Tensor]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+def _create(path: str, *, text: bool = False):
+    """A new file, 0600, created exclusively and never through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "w" if text else "wb")
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -136,7 +142,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
     parent, base = os.path.split(directory)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp)
+    os.mkdir(tmp, 0o700)  # the user's weights: the owner's alone, as every checkpoint of ours
     old = None
     try:
         shards = _shards(list(tensors), limit)
@@ -145,7 +151,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         weight_map = {}
         for name, shard in zip(names, shards):
             path = os.path.join(tmp, name)
-            with open(path, "xb") as f:
+            with _create(path) as f:
                 f.write(_header(shard.tensors))
                 for t in shard.tensors:
                     start = f.tell()
@@ -156,13 +162,15 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
                 f.flush()
                 os.fsync(f.fileno())
         if n > 1:
-            with open(os.path.join(tmp, INDEX), "x") as f:
+            with _create(os.path.join(tmp, INDEX), text=True) as f:
                 json.dump({"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}, f,
                           indent=2, sort_keys=True)
                 f.write("\n")
         if extra is not None:
             extra(tmp)
         for name in os.listdir(tmp):
+            if not os.path.islink(os.path.join(tmp, name)):
+                os.chmod(os.path.join(tmp, name), 0o600)  # what extra() wrote too (config.json)
             _fsync(os.path.join(tmp, name))
         _fsync(tmp)
         _refuse(directory, overwrite)  # again: something may have appeared meanwhile
