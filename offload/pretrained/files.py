@@ -146,7 +146,14 @@ class SafetensorsCheckpoint:
                     raise TypeError("weight_map is not an object")
             except (ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{index}: not a safetensors index ({err}); save the checkpoint again") from err
+            if not all(isinstance(s, str) for s in weight_map.values()):
+                raise CheckpointError(f"{index}: its weight_map names shards by something other than a file name; "
+                                      "save the checkpoint again")
             shards = sorted(set(weight_map.values()))
+            outside = [s for s in shards if os.path.basename(s) != s or s in ("", ".", "..")]
+            if outside:
+                raise CheckpointError(f"{index} names shards that are not files beside it ({outside[:4]}); a "
+                                      "checkpoint's shards are read from its own directory only")
             missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
             if missing:
                 raise CheckpointError(
