@@ -125,6 +125,8 @@ def initialise(model: nn.Module, store, fresh: list[nn.Parameter], init: Init,
             with _holding(store, own, set(waiting), zero):
                 fn()
             done = own
+        except torch.OutOfMemoryError:
+            raise  # not a reach below the module: holding more would make it worse
         except RuntimeError:
             # The initialiser reached below the module (a parent resetting a child's bias): hold the
             # module's whole subtree and run it again from the same random state. What it did not set
