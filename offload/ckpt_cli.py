@@ -176,6 +176,9 @@ def _run(args) -> int:
     return EXIT_OK
 
 
+_SLICE = 64 << 20  # bytes of a weight read from params.bin at once by the --hf export
+
+
 def _export_hf(directory: str, out: str, config: str | None, max_shard_size: str, overwrite: bool) -> str:
     """A checkpoint's model as a Hugging Face checkpoint: verified first, then each offloaded weight read from
     params.bin alone (its checksum checked again), the others from model.pt mapped, not read whole."""
@@ -190,14 +193,19 @@ def _export_hf(directory: str, out: str, config: str | None, max_shard_size: str
     def writer(e):
         def write(f) -> None:
             if e.where != PARAMS_DATA:
-                t = memory[e.name].contiguous()
-                f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+                f.write(memory[e.name].contiguous().reshape(-1).view(torch.uint8).numpy().data)
                 return
+            # In slices: one pread returns at most about 2 GiB, and a tensor need not be in memory whole.
+            digest = xxhash.xxh3_64()
             with open(params, "rb") as src:
-                data = os.pread(src.fileno(), e.length, e.offset)
-            if xxhash.xxh3_64_hexdigest(data) != e.xxh3_64:
+                for start in range(0, e.length, _SLICE):
+                    data = os.pread(src.fileno(), min(_SLICE, e.length - start), e.offset + start)
+                    if not data:
+                        break
+                    digest.update(data)
+                    f.write(data)
+            if digest.hexdigest() != e.xxh3_64:
                 raise checkpoint.ChecksumError(f"{params}: {e.name!r} changed since it was verified")
-            f.write(data)
         return write
 
     tensors = [Tensor(e.name, tuple(e.shape), getattr(torch, e.dtype), writer(e))
