@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
+import time
 
 import pytest
 import torch
@@ -405,6 +406,15 @@ def test_a_read_is_checked_against_the_write_before_it_however_often_it_is_waite
         after = store.read(stored, into)
         after.wait()
         assert torch.equal(into.tensor, b.tensor)
+        # Waited for the first time only after the next write landed: still the write before it.
+        late = store.read(stored, into)
+        deadline = time.monotonic() + 10
+        while not late.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        store.write(stored, a)
+        store.land(stored)
+        late.wait()
+        assert store.usable and torch.equal(into.tensor, b.tensor)
     finally:
         store.close()
         space.close()
