@@ -124,10 +124,10 @@ class BackwardOverlap:
             return
         run.cancelled = True
         run.abort(StateError(
-            f"{what} was called after a backward that was not followed by step() (interrupted, or it failed) with "
-            "overlap_backward=True; that backward had already updated part of the optimizer state with its "
-            "gradients, so the state is neither that before nor that after a step. Restore it with "
-            "load_checkpoint() or load_state_dict() before stepping again."))
+            f"a backward was interrupted (or failed, or was not followed by step()) with overlap_backward=True, and "
+            f"{what} ended the update it had started: that update had already changed part of the optimizer state "
+            "with the backward's gradients, so the state is neither that before nor that after a step. Restore it "
+            "with load_checkpoint() or load_state_dict() before stepping again."))
 
     def remove(self) -> None:
         _remove_hooks(self._handles)
