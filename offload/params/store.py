@@ -354,13 +354,13 @@ class ParamStore:
         :meth:`exclusive`, write blocks of :attr:`unit_bytes` bytes (with :meth:`write_unit`, which keeps
         their checksums), then call :meth:`loaded`."""
         rec = self.records[param]
-        copies = []
+        targets = []
         if rec.resident:
-            copies.append(self._data(rec))
+            targets.append(self._data(rec))
         if rec.host is not None:
-            copies.append(rec.host.reshape(-1))
+            targets.append(rec.host.reshape(-1))
         self.bytes.forget_digests(rec)
-        return rec.extent, copies
+        return rec.extent, targets
 
     def write_unit(self, param: torch.Tensor, k: int, buffer):
         """Start writing block ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
