@@ -334,3 +334,35 @@ def test_from_pretrained_not_strict_initialises_what_the_checkpoint_lacks(hf_dir
     got = state_of(model)
     assert torch.equal(got["model.norm.weight"], torch.ones(32))
     assert all(torch.equal(got[k], v) for k, v in src.items())
+
+
+def test_weights_loaded_after_the_first_step_are_not_silently_undone_by_the_masters(nvme, closing, tmp_path):
+    """bf16 weights keep an fp32 master in the optimizer. Loaded before the first step, the master is made from
+    the loaded weights and training goes on; loaded after it, the next step would write the master's old weights
+    back over them: it is refused with a StateError saying what to do, and a load of the optimizer's own
+    checkpoint (weights and masters together) makes it step again."""
+    from offload import OffloadedAdamW, StateError
+
+    torch.manual_seed(7)
+    src = {k: v.to(torch.bfloat16) for k, v in Net(d=32, h=64, layers=2).state_dict().items()}
+    safetensors_torch.save_file(src, tmp_path / "model.safetensors")
+    model = closing(offload_parameters(Net(d=32, h=64, layers=2).to(torch.bfloat16), nvme_path=nvme, **TINY))
+    opt = closing(OffloadedAdamW(model.parameters(), lr=1e-3, nvme_path=str(tmp_path / "state")))
+
+    def step():
+        model(torch.randn(4, 32, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    load_safetensors(model, tmp_path / "model.safetensors")  # before any master: fine
+    step()
+    opt.save_checkpoint(tmp_path / "ckpt", model=model)
+    load_safetensors(model, tmp_path / "model.safetensors")
+    with pytest.raises(StateError, match=r"replaced \(load_parameters, load_safetensors\) after this optimizer "
+                                         r"made its fp32 master.*load_checkpoint with model="):
+        step()
+    with materialized(model):
+        assert all(torch.equal(p, src[n]) for n, p in model.named_parameters())  # the loaded weights stay
+    opt.zero_grad()
+    opt.load_checkpoint(tmp_path / "ckpt", model=model)
+    step()

@@ -17,7 +17,7 @@ from ..copies import DONE, Ticket
 from ..distributed import is_dtensor, like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
-from ..params import ParamAccess
+from ..params import ParamAccess, store_of
 from ..state import ParamSlot, StateStore, check_state_dict, local_entry
 from .checks import check_dtensor_options, check_grad, check_params, no_duplicate_warning
 from .update import NO_SCALING, GradScaling, kernel_flags, update_chunks, update_in_memory
@@ -139,6 +139,11 @@ class OffloadedAdam(torch.optim.Adam):
         # for their update instead of a round trip of their gradients through NVMe: up to this many bytes.
         handoff = max(2 * self.host_pool_bytes, _HANDOFF_MIN)
         self._access = ParamAccess(pin_memory=self.state_store.pin_memory, handoff_bytes=handoff)
+        # Loads of offloaded weights seen by the fp32 masters: a load after a master was made (load_parameters,
+        # load_safetensors) would be undone by the next update, which writes the master's weights back.
+        self._weights_seen: dict[int, int] = {}
+        self._note_weights()
+        self.state_store.on_restored.append(self._note_weights)  # a load of ours restores masters with them
         self._overlap = None
         if self.config.offload_optimizer.overlap_backward:
             self._overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
@@ -185,6 +190,7 @@ class OffloadedAdam(torch.optim.Adam):
             raise
         if overlap is not None:
             self._refuse_in_overlap(closure)
+        self._check_weights()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -483,7 +489,37 @@ class OffloadedAdam(torch.optim.Adam):
             self.state[s.param]["step"] += 1
         return updated
 
+    def _note_weights(self) -> None:
+        for g in self.param_groups:
+            for p in g["params"]:
+                s = store_of(p)
+                if s is not None:
+                    self._weights_seen[id(p)] = s.loads(p)
+
+    def _check_weights(self) -> None:
+        """Refuse to update a parameter whose offloaded weights were replaced from outside after its fp32
+        master was made: the update would write the master's weights back over the ones loaded."""
+        store = self.state_store
+        for g in self.param_groups:
+            for p in g["params"]:
+                s = store_of(p)
+                if s is None or s.loads(p) == self._weights_seen.get(id(p), s.loads(p)):
+                    continue
+                slot = store.slot(p)
+                has_master = ("master" in slot.keys and slot.initialized) if slot is not None \
+                    else "master" in self.state.get(p, {})
+                if not has_master:  # no master yet: it is made from the weights as they are now
+                    self._weights_seen[id(p)] = s.loads(p)
+                    continue
+                raise StateError(
+                    f"the weights of a {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')} parameter were "
+                    "replaced (load_parameters, load_safetensors) after this optimizer made its fp32 master copy "
+                    "of them; the next update would write the old weights back over them. Load weights before "
+                    "the first step (or build the optimizer after loading), or load a checkpoint of this "
+                    "optimizer (load_checkpoint with model=), which restores both together.")
+
     def _overlap_slots(self) -> list:
+        self._check_weights()  # before backward starts any update
         store = self.state_store
         return [store.slot(p) for g in self.param_groups for p in g["params"]
                 if p.requires_grad and store.slot(p) is not None]

@@ -38,6 +38,7 @@ class _Record(Stored):
     users: int = 0  # fetches not yet released
     resident: bool = True
     dirty: bool = False
+    loads: int = 0  # times new weights were put in place from outside (load_parameters, load_safetensors)
     prefetched: dict = field(default_factory=dict)  # block index -> (PoolBuffer, read future)
     cls: type = None  # the parameter's class before offload, restored on undo
     name: str = "?"
@@ -348,6 +349,11 @@ class ParamStore:
         rec = self.records[param]
         return self.bytes.read(rec, buffer, k, what=lambda: self._what(rec))
 
+    def loads(self, param: torch.Tensor) -> int:
+        """How many times new weights of ``param`` were put in place from outside (see :meth:`loaded`): an
+        optimizer holding an fp32 master of them tells by it that the master is no longer theirs."""
+        return self.records[param].loads
+
     def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
         """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
         overwrite with them (its storage while resident, the host cache's copy). Call inside
@@ -372,6 +378,7 @@ class ParamStore:
         with self._lock:
             for p in params:
                 self.records[p].dirty = False
+                self.records[p].loads += 1
                 self.grads.clear(p)
             self.bytes.mark_restored()
 

@@ -88,6 +88,7 @@ class StateStore:
             _close(self.space, self.pool, self.tier)
             raise
         unit_bytes = self.pool.buffer_size if self.pool is not None else size
+        self.on_restored: list[Callable[[], None]] = []  # what an owner redoes after a load
         self.bytes = ByteStore(self.space, unit_bytes, checksum=self.checksum, mismatch_fails=True, remedy=(
             "Training on it would be silently wrong; restore the state with load_checkpoint() (or "
             "load_state_dict()) before stepping again."))
@@ -214,8 +215,10 @@ class StateStore:
         self.bytes.mark_failed(err)
 
     def mark_restored(self) -> None:
-        """State is whole again (a load succeeded)."""
+        """State is whole again (a load succeeded); each of :attr:`on_restored` is called."""
         self.bytes.mark_restored()
+        for call in self.on_restored:
+            call()
 
     failed = mark_failed  # the name offload.checkpoint uses
     restored = mark_restored
