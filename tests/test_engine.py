@@ -653,3 +653,23 @@ def test_closing_a_file_waits_for_its_requests(scratch, backend):
         assert f.fd < 0
         assert os.path.getsize(other) == 0
         assert np.array_equal(file_bytes(path, 0, n), buf.numpy())
+
+
+def test_no_links_opens_only_a_regular_file_and_never_waits_on_a_fifo(tmp_path):
+    """open_file(..., no_links=True), as checkpoints open their data files: a regular file opens; a symbolic
+    link (to a file, or to /dev/zero) and a FIFO are refused at once with an OSError naming the path."""
+    from offload.aio import open_file
+
+    real = tmp_path / "data.bin"
+    real.write_bytes(bytes(4096))
+    with open_file(real, "r", no_links=True) as f:
+        assert f.path == str(real)
+    os.symlink(real, tmp_path / "link")
+    os.symlink("/dev/zero", tmp_path / "zero")
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("link", "zero", "fifo"):
+        with pytest.raises(OSError) as err:
+            open_file(tmp_path / name, "r", no_links=True)
+        assert err.value.filename == str(tmp_path / name), name
+    with open_file(tmp_path / "link", "r") as f:  # without it, a link is followed as before
+        assert f.path == str(tmp_path / "link")

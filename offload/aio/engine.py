@@ -141,9 +141,10 @@ class Engine:
 
     # -- files and buffers ------------------------------------------------------------------
 
-    def open(self, path: str | os.PathLike, mode: str = "r", *, o_direct=None) -> AioFile:
+    def open(self, path: str | os.PathLike, mode: str = "r", *, o_direct=None, no_links: bool = False) -> AioFile:
         """Open a file for this engine; ``o_direct`` defaults to the config's. See :func:`open_file`."""
-        return open_file(path, mode, o_direct=self.config.o_direct if o_direct is None else o_direct)
+        return open_file(path, mode, o_direct=self.config.o_direct if o_direct is None else o_direct,
+                         no_links=no_links)
 
     def register_buffers(self, buffers: Sequence[HostBuffer]) -> bool:
         """Register pool buffers with every ring so reads and writes use them as fixed buffers.

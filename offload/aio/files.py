@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno as _errno
 import fcntl
 import os
+import stat
 import threading
 import warnings
 from typing import Union
@@ -124,7 +125,8 @@ class AioFile:
         return f"AioFile({self.path!r}, o_direct={self.o_direct}, alignment={self.alignment})"
 
 
-def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool, str] = "auto") -> AioFile:
+def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool, str] = "auto",
+              no_links: bool = False) -> AioFile:
     """Open a file for the engine.
 
     Args:
@@ -133,6 +135,8 @@ def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool,
             truncated), ``"x+"`` read-write, must not exist.
         o_direct: ``"auto"`` tries O_DIRECT and falls back to buffered I/O with one warning per file
             system; ``True`` requires it; ``False`` never uses it.
+        no_links: refuse a symbolic link and anything but a regular file (a FIFO is not waited on): for
+            files whose names come from elsewhere (a checkpoint's).
 
     Raises:
         OSError: from ``open(2)``, with the path (``FileNotFoundError``, ``PermissionError``, ...);
@@ -144,8 +148,10 @@ def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool,
     if mode not in _MODES:
         raise ValueError(f"mode must be one of {sorted(_MODES)}, got {mode!r}")
     _check_o_direct(o_direct)
-    fd, created = _open_fd(path, mode)
+    fd, created = _open_fd(path, mode, extra=os.O_NOFOLLOW | os.O_NONBLOCK if no_links else 0)
     try:
+        if no_links and not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(_errno.EINVAL, "not a regular file; refused", path)
         return wrap_fd(fd, path, o_direct=o_direct)
     except BaseException:
         if created:
@@ -195,9 +201,10 @@ def _check_o_direct(o_direct) -> None:
         raise ValueError(f'o_direct must be "auto", true or false, got {o_direct!r}')
 
 
-def _open_fd(path: str, mode: str) -> tuple[int, bool]:
-    """``(fd, created)``: open ``path`` in ``mode``, knowing whether this call created the file."""
-    flags = _MODES[mode] | os.O_CLOEXEC
+def _open_fd(path: str, mode: str, *, extra: int = 0) -> tuple[int, bool]:
+    """``(fd, created)``: open ``path`` in ``mode`` (and ``extra`` flags), knowing whether this call created
+    the file."""
+    flags = _MODES[mode] | os.O_CLOEXEC | extra
     if mode != "w+":
         return os.open(path, flags, 0o600), mode == "x+"
     # "w+": create exclusively, else open what exists; twice, in case it vanishes in between.

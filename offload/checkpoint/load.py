@@ -199,7 +199,7 @@ def _load_into(opt, manifest: Manifest, memory: dict, params: list, progress: Op
                               write=write)
         else:
             verify_data(manifest, engine, store.buffers)
-            with engine.open(path, "r") as f:
+            with engine.open(path, "r", no_links=True) as f:
                 small_from_swap = _rechunk(store, manifest, memory, params, engine, f, store.buffers)
     finally:
         engine.close()

@@ -421,7 +421,7 @@ def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buf
     for store in {id(u.store): u.store for u in units if u.store is not None}.values():
         store.rewriting([u.param for u in units if u.store is store])
     hashes = {id(u.entry): xxhash.xxh3_64() for u in units if u.entry is not None}
-    with engine.open(path, "r") as f:
+    with engine.open(path, "r", no_links=True) as f:
         def read(u: _Unit, buf):
             if u.entry is None:
                 return DONE

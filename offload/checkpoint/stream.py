@@ -248,7 +248,7 @@ def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Seq
     parts = [(s, off, min(size, s.length - off)) for s in spans for off in range(0, s.length, size)]
     hashes = {id(s): xxhash.xxh3_64() for s in spans}
     file_hash = xxhash.xxh3_64()
-    with engine.open(path, "r") as f:
+    with engine.open(path, "r", no_links=True) as f:
         def read(part, buf):
             s, off, n = part
             return engine.read_async(f, buf, s.offset + off, n)
