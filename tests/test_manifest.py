@@ -93,6 +93,9 @@ HOSTILE = {
     "tensor-length-lies": (_in_params_bin(0, 1 << 20), r"tensors\[0\]\.length must be the bytes"),
     "group-index-beyond": (lambda m: m["param_groups"][0]["params"].append(99), r"param_groups\[0\]\.params\[5\]"),
     "param-index-swapped": (lambda m: m["params"][0].__setitem__("index", 1), r"params\[0\]\.index must be 0"),
+    "chunk-misaligned": (lambda m: _swap(m)["chunks"][0].__setitem__(4, 1), r"multiples of their dtypes' sizes"),
+    "memory-unlisted": (lambda m: m["files"].__delitem__("memory.pt"), r"files lists no memory\.pt"),
+    "keys-missing": (lambda m: _swap(m).__setitem__("keys", []), r"keys must be the state of an Adam parameter"),
     # names outside the checkpoint directory
     "file-dotdot": (_set_file("state.bin", "../outside/state.bin"), r"file must be a file name inside"),
     "file-absolute": (_set_file("memory.pt", "/etc/passwd"), r"file must be a file name inside"),
@@ -288,3 +291,13 @@ def test_a_tied_tensor_entry_that_also_says_where_is_checked_not_crashed_on(tmp_
                 call()
     finally:
         opt.close()
+
+
+def test_verify_refuses_a_model_tensor_that_model_pt_does_not_hold_as_recorded(tmp_path, saved):
+    """A manifest (checksum recomputed) that records a model.pt tensor with another shape than model.pt holds:
+    verify_checkpoint refuses it, as a load into the model would."""
+    directory = tmp_path / "c"
+    shutil.copytree(saved, directory)
+    _edit(directory, lambda m: m["model"]["tensors"][0].__setitem__("shape", [2, 16]))
+    with pytest.raises(ckpt.CheckpointError, match=r"model\.pt does not hold 'weight' as the manifest records"):
+        ckpt.verify_checkpoint(directory)

@@ -407,6 +407,9 @@ class Manifest(_Entry):
     def check(self, name: str) -> None:
         """Every index, offset and size within what it points into; every file inside the directory."""
         data = self.files.get(DATA)
+        if self.optimizer is not None and MEMORY not in self.files:
+            raise CheckpointError(f"manifest field files lists no {MEMORY}, which an optimizer's checkpoint has (its "
+                                  "groups and small state); load another checkpoint")
         if self.units and data is None:
             raise CheckpointError(f"manifest field units lists {len(self.units)} units, and files has no {DATA}")
         for i, u in enumerate(self.units):
@@ -424,6 +427,9 @@ class Manifest(_Entry):
                 room = unit.nbytes if unit.nbytes is not None else unit.length
                 if any(c.key_offset(k) + c.numel * size > room for k, size in enumerate(sizes)):
                     _fail(f"params[{i}].chunks[{j}]", f"slices within unit {c.unit}'s {room} bytes", c.to_json())
+                if any(c.key_offset(k) % size for k, size in enumerate(sizes)):
+                    _fail(f"params[{i}].chunks[{j}]", "slices at offsets that are multiples of their dtypes' sizes",
+                          c.to_json())
         for i, g in enumerate(self.param_groups):
             # An Adam parameter with state has its moments (and with amsgrad its maximum): what load would
             # find missing, verify refuses too.

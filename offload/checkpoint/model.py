@@ -278,8 +278,17 @@ def _tool_pool(manifest: Manifest):
 
 
 def verify_model(manifest: Manifest, aio: AioConfig) -> None:
-    """Check model.pt's and params.bin's checksums, and every parameter's in params.bin."""
-    read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
+    """Check model.pt's and params.bin's checksums, every parameter's in params.bin, and that model.pt holds
+    each tensor the manifest places there with the shape and dtype it records (what a load compares with
+    the model)."""
+    memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
+    for e in model_section(manifest).tensors:
+        if e.same_as is None and e.where == MODEL_MEMORY:
+            t = memory.get(e.name) if isinstance(memory, dict) else None
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(e.shape) or dtype_name(t.dtype) != e.dtype:
+                raise CheckpointError(f"checkpoint {manifest.root}: {MODEL_MEMORY} does not hold {e.name!r} as the "
+                                      f"manifest records it (shape {list(e.shape)}, {e.dtype}); load another "
+                                      "checkpoint")
     state_dict(manifest, aio, keep=False)
 
 
