@@ -125,6 +125,14 @@ class AioFile:
         return f"AioFile({self.path!r}, o_direct={self.o_direct}, alignment={self.alignment})"
 
 
+def create_private(path: str | os.PathLike, *, text: bool = False):
+    """A new file ``path`` open for writing, readable by its owner only (0600: state and weights are the
+    user's data), created exclusively and without following a link: a name someone planted there (a link,
+    a file) raises FileExistsError and is never written through or truncated."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    return os.fdopen(fd, "w" if text else "wb")
+
+
 def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool, str] = "auto",
               no_links: bool = False) -> AioFile:
     """Open a file for the engine.

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 import xxhash
 
+from ..aio import create_private
 from ..errors import CheckpointError, ChecksumError
 
 # NOTE: a checkpoint is a directory of these files (state.bin and memory.pt when it holds an
@@ -137,14 +138,6 @@ class _HashingWriter:
         except OSError as err:
             self.error = self.error or err
             raise
-
-
-def create_private(path: str, *, text: bool = False):
-    """A new file ``path`` open for writing, readable by its owner only (0600: state and weights are the
-    user's data), created exclusively and without following a link: a name someone planted there (a link,
-    a file) raises FileExistsError and is never written through or truncated."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    return os.fdopen(fd, "w" if text else "wb")
 
 
 def write_file(obj: Any, path: str, fsync: Callable[[int, str], None]) -> dict:

@@ -8,9 +8,10 @@ import os
 from dataclasses import replace
 from typing import Optional
 
+from ..aio import create_private
 from ..errors import CheckpointError, ChecksumError
 from .commit import Staged, reading, write_atomically
-from .format import create_private, io_error
+from .format import io_error
 from .manifest import Manifest, read_process
 from .stream import progress_bar
 from .verify import verify_files

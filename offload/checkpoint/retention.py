@@ -11,10 +11,11 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
+from ..aio import create_private
 from ..distributed import rank_info
 from ..errors import CheckpointError
 from .commit import SaveHandle, lock_directory
-from .format import JOB_FORMAT, create_private
+from .format import JOB_FORMAT
 from .job import gather, job_world
 from .load import load_checkpoint
 from .manifest import raw_manifest, read

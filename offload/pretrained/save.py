@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..aio import wait_quietly
+from ..aio import create_private, wait_quietly
 from ..errors import CheckpointError, StateError
 from ..params import store_of
 from ..units import parse_size
@@ -76,12 +76,6 @@ def _header(tensors: list[Tensor]) -> bytes:
     text = json.dumps(meta, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
-
-
-def _create(path: str, *, text: bool = False):
-    """A new file, 0600, created exclusively and never through a link."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    return os.fdopen(fd, "w" if text else "wb")
 
 
 def _fsync(path: str) -> None:
@@ -151,7 +145,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         weight_map = {}
         for name, shard in zip(names, shards):
             path = os.path.join(tmp, name)
-            with _create(path) as f:
+            with create_private(path) as f:
                 f.write(_header(shard.tensors))
                 for t in shard.tensors:
                     start = f.tell()
@@ -162,7 +156,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
                 f.flush()
                 os.fsync(f.fileno())
         if n > 1:
-            with _create(os.path.join(tmp, INDEX), text=True) as f:
+            with create_private(os.path.join(tmp, INDEX), text=True) as f:
                 json.dump({"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}, f,
                           indent=2, sort_keys=True)
                 f.write("\n")
