@@ -17,7 +17,7 @@ from ..copies import DONE, Ticket
 from ..distributed import is_dtensor, like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
-from ..params import ParamAccess, store_of
+from ..params import ParamAccess, store_of, weight_loads
 from ..state import ParamSlot, StateStore, check_state_dict, local_entry
 from .checks import check_dtensor_options, check_grad, check_params, no_duplicate_warning
 from .update import NO_SCALING, GradScaling, kernel_flags, update_chunks, update_in_memory
@@ -490,6 +490,7 @@ class OffloadedAdam(torch.optim.Adam):
         return updated
 
     def _note_weights(self) -> None:
+        self._loads_checked = weight_loads()
         for g in self.param_groups:
             for p in g["params"]:
                 s = store_of(p)
@@ -499,6 +500,9 @@ class OffloadedAdam(torch.optim.Adam):
     def _check_weights(self) -> None:
         """Refuse to update a parameter whose offloaded weights were replaced from outside after its fp32
         master was made: the update would write the master's weights back over the ones loaded."""
+        loads = weight_loads()
+        if loads == self._loads_checked:
+            return  # no weights were loaded anywhere since the last look: nothing per parameter to do
         store = self.state_store
         for g in self.param_groups:
             for p in g["params"]:
@@ -517,6 +521,7 @@ class OffloadedAdam(torch.optim.Adam):
                     "of them; the next update would write the old weights back over them. Load weights before "
                     "the first step (or build the optimizer after loading), or load a checkpoint of this "
                     "optimizer (load_checkpoint with model=), which restores both together.")
+        self._loads_checked = loads
 
     def _overlap_slots(self) -> list:
         self._check_weights()  # before backward starts any update

@@ -19,7 +19,7 @@ from .guard import OffloadedGrad, OffloadedParameter
 from .holds import resident
 from .meta import empty_parameters
 from .registry import store_of
-from .store import ParamStore, smallest_within
+from .store import ParamStore, smallest_within, weight_loads
 
 __all__ = [
     "smallest_within",
@@ -39,4 +39,5 @@ __all__ = [
     "resident",
     "restore_parameters",
     "store_of",
+    "weight_loads",
 ]

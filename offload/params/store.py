@@ -24,6 +24,14 @@ from .guard import OffloadedParameter
 from .handoff import Handoff
 from .transfer import BufferLender, TensorIO
 
+_loads_made = 0  # loads of new weights from outside, in every store of the process (see weight_loads)
+
+
+def weight_loads() -> int:
+    """How many times new weights were put in place from outside in any parameter store of this process: an
+    optimizer that saw the same number last time need not look at its parameters' :meth:`ParamStore.loads`."""
+    return _loads_made
+
 __all__ = ["ParamStore"]
 
 
@@ -375,11 +383,13 @@ class ParamStore:
     def loaded(self, params: Iterable[torch.Tensor]) -> None:
         """New weights of ``params`` are in place: their in-memory copies equal their extents now, and
         the stored gradients, which belonged to the old weights, are gone (as after ``zero_grad``)."""
+        global _loads_made
         with self._lock:
             for p in params:
                 self.records[p].dirty = False
                 self.records[p].loads += 1
                 self.grads.clear(p)
+            _loads_made += 1
             self.bytes.mark_restored()
 
     # -- internals ----------------------------------------------------------------------------
