@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -219,3 +220,48 @@ def ckpt_file(directory, name: str) -> str:
     with open(os.path.join(directory, "manifest.json")) as f:
         entry = json.load(f)["files"][name]
     return os.path.join(directory, entry.get("file", name))
+
+
+def proc_status(key: str) -> int:
+    """A byte count of this process from /proc/self/status (``VmRSS``, ``VmHWM``, ...)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {key} in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Start a peak-RSS window: free what can be freed, reset VmHWM to the current RSS, return that RSS.
+    Skips the test where the kernel or libc cannot do it."""
+    import ctypes
+    import gc
+
+    import pytest
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (AttributeError, OSError) as err:
+        pytest.skip(f"cannot reset the peak RSS here: {err}")
+    return proc_status("VmRSS")
+
+
+def saved_checkpoint(root, name: str = "c"):
+    """``root/name``: a checkpoint of an OffloadedAdamW (SMALL settings, SIZES, two steps) with state on disk and
+    in memory, and a Linear(8, 4) model's weights in model.pt."""
+    from offload import OffloadedAdamW
+    from offload import checkpoint as ckpt
+
+    root = pathlib.Path(root)
+    params = make_params()
+    model = torch.nn.Linear(8, 4)
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=root / f"nvme-{name}", **SMALL)
+    try:
+        train(opt, params, range(2))
+        ckpt.save_checkpoint(opt, root / name, model=model)
+    finally:
+        opt.close()
+    return root / name

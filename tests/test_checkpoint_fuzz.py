@@ -14,7 +14,7 @@ import threading
 
 import pytest
 import torch
-from helpers import SMALL, make_params, train
+from helpers import SMALL, make_params, saved_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,14 +30,7 @@ def saved(tmp_path_factory):
     """A checkpoint with state on disk and in memory and a model's weights, and a fresh optimizer and model
     to load it into."""
     root = tmp_path_factory.mktemp("fuzz")
-    params = make_params()
-    model = torch.nn.Linear(8, 4)
-    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=root / "nvme", **SMALL)
-    try:
-        train(opt, params, range(2))
-        ckpt.save_checkpoint(opt, root / "good", model=model)
-    finally:
-        opt.close()
+    saved_checkpoint(root, "good")
     fresh = OffloadedAdamW(make_params(seed=1), lr=1e-2, nvme_path=root / "nvme2", **SMALL)
     yield root, fresh, torch.nn.Linear(8, 4)
     fresh.close()

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from helpers import SMALL, assert_same_state, ckpt_file, make_params, train
+from helpers import SMALL, assert_same_state, ckpt_file, make_params, saved_checkpoint, train
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,16 +37,7 @@ sys.addaudithook(_record_opens)
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A checkpoint of an optimizer with state on disk and in memory, and a model's weights."""
-    root = tmp_path_factory.mktemp("saved")
-    params = make_params()
-    model = torch.nn.Linear(8, 4)
-    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=root / "nvme", **SMALL)
-    try:
-        train(opt, params, range(2))
-        ckpt.save_checkpoint(opt, root / "c", model=model)
-    finally:
-        opt.close()
-    return root / "c"
+    return saved_checkpoint(tmp_path_factory.mktemp("saved"))
 
 
 def _edit(directory, change) -> None:

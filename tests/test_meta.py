@@ -4,12 +4,10 @@ time, with the values a normal build with the same seed has; such a model trains
 from __future__ import annotations
 
 import copy
-import ctypes
-import gc
 
 import pytest
 import torch
-from helpers import OPT, TINY, Net, assert_same_weights, loss_of
+from helpers import OPT, TINY, Net, assert_same_weights, loss_of, proc_status, reset_peak_rss
 from torch import nn
 
 from offload import OffloadedAdamW, offload_parameters, restore_parameters
@@ -126,31 +124,16 @@ def test_meta_built_model_trains_like_a_normally_built_one(nvme, closing):
     assert_same_weights(ref, off)
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {key} in /proc/self/status")
-
-
 def test_building_from_meta_needs_the_pool_and_one_module(nvme, closing):
     """Offloading a 256 MiB model built on meta keeps one module's weights (8 MiB) resident at a time, and raises
     peak RSS by less than half the model. (glibc keeps a few freed 8 MiB blocks for reuse, so RSS grows by some
     tens of MiB whatever the model's size; a model held whole would add all of it.)"""
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except (AttributeError, OSError) as err:
-        pytest.skip(f"cannot reset the peak RSS here: {err}")
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(1448, 1448, bias=False) for _ in range(32)])  # 8 MiB each
-    before = _status("VmRSS")
+    before = reset_peak_rss()
     closing(offload_parameters(model, nvme_path=nvme, max_in_cpu=0, max_grad_in_cpu=0, buffer_count=3,
                                buffer_size=1 << 20))
-    growth = _status("VmHWM") - before
+    growth = proc_status("VmHWM") - before
     store = offloaded(model).store
     assert store.resident_bytes_max <= 1448 * 1448 * 4
     assert growth < 128 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"

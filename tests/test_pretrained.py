@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from helpers import TINY, Net
+from helpers import TINY, Net, proc_status, reset_peak_rss
 from torch import nn
 
 from offload import CheckpointError, offload_parameters, restore_parameters, save_parameters
@@ -148,30 +148,6 @@ def test_from_pretrained_refuses_a_mismatched_checkpoint_before_making_a_swap_fi
     assert not os.path.exists(nvme) or not os.listdir(nvme)
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {key} in /proc/self/status")
-
-
-def _reset_peak() -> int:
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except (AttributeError, OSError) as err:
-        pytest.skip(f"cannot reset the peak RSS here: {err}")
-    return _status("VmRSS")
-
-
-
-
 SIDE, LAYERS = 1448, 12  # 8 MiB of fp32 each, 96 MiB in all
 
 
@@ -192,9 +168,9 @@ def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
     closing(offload_parameters(model, nvme_path=nvme, init=False, max_in_cpu=0, max_grad_in_cpu=0,
                                buffer_count=3, buffer_size=1 << 20))
     pool = offloaded(model).store.pool.nbytes
-    before = _reset_peak()
+    before = reset_peak_rss()
     load_safetensors(model, tmp_path)
-    growth = _status("VmHWM") - before
+    growth = proc_status("VmHWM") - before
     assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
     with materialized(model):
         assert torch.equal(model[5].weight, _weight(5))
@@ -287,9 +263,9 @@ def test_saving_holds_one_tensor_in_memory(nvme, closing, tmp_path):
     closing(offload_parameters(model, nvme_path=nvme, max_in_cpu=0, max_grad_in_cpu=0, buffer_count=3,
                                buffer_size=1 << 20))
     pool = offloaded(model).store.pool.nbytes
-    before = _reset_peak()
+    before = reset_peak_rss()
     save_pretrained(model, tmp_path / "out", max_shard_size="40MiB")
-    growth = _status("VmHWM") - before
+    growth = proc_status("VmHWM") - before
     assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
     assert len(os.listdir(tmp_path / "out")) == 4  # 3 shards and the index
     with materialized(model):
