@@ -230,11 +230,11 @@ class _Run:
         self.fired.add(id(p))
         store = store_of(p)
         in_store = store is not None and store.holds_grad(p)  # p.grad is then a placeholder
-        if p.grad is not None and not in_store:
+        if id(p) in self.chunks_of and p.grad is not None and not in_store:
+            # Where the worker's update of p's unit must wait (gate): this thread, which reads the grad below,
+            # runs on the stream that produced it already.
             self.producers[id(p)] = copies.produced([p.grad])
         watched = id(p) in self.chunks_of and p.grad is not None and (store is None or not store.offload_grads)
-        if (watched or self.owner.clip) and id(p) in self.producers:
-            copies.after(self.producers[id(p)])  # this thread reads it below
         if watched:
             # An ordinary grad tensor (offload_grads=False too) that a GradScaler's unscale_ or clip_grad_norm_
             # could change in place: watched. (A grad the store holds, or hands to the update, is not the
