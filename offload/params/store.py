@@ -82,7 +82,7 @@ class ParamStore:
                  offload_grads: bool = False, names: Optional[dict] = None, handoff: Optional[Handoff] = None,
                  fresh: Iterable[torch.Tensor] = ()):
         pc = config.offload_param
-        self._fresh = {id(p) for p in fresh}
+        fresh_ids = {id(p) for p in fresh}
         params = list(params)
         self.config = config
         self.offload_grads = offload_grads
@@ -130,7 +130,8 @@ class ParamStore:
                 if p in cached and not self._on_device:
                     self.kept_bytes += p.numel() * p.element_size()
                 else:
-                    self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)))
+                    self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)),
+                              fresh=id(p) in fresh_ids)
             self._quiesce()
         except BaseException:
             self.close()
@@ -409,7 +410,9 @@ class ParamStore:
         grad_extent_of.update((id(p), None) for p in host_grads)
         return extent_of, grad_extent_of
 
-    def _add(self, p: torch.Tensor, extent: Optional[Extent], grad: bool, grad_extent: Optional[Extent]) -> None:
+    def _add(self, p: torch.Tensor, extent: Optional[Extent], grad: bool, grad_extent: Optional[Extent], *,
+             fresh: bool) -> None:
+        """Take ``p`` in; ``fresh``: it has no values yet, so none are copied or written."""
         nbytes = p.numel() * p.element_size()
         rec = _Record(param=p, nbytes=nbytes, cls=type(p), name=self._names.get(p, f"of shape {tuple(p.shape)}"))
         if grad:
@@ -417,11 +420,11 @@ class ParamStore:
         if extent is None:
             rec.host = self._host_cache.tensor[self._host_used:self._host_used + nbytes]
             self._host_used += round_up(nbytes, 64)
-            if id(p) not in self._fresh:
+            if not fresh:
                 rec.host.copy_(self._data(rec))
         else:
             rec.extent = extent
-            if id(p) not in self._fresh:
+            if not fresh:
                 self._store(rec)
         self.records[p] = rec
         registry.register(p, self)
