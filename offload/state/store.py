@@ -104,11 +104,6 @@ class StateStore:
     def _pool_buffer_size(self, oc) -> int:
         return pool_buffer_size(oc, self._candidates(self.param_groups, trainable_only=True))
 
-    @staticmethod
-    def layout_bytes(candidates: list, unit_bytes: int, state_dtype: str) -> int:
-        """Bytes of state ``candidates`` ``(param, group, amsgrad)`` would take in units of ``unit_bytes``."""
-        return sum(u.nbytes for u in Layout(unit_bytes, state_dtype).plan(candidates))
-
     def _candidates(self, groups: Iterable[dict], *, only: Optional[set] = None,
                     trainable_only: bool = False) -> list:
         out = []
