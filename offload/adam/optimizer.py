@@ -203,21 +203,19 @@ class OffloadedAdam(torch.optim.Adam):
             return loss
         scale = getattr(self, "grad_scale", None)
 
-        in_memory, offloaded = [], []
+        in_memory, offloaded, with_grad = [], [], []  # with_grad: in the groups' order, as torch's clip stacks norms
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 check_grad(p)
+                with_grad.append(p)
                 (in_memory if store.is_small(p) else offloaded).append((group, p))
         # Until the update starts, a failure leaves the state as it was (placing late parameters is
         # all or nothing), unless an update is already under way since backward.
         changing = overlap is not None and overlap.running
         try:
-            # In the groups' parameter order, as torch's clip_grad_norm_ stacks the norms.
-            with_grad = {id(p) for _, p in in_memory + offloaded}
-            self._scaling = self._grad_scaling(
-                [p for g in self.param_groups for p in g["params"] if id(p) in with_grad], scale)
+            self._scaling = self._grad_scaling(with_grad, scale)
             late = {p for _, p in offloaded if store.slot(p) is None}
             if late:
                 # Parameters that were frozen at construction and now have grads get their place.
