@@ -14,7 +14,7 @@ from torch import nn
 from ..aio import Engine
 from ..config import AioConfig, config_to_dict
 from ..errors import CheckpointError, ChecksumError, StateError
-from ..params import store_of
+from ..params import named_tensors, store_of
 from ..space import Extent
 from ..units import ALIGNMENT, round_up
 from .commit import Staged, reading, write_atomically
@@ -89,24 +89,6 @@ def model_section(manifest: Manifest) -> ModelSection:
         raise CheckpointError(f"checkpoint {manifest.root} holds no model weights (it was saved without model=); "
                               "load the model from where its weights were saved, or pass no model")
     return manifest.model
-
-
-def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, str]]:
-    """``(name, tensor, "param" | "buffer")`` for every entry ``model.state_dict()`` would have, in
-    its order (a module's parameters, its persistent buffers, then its children; tied or shared
-    tensors under each of their names)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    out = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = prefix + "." if prefix else ""
-        for name, p in module._parameters.items():
-            if p is not None:
-                out.append((dot + name, p, "param"))
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                out.append((dot + name, b, "buffer"))
-    return out
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from .grads import clip_grad_norm_, load_grad
 from .guard import OffloadedGrad, OffloadedParameter
 from .holds import resident
 from .meta import empty_parameters
+from .names import named_tensors
 from .registry import store_of
 from .store import ParamStore, smallest_within, weight_loads
 
@@ -38,6 +39,7 @@ __all__ = [
     "register_external_parameter",
     "resident",
     "restore_parameters",
+    "named_tensors",
     "store_of",
     "weight_loads",
 ]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..params import empty_parameters, offload_parameters, store_of
+from ..params import empty_parameters, named_tensors, offload_parameters, store_of
 from .files import Entry, SafetensorsCheckpoint
 
 __all__ = ["Plan", "fill_modules", "load_safetensors", "match", "offload_pretrained"]
@@ -34,13 +34,8 @@ class Plan:
 def _named(model: nn.Module) -> dict[int, tuple[torch.Tensor, list[str]]]:
     """``id(tensor) -> (tensor, its names)`` for what ``model.state_dict()`` lists, in its order."""
     out: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = prefix + "." if prefix else ""
-        tensors = list(module._parameters.items()) + [
-            (n, b) for n, b in module._buffers.items() if n not in module._non_persistent_buffers_set]
-        for name, t in tensors:
-            if t is not None:
-                out.setdefault(id(t), (t, []))[1].append(dot + name)
+    for name, t, _ in named_tensors(model):
+        out.setdefault(id(t), (t, []))[1].append(name)
     return out
 
 
