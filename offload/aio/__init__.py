@@ -6,12 +6,13 @@ The only layer that talks to the native engine (through ``offload._native``): ``
 
 from .engine import HAVE_IO_URING, HAVE_XXHASH, Engine
 from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
-from .files import AioFile, create_private, open_file, wrap_fd
+from .files import AioFile, create_private, fsync_path, open_file, wrap_fd
 from .futures import READ, WRITE, CheckedRead, CompletedFuture, Future, FutureGroup, Segment, hex_digest, wait_quietly
 from .gds import gds_status, warn_use_gds
 
 __all__ = [
     "create_private",
+    "fsync_path",
     "HAVE_IO_URING",
     "HAVE_XXHASH",
     "READ",

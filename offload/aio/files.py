@@ -133,6 +133,17 @@ def create_private(path: str | os.PathLike, *, text: bool = False):
     return os.fdopen(fd, "w" if text else "wb")
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """fsync the file or directory ``path`` (a directory: the names in it). An error names ``path``."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        raise OSError(err.errno, f"cannot fsync: {err.strerror}", os.fspath(path)) from err
+    finally:
+        os.close(fd)
+
+
 def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool, str] = "auto",
               no_links: bool = False) -> AioFile:
     """Open a file for the engine.

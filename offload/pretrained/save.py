@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..aio import create_private, wait_quietly
+from ..aio import create_private, fsync_path, wait_quietly
 from ..errors import CheckpointError, StateError
 from ..params import store_of
 from ..units import parse_size
@@ -76,14 +76,6 @@ def _header(tensors: list[Tensor]) -> bytes:
     text = json.dumps(meta, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _refuse(directory: str, overwrite: bool) -> None:
@@ -165,14 +157,14 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         for name in os.listdir(tmp):
             if not os.path.islink(os.path.join(tmp, name)):
                 os.chmod(os.path.join(tmp, name), 0o600)  # what extra() wrote too (config.json)
-            _fsync(os.path.join(tmp, name))
-        _fsync(tmp)
+            fsync_path(os.path.join(tmp, name))
+        fsync_path(tmp)
         _refuse(directory, overwrite)  # again: something may have appeared meanwhile
         if os.path.isdir(directory) and os.listdir(directory):
             old = os.path.join(parent, f".{base}.old-{os.getpid()}-{secrets.token_hex(4)}")
             os.rename(directory, old)
         os.replace(tmp, directory)  # an empty directory is replaced by the rename itself
-        _fsync(parent)
+        fsync_path(parent)
     except BaseException:
         if old is not None and not os.path.exists(directory):
             os.rename(old, directory)
@@ -312,7 +304,7 @@ def save_into(model: nn.Module, directory: str | os.PathLike, *, max_shard_size:
         for name in os.listdir(directory):
             if _hf_weights(name) and name not in written:
                 os.unlink(os.path.join(directory, name))
-        _fsync(directory)
+        fsync_path(directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return directory
