@@ -15,9 +15,10 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..aio import create_private, fsync_path, wait_quietly
+from ..aio import create_private, fsync_path
 from ..errors import CheckpointError, StateError
 from ..params import store_of
+from ..pipeline import Pipeline
 from ..units import parse_size
 from .files import INDEX, SINGLE, dtype_name
 from .load import _named
@@ -200,20 +201,14 @@ def _stream_offloaded(f, store, param: torch.Tensor) -> None:
             _write_tensor(f, current)
             return
         nbytes, unit = param.numel() * param.element_size(), store.unit_bytes
-        count = -(-nbytes // unit)
-        pending: dict[int, tuple] = {}
-        try:
-            for k in range(count):
-                for ahead in range(k, min(count, k + len(buffers))):
-                    if ahead not in pending:
-                        buf = buffers[ahead % len(buffers)]
-                        pending[ahead] = (buf, store.read_unit(param, ahead, buf))
-                buf, fut = pending.pop(k)
-                fut.wait()
-                f.write(buf.tensor[:min(unit, nbytes - k * unit)].numpy())
-        finally:
-            for _, fut in pending.values():
-                wait_quietly([fut])
+
+        def write(k: int, buf) -> bool:
+            f.write(buf.tensor[:min(unit, nbytes - k * unit)].numpy())
+            return False  # nothing goes back to the swap space
+
+        # The pipeline reads ahead as far as the pool allows and drains its reads on an error.
+        Pipeline(list(buffers)).run(range(-(-nbytes // unit)), read=lambda k, buf: store.read_unit(param, k, buf),
+                                    process=write)
 
 
 def model_tensors(model: nn.Module) -> list[Tensor]:
