@@ -184,14 +184,17 @@ class UnitPass:
         """``{chunk: gradient elements}`` for ``unit``'s active chunks whose gradient is in a grad store
         (read now, from NVMe into the pass's buffer, or as views of gradients kept in host memory); valid
         until the next call."""
-        self._reading.wait()  # the last unit's copies to the device must have read the buffer first
-        self._reading = DONE
         reads, offset = [], 0
         try:
             for c in unit.chunks:
                 store = store_of(c.slot.param)
                 if id(c.slot) not in self.active or store is None or not store.holds_grad(c.slot.param):
                     continue
+                if not reads:
+                    # The copies to the device of the units before must have read the buffer first. A unit
+                    # without stored grads refills nothing, so it does not wait (the step runs ahead).
+                    self._reading.wait()
+                    self._reading = DONE
                 offset = round_up(offset, store.space.alignment)
                 read, span = store.grads.read(c.slot.param, c.start, c.start + c.numel, self._buffer, offset)
                 reads.append((c, read))
@@ -227,8 +230,9 @@ class UnitPass:
 
     def done(self, unit, reading: Ticket = DONE) -> None:
         """``unit`` is updated: release (write back) the weights whose last chunk in this pass it held.
-        ``reading``: the copies still reading the gradients :meth:`grads` gave for it (the next call waits)."""
-        self._reading = reading
+        ``reading``: the copies still reading the gradients :meth:`grads` gave for it (the next call that fills
+        the buffer waits for them, and for those of units before it that did not)."""
+        self._reading = self._reading | reading
         for c in unit.chunks:
             if c.slot not in self._left:
                 continue
