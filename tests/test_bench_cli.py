@@ -529,6 +529,37 @@ def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeyp
     assert run["checksum"] == "on" and doc["runs"][compare.UNCHECKED][0]["checksum"] == "off"
     assert "checksums (on by default) cost" in text and isinstance(doc["checksum_cost"], float)
     assert os.listdir(tmp_path / "d") == ["compare-ours"] and (mine / "notes.txt").read_text() == "mine"
+    # The compute alone (torch in memory) is run beside, and every variant's iteration is split into its phases.
+    (floor,) = doc["runs"][compare.TORCH]
+    assert floor["system"] == "torch (in memory)" and floor["bytes_per_iteration"] is None
+    assert doc["medians"]["ours"]["vs_compute_alone"] > 0 and "where an iteration's time goes" in text
+    for name in ("ours", compare.TORCH):
+        phases = doc["medians"][name]["phases_s"]
+        assert set(phases) == set(compare.PHASES) and all(v >= 0 for v in phases.values())
+        assert sum(phases.values()) == pytest.approx(doc["medians"][name]["iteration_s"], rel=0.5)
+
+
+def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, capsys):
+    """A peer run that printed its figures and then died at interpreter exit (DeepSpeed's aio threads can abort
+    there) counts, with the exit recorded and said; one that died before reporting fails the benchmark."""
+    import argparse
+
+    from offload.bench import compare
+    from offload.bench.cli import BenchFailure
+
+    args = argparse.Namespace(params=4_000_000, iterations=3, params_nvme=False, bf16=False)
+    reported = tmp_path / "reported"
+    reported.write_text('#!/bin/sh\necho \'{"iteration_s_median": 1.0}\'\necho "terminate called" >&2\nexit 134\n')
+    silent = tmp_path / "silent"
+    silent.write_text('#!/bin/sh\necho "Segmentation fault" >&2\nexit 139\n')
+    for f in (reported, silent):
+        f.chmod(0o755)
+    result = compare._run(str(reported), compare.DEEPSPEED, str(tmp_path), args)
+    assert result == {"iteration_s_median": 1.0, "exit_after_report": 134}
+    assert "exited with 134 after reporting" in capsys.readouterr().out
+    with pytest.raises(BenchFailure, match="exit 139.*Segmentation fault"):
+        compare._run(str(silent), compare.DEEPSPEED, str(tmp_path), args)
+    assert sorted(os.listdir(tmp_path)) == ["reported", "silent"]  # each run's scratch directory removed
 
 
 def test_bench_scale_runs_checks_its_export_and_removes_every_file(tmp_path):

@@ -5,8 +5,10 @@ Each run is a process of its own (``python -m offload.bench.peer``), so its peak
 where a Python that imports it is given (``--peer-python``; ``../shared/peers/setup.sh``-style venvs are found
 at ``~/.peer-venv``) and is never a dependency: without it only our variants are timed, and the report says so.
 Ours runs plain, and with its extras, each labelled: a host cache sized so our peak RSS matches DeepSpeed's
-(measured in the same run), bf16 state for bf16 models, and without checksums (in every round, beside ours:
-the cost of the default integrity check, as the median of the rounds' on/off ratios).
+(measured in the same run), ``overlap_backward``, bf16 state for bf16 models, and without checksums (in every
+round, beside ours: the cost of the default integrity check, as the median of the rounds' on/off ratios). The same
+model trained in memory by torch's AdamW (no I/O: the compute alone) is the floor every variant is read against.
+A second table splits each variant's iteration into forward, backward, step and zero_grad: where its time goes.
 """
 
 from __future__ import annotations
@@ -71,23 +73,33 @@ def _peer_python(given: Optional[str]) -> tuple[Optional[str], str]:
 
 
 UNCHECKED = "ours, checksums off"
+OVERLAP = "ours + overlap_backward"
+TORCH = "torch AdamW in memory (compute alone)"
+PHASES = ("forward", "backward", "step", "zero_grad")
 
 
 def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, state_dtype: str = "fp32",
-         checksum: str = "on") -> dict:
+         checksum: str = "on", overlap: bool = False) -> dict:
     directory = tempfile.mkdtemp(prefix=f"compare-{system}-", dir=root)  # a new one: removed after, nothing else
     cmd = [python, "-m", "offload.bench.peer", system, directory, str(args.params), "--iterations",
            str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype, "--checksum", checksum]
-    cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16
+    cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16 + ["--overlap"] * overlap
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode != 0 or not lines:
+    if not lines:
         raise BenchFailure(f"the {system} run failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
-    return json.loads(lines[-1])
+    result = json.loads(lines[-1])
+    if done.returncode != 0:
+        # It measured and reported, then died on the way out (DeepSpeed's aio threads at interpreter exit can
+        # abort: "terminate called without an active exception"): its figures stand, the exit is recorded.
+        result["exit_after_report"] = done.returncode
+        print(f"note: the {system} run exited with {done.returncode} after reporting its figures "
+              f"({done.stderr.strip().splitlines()[-1][-200:] if done.stderr.strip() else 'no message'})")
+    return result
 
 
 def _repo_root() -> str:
@@ -103,6 +115,8 @@ def run_compare(args: argparse.Namespace) -> int:
             variants.append((UNCHECKED, {"checksum": "off"}))
         if peer:
             variants.append((DEEPSPEED, {}))
+        if not args.no_extras:
+            variants.append((TORCH, {}))
         n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH  # whole Linear(2048, 2048) layers
         print(f"compare: {format_size(n * (2 if args.bf16 else 4))} of {'bf16' if args.bf16 else 'fp32'} "
               f"weights ({n / 1e6:.1f}M parameters in {n // (WIDTH * WIDTH)} layers), optimizer state on NVMe"
@@ -112,7 +126,7 @@ def run_compare(args: argparse.Namespace) -> int:
         for r in range(args.rounds):
             order = variants if r % 2 == 0 else variants[::-1]
             for name, kw in order:
-                system = DEEPSPEED if name == DEEPSPEED else "ours"
+                system = {DEEPSPEED: DEEPSPEED, TORCH: "torch"}.get(name, "ours")
                 runs.setdefault(name, []).append(_run(peer if system == DEEPSPEED else sys.executable, system, root,
                                                       args, **kw))
             if r == 0 and not args.no_extras:
@@ -120,6 +134,7 @@ def run_compare(args: argparse.Namespace) -> int:
         rows, doc = [], {"params": args.params, "bf16": args.bf16, "params_nvme": args.params_nvme,
                          "deepspeed": why, "runs": runs, "medians": {}}
         ds = _median(runs.get(DEEPSPEED), "iteration_s_median")
+        floor = _median(runs.get(TORCH), "iteration_s_median")
         for name, results in runs.items():
             it, st = _median(results, "iteration_s_median"), _median(results, "step_s_median")
             rss = max(x["peak_rss_bytes"] for x in results)
@@ -127,11 +142,20 @@ def run_compare(args: argparse.Namespace) -> int:
             spread = [f"{x['iteration_s_median']:.2f}" for x in results]
             rows.append([name, f"{it:.3f} s ({', '.join(spread)})", f"{st:.3f} s", format_size(rss),
                          format_size(moved) if moved is not None else "-",
-                         f"{ds / it:.2f}x" if ds and name != DEEPSPEED else "-"])
+                         f"{ds / it:.2f}x" if ds and name not in (DEEPSPEED, TORCH) else "-",
+                         f"{it / floor:.2f}x" if floor and name != TORCH else "-"])
             doc["medians"][name] = {"iteration_s": it, "step_s": st, "peak_rss_bytes": rss,
-                                    "bytes_per_iteration": moved, "speedup_vs_deepspeed": ds / it if ds else None}
-        print(report.table(["variant", "iteration (runs)", "step()", "peak RSS", "moved/iter", "vs DeepSpeed"],
-                           rows))
+                                    "bytes_per_iteration": moved, "speedup_vs_deepspeed": ds / it if ds else None,
+                                    "vs_compute_alone": it / floor if floor else None}
+        print(report.table(["variant", "iteration (runs)", "step()", "peak RSS", "moved/iter", "vs DeepSpeed",
+                            "vs compute alone"], rows))
+        print("where an iteration's time goes (medians of the runs' medians; DeepSpeed's step() zeroes the grads)")
+        phase_rows = []
+        for name, results in runs.items():
+            phases = {ph: statistics.median(x["phases_s_median"][ph] for x in results) for ph in PHASES}
+            doc["medians"][name]["phases_s"] = phases
+            phase_rows.append([name] + [f"{phases[ph]:.3f} s" for ph in PHASES])
+        print(report.table(["variant"] + list(PHASES), phase_rows))
         if UNCHECKED in runs:
             pairs = [a["iteration_s_median"] / b["iteration_s_median"] - 1
                      for a, b in zip(runs["ours"], runs[UNCHECKED])]
@@ -145,12 +169,13 @@ def run_compare(args: argparse.Namespace) -> int:
 
 def _extras(args, runs: dict) -> list:
     """Our variants with extras, labelled: a host cache that brings our peak RSS up to DeepSpeed's (when it ran),
-    and bf16 state for a bf16 model."""
+    overlap_backward, and bf16 state for a bf16 model."""
     out = []
     if DEEPSPEED in runs:
         room = runs[DEEPSPEED][0]["peak_rss_bytes"] - runs["ours"][0]["peak_rss_bytes"]
         if room > 64 << 20:
             out.append((f"ours + host cache {format_size(room)} (DeepSpeed's RSS)", {"host_cache": room}))
+    out.append((OVERLAP, {"overlap": True}))
     if args.bf16:
         out.append(("ours + bf16 state", {"state_dtype": "bf16"}))
     return out

@@ -1,10 +1,12 @@
 """One run of a side-by-side comparison, in a process of its own (so its peak RSS is its own): nvme-offload or
 DeepSpeed ZeRO-3 training the same stack of ``Linear(width, width)`` layers on the same disk, with optimizer state
-(and with ``--params-nvme`` the weights) on NVMe. Prints one JSON line. Run by ``offload-bench compare``;
-DeepSpeed's run needs a Python where ``import deepspeed`` works (``--peer-python``), and is never a dependency.
+(and with ``--params-nvme`` the weights) on NVMe, or the same model trained in memory by torch's AdamW (``torch``:
+the compute alone, no I/O). Prints one JSON line, with each iteration's forward, backward, step and zero_grad
+timed apart. Run by ``offload-bench compare``; DeepSpeed's run needs a Python where ``import deepspeed`` works
+(``--peer-python``), and is never a dependency.
 
-Usage: ``python -m offload.bench.peer {ours,deepspeed} NVME_DIR PARAMS [--params-nvme] [--bf16]
-[--host-cache BYTES] [--state-dtype fp32|bf16] [--iterations N] [--checksum on|off]``
+Usage: ``python -m offload.bench.peer {ours,deepspeed,torch} NVME_DIR PARAMS [--params-nvme] [--bf16]
+[--host-cache BYTES] [--state-dtype fp32|bf16] [--iterations N] [--checksum on|off] [--overlap]``
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def _ours(args, dtype) -> dict:
         offload_parameters(model, nvme_path=os.path.join(args.nvme, "w"), max_in_cpu=0, max_grad_in_cpu=0,
                            config={"checksum": args.checksum == "on"})
     opt = OffloadedAdamW(model.parameters(), lr=1e-3, nvme_path=os.path.join(args.nvme, "s"),
-                         host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum == "on")
+                         host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum == "on",
+                         overlap_backward=args.overlap)
 
     def moved() -> int:
         r, w = opt.io_bytes()
@@ -46,19 +49,28 @@ def _ours(args, dtype) -> dict:
                  if store is not None else 0)
         return r + w + extra
 
-    def iteration(x):
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        s = time.perf_counter()
-        opt.step()
-        opt.zero_grad()
-        return s
-
     try:
-        result = _loop(iteration, dtype, args.iterations, moved)
+        result = _loop(_steps(model, lambda loss: loss.backward(), opt.step, opt.zero_grad), dtype,
+                       args.iterations, moved)
     finally:
         opt.close()
     return dict(result, system="nvme-offload")
+
+
+def _torch(args, dtype) -> dict:
+    """The same model and optimizer in memory (torch AdamW, fused where torch has it): the compute alone."""
+    import torch
+
+    model = _model(args.params, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    return dict(_loop(_steps(model, lambda loss: loss.backward(), opt.step, opt.zero_grad), dtype, args.iterations,
+                      None), system="torch (in memory)")
+
+
+def _steps(forward, backward, step, zero_grad):
+    """One iteration's phases: ``forward(x)``, ``backward(loss)``, ``step()``, ``zero_grad()``."""
+    return [("forward", lambda x: forward(x).float().pow(2).mean()), ("backward", backward),
+            ("step", lambda _: step()), ("zero_grad", lambda _: zero_grad())]
 
 
 def _deepspeed(args, dtype) -> dict:
@@ -86,39 +98,41 @@ def _deepspeed(args, dtype) -> dict:
         cfg["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
-    def iteration(x):
-        loss = engine(x).float().pow(2).mean()
-        engine.backward(loss)
-        s = time.perf_counter()
-        engine.step()
-        return s
-
-    return dict(_loop(iteration, dtype, args.iterations, None), system="deepspeed", version=deepspeed.__version__)
+    # engine.step() zeroes the grads itself: its zero_grad phase is empty.
+    return dict(_loop(_steps(engine, engine.backward, engine.step, lambda: None), dtype, args.iterations, None),
+                system="deepspeed", version=deepspeed.__version__)
 
 
-def _loop(iteration, dtype, n: int, moved) -> dict:
-    """Time ``n`` iterations (forward, backward, step, zero_grad); the first (no state to read) is left out of
-    the medians."""
+def _loop(phases, dtype, n: int, moved) -> dict:
+    """Time ``n`` iterations (forward, backward, step, zero_grad, each apart); the first (no state to read) is
+    left out of the medians. ``step_s`` is step() with zero_grad (what follows backward)."""
     import torch
 
     x = torch.randn(BATCH, WIDTH, dtype=dtype)
-    iters, steps, per_iter = [], [], []
+    times: dict = {name: [] for name, _ in phases}
+    iters, per_iter = [], []
     for _ in range(n):
         before = moved() if moved else 0
-        t0 = time.perf_counter()
-        s = iteration(x)
-        end = time.perf_counter()
-        iters.append(end - t0)
-        steps.append(end - s)
+        value = x
+        t0 = last = time.perf_counter()
+        for name, run in phases:
+            value = run(value)
+            now = time.perf_counter()
+            times[name].append(now - last)
+            last = now
+        iters.append(last - t0)
         per_iter.append(moved() - before if moved else None)
+    steps = [a + b for a, b in zip(times["step"], times["zero_grad"])]
     return {"iteration_s": iters[1:], "step_s": steps[1:], "iteration_s_median": statistics.median(iters[1:]),
-            "step_s_median": statistics.median(steps[1:]), "bytes_per_iteration": per_iter[-1],
+            "step_s_median": statistics.median(steps[1:]),
+            "phases_s_median": {name: statistics.median(t[1:]) for name, t in times.items()},
+            "bytes_per_iteration": per_iter[-1],
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m offload.bench.peer", description=__doc__.splitlines()[0])
-    p.add_argument("system", choices=("ours", "deepspeed"))
+    p.add_argument("system", choices=("ours", "deepspeed", "torch"))
     p.add_argument("nvme")
     p.add_argument("params", type=int)
     p.add_argument("--params-nvme", action="store_true")
@@ -127,14 +141,16 @@ def main(argv=None) -> int:
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--checksum", choices=("on", "off"), default="on", help="ours: checksums of swapped state")
+    p.add_argument("--overlap", action="store_true", help="ours: overlap_backward=True")
     args = p.parse_args(argv)
     import torch
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH
-    result = (_ours if args.system == "ours" else _deepspeed)(args, dtype)
+    result = {"ours": _ours, "deepspeed": _deepspeed, "torch": _torch}[args.system](args, dtype)
     print(json.dumps(dict(result, params=n, params_on_nvme=args.params_nvme, bf16=args.bf16,
-                          host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum)),
+                          host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum,
+                          overlap_backward=args.overlap)),
           flush=True)
     return 0
 
