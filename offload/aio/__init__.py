@@ -1,9 +1,11 @@
 """The asynchronous I/O engine: moves bytes between host buffers and files, and opens files for it.
 
 The only layer that talks to the native engine (through ``offload._native``): ``files`` opens files
-(O_DIRECT, alignment), ``futures`` holds requests and their results, ``engine`` runs them.
+(O_DIRECT, alignment), ``futures`` holds requests and their results, ``engine`` runs them, ``append`` writes
+a new file front to back through it.
 """
 
+from .append import AppendFile
 from .engine import HAVE_IO_URING, HAVE_XXHASH, Engine
 from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
 from .files import AioFile, create_private, fsync_path, open_file, wrap_fd
@@ -11,6 +13,7 @@ from .futures import READ, WRITE, CheckedRead, CompletedFuture, Future, FutureGr
 from .gds import gds_status, warn_use_gds
 
 __all__ = [
+    "AppendFile",
     "create_private",
     "fsync_path",
     "HAVE_IO_URING",

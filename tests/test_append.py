@@ -1,0 +1,80 @@
+"""AppendFile: a new file written front to back through aligned buffers with the engine."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.aio import AppendFile, Engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine() as e:
+        yield e
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40_000), max_size=12), buffer_pages=st.integers(1, 3),
+       count=st.integers(2, 4), o_direct=st.booleans(), seed=st.integers(0, 2**31))
+def test_pieces_of_any_length_round_trip_exactly(tmp_path_factory, sizes, buffer_pages, count, o_direct, seed):
+    """Pieces of random lengths (empty ones, ones longer than a buffer, ones ending mid-page) appended as bytes,
+    memoryviews and arrays of other dtypes read back byte for byte, and the file is exactly their length."""
+    rng = np.random.default_rng(seed)
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    path = tmp_path_factory.mktemp("append") / "f.bin"
+    with Engine({"o_direct": "auto" if o_direct else False}) as engine:
+        with AppendFile(path, engine, buffer_size=buffer_pages * 4096, count=count) as f:
+            for k, piece in enumerate(pieces):
+                kind = k % 3
+                data = piece.tobytes() if kind == 0 else memoryview(piece) if kind == 1 else piece
+                if kind == 2 and piece.size % 4 == 0:
+                    data = piece.view(np.float32)  # a tensor's bytes, as a NumPy array of another dtype
+                assert f.write(data) == piece.size
+                assert f.tell() == sum(sizes[:k + 1])
+    assert path.read_bytes() == b"".join(p.tobytes() for p in pieces)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_an_existing_name_or_a_planted_link_is_refused_and_left_alone(tmp_path, engine):
+    theirs = tmp_path / "theirs"
+    theirs.write_bytes(b"keep")
+    link = tmp_path / "link"
+    link.symlink_to(theirs)
+    for name in (theirs, link):
+        with pytest.raises(FileExistsError):
+            AppendFile(name, engine)
+    assert theirs.read_bytes() == b"keep" and os.path.islink(link)
+
+
+def test_a_failed_write_raises_and_leaves_no_file(tmp_path, engine):
+    """A write error (injected in the engine) is an OSError from write() or close(), and the file is gone."""
+    path = tmp_path / "f.bin"
+    engine.inject_fault("error", op="write", skip=1, count=1)
+    try:
+        with pytest.raises(OSError):
+            with AppendFile(path, engine, buffer_size=4096, count=2) as f:
+                for _ in range(8):
+                    f.write(b"x" * 4096)
+    finally:
+        engine.inject_fault("none")
+    assert not path.exists()
+
+
+def test_an_exception_in_the_block_removes_the_file_and_a_closed_file_refuses_writes(tmp_path, engine):
+    path = tmp_path / "f.bin"
+    with pytest.raises(KeyError):
+        with AppendFile(path, engine, buffer_size=4096) as f:
+            f.write(b"y" * 10_000)
+            raise KeyError("the caller failed")
+    assert not path.exists()
+    with AppendFile(path, engine) as f:
+        f.write(b"z")
+    with pytest.raises(ValueError, match="closed"):
+        f.write(b"more")
+    assert path.read_bytes() == b"z"
+    with pytest.raises(ValueError, match="at least 2"):
+        AppendFile(tmp_path / "g", engine, count=1)
