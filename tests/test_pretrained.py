@@ -171,7 +171,7 @@ def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
     before = reset_peak_rss()
     load_safetensors(model, tmp_path)
     growth = proc_status("VmHWM") - before
-    assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+    assert growth < pool + 3 * 8 * MiB + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
     with materialized(model):
         assert torch.equal(model[5].weight, _weight(5))
 
@@ -256,8 +256,9 @@ def test_offload_ckpt_export_hf(nvme, closing, tmp_path, hf_dir, capsys):
 
 
 def test_saving_holds_one_tensor_in_memory(nvme, closing, tmp_path):
-    """Saving a 96 MiB offloaded model as Hugging Face shards raises peak RSS by about one 8 MiB tensor and the
-    pool, not by the model: each weight is fetched for its write alone. The shards hold its weights."""
+    """Saving a 96 MiB offloaded model as Hugging Face shards raises peak RSS by the pools (the parameters' and
+    the writer's three 8 MiB buffers), not by the model: each weight streams from its extent through them. The
+    shards hold its weights."""
     with torch.device("meta"):
         model = nn.Sequential(*[nn.Linear(SIDE, SIDE, bias=False) for _ in range(LAYERS)])
     closing(offload_parameters(model, nvme_path=nvme, max_in_cpu=0, max_grad_in_cpu=0, buffer_count=3,
@@ -266,7 +267,7 @@ def test_saving_holds_one_tensor_in_memory(nvme, closing, tmp_path):
     before = reset_peak_rss()
     save_pretrained(model, tmp_path / "out", max_shard_size="40MiB")
     growth = proc_status("VmHWM") - before
-    assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+    assert growth < pool + 3 * 8 * MiB + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
     assert len(os.listdir(tmp_path / "out")) == 4  # 3 shards and the index
     with materialized(model):
         assert torch.equal(safetensors_torch.load_file(tmp_path / "out" / "model-00002-of-00003.safetensors")

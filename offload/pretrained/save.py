@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from ..aio import create_private, fsync_path
+from ..aio import AppendFile, Engine, create_private, fsync_path
 from ..errors import CheckpointError, StateError
 from ..params import store_of
 from ..pipeline import Pipeline
@@ -136,18 +136,16 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         n = len(shards)
         names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
-        for name, shard in zip(names, shards):
-            path = os.path.join(tmp, name)
-            with create_private(path) as f:
-                f.write(_header(shard.tensors))
-                for t in shard.tensors:
-                    start = f.tell()
-                    t.write(f)
-                    if f.tell() - start != t.nbytes:
-                        raise CheckpointError(f"{t.name!r} wrote {f.tell() - start} bytes, not {t.nbytes}")
-                    weight_map[t.name] = name
-                f.flush()
-                os.fsync(f.fileno())
+        with Engine() as engine:  # direct I/O where the file system has it (see AppendFile)
+            for name, shard in zip(names, shards):
+                with AppendFile(os.path.join(tmp, name), engine) as f:  # fsynced at its close
+                    f.write(_header(shard.tensors))
+                    for t in shard.tensors:
+                        start = f.tell()
+                        t.write(f)
+                        if f.tell() - start != t.nbytes:
+                            raise CheckpointError(f"{t.name!r} wrote {f.tell() - start} bytes, not {t.nbytes}")
+                        weight_map[t.name] = name
         if n > 1:
             with create_private(os.path.join(tmp, INDEX), text=True) as f:
                 json.dump({"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}, f,
