@@ -528,6 +528,54 @@ def test_checkpoints_and_their_copies_are_the_owners_alone(tmp_path):
     assert checked >= 10
 
 
+def test_offload_file_mode_widens_to_readers_and_a_copy_never_widens_its_original(tmp_path, monkeypatch):
+    """OFFLOAD_FILE_MODE=0640 lets the group read what is saved from then on (files 0640, directories 0750, the
+    swap file too), still under the umask; a mirror of a checkpoint saved 0600 stays 0600; a mode that would let
+    others write, or drop the owner's access, or is not octal is refused naming the variable."""
+    from offload.modes import ENV, dir_mode, file_mode
+
+    def modes(top):
+        return os.stat(top).st_mode & 0o777, {os.stat(top / n).st_mode & 0o777 for n in os.listdir(top)}
+
+    model = torch.nn.Linear(64, 64)
+    params = list(model.parameters())
+    old = os.umask(0o022)
+    try:
+        opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
+        try:
+            train(opt, params, range(1))
+            ckpt.save_checkpoint(opt, tmp_path / "private", model=model)
+            monkeypatch.setenv(ENV, "0640")
+            ckpt.mirror_checkpoint(tmp_path / "private", tmp_path / "copy")
+            ckpt.save_checkpoint(opt, tmp_path / "shared", model=model)
+            other = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap2"), **SMALL)
+            try:
+                train(other, params, range(1))
+                assert modes(tmp_path / "swap2")[1] == {0o640}
+            finally:
+                other.close()
+        finally:
+            opt.close()
+        monkeypatch.setenv(ENV, "0644")
+        os.umask(0o027)  # the umask still narrows
+        ckpt.mirror_checkpoint(tmp_path / "shared", tmp_path / "narrowed")
+    finally:
+        os.umask(old)
+    assert modes(tmp_path / "private") == (0o700, {0o600})
+    assert modes(tmp_path / "copy") == (0o750, {0o600})  # the new directory, but no file wider than its original
+    assert modes(tmp_path / "shared") == (0o750, {0o640})
+    assert modes(tmp_path / "narrowed") == (0o750, {0o640})
+    assert (file_mode(), dir_mode()) == (0o644, 0o755)
+    for bad in ("0660", "0400", "0666", "rw-r-----", "0o640x", "01640"):
+        monkeypatch.setenv(ENV, bad)
+        with pytest.raises(ValueError, match=ENV):
+            file_mode()
+    monkeypatch.setenv(ENV, "0640")
+    with pytest.raises(ValueError, match="0600 to 0644"):
+        monkeypatch.setenv(ENV, "0606")
+        file_mode()
+
+
 def test_a_link_planted_at_a_milestone_marker_is_refused_and_its_target_untouched(tmp_path):
     """Another user plants ``step-<n>.keep`` as a link to a file of the victim's in a shared root: the
     milestone save refuses to mark it (CheckpointError saying what to remove) and never writes through it;

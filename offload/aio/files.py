@@ -14,6 +14,7 @@ from typing import Union
 from .._native import ffi, lib
 from .._proc import reset_after_fork
 from ..errors import user_stacklevel
+from ..modes import file_mode
 from ..units import ALIGNMENT
 
 _MODES = {
@@ -125,11 +126,12 @@ class AioFile:
         return f"AioFile({self.path!r}, o_direct={self.o_direct}, alignment={self.alignment})"
 
 
-def create_private(path: str | os.PathLike, *, text: bool = False):
+def create_private(path: str | os.PathLike, *, text: bool = False, within: int = 0o777):
     """A new file ``path`` open for writing, readable by its owner only (0600: state and weights are the
-    user's data), created exclusively and without following a link: a name someone planted there (a link,
-    a file) raises FileExistsError and is never written through or truncated."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    user's data; ``OFFLOAD_FILE_MODE`` widens it, see :mod:`offload.modes`, and ``within`` narrows it: a
+    copy passes its original's mode), created exclusively and without following a link: a name someone
+    planted there (a link, a file) raises FileExistsError and is never written through or truncated."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode() & within)
     return os.fdopen(fd, "w" if text else "wb")
 
 
@@ -225,18 +227,18 @@ def _open_fd(path: str, mode: str, *, extra: int = 0) -> tuple[int, bool]:
     the file."""
     flags = _MODES[mode] | os.O_CLOEXEC | extra
     if mode != "w+":
-        return os.open(path, flags, 0o600), mode == "x+"
+        return os.open(path, flags, file_mode()), mode == "x+"
     # "w+": create exclusively, else open what exists; twice, in case it vanishes in between.
     for _ in range(2):
         try:
-            return os.open(path, flags | os.O_EXCL, 0o600), True
+            return os.open(path, flags | os.O_EXCL, file_mode()), True
         except FileExistsError:
             pass
         try:
             return os.open(path, flags & ~os.O_CREAT), False
         except FileNotFoundError:
             pass
-    return os.open(path, flags, 0o600), False  # e.g. a dangling symlink: open(2) creates its target
+    return os.open(path, flags, file_mode()), False  # e.g. a dangling symlink: open(2) creates its target
 
 
 def _set_o_direct(fd: int) -> bool:

@@ -117,13 +117,14 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
 # -- writing and committing ------------------------------------------------------------------------
 
 
-def write_manifest(path: str, manifest: Manifest | JobManifest, storage: Storage) -> Manifest | JobManifest:
-    """Write ``manifest`` with its checksum to the new file ``path``, fsync it and its directory (so every
-    file it names is there after a crash); returns the manifest written."""
+def write_manifest(path: str, manifest: Manifest | JobManifest, storage: Storage, *,
+                   within: int = 0o777) -> Manifest | JobManifest:
+    """Write ``manifest`` with its checksum to the new file ``path`` (mode ``within`` at most), fsync it and
+    its directory (so every file it names is there after a crash); returns the manifest written."""
     directory = os.path.dirname(path)
     manifest = replace(manifest, manifest_xxh3_64=None, root=directory)
     manifest = replace(manifest, manifest_xxh3_64=digest(manifest.to_json()))
-    write_file(JSON(manifest.to_json()), path, storage.fsync)
+    write_file(JSON(manifest.to_json()), path, storage.fsync, within=within)
     storage.fsync_dir(directory)
     return manifest
 
@@ -158,6 +159,7 @@ class Staged:
         self.committed = False
         self.written: dict[str, str] = {}  # name in the format -> name on disk
         self.manifest: Manifest | None = None  # as committed
+        self.within = 0o777  # the manifest's mode at most (a copy's: its original's)
         self._fd: int | None = None
         if shard_of is not None:
             self.directory = self.target = os.path.join(shard_of, os.fspath(directory))
@@ -187,7 +189,7 @@ class Staged:
         """Name this generation's files in ``manifest`` and write it; then, unless a shard, commit it."""
         files = {n: replace(e, file=self.written[n]) for n, e in manifest.files.items()}
         staged = self.path(MANIFEST)
-        self.manifest = write_manifest(staged, replace(manifest, files=files), self.storage)
+        self.manifest = write_manifest(staged, replace(manifest, files=files), self.storage, within=self.within)
         if self._fd is not None:
             commit_manifest(self.target, staged, self.manifest, self.previous, self.storage,
                             lambda: setattr(self, "committed", True))

@@ -140,10 +140,11 @@ class _HashingWriter:
             raise
 
 
-def write_file(obj: Any, path: str, fsync: Callable[[int, str], None]) -> dict:
+def write_file(obj: Any, path: str, fsync: Callable[[int, str], None], *, within: int = 0o777) -> dict:
     """Write ``obj`` into the new file ``path`` and fsync it with ``fsync(fd, path)`` (a save's
     ``Storage.fsync``): bytes as they are, a :class:`JSON` value as JSON, else
-    ``torch.save(obj)``. Returns the file's size and xxh3_64.
+    ``torch.save(obj)``. Returns the file's size and xxh3_64. Its mode is ``within`` at most (see
+    :func:`offload.aio.create_private`).
 
     Raises:
         OSError: writing failed (ENOSPC, EIO, ...): ``OSError(errno, message, path)``, with the
@@ -151,7 +152,7 @@ def write_file(obj: Any, path: str, fsync: Callable[[int, str], None]) -> dict:
     """
     w = None
     try:
-        with create_private(path) as f:
+        with create_private(path, within=within) as f:
             w = _HashingWriter(f)
             if isinstance(obj, bytes):
                 w.write(obj)

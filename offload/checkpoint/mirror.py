@@ -11,7 +11,7 @@ from typing import Optional
 from ..aio import create_private
 from ..errors import CheckpointError, ChecksumError
 from .commit import Staged, reading, write_atomically
-from .format import io_error
+from .format import MANIFEST, io_error
 from .manifest import Manifest, read_process
 from .stream import progress_bar
 from .verify import verify_files
@@ -47,6 +47,7 @@ def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike,
     def write(staged: Staged) -> Manifest:
         with reading(src):  # inside the save of dst's parent: a read there counts up, never waits for itself
             manifest = read_process(src)
+            staged.within = os.stat(os.path.join(src, MANIFEST)).st_mode  # the copy's manifest: no wider
             total = sum(e.bytes for e in manifest.files.values())
             with progress_bar(total, "mirror", progress) as bar:
                 for name in sorted(manifest.files):
@@ -73,7 +74,8 @@ def _copy_file(src: str, dst: str, bar) -> None:
                               "manifest lists") from None
     with fin:
         try:
-            with create_private(dst) as fout:
+            # A copy never lets more people read it than its original does.
+            with create_private(dst, within=os.fstat(fin.fileno()).st_mode) as fout:
                 size = os.fstat(fin.fileno()).st_size
                 pos, ranged = 0, True
                 while pos < size:

@@ -8,6 +8,7 @@ import os
 
 from ..aio import Engine
 from ..config import AioConfig
+from ..modes import dir_mode
 from .format import io_error
 
 
@@ -32,9 +33,9 @@ class Storage:
             raise io_error(err, path, "cannot fsync") from err
 
     def make_dirs(self, path: str) -> bool:
-        """Create directory ``path`` and its missing parents (0700), durably: each new name's directory is
-        fsynced, so a power loss cannot take away a directory whose files were made durable. Returns
-        whether ``path`` was made."""
+        """Create directory ``path`` and its missing parents (0700, see :mod:`offload.modes`), durably: each
+        new name's directory is fsynced, so a power loss cannot take away a directory whose files were made
+        durable. Returns whether ``path`` was made."""
         missing = []
         while not os.path.isdir(path):
             missing.append(path)
@@ -44,7 +45,7 @@ class Storage:
             path = parent
         for new in reversed(missing):
             try:
-                os.mkdir(new, 0o700)
+                os.mkdir(new, dir_mode())
             except FileExistsError:
                 if not os.path.isdir(new):
                     raise

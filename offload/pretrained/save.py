@@ -17,6 +17,7 @@ from torch import nn
 
 from ..aio import AppendFile, Engine, create_private, fsync_path
 from ..errors import CheckpointError, StateError
+from ..modes import dir_mode, file_mode
 from ..params import store_of
 from ..pipeline import Pipeline
 from ..units import parse_size
@@ -129,7 +130,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
     parent, base = os.path.split(directory)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp, 0o700)  # the user's weights: the owner's alone, as every checkpoint of ours
+    os.mkdir(tmp, dir_mode())  # the user's weights: the owner's alone (0700), as every checkpoint of ours
     old = None
     try:
         shards = _shards(list(tensors), limit)
@@ -155,7 +156,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
             extra(tmp)
         for name in os.listdir(tmp):
             if not os.path.islink(os.path.join(tmp, name)):
-                os.chmod(os.path.join(tmp, name), 0o600)  # what extra() wrote too (config.json)
+                os.chmod(os.path.join(tmp, name), file_mode())  # what extra() wrote too (config.json)
             fsync_path(os.path.join(tmp, name))
         fsync_path(tmp)
         _refuse(directory, overwrite)  # again: something may have appeared meanwhile

@@ -17,6 +17,7 @@ from typing import Mapping
 from .._proc import pid_alive
 from ..aio import AioFile, wrap_fd
 from ..distributed import rank_info
+from ..modes import file_mode
 from ..units import format_size
 
 __all__ = ["create_swap_file", "find_stale", "find_unproven", "remove_stale", "seal", "warn_stale"]
@@ -74,7 +75,8 @@ def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
         if os.path.lexists(final):
             continue
         try:
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         file_mode())
         except FileExistsError:
             continue
         except PermissionError as err:
