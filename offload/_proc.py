@@ -1,11 +1,12 @@
-"""Processes: liveness of a pid, and resetting objects in a child after ``os.fork``."""
+"""Processes: liveness of a pid, resetting objects in a child after ``os.fork``, and the C heap's free pages."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import weakref
 
-__all__ = ["pid_alive", "reset_after_fork"]
+__all__ = ["pid_alive", "release_free_heap", "reset_after_fork"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -44,3 +45,32 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# NOTE: weights fetched from NVMe live in storage torch allocates with malloc, tens of MiB each, freed again at
+# their release. glibc keeps what is freed for reuse, per thread arena, and a step (other threads) does not
+# reuse what backward freed: measured with a Llama-style model (hidden 2560), the freed pages held after a
+# step grew by about 40 MiB per layer, 1.1 GiB of peak RSS at 2.7B parameters. malloc_trim(0) gives every
+# arena's free pages back (madvise); the next fetches fault them in again. That is done only once more than
+# ``keep`` bytes lie free (mallinfo2), so a small model's step does not pay the faults each time and the heap
+# never holds more than that unused. Where the C library has neither (musl), this does nothing.
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_libc = ctypes.CDLL(None)
+_malloc_trim = getattr(_libc, "malloc_trim", None)
+_mallinfo2 = getattr(_libc, "mallinfo2", None)
+if _mallinfo2 is not None:
+    _mallinfo2.restype = _MallInfo2
+
+
+def release_free_heap(keep: int = 256 << 20) -> None:
+    """Give the pages the C heap holds free back to the system (glibc's ``malloc_trim(0)``), once more than
+    ``keep`` bytes of it are free."""
+    if _malloc_trim is None:
+        return
+    if _mallinfo2 is not None and _mallinfo2().fordblks <= keep:
+        return
+    _malloc_trim(0)

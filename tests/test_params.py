@@ -206,6 +206,59 @@ def test_resident_parameter_bytes_stay_bounded(nvme, closing):
     assert store.resident_bytes == 0
 
 
+def test_a_step_over_offloaded_weights_gives_the_heap_they_freed_back(nvme, closing, monkeypatch):
+    """Weights fetched for the step are freed at its end; the pass then has the C heap give free pages back
+    (past a bound), so freed weights do not pile up in malloc's arenas step after step. A step of an optimizer
+    over ordinary parameters does not."""
+    from offload.params import access
+
+    calls = []
+    monkeypatch.setattr(access, "release_free_heap", lambda: calls.append(1))
+    torch.manual_seed(9)
+    off, plain = Net(layers=2), Net(layers=2)
+    closing(offload_parameters(off, nvme, **TINY))
+    opt = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
+    other = closing(OffloadedAdamW(plain.parameters(), nvme_path=nvme, **OPT))
+    for model, o, expected in ((off, opt, [1]), (plain, other, [1])):
+        loss_of(model, 0).backward()
+        o.step()
+        o.zero_grad()
+        assert calls == expected
+
+
+def test_release_free_heap_returns_free_pages_past_its_bound():
+    """Freed malloc chunks the heap keeps (64 KiB each, below mmap's threshold, every other one freed so they
+    cannot merge) are given back to the system once more than the bound lie free: RSS drops by most of them."""
+    import ctypes
+
+    from helpers import proc_status
+
+    from offload import _proc
+
+    if _proc._malloc_trim is None or _proc._mallinfo2 is None:
+        pytest.skip("needs glibc's malloc_trim and mallinfo2")
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    chunk, count = 64 << 10, 3000
+    ptrs = [libc.malloc(chunk) for _ in range(count)]
+    try:
+        for p in ptrs:
+            ctypes.memset(p, 1, chunk)
+        for p in ptrs[::2]:
+            libc.free(p)
+        freed = count // 2 * chunk
+        assert _proc._mallinfo2().fordblks >= freed
+        before = proc_status("VmRSS")
+        _proc.release_free_heap(keep=freed * 2)  # within the bound: kept
+        assert proc_status("VmRSS") > before - freed // 4
+        _proc.release_free_heap(keep=freed // 2)
+        assert proc_status("VmRSS") < before - freed // 2
+    finally:
+        for p in ptrs[1::2]:
+            libc.free(p)
+
+
 # -- what users see ---------------------------------------------------------------------------------
 
 
