@@ -165,12 +165,20 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
         ["nothing overlapped / overlap", f"{med['serial'] / med['overlap']:.2f}x (bar 1.6x)"],
         ["without overlap_backward / overlap", f"{med['plain'] / med['overlap']:.2f}x"],
     ]
+    weight_bytes = n_params * torch.tensor([], dtype=dtype).element_size()
     for name in ("overlap", "plain"):
         m = moved[name]
-        rows.append([f"moved per iteration, {'overlap' if name == 'overlap' else 'without overlap'}",
+        label = "overlap" if name == "overlap" else "without overlap"
+        rows.append([f"moved per iteration, {label}",
                      f"read {format_size(m['read'])}, written {format_size(m['write'])}"
                      + (f" (grads {format_size(m['grad_read'])} / {format_size(m['grad_write'])})"
                         if weights_offloaded else "")])
+        if weights_offloaded:
+            # Forward and backward need each weight read once each and the step writes it once; fp32 weights
+            # have no master, so a step that runs after backward (not during it) reads them a third time.
+            rows.append([f"weights read / written per iteration, {label}",
+                         f"{m['weights_read'] / weight_bytes:.2f}x / {m['weights_written'] / weight_bytes:.2f}x "
+                         "the weights (2x / 1x needed)"])
     rows.append(["batch", f"{batch} rows" + (" (auto: compute about equal to I/O)" if args.batch in (None, "auto")
                                              else "")])
     labels = {"overlap": "overlap_backward", "plain": "without overlap_backward", "compute": "compute alone"}
@@ -245,12 +253,13 @@ def _bytes(model, opt, x, weights_offloaded: bool) -> dict:
     """Bytes one iteration reads and writes (state, and weights and grads when they are offloaded)."""
     def counts():
         r, w = opt.io_bytes()
-        out = {"read": r, "write": w, "grad_read": 0, "grad_write": 0}
+        out = {"read": r, "write": w, "grad_read": 0, "grad_write": 0, "weights_read": 0, "weights_written": 0}
         if weights_offloaded:
             s = offloaded(model).store
             out["read"] += s.bytes_read + s.grad_bytes_read
             out["write"] += s.bytes_written + s.grad_bytes_written
             out["grad_read"], out["grad_write"] = s.grad_bytes_read, s.grad_bytes_written
+            out["weights_read"], out["weights_written"] = s.bytes_read, s.bytes_written
         return out
 
     before = counts()
