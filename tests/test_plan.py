@@ -56,8 +56,8 @@ def test_the_plan_equals_what_the_optimizer_reserves_and_moves(nvme, closing, dt
 
 def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing):
     """With offload_parameters (weights and grads on NVMe): the plan's weight and grad bytes on NVMe and per step
-    equal the parameter store's counters (weights read for forward and backward, written once; grads written
-    in backward and read by the optimizer)."""
+    equal the parameter store's counters (fp32 weights read for forward, backward and the step, written once;
+    grads written in backward and read by the optimizer)."""
     torch.manual_seed(0)
     model = Net(h=4096, layers=4)
     params = [p.detach().to("meta") for p in model.parameters()]
@@ -77,7 +77,11 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing)
     assert predicted.grads_nvme_bytes == grads_written == grads_read
     with materialized(model):
         assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert read >= 2 * predicted.weights_nvme_bytes  # read for forward and for backward
+    # Read for forward, for backward, and (fp32: no master copy) by the step.
+    # A prefetch dropped when the pool is full is read again (1-3% of this small model's weights).
+    assert 0 <= read - 3 * predicted.weights_nvme_bytes <= 0.03 * read
+    assert predicted.read_bytes - 3 * predicted.weights_nvme_bytes - predicted.grads_nvme_bytes \
+        == plan(params, config, nvme_paths=[nvme]).read_bytes
 
 
 def test_a_host_cache_is_planned_as_the_optimizer_keeps_it(nvme, closing):

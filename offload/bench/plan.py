@@ -162,8 +162,8 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
 
     Per step, the optimizer reads and writes every unit of state not resident in the host cache, less the
     units still in pool buffers from the last step (the pool as a cache: ``buffer_count - 1``). Offloaded
-    weights are read for forward and for backward and written once; offloaded grads are written in backward
-    and read by the optimizer.
+    weights are read for forward and for backward (and fp32 ones, which have no master copy, once more by the
+    step) and written once; offloaded grads are written in backward and read by the optimizer.
     """
     oc = config.offload_optimizer
     dtype = next((k for k, v in _DTYPES.items() if params and params[0].dtype == v), "fp32")
@@ -181,7 +181,8 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
     if offload_params:
         held, weights_nvme, grads_nvme, gpu = _offloaded_weights(params, config.offload_param, on_gpu)
         host.update(held)
-        read += 2 * weights_nvme + grads_nvme  # read for forward and backward; grads read by the optimizer
+        # Read for forward and backward, and fp32 weights by the step too; grads read by the optimizer.
+        read += (3 if dtype == "fp32" else 2) * weights_nvme + grads_nvme
         write += weights_nvme + grads_nvme
     elif on_gpu:
         gpu = 2 * sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params)
