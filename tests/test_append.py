@@ -5,7 +5,7 @@ import stat
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload.aio import AppendFile, Engine
@@ -17,17 +17,20 @@ def engine():
         yield e
 
 
-@settings(max_examples=25, deadline=None)
+# The scratch directory is shared by the examples: each writes its own name and removes it.
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(0, 40_000), max_size=12), buffer_pages=st.integers(1, 3),
        count=st.integers(2, 4), o_direct=st.booleans(), seed=st.integers(0, 2**31))
-def test_pieces_of_any_length_round_trip_exactly(tmp_path_factory, sizes, buffer_pages, count, o_direct, seed):
+def test_pieces_of_any_length_round_trip_exactly(scratch, sizes, buffer_pages, count, o_direct, seed):
     """Pieces of random lengths (empty ones, ones longer than a buffer, ones ending mid-page) appended as bytes,
-    memoryviews and arrays of other dtypes read back byte for byte, and the file is exactly their length."""
+    memoryviews and arrays of other dtypes read back byte for byte, and the file is exactly their length, with
+    direct I/O (the last write padded, the file cut) and without."""
     rng = np.random.default_rng(seed)
     pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-    path = tmp_path_factory.mktemp("append") / "f.bin"
-    with Engine({"o_direct": "auto" if o_direct else False}) as engine:
+    path = os.path.join(scratch, f"f-{seed}-{o_direct}.bin")
+    with Engine({"o_direct": o_direct}) as engine:
         with AppendFile(path, engine, buffer_size=buffer_pages * 4096, count=count) as f:
+            assert f._file.o_direct == o_direct
             for k, piece in enumerate(pieces):
                 kind = k % 3
                 data = piece.tobytes() if kind == 0 else memoryview(piece) if kind == 1 else piece
@@ -35,8 +38,10 @@ def test_pieces_of_any_length_round_trip_exactly(tmp_path_factory, sizes, buffer
                     data = piece.view(np.float32)  # a tensor's bytes, as a NumPy array of another dtype
                 assert f.write(data) == piece.size
                 assert f.tell() == sum(sizes[:k + 1])
-    assert path.read_bytes() == b"".join(p.tobytes() for p in pieces)
+    with open(path, "rb") as back:
+        assert back.read() == b"".join(p.tobytes() for p in pieces)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    os.unlink(path)
 
 
 def test_an_existing_name_or_a_planted_link_is_refused_and_left_alone(tmp_path, engine):
@@ -61,6 +66,26 @@ def test_a_failed_write_raises_and_leaves_no_file(tmp_path, engine):
                     f.write(b"x" * 4096)
     finally:
         engine.inject_fault("none")
+    assert not path.exists()
+
+
+def test_after_a_failed_write_nothing_more_is_written_and_close_does_not_pretend(tmp_path, engine):
+    """A caller that catches the write error and goes on writing gets ValueError, and close() too: the file
+    was removed at the error, so no file with a hole where the failed block was is ever left as complete."""
+    path = tmp_path / "f.bin"
+    engine.inject_fault("error", op="write", skip=0, count=1)
+    f = AppendFile(path, engine, buffer_size=4096, count=2)
+    try:
+        with pytest.raises(OSError):
+            for _ in range(4):
+                f.write(b"a" * 4096)
+    finally:
+        engine.inject_fault("none")
+    assert not path.exists()
+    with pytest.raises(ValueError, match="earlier error"):
+        f.write(b"b" * 4096)
+    with pytest.raises(ValueError, match="earlier error"):
+        f.close()
     assert not path.exists()
 
 

@@ -8,7 +8,9 @@ from collections import deque
 import numpy as np
 
 from ..buffers import BufferPool
+from ..units import ALIGNMENT, round_up
 from .engine import Engine
+from .files import unlink_if_same
 from .futures import wait_quietly
 
 __all__ = ["AppendFile"]
@@ -18,22 +20,25 @@ __all__ = ["AppendFile"]
 # cannot be written piece by piece with O_DIRECT, which wants every offset and length aligned. Written
 # through Python's buffered file instead, every byte is copied into the page cache first, which runs at about
 # 0.5 GB/s on a small machine and was most of the time of a Hugging Face save. Here the bytes are copied into
-# page-aligned buffers (a memcpy), and each full buffer is written by the engine at its aligned offset while
-# the next fills; the last, partial one is written padded to the alignment and the file then cut to its
-# length. So the file is written with direct I/O, several buffers in flight, whatever the pieces' lengths.
+# aligned buffers (a memcpy), and each full buffer is written by the engine at its aligned offset while the
+# next fills; the last, partial one is written padded to the alignment and the file then cut to its length.
+# So the file is written with direct I/O, several buffers in flight, whatever the pieces' lengths. (The
+# writer pushes bytes as they come, so this is a ring of its own rather than the pull-driven Pipeline.)
 class AppendFile:
-    """A new file ``path``, created exclusively and readable by its owner only, written by appending.
+    """A new file ``path``, created exclusively (mode: see :mod:`offload.modes`), written by appending.
 
     Args:
         path: the file to create (an existing name, a link included, raises ``FileExistsError``).
-        engine: the engine that writes it (O_DIRECT as its config says, falling back where refused).
-        buffer_size: bytes per buffer (rounded up to whole pages).
+        engine: the engine that writes it, with direct I/O as its config's ``o_direct`` says (``"auto"``: where
+            the file system allows it).
+        buffer_size: bytes per buffer (rounded up to the file's direct-I/O alignment and whole pages).
         count: buffers; all but the one filling are in flight at most.
 
     ``write(data)`` appends any bytes-like object (bytes, memoryview, a contiguous NumPy array); ``tell()``
     is the length so far; ``close()`` writes what is left, cuts the file to its length and fsyncs it.
-    ``abort()`` (or leaving a ``with`` block by an exception) waits for the writes in flight and removes the
-    file. Errors are ``OSError`` naming the file.
+    Any error (an ``OSError`` naming the file), like ``abort()`` or leaving a ``with`` block by an exception,
+    waits for the writes in flight and removes the file: nothing half written stays, and a later ``write()``
+    or ``close()`` raises ``ValueError``.
     """
 
     def __init__(self, path: str | os.PathLike, engine: Engine, *, buffer_size: int = 8 << 20, count: int = 3):
@@ -43,10 +48,10 @@ class AppendFile:
         self._engine = engine
         self._file = engine.open(self.path, "x+")
         try:
-            self._pool = BufferPool(count, buffer_size)
+            self._pool = BufferPool(count, round_up(max(buffer_size, 1), max(ALIGNMENT, self._file.alignment)))
         except BaseException:
+            unlink_if_same(self.path, self._file.fd)
             self._file.close()
-            os.unlink(self.path)
             raise
         self._free = deque(self._pool)
         self._flying: deque = deque()  # (buffer, future), oldest first
@@ -54,6 +59,7 @@ class AppendFile:
         self._base = 0  # where the filling buffer's bytes go in the file (a multiple of the buffer size)
         self._fill = 0  # bytes in the buffer filling
         self._done = False
+        self._failed = False
 
     def tell(self) -> int:
         """Bytes appended so far."""
@@ -64,23 +70,28 @@ class AppendFile:
         self._check_open()
         src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
         n, done = src.size, 0
-        while done < n:
-            take = min(n - done, self._buf.nbytes - self._fill)
-            self._buf.numpy()[self._fill:self._fill + take] = src[done:done + take]
-            self._fill += take
-            done += take
-            if self._fill == self._buf.nbytes:
-                self._flush(self._fill)
+        try:
+            while done < n:
+                take = min(n - done, self._buf.nbytes - self._fill)
+                self._buf.numpy()[self._fill:self._fill + take] = src[done:done + take]
+                self._fill += take
+                done += take
+                if self._fill == self._buf.nbytes:
+                    self._flush(self._fill)
+        except BaseException:
+            self._fail()
+            raise
         return n
 
     def close(self) -> None:
         """Write what is left, wait for every write, cut the file to its length and fsync it."""
-        if self._done:
+        if self._done and not self._failed:
             return
+        self._check_open()
         try:
             length = self.tell()
             if self._fill:
-                align = max(self._file.alignment, 1)
+                align = self._file.alignment
                 padded = -(-self._fill // align) * align
                 self._buf.numpy()[self._fill:padded] = 0
                 self._flush(padded)
@@ -92,7 +103,7 @@ class AppendFile:
             except OSError as err:
                 raise OSError(err.errno, f"cannot fsync: {err.strerror}", self.path) from err
         except BaseException:
-            self.abort()
+            self._fail()
             raise
         self._release()
 
@@ -102,11 +113,8 @@ class AppendFile:
             return
         wait_quietly([f for _, f in self._flying])
         self._flying.clear()
+        unlink_if_same(self.path, self._file.fd)  # ours alone, never a name someone put there since
         self._release()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
     def __enter__(self) -> AppendFile:
         return self
@@ -123,11 +131,16 @@ class AppendFile:
         self._flying.append((self._buf, self._engine.write_async(self._file, self._buf, self._base, nbytes)))
         self._base += self._fill
         self._fill = 0
+        self._buf = None
         if not self._free:
             buf, fut = self._flying.popleft()
             fut.wait()
             self._free.append(buf)
         self._buf = self._free.popleft()
+
+    def _fail(self) -> None:
+        self._failed = True
+        self.abort()
 
     def _release(self) -> None:
         self._done = True
@@ -135,5 +148,7 @@ class AppendFile:
         self._pool.close()
 
     def _check_open(self) -> None:
+        if self._failed:
+            raise ValueError(f"{self.path}: an earlier error stopped this AppendFile and removed the file")
         if self._done:
             raise ValueError(f"{self.path}: write to a closed AppendFile")

@@ -176,7 +176,7 @@ def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool,
         return wrap_fd(fd, path, o_direct=o_direct)
     except BaseException:
         if created:
-            _unlink_if_same(path, fd)
+            unlink_if_same(path, fd)
         os.close(fd)
         raise
 
@@ -254,7 +254,7 @@ def _set_o_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
-def _unlink_if_same(path: str, fd: int) -> None:
+def unlink_if_same(path: str, fd: int) -> None:
     """Remove ``path`` if it still names the file open on ``fd`` (never someone else's file)."""
     try:
         st, lst = os.fstat(fd), os.lstat(path)

@@ -15,7 +15,7 @@ import warnings
 from typing import Mapping
 
 from .._proc import pid_alive
-from ..aio import AioFile, wrap_fd
+from ..aio import AioFile, unlink_if_same, wrap_fd
 from ..distributed import rank_info
 from ..modes import file_mode
 from ..units import format_size
@@ -87,14 +87,14 @@ def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
             _lock(fd, temp)
             f = wrap_fd(fd, final, o_direct=o_direct)
         except BaseException:
-            _unlink_if_same(temp, fd)
+            unlink_if_same(temp, fd)
             os.close(fd)
             raise
         try:
             seal(f, 0, max(4096, f.alignment))  # ours from its first moment under a swap-file name
             os.rename(temp, final)
         except BaseException:
-            _unlink_if_same(temp, f.fd)
+            unlink_if_same(temp, f.fd)
             f.close()
             raise
         return f
@@ -274,14 +274,6 @@ def _still_named(full: str, fd: int) -> bool:
     except OSError:
         return False
     return st.st_nlink > 0 and (st.st_dev, st.st_ino) == (lst.st_dev, lst.st_ino)
-
-
-def _unlink_if_same(path: str, fd: int) -> None:
-    if _still_named(path, fd):
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def _allocated(path: str) -> int:
