@@ -226,6 +226,8 @@ def _open_fd(path: str, mode: str, *, extra: int = 0) -> tuple[int, bool]:
     """``(fd, created)``: open ``path`` in ``mode`` (and ``extra`` flags), knowing whether this call created
     the file."""
     flags = _MODES[mode] | os.O_CLOEXEC | extra
+    if mode in ("r", "r+"):
+        return os.open(path, flags), False  # nothing created: no mode to choose
     if mode != "w+":
         return os.open(path, flags, file_mode()), mode == "x+"
     # "w+": create exclusively, else open what exists; twice, in case it vanishes in between.
