@@ -533,6 +533,7 @@ def test_offload_file_mode_widens_to_readers_and_a_copy_never_widens_its_origina
     swap file too), still under the umask; a mirror of a checkpoint saved 0600 stays 0600; a mode that would let
     others write, or drop the owner's access, or is not octal is refused naming the variable."""
     from offload.modes import ENV, dir_mode, file_mode
+    from offload.pretrained import save_pretrained
 
     def modes(top):
         return os.stat(top).st_mode & 0o777, {os.stat(top / n).st_mode & 0o777 for n in os.listdir(top)}
@@ -556,15 +557,20 @@ def test_offload_file_mode_widens_to_readers_and_a_copy_never_widens_its_origina
                 other.close()
         finally:
             opt.close()
+        save_pretrained(model, tmp_path / "hf-shared")  # a Hugging Face save too
         monkeypatch.setenv(ENV, "0644")
         os.umask(0o027)  # the umask still narrows
         ckpt.mirror_checkpoint(tmp_path / "shared", tmp_path / "narrowed")
+        os.umask(0o077)
+        save_pretrained(model, tmp_path / "hf-private")
     finally:
         os.umask(old)
     assert modes(tmp_path / "private") == (0o700, {0o600})
     assert modes(tmp_path / "copy") == (0o750, {0o600})  # the new directory, but no file wider than its original
     assert modes(tmp_path / "shared") == (0o750, {0o640})
     assert modes(tmp_path / "narrowed") == (0o750, {0o640})
+    assert modes(tmp_path / "hf-shared") == (0o750, {0o640})
+    assert modes(tmp_path / "hf-private") == (0o700, {0o600})
     assert (file_mode(), dir_mode()) == (0o644, 0o755)
     for bad in ("0660", "0400", "0666", "rw-r-----", "0o640x", "01640"):
         monkeypatch.setenv(ENV, bad)

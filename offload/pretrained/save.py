@@ -8,6 +8,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ..aio import AppendFile, Engine, create_private, fsync_path
+from ..config import AioConfig
 from ..errors import CheckpointError, StateError
 from ..modes import dir_mode, file_mode
 from ..params import store_of
@@ -100,7 +102,7 @@ def _refuse(directory: str, overwrite: bool) -> None:
 
 def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
                      max_shard_size: int | str = _DEFAULT_SHARD, extra: Optional[Callable[[str], None]] = None,
-                     overwrite: bool = False) -> str:
+                     overwrite: bool = False, aio: Optional[AioConfig] = None) -> str:
     """Write ``tensors`` as a Hugging Face safetensors checkpoint in ``directory``, atomically.
 
     Everything goes to a fresh directory beside ``directory``; each file is fsynced, then one rename
@@ -114,6 +116,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
             ``model.safetensors.index.json``.
         extra: ``extra(tmp_dir)`` writes more files (config.json) into the new directory before the commit.
         overwrite: replace an existing Hugging Face checkpoint (only its own kinds of files) at ``directory``.
+        aio: the engine settings the shards are written with (``o_direct`` among them); the defaults if None.
 
     Returns:
         ``directory``, absolute.
@@ -130,14 +133,14 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
     parent, base = os.path.split(directory)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp, dir_mode())  # the user's weights: the owner's alone (0700), as every checkpoint of ours
+    os.mkdir(tmp, dir_mode())  # the user's weights: the owner's alone, as every checkpoint of ours (offload.modes)
     old = None
     try:
         shards = _shards(list(tensors), limit)
         n = len(shards)
         names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
-        with Engine() as engine:  # direct I/O where the file system has it (see AppendFile)
+        with Engine(aio) as engine:  # direct I/O where the file system has it (see AppendFile)
             for name, shard in zip(names, shards):
                 with AppendFile(os.path.join(tmp, name), engine) as f:  # fsynced at its close
                     f.write(_header(shard.tensors))
@@ -156,7 +159,9 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
             extra(tmp)
         for name in os.listdir(tmp):
             if not os.path.islink(os.path.join(tmp, name)):
-                os.chmod(os.path.join(tmp, name), file_mode())  # what extra() wrote too (config.json)
+                # What extra() wrote too (config.json): narrowed to the mode, never widened past the umask.
+                path = os.path.join(tmp, name)
+                os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) & file_mode())
             fsync_path(os.path.join(tmp, name))
         fsync_path(tmp)
         _refuse(directory, overwrite)  # again: something may have appeared meanwhile
@@ -267,8 +272,10 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
             if obj is not None and callable(getattr(obj, "save_pretrained", None)):
                 obj.save_pretrained(tmp)
 
+    # The shards are written with the aio settings the model's weights were offloaded with (o_direct among them).
+    stores = [s for s in (store_of(p) for p in model.parameters()) if s is not None]
     return write_checkpoint(directory, model_tensors(model), max_shard_size=max_shard_size, extra=extra,
-                            overwrite=overwrite)
+                            overwrite=overwrite, aio=stores[0].config.aio if stores else None)
 
 
 def _hf_weights(name: str) -> bool:
