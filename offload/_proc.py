@@ -53,7 +53,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # step grew by about 40 MiB per layer, 1.1 GiB of peak RSS at 2.7B parameters. malloc_trim(0) gives every
 # arena's free pages back (madvise); the next fetches fault them in again. That is done only once more than
 # ``keep`` bytes lie free (mallinfo2), so a small model's step does not pay the faults each time and the heap
-# never holds more than that unused. Where the C library has neither (musl), this does nothing.
+# never holds more than that unused. Where the C library cannot say how much is free (musl; glibc before 2.33,
+# whose mallinfo counts in int), this does nothing rather than trim at every step.
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -69,8 +70,6 @@ if _mallinfo2 is not None:
 def release_free_heap(keep: int = 256 << 20) -> None:
     """Give the pages the C heap holds free back to the system (glibc's ``malloc_trim(0)``), once more than
     ``keep`` bytes of it are free."""
-    if _malloc_trim is None:
-        return
-    if _mallinfo2 is not None and _mallinfo2().fordblks <= keep:
+    if _malloc_trim is None or _mallinfo2 is None or _mallinfo2().fordblks <= keep:
         return
     _malloc_trim(0)

@@ -171,7 +171,7 @@ def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
     before = reset_peak_rss()
     load_safetensors(model, tmp_path)
     growth = proc_status("VmHWM") - before
-    assert growth < pool + 3 * 8 * MiB + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+    assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
     with materialized(model):
         assert torch.equal(model[5].weight, _weight(5))
 
