@@ -54,12 +54,13 @@ def test_the_plan_equals_what_the_optimizer_reserves_and_moves(nvme, closing, dt
     assert predicted.state_in_memory_bytes == 3100 * (8 + (4 if dtype == torch.bfloat16 else 0))
 
 
-def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing, dtype):
     """With offload_parameters (weights and grads on NVMe): the plan's weight and grad bytes on NVMe and per step
-    equal the parameter store's counters (fp32 weights read for forward, backward and the step, written once;
-    grads written in backward and read by the optimizer)."""
+    equal the parameter store's counters: weights read for forward and backward, fp32 ones (no master copy) a
+    third time by the step, written once; grads written in backward and read by the optimizer."""
     torch.manual_seed(0)
-    model = Net(h=4096, layers=4)
+    model = Net(h=4096, layers=4).to(dtype)
     params = [p.detach().to("meta") for p in model.parameters()]
     closing(offload_parameters(model, nvme_path=nvme + "-p", **TINY))
     config = load_config({"offload_param": TINY, "offload_optimizer": {"nvme_path": nvme}})
@@ -68,20 +69,24 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing)
     opt = closing(OffloadedAdamW(model.parameters(), config=config))
     for step in range(2):
         before = (store.bytes_read, store.bytes_written, store.grad_bytes_read, store.grad_bytes_written)
-        loss_of(model, step).backward()
+        loss_of(model, step, dtype).backward()
         opt.step()
         opt.zero_grad()
         after = (store.bytes_read, store.bytes_written, store.grad_bytes_read, store.grad_bytes_written)
     read, written, grads_read, grads_written = (b - a for a, b in zip(before, after))
     assert predicted.weights_nvme_bytes == written  # every weight written once
-    assert predicted.grads_nvme_bytes == grads_written == grads_read
+    assert predicted.grads_nvme_bytes == grads_written
+    # Read once, but where an optimizer unit ends inside a parameter, the page holding the boundary is read for
+    # both units (bf16: 12 bytes of state per element put the boundaries off the grads' pages).
+    units = -(-predicted.state_bytes // predicted.unit_bytes)
+    assert 0 <= grads_read - grads_written <= 4096 * units
     with materialized(model):
         assert all(torch.isfinite(p).all() for p in model.parameters())
-    # Read for forward, for backward, and (fp32: no master copy) by the step.
-    # A prefetch dropped when the pool is full is read again (1-3% of this small model's weights).
-    assert 0 <= read - 3 * predicted.weights_nvme_bytes <= 0.03 * read
-    assert predicted.read_bytes - 3 * predicted.weights_nvme_bytes - predicted.grads_nvme_bytes \
-        == plan(params, config, nvme_paths=[nvme]).read_bytes
+    reads = 3 if dtype == torch.float32 else 2
+    planned = predicted.read_bytes - predicted.grads_nvme_bytes - plan(params, config, nvme_paths=[nvme]).read_bytes
+    assert planned == reads * predicted.weights_nvme_bytes
+    # A prefetch dropped when the pool is full is read again (up to 3% of this small model's weights).
+    assert 0 <= read - planned <= 0.03 * read
 
 
 def test_a_host_cache_is_planned_as_the_optimizer_keeps_it(nvme, closing):

@@ -163,7 +163,9 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
     Per step, the optimizer reads and writes every unit of state not resident in the host cache, less the
     units still in pool buffers from the last step (the pool as a cache: ``buffer_count - 1``). Offloaded
     weights are read for forward and for backward (and fp32 ones, which have no master copy, once more by the
-    step) and written once; offloaded grads are written in backward and read by the optimizer.
+    step) and written once; offloaded grads are written in backward and read by the optimizer. With
+    ``overlap_backward`` the weights and grads that backward hands to the update (up to twice the optimizer
+    pool's bytes at a time) skip the step's read and the grads' round trip: the plan does not count that.
     """
     oc = config.offload_optimizer
     dtype = next((k for k, v in _DTYPES.items() if params and params[0].dtype == v), "fp32")
@@ -179,10 +181,10 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
         host["small parameters' state"] = in_memory
     weights_nvme = grads_nvme = gpu = 0
     if offload_params:
-        held, weights_nvme, grads_nvme, gpu = _offloaded_weights(params, config.offload_param, on_gpu)
+        held, weights_nvme, fp32_nvme, grads_nvme, gpu = _offloaded_weights(params, config.offload_param, on_gpu)
         host.update(held)
-        # Read for forward and backward, and fp32 weights by the step too; grads read by the optimizer.
-        read += (3 if dtype == "fp32" else 2) * weights_nvme + grads_nvme
+        # Read for forward and backward, fp32 weights by the step too; grads read by the optimizer.
+        read += 2 * weights_nvme + fp32_nvme + grads_nvme
         write += weights_nvme + grads_nvme
     elif on_gpu:
         gpu = 2 * sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params)
@@ -219,9 +221,9 @@ def _optimizer(units: list, unit_bytes: int, config: Config, npaths: int, availa
 
 
 def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool) -> tuple:
-    """(host memory by name, weights on NVMe, grads on NVMe, GPU bytes) with offload_parameters, whose rule
-    (``smallest_within``) keeps the smallest parameters within max_in_cpu in memory, and the smallest offloaded
-    grads within max_grad_in_cpu."""
+    """(host memory by name, weights on NVMe, the fp32 ones among them, grads on NVMe, GPU bytes) with
+    offload_parameters, whose rule (``smallest_within``) keeps the smallest parameters within max_in_cpu in
+    memory, and the smallest offloaded grads within max_grad_in_cpu."""
     itemsize = params[0].element_size() if params else 4
     kept = smallest_within(list(params), pc.max_in_cpu)
     offloaded = [p for p in params if p not in kept]
@@ -231,9 +233,13 @@ def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool) -> tupl
         host["weights kept in memory"] = sum(p.numel() for p in kept) * itemsize
     if grad_kept:
         host["grads kept in memory"] = sum(p.numel() for p in grad_kept) * itemsize
-    weights = sum(round_up(p.numel() * itemsize, ALIGNMENT) for p in offloaded)
-    grads = sum(round_up(p.numel() * itemsize, ALIGNMENT) for p in offloaded if p not in grad_kept)
-    return host, weights, grads, 2 * pc.buffer_count * pc.buffer_size * itemsize if on_gpu else 0
+    def nbytes(p) -> int:
+        return round_up(p.numel() * p.element_size(), ALIGNMENT)
+
+    weights = sum(nbytes(p) for p in offloaded)
+    fp32 = sum(nbytes(p) for p in offloaded if p.dtype == torch.float32)
+    grads = sum(nbytes(p) for p in offloaded if p not in grad_kept)
+    return host, weights, fp32, grads, 2 * pc.buffer_count * pc.buffer_size * itemsize if on_gpu else 0
 
 
 def _existing(path: str) -> str:
