@@ -541,7 +541,8 @@ def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeyp
 
 def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, capsys):
     """A peer run that printed its figures and then died at interpreter exit (DeepSpeed's aio threads can abort
-    there) counts, with the exit recorded and said; one that died before reporting fails the benchmark."""
+    there) counts, with the exit recorded and said; one that died before reporting (a JSON line that is not a
+    report does not count) fails the benchmark."""
     import argparse
 
     from offload.bench import compare
@@ -551,7 +552,7 @@ def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, ca
     reported = tmp_path / "reported"
     reported.write_text('#!/bin/sh\necho \'{"iteration_s_median": 1.0}\'\necho "terminate called" >&2\nexit 134\n')
     silent = tmp_path / "silent"
-    silent.write_text('#!/bin/sh\necho "Segmentation fault" >&2\nexit 139\n')
+    silent.write_text('#!/bin/sh\necho \'{"loss": 1.0}\'\necho "Segmentation fault" >&2\nexit 139\n')
     for f in (reported, silent):
         f.chmod(0o755)
     result = compare._run(str(reported), compare.DEEPSPEED, str(tmp_path), args)

@@ -89,10 +89,9 @@ def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, stat
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if not lines:
+    result = _report(done.stdout)
+    if result is None:
         raise BenchFailure(f"the {system} run failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
-    result = json.loads(lines[-1])
     if done.returncode != 0:
         # It measured and reported, then died on the way out (DeepSpeed's aio threads at interpreter exit can
         # abort: "terminate called without an active exception"): its figures stand, the exit is recorded.
@@ -100,6 +99,18 @@ def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, stat
         print(f"note: the {system} run exited with {done.returncode} after reporting its figures "
               f"({done.stderr.strip().splitlines()[-1][-200:] if done.stderr.strip() else 'no message'})")
     return result
+
+
+def _report(stdout: str) -> Optional[dict]:
+    """The run's figures: its last line that is a JSON object with an iteration time, else None."""
+    for line in reversed(stdout.splitlines()):
+        try:
+            doc = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and "iteration_s_median" in doc:
+            return doc
+    return None
 
 
 def _repo_root() -> str:

@@ -58,7 +58,7 @@ def _ours(args, dtype) -> dict:
 
 
 def _torch(args, dtype) -> dict:
-    """The same model and optimizer in memory (torch AdamW, fused where torch has it): the compute alone."""
+    """The same model and optimizer in memory (torch's fused AdamW): the compute alone."""
     import torch
 
     model = _model(args.params, dtype)
