@@ -576,5 +576,5 @@ def test_bench_scale_runs_checks_its_export_and_removes_every_file(tmp_path):
     assert doc["layers"] >= 2 and doc["params"] > 300_000
     assert doc["read_bytes_per_step"] > 0 and doc["write_bytes_per_step"] >= doc["optimizer_state_bytes"]
     assert 0 < doc["pool_bytes"] and doc["peak_rss_growth_bytes"] > 0
-    assert "equal" in proc.stdout
+    assert "equal, loaded by from_pretrained" in proc.stdout and doc["export_checked"] == "loaded by from_pretrained"
     assert not (tmp_path / "scratch").exists()
