@@ -15,8 +15,18 @@ says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions"
   {"do": "listdir", "dir": d}                    the names in d, sorted (the log's "result")
   {"do": "mkdir", "dir": d}                      os.makedirs(d, exist_ok=True)
   {"do": "barrier"}                              torch.distributed.barrier()
+  {"do": "verify", "dir": d}                     verify_checkpoint(d); the result is its step (the job manifest's)
+  {"do": "cat", "file": f}                       the file's text
+  {"do": "no_locks", "dir": d}                   fails if this rank holds a flock on d's file system (/proc/locks)
+  {"do": "powerloss", "control": f, "cmd": c}    the status of tests/powerloss.py's control file f (JSON), then
+                                                 c ("arm N", "crash") written to it, if any
+  {"do": "repeat", "max": n, "actions": [...]}   the actions for k = 0, 1, ... ("{k}" in their strings is k, their
+                                                 log entries say "round": k) until, in a round, every rank's
+                                                 saves succeeded and no "powerloss" status said "stopped" (or
+                                                 n rounds); the result is the number of rounds
 "{rank}" in a directory is this rank's number (node-local directories: one per rank). An action with "ranks"
-runs on those ranks only (its log has no entry on the others).
+runs on those ranks only (its log has no entry on the others); a rank stops (exit code 1) after an action
+with "required": true fails (so that the other ranks' collectives fail at once instead of waiting for it).
 A fault {"rank": r, "after_units": k, "kind": "raise" | "kill"} makes rank r raise an OSError, or SIGKILL
 itself, once k units of its shard's state.bin have been written. What each action did (ok, or the error's
 type and message) goes to ROOT/out/rank<r>.json after each action, so a killed rank leaves what it had.
@@ -42,7 +52,7 @@ import offload.checkpoint.format as format_module
 import offload.checkpoint.job as job_module
 import offload.checkpoint.snapshot as snapshot_module
 from offload import OffloadedAdamW
-from offload.checkpoint import Retention, Storage, load_checkpoint, save_checkpoint
+from offload.checkpoint import Retention, Storage, load_checkpoint, save_checkpoint, verify_checkpoint
 
 
 class FixedClock:
@@ -127,6 +137,21 @@ def storage_for(fault, rank: int):
     return None
 
 
+class Stopped(BaseException):
+    """A "required" action failed: the rank runs nothing more."""
+
+
+def with_round(value, k: int):
+    """``value`` (an action, or what it holds) with "{k}" in its strings replaced by round ``k``."""
+    if isinstance(value, str):
+        return value.replace("{k}", str(k))
+    if isinstance(value, dict):
+        return {key: with_round(v, k) for key, v in value.items()}
+    if isinstance(value, list):
+        return [with_round(v, k) for v in value]
+    return value
+
+
 def rank_main(spec: dict, rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=world,
@@ -140,10 +165,14 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
                          lr=1e-2, nvme_path=os.path.join(root, f"nvme-rank{rank}"), buffer_size=16 * 1024,
                          buffer_count=3, small_param_threshold=64)
     step, log = 0, []
-    for action in spec["actions"]:
-        entry = {"do": action["do"]}
+
+    def run(action: dict, k: int | None = None) -> None:
+        nonlocal step
+        if k is not None:
+            action = with_round(action, k)
+        entry = {"do": action["do"], **({} if k is None else {"round": k})}
         if rank not in action.get("ranks", range(world)):
-            continue
+            return
         for key in ("dir", "root"):
             if key in action:
                 action[key] = action[key].format(rank=rank)
@@ -187,12 +216,47 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
             elif action["do"] == "dump":
                 torch.save({"step": step, "model": holder.state_dict(), "opt": opt.state_dict()},
                            os.path.join(out, f"rank{rank}-{action['tag']}.pt"))
+            elif action["do"] == "verify":
+                entry["result"] = verify_checkpoint(action["dir"]).get("step")
+            elif action["do"] == "cat":
+                with open(action["file"]) as f:
+                    entry["result"] = f.read()
+            elif action["do"] == "no_locks":
+                dev = os.stat(action["dir"]).st_dev
+                where = f" {os.getpid()} {os.major(dev):02x}:{os.minor(dev):02x}:"
+                with open("/proc/locks") as f:
+                    held = [line.strip() for line in f if where in line]
+                if held:
+                    raise RuntimeError(f"this rank still holds flocks on {action['dir']}'s file system: {held}")
+            elif action["do"] == "powerloss":
+                with open(action["control"]) as f:
+                    entry["result"] = json.loads(f.read())
+                if action.get("cmd"):
+                    with open(action["control"], "w") as f:
+                        f.write(action["cmd"])
+            elif action["do"] == "repeat":
+                for r in range(action["max"]):
+                    first = len(log)
+                    for inner in action["actions"]:
+                        run(inner, r)
+                    done = [e for e in log[first:] if e["do"] in ("save", "powerloss")]
+                    powered = all(e["ok"] and not (e["do"] == "powerloss" and e["result"]["stopped"]) for e in done)
+                    everywhere: list = [None] * world
+                    dist.all_gather_object(everywhere, powered)
+                    if all(everywhere):
+                        break
+                entry["result"] = r + 1
             entry["ok"] = True
         except Exception as err:  # noqa: BLE001 - recorded for the test to judge
             entry.update(ok=False, type=type(err).__name__, error=str(err))
         log.append(entry)
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(log, f)
+        if not entry["ok"] and action.get("required"):
+            raise Stopped(f"{entry}")
+
+    for action in spec["actions"]:
+        run(action)
     opt.close()
 
 

@@ -1,7 +1,8 @@
 """Crash consistency, proven on a file system that loses power: checkpoints written onto tests/powerloss.py
-(which keeps only what fsync made durable when the power goes) are cut after every sync of a save, a mirror
-and a Retention save-and-prune; after each cut the newest committed checkpoint or the previous one loads bit
-for bit, no half-written one is taken as valid, and a user's file beside them is still there."""
+(which keeps only what fsync made durable when the power goes) are cut after every sync of a save, a mirror,
+a Retention save-and-prune and a job's save (gloo ranks of tests/dist_ckpt_worker.py); after each cut the
+newest committed checkpoint or the previous one loads bit for bit, no half-written one is taken as valid,
+and a user's file beside them is still there."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import copy
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +18,8 @@ import time
 import warnings
 
 import pytest
-from helpers import REPO, SMALL, THREE_SIZES, assert_same_state, make_params, train
+import torch
+from helpers import REPO, SMALL, THREE_SIZES, assert_same_state, make_params, python_env, train
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -241,3 +244,142 @@ def test_retention_cut_at_every_sync_of_a_save_and_prune_keeps_a_loadable_latest
             assert f.read() == b"runs of the model\n"
 
     cut_at_every_sync(disk, lambda: keep.save(opt, 3), check)
+
+
+def same(a, b) -> bool:
+    """Two nested structures of tensors and numbers are equal bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def run_job(root: str, actions: list, world: int) -> tuple[list | None, list, str]:
+    """Run ``actions`` on ``world`` gloo ranks of tests/dist_ckpt_worker.py (state and logs under ``root``);
+    returns the ranks' exit codes, their logs and a report for failed assertions."""
+    spec = {"init": f"file://{root}/store", "root": root, "actions": actions, "seed": 0, "timeout": 30}
+    worker = os.path.join(REPO, "tests", "dist_ckpt_worker.py")
+    done = subprocess.run([sys.executable, worker, json.dumps({"world": world, "timeout": 120, "jobs": [spec]})],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(),
+                          timeout=180)
+
+    def read(name, default):
+        path = os.path.join(root, "out", name)
+        return json.load(open(path)) if os.path.exists(path) else default
+
+    codes, logs = read("returncodes.json", None), [read(f"rank{r}.json", []) for r in range(world)]
+    explain = "\n".join(f"--- rank {r}: {json.dumps(log)}" for r, log in enumerate(logs)) + \
+        f"\n--- exit codes {codes}, output:\n{done.stdout[-5000:]}"
+    return codes, logs, explain
+
+
+def cut_rounds(disk: Disk, save: dict, after: list) -> list:
+    """A job's actions for the worker's "repeat": the power lost after the k-th sync of ``save`` (rank 0
+    arms and crashes the disk, between barriers), then ``after``, until a save completes with the power on."""
+    return [{"do": "barrier"},
+            {"do": "powerloss", "control": disk.control, "cmd": "arm {k}", "ranks": [0]},
+            {"do": "barrier"},
+            save,
+            {"do": "barrier"},
+            {"do": "powerloss", "control": disk.control, "cmd": "crash", "ranks": [0]},
+            {"do": "no_locks", "dir": disk.root, "required": True},  # a failed save let its locks go
+            {"do": "barrier"},
+            *after]
+
+
+GENERATION_FILE = re.compile(r"^(?:state|memory|extra|params|model|manifest)\.[0-9a-f]{16}\.(?:bin|pt|json)$")
+
+
+def test_a_job_save_cut_at_every_sync_leaves_the_previous_or_the_new_checkpoint(disk, tmp_path):
+    """Two gloo ranks save a job's checkpoint into a directory on the disk, the power lost after each sync of
+    the save (of either rank): over the checkpoint they saved a step before, and into a new directory. No
+    rank hangs; after the power comes back the directory verifies and loads on both ranks bit for bit to
+    the previous save's state or to this one's (this one's once the save returned with the power on), the
+    same on both, or, where there was none before, is no checkpoint at all or the new one; what a dead
+    save left is only files of its generation, and a user's file beside it is intact. The ranks' swap
+    spaces are not on the disk."""
+    world, target, notes = 2, disk.path("job"), disk.path("notes.txt")
+    durable_file(notes, b"mine\n")
+    root = str(tmp_path / "run")
+    os.makedirs(root)
+    good = str(tmp_path / "good")  # step 2's checkpoint, off the disk: each round of "job" starts from it
+    over = cut_rounds(disk, {"do": "save", "dir": target},
+                      [{"do": "listdir", "dir": disk.root}, {"do": "listdir", "dir": target},
+                       {"do": "verify", "dir": target}, {"do": "load", "dir": target}, {"do": "dump", "tag": "k{k}"},
+                       {"do": "cat", "file": notes}, {"do": "load", "dir": good}])
+    fresh = disk.path("new-{k}")  # a new directory each round
+    new = cut_rounds(disk, {"do": "save", "dir": fresh},
+                     [{"do": "verify", "dir": fresh}, {"do": "load", "dir": fresh}, {"do": "dump", "tag": "n{k}"},
+                      {"do": "cat", "file": notes}, {"do": "load", "dir": good}])
+    codes, logs, explain = run_job(root, [
+        {"do": "train", "steps": 1},
+        {"do": "save", "dir": target},
+        {"do": "dump", "tag": "s1"},
+        {"do": "train", "steps": 1},
+        {"do": "save", "dir": good},
+        {"do": "dump", "tag": "s2"},
+        {"do": "repeat", "max": 100, "actions": over},
+        {"do": "repeat", "max": 100, "actions": new},
+        {"do": "verify", "dir": target},
+        {"do": "listdir", "dir": disk.root},
+    ], world)
+    assert codes == [0] * world, explain  # no rank hung (the worker kills one past its timeout) or held a lock
+    assert all(len(log) > 6 and all(e["ok"] for e in log[:6]) for log in logs), explain
+    repeats = [[e for e in log if e["do"] == "repeat" and "round" not in e] for log in logs]
+    assert all(len(r) == 2 and r[0]["ok"] and r[1]["ok"] for r in repeats), explain
+    assert repeats[0] == repeats[1] and max(r["result"] for r in repeats[0]) < 100, explain
+
+    def dump(rank, tag):
+        return torch.load(os.path.join(root, "out", f"rank{rank}-{tag}.pt"), weights_only=True)
+
+    states = [{"s1": dump(r, "s1"), "s2": dump(r, "s2")} for r in range(world)]
+    assert not same(states[0]["s1"], states[0]["s2"])
+
+    seen, new_seen = [], []
+    over_n, new_n = (r["result"] for r in repeats[0])
+    ends = [next(i for i, e in enumerate(log) if e["do"] == "repeat" and "round" not in e) for log in logs]
+    for phase, n in (("over", over_n), ("new", new_n)):
+        for k in range(n):
+            of_phase = [log[:end] if phase == "over" else log[end + 1:] for log, end in zip(logs, ends)]
+            by_rank = [[e for e in entries if e.get("round") == k] for entries in of_phase]
+            where = f"{phase}: power lost after sync {k} of the save: {json.dumps(by_rank)}"
+            statuses = [e["result"] for e in by_rank[0] if e["do"] == "powerloss"]
+            saved = [next(e for e in entries if e["do"] == "save") for entries in by_rank]
+            completed = all(e["ok"] for e in saved) and not statuses[-1]["stopped"]
+            found = []
+            for r, entries in enumerate(by_rank):
+                named = {e["do"]: e for e in entries if e["do"] != "load"}
+                assert all(e["ok"] for e in entries if e["do"] in ("powerloss", "barrier", "listdir", "cat")), where
+                assert named["cat"]["result"] == "mine\n", where
+                loads = [e for e in entries if e["do"] == "load"]
+                if phase == "new" and not named["verify"]["ok"]:  # no checkpoint there: refused, not loaded
+                    assert not completed, where
+                    assert named["verify"]["type"] in ("CheckpointError", "FileNotFoundError"), where
+                    assert not loads[0]["ok"] and loads[1]["ok"], where
+                    found.append(None)
+                    continue
+                assert all(e["ok"] for e in entries if e["do"] != "save"), where
+                state = dump(r, f"{'n' if phase == 'new' else 'k'}{k}")
+                match = [name for name, want in states[r].items() if same(state, want)]
+                assert match in ((["s2"],) if phase == "new" else (["s1"], ["s2"])), where
+                assert named["verify"]["result"] == int(match[0][1:]), where  # its job manifest's step
+                assert not completed or match == ["s2"], where
+                found.append(match[0])
+                if phase == "over":
+                    listings = [e["result"] for e in entries if e["do"] == "listdir"]
+                    assert listings[0] == [".powerloss", "job", "notes.txt"], where
+                    rest = set(listings[1]) - {"manifest.json", "rank-00000", "rank-00001"}
+                    assert len(rest) == len(listings[1]) - 3 and all(GENERATION_FILE.match(n) for n in rest), where
+            assert found[0] == found[1], f"the ranks hold different saves: {where}"
+            (seen if phase == "over" else new_seen).append(found[0])
+        assert completed, f"{phase}: the last save did not complete with the power on: {where}"
+    assert set(seen) == {"s1", "s2"} and set(new_seen) == {None, "s2"}, (seen, new_seen)
+    # "job" is still step 2's checkpoint after the power losses of the saves into new directories
+    assert all(log[-2]["ok"] and log[-2]["result"] == 2 for log in logs), explain
+    made = {f"new-{k}" for k in range(new_n)}
+    assert all({".powerloss", "job", "notes.txt"} <= set(log[-1]["result"]) <= made | {".powerloss", "job", "notes.txt"}
+               for log in logs), explain
+    assert over_n - 1 >= 10 and new_n - 1 >= 10, f"the saves made only {over_n - 1} and {new_n - 1} syncs"
