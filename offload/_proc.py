@@ -48,13 +48,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # NOTE: weights fetched from NVMe live in storage torch allocates with malloc, tens of MiB each, freed again at
-# their release. glibc keeps what is freed for reuse, per thread arena, and a step (other threads) does not
-# reuse what backward freed: measured with a Llama-style model (hidden 2560), the freed pages held after a
-# step grew by about 40 MiB per layer, 1.1 GiB of peak RSS at 2.7B parameters. malloc_trim(0) gives every
-# arena's free pages back (madvise); the next fetches fault them in again. That is done only once more than
-# ``keep`` bytes lie free (mallinfo2), so a small model's step does not pay the faults each time and the heap
-# never holds more than that unused. Where the C library cannot say how much is free (musl; glibc before 2.33,
-# whose mallinfo counts in int), this does nothing rather than trim at every step.
+# their release. glibc keeps what is freed for reuse, and fragments of it pile up: measured with a Llama-style
+# model (hidden 2560, batch of 64 tokens), the free pages held grew by about 40 MiB per layer over a step and
+# 12 MiB per layer over a backward, 1.1 GiB of peak RSS at 2.7B parameters. malloc_trim(0) gives every arena's
+# free pages back (madvise); later allocations fault them in again. It is called when a large weight is
+# released and at the end of the optimizer's pass over offloaded weights, and does anything only once more
+# than ``keep`` bytes lie free (mallinfo2, about 4 us), so a small model never pays the faults and the heap
+# never holds more than that unused. Where the C library cannot say how much is free (musl; glibc before
+# 2.33, whose mallinfo counts in int), this does nothing rather than trim every time.
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]

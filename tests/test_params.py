@@ -226,6 +226,27 @@ def test_a_step_over_offloaded_weights_gives_the_heap_they_freed_back(nvme, clos
         assert calls == expected
 
 
+def test_releasing_a_large_weight_lets_the_heap_give_free_pages_back(nvme, closing, monkeypatch):
+    """Forward and backward free each fetched weight at its release: a weight past the store's size bound then
+    has the C heap give free pages back (past its bound), so fragments do not pile up layer after layer; a
+    smaller one does not pay the check."""
+    from offload.params import store as store_module
+
+    calls = []
+    monkeypatch.setattr(store_module, "release_free_heap", lambda: calls.append(1))
+    torch.manual_seed(9)
+    model = Net(layers=2)
+    closing(offload_parameters(model, nvme, **TINY))
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    monkeypatch.setattr(store_module, "_TRIM_AFTER", largest + 1)
+    loss_of(model, 0).backward()
+    assert calls == []
+    monkeypatch.setattr(store_module, "_TRIM_AFTER", largest)
+    loss_of(model, 1).backward()
+    big = sum(1 for p in model.parameters() if p.numel() * p.element_size() >= largest)
+    assert len(calls) >= 2 * big  # released after forward and after backward
+
+
 def test_release_free_heap_returns_free_pages_past_its_bound():
     """Freed malloc chunks the heap keeps (64 KiB each, below mmap's threshold, every other one freed so they
     cannot merge) are given back to the system once more than the bound lie free: RSS drops by most of them."""

@@ -10,6 +10,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from .. import copies
+from .._proc import release_free_heap
 from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
 from ..config import Config
@@ -25,6 +26,10 @@ from .handoff import Handoff
 from .transfer import BufferLender, TensorIO
 
 _loads_made = 0  # loads of new weights from outside, in every store of the process (see weight_loads)
+
+
+# A released weight at least this large may leave the C heap holding more free pages than it should keep.
+_TRIM_AFTER = 8 << 20
 
 
 def weight_loads() -> int:
@@ -178,6 +183,8 @@ class ParamStore:
             rec.users -= 1
             if rec.users == 0:
                 self._evict(rec)
+                if rec.nbytes >= _TRIM_AFTER and not self._on_device:
+                    release_free_heap()  # freed weights must not pile up in the heap: see offload._proc
 
     def prefetch(self, param: torch.Tensor) -> None:
         """Start reading ``param`` into free pool buffers, if any; never waits."""
