@@ -578,3 +578,30 @@ def test_bench_scale_runs_checks_its_export_and_removes_every_file(tmp_path):
     assert 0 < doc["pool_bytes"] and doc["peak_rss_growth_bytes"] > 0
     assert "equal, loaded by from_pretrained" in proc.stdout and doc["export_checked"] == "loaded by from_pretrained"
     assert not (tmp_path / "scratch").exists()
+
+
+def test_checksum_cost_switches_the_byte_stores_checksums(tmp_path, capsys, monkeypatch):
+    """The checksum-cost measurements really switch checksums off and on: the byte store records digests for
+    the steps "on" and none for the steps "off" (a switch on an attribute nobody reads measured on against on)."""
+    import importlib.util
+
+    from offload.store import core
+
+    seen = []
+    real = core.ByteStore.write
+
+    def write(self, *args, **kwargs):
+        seen.append(self.checksum)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(core.ByteStore, "write", write)
+    spec = importlib.util.spec_from_file_location("checksum_cost", os.path.join(REPO, "bench", "checksum_cost.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--params", "1M", "--steps", "8", "--path", str(tmp_path)]) in (0, None)
+    assert True in seen and False in seen
+    assert "step with checksums" in capsys.readouterr().out
+    seen.clear()
+    code, _, _ = bench_in_process(capsys, "adam", "--params", "1M", "--steps", "6", "--no-fio", "--no-torch",
+                                  "--no-baseline", "--checksum-cost", "--path", str(tmp_path / "adam"))
+    assert code == 0 and True in seen and False in seen

@@ -71,7 +71,6 @@ class StateStore:
         self.param_groups = param_groups
         self.config = config
         self.threshold = oc.small_param_threshold
-        self.checksum = oc.checksum
         self.in_memory = oc.device == "cpu"
         self.pin_memory = resolve_pin(oc.pin_memory, (p for g in param_groups for p in g["params"]))
         self.pool = self.space = self.tier = None
@@ -89,7 +88,7 @@ class StateStore:
             raise
         unit_bytes = self.pool.buffer_size if self.pool is not None else size
         self.on_restored: list[Callable[[], None]] = []  # what an owner redoes after a load
-        self.bytes = ByteStore(self.space, unit_bytes, checksum=self.checksum, mismatch_fails=True, remedy=(
+        self.bytes = ByteStore(self.space, unit_bytes, checksum=oc.checksum, mismatch_fails=True, remedy=(
             "Training on it would be silently wrong; restore the state with load_checkpoint() (or "
             "load_state_dict()) before stepping again."))
         self.bytes.tier = self.tier
