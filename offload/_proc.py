@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 import weakref
 
-__all__ = ["pid_alive", "release_free_heap", "reset_after_fork"]
+__all__ = ["heap_freed", "pid_alive", "reset_after_fork"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -51,11 +52,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # their release. glibc keeps what is freed for reuse, and fragments of it pile up: measured with a Llama-style
 # model (hidden 2560, batch of 64 tokens), the free pages held grew by about 40 MiB per layer over a step and
 # 12 MiB per layer over a backward, 1.1 GiB of peak RSS at 2.7B parameters. malloc_trim(0) gives every arena's
-# free pages back (madvise); later allocations fault them in again. It is called when a large weight is
-# released and at the end of the optimizer's pass over offloaded weights, and does anything only once more
-# than ``keep`` bytes lie free (mallinfo2, about 4 us), so a small model never pays the faults and the heap
-# never holds more than that unused. Where the C library cannot say how much is free (musl; glibc before
-# 2.33, whose mallinfo counts in int), this does nothing rather than trim every time.
+# free pages back (madvise); later allocations fault them in again, and it takes milliseconds on a fragmented
+# heap. So the parameter store reports each weight it frees here, and once ``every`` bytes have been freed
+# since the last time, the heap is trimmed if more than that much lies free (mallinfo2 counts free bytes,
+# given back or not, so that alone would trim on every release of a fragmented heap). A model whose weights
+# are smaller than that never pays for it. Where the C library cannot say how much is free (musl; glibc
+# before 2.33, whose mallinfo counts in int), this does nothing.
 class _MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
@@ -66,11 +68,21 @@ _malloc_trim = getattr(_libc, "malloc_trim", None)
 _mallinfo2 = getattr(_libc, "mallinfo2", None)
 if _mallinfo2 is not None:
     _mallinfo2.restype = _MallInfo2
+_freed = 0  # bytes reported freed since the last trim
+_freed_lock = threading.Lock()
 
 
-def release_free_heap(keep: int = 256 << 20) -> None:
-    """Give the pages the C heap holds free back to the system (glibc's ``malloc_trim(0)``), once more than
-    ``keep`` bytes of it are free."""
-    if _malloc_trim is None or _mallinfo2 is None or _mallinfo2().fordblks <= keep:
+def heap_freed(nbytes: int, *, every: int = 256 << 20) -> None:
+    """``nbytes`` of heap memory were just freed (a released weight). Once ``every`` bytes were since the last
+    trim, give the pages the C heap holds free back to the system (glibc's ``malloc_trim(0)``) if more than
+    ``every`` bytes of it are free. Call it without holding locks others wait on: a trim takes milliseconds."""
+    global _freed
+    if _malloc_trim is None or _mallinfo2 is None:
         return
-    _malloc_trim(0)
+    with _freed_lock:
+        _freed += nbytes
+        if _freed < every:
+            return
+        _freed = 0
+    if _mallinfo2().fordblks > every:
+        _malloc_trim(0)

@@ -206,51 +206,34 @@ def test_resident_parameter_bytes_stay_bounded(nvme, closing):
     assert store.resident_bytes == 0
 
 
-def test_a_step_over_offloaded_weights_gives_the_heap_they_freed_back(nvme, closing, monkeypatch):
-    """Weights fetched for the step are freed at its end; the pass then has the C heap give free pages back
-    (past a bound), so freed weights do not pile up in malloc's arenas step after step. A step of an optimizer
-    over ordinary parameters does not."""
-    from offload.params import access
-
-    calls = []
-    monkeypatch.setattr(access, "release_free_heap", lambda: calls.append(1))
-    torch.manual_seed(9)
-    off, plain = Net(layers=2), Net(layers=2)
-    closing(offload_parameters(off, nvme, **TINY))
-    opt = closing(OffloadedAdamW(off.parameters(), nvme_path=nvme, **OPT))
-    other = closing(OffloadedAdamW(plain.parameters(), nvme_path=nvme, **OPT))
-    for model, o, expected in ((off, opt, [1]), (plain, other, [1])):
-        loss_of(model, 0).backward()
-        o.step()
-        o.zero_grad()
-        assert calls == expected
-
-
-def test_releasing_a_large_weight_lets_the_heap_give_free_pages_back(nvme, closing, monkeypatch):
-    """Forward and backward free each fetched weight at its release: a weight past the store's size bound then
-    has the C heap give free pages back (past its bound), so fragments do not pile up layer after layer; a
-    smaller one does not pay the check."""
+def test_released_weights_are_reported_to_the_heap_outside_the_store_lock(nvme, closing, monkeypatch):
+    """Every weight freed at its release (forward, backward, the step) is reported to offload._proc.heap_freed,
+    which may trim the C heap for milliseconds: never while the store's lock is held (the backward hooks and
+    the overlap worker wait on it)."""
     from offload.params import store as store_module
 
-    calls = []
-    monkeypatch.setattr(store_module, "release_free_heap", lambda: calls.append(1))
     torch.manual_seed(9)
     model = Net(layers=2)
     closing(offload_parameters(model, nvme, **TINY))
-    largest = max(p.numel() * p.element_size() for p in model.parameters())
-    monkeypatch.setattr(store_module, "_TRIM_AFTER", largest + 1)
+    opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme, **OPT))
+    store = offloaded(model).store
+    reports = []
+    monkeypatch.setattr(store_module, "heap_freed", lambda n: reports.append((n, store._lock._is_owned())))
     loss_of(model, 0).backward()
-    assert calls == []
-    monkeypatch.setattr(store_module, "_TRIM_AFTER", largest)
-    loss_of(model, 1).backward()
-    big = sum(1 for p in model.parameters() if p.numel() * p.element_size() >= largest)
-    assert len(calls) >= 2 * big  # released after forward and after backward
+    opt.step()
+    opt.zero_grad()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters() if p in store.records)
+    assert sum(n for n, _ in reports) >= 3 * weights  # freed after forward, backward and the step
+    assert not any(locked for _, locked in reports)
 
 
-def test_release_free_heap_returns_free_pages_past_its_bound():
-    """Freed malloc chunks the heap keeps (64 KiB each, below mmap's threshold, every other one freed so they
-    cannot merge) are given back to the system once more than the bound lie free: RSS drops by most of them."""
+def test_heap_freed_trims_once_per_bound_of_frees_and_gives_pages_back(monkeypatch):
+    """heap_freed trims the heap once every ``every`` bytes reported freed, and only while more than that lies
+    free (a fragmented heap keeps counting its free bytes after a trim, so that alone would trim at every
+    release). A real trim gives free pages back: RSS drops by most of the freed chunks (64 KiB each, below
+    mmap's threshold, every other one freed so they cannot merge)."""
     import ctypes
+    import types
 
     from helpers import proc_status
 
@@ -258,6 +241,22 @@ def test_release_free_heap_returns_free_pages_past_its_bound():
 
     if _proc._malloc_trim is None or _proc._mallinfo2 is None:
         pytest.skip("needs glibc's malloc_trim and mallinfo2")
+    MiB = 1 << 20
+    trims, free = [], [1000 * MiB]
+    real_trim, real_info = _proc._malloc_trim, _proc._mallinfo2
+    monkeypatch.setattr(_proc, "_malloc_trim", lambda pad: trims.append(pad))
+    monkeypatch.setattr(_proc, "_mallinfo2", lambda: types.SimpleNamespace(fordblks=free[0]))
+    monkeypatch.setattr(_proc, "_freed", 0)
+    for _ in range(10):
+        _proc.heap_freed(100 * MiB, every=256 * MiB)
+    assert len(trims) == 3  # at 300, 600 and 900 MiB reported
+    free[0] = 200 * MiB  # little free: nothing to give back
+    for _ in range(10):
+        _proc.heap_freed(100 * MiB, every=256 * MiB)
+    assert len(trims) == 3
+
+    monkeypatch.setattr(_proc, "_malloc_trim", real_trim)
+    monkeypatch.setattr(_proc, "_mallinfo2", real_info)
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
@@ -269,12 +268,12 @@ def test_release_free_heap_returns_free_pages_past_its_bound():
         for p in ptrs[::2]:
             libc.free(p)
         freed = count // 2 * chunk
-        free_now = _proc._mallinfo2().fordblks  # what this process held free already, and the chunks
-        assert free_now >= freed
+        assert _proc._mallinfo2().fordblks >= freed
+        monkeypatch.setattr(_proc, "_freed", 0)
         before = proc_status("VmRSS")
-        _proc.release_free_heap(keep=free_now)  # within the bound: kept
+        _proc.heap_freed(freed // 4, every=freed // 2)  # not yet the bound's worth of frees: kept
         assert proc_status("VmRSS") > before - freed // 4
-        _proc.release_free_heap(keep=free_now - freed // 2)
+        _proc.heap_freed(freed // 4, every=freed // 2)
         assert proc_status("VmRSS") < before - freed // 2
     finally:
         for p in ptrs[1::2]:

@@ -7,7 +7,6 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .._proc import release_free_heap
 from ..buffers import BufferPool
 from ..copies import DONE, Ticket
 from ..distributed import local
@@ -146,7 +145,6 @@ class UnitPass:
         self.write_back = write_back
         self._position = {id(u): i for i, u in enumerate(self.units)}
         self._held: dict = {}  # slot -> store
-        self._fetched = False  # whether any weights came from a store (freed again at the end)
         self._adopted: set = set()  # slots whose hold came from backward (ParamAccess.adopt)
         # Chunks of each slot still to come in this pass: a parameter's weights are released after the
         # last of them, whichever order the units are visited in.
@@ -179,8 +177,6 @@ class UnitPass:
         finally:
             held, self._held = self._held, {}
             release_each(held.items(), lambda item: self._release(*item))
-            if self._fetched:
-                release_free_heap()  # the pass freed every weight it fetched: see offload._proc
 
     # -- gradients -----------------------------------------------------------------------------
 
@@ -250,7 +246,6 @@ class UnitPass:
         store = store_of(slot.param)
         if store is None:
             return
-        self._fetched = True
         if self.access._take_handed(slot.param) is not None:
             self._adopted.add(slot)  # resident since backward, its gradient in p.grad
         else:

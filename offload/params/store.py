@@ -10,7 +10,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from .. import copies
-from .._proc import release_free_heap
+from .._proc import heap_freed
 from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
 from ..config import Config
@@ -26,10 +26,6 @@ from .handoff import Handoff
 from .transfer import BufferLender, TensorIO
 
 _loads_made = 0  # loads of new weights from outside, in every store of the process (see weight_loads)
-
-
-# A released weight at least this large may leave the C heap holding more free pages than it should keep.
-_TRIM_AFTER = 8 << 20
 
 
 def weight_loads() -> int:
@@ -175,6 +171,7 @@ class ParamStore:
 
     def release(self, param: torch.Tensor, *, dirty: bool = False) -> None:
         """One user fewer; with none left the storage is freed (written back first if anyone changed it)."""
+        freed = 0
         with self._lock:
             rec = self.records[param]
             if rec.users <= 0:
@@ -183,8 +180,9 @@ class ParamStore:
             rec.users -= 1
             if rec.users == 0:
                 self._evict(rec)
-                if rec.nbytes >= _TRIM_AFTER and not self._on_device:
-                    release_free_heap()  # freed weights must not pile up in the heap: see offload._proc
+                freed = 0 if self._on_device else rec.nbytes
+        if freed:
+            heap_freed(freed)  # freed weights must not pile up in the C heap (offload._proc); outside the lock
 
     def prefetch(self, param: torch.Tensor) -> None:
         """Start reading ``param`` into free pool buffers, if any; never waits."""
