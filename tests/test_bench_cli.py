@@ -550,13 +550,15 @@ def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, ca
 
     args = argparse.Namespace(params=4_000_000, iterations=3, params_nvme=False, bf16=False)
     reported = tmp_path / "reported"
-    reported.write_text('#!/bin/sh\necho \'{"iteration_s_median": 1.0}\'\necho "terminate called" >&2\nexit 134\n')
+    report = '{"iteration_s_median": 1.0, "step_s_median": 0.5, "peak_rss_bytes": 7, "phases_s_median": {}}'
+    reported.write_text(f"#!/bin/sh\necho '{report}'\necho \"terminate called\" >&2\nexit 134\n")
     silent = tmp_path / "silent"
-    silent.write_text('#!/bin/sh\necho \'{"loss": 1.0}\'\necho "Segmentation fault" >&2\nexit 139\n')
+    silent.write_text('#!/bin/sh\necho \'{"iteration_s_median": NaN, "loss": 1.0}\'\necho "Segmentation fault" >&2\n'
+                      'exit 139\n')
     for f in (reported, silent):
         f.chmod(0o755)
     result = compare._run(str(reported), compare.DEEPSPEED, str(tmp_path), args)
-    assert result == {"iteration_s_median": 1.0, "exit_after_report": 134}
+    assert result == dict(json.loads(report), exit_after_report=134)
     assert "exited with 134 after reporting" in capsys.readouterr().out
     with pytest.raises(BenchFailure, match="exit 139.*Segmentation fault"):
         compare._run(str(silent), compare.DEEPSPEED, str(tmp_path), args)

@@ -102,13 +102,15 @@ def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, stat
 
 
 def _report(stdout: str) -> Optional[dict]:
-    """The run's figures: its last line that is a JSON object with an iteration time, else None."""
+    """The run's figures: its last line that is a JSON object with the numbers compare uses, else None."""
     for line in reversed(stdout.splitlines()):
         try:
             doc = json.loads(line)
         except ValueError:
             continue
-        if isinstance(doc, dict) and "iteration_s_median" in doc:
+        if isinstance(doc, dict) and all(isinstance(doc.get(k), (int, float)) and doc[k] == doc[k]
+                                          for k in ("iteration_s_median", "step_s_median", "peak_rss_bytes")) \
+                and isinstance(doc.get("phases_s_median"), dict):
             return doc
     return None
 

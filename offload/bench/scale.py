@@ -152,7 +152,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
             save_pretrained(model, export, max_shard_size="1GB")
         peak = _rss_peak() - base_rss
         with timer("verify"):
-            checked = _check_export(model, export, transformers, 2 * n_params)
+            checked = _check_export(model, export, transformers, weight_bytes)
     finally:
         opt.close()
         _close(model)
@@ -229,15 +229,22 @@ def _check_export(model, directory: str, transformers, weight_bytes: int) -> str
     how it was checked."""
     if psutil.virtual_memory().available > 2 * weight_bytes + GIB:
         back = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
-        try:
-            loaded = back.state_dict()
-            for name, p in model.named_parameters():
-                with resident([p]):
-                    if not torch.equal(loaded[name], p.detach()):
-                        raise BenchFailure(f"the export's {name!r}, loaded by from_pretrained, differs from the "
-                                           "offloaded weight")
-        finally:
-            del back
+        loaded = dict(back.named_parameters())
+        differs = missing = None
+        for name, p in model.named_parameters():
+            if name not in loaded:
+                missing = name
+                break
+            with resident([p]):
+                if not torch.equal(loaded[name], p.detach()):
+                    differs = name
+                    break
+        del back, loaded  # the whole model: gone before anything else runs
+        if missing is not None:
+            raise BenchFailure(f"the export, loaded by from_pretrained, has no {missing!r}")
+        if differs is not None:
+            raise BenchFailure(f"the export's {differs!r}, loaded by from_pretrained, differs from the offloaded "
+                               "weight")
         return "loaded by from_pretrained"
     with SafetensorsCheckpoint(directory) as ckpt:
         for name, p in model.named_parameters():
