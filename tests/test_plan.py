@@ -79,7 +79,9 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing,
     # Read once, but where an optimizer unit ends inside a parameter, the page holding the boundary is read for
     # both units (bf16: 12 bytes of state per element put the boundaries off the grads' pages).
     units = -(-predicted.state_bytes // predicted.unit_bytes)
-    assert 0 <= grads_read - grads_written <= 4096 * units
+    if dtype == torch.float32:
+        assert grads_read == grads_written  # 8 bytes of state per element: the boundaries fall on pages
+    assert 0 <= grads_read - grads_written <= store.space.alignment * units
     with materialized(model):
         assert all(torch.isfinite(p).all() for p in model.parameters())
     reads = 3 if dtype == torch.float32 else 2
