@@ -1,4 +1,5 @@
-"""Processes: liveness of a pid, resetting objects in a child after ``os.fork``, and the C heap's free pages."""
+"""Processes: liveness of a pid, resetting objects in a child after ``os.fork``, the C heap's free pages, and
+this process's memory figures."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import threading
 import weakref
 
-__all__ = ["heap_freed", "pid_alive", "reset_after_fork"]
+__all__ = ["heap_freed", "pid_alive", "reset_after_fork", "reset_peak_rss", "status_bytes"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -86,3 +87,26 @@ def heap_freed(nbytes: int, *, every: int = 256 << 20) -> None:
         _freed = 0
     if _mallinfo2().fordblks > every:
         _malloc_trim(0)
+
+
+def status_bytes(key: str) -> int:
+    """A byte count of this process from ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...).
+
+    Raises:
+        LookupError: the kernel does not report ``key`` (not Linux, or an old kernel).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise LookupError(f"/proc/self/status has no {key}; memory cannot be measured here")
+
+
+def reset_peak_rss() -> None:
+    """Make ``VmHWM`` start again from the current RSS (Linux's ``clear_refs``, value 5). Raises ``OSError``
+    where the kernel does not allow it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

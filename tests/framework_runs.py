@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from offload import OffloadedAdamW, offload_parameters, restore_parameters
+from offload._proc import reset_peak_rss, status_bytes
 from offload.params import materialized, offloaded
 from offload.units import MIB
 
@@ -33,19 +34,13 @@ PARAMS = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=2, buffer_size=WIDTH
 growth = {"save": 0, "load": 0}
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+_status = status_bytes
 
 
 @contextlib.contextmanager
 def window(kind: str):
     """Record in ``growth[kind]`` how far RSS rose above its level at the start, at its peak."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
+    reset_peak_rss()  # VmHWM := VmRSS
     before = _status("VmRSS")
     try:
         yield

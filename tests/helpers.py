@@ -224,11 +224,9 @@ def ckpt_file(directory, name: str) -> str:
 
 def proc_status(key: str) -> int:
     """A byte count of this process from /proc/self/status (``VmRSS``, ``VmHWM``, ...)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {key} in /proc/self/status")
+    from offload._proc import status_bytes
+
+    return status_bytes(key)
 
 
 def reset_peak_rss() -> int:
@@ -239,11 +237,12 @@ def reset_peak_rss() -> int:
 
     import pytest
 
+    from offload._proc import reset_peak_rss
+
     gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
+        reset_peak_rss()
     except (AttributeError, OSError) as err:
         pytest.skip(f"cannot reset the peak RSS here: {err}")
     return proc_status("VmRSS")

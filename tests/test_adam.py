@@ -19,6 +19,7 @@ import torch
 from helpers import SMALL, assert_same, first_os_error, make_params
 
 from offload import ConfigError, OffloadedAdam, OffloadedAdamW, StateError
+from offload._proc import reset_peak_rss, status_bytes
 
 MiB = 1 << 20
 
@@ -384,11 +385,7 @@ def test_load_state_dict_rejects_mismatches_without_changing_anything(nvme, clos
 
 def _peak_rss() -> int:
     """The process's resident-set high-water mark (VmHWM), in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/self/status")
+    return status_bytes("VmHWM")
 
 
 def _reset_peak_rss() -> None:
@@ -399,8 +396,7 @@ def _reset_peak_rss() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):
         pass  # not glibc: the measurement is only less strict
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    reset_peak_rss()
 
 
 @pytest.mark.parametrize("numel", [4_200_000, 8_400_000], ids=["64MiB-state", "128MiB-state"])

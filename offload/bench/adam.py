@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .._proc import reset_peak_rss, status_bytes
 from ..adam import OffloadedAdamW
 from ..state import resolve_pin
 from ..units import GIB, format_size, parse_size
@@ -84,18 +85,13 @@ def _rss_peak() -> int:
 
 
 def _status_field(name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(name + ":"):
-                return int(line.split()[1]) * 1024
-    raise BenchFailure(f"/proc/self/status has no {name}; peak memory cannot be measured here")
+    try:
+        return status_bytes(name)
+    except LookupError as err:
+        raise BenchFailure(f"{err}; peak memory cannot be measured here") from None
 
 
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-
-
+_reset_peak = reset_peak_rss  # VmHWM := VmRSS
 
 
 def _time_steps(opt, steps: int) -> list[float]:
