@@ -44,6 +44,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from helpers import locks_held
 from ranks import fork_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -222,10 +223,7 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
                 with open(action["file"]) as f:
                     entry["result"] = f.read()
             elif action["do"] == "no_locks":
-                dev = os.stat(action["dir"]).st_dev
-                where = f" {os.getpid()} {os.major(dev):02x}:{os.minor(dev):02x}:"
-                with open("/proc/locks") as f:
-                    held = [line.strip() for line in f if where in line]
+                held = locks_held(action["dir"])
                 if held:
                     raise RuntimeError(f"this rank still holds flocks on {action['dir']}'s file system: {held}")
             elif action["do"] == "powerloss":

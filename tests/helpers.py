@@ -264,3 +264,12 @@ def saved_checkpoint(root, name: str = "c"):
     finally:
         opt.close()
     return root / name
+
+
+def locks_held(path) -> list[str]:
+    """The lines of /proc/locks for locks this process holds on ``path``'s file system (a failed save must let
+    its directory's lock go, or the next reader of it waits for ever)."""
+    dev = os.stat(path).st_dev
+    where = f" {os.getpid()} {os.major(dev):02x}:{os.minor(dev):02x}:"
+    with open("/proc/locks") as f:
+        return [line.strip() for line in f if where in line]

@@ -19,7 +19,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import REPO, SMALL, THREE_SIZES, assert_same_state, make_params, python_env, train
+from helpers import REPO, SMALL, THREE_SIZES, assert_same_state, locks_held, make_params, python_env, train
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -65,12 +65,8 @@ class Disk:
         return os.path.join(self.root, *parts)
 
     def locks_held(self) -> list[str]:
-        """The flocks this process holds on the file system (a failed save must let its directory's go, or
-        the next reader of it waits for ever)."""
-        dev = os.stat(self.root).st_dev
-        where = f"{os.major(dev):02x}:{os.minor(dev):02x}:"
-        with open("/proc/locks") as f:
-            return [line for line in f if f" {os.getpid()} {where}" in line]
+        """The flocks this process holds on the file system."""
+        return locks_held(self.root)
 
 
 @pytest.fixture
