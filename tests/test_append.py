@@ -103,3 +103,23 @@ def test_an_exception_in_the_block_removes_the_file_and_a_closed_file_refuses_wr
     assert path.read_bytes() == b"z"
     with pytest.raises(ValueError, match="at least 2"):
         AppendFile(tmp_path / "g", engine, count=1)
+
+
+def test_files_in_turn_through_one_callers_pool_leave_it_open(tmp_path, engine):
+    """Several files written in turn through the caller's pool each read back whole; the pool stays the
+    caller's (open, reusable), also after a file that failed."""
+    from offload.buffers import BufferPool
+
+    with BufferPool(2, 4096) as pool:
+        for k in range(3):
+            with AppendFile(tmp_path / f"f{k}", engine, buffers=pool) as f:
+                f.write(bytes([k]) * (10_000 + k))
+            assert (tmp_path / f"f{k}").read_bytes() == bytes([k]) * (10_000 + k)
+        with pytest.raises(KeyError):
+            with AppendFile(tmp_path / "bad", engine, buffers=pool) as f:
+                f.write(b"x" * 9000)
+                raise KeyError("the caller failed")
+        assert not pool[0].closed and not (tmp_path / "bad").exists()
+        with AppendFile(tmp_path / "again", engine, buffers=pool) as f:
+            f.write(b"y" * 5000)
+        assert (tmp_path / "again").read_bytes() == b"y" * 5000

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from typing import Optional
 
 import numpy as np
 
@@ -33,6 +34,8 @@ class AppendFile:
             the file system allows it).
         buffer_size: bytes per buffer (rounded up to the file's direct-I/O alignment and whole pages).
         count: buffers; all but the one filling are in flight at most.
+        buffers: a pool to write through instead of one of ``count`` x ``buffer_size`` made for this file (the
+            caller's, for several files in turn: it stays open, and must be idle when given).
 
     ``write(data)`` appends any bytes-like object (bytes, memoryview, a contiguous NumPy array); ``tell()``
     is the length so far; ``close()`` writes what is left, cuts the file to its length and fsyncs it.
@@ -41,14 +44,20 @@ class AppendFile:
     or ``close()`` raises ``ValueError``.
     """
 
-    def __init__(self, path: str | os.PathLike, engine: Engine, *, buffer_size: int = 8 << 20, count: int = 3):
-        if count < 2:
-            raise ValueError(f"count must be at least 2 (one filling, one in flight), got {count}")
+    def __init__(self, path: str | os.PathLike, engine: Engine, *, buffer_size: int = 8 << 20, count: int = 3,
+                 buffers: Optional[BufferPool] = None):
+        if (len(buffers) if buffers is not None else count) < 2:
+            raise ValueError("an AppendFile needs at least 2 buffers (one filling, one in flight)")
         self.path = os.fspath(path)
         self._engine = engine
         self._file = engine.open(self.path, "x+")
+        self._owns_pool = buffers is None
         try:
-            self._pool = BufferPool(count, round_up(max(buffer_size, 1), max(ALIGNMENT, self._file.alignment)))
+            align = max(ALIGNMENT, self._file.alignment)
+            if buffers is not None and buffers.buffer_size % align:
+                raise ValueError(f"buffers of {buffers.buffer_size} bytes are not a multiple of {path}'s direct-I/O "
+                                 f"alignment ({align} bytes)")
+            self._pool = buffers if buffers is not None else BufferPool(count, round_up(max(buffer_size, 1), align))
         except BaseException:
             unlink_if_same(self.path, self._file.fd)
             self._file.close()
@@ -145,7 +154,8 @@ class AppendFile:
     def _release(self) -> None:
         self._done = True
         self._file.close()
-        self._pool.close()
+        if self._owns_pool:
+            self._pool.close()
 
     def _check_open(self) -> None:
         if self._failed:

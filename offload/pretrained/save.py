@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..aio import AppendFile, Engine, create_private, fsync_path
+from ..buffers import BufferPool
 from ..config import AioConfig
 from ..errors import CheckpointError, StateError
 from ..modes import dir_mode, file_mode
@@ -140,9 +141,10 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         n = len(shards)
         names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
-        with Engine(aio) as engine:  # direct I/O where the file system has it (see AppendFile)
+        # Direct I/O where the file system has it (see AppendFile), every shard through the same three buffers.
+        with Engine(aio) as engine, BufferPool(3, 8 << 20) as buffers:
             for name, shard in zip(names, shards):
-                with AppendFile(os.path.join(tmp, name), engine) as f:  # fsynced at its close
+                with AppendFile(os.path.join(tmp, name), engine, buffers=buffers) as f:  # fsynced at its close
                     f.write(_header(shard.tensors))
                     for t in shard.tensors:
                         start = f.tell()
