@@ -373,6 +373,9 @@ def test_a_job_save_cut_at_every_sync_leaves_the_previous_or_the_new_checkpoint(
             (seen if phase == "over" else new_seen).append(found[0])
         assert completed, f"{phase}: the last save did not complete with the power on: {where}"
     assert set(seen) == {"s1", "s2"} and set(new_seen) == {None, "s2"}, (seen, new_seen)
+    # Over a checkpoint, a cut after the commit's rename was durable (not only the final round, whose save
+    # completed) leaves the new one: the test must have cut there.
+    assert "s2" in seen[:-1], seen
     # "job" is still step 2's checkpoint after the power losses of the saves into new directories
     assert all(log[-2]["ok"] and log[-2]["result"] == 2 for log in logs), explain
     made = {f"new-{k}" for k in range(new_n)}
