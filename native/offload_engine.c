@@ -29,7 +29,9 @@
 #include <liburing.h>
 #endif
 
-#ifdef OFL_HAVE_XXHASH
+#if defined(OFL_HAVE_XXHASH) && defined(OFL_XXH_DISPATCH)
+#include <xxh_x86dispatch.h>  /* XXH3_64bits and its streaming calls: same digests, widest vector unit */
+#elif defined(OFL_HAVE_XXHASH)
 #include <xxhash.h>
 #endif
 
@@ -60,6 +62,7 @@ struct ofl_piece {
     char *obuf;        /* the piece's bytes as submitted, for its digest */
     int64_t olen;
     uint64_t h;        /* OFL_REQ_DIGEST: xxh3_64 of those bytes */
+    ofl_piece *hnext;  /* the hasher's queue */
     ofl_piece *fprev, *fnext;  /* io_uring: the worker's list of pieces the kernel holds */
 };
 
@@ -73,16 +76,16 @@ struct ofl_request {
     int err_seg;
     int64_t err_offset;
     int done;
-    /* OFL_REQ_DIGEST: every piece's bytes are hashed (a read's by the worker as each piece lands, a
-     * write's by the engine's hasher thread while they are written), and the request's digest is the
-     * xxh3_64 of the pieces' digests in order; the request is done only when its digest is. */
+    /* OFL_REQ_DIGEST: every piece's bytes are hashed by the engine's hasher thread (a read's as each
+     * piece lands, a write's while they are written), and the request's digest is the xxh3_64 of the
+     * pieces' digests in order; the request is done only when its digest is. */
     int op;
     int64_t npieces;
     int want_digest;
+    int64_t hash_pending;      /* pieces queued for or being hashed */
     int hashed;
     int has_digest;
     uint64_t digest;
-    ofl_request *hnext;        /* the hasher's queue */
 };
 
 typedef struct {
@@ -127,9 +130,10 @@ struct ofl_engine {
     int fixed_count;
 
     /* The hasher: one thread, started at the first digest asked for, so that hashing never holds up
-     * the threads that keep the queues full. Guarded by e->mu; wakes on hash_cv. */
+     * the threads that keep the queues full. It takes pieces, reads' first (a read is waited on; a
+     * write only holds its buffer). Guarded by e->mu; wakes on hash_cv. */
     pthread_cond_t hash_cv;
-    ofl_request *hash_head, *hash_tail;
+    ofl_piece *hread_head, *hread_tail, *hwrite_head, *hwrite_tail;
     int hash_stop;
     int hash_started;          /* 1: running; -1: it could not start (hash inline instead) */
     pthread_t hash_thread;
@@ -273,18 +277,18 @@ static void finish_if_complete_locked(ofl_engine *e, ofl_request *r)
     pthread_cond_broadcast(&e->done_cv);
 }
 
-/* Hash a request's pieces (a write's: a read's were hashed as they landed) and fold them. Under e->mu. */
-static void hash_now_locked(ofl_engine *e, ofl_request *r)
+/*
+ * Fold a request's piece digests once every piece is in and hashed: a read's only if all of its bytes
+ * came (no error, no end of file), a write's always (the bytes as submitted). Under e->mu.
+ */
+static void fold_if_hashed_locked(ofl_request *r)
 {
-    /* Outside the lock: the request is not done, so nobody reuses its buffers meanwhile. */
-    pthread_mutex_unlock(&e->mu);
-    for (int64_t k = 0; k < r->npieces; k++)
-        r->pieces[k].h = piece_hash(&r->pieces[k]);
+    if (r->hashed || r->pending > 0 || r->hash_pending > 0)
+        return;
     uint64_t d = 0;
-    int ok = request_hash(r, &d) == 0;
-    pthread_mutex_lock(&e->mu);
+    int sound = r->op != OFL_OP_READ || (r->error == 0 && r->eof_at >= r->moved);
+    r->has_digest = sound && request_hash(r, &d) == 0;
     r->digest = d;
-    r->has_digest = ok;
     r->hashed = 1;
 }
 
@@ -293,37 +297,49 @@ static void *hash_worker(void *arg)
     ofl_engine *e = arg;
     pthread_mutex_lock(&e->mu);
     for (;;) {
-        while (!e->hash_head && !e->hash_stop)
+        while (!e->hread_head && !e->hwrite_head && !e->hash_stop)
             pthread_cond_wait(&e->hash_cv, &e->mu);
-        if (!e->hash_head)
+        ofl_piece **head = e->hread_head ? &e->hread_head : &e->hwrite_head;
+        ofl_piece *p = *head;
+        if (!p)
             break;
-        ofl_request *r = e->hash_head;
-        e->hash_head = r->hnext;
-        if (!e->hash_head)
-            e->hash_tail = NULL;
-        hash_now_locked(e, r);
+        *head = p->hnext;
+        if (!*head)
+            *(head == &e->hread_head ? &e->hread_tail : &e->hwrite_tail) = NULL;
+        /* Outside the lock: the request is not done, so nobody reuses its buffers meanwhile. */
+        pthread_mutex_unlock(&e->mu);
+        uint64_t h = piece_hash(p);
+        pthread_mutex_lock(&e->mu);
+        p->h = h;
+        ofl_request *r = p->req;
+        r->hash_pending--;
+        fold_if_hashed_locked(r);
         finish_if_complete_locked(e, r);
     }
     pthread_mutex_unlock(&e->mu);
     return NULL;
 }
 
-/* Queue a request for the hasher (started on first use); without one, hash it here. Under e->mu. */
-static void hash_enqueue_locked(ofl_engine *e, ofl_request *r)
+/* Queue a piece whose bytes are final for the hasher (started on first use); without one, hash it
+ * here. Under e->mu. */
+static void hash_enqueue_locked(ofl_engine *e, ofl_piece *p)
 {
     if (e->hash_started == 0) {
         e->hash_started = pthread_create(&e->hash_thread, NULL, hash_worker, e) == 0 ? 1 : -1;
     }
     if (e->hash_started < 0) {
-        hash_now_locked(e, r);
+        p->h = piece_hash(p);
         return;
     }
-    r->hnext = NULL;
-    if (e->hash_tail)
-        e->hash_tail->hnext = r;
+    p->req->hash_pending++;
+    p->hnext = NULL;
+    int read = p->op == OFL_OP_READ;
+    ofl_piece **tail = read ? &e->hread_tail : &e->hwrite_tail;
+    if (*tail)
+        (*tail)->hnext = p;
     else
-        e->hash_head = r;
-    e->hash_tail = r;
+        *(read ? &e->hread_head : &e->hwrite_head) = p;
+    *tail = p;
     pthread_cond_signal(&e->hash_cv);
 }
 
@@ -345,13 +361,11 @@ static void complete_piece(ofl_engine *e, ofl_piece *p, int err, int eof, int64_
     if (eof && p->rel < r->eof_at)
         r->eof_at = p->rel;
     e->stats.pieces++;
+    if (r->want_digest && r->op == OFL_OP_READ && err == 0 && !eof)
+        hash_enqueue_locked(e, p);  /* this piece's bytes are in: hashed while the others come */
     if (--r->pending == 0) {
-        if (r->want_digest && !r->hashed && r->op == OFL_OP_READ) {
-            if (r->error == 0 && r->eof_at >= r->moved)
-                hash_enqueue_locked(e, r);  /* the bytes are in: the hasher hashes them, then it is done */
-            else
-                r->hashed = 1;              /* nothing sound to hash */
-        }
+        if (r->want_digest)
+            fold_if_hashed_locked(r);
         finish_if_complete_locked(e, r);
     }
     pthread_mutex_unlock(&e->mu);
@@ -1126,7 +1140,8 @@ int ofl_engine_submit_flags(ofl_engine *e, int op, ofl_segment *segs, int nsegs,
         r->done = 1;
         e->stats.requests++;
     } else if (r->want_digest && op == OFL_OP_WRITE) {
-        hash_enqueue_locked(e, r);  /* the bytes are final: hash them while they are written */
+        for (int64_t t = 0; t < npieces; t++)
+            hash_enqueue_locked(e, &pieces[t]);  /* the bytes are final: hashed while they are written */
     }
     uint64_t start = e->rr++;
     pthread_mutex_unlock(&e->mu);
