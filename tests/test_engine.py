@@ -128,6 +128,34 @@ def test_digests_of_a_write_and_a_read_of_the_same_bytes_agree_and_catch_a_flipp
             e.submit(READ, back).digest()
 
 
+@pytest.mark.parametrize("short", [False, True])
+def test_digests_of_many_requests_in_flight_are_those_of_their_bytes(scratch, backend, short):
+    """Pieces are hashed as they land, in whatever order, reads before writes: with many requests of many
+    pieces in flight (and, with ``short``, every piece coming back half done and resubmitted), each
+    request's digest is the one of its own bytes, computed in Python; a failed read has none."""
+    from offload.aio.futures import segments_digest
+
+    path = os.path.join(scratch, "f")
+    n, parts = 1 * MIB, 6
+    with Engine(backend=backend, block_size=32 * KIB, queue_depth=8, thread_count=3) as e, \
+            BufferPool(2 * parts, n) as pool, e.open(path, "w+") as f:
+        for i in range(parts):
+            fill(pool[i], random_bytes(n, seed=40 + i))
+        if short:
+            e.inject_fault("short", count=-1)
+        segs = [[Segment(f, i * n, pool[i], 0, n)] for i in range(parts)]
+        writes = [e.submit(WRITE, s, digest=True) for s in segs]
+        want = [segments_digest(s, 32 * KIB) for s in segs]
+        assert [w.digest() for w in writes] == want
+        back = [[Segment(f, i * n, pool[parts + i], 0, n)] for i in range(parts)]
+        reads = [e.submit(READ, b, digest=True) for b in back]
+        assert [r.digest() for r in reads] == want
+        e.inject_fault("error", op="read", skip=5)
+        failed = e.submit(READ, back[0], digest=True)
+        with pytest.raises(OSError):
+            failed.digest()
+
+
 @pytest.mark.slow
 def test_256_mib_of_random_bytes_survive_o_direct(scratch, backend):
     """256 MiB of random bytes written with O_DIRECT at 1 MiB blocks, queue depth 32, read back identical."""
