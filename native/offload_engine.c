@@ -295,6 +295,7 @@ static void fold_if_hashed_locked(ofl_request *r)
 static void *hash_worker(void *arg)
 {
     ofl_engine *e = arg;
+    (void)pthread_setname_np(pthread_self(), "offload-hash");  /* names seen in top -H, /proc */
     pthread_mutex_lock(&e->mu);
     for (;;) {
         while (!e->hread_head && !e->hwrite_head && !e->hash_stop)
@@ -477,6 +478,7 @@ static void *thread_worker(void *arg)
     ofl_worker *w = arg;
     ofl_engine *e = w->e;
     ofl_queue *q = w->q;
+    (void)pthread_setname_np(pthread_self(), "offload-io");
     for (;;) {
         pthread_mutex_lock(&q->mu);
         while (!q->head && !q->stop)
@@ -686,6 +688,7 @@ static void *uring_worker(void *arg)
     ofl_worker *w = arg;
     ofl_engine *e = w->e;
     ofl_queue *q = w->q;
+    (void)pthread_setname_np(pthread_self(), "offload-io");
     const int qd = e->cfg.queue_depth;
     uring_loop L;
     memset(&L, 0, sizeof(L));

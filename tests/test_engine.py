@@ -156,6 +156,29 @@ def test_digests_of_many_requests_in_flight_are_those_of_their_bytes(scratch, ba
             failed.digest()
 
 
+def _threads_named(name: str) -> list[int]:
+    """This process's threads called ``name``, by thread id."""
+    tids = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as fh:
+            if fh.read().strip() == name:
+                tids.append(int(tid))
+    return tids
+
+
+def test_the_engines_threads_are_named(scratch, backend):
+    """The engine's threads are named (offload-io, and offload-hash once a digest is asked for): what
+    ``top -H``, a profiler or a stack dump shows of them."""
+    if not lib.ofl_have_xxhash():
+        pytest.skip("built without libxxhash: no hasher thread")
+    before = set(_threads_named("offload-hash"))
+    with Engine(backend=backend, block_size=64 * KIB) as e, HostBuffer(256 * KIB) as buf, \
+            e.open(os.path.join(scratch, "f"), "w+") as f:
+        e.submit(WRITE, [Segment(f, 0, buf, 0, 256 * KIB)], digest=True).wait()
+        assert _threads_named("offload-io")
+        assert len([t for t in _threads_named("offload-hash") if t not in before]) == 1
+
+
 @pytest.mark.slow
 def test_256_mib_of_random_bytes_survive_o_direct(scratch, backend):
     """256 MiB of random bytes written with O_DIRECT at 1 MiB blocks, queue depth 32, read back identical."""
