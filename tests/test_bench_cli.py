@@ -600,9 +600,9 @@ def test_checksum_cost_switches_the_byte_stores_checksums(tmp_path, capsys, monk
     spec = importlib.util.spec_from_file_location("checksum_cost", os.path.join(REPO, "bench", "checksum_cost.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--params", "1M", "--steps", "8", "--path", str(tmp_path)]) in (0, None)
+    assert module.main(["--params", "1M", "--iterations", "8", "--path", str(tmp_path)]) in (0, None)
     assert True in seen and False in seen
-    assert "step with checksums" in capsys.readouterr().out
+    assert "iteration with checksums" in capsys.readouterr().out
     seen.clear()
     code, _, _ = bench_in_process(capsys, "adam", "--params", "1M", "--steps", "6", "--no-fio", "--no-torch",
                                   "--no-baseline", "--checksum-cost", "--path", str(tmp_path / "adam"))
