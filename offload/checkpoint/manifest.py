@@ -16,7 +16,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,6 +25,21 @@ import xxhash
 from .._version import __version__
 from ..errors import CheckpointError, ChecksumError
 from ..units import ALIGNMENT, round_up
+from .fields import (
+    Entry,
+    bare_name,
+    count,
+    dtype_value,
+    fail,
+    flag,
+    json_field,
+    json_object,
+    list_of,
+    maybe,
+    number,
+    one_of,
+    string,
+)
 from .format import (
     DATA,
     FILE_NAMES,
@@ -56,126 +71,14 @@ def digest(body: dict) -> str:
     return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-# -- reading JSON values, each checked with its field's name ----------------------------------------
-
-def _fail(name: str, want: str, value: Any):
-    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-    raise CheckpointError(f"manifest field {name} must be {want}, got {shown}")
-
-
-def _check(want: str, ok: Callable[[Any], bool]) -> Callable[[Any, str], Any]:
-    """A check of a JSON value: ``ok(value)``, else refused as not ``want``."""
-    def read(value: Any, name: str) -> Any:
-        if not ok(value):
-            _fail(name, want, value)
-        return value
-    return read
-
-
-_count = _check("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
-_number = _check("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
-_text = _check("a string", lambda v: isinstance(v, str))
-_flag = _check("true or false", lambda v: isinstance(v, bool))
-_object = _check("an object", lambda v: isinstance(v, dict))
-# A file name inside the checkpoint directory: no separator, not absolute, not "." or "..".
-_bare_name = _check("a file name inside the checkpoint directory (no '/', not '..')",
-                    lambda v: isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\0" not in v)
-
-
-def _dtype(value: Any, name: str) -> str:
-    _text(value, name)
-    try:
-        dtype_of(value)
-    except CheckpointError:
-        _fail(name, "the name of a torch dtype", value)
-    return value
-
-
-def _list(item: Callable[[Any, str], Any]) -> Callable[[Any, str], tuple]:
-    def read(value: Any, name: str) -> tuple:
-        if not isinstance(value, list):
-            _fail(name, "a list", value)
-        return tuple(item(v, f"{name}[{i}]") for i, v in enumerate(value))
-    return read
-
-
-def _maybe(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    return lambda value, name: None if value is None else check(value, name)
-
-
-def _one_of(*choices: str) -> Callable[[Any, str], str]:
-    return _check("one of " + ", ".join(repr(c) for c in choices), lambda v: v in choices)
-
-
-# -- entries read from and written to JSON, field by field ------------------------------------------
-
-def _field(check: Callable[[Any, str], Any], default: Any = None, *, required: bool = False,
-           null: bool = False) -> Any:
-    """A dataclass field read from the manifest's JSON with ``check`` (``required``: refused if missing) and
-    written back by ``to_json`` (where None only with ``null``)."""
-    meta = {"check": check, "null": null, "required": required}
-    if isinstance(default, dict):
-        return field(default_factory=dict, metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-def _json(value: Any) -> Any:
-    if hasattr(value, "to_json"):
-        return value.to_json()
-    if isinstance(value, (list, tuple)):
-        return [_json(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json(v) for k, v in value.items()}
-    return value
-
-
-class _Entry:
-    """Parsing and writing of the dataclasses below, from their fields' checks."""
-
-    @classmethod
-    def parse(cls, value: Any, name: str, **more):
-        """Read an entry from its JSON ``value`` (field ``name`` of the manifest), checking every field.
-
-        Raises:
-            CheckpointError: a field is missing, of the wrong type or out of range (named).
-        """
-        _object(value, name or "(the whole manifest)")
-        given = {}
-        for f in fields(cls):
-            if "check" not in f.metadata:
-                continue
-            where = f"{name}.{f.name}" if name else f.name
-            if f.name in value:
-                given[f.name] = f.metadata["check"](value[f.name], where)
-            elif f.metadata["required"]:
-                raise CheckpointError(f"manifest field {where} is missing")
-        entry = cls(**given, **more)
-        entry.check(name)
-        return entry
-
-    def check(self, name: str) -> None:
-        """Checks between fields, once each is read."""
-
-    def require(self, name: str, *keys: str) -> None:
-        """Refuse the entry (field ``name``) unless it has every one of ``keys``."""
-        for key in keys:
-            if getattr(self, key) is None:
-                raise CheckpointError(f"manifest field {name}.{key} is missing")
-
-    def to_json(self) -> dict:
-        """The entry as the manifest's JSON holds it."""
-        return {f.name: _json(getattr(self, f.name)) for f in fields(self)
-                if "check" in f.metadata and (getattr(self, f.name) is not None or f.metadata["null"])}
-
-
 @dataclass(frozen=True)
-class FileEntry(_Entry):
+class FileEntry(Entry):
     """A file of the checkpoint: its size and xxh3_64, and its name on disk (``file``; the first format
     wrote each file under its fixed name and recorded none)."""
 
-    bytes: int = _field(_count, required=True)
-    xxh3_64: str = _field(_text, required=True)
-    file: Optional[str] = _field(_bare_name, None)
+    bytes: int = json_field(count, required=True)
+    xxh3_64: str = json_field(string, required=True)
+    file: Optional[str] = json_field(bare_name, None)
 
     def on_disk(self, name: str) -> str:
         """The file's name in the checkpoint directory (``name``, the format's, where none is recorded)."""
@@ -183,28 +86,28 @@ class FileEntry(_Entry):
 
 
 def _files(value: Any, name: str) -> dict:
-    _object(value, name)
+    json_object(value, name)
     for key in value:
         if key not in FILE_NAMES:
-            _fail(f"{name}[{key!r}]", "one of the format's files (" + ", ".join(FILE_NAMES) + ")", key)
+            fail(f"{name}[{key!r}]", "one of the format's files (" + ", ".join(FILE_NAMES) + ")", key)
     return {key: FileEntry.parse(v, f"{name}[{key!r}]") for key, v in value.items()}
 
 
 @dataclass(frozen=True)
-class Unit(_Entry):
+class Unit(Entry):
     """A unit of state.bin: ``length`` bytes (padded) at ``offset``, ``nbytes`` of them state, and their
     xxh3_64 over the padded length."""
 
-    offset: int = _field(_count, required=True)
-    length: int = _field(_count, required=True)
-    nbytes: Optional[int] = _field(_count, None)
-    xxh3_64: Optional[str] = _field(_text, None)
+    offset: int = json_field(count, required=True)
+    length: int = json_field(count, required=True)
+    nbytes: Optional[int] = json_field(count, None)
+    xxh3_64: Optional[str] = json_field(string, None)
 
     def check(self, name: str) -> None:
         if self.offset % ALIGNMENT or self.length % ALIGNMENT:
-            _fail(name, f"a range aligned to {ALIGNMENT} bytes", self.to_json())
+            fail(name, f"a range aligned to {ALIGNMENT} bytes", self.to_json())
         if self.nbytes is not None and self.nbytes > self.length:
-            _fail(f"{name}.nbytes", f"at most its length {self.length}", self.nbytes)
+            fail(f"{name}.nbytes", f"at most its length {self.length}", self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -224,9 +127,9 @@ class Chunk:
     @classmethod
     def parse(cls, value: Any, name: str) -> Chunk:
         if not isinstance(value, list) or len(value) not in (5, 6):
-            _fail(name, "a list of 5 numbers (and the keys' offsets)", value)
-        numbers = [_count(v, f"{name}[{i}]") for i, v in enumerate(value[:5])]
-        return cls(*numbers, _list(_count)(value[5], f"{name}[5]") if len(value) == 6 else None)
+            fail(name, "a list of 5 numbers (and the keys' offsets)", value)
+        numbers = [count(v, f"{name}[{i}]") for i, v in enumerate(value[:5])]
+        return cls(*numbers, list_of(count)(value[5], f"{name}[5]") if len(value) == 6 else None)
 
     def key_offset(self, k: int) -> int:
         """Byte offset of state key ``k``'s slice within the unit."""
@@ -238,21 +141,21 @@ class Chunk:
 
 
 @dataclass(frozen=True)
-class ParamEntry(_Entry):
+class ParamEntry(Entry):
     """A parameter of the optimizer (by its index in the param groups) and where its state is: ``swap``
     (state.bin, by ``chunks``), ``memory`` (memory.pt) or ``none``."""
 
-    index: int = _field(_count, required=True)
-    where: str = _field(_one_of("swap", "memory", "none"), required=True)
-    initialized: bool = _field(_flag, required=True)
-    shape: Optional[tuple] = _field(_maybe(_list(_count)), None, null=True)
-    dtype: Optional[str] = _field(_maybe(_dtype), None, null=True)
-    numel: Optional[int] = _field(_maybe(_count), None, null=True)
-    keys: tuple = _field(_list(_text), ())
-    state_dtype: Optional[str] = _field(_dtype, None)
-    key_dtypes: Optional[tuple] = _field(_list(_dtype), None)
-    chunks: tuple = _field(_list(Chunk.parse), ())
-    step: Optional[float] = _field(_number, None)
+    index: int = json_field(count, required=True)
+    where: str = json_field(one_of("swap", "memory", "none"), required=True)
+    initialized: bool = json_field(flag, required=True)
+    shape: Optional[tuple] = json_field(maybe(list_of(count)), None, null=True)
+    dtype: Optional[str] = json_field(maybe(dtype_value), None, null=True)
+    numel: Optional[int] = json_field(maybe(count), None, null=True)
+    keys: tuple = json_field(list_of(string), ())
+    state_dtype: Optional[str] = json_field(dtype_value, None)
+    key_dtypes: Optional[tuple] = json_field(list_of(dtype_value), None)
+    chunks: tuple = json_field(list_of(Chunk.parse), ())
+    step: Optional[float] = json_field(number, None)
 
     @classmethod
     def offloaded(cls, index: int, shape, dtype, slot, keys, chunks, *, initialized: bool = True,
@@ -265,16 +168,16 @@ class ParamEntry(_Entry):
 
     def check(self, name: str) -> None:
         if self.shape is not None and self.numel is not None and _product(self.shape) != self.numel:
-            _fail(f"{name}.numel", f"the product of its shape {list(self.shape)}", self.numel)
+            fail(f"{name}.numel", f"the product of its shape {list(self.shape)}", self.numel)
         if self.key_dtypes is not None and len(self.key_dtypes) != len(self.keys):
-            _fail(f"{name}.key_dtypes", f"a list of {len(self.keys)} (one per key)", list(self.key_dtypes))
+            fail(f"{name}.key_dtypes", f"a list of {len(self.keys)} (one per key)", list(self.key_dtypes))
         if self.keys and self.key_dtypes is None:
             self.require(name, "state_dtype")
         for i, c in enumerate(self.chunks):
             if c.slices is not None and len(c.slices) != len(self.keys):
-                _fail(f"{name}.chunks[{i}][5]", f"a list of {len(self.keys)} (one per key)", list(c.slices))
+                fail(f"{name}.chunks[{i}][5]", f"a list of {len(self.keys)} (one per key)", list(c.slices))
             if self.numel is not None and c.start + c.numel > self.numel:
-                _fail(f"{name}.chunks[{i}]", f"elements within the parameter's {self.numel}", c.to_json())
+                fail(f"{name}.chunks[{i}]", f"elements within the parameter's {self.numel}", c.to_json())
 
     def state_dtypes(self) -> list:
         """The torch dtype of each state key, in ``keys`` order."""
@@ -282,51 +185,51 @@ class ParamEntry(_Entry):
 
 
 @dataclass(frozen=True)
-class TensorEntry(_Entry):
+class TensorEntry(Entry):
     """A tensor of the model, by its ``state_dict`` name: the same tensor as another name (``same_as``), or
     in ``model.pt``, or ``length`` bytes at ``offset`` in ``params.bin`` with their xxh3_64."""
 
-    name: str = _field(_text, required=True)
-    same_as: Optional[str] = _field(_text, None)
-    kind: Optional[str] = _field(_one_of("param", "buffer"), None)
-    shape: Optional[tuple] = _field(_list(_count), None)
-    dtype: Optional[str] = _field(_dtype, None)
-    where: Optional[str] = _field(_one_of(PARAMS_DATA, MODEL_MEMORY), None)
-    offset: Optional[int] = _field(_count, None)
-    length: Optional[int] = _field(_count, None)
-    xxh3_64: Optional[str] = _field(_text, None)
+    name: str = json_field(string, required=True)
+    same_as: Optional[str] = json_field(string, None)
+    kind: Optional[str] = json_field(one_of("param", "buffer"), None)
+    shape: Optional[tuple] = json_field(list_of(count), None)
+    dtype: Optional[str] = json_field(dtype_value, None)
+    where: Optional[str] = json_field(one_of(PARAMS_DATA, MODEL_MEMORY), None)
+    offset: Optional[int] = json_field(count, None)
+    length: Optional[int] = json_field(count, None)
+    xxh3_64: Optional[str] = json_field(string, None)
 
     def check(self, name: str) -> None:
         if self.same_as is not None:
             for extra in ("where", "offset", "length", "xxh3_64"):
                 if getattr(self, extra) is not None:
-                    _fail(f"{name}.{extra}", f"absent: a tied tensor (same_as {self.same_as!r}) has no bytes of its "
+                    fail(f"{name}.{extra}", f"absent: a tied tensor (same_as {self.same_as!r}) has no bytes of its "
                           "own", getattr(self, extra))
             return
         self.require(name, "kind", "shape", "dtype", "where")
         if self.where == PARAMS_DATA:
             self.require(name, "offset", "length", "xxh3_64")
             if self.offset % ALIGNMENT:
-                _fail(f"{name}.offset", f"a multiple of {ALIGNMENT}", self.offset)
+                fail(f"{name}.offset", f"a multiple of {ALIGNMENT}", self.offset)
             if self.length != _product(self.shape) * dtype_of(self.dtype).itemsize:
-                _fail(f"{name}.length", f"the bytes of its shape and dtype ({list(self.shape)}, {self.dtype})",
+                fail(f"{name}.length", f"the bytes of its shape and dtype ({list(self.shape)}, {self.dtype})",
                       self.length)
 
 
 @dataclass(frozen=True)
-class ModelSection(_Entry):
+class ModelSection(Entry):
     """The model's tensors in ``state_dict`` order, and the bytes of those in params.bin."""
 
-    tensors: tuple = _field(_list(TensorEntry.parse), (), required=True)
-    offloaded_bytes: Optional[int] = _field(_count, None)
+    tensors: tuple = json_field(list_of(TensorEntry.parse), (), required=True)
+    offloaded_bytes: Optional[int] = json_field(count, None)
 
     def check(self, name: str) -> None:
         names = {t.name: t for t in self.tensors}
         if len(names) != len(self.tensors):
-            _fail(f"{name}.tensors", "a list of distinct names", [t.name for t in self.tensors])
+            fail(f"{name}.tensors", "a list of distinct names", [t.name for t in self.tensors])
         for i, t in enumerate(self.tensors):
             if t.same_as is not None and (t.same_as not in names or names[t.same_as].same_as is not None):
-                _fail(f"{name}.tensors[{i}].same_as", "the name of a tensor listed with its own bytes", t.same_as)
+                fail(f"{name}.tensors[{i}].same_as", "the name of a tensor listed with its own bytes", t.same_as)
 
     def source(self, name: str) -> TensorEntry:
         """The entry holding the bytes of tensor ``name`` (itself, or the one it is the same as)."""
@@ -357,14 +260,14 @@ def chunk_table(units, index_of: Callable[[Any], int]) -> dict:
 
 
 def _group(value: Any, name: str) -> dict:
-    _list(_count)(_object(value, name).get("params"), f"{name}.params")
+    list_of(count)(json_object(value, name).get("params"), f"{name}.params")
     return value
 
 
 # -- the manifests -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Manifest(_Entry):
+class Manifest(Entry):
     """The manifest of one process's checkpoint in directory ``root``.
 
     Build one with the fields a save knows (:meth:`new`), or read one with :func:`read`, which checks it
@@ -372,24 +275,24 @@ class Manifest(_Entry):
     the format to a path: always inside ``root``, never through a symbolic link.
     """
 
-    optimizer: Optional[str] = _field(_maybe(_text), None, null=True)
-    files: dict = _field(_files, {}, required=True)
-    units: tuple = _field(_list(Unit.parse), (), required=True)
-    params: tuple = _field(_list(ParamEntry.parse), ())
-    param_groups: tuple = _field(_list(_group), ())
-    step: float = _field(_number, 0)
-    steps: tuple = _field(_list(_number), ())
-    config: dict = _field(_object, {})
-    buffer_size: int = _field(_count, 0)
-    threshold: Optional[int] = _field(_count, None)
-    model: Optional[ModelSection] = _field(ModelSection.parse, None)
-    snapshot: Optional[dict] = _field(_object, None)
-    library_version: Optional[str] = _field(_maybe(_text), None)
-    torch_version: Optional[str] = _field(_maybe(_text), None)
-    created: Optional[str] = _field(_maybe(_text), None)
-    manifest_xxh3_64: Optional[str] = _field(_text, None)
-    format: str = _field(_one_of(FORMAT), FORMAT)
-    version: int = _field(_count, FORMAT_VERSION)
+    optimizer: Optional[str] = json_field(maybe(string), None, null=True)
+    files: dict = json_field(_files, {}, required=True)
+    units: tuple = json_field(list_of(Unit.parse), (), required=True)
+    params: tuple = json_field(list_of(ParamEntry.parse), ())
+    param_groups: tuple = json_field(list_of(_group), ())
+    step: float = json_field(number, 0)
+    steps: tuple = json_field(list_of(number), ())
+    config: dict = json_field(json_object, {})
+    buffer_size: int = json_field(count, 0)
+    threshold: Optional[int] = json_field(count, None)
+    model: Optional[ModelSection] = json_field(ModelSection.parse, None)
+    snapshot: Optional[dict] = json_field(json_object, None)
+    library_version: Optional[str] = json_field(maybe(string), None)
+    torch_version: Optional[str] = json_field(maybe(string), None)
+    created: Optional[str] = json_field(maybe(string), None)
+    manifest_xxh3_64: Optional[str] = json_field(string, None)
+    format: str = json_field(one_of(FORMAT), FORMAT)
+    version: int = json_field(count, FORMAT_VERSION)
     root: str = field(default="", compare=False)
 
     @classmethod
@@ -414,10 +317,10 @@ class Manifest(_Entry):
             raise CheckpointError(f"manifest field units lists {len(self.units)} units, and files has no {DATA}")
         for i, u in enumerate(self.units):
             if u.offset + u.length > data.bytes:
-                _fail(f"units[{i}]", f"a range within {DATA}'s {data.bytes} bytes", u.to_json())
+                fail(f"units[{i}]", f"a range within {DATA}'s {data.bytes} bytes", u.to_json())
         for i, p in enumerate(self.params):
             if p.index != i:
-                _fail(f"params[{i}].index", f"{i} (its place in the list)", p.index)
+                fail(f"params[{i}].index", f"{i} (its place in the list)", p.index)
             sizes = [d.itemsize for d in p.state_dtypes()] if p.keys else []
             for j, c in enumerate(p.chunks):
                 if c.unit >= len(self.units):
@@ -426,9 +329,9 @@ class Manifest(_Entry):
                 unit = self.units[c.unit]
                 room = unit.nbytes if unit.nbytes is not None else unit.length
                 if any(c.key_offset(k) + c.numel * size > room for k, size in enumerate(sizes)):
-                    _fail(f"params[{i}].chunks[{j}]", f"slices within unit {c.unit}'s {room} bytes", c.to_json())
+                    fail(f"params[{i}].chunks[{j}]", f"slices within unit {c.unit}'s {room} bytes", c.to_json())
                 if any(c.key_offset(k) % size for k, size in enumerate(sizes)):
-                    _fail(f"params[{i}].chunks[{j}]", "slices at offsets that are multiples of their dtypes' sizes",
+                    fail(f"params[{i}].chunks[{j}]", "slices at offsets that are multiples of their dtypes' sizes",
                           c.to_json())
         for i, g in enumerate(self.param_groups):
             # An Adam parameter with state has its moments (and with amsgrad its maximum): what load would
@@ -436,10 +339,10 @@ class Manifest(_Entry):
             need = {"exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if g.get("amsgrad") is True else set())
             for j, index in enumerate(g["params"]):
                 if index >= len(self.params):
-                    _fail(f"param_groups[{i}].params[{j}]", f"one of the {len(self.params)} params' indices", index)
+                    fail(f"param_groups[{i}].params[{j}]", f"one of the {len(self.params)} params' indices", index)
                 p = self.params[index]
                 if p.initialized and p.where != "none" and not need <= set(p.keys):
-                    _fail(f"params[{index}].keys", f"the state of an Adam parameter ({', '.join(sorted(need))})",
+                    fail(f"params[{index}].keys", f"the state of an Adam parameter ({', '.join(sorted(need))})",
                           list(p.keys))
         for i, t in enumerate(self.model.tensors if self.model is not None else ()):
             if t.same_as is not None:
@@ -448,7 +351,7 @@ class Manifest(_Entry):
                 raise CheckpointError(f"manifest field model.tensors[{i}].where names {t.where}, and files has "
                                       f"no {t.where}")
             if t.where == PARAMS_DATA and t.offset + round_up(t.length, ALIGNMENT) > self.files[t.where].bytes:
-                _fail(f"model.tensors[{i}]", f"a range within {PARAMS_DATA}'s {self.files[t.where].bytes} bytes",
+                fail(f"model.tensors[{i}]", f"a range within {PARAMS_DATA}'s {self.files[t.where].bytes} bytes",
                       t.to_json())
         for n in self.files:
             self.path(n, must_exist=False)
@@ -512,33 +415,33 @@ class Manifest(_Entry):
 
 
 @dataclass(frozen=True)
-class Shard(_Entry):
+class Shard(Entry):
     """A rank's shard of a job's checkpoint: its directory, its manifest's name and xxh3_64, its files."""
 
-    rank: int = _field(_count, required=True)
-    name: str = _field(_text, required=True)
-    manifest_xxh3_64: str = _field(_text, required=True)
-    files: dict = _field(_files, {}, required=True)
-    manifest: str = _field(_bare_name, MANIFEST)
-    step: Optional[float] = _field(_number, None)
+    rank: int = json_field(count, required=True)
+    name: str = json_field(string, required=True)
+    manifest_xxh3_64: str = json_field(string, required=True)
+    files: dict = json_field(_files, {}, required=True)
+    manifest: str = json_field(bare_name, MANIFEST)
+    step: Optional[float] = json_field(number, None)
 
     def check(self, name: str) -> None:
         if self.name != shard_name(self.rank):
-            _fail(f"{name}.name", f"{shard_name(self.rank)!r} (its rank's directory)", self.name)
+            fail(f"{name}.name", f"{shard_name(self.rank)!r} (its rank's directory)", self.name)
 
 
 @dataclass(frozen=True)
-class JobManifest(_Entry):
+class JobManifest(Entry):
     """The manifest of a torch.distributed job's checkpoint in directory ``root``: one shard per rank."""
 
-    job: str = _field(_text, required=True)
-    world_size: int = _field(_count, required=True)
-    shards: tuple = _field(_list(Shard.parse), (), required=True)
-    step: float = _field(_number, 0)
-    created: Optional[str] = _field(_maybe(_text), None)
-    manifest_xxh3_64: Optional[str] = _field(_text, None)
-    format: str = _field(_one_of(JOB_FORMAT), JOB_FORMAT)
-    version: int = _field(_count, JOB_VERSION)
+    job: str = json_field(string, required=True)
+    world_size: int = json_field(count, required=True)
+    shards: tuple = json_field(list_of(Shard.parse), (), required=True)
+    step: float = json_field(number, 0)
+    created: Optional[str] = json_field(maybe(string), None)
+    manifest_xxh3_64: Optional[str] = json_field(string, None)
+    format: str = json_field(one_of(JOB_FORMAT), JOB_FORMAT)
+    version: int = json_field(count, JOB_VERSION)
     root: str = field(default="", compare=False)
 
     def check(self, name: str) -> None:
@@ -547,7 +450,7 @@ class JobManifest(_Entry):
                                   f"{self.world_size}")
         for i, s in enumerate(self.shards):
             if s.rank != i:
-                _fail(f"shards[{i}].rank", f"{i} (its place in the list)", s.rank)
+                fail(f"shards[{i}].rank", f"{i} (its place in the list)", s.rank)
 
     def refusal(self, world: int) -> str:
         """Why this job's checkpoint does not load into a job of ``world`` ranks, and how to convert it."""
@@ -648,7 +551,7 @@ def _manifest_name(directory: str) -> str:
         for entry in job["shards"]:
             if isinstance(entry, dict) and entry.get("name") == name:
                 try:
-                    return _bare_name(entry.get("manifest", MANIFEST), "manifest")
+                    return bare_name(entry.get("manifest", MANIFEST), "manifest")
                 except CheckpointError:
                     break
     return MANIFEST
