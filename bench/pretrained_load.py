@@ -1,7 +1,7 @@
 """Loading a safetensors checkpoint into offloaded weights, against the disk's copy bound.
 
-    python bench/pretrained_load.py [--path DIR] [--size 2GiB] [--rounds 3] [--variants engine,mmap]
-                                    [--what offload_pretrained,load_safetensors] [--other-tree DIR] [--json FILE]
+    python bench/pretrained_load.py [--path DIR] [--size 2GiB] [--rounds 3] [--other-tree DIR]
+                                    [--what offload_pretrained,load_safetensors] [--profile] [--json FILE]
 
 Writes a checkpoint of ``nn.Linear(4096, 4096)`` bf16 layers (``--size`` in all, Hugging Face shards of 1 GB),
 then loads it again and again, each load in a fresh process with the page cache dropped first
@@ -10,9 +10,10 @@ then loads it again and again, each load in a fresh process with the page cache 
 - ``offload_pretrained``: the model built on meta, each module's weights read and written to a new swap file;
 - ``load_safetensors``: into a model offloaded already (its swap file written once before, untimed).
 
-Variants, interleaved round by round (the disk's speed drifts between runs): ``engine`` (this tree: the engine
-reads the shards, ``TensorReader``), ``mmap`` (this tree, every tensor read from the memory map as before the
-engine read them) and ``other`` (the checkout at ``--other-tree``, e.g. an older commit). The bound is fio's
+With ``--other-tree`` (another checkout of this project, e.g. ``git worktree add /tmp/old <commit>``) its loads
+are timed too, interleaved with this tree's round by round and which goes first alternating (the disk's speed
+drifts between runs, and whoever runs second tends to gain). ``--profile`` prints each load's cProfile. The
+bound is fio's
 read and write rates on the same directory, the weights' bytes copied once each way, as ``offload-bench
 scale`` states it; plain ``dd`` reads of a shard and writes of a new file of the same size are shown beside it.
 Everything it writes is in a temporary directory under ``--path`` (default: the system's), removed at the end.
@@ -66,16 +67,8 @@ def child(args: argparse.Namespace) -> None:
 
     from offload import offload_parameters
     from offload.params import offloaded
-    from offload.pretrained import files, load_safetensors, offload_pretrained
-    from offload.units import parse_size
+    from offload.pretrained import load_safetensors, offload_pretrained
 
-    if args.variant == "mmap":
-        files.TensorReader.copy_into = lambda self, *a, **k: False  # every tensor from the memory map
-    elif args.read_buffers and args.variant == "engine":
-        count, size = args.read_buffers.lower().split("x")
-        init = files.TensorReader.__init__
-        files.TensorReader.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "count": int(count),
-                                                                             "buffer_size": parse_size(size)})
     profile = None
     if args.profile:
         import cProfile
@@ -110,15 +103,15 @@ def drop_caches() -> bool:
         return False
 
 
-def run_child(tree: str, variant: str, what: str, ckpt: str, swap: str, layers: int, args) -> float:
+def run_child(tree: str, what: str, ckpt: str, swap: str, layers: int, args) -> float:
+    """Seconds of one load by the checkout ``tree``, in a new process."""
     env = dict(os.environ, PYTHONPATH=tree)
-    extra = (["--read-buffers", args.read_buffers] if args.read_buffers else []) + (
-        ["--profile"] if args.profile else [])
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--variant", variant, "--what", what,
+    extra = ["--profile"] if args.profile else []
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--what", what,
                           "--ckpt", ckpt, "--swap", swap, "--layers", str(layers), *extra],
                          env=env, capture_output=True, text=True, cwd=tree)
     if out.returncode:
-        raise SystemExit(f"{variant} {what} failed:\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{what} by {tree} failed:\n{out.stderr[-3000:]}")
     if args.profile:
         print(out.stderr)
     return json.loads(out.stdout.strip().splitlines()[-1])["seconds"]
@@ -138,14 +131,11 @@ def main(argv=None) -> int:
     ap.add_argument("--path", help="directory to work in (default: the system's temporary directory)")
     ap.add_argument("--size", default="2GiB", help="bytes of weights (default 2GiB)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="engine,mmap")
     ap.add_argument("--what", default="offload_pretrained,load_safetensors")
-    ap.add_argument("--other-tree", help="a checkout of this project to time as the variant 'other'")
-    ap.add_argument("--read-buffers", help="the engine variant's read buffers, COUNTxSIZE (default: TensorReader's)")
+    ap.add_argument("--other-tree", help="another checkout of this project to time beside this one")
     ap.add_argument("--profile", action="store_true", help="print each load's cProfile, slowest functions first")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--ckpt", help=argparse.SUPPRESS)
     ap.add_argument("--swap", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
@@ -159,11 +149,9 @@ def main(argv=None) -> int:
 
     layers = max(1, parse_size(args.size) // (2 * SIDE * SIDE))
     nbytes = layers * 2 * SIDE * SIDE
-    variants = args.variants.split(",")
     whats = args.what.split(",")
-    trees = {"engine": HERE, "mmap": HERE, "other": args.other_tree}
-    if "other" in variants and not args.other_tree:
-        ap.error("the variant 'other' needs --other-tree")
+    trees = {"this": HERE, **({"other": os.path.abspath(args.other_tree)} if args.other_tree else {})}
+    variants = list(trees)
     times: dict[str, list[float]] = {f"{v} {w}": [] for w in whats for v in variants}
     with tempfile.TemporaryDirectory(prefix="pretrained-load-", dir=args.path) as work:
         ckpt = os.path.join(work, "ckpt")
@@ -182,7 +170,7 @@ def main(argv=None) -> int:
                 for v in order:
                     swap = os.path.join(work, f"swap-{v}")
                     drop_caches()
-                    t = run_child(trees[v], v, what, ckpt, swap, layers, args)
+                    t = run_child(trees[v], what, ckpt, swap, layers, args)
                     times[f"{v} {what}"].append(t)
                     print(f"round {r}: {v:7s} {what:18s} {t:6.2f} s  {nbytes / t / GIB:5.2f} GiB/s", flush=True)
             drop_caches()

@@ -157,29 +157,24 @@ def _weight(i: int) -> torch.Tensor:
 
 
 def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
-    """Loading a 192 MiB sharded checkpoint into a meta-built offloaded model raises peak RSS by about one
-    8 MiB tensor and the read buffers, not by the model. (The C heap may keep a freed tensor's block per read in
-    flight: the small allocations of those reads split it, and glibc then reuses it for smaller blocks only.)"""
-    from offload.pretrained.files import TensorReader
-
-    layers = 2 * LAYERS
+    """Loading a 96 MiB sharded checkpoint into a meta-built offloaded model raises peak RSS by about one
+    8 MiB tensor and the pool, not by the model (each read's mapping of the file is dropped after it)."""
     for half in range(2):
-        safetensors_torch.save_file({f"{i}.weight": _weight(i) for i in range(half * LAYERS, (half + 1) * LAYERS)},
+        safetensors_torch.save_file({f"{i}.weight": _weight(i) for i in range(half * 6, half * 6 + 6)},
                                     tmp_path / f"{half}.safetensors")
-    weight_map = {f"{i}.weight": f"{i // LAYERS}.safetensors" for i in range(layers)}
+    weight_map = {f"{i}.weight": f"{i // 6}.safetensors" for i in range(LAYERS)}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with torch.device("meta"):
-        model = nn.Sequential(*[nn.Linear(SIDE, SIDE, bias=False) for _ in range(layers)])
+        model = nn.Sequential(*[nn.Linear(SIDE, SIDE, bias=False) for _ in range(LAYERS)])
     closing(offload_parameters(model, nvme_path=nvme, init=False, max_in_cpu=0, max_grad_in_cpu=0,
                                buffer_count=3, buffer_size=1 << 20))
-    defaults = TensorReader.__init__.__kwdefaults__
-    reads = defaults["count"] * defaults["buffer_size"]
+    pool = offloaded(model).store.pool.nbytes
     before = reset_peak_rss()
     load_safetensors(model, tmp_path)
     growth = proc_status("VmHWM") - before
-    assert growth < 8 * MiB + reads + defaults["count"] * 8 * MiB + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
+    assert growth < 2 * 8 * MiB + pool + 16 * MiB, f"peak RSS grew {growth / MiB:.1f} MiB"
     with materialized(model):
-        assert torch.equal(model[5].weight, _weight(5)) and torch.equal(model[20].weight, _weight(20))
+        assert torch.equal(model[5].weight, _weight(5))
 
 
 def test_save_pretrained_of_offloaded_model_loads_with_from_pretrained_bit_for_bit(hf_dir, nvme, closing, tmp_path):
@@ -351,56 +346,9 @@ def test_weights_loaded_after_the_first_step_are_not_silently_undone_by_the_mast
     step()
 
 
-# -- reading the shards with the engine (TensorReader) -------------------------------------------------------
-
-def _entries(sizes_dtypes, file="f"):
-    """Entries back to back from byte 13 of one file (an unaligned start, as after a header)."""
-    from offload.pretrained.files import Entry
-
-    out, pos = [], 13
-    for i, (n, dtype) in enumerate(sizes_dtypes):
-        out.append(Entry(f"t{i}", file, (n,), dtype, pos, n * dtype.itemsize))
-        pos += n * dtype.itemsize
-    return out
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_spans_cover_every_byte_once_in_order_within_a_buffer(seed):
-    """Reads planned for tensors of random sizes and dtypes, in a shuffled order, bring every byte of every
-    tensor exactly once, each tensor's pieces in order and cut at whole elements, no aligned read longer than
-    a buffer, and tensors adjacent in the file and in the order share reads."""
-    import random
-
-    from offload.pretrained.files import _spans
-
-    rng = random.Random(seed)
-    dtypes = [torch.bool, torch.uint8, torch.bfloat16, torch.float32, torch.float64]
-    entries = _entries([(rng.choice([0, 1, 3, 100, 5000, 70000]), rng.choice(dtypes)) for _ in range(30)])
-    order = [e for e in entries if e.nbytes]
-    if seed % 2:
-        rng.shuffle(order)
-    capacity, align = 64 * 1024, 4096
-    spans = _spans(order, capacity, align)
-    seen = {e.name: 0 for e in order}
-    for s in spans:
-        assert s.lo % align == 0 and s.lo <= s.pieces[0][0].offset + s.pieces[0][1]
-        assert -(-s.end // align) * align - s.lo <= capacity
-        pos = s.lo
-        for e, a, b in s.pieces:
-            assert a == seen[e.name] and a < b and a % e.dtype.itemsize == 0 and b % e.dtype.itemsize == 0
-            assert e.offset + a >= pos
-            pos = e.offset + b
-            seen[e.name] = b
-        assert pos == s.end
-    assert seen == {e.name: e.nbytes for e in order}
-    if not seed % 2:  # in file order: one read per buffer's worth, not one per tensor
-        assert len(spans) <= sum(e.nbytes for e in order) // (capacity - align) + 1 + sum(
-            e.nbytes > capacity - align for e in order)
-
-
 class Odd(nn.Module):
-    """Tensors whose bytes start at odd offsets in the file, a scalar, an empty one, and one larger than a
-    read buffer."""
+    """Tensors whose bytes start at odd offsets in the file, a scalar, an empty one, and one read in several
+    slices."""
 
     def __init__(self, dtype=torch.float32):
         super().__init__()
@@ -444,34 +392,16 @@ def _odd_file(path, dtype=torch.float32, seed=0):
     return src
 
 
-def _small_reads(monkeypatch, size=64 * 1024):
-    """TensorReader with buffers of ``size`` bytes: the large tensor takes several reads."""
-    from offload.pretrained import files
-
-    init = files.TensorReader.__init__
-    monkeypatch.setattr(files.TensorReader, "__init__", lambda self, *a, **k: init(self, *a, **{**k,
-                                                                                              "buffer_size": size}))
-
-
-def _no_mmap(monkeypatch):
-    """Make a read from the memory map an error: what a test loads came through the engine."""
-    from offload.pretrained import files
-
-    def refuse(self, name, *a):
-        raise AssertionError(f"{name} was read from the memory map")
-    monkeypatch.setattr(files.SafetensorsCheckpoint, "read", refuse)
-
-
 @pytest.mark.parametrize("dtype, model_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
                                                 (torch.bfloat16, torch.float32)])
-def test_engine_reads_odd_offsets_scalars_and_empty_tensors_bit_for_bit(nvme, closing, tmp_path, monkeypatch, dtype,
-                                                                       model_dtype):
-    """Tensors at unaligned offsets, a 0-d and a 0-element one, and one spread over several read buffers load
-    through the engine alone (never the memory map) into an offloaded model equal to the file's values
-    converted to the model's dtype, the integer ones as they are."""
+def test_odd_offsets_scalars_and_empty_tensors_load_bit_for_bit(nvme, closing, tmp_path, monkeypatch, dtype,
+                                                                 model_dtype):
+    """Tensors at unaligned offsets, a 0-d and a 0-element one, and one read in several slices of rows load into
+    an offloaded model equal to the file's values converted to the model's dtype, the integer ones as they are."""
+    from offload.pretrained import load
+
     src = _odd_file(tmp_path / "model.safetensors", dtype)
-    _small_reads(monkeypatch)
-    _no_mmap(monkeypatch)
+    monkeypatch.setattr(load, "READ_BYTES", 64 * 1024)
     model = closing(offload_parameters(Odd(model_dtype), nvme_path=nvme, **TINY))
     load_safetensors(model, tmp_path / "model.safetensors")
     got = state_of(model)
@@ -480,14 +410,13 @@ def test_engine_reads_odd_offsets_scalars_and_empty_tensors_bit_for_bit(nvme, cl
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
 
 
-def test_offload_pretrained_reads_through_the_engine_bit_for_bit(nvme, closing, tmp_path, monkeypatch):
-    """offload_pretrained of a checkpoint with odd offsets fills the weights from the meta device through the
-    engine (never the memory map) and copies the buffers, equal to the file's values converted to bf16."""
-    from offload.pretrained import offload_pretrained
+def test_offload_pretrained_loads_odd_offsets_and_buffers_bit_for_bit(nvme, closing, tmp_path, monkeypatch):
+    """offload_pretrained of a checkpoint with odd offsets fills the weights from the meta device, converted to
+    bf16, and copies the buffers, equal to the file's values."""
+    from offload.pretrained import load, offload_pretrained
 
     src = _odd_file(tmp_path / "model.safetensors")
-    _small_reads(monkeypatch)
-    _no_mmap(monkeypatch)
+    monkeypatch.setattr(load, "READ_BYTES", 64 * 1024)
     model = closing(offload_pretrained(lambda: Odd(torch.bfloat16), tmp_path, nvme, **TINY))
     got = state_of(model)
     for name, value in src.items():
@@ -495,97 +424,24 @@ def test_offload_pretrained_reads_through_the_engine_bit_for_bit(nvme, closing, 
         assert torch.equal(got[name], want), name
 
 
-def test_a_file_system_refusing_o_direct_is_read_from_the_memory_map(nvme, closing, tmp_path, monkeypatch):
-    """Where O_DIRECT is refused, the shards are read from their memory maps (the read-ahead of a buffered
-    file beats the engine's buffered requests), the values the same."""
-    from offload.aio import files as aio_files
-    from offload.pretrained import files
-
-    src = _odd_file(tmp_path / "model.safetensors")
-    model = closing(offload_parameters(Odd(), nvme_path=nvme, **TINY))
-    read = files.SafetensorsCheckpoint.read
-    mapped = []
-    monkeypatch.setattr(files.SafetensorsCheckpoint, "read", lambda self, name, *a: mapped.append(name) or read(
-        self, name, *a))
-    monkeypatch.setattr(aio_files, "_set_o_direct", lambda fd: False)
-    load_safetensors(model, tmp_path / "model.safetensors")
-    got = state_of(model)
-    assert all(torch.equal(got[n], v) for n, v in src.items())
-    assert sorted(mapped) == ["b", "flags", "scale", "steps", "w"]
-
-
-def test_tensors_asked_for_out_of_order_are_read_from_the_memory_map(tmp_path):
-    """A reader planned for one order, asked in another, gives every tensor right: those not next in its order
-    from the memory map (copy_into says so), the rest from its reads."""
-    from offload.pretrained import SafetensorsCheckpoint
-    from offload.pretrained.files import TensorReader
-    from offload.pretrained.load import copy_into
-
-    g = torch.Generator().manual_seed(1)
-    src = {f"t{i}": torch.randn(1000 + i, generator=g) for i in range(8)}
-    safetensors_torch.save_file(src, tmp_path / "x.safetensors")
-    with SafetensorsCheckpoint(tmp_path / "x.safetensors") as ckpt:
-        entries = [ckpt.entries[f"t{i}"] for i in range(8)]
-        with TensorReader(ckpt, entries, buffer_size=8192) as reader:
-            asked = [entries[i] for i in (0, 1, 5, 2, 3, 6, 7, 4)]
-            by_engine = []
-            for e in asked:
-                out = torch.empty_like(src[e.name])
-                by_engine.append(reader.copy_into(e, out))
-                assert not by_engine[-1] or torch.equal(out, src[e.name]), e.name
-                out.zero_()
-                copy_into(ckpt, e, out)
-                assert torch.equal(out, src[e.name]), e.name
-    assert by_engine == [True, True, True, False, False, True, True, False]
-
-
-def test_a_shard_replaced_or_cut_after_its_header_was_read_is_refused(tmp_path):
-    """A file that is no longer the one whose header was checked (another size) is refused before any read; one
-    cut while its reads go on is named, not loaded with what a short read left."""
-    from offload.pretrained import SafetensorsCheckpoint
-    from offload.pretrained.files import TensorReader
-
-    src = {f"t{i}": torch.randn(4096) for i in range(16)}
-    path = tmp_path / "x.safetensors"
-    safetensors_torch.save_file(src, path)
-    size = os.path.getsize(path)
-    with SafetensorsCheckpoint(path) as ckpt:
-        entries = [ckpt.entries[f"t{i}"] for i in range(16)]
-        with open(path, "ab") as f:
-            f.write(b"\0" * 10)
-        with TensorReader(ckpt, entries, buffer_size=16384, count=2) as reader:
-            with pytest.raises(CheckpointError, match=r"x\.safetensors changed since its header was read"):
-                reader.copy_into(entries[0], torch.empty(4096))
-    os.truncate(path, size)
-    with SafetensorsCheckpoint(path) as ckpt:
-        entries = [ckpt.entries[f"t{i}"] for i in range(16)]
-        with TensorReader(ckpt, entries, buffer_size=16384, count=2) as reader:
-            assert reader.copy_into(entries[0], torch.empty(4096))
-            os.truncate(path, entries[8].offset)
-            with pytest.raises(CheckpointError, match=r"x\.safetensors ends at byte .* cut while loading"):
-                for e in entries[1:]:
-                    reader.copy_into(e, torch.empty(4096))
-
-
-def test_hostile_headers_are_refused_before_any_read(tmp_path):
-    """A header whose offsets point past the file's end is refused naming the file, before any read."""
+def test_a_header_pointing_past_the_end_of_its_file_is_refused(tmp_path):
+    """A header whose offsets point past the file's end is refused naming the file, before anything is read."""
     from offload.pretrained import SafetensorsCheckpoint
 
     header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4 << 30]}}).encode()
     (tmp_path / "big.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
-    with pytest.raises(CheckpointError, match=r"big\.safetensors: not a readable safetensors file .*outside"):
+    with pytest.raises(CheckpointError, match=r"big\.safetensors: not a readable safetensors file"):
         SafetensorsCheckpoint(tmp_path / "big.safetensors")
 
 
-def test_shards_linked_to_blobs_load_through_the_engine(nvme, closing, tmp_path, monkeypatch):
-    """A checkpoint laid out as the Hugging Face hub's cache (its files links to blobs elsewhere) loads through
-    the engine: links to regular files are followed."""
+def test_shards_linked_to_blobs_load(nvme, closing, tmp_path):
+    """A checkpoint laid out as the Hugging Face hub's cache (its files links to blobs elsewhere) loads: links to
+    regular files are followed."""
     blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
     blobs.mkdir()
     snapshot.mkdir()
     src = _odd_file(blobs / "0123abcd")
     os.symlink(blobs / "0123abcd", snapshot / "model.safetensors")
-    _no_mmap(monkeypatch)
     model = closing(offload_parameters(Odd(), nvme_path=nvme, **TINY))
     load_safetensors(model, snapshot)
     got = state_of(model)

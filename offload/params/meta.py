@@ -11,7 +11,7 @@ from torch import nn
 
 from .holds import release_each
 
-__all__ = ["Init", "children_first", "empty_parameters", "initialise", "replace_meta"]
+__all__ = ["Init", "empty_parameters", "initialise", "replace_meta"]
 
 log = logging.getLogger("offload")
 
@@ -115,7 +115,7 @@ def initialise(model: nn.Module, store, fresh: list[nn.Parameter], init: Init,
     # An initialiser that says it sets every element (a load) spares the zeroing, a pass over new memory.
     zero = not getattr(init, "sets_every_element", False)
     initialised_modules: set[int] = set()
-    for module in children_first(model) if init is not False else ():
+    for module in _children_first(model) if init is not False else ():
         own = [p for p in module._parameters.values() if p is not None and id(p) in waiting]
         fn = _initialiser(module, init)
         if not own or fn is None:
@@ -186,8 +186,7 @@ class _holding:
         return False
 
 
-def children_first(model: nn.Module) -> Iterator[nn.Module]:
-    """``model``'s modules, each once, children before their parent: the order :func:`initialise` visits them."""
+def _children_first(model: nn.Module) -> Iterator[nn.Module]:
     seen: set[int] = set()
 
     def visit(module: nn.Module) -> Iterator[nn.Module]:

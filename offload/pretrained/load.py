@@ -11,13 +11,12 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..params import empty_parameters, named_tensors, offload_parameters, store_of
-from ..params.meta import children_first
-from .files import Entry, SafetensorsCheckpoint, TensorReader
+from .files import Entry, SafetensorsCheckpoint
 
-__all__ = ["Plan", "fill_modules", "fill_order", "load_safetensors", "match", "offload_pretrained"]
+__all__ = ["Plan", "fill_modules", "load_safetensors", "match", "offload_pretrained"]
 
-# Bytes of a tensor read from its memory map at once (out of order, see TensorReader): a large embedding comes
-# in slices of rows, so what is in memory besides the destination is this much, whatever the tensor's size.
+# Bytes of a tensor read from its file at once: a large embedding comes in slices of rows, so what is
+# in memory besides the destination is this much, whatever the tensor's size.
 READ_BYTES = 64 << 20
 
 
@@ -88,16 +87,11 @@ def _some(names: list[str]) -> str:
     return ", ".join(repr(n) for n in names[:6]) + (", ..." if len(names) > 6 else "")
 
 
-def copy_into(ckpt: SafetensorsCheckpoint, entry: Entry, dest: torch.Tensor,
-              reader: Optional[TensorReader] = None) -> None:
-    """Copy ``entry``'s values into ``dest`` (in memory, same shape), converting the dtype: by ``reader`` where it
-    has the entry next, else from the file's memory map, a slice of rows of at most :data:`READ_BYTES` at a time.
-    The engine settings of ``reader``'s first read are those of ``dest``'s swap space, if it has one."""
+def copy_into(ckpt: SafetensorsCheckpoint, entry: Entry, dest: torch.Tensor) -> None:
+    """Copy ``entry``'s values into ``dest`` (in memory, same shape), converting the dtype, a slice of rows
+    of at most :data:`READ_BYTES` at a time."""
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-        store = store_of(dest)
         dest = dest.detach()
-        if reader is not None and reader.copy_into(entry, dest, store.config.aio if store is not None else None):
-            return
         if not entry.shape:
             dest.copy_(ckpt.read(entry.name))
             return
@@ -114,11 +108,10 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     ``path`` is a ``.safetensors`` file or a directory with ``model.safetensors`` or shards listed in
     ``model.safetensors.index.json`` (what ``save_pretrained`` writes); names are those of
     ``model.state_dict()``. Everything is checked before anything changes (names, shapes, dtypes, every
-    file's header). Then each tensor is read from its file (by the engine, ahead of its use, see
-    :class:`TensorReader`) and written where it lives: an offloaded parameter is made resident without reading
-    it, filled and written back to the swap space, so memory holds one parameter (and a few read buffers) at a
-    time; stored gradients, which belonged to the old weights, are dropped. Floating-point tensors are
-    converted to the model's dtype.
+    file's header). Then each tensor is read from its memory-mapped file in slices and written where it
+    lives: an offloaded parameter is made resident without reading it, filled and written back to the swap
+    space, so memory holds one parameter (and one slice of its file) at a time; stored gradients, which
+    belonged to the old weights, are dropped. Floating-point tensors are converted to the model's dtype.
 
     An ``OffloadedAdam`` built before this keeps its own fp32 master copies of bf16/fp16 weights: load
     first, then build the optimizer.
@@ -140,61 +133,36 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
         raise TypeError(f"load_safetensors expects a torch.nn.Module, got {type(model).__name__}")
     with SafetensorsCheckpoint(path) as ckpt:
         plan = match(model, ckpt, strict=strict)
-        todo = [(t, e) for t, names in _named(model).values()
-                if (e := next((plan.entries[n] for n in names if n in plan.entries), None)) is not None]
-        with TensorReader(ckpt, [e for _, e in todo]) as reader:
-            done = _load_each(ckpt, todo, reader)
+        done: dict[int, tuple] = {}  # id(tensor) -> (tensor, its store or None)
+        for t, names in _named(model).values():
+            entry = next((plan.entries[n] for n in names if n in plan.entries), None)
+            if entry is None:
+                continue
+            store = store_of(t)
+            done[id(t)] = (t, store)
+            if store is None:
+                copy_into(ckpt, entry, t)
+                continue
+            store.fetch(t, read=False)
+            try:
+                copy_into(ckpt, entry, t)
+            except BaseException as err:
+                store.error = err  # its extent keeps the old bytes, others have new ones
+                store.release(t)
+                raise
+            store.release(t, dirty=True)
         stores = {id(s): s for _, s in done.values() if s is not None}
         for s in stores.values():
             s.loaded([t for t, owner in done.values() if owner is s])
     return plan
 
 
-def _load_each(ckpt: SafetensorsCheckpoint, todo: list, reader: TensorReader) -> dict[int, tuple]:
-    """Copy each ``(tensor, entry)`` of ``todo`` in; returns ``id(tensor) -> (tensor, its store or None)``."""
-    done: dict[int, tuple] = {}
-    for t, entry in todo:
-        store = store_of(t)
-        done[id(t)] = (t, store)
-        if store is None:
-            copy_into(ckpt, entry, t, reader)
-            continue
-        store.fetch(t, read=False)
-        try:
-            copy_into(ckpt, entry, t, reader)
-        except BaseException as err:
-            store.error = err  # its extent keeps the old bytes, others have new ones
-            store.release(t)
-            raise
-        store.release(t, dirty=True)
-    return done
-
-
-def fill_order(model: nn.Module, plan: Plan) -> list[Entry]:
-    """The checkpoint's entries in the order :func:`fill_modules`' ``init`` asks for them when
-    :func:`offload.offload_parameters` initialises ``model``'s modules (children first), each tensor once."""
-    prefixes: dict[int, str] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        prefixes.setdefault(id(module), prefix + "." if prefix else "")
-    seen: set[int] = set()
-    order = []
-    for module in children_first(model):
-        for n, p in module._parameters.items():
-            entry = plan.entries.get(prefixes.get(id(module), "") + n)
-            if p is not None and id(p) not in seen and entry is not None:
-                seen.add(id(p))
-                order.append(entry)
-    return order
-
-
 def fill_modules(model: nn.Module, ckpt: SafetensorsCheckpoint, plan: Plan,
-                 fallback: Optional[Callable[[nn.Module], None]] = None,
-                 reader: Optional[TensorReader] = None) -> Callable[[nn.Module], None]:
+                 fallback: Optional[Callable[[nn.Module], None]] = None) -> Callable[[nn.Module], None]:
     """An ``init`` for :func:`offload.offload_parameters` that fills each module's parameters from ``ckpt``
     as they are materialised from the meta device, so each is written to the swap space once, with its
     pretrained values. Parameters the checkpoint lacks get ``fallback(module)`` (run first) or zeros.
-    ``plan`` comes from :func:`match` on the same model, before it was offloaded; ``reader``, made for
-    :func:`fill_order`'s order, reads the files ahead of their use."""
+    ``plan`` comes from :func:`match` on the same model, before it was offloaded."""
     prefixes: dict[int, str] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         prefixes.setdefault(id(module), prefix + "." if prefix else "")
@@ -208,7 +176,7 @@ def fill_modules(model: nn.Module, ckpt: SafetensorsCheckpoint, plan: Plan,
         for n, p in todo:
             entry = plan.entries.get(dot + n)
             if entry is not None:
-                copy_into(ckpt, entry, p, reader)
+                copy_into(ckpt, entry, p)
                 done.add(id(p))
 
     init.sets_every_element = not plan.missing  # every parameter comes whole from the checkpoint
@@ -243,10 +211,7 @@ def offload_pretrained(build: Callable[[], nn.Module], path: str | os.PathLike, 
         plan = match(model, ckpt, strict=strict)
         buffers = [(n, b) for n, b in model.named_buffers() if n in plan.entries]
         fallback = init_missing(model) if plan.missing and init_missing is not None else None
-        order = fill_order(model, plan) + [plan.entries[n] for n, _ in buffers]
-        with TensorReader(ckpt, order) as reader:
-            offload_parameters(model, nvme_path, config, init=fill_modules(model, ckpt, plan, fallback, reader),
-                               **offload_kwargs)
-            for name, b in buffers:
-                copy_into(ckpt, plan.entries[name], b, reader)
+        offload_parameters(model, nvme_path, config, init=fill_modules(model, ckpt, plan, fallback), **offload_kwargs)
+        for name, b in buffers:
+            copy_into(ckpt, plan.entries[name], b)
     return model
