@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import pytest
 import torch
@@ -343,3 +344,105 @@ def test_weights_loaded_after_the_first_step_are_not_silently_undone_by_the_mast
     opt.zero_grad()
     opt.load_checkpoint(tmp_path / "ckpt", model=model)
     step()
+
+
+class Odd(nn.Module):
+    """Tensors whose bytes start at odd offsets in the file, a scalar, an empty one, and one read in several
+    slices."""
+
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.flags = nn.Parameter(torch.zeros(3, dtype=torch.uint8), requires_grad=False)
+        self.scale = nn.Parameter(torch.zeros((), dtype=dtype))
+        self.empty = nn.Parameter(torch.zeros(0, 7, dtype=dtype))
+        self.w = nn.Parameter(torch.zeros(300, 1001, dtype=dtype))
+        self.b = nn.Parameter(torch.zeros(5, dtype=dtype))
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+
+
+def _save_in_order(tensors: dict, path) -> None:
+    """A safetensors file with the tensors back to back in the order given (``safetensors.torch.save_file``
+    sorts them by alignment; a writer keeping the model's order, as ours, need not)."""
+    from offload.pretrained.files import dtype_name
+
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for t in tensors.values():
+            f.write(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+
+def _odd_file(path, dtype=torch.float32, seed=0):
+    """A safetensors file of Odd's tensors in random values (``dtype`` for the floating ones), the uint8
+    flags first so every tensor after them starts at an odd offset."""
+    g = torch.Generator().manual_seed(seed)
+    src = {"flags": torch.tensor([1, 2, 3], dtype=torch.uint8), "scale": torch.randn((), generator=g).to(dtype),
+           "empty": torch.zeros(0, 7, dtype=dtype), "w": torch.randn(300, 1001, generator=g).to(dtype),
+           "b": torch.randn(5, generator=g).to(dtype), "steps": torch.tensor([7, -1])}
+    _save_in_order(src, path)
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        assert json.loads(f.read(n))["scale"]["data_offsets"][0] == 3  # odd, as meant
+    return src
+
+
+@pytest.mark.parametrize("dtype, model_dtype", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.float32)])
+def test_odd_offsets_scalars_and_empty_tensors_load_bit_for_bit(nvme, closing, tmp_path, monkeypatch, dtype,
+                                                                 model_dtype):
+    """Tensors at unaligned offsets, a 0-d and a 0-element one, and one read in several slices of rows load into
+    an offloaded model equal to the file's values converted to the model's dtype, the integer ones as they are."""
+    from offload.pretrained import load
+
+    src = _odd_file(tmp_path / "model.safetensors", dtype)
+    monkeypatch.setattr(load, "READ_BYTES", 64 * 1024)
+    model = closing(offload_parameters(Odd(model_dtype), nvme_path=nvme, **TINY))
+    load_safetensors(model, tmp_path / "model.safetensors")
+    got = state_of(model)
+    for name, value in src.items():
+        want = value.to(model_dtype) if value.is_floating_point() else value
+        assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
+
+
+def test_offload_pretrained_loads_odd_offsets_and_buffers_bit_for_bit(nvme, closing, tmp_path, monkeypatch):
+    """offload_pretrained of a checkpoint with odd offsets fills the weights from the meta device, converted to
+    bf16, and copies the buffers, equal to the file's values."""
+    from offload.pretrained import load, offload_pretrained
+
+    src = _odd_file(tmp_path / "model.safetensors")
+    monkeypatch.setattr(load, "READ_BYTES", 64 * 1024)
+    model = closing(offload_pretrained(lambda: Odd(torch.bfloat16), tmp_path, nvme, **TINY))
+    got = state_of(model)
+    for name, value in src.items():
+        want = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert torch.equal(got[name], want), name
+
+
+def test_a_header_pointing_past_the_end_of_its_file_is_refused(tmp_path):
+    """A header whose offsets point past the file's end is refused naming the file, before anything is read."""
+    from offload.pretrained import SafetensorsCheckpoint
+
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4 << 30]}}).encode()
+    (tmp_path / "big.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
+    with pytest.raises(CheckpointError, match=r"big\.safetensors: not a readable safetensors file"):
+        SafetensorsCheckpoint(tmp_path / "big.safetensors")
+
+
+def test_shards_linked_to_blobs_load(nvme, closing, tmp_path):
+    """A checkpoint laid out as the Hugging Face hub's cache (its files links to blobs elsewhere) loads: links to
+    regular files are followed."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    src = _odd_file(blobs / "0123abcd")
+    os.symlink(blobs / "0123abcd", snapshot / "model.safetensors")
+    model = closing(offload_parameters(Odd(), nvme_path=nvme, **TINY))
+    load_safetensors(model, snapshot)
+    got = state_of(model)
+    assert all(torch.equal(got[n], v) for n, v in src.items())
