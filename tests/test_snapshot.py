@@ -198,7 +198,9 @@ def test_an_asynchronous_clone_takes_the_stores_checksums_at_the_call_and_reads_
         assert {u["pieces"] for u in got} == {opt.config.aio.block_size}
         assert any(u["nbytes"] < u["length"] for u in got)  # a padded unit: the padding is in its checksum
         ckpt.verify_checkpoint(xfs / "c")
-        ckpt.load_checkpoint(opt, xfs / "c")
+        ckpt.mirror_checkpoint(xfs / "c", xfs / "m")  # verified as it is copied, in the same form
+        assert ckpt.read_manifest(xfs / "m")["units"] == got
+        ckpt.load_checkpoint(opt, xfs / "m")
         assert_same_state(expected, opt.state_dict())
     finally:
         opt.close()
@@ -207,8 +209,9 @@ def test_an_asynchronous_clone_takes_the_stores_checksums_at_the_call_and_reads_
 @pytest.mark.parametrize("where", ["state", "padding"])
 def test_a_flipped_byte_in_a_cloned_unit_is_refused_by_load_and_verify(xfs, where):
     """A byte changed in a unit that a clone save took the store's checksum of (in its state, or in its
-    padding, which the checksum covers too) is refused by verify_checkpoint, offload-ckpt verify and
-    load_checkpoint with a ChecksumError naming state.bin and the unit; put back, the checkpoint verifies."""
+    padding, which the checksum covers too) is refused by verify_checkpoint, offload-ckpt verify,
+    load_checkpoint and a mirror (nothing committed there) with a ChecksumError naming state.bin and the unit;
+    put back, the checkpoint verifies."""
     opt, params = trained(str(xfs / "nvme"))
     try:
         ckpt.save_checkpoint(opt, xfs / "c", snapshot="reflink")
@@ -231,6 +234,9 @@ def test_a_flipped_byte_in_a_cloned_unit_is_refused_by_load_and_verify(xfs, wher
             assert cli.returncode == 1 and f"unit {i}" in cli.stdout + cli.stderr
             with pytest.raises(ckpt.ChecksumError, match=message):
                 ckpt.load_checkpoint(opt, xfs / "c")
+            with pytest.raises(ckpt.ChecksumError, match=rf"unit {i}"):
+                ckpt.mirror_checkpoint(xfs / "c", xfs / "m")
+            assert not os.path.exists(xfs / "m" / "manifest.json")
             os.pwrite(fd, old, at)
             os.fsync(fd)
         finally:
