@@ -1,6 +1,7 @@
 """A real checkpoint, changed at random as a sender could change it (any field of its manifest replaced by any
 JSON value or removed, the manifest's own checksum recomputed; a data file cut, overwritten, or replaced by a
-link to /dev/zero or a FIFO): verify_checkpoint and load_checkpoint (with and without the model) either refuse
+link to /dev/zero or a FIFO), in the plain form and with its units' checksums in the engine's pieces (a clone
+save's): verify_checkpoint and load_checkpoint (with and without the model) either refuse
 it with a CheckpointError or load it, never another exception and never a hang, and verify never accepts what a
 load refuses."""
 
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from offload import CheckpointError, OffloadedAdamW
 from offload import checkpoint as ckpt
+from offload.aio import PieceDigest
 from offload.checkpoint.manifest import digest
 
 HANG_S = 20  # a FIFO opened for reading blocks until someone writes: after this, the test opens it itself
@@ -31,9 +33,29 @@ def saved(tmp_path_factory):
     to load it into."""
     root = tmp_path_factory.mktemp("fuzz")
     saved_checkpoint(root, "good")
+    shutil.copytree(root / "good", root / "pieces")
+    _in_pieces(str(root / "pieces"))
     fresh = OffloadedAdamW(make_params(seed=1), lr=1e-2, nvme_path=root / "nvme2", **SMALL)
     yield root, fresh, torch.nn.Linear(8, 4)
     fresh.close()
+
+
+def _in_pieces(directory: str, piece: int = 2 * 4096) -> None:
+    """The checkpoint's manifest as a clone save that took the store's checksums writes it: each unit's checksum
+    in the engine's form (pieces of ``piece`` bytes), state.bin without one of its own."""
+    path = os.path.join(directory, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    with open(os.path.join(directory, manifest["files"]["state.bin"]["file"]), "rb") as f:
+        data = f.read()
+    for u in manifest["units"]:
+        d = PieceDigest(piece)
+        d.update(data[u["offset"]:u["offset"] + u["length"]])
+        u.update(pieces=piece, xxh3_64=d.hexdigest())
+    manifest["files"]["state.bin"]["xxh3_64"] = None
+    manifest["manifest_xxh3_64"] = digest(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
 
 
 json_values = st.recursive(
@@ -141,12 +163,13 @@ _CALLERS = ("holds no model weights", "holds model weights only")
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                                   HealthCheck.function_scoped_fixture])
-@given(change=manifest_changes())
-def test_a_manifest_changed_anywhere_is_refused_or_loads_and_verify_agrees(saved, change):
+@given(change=manifest_changes(), form=st.sampled_from(["good", "pieces"]))
+def test_a_manifest_changed_anywhere_is_refused_or_loads_and_verify_agrees(saved, change, form):
+    """``form`` "pieces": the units' checksums in the engine's pieces and state.bin without its own (a clone)."""
     root, opt, model = saved
     directory = str(root / "case")
     shutil.rmtree(directory, ignore_errors=True)
-    shutil.copytree(root / "good", directory)
+    shutil.copytree(root / form, directory)
     _change_manifest(directory, *change)
     _judge(directory, opt, model)
 
@@ -154,11 +177,18 @@ def test_a_manifest_changed_anywhere_is_refused_or_loads_and_verify_agrees(saved
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                   HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["cut", "overwrite", "zero-link", "fifo"]), pick=st.integers(0, 10 ** 7),
-       data=st.binary(min_size=1, max_size=64))
-def test_a_data_file_cut_overwritten_or_replaced_is_refused_never_read_past(saved, kind, pick, data):
+       data=st.binary(min_size=1, max_size=64), form=st.sampled_from(["good", "pieces"]))
+def test_a_data_file_cut_overwritten_or_replaced_is_refused_never_read_past(saved, kind, pick, data, form):
     root, opt, model = saved
     directory = str(root / "case")
     shutil.rmtree(directory, ignore_errors=True)
-    shutil.copytree(root / "good", directory)
+    shutil.copytree(root / form, directory)
     _change_file(directory, kind, pick, data)
     _judge(directory, opt, model)
+
+
+def test_the_pieces_form_of_the_fuzzed_checkpoint_is_valid(saved):
+    """The "pieces" starting point is a checkpoint that verifies and loads (what the fuzz changes is valid)."""
+    root, opt, model = saved
+    assert _outcome(lambda: ckpt.verify_checkpoint(root / "pieces")) is None
+    assert _outcome(lambda: ckpt.load_checkpoint(opt, root / "pieces", model=model)) is None

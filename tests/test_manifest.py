@@ -19,7 +19,10 @@ from hypothesis import strategies as st
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
+from offload.aio import Engine, PieceDigest
+from offload.buffers import BufferPool
 from offload.checkpoint.manifest import Manifest, digest, read
+from offload.checkpoint.stream import read_verified, unit_spans
 
 # Paths opened (open, os.open) while ``_OPENED`` is a list: an audit hook cannot be removed, so it is
 # installed once and records only while a test asks it to.
@@ -65,6 +68,27 @@ def _set_file(name: str, value: str):
     return lambda m: m["files"][name].__setitem__("file", value)
 
 
+def in_pieces(directory, piece: int = 3 * 4096) -> None:
+    """Rewrite ``directory``'s manifest as a clone save that took the store's checksums writes it: every unit's
+    checksum in the engine's form (``piece``-byte pieces of its padded bytes), state.bin without its own."""
+    data = open(ckpt_file(directory, "state.bin"), "rb").read()
+
+    def change(m):
+        for u in m["units"]:
+            d = PieceDigest(piece)
+            d.update(data[u["offset"]:u["offset"] + u["length"]])
+            u.update(pieces=piece, xxh3_64=d.hexdigest())
+        m["files"]["state.bin"]["xxh3_64"] = None
+    _edit(directory, change)
+
+
+def _null_state_digest(also=lambda m: None):
+    def change(m):
+        m["files"]["state.bin"]["xxh3_64"] = None
+        also(m)
+    return change
+
+
 HOSTILE = {
     # wrong types
     "unit-length-text": (lambda m: m["units"][0].__setitem__("length", "4096"), r"units\[0\]\.length must be"),
@@ -87,6 +111,28 @@ HOSTILE = {
     "chunk-misaligned": (lambda m: _swap(m)["chunks"][0].__setitem__(4, 1), r"multiples of their dtypes' sizes"),
     "memory-unlisted": (lambda m: m["files"].__delitem__("memory.pt"), r"files lists no memory\.pt"),
     "keys-missing": (lambda m: _swap(m).__setitem__("keys", []), r"keys must be the state of an Adam parameter"),
+    # a unit's checksum in pieces: the piece size the engine could have used, with a checksum
+    "pieces-negative": (lambda m: m["units"][0].__setitem__("pieces", -4096), r"units\[0\]\.pieces must be a piece"),
+    "pieces-zero": (lambda m: m["units"][0].__setitem__("pieces", 0), r"units\[0\]\.pieces must be a piece size"),
+    "pieces-huge": (lambda m: m["units"][0].__setitem__("pieces", 1 << 40), r"units\[0\]\.pieces must be a piece"),
+    "pieces-unaligned": (lambda m: m["units"][0].__setitem__("pieces", 5000), r"units\[0\]\.pieces must be"),
+    "pieces-text": (lambda m: m["units"][0].__setitem__("pieces", "1048576"), r"units\[0\]\.pieces must be"),
+    "pieces-bool": (lambda m: m["units"][0].__setitem__("pieces", True), r"units\[0\]\.pieces must be"),
+    "pieces-float": (lambda m: m["units"][0].__setitem__("pieces", 4096.0), r"units\[0\]\.pieces must be"),
+    "pieces-no-digest": (lambda m: (m["units"][0].__setitem__("pieces", 4096), m["units"][0].pop("xxh3_64")),
+                         r"units\[0\]\.xxh3_64 is missing"),
+    # a data file without a checksum of its own: only state.bin, and only where its units' cover it
+    "digest-null-memory": (lambda m: m["files"]["memory.pt"].__setitem__("xxh3_64", None),
+                           r"files\['memory\.pt'\]\.xxh3_64 must be a string \(only state\.bin's may be null\)"),
+    "digest-missing": (lambda m: m["files"]["state.bin"].pop("xxh3_64"), r"files\['state\.bin'\]\.xxh3_64 is missing"),
+    "digest-null-gap": (_null_state_digest(lambda m: m["units"][1].__setitem__("offset", m["units"][1]["offset"]
+                                                                                 + 4096)),
+                        r"units\[1\]\.offset must be \d+, where the unit before it ends"),
+    "digest-null-tail": (_null_state_digest(lambda m: m["files"]["state.bin"].__setitem__(
+        "bytes", m["files"]["state.bin"]["bytes"] + 4096)),
+        r"files\['state\.bin'\]\.bytes must be \d+, where its last"),
+    "digest-null-unit": (_null_state_digest(lambda m: m["units"][0].pop("xxh3_64")),
+                         r"units\[0\]\.xxh3_64 is missing \(files\['state\.bin'\] has no xxh3_64"),
     # names outside the checkpoint directory
     "file-dotdot": (_set_file("state.bin", "../outside/state.bin"), r"file must be a file name inside"),
     "file-absolute": (_set_file("memory.pt", "/etc/passwd"), r"file must be a file name inside"),
@@ -292,3 +338,65 @@ def test_verify_refuses_a_model_tensor_that_model_pt_does_not_hold_as_recorded(t
     _edit(directory, lambda m: m["model"]["tensors"][0].__setitem__("shape", [2, 16]))
     with pytest.raises(ckpt.CheckpointError, match=r"model\.pt does not hold 'weight' as the manifest records"):
         ckpt.verify_checkpoint(directory)
+
+
+def test_units_checksummed_in_pieces_verify_load_and_a_flipped_byte_is_refused(tmp_path, saved):
+    """A checkpoint whose units carry the engine's checksum in pieces and whose state.bin has none of its own
+    (as a clone save writes it) reads back equal through to_json and parse, verifies and loads bit for bit
+    like the same checkpoint with plain checksums; a byte flipped in a unit's state or padding is refused by
+    verify and load with a ChecksumError naming state.bin, the unit and the piece size."""
+    plain, pieces = tmp_path / "plain", tmp_path / "pieces"
+    shutil.copytree(saved, plain)
+    shutil.copytree(saved, pieces)
+    in_pieces(pieces)
+    manifest = read(str(pieces))
+    assert Manifest.parse(manifest.to_json(), "", root=manifest.root) == manifest
+    assert manifest.files["state.bin"].xxh3_64 is None and {u.pieces for u in manifest.units} == {3 * 4096}
+    ckpt.verify_checkpoint(pieces)
+    states = []
+    for directory in (plain, pieces):
+        params = make_params(seed=7)
+        opt = OffloadedAdamW(params, lr=1e-2, nvme_path=tmp_path / f"nvme-{directory.name}", **SMALL)
+        try:
+            ckpt.load_checkpoint(opt, directory)
+            states.append(opt.state_dict())
+        finally:
+            opt.close()
+    assert_same_state(*states)
+    units = ckpt.read_manifest(pieces)["units"]
+    i = next(k for k, u in enumerate(units) if u["nbytes"] < u["length"])
+    for at in (units[i]["offset"] + units[i]["nbytes"] // 2, units[i]["offset"] + units[i]["nbytes"]):
+        bad = tmp_path / f"bad-{at}"
+        shutil.copytree(pieces, bad)
+        with open(ckpt_file(bad, "state.bin"), "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x80]))
+        message = rf"state\.[0-9a-f]+\.bin: bytes \[{units[i]['offset']}, .*unit {i}.*in 12288-byte pieces"
+        with pytest.raises(ckpt.ChecksumError, match=message):
+            ckpt.verify_checkpoint(bad)
+        params = make_params(seed=7)
+        opt = OffloadedAdamW(params, lr=1e-2, nvme_path=tmp_path / "nvme-bad", **SMALL)
+        try:
+            with pytest.raises(ckpt.ChecksumError, match=message):
+                ckpt.load_checkpoint(opt, bad)
+        finally:
+            opt.close()
+
+
+def test_a_unit_in_pieces_is_checked_whatever_parts_it_is_read_in(tmp_path, saved):
+    """read_verified checks the engine's form of a unit read through buffers smaller than the unit, whose parts
+    do not line up with its pieces (16 KiB parts, 12 KiB pieces), and one of a unit read whole, alike."""
+    directory = tmp_path / "c"
+    shutil.copytree(saved, directory)
+    in_pieces(directory)
+    manifest = read(str(directory))
+    assert max(u.length for u in manifest.units) > 16 * 1024
+    engine = Engine()
+    try:
+        for size in (16 * 1024, max(u.length for u in manifest.units)):
+            with BufferPool(3, size) as pool:
+                read_verified(engine, manifest.sized_path("state.bin"), unit_spans(manifest), list(pool), None)
+    finally:
+        engine.close()

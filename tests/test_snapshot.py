@@ -8,6 +8,8 @@ import copy
 import os
 import shutil
 import subprocess
+import sys
+import threading
 import time
 
 import pytest
@@ -16,6 +18,9 @@ from helpers import assert_same_state, ckpt_file
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
+from offload.aio import Engine, PieceDigest
+from offload.checkpoint import snapshot as snapshot_module
+from offload.checkpoint.storage import Storage
 from offload.units import GIB, MIB
 
 
@@ -80,22 +85,212 @@ def test_a_512_mib_state_snapshot_on_xfs_clones_extents_and_loads_bit_for_bit(xf
         opt.close()
 
 
-def test_a_clone_equals_a_streamed_save_byte_for_byte(xfs):
-    """On XFS a cloned state.bin (padding zeroed as a copy pads) is byte for byte the streamed one, and a
-    host-cache unit (not on disk) is streamed beside the clones."""
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (70_000, 300_001, 5000)]
+@pytest.mark.parametrize("host_cache", [256 * 1024, 0])
+def test_a_clone_equals_a_streamed_save_byte_for_byte(xfs, host_cache):
+    """On XFS a cloned state.bin is byte for byte the streamed one: the store zeroes a unit's padding as it
+    writes it, so a clone shares zeros where a copy pads with zeros, even for a unit whose first write came
+    from a pool buffer that had held a larger unit. A host-cache unit (not on disk) is streamed beside the
+    clones; cloned units carry the store's checksums."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (70_000, 70_000, 5000)]
     opt = OffloadedAdamW(params, lr=1e-3, nvme_path=str(xfs / "nvme"), buffer_size=256 * 1024, buffer_count=3,
-                         small_param_threshold=64, host_cache=256 * 1024)
+                         small_param_threshold=64, host_cache=host_cache)
     try:
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
+        for _ in range(2):
+            step(opt, params)
         ckpt.save_checkpoint(opt, xfs / "cloned")
         ckpt.save_checkpoint(opt, xfs / "streamed", snapshot="stream")
         a, b = ckpt.read_manifest(xfs / "cloned"), ckpt.read_manifest(xfs / "streamed")
-        assert a["snapshot"]["method"] == "clone+stream" and b["snapshot"]["method"] == "stream"
+        assert a["snapshot"]["method"] == ("clone+stream" if host_cache else "clone")
+        assert b["snapshot"]["method"] == "stream"
         assert open(ckpt_file(xfs / "cloned", "state.bin"), "rb").read() == \
             open(ckpt_file(xfs / "streamed", "state.bin"), "rb").read()
-        assert a["units"] == b["units"]
+        where = [{k: u[k] for k in ("offset", "length", "nbytes")} for u in a["units"]]
+        assert where == [{k: u[k] for k in ("offset", "length", "nbytes")} for u in b["units"]]
+        assert any(u["nbytes"] < u["length"] for u in a["units"])
+        taken = sum(1 for u in a["units"] if "pieces" in u)
+        assert (0 < taken < len(a["units"])) if host_cache else taken == len(a["units"])
+        assert all("pieces" not in u for u in b["units"])
+        ckpt.verify_checkpoint(xfs / "cloned")
+    finally:
+        opt.close()
+
+
+class ReadCounting(Storage):
+    """The save's own engine (the one that writes state.bin and would read it back), counting the bytes it
+    is asked to read."""
+
+    def __init__(self):
+        self.read = 0
+
+    def engine(self, aio):
+        engine = Engine(aio)
+        real = engine.read_async
+
+        def read_async(file, buffer, offset, nbytes=None, **kw):
+            self.read += buffer.nbytes if nbytes is None else nbytes
+            return real(file, buffer, offset, nbytes, **kw)
+
+        engine.read_async = read_async
+        return engine
+
+
+def trained(nvme, sizes=(70_000, 70_000, 5000), steps=2, **kw):
+    """An optimizer over parameters of ``sizes`` (units of 256 KiB, the last of each parameter padded), stepped
+    ``steps`` times."""
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    opt = OffloadedAdamW(params, lr=1e-3, nvme_path=nvme, buffer_size=256 * 1024, buffer_count=3,
+                         small_param_threshold=64, **kw)
+    for _ in range(steps):
+        step(opt, params)
+    return opt, params
+
+
+def step(opt, params) -> None:
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+
+def piece_digests(directory, units) -> list:
+    """Each unit's checksum in the engine's form, computed here from state.bin's bytes."""
+    data = open(ckpt_file(directory, "state.bin"), "rb").read()
+    out = []
+    for u in units:
+        d = PieceDigest(u["pieces"])
+        d.update(data[u["offset"]:u["offset"] + u["length"]])
+        out.append(d.hexdigest())
+    return out
+
+
+def test_an_asynchronous_clone_takes_the_stores_checksums_at_the_call_and_reads_nothing_back(xfs, monkeypatch):
+    """An asynchronous clone save records, per unit, the checksum the store kept of its last write, as it was
+    at the call (a step taken before the save's thread runs changes the store's, not the checkpoint's): the
+    save reads nothing back (neither state.bin nor the swap file), state.bin has no checksum of its own, each
+    unit's checksum is the engine's form of its bytes in state.bin, and the checkpoint verifies and loads to
+    the state of the call bit for bit."""
+    opt, params = trained(str(xfs / "nvme"))
+    try:
+        store = opt.state_store
+        store.drain()  # the step's last writes land (as the save lets them first)
+        units = [u for u in store.layout.units if any(c.slot.initialized for c in u.chunks)]
+        at_call = [f"{store.landed_digest(u)[0]:016x}" for u in units]
+        expected = copy.deepcopy(opt.state_dict())
+        go = threading.Event()
+        real_run = snapshot_module.StateCopy.run
+        monkeypatch.setattr(snapshot_module.StateCopy, "run",
+                            lambda self, *a: (go.wait(30), real_run(self, *a))[1])
+        from_store = []
+        real_read_unit = store.read_unit
+        monkeypatch.setattr(store, "read_unit", lambda *a: (from_store.append(a), real_read_unit(*a))[1])
+        counting = ReadCounting()
+        handle = ckpt.save_checkpoint(opt, xfs / "c", blocking=False, snapshot="reflink", storage=counting)
+        step(opt, params)  # before the save's thread runs: overwrites the swap extents the clone shares
+        store.drain()
+        assert [f"{store.landed_digest(u)[0]:016x}" for u in units] != at_call
+        go.set()
+        handle.wait()
+        assert counting.read == 0 and from_store == []
+        manifest = ckpt.read_manifest(xfs / "c")
+        assert manifest["snapshot"]["method"] == "clone"
+        assert manifest["files"]["state.bin"]["xxh3_64"] is None
+        got = manifest["units"]
+        assert [u["xxh3_64"] for u in got] == at_call == piece_digests(xfs / "c", got)
+        assert {u["pieces"] for u in got} == {opt.config.aio.block_size}
+        assert any(u["nbytes"] < u["length"] for u in got)  # a padded unit: the padding is in its checksum
+        ckpt.verify_checkpoint(xfs / "c")
+        ckpt.mirror_checkpoint(xfs / "c", xfs / "m")  # verified as it is copied, in the same form
+        assert ckpt.read_manifest(xfs / "m")["units"] == got
+        ckpt.load_checkpoint(opt, xfs / "m")
+        assert_same_state(expected, opt.state_dict())
+    finally:
+        opt.close()
+
+
+@pytest.mark.parametrize("where", ["state", "padding"])
+def test_a_flipped_byte_in_a_cloned_unit_is_refused_by_load_and_verify(xfs, where):
+    """A byte changed in a unit that a clone save took the store's checksum of (in its state, or in its
+    padding, which the checksum covers too) is refused by verify_checkpoint, offload-ckpt verify,
+    load_checkpoint and a mirror (nothing committed there) with a ChecksumError naming state.bin and the unit;
+    put back, the checkpoint verifies."""
+    opt, params = trained(str(xfs / "nvme"))
+    try:
+        ckpt.save_checkpoint(opt, xfs / "c", snapshot="reflink")
+        units = ckpt.read_manifest(xfs / "c")["units"]
+        i = next(k for k, u in enumerate(units) if u["nbytes"] < u["length"])  # a padded unit
+        u = units[i]
+        assert u.get("pieces")
+        at = u["offset"] + (u["nbytes"] // 2 if where == "state" else u["nbytes"] + 1)
+        path = ckpt_file(xfs / "c", "state.bin")
+        fd = os.open(path, os.O_RDWR)
+        try:
+            old = os.pread(fd, 1, at)
+            os.pwrite(fd, bytes([old[0] ^ 0x10]), at)
+            os.fsync(fd)
+            message = rf"state\.[0-9a-f]+\.bin: bytes \[{u['offset']}, .*unit {i}"
+            with pytest.raises(ckpt.ChecksumError, match=message):
+                ckpt.verify_checkpoint(xfs / "c")
+            cli = subprocess.run([sys.executable, "-m", "offload.ckpt_cli", "verify", str(xfs / "c")],
+                                 capture_output=True, text=True)
+            assert cli.returncode == 1 and f"unit {i}" in cli.stdout + cli.stderr
+            with pytest.raises(ckpt.ChecksumError, match=message):
+                ckpt.load_checkpoint(opt, xfs / "c")
+            with pytest.raises(ckpt.ChecksumError, match=rf"unit {i}"):
+                ckpt.mirror_checkpoint(xfs / "c", xfs / "m")
+            assert not os.path.exists(xfs / "m" / "manifest.json")
+            os.pwrite(fd, old, at)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        ckpt.verify_checkpoint(xfs / "c")
+    finally:
+        opt.close()
+
+
+def test_a_clone_without_the_stores_checksums_reads_state_bin_back_and_verifies(xfs):
+    """With checksums off (nothing recorded to reuse), a clone save reads every unit back and hashes it as
+    before: units without a piece size, state.bin's own checksum; it verifies, and a flipped byte is caught."""
+    opt, params = trained(str(xfs / "nvme"), checksum=False)
+    try:
+        counting = ReadCounting()
+        ckpt.save_checkpoint(opt, xfs / "c", snapshot="reflink", storage=counting)
+        manifest = ckpt.read_manifest(xfs / "c")
+        assert manifest["snapshot"]["method"] == "clone"
+        assert counting.read == manifest["files"]["state.bin"]["bytes"]
+        assert manifest["files"]["state.bin"]["xxh3_64"] is not None
+        assert all("pieces" not in u for u in manifest["units"])
+        ckpt.verify_checkpoint(xfs / "c")
+        path = ckpt_file(xfs / "c", "state.bin")
+        with open(path, "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 1]))
+        with pytest.raises(ckpt.ChecksumError, match=r"unit 0"):
+            ckpt.verify_checkpoint(xfs / "c")
+    finally:
+        opt.close()
+
+
+def test_units_striped_over_two_swap_files_are_read_back_the_others_take_the_stores_checksums(xfs):
+    """Swap files on two paths, striped in 128 KiB: a unit that lies on one file has one checksum from the
+    store and is not read back; a unit striped over both (a checksum per file) is read back and hashed. The
+    mixed checkpoint verifies and loads bit for bit."""
+    nvme = [str(xfs / "n0"), str(xfs / "n1")]
+    opt, params = trained(nvme, sizes=(70_000, 5000, 3000), config={"aio": {"block_size": "128KiB"}})
+    try:
+        expected = copy.deepcopy(opt.state_dict())
+        counting = ReadCounting()
+        ckpt.save_checkpoint(opt, xfs / "c", snapshot="reflink", storage=counting)
+        manifest = ckpt.read_manifest(xfs / "c")
+        units = manifest["units"]
+        taken = [u for u in units if "pieces" in u]
+        walked = [u for u in units if "pieces" not in u]
+        assert taken and walked, units
+        assert counting.read == sum(u["length"] for u in walked)
+        assert manifest["files"]["state.bin"]["xxh3_64"] is None
+        assert [u["xxh3_64"] for u in taken] == piece_digests(xfs / "c", taken)
+        ckpt.verify_checkpoint(xfs / "c")
+        ckpt.load_checkpoint(opt, xfs / "c")
+        assert_same_state(expected, opt.state_dict())
     finally:
         opt.close()

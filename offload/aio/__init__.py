@@ -9,7 +9,18 @@ from .append import AppendFile
 from .engine import HAVE_IO_URING, HAVE_XXHASH, Engine
 from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
 from .files import AioFile, create_private, fsync_path, open_file, unlink_if_same, wrap_fd
-from .futures import READ, WRITE, CheckedRead, CompletedFuture, Future, FutureGroup, Segment, hex_digest, wait_quietly
+from .futures import (
+    READ,
+    WRITE,
+    CheckedRead,
+    CompletedFuture,
+    Future,
+    FutureGroup,
+    PieceDigest,
+    Segment,
+    hex_digest,
+    wait_quietly,
+)
 from .gds import gds_status, warn_use_gds
 
 __all__ = [
@@ -26,6 +37,7 @@ __all__ = [
     "Engine",
     "Future",
     "FutureGroup",
+    "PieceDigest",
     "Segment",
     "open_file",
     "unlink_if_same",

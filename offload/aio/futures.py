@@ -30,18 +30,75 @@ class Segment(NamedTuple):
     nbytes: int
 
 
+class PieceDigest:
+    """The engine's checksum of bytes cut into pieces, computed as they pass: the xxh3_64 of the sequence of
+    the pieces' xxh3_64 (each piece ``block_size`` bytes of a segment, a segment's last one shorter) as
+    64-bit little-endian words. A request submitted with ``digest=True`` gets this over its segments in
+    order; a checkpoint records it for bytes it took from such a request without reading them.
+
+    Feed each segment's bytes in order with :meth:`update` (in parts of any size), and call
+    :meth:`end_segment` where a segment ends (its last piece may be short).
+    """
+
+    def __init__(self, block_size: int):
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive number of bytes, got {block_size!r}")
+        self.block_size = block_size
+        self._folded = xxhash.xxh3_64()
+        self._piece = xxhash.xxh3_64()
+        self._filled = 0  # bytes of the current piece seen so far
+
+    def update(self, data) -> None:
+        """The next bytes of the current segment (anything with the buffer protocol, or a HostBuffer's
+        numpy view)."""
+        view = memoryview(data).cast("B")
+        pos, end = 0, len(view)
+        while pos < end:
+            take = min(self.block_size - self._filled, end - pos)
+            if self._filled == 0 and take == self.block_size:  # a whole piece at once
+                self._fold(xxhash.xxh3_64_intdigest(view[pos:pos + take]))
+            else:
+                self._piece.update(view[pos:pos + take])
+                self._filled += take
+                if self._filled == self.block_size:
+                    self._fold(self._piece.intdigest())
+                    self._piece.reset()
+                    self._filled = 0
+            pos += take
+
+    def end_segment(self) -> None:
+        """The current segment ends: its last, shorter piece (if any) is folded in."""
+        if self._filled:
+            self._fold(self._piece.intdigest())
+            self._piece.reset()
+            self._filled = 0
+
+    def intdigest(self) -> int:
+        """The checksum of every segment so far (the current one ended where it is)."""
+        folded = self._folded.copy()
+        if self._filled:
+            folded.update(self._piece.intdigest().to_bytes(8, "little"))
+        return folded.intdigest()
+
+    def hexdigest(self) -> str:
+        """:meth:`intdigest` as 16 hexadecimal digits, as ``xxhash``'s ``hexdigest`` writes an xxh3_64."""
+        return f"{self.intdigest():016x}"
+
+    def _fold(self, piece: int) -> None:
+        self._folded.update(piece.to_bytes(8, "little"))
+
+
 def segments_digest(segments: Sequence[Segment], block_size: int) -> int:
-    """What the engine computes for a request submitted with ``digest=True``: the xxh3_64 of the sequence
-    of its pieces' xxh3_64 (each piece ``block_size`` bytes of a segment, a segment's last one shorter) as
-    64-bit little-endian words. Computed here, in Python, where the engine was built without libxxhash."""
-    folded = xxhash.xxh3_64()
+    """What the engine computes for a request submitted with ``digest=True`` (a :class:`PieceDigest` of its
+    segments' bytes, in order). Computed here, in Python, where the engine was built without libxxhash."""
+    digest = PieceDigest(block_size)
     for s in segments:
         b = s.buffer
         data = (b.tensor[s.buffer_offset:s.buffer_offset + s.nbytes].numpy() if hasattr(b, "tensor")  # HostBuffer
                 else memoryview(b).cast("B")[s.buffer_offset:s.buffer_offset + s.nbytes])
-        for pos in range(0, s.nbytes, block_size):
-            folded.update(xxhash.xxh3_64_intdigest(data[pos:pos + block_size]).to_bytes(8, "little"))
-    return folded.intdigest()
+        digest.update(data)
+        digest.end_segment()
+    return digest.intdigest()
 
 
 def _io_error(err: int, op: int, path: str, offset: int) -> OSError:

@@ -33,7 +33,8 @@ from .workload import TENSOR_ELEMENTS, synthetic_params
 JSON_KEYS = ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s",
              "fio_write_gib_s", "fio_read_gib_s")
 ASYNC_JSON_KEYS = ("state_bytes", "iteration_s", "iteration_async_save_s", "iteration_blocking_save_s",
-                   "async_vs_none", "blocking_vs_none", "snapshot_s", "snapshot_method")
+                   "async_vs_none", "blocking_vs_none", "snapshot_s", "snapshot_method", "iteration_window_s",
+                   "window_vs_none", "async_save_alone_s")
 
 
 def add_parser(sub: argparse._SubParsersAction,
@@ -261,6 +262,10 @@ def _calibrated_compute(ms: int):
 # NOTE: one run, three phases on the same optimizer, so the figures compare: iterations with no save,
 # iterations while an asynchronous save started every --iterations iterations is in flight (the one
 # that starts it included: the call's snapshot is part of it), and iterations that do a blocking save.
+# "In flight" counts only the iterations that start before the save commits, so a save that ends sooner
+# is judged on fewer, costlier iterations (the first step after a clone overwrites every shared block);
+# the window (the call's iteration and the --iterations - 1 after it, whatever the save does) compares
+# saves that end at different times, and the save alone (call to commit, no training) is its own time.
 # An iteration is the compute stand-in then optimizer.step() over the whole state (every parameter
 # has a grad). The snapshot time is the asynchronous call's own: a clone of the extents where the
 # checkpoint directory is on the swap files' XFS or btrfs, else the copy of what is in memory.
@@ -290,7 +295,7 @@ def _run_loop(args, cfg, paths, scratch) -> int:
     try:
         iteration()  # creates the state
         plain = [iteration() for _ in range(n * args.repeat)]
-        during, snapshots, method = [], [], None
+        during, window, snapshots, method = [], [], [], None
         for k in range(args.repeat):
             t = time.perf_counter()
             compute()
@@ -299,13 +304,20 @@ def _run_loop(args, cfg, paths, scratch) -> int:
             handle = ckpt.save_checkpoint(opt, os.path.join(scratch, f"async-{k % 2}"), blocking=False)
             snapshots.append(time.perf_counter() - c)
             during.append(time.perf_counter() - t)
+            window.append(during[-1])
             for _ in range(n - 1):
                 busy = not handle.done()
                 took = iteration()
+                window.append(took)
                 if busy:
                     during.append(took)
             handle.wait()
             method = ckpt.read_manifest(handle.directory)["snapshot"]["method"]
+        alone = []  # the save from the call to its commit, with no training beside it
+        for k in range(args.repeat):
+            c = time.perf_counter()
+            ckpt.save_checkpoint(opt, os.path.join(scratch, f"async-{k % 2}"), blocking=False).wait()
+            alone.append(time.perf_counter() - c)
         blocking = []
         for k in range(args.repeat):
             t = time.perf_counter()
@@ -328,6 +340,11 @@ def _run_loop(args, cfg, paths, scratch) -> int:
         "blocking_vs_none": statistics.mean(blocking) / base,
         "snapshot_s": statistics.median(snapshots),
         "snapshot_method": method,
+        "iteration_window_s": statistics.mean(window),
+        "window_vs_none": statistics.mean(window) / base,
+        "async_save_alone_s": statistics.median(alone),
+        "iteration_window_s_runs": window,
+        "async_save_alone_s_runs": alone,
         "iterations_during_async_saves": len(during),
         "iteration_s_runs": plain,
         "iteration_async_save_s_runs": during,
@@ -339,8 +356,10 @@ def _run_loop(args, cfg, paths, scratch) -> int:
     print(report.table(["", "iteration", "vs no save"], [
         ["no save", f"{base:.3f} s", "1.00x"],
         ["async save in flight", f"{result['iteration_async_save_s']:.3f} s", f"{result['async_vs_none']:.2f}x"],
+        ["the call and the next ones", f"{result['iteration_window_s']:.3f} s", f"{result['window_vs_none']:.2f}x"],
         ["blocking save", f"{result['iteration_blocking_save_s']:.3f} s", f"{result['blocking_vs_none']:.2f}x"],
         ["snapshot (the call)", f"{result['snapshot_s']:.3f} s", f"state.bin by {method}"],
+        ["async save alone, call to commit", f"{result['async_save_alone_s']:.3f} s", "no training beside it"],
     ]))
     if args.json:
         report.write_json(args.json, result)

@@ -28,6 +28,7 @@ from ..units import ALIGNMENT, round_up
 from .fields import (
     Entry,
     bare_name,
+    check_value,
     count,
     dtype_value,
     fail,
@@ -77,7 +78,9 @@ class FileEntry(Entry):
     wrote each file under its fixed name and recorded none)."""
 
     bytes: int = json_field(count, required=True)
-    xxh3_64: str = json_field(string, required=True)
+    # Null only for state.bin whose units' checksums cover the whole file (see Manifest.check): a clone
+    # takes them from the optimizer's store, and no pass over the file in order computes its own.
+    xxh3_64: Optional[str] = json_field(maybe(string), required=True, null=True)
     file: Optional[str] = json_field(bare_name, None)
 
     def on_disk(self, name: str) -> str:
@@ -90,24 +93,40 @@ def _files(value: Any, name: str) -> dict:
     for key in value:
         if key not in FILE_NAMES:
             fail(f"{name}[{key!r}]", "one of the format's files (" + ", ".join(FILE_NAMES) + ")", key)
-    return {key: FileEntry.parse(v, f"{name}[{key!r}]") for key, v in value.items()}
+    entries = {key: FileEntry.parse(v, f"{name}[{key!r}]") for key, v in value.items()}
+    for key, entry in entries.items():
+        if entry.xxh3_64 is None and key != DATA:
+            fail(f"{name}[{key!r}].xxh3_64", f"a string (only {DATA}'s may be null)", None)
+    return entries
+
+
+# The engine's piece sizes (aio.block_size): a multiple of 4096 from 4 KiB to 1 GiB.
+PIECE_MIN, PIECE_MAX = 4096, 1 << 30
+piece_size = check_value(f"a piece size: a multiple of {PIECE_MIN} from {PIECE_MIN} to {PIECE_MAX}",
+                         lambda v: isinstance(v, int) and not isinstance(v, bool) and PIECE_MIN <= v <= PIECE_MAX
+                         and v % PIECE_MIN == 0)
 
 
 @dataclass(frozen=True)
 class Unit(Entry):
-    """A unit of state.bin: ``length`` bytes (padded) at ``offset``, ``nbytes`` of them state, and their
-    xxh3_64 over the padded length."""
+    """A unit of state.bin: ``length`` bytes (padded with zeros) at ``offset``, ``nbytes`` of them state, and
+    a checksum of all ``length`` bytes: their xxh3_64, or with ``pieces`` the engine's checksum
+    (:class:`offload.aio.PieceDigest`): the xxh3_64 of the xxh3_64s of consecutive ``pieces``-byte pieces
+    of them (the last one shorter), as 64-bit little-endian words."""
 
     offset: int = json_field(count, required=True)
     length: int = json_field(count, required=True)
     nbytes: Optional[int] = json_field(count, None)
     xxh3_64: Optional[str] = json_field(string, None)
+    pieces: Optional[int] = json_field(piece_size, None)
 
     def check(self, name: str) -> None:
         if self.offset % ALIGNMENT or self.length % ALIGNMENT:
             fail(name, f"a range aligned to {ALIGNMENT} bytes", self.to_json())
         if self.nbytes is not None and self.nbytes > self.length:
             fail(f"{name}.nbytes", f"at most its length {self.length}", self.nbytes)
+        if self.pieces is not None:
+            self.require(name, "xxh3_64")
 
 
 @dataclass(frozen=True)
@@ -318,6 +337,8 @@ class Manifest(Entry):
         for i, u in enumerate(self.units):
             if u.offset + u.length > data.bytes:
                 fail(f"units[{i}]", f"a range within {DATA}'s {data.bytes} bytes", u.to_json())
+        if data is not None and data.xxh3_64 is None:
+            self._check_tiled(data.bytes)
         for i, p in enumerate(self.params):
             if p.index != i:
                 fail(f"params[{i}].index", f"{i} (its place in the list)", p.index)
@@ -355,6 +376,22 @@ class Manifest(Entry):
                       t.to_json())
         for n in self.files:
             self.path(n, must_exist=False)
+
+    def _check_tiled(self, size: int) -> None:
+        """state.bin without a checksum of its own: its units' checksums must cover every byte of it, so
+        the units must lie back to back from byte 0 to its end, each with a checksum."""
+        pos = 0
+        for i, u in enumerate(self.units):
+            if u.xxh3_64 is None:
+                raise CheckpointError(f"manifest field units[{i}].xxh3_64 is missing (files[{DATA!r}] has no "
+                                      "xxh3_64 of its own: every unit's checksum must cover it)")
+            if u.offset != pos:
+                fail(f"units[{i}].offset", f"{pos}, where the unit before it ends (files[{DATA!r}] has no xxh3_64 "
+                     "of its own: its units must cover it back to back)", u.offset)
+            pos += u.length
+        if pos != size:
+            fail(f"files[{DATA!r}].bytes", f"{pos}, where its last unit ends (it has no xxh3_64 of its own: its "
+                 "units must cover it)", size)
 
     def path(self, name: str, *, must_exist: bool = True) -> str:
         """The path of the format's file ``name`` in this checkpoint: in its directory, under the name its

@@ -93,7 +93,9 @@ _PENDING, _READING, _CAPTURING, _IN_FILE = range(4)
 # to state.bin, and a unit being read is waited for (that unit alone). The save's thread goes
 # through the units in file order: it reads pending ones from the store and writes them, and reads
 # back those in file, so that every unit's checksum and the file's are computed in order, and what
-# the guard wrote is checked. A blocking save is the same walk with no guard, through the
+# the guard wrote is checked. A unit cloned with the checksum the store recorded of its last write
+# (taken at the clone) is not read back at all: its checksum is that one, in the engine's form, and
+# state.bin then has none of its own. A blocking save is the same walk with no guard, through the
 # optimizer's own pool.
 class StateCopy:
     """state.bin of one save: offsets, what each unit's bytes are doing, the clone, the walk and the guard."""
@@ -113,6 +115,9 @@ class StateCopy:
         # do (a step reads such a unit; load_state_dict resets them all and then does not read).
         self.had_state = [[c.slot for c in u.chunks if c.slot.initialized] for u in self.units]
         self.digests = [""] * n
+        # Per unit, the piece size of a checksum taken from the store at the clone (the engine's, of the
+        # bytes the clone shared); None: the walk hashes the unit as it passes.
+        self.pieces: list = [None] * n
         tier = store.tier
         self.on_disk = sum(1 for u in self.units if u.extent is not None and not (tier and tier.resident(u)))
         self.cloned = self.cloned_bytes = 0
@@ -154,6 +159,11 @@ class StateCopy:
             for i, u in enumerate(self.units):
                 if u.extent is None or (tier and tier.resident(u)):
                     continue  # resident: its bytes are in memory, copied by the walk
+                # What the store knows of the bytes about to be shared, taken now: no write is in flight
+                # and no step runs until the call returns, so it is the checksum of exactly these bytes.
+                known = self.store.landed_digest(u)
+                if known is not None and known[2] != self.lengths[i]:
+                    known = None  # the swap space's alignment is not the checkpoint's: not the same bytes
                 for path, offset, within, n in space.file_ranges(u.extent, self.lengths[i]):
                     if not clone_range(sources[path], offset, n, self.file.fd, self.offsets[i] + within):
                         self.why_not = "the file system cannot clone these extents (no reflink)"
@@ -161,7 +171,11 @@ class StateCopy:
                     if not self.cloned:
                         self._check_room(need)
                 gap = self.lengths[i] - u.nbytes
-                if gap:
+                if known is not None:
+                    # The store zeroes a unit's padding as it writes it, so the clone is what a copy
+                    # writes; the checksum is of the bytes shared, padding included.
+                    self.digests[i], self.pieces[i] = f"{known[0]:016x}", known[1]
+                elif gap:
                     os.pwrite(pad, bytes(gap), self.offsets[i] + u.nbytes)  # as a copy pads: zeros
                 self.state[i] = _IN_FILE
                 self.issued[i].set()
@@ -264,8 +278,11 @@ class StateCopy:
 
     def run(self, buffers: Sequence, bar) -> dict:
         """Put every unit not in state.bin yet there, hash the file in order, fsync; returns the file's
-        entry and the units' table (as ``stream.write_data``)."""
-        whole = xxhash.xxh3_64()
+        entry and the units' table (as ``stream.write_data``). Units whose checksum was taken from the store
+        at the clone are not read back; the file then has no checksum of its own (its units' cover it)."""
+        walk = [i for i in range(len(self.units)) if self.pieces[i] is None]
+        whole = xxhash.xxh3_64() if len(walk) == len(self.units) else None
+        bar.update(sum(self.lengths[i] for i in range(len(self.units)) if self.pieces[i] is not None))
         from_store = [False] * len(self.units)
 
         def read(i: int, buf):
@@ -302,7 +319,8 @@ class StateCopy:
                 raise ChecksumError(f"{self.path}: bytes [{self.offsets[i]}, {self.offsets[i] + length}) read back "
                                     f"have xxh3_64 {digest}, {self.expected[i]} was written there")
             self.digests[i] = digest
-            whole.update(data)
+            if whole is not None:
+                whole.update(data)
             bar.update(length)
             return from_store[i]
 
@@ -310,10 +328,11 @@ class StateCopy:
             return self.engine.write_async(self.file, buf, self.offsets[i], self.lengths[i])
 
         self.data.register(buffers)
-        stream(range(len(self.units)), list(buffers), read=read, process=process, write=write)
+        stream(walk, list(buffers), read=read, process=process, write=write)
         self.data.storage.fsync(self.file.fd, self.path)
-        table = [Unit(o, n, u.nbytes, d) for u, o, n, d in zip(self.units, self.offsets, self.lengths, self.digests)]
-        return {"bytes": self.total, "xxh3_64": whole.hexdigest()}, table
+        table = [Unit(o, n, u.nbytes, d, k) for u, o, n, d, k in
+                 zip(self.units, self.offsets, self.lengths, self.digests, self.pieces)]
+        return {"bytes": self.total, "xxh3_64": whole.hexdigest() if whole is not None else None}, table
 
     def close(self) -> None:
         """Stop guarding (waiting for a guard call under way), let the guard's writes land, release all."""

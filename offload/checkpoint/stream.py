@@ -14,7 +14,7 @@ import torch
 import xxhash
 from tqdm import tqdm
 
-from ..aio import CompletedFuture, Engine
+from ..aio import CompletedFuture, Engine, PieceDigest
 from ..buffers import BufferPool
 from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
@@ -222,7 +222,8 @@ def write_data(staged, aio: AioConfig, buffers: Sequence, units: Sequence, *, re
 @dataclass(frozen=True)
 class Span:
     """``length`` bytes at ``offset`` of a data file whose first ``nbytes`` have xxh3_64 ``xxh3_64``
-    (None: unchecked); ``what`` names them in an error (``"bytes [a, b) (unit 3, ...) have"``)."""
+    (None: unchecked), or with ``pieces`` the engine's checksum of them in pieces of that size
+    (:class:`offload.aio.PieceDigest`); ``what`` names them in an error (``"bytes [a, b) (unit 3, ...) have"``)."""
 
     offset: int
     length: int
@@ -230,24 +231,30 @@ class Span:
     xxh3_64: Optional[str]
     what: str
     key: Any = None
+    pieces: Optional[int] = None
+
+    def hasher(self):
+        """A fresh hasher of this span's form (``update``, ``hexdigest``)."""
+        return xxhash.xxh3_64() if self.pieces is None else PieceDigest(self.pieces)
 
 
-def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Sequence, whole: str, *,
+def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Sequence, whole: Optional[str], *,
                   sink: Optional[Callable[[Span, int, Any], None]] = None,
                   write: Optional[Callable[[Span, Any], Any]] = None) -> None:
     """Read ``spans`` of the data file ``path`` through ``buffers`` (in parts where a span is longer than
-    a buffer), check each span's checksum and then ``whole``, the file's (its spans must cover it).
-    ``sink(span, start, bytes)`` gets a span's bytes (its first ``nbytes``) as they pass, checked only
-    once its last part is in; with ``write(span, buffer)`` (spans no longer than a buffer) each span is
-    written on, once checked.
+    a buffer), check each span's checksum and then ``whole``, the file's (its spans must cover it; None:
+    the file has none of its own, and the spans' checksums, which the manifest's checks make cover the
+    file, are all there is). ``sink(span, start, bytes)`` gets a span's bytes (its first ``nbytes``) as
+    they pass, checked only once its last part is in; with ``write(span, buffer)`` (spans no longer than
+    a buffer) each span is written on, once checked.
 
     Raises:
         ChecksumError: a span's checksum, or the file's, differs (the first named).
     """
     size = min(b.nbytes for b in buffers) // ALIGNMENT * ALIGNMENT
     parts = [(s, off, min(size, s.length - off)) for s in spans for off in range(0, s.length, size)]
-    hashes = {id(s): xxhash.xxh3_64() for s in spans}
-    file_hash = xxhash.xxh3_64()
+    hashes = {id(s): s.hasher() for s in spans}
+    file_hash = xxhash.xxh3_64() if whole is not None else None
     with engine.open(path, "r", no_links=True) as f:
         def read(part, buf):
             s, off, n = part
@@ -255,11 +262,13 @@ def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Seq
 
         def process(part, buf) -> bool:
             s, off, n = part
-            file_hash.update(buf.tensor[:n].numpy())
+            if file_hash is not None:
+                file_hash.update(buf.tensor[:n].numpy())
             real = buf.tensor[:max(0, min(n, s.nbytes - off))]
             hashes[id(s)].update(real.numpy())
             if off + n == s.length and s.xxh3_64 is not None and hashes[id(s)].hexdigest() != s.xxh3_64:
-                raise ChecksumError(f"{path}: {s.what} xxh3_64 {hashes[id(s)].hexdigest()}, the manifest says "
+                kind = "xxh3_64" if s.pieces is None else f"xxh3_64 (in {s.pieces}-byte pieces)"
+                raise ChecksumError(f"{path}: {s.what} {kind} {hashes[id(s)].hexdigest()}, the manifest says "
                                     f"{s.xxh3_64}; the checkpoint is corrupt, load an older one")
             if sink is not None:
                 sink(s, off, real)
@@ -267,7 +276,7 @@ def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Seq
 
         stream(parts, list(buffers), read=read, process=process,
                write=None if write is None else lambda part, buf: write(part[0], buf))
-    if file_hash.hexdigest() != whole:
+    if file_hash is not None and file_hash.hexdigest() != whole:
         raise ChecksumError(f"{path}: xxh3_64 is {file_hash.hexdigest()}, the manifest says {whole}")
 
 
@@ -275,7 +284,7 @@ def unit_spans(manifest) -> list[Span]:
     """A :class:`Span` per unit of ``manifest``'s state.bin, in order (``key``: the unit's index)."""
     return [Span(u.offset, u.length, u.length, u.xxh3_64,
                  f"bytes [{u.offset}, {u.offset + u.length}) (unit {i}, state of parameter(s) "
-                 f"{', '.join(str(p) for p in manifest.holders(i)) or 'none'}) have", i)
+                 f"{', '.join(str(p) for p in manifest.holders(i)) or 'none'}) have", i, u.pieces)
             for i, u in enumerate(manifest.units)]
 
 

@@ -197,7 +197,8 @@ def inspect_checkpoint(directory: str | os.PathLike) -> str:
                                                    "decoupled_weight_decay") if k in g)
         lines.append(f"group {gi}: {len(g['params'])} params; {hyper}")
     for name, f in sorted(m.files.items()):
-        lines.append(f"file {name}: {f.bytes} bytes, xxh3_64 {f.xxh3_64}")
+        digest = f"xxh3_64 {f.xxh3_64}" if f.xxh3_64 is not None else "checksums per unit (none of the whole file)"
+        lines.append(f"file {name}: {f.bytes} bytes, {digest}")
     return "\n".join(lines)
 
 

@@ -339,6 +339,21 @@ class StateStore:
             return None
         return self.moves.write(unit, buf)
 
+    def landed_digest(self, unit: Unit) -> Optional[tuple[int, int, int]]:
+        """What the store knows of ``unit``'s bytes on its extent without reading them: ``(xxh3_64, piece
+        size, length)``, the engine's checksum (:class:`offload.aio.PieceDigest` with that piece size) of the
+        first ``length`` bytes of the extent, the unit's bytes and zeros to the alignment, as its last write
+        put them there. None where that is not known in this one form: checksums off, no write yet (or
+        forgotten), a write still landing, a unit resident in host memory (its extent may be older), or
+        one striped over several swap files (a checksum per file). Call with no step running."""
+        if self.space is None or unit.extent is None or (self.tier is not None and self.tier.resident(unit)):
+            return None
+        digest = self.bytes.landed_digest(unit)
+        length = round_up(unit.nbytes, self.space.alignment)
+        if digest is None or len(digest) != 1 or len(self.space.file_ranges(unit.extent, length)) != 1:
+            return None
+        return digest[0], self.config.aio.block_size, length
+
     # -- introspection and lifetime -------------------------------------------------------------
 
     @property

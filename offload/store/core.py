@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 from ..aio import CheckedRead, hex_digest, wait_quietly
 from ..errors import StateError
 from ..space import Extent, SwapSpace
+from ..units import round_up
 
 __all__ = ["ByteStore", "Stored"]
 
@@ -132,10 +133,12 @@ class ByteStore:
 
     def write(self, stored: Stored, buffer, k: int = 0, *, landing: bool = False):
         """Start writing block ``k`` of ``stored`` from ``buffer``, recording the checksum of what it puts
-        on disk; returns the future. Call :meth:`land` first when the extent may have writes in flight.
+        on disk (the block's bytes, then zeros to the alignment: ``buffer``'s padding is zeroed first);
+        returns the future. Call :meth:`land` first when the extent may have writes in flight.
         ``landing``: the caller returns before it lands (see :meth:`collect_landed` and :meth:`drain`)."""
         ext, n = self.block(stored, k)
         keep = self.checksum and stored.digests is not None
+        _zero(buffer, n, round_up(n, self.space.alignment))
         fut = self.space.write(ext, buffer, nbytes=n, digest=keep)
         self.bytes_written += ext.nbytes
         stored.writes.append(fut)
@@ -146,6 +149,24 @@ class ByteStore:
         if landing:
             self._tail.append(fut)
         return fut
+
+    def landed_digest(self, stored: Stored, k: int = 0) -> Optional[tuple]:
+        """The checksum of block ``k``'s last write, if it is known and that write has landed: a tuple of
+        xxh3_64, one per swap file the block is striped over, each the engine's
+        (:class:`offload.aio.PieceDigest`) of the block's bytes on that file, padding to the alignment
+        included (:meth:`write` zeroes it). None without checksums, before a write, after
+        :meth:`forget_digests`, while the write is still landing, or if it failed."""
+        if not self.checksum or stored.digests is None or k >= len(stored.digests):
+            return None
+        source = stored.digests[k]
+        if source is None or isinstance(source, tuple):
+            return source
+        if not source.done():
+            return None
+        try:
+            return self._digest_of(stored, k, source)
+        except OSError:
+            return None  # the write failed: nothing is known of what is there
 
     def forget_digests(self, stored: Stored) -> None:
         """What is on disk is no longer known (it is about to be replaced): reads of it go unchecked."""
@@ -250,6 +271,17 @@ class ByteStore:
         if self.mismatch_fails:
             self.mark_failed(err)
         return err
+
+
+def _zero(buffer, start: int, end: int) -> None:
+    """Zero ``buffer``'s bytes ``[start, end)``: the padding a write sends after a block's bytes, so that
+    what lands on disk (and its checksum) depends on the block alone, never on stale bytes of the buffer."""
+    if end <= start:
+        return
+    if hasattr(buffer, "tensor"):  # a HostBuffer
+        buffer.tensor[start:end].zero_()
+    else:
+        memoryview(buffer).cast("B")[start:end] = bytes(end - start)
 
 
 def _first_error(futures) -> Optional[OSError]:
