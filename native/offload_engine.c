@@ -71,7 +71,8 @@ struct ofl_request {
     ofl_piece *pieces;
     int64_t pending;
     int64_t moved;
-    int64_t eof_at;            /* smallest request position where a read met end of file */
+    int64_t total;             /* bytes asked for */
+    int64_t eof_at;            /* smallest request position where a read met end of file (else total) */
     int error;
     int err_seg;
     int64_t err_offset;
@@ -153,6 +154,8 @@ struct ofl_engine {
 
 /* Testing hook: a non-zero errno makes every io_uring start fail with it (process-wide). */
 static int ofl_refuse_uring;
+/* Testing hook: non-zero makes engines made later hash without a thread of their own. */
+static int ofl_no_hasher;
 
 const char *ofl_version(void) { return OFL_VERSION; }
 
@@ -286,7 +289,7 @@ static void fold_if_hashed_locked(ofl_request *r)
     if (r->hashed || r->pending > 0 || r->hash_pending > 0)
         return;
     uint64_t d = 0;
-    int sound = r->op != OFL_OP_READ || (r->error == 0 && r->eof_at >= r->moved);
+    int sound = r->op != OFL_OP_READ || (r->error == 0 && r->eof_at == r->total && r->moved == r->total);
     r->has_digest = sound && request_hash(r, &d) == 0;
     r->digest = d;
     r->hashed = 1;
@@ -329,7 +332,11 @@ static void hash_enqueue_locked(ofl_engine *e, ofl_piece *p)
         e->hash_started = pthread_create(&e->hash_thread, NULL, hash_worker, e) == 0 ? 1 : -1;
     }
     if (e->hash_started < 0) {
-        p->h = piece_hash(p);
+        /* Outside the lock, as the hasher would: the request is not done, so its buffers stay. */
+        pthread_mutex_unlock(&e->mu);
+        uint64_t h = piece_hash(p);
+        pthread_mutex_lock(&e->mu);
+        p->h = h;
         return;
     }
     p->req->hash_pending++;
@@ -924,6 +931,8 @@ int ofl_engine_create(const ofl_config *cfg, ofl_engine **out)
         free(e);
         return -ENOMEM;
     }
+    if (__atomic_load_n(&ofl_no_hasher, __ATOMIC_ACQUIRE))
+        e->hash_started = -1;  /* as if the thread could not be created */
     e->live.next = e->live.prev = &e->live;
 
     int rc;
@@ -965,6 +974,11 @@ int ofl_test_refuse_io_uring(int err)
     if (err < 0)
         return -EINVAL;
     return __atomic_exchange_n(&ofl_refuse_uring, err, __ATOMIC_ACQ_REL);
+}
+
+int ofl_test_no_hasher(int on)
+{
+    return __atomic_exchange_n(&ofl_no_hasher, on != 0, __ATOMIC_ACQ_REL);
 }
 
 int ofl_engine_backend(ofl_engine *e) { return e ? e->backend : -EINVAL; }
@@ -1107,6 +1121,7 @@ int ofl_engine_submit_flags(ofl_engine *e, int op, ofl_segment *segs, int nsegs,
         }
         total += segs[i].len;
     }
+    r->total = total;
     r->eof_at = total;
 
     /*

@@ -80,6 +80,13 @@ int ofl_engine_fallback_reason(ofl_engine *e);
  */
 int ofl_test_refuse_io_uring(int err);
 
+/*
+ * Testing hook, process-wide: with on != 0 engines created later never start a hasher thread and hash
+ * on the threads that complete or submit requests instead (as when the thread cannot be created).
+ * Returns the previous value.
+ */
+int ofl_test_no_hasher(int on);
+
 /* Register host buffers as fixed buffers with every ring. -EBUSY while requests are live. */
 int ofl_engine_register_buffers(ofl_engine *e, void **addrs, int64_t *lens, int count);
 

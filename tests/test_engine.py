@@ -128,32 +128,56 @@ def test_digests_of_a_write_and_a_read_of_the_same_bytes_agree_and_catch_a_flipp
             e.submit(READ, back).digest()
 
 
+@pytest.fixture(params=["hasher", "no-hasher"])
+def hasher(request):
+    """Engines made in the test hash on their hasher thread, or (``no-hasher``) without one, on the threads
+    that complete and submit requests, as when the thread cannot be created."""
+    previous = lib.ofl_test_no_hasher(request.param == "no-hasher")
+    yield request.param
+    lib.ofl_test_no_hasher(previous)
+
+
 @pytest.mark.parametrize("short", [False, True])
-def test_digests_of_many_requests_in_flight_are_those_of_their_bytes(scratch, backend, short):
-    """Pieces are hashed as they land, in whatever order, reads before writes: with many requests of many
-    pieces in flight (and, with ``short``, every piece coming back half done and resubmitted), each
-    request's digest is the one of its own bytes, computed in Python; a failed read has none."""
+def test_digests_of_many_requests_in_flight_are_those_of_their_bytes(scratch, backend, short, hasher):
+    """Pieces are hashed as they land, in whatever order: with many requests of many pieces in flight, writes
+    and reads at once (and, with ``short``, every piece coming back half done and resubmitted), each request's
+    digest is the one of its own bytes, computed in Python; with or without a hasher thread."""
     from offload.aio.futures import segments_digest
 
     path = os.path.join(scratch, "f")
     n, parts = 1 * MIB, 6
     with Engine(backend=backend, block_size=32 * KIB, queue_depth=8, thread_count=3) as e, \
-            BufferPool(2 * parts, n) as pool, e.open(path, "w+") as f:
-        for i in range(parts):
+            BufferPool(3 * parts, n) as pool, e.open(path, "w+") as f:
+        for i in range(2 * parts):
             fill(pool[i], random_bytes(n, seed=40 + i))
         if short:
             e.inject_fault("short", count=-1)
-        segs = [[Segment(f, i * n, pool[i], 0, n)] for i in range(parts)]
-        writes = [e.submit(WRITE, s, digest=True) for s in segs]
-        want = [segments_digest(s, 32 * KIB) for s in segs]
-        assert [w.digest() for w in writes] == want
-        back = [[Segment(f, i * n, pool[parts + i], 0, n)] for i in range(parts)]
-        reads = [e.submit(READ, b, digest=True) for b in back]
-        assert [r.digest() for r in reads] == want
-        e.inject_fault("error", op="read", skip=5)
-        failed = e.submit(READ, back[0], digest=True)
-        with pytest.raises(OSError):
-            failed.digest()
+        first = [[Segment(f, i * n, pool[i], 0, n)] for i in range(parts)]
+        want = [segments_digest(s, 32 * KIB) for s in first]
+        assert [w.digest() for w in [e.submit(WRITE, s, digest=True) for s in first]] == want
+        # Reads of the first half beside writes of the second: the hasher takes both kinds at once.
+        second = [[Segment(f, (parts + i) * n, pool[parts + i], 0, n)] for i in range(parts)]
+        back = [[Segment(f, i * n, pool[2 * parts + i], 0, n)] for i in range(parts)]
+        futures = [e.submit(op, s, digest=True) for pair in zip(second, back) for op, s in zip((WRITE, READ), pair)]
+        assert [fut.digest() for fut in futures] == [d for i in range(parts) for d in
+                                                      (segments_digest(second[i], 32 * KIB), want[i])]
+        assert all(np.array_equal(pool[2 * parts + i].numpy(), pool[i].numpy()) for i in range(parts))
+
+
+def test_a_read_that_meets_end_of_file_has_no_digest(scratch, backend, hasher):
+    """A read (not exact) that meets end of file returns the bytes that exist, and no digest: there is none
+    of bytes that did not come; a read of the whole file has the write's."""
+    path = os.path.join(scratch, "f")
+    with Engine(backend=backend, block_size=32 * KIB) as e, BufferPool(2, 256 * KIB) as pool, \
+            e.open(path, "w+") as f:
+        fill(pool[0], random_bytes(256 * KIB, seed=9))
+        wrote = e.submit(WRITE, [Segment(f, 0, pool[0], 0, 128 * KIB)], digest=True)
+        wrote.wait()
+        read = e.submit(READ, [Segment(f, 0, pool[1], 0, 256 * KIB)], digest=True)
+        assert read.wait() == 128 * KIB
+        assert read.digest() is None
+        whole = e.submit(READ, [Segment(f, 0, pool[1], 0, 128 * KIB)], digest=True)
+        assert whole.digest() == wrote.digest()
 
 
 def _threads_named(name: str) -> list[int]:
@@ -171,12 +195,12 @@ def test_the_engines_threads_are_named(scratch, backend):
     ``top -H``, a profiler or a stack dump shows of them."""
     if not lib.ofl_have_xxhash():
         pytest.skip("built without libxxhash: no hasher thread")
-    before = set(_threads_named("offload-hash"))
+    before = {name: set(_threads_named(name)) for name in ("offload-io", "offload-hash")}
     with Engine(backend=backend, block_size=64 * KIB) as e, HostBuffer(256 * KIB) as buf, \
             e.open(os.path.join(scratch, "f"), "w+") as f:
         e.submit(WRITE, [Segment(f, 0, buf, 0, 256 * KIB)], digest=True).wait()
-        assert _threads_named("offload-io")
-        assert len([t for t in _threads_named("offload-hash") if t not in before]) == 1
+        assert [t for t in _threads_named("offload-io") if t not in before["offload-io"]]
+        assert len([t for t in _threads_named("offload-hash") if t not in before["offload-hash"]]) == 1
 
 
 @pytest.mark.slow

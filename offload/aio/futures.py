@@ -178,8 +178,9 @@ class Future:
             raise self._error
         return self._result
 
-    def digest(self) -> int:
-        """The xxh3_64 of the bytes the request moved, in segment order (waits for it).
+    def digest(self) -> Optional[int]:
+        """The xxh3_64 of the bytes the request moved, in segment order (waits for it); None for a read
+        that met end of file before its last byte.
 
         Raises:
             OSError: the request failed (there is no digest of bytes that did not move).
@@ -205,7 +206,9 @@ class Future:
             d = ffi.new("uint64_t *")
             if lib.ofl_request_digest(handle, self._request, d) == 0:
                 self._digest = int(d[0])
-            else:  # built without libxxhash (a read), or no memory was left for it there: take it here
+            elif int(result[0]) == sum(seg.nbytes for seg in self._segments):
+                # Built without libxxhash, or no memory was left for it there: take it here. A read cut
+                # short by end of file has none (no digest of bytes that did not come).
                 self._digest = segments_digest(self._segments, self._engine.config.block_size)
         lib.ofl_request_free(handle, self._request)
         self._request = None
