@@ -53,6 +53,7 @@ def _in_pieces(directory: str, piece: int = 2 * 4096) -> None:
         d.update(data[u["offset"]:u["offset"] + u["length"]])
         u.update(pieces=piece, xxh3_64=d.hexdigest())
     manifest["files"]["state.bin"]["xxh3_64"] = None
+    manifest["version"] = 2
     manifest["manifest_xxh3_64"] = digest(manifest)
     with open(path, "w") as f:
         json.dump(manifest, f)

@@ -79,6 +79,7 @@ def in_pieces(directory, piece: int = 3 * 4096) -> None:
             d.update(data[u["offset"]:u["offset"] + u["length"]])
             u.update(pieces=piece, xxh3_64=d.hexdigest())
         m["files"]["state.bin"]["xxh3_64"] = None
+        m["version"] = 2
     _edit(directory, change)
 
 
@@ -140,8 +141,10 @@ HOSTILE = {
     "file-unknown-key": (lambda m: m["files"].__setitem__("../x", {"bytes": 0, "xxh3_64": "0"}),
                          r"must be one of the format's files"),
     # versions
-    "version-newer": (lambda m: m.__setitem__("version", 2), r"manifest\.json has format version 2; this library "
-                                                            r"reads version 1\. Load it with"),
+    "version-newer": (lambda m: m.__setitem__("version", 3), r"manifest\.json has format version 3; this library "
+                                                            r"reads version 1 or 2\. Load it with"),
+    "version-1-in-pieces": (lambda m: (m["units"][0].update(pieces=4096)),
+                            r"manifest field version must be 2 \(units checksummed in pieces"),
     "version-text": (lambda m: m.__setitem__("version", "1"), r"format version '1'"),
 }
 

@@ -192,7 +192,7 @@ def test_an_asynchronous_clone_takes_the_stores_checksums_at_the_call_and_reads_
         assert counting.read == 0 and from_store == []
         manifest = ckpt.read_manifest(xfs / "c")
         assert manifest["snapshot"]["method"] == "clone"
-        assert manifest["files"]["state.bin"]["xxh3_64"] is None
+        assert manifest["files"]["state.bin"]["xxh3_64"] is None and manifest["version"] == 2
         got = manifest["units"]
         assert [u["xxh3_64"] for u in got] == at_call == piece_digests(xfs / "c", got)
         assert {u["pieces"] for u in got} == {opt.config.aio.block_size}
@@ -256,7 +256,7 @@ def test_a_clone_without_the_stores_checksums_reads_state_bin_back_and_verifies(
         manifest = ckpt.read_manifest(xfs / "c")
         assert manifest["snapshot"]["method"] == "clone"
         assert counting.read == manifest["files"]["state.bin"]["bytes"]
-        assert manifest["files"]["state.bin"]["xxh3_64"] is not None
+        assert manifest["files"]["state.bin"]["xxh3_64"] is not None and manifest["version"] == 1
         assert all("pieces" not in u for u in manifest["units"])
         ckpt.verify_checkpoint(xfs / "c")
         path = ckpt_file(xfs / "c", "state.bin")

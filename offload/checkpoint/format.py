@@ -34,6 +34,10 @@ from ..errors import CheckpointError, ChecksumError
 #                 is ``manifest``'s.
 FORMAT = "nvme-offload-checkpoint"
 FORMAT_VERSION = 1
+# Version 2: some units of state.bin are checksummed in pieces (the store's checksums, taken by a clone save)
+# and state.bin may have no checksum of its own. Written only then, so a library that reads version 1 alone
+# refuses such a checkpoint by its version instead of by a field it does not know.
+PIECES_VERSION = 2
 MANIFEST = "manifest.json"
 DATA = "state.bin"
 MEMORY = "memory.pt"

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -52,6 +52,7 @@ from .format import (
     MEMORY,
     MODEL_MEMORY,
     PARAMS_DATA,
+    PIECES_VERSION,
     dtype_name,
     dtype_of,
     io_error,
@@ -320,11 +321,19 @@ class Manifest(Entry):
         """A manifest a save writes: ``files`` as ``format.write_file`` returned them, ``param_groups`` in
         torch's layout; the step, the versions and the time filled in."""
         steps = sorted({p.step for p in params if p.step is not None})
-        return cls(optimizer, {n: FileEntry(**e) for n, e in files.items()}, params=tuple(params),
-                   param_groups=tuple({k: jsonable(v) for k, v in g.items()} for g in param_groups),
-                   step=max(steps) if steps else 0, steps=tuple(steps), config=config,
-                   library_version=__version__, torch_version=torch.__version__,
-                   created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **more)
+        manifest = cls(optimizer, {n: FileEntry(**e) for n, e in files.items()}, params=tuple(params),
+                       param_groups=tuple({k: jsonable(v) for k, v in g.items()} for g in param_groups),
+                       step=max(steps) if steps else 0, steps=tuple(steps), config=config,
+                       library_version=__version__, torch_version=torch.__version__,
+                       created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **more)
+        return replace(manifest, version=PIECES_VERSION) if manifest.in_pieces else manifest
+
+    @property
+    def in_pieces(self) -> bool:
+        """Whether some unit is checksummed in pieces or state.bin has no checksum of its own (what needs
+        format version 2)."""
+        data = self.files.get(DATA)
+        return any(u.pieces is not None for u in self.units) or (data is not None and data.xxh3_64 is None)
 
     def check(self, name: str) -> None:
         """Every index, offset and size within what it points into; every file inside the directory."""
@@ -339,6 +348,9 @@ class Manifest(Entry):
                 fail(f"units[{i}]", f"a range within {DATA}'s {data.bytes} bytes", u.to_json())
         if data is not None and data.xxh3_64 is None:
             self._check_tiled(data.bytes)
+        if self.in_pieces and self.version < PIECES_VERSION:
+            fail("version", f"{PIECES_VERSION} (units checksummed in pieces, or state.bin without a checksum)",
+                 self.version)
         for i, p in enumerate(self.params):
             if p.index != i:
                 fail(f"params[{i}].index", f"{i} (its place in the list)", p.index)
@@ -525,11 +537,11 @@ def parse(raw: Any, root: str, where: str) -> Manifest | JobManifest:
     kind = raw.get("format") if isinstance(raw, dict) else None
     if kind not in (FORMAT, JOB_FORMAT):
         raise CheckpointError(f"{where} is not an nvme-offload checkpoint manifest")
-    version = JOB_VERSION if kind == JOB_FORMAT else FORMAT_VERSION
-    if raw.get("version") != version:
+    versions = (JOB_VERSION,) if kind == JOB_FORMAT else (FORMAT_VERSION, PIECES_VERSION)
+    if raw.get("version") not in versions:
         raise CheckpointError(f"{where} has format version {raw.get('version')!r}; this library reads version "
-                              f"{version}. Load it with the nvme-offload version that saved it (a newer one, if its "
-                              "version is higher), or load another checkpoint")
+                              f"{' or '.join(map(str, versions))}. Load it with the nvme-offload version that saved it "
+                              "(a newer one, if its version is higher), or load another checkpoint")
     found = digest(raw)
     if found != raw.get("manifest_xxh3_64"):
         raise ChecksumError(f"{where}: xxh3_64 of its content is {found}, it records "
