@@ -604,6 +604,7 @@ def test_checksum_cost_switches_the_byte_stores_checksums(tmp_path, capsys, monk
     assert True in seen and False in seen
     assert "iteration with checksums" in capsys.readouterr().out
     seen.clear()
-    code, _, _ = bench_in_process(capsys, "adam", "--params", "1M", "--steps", "6", "--no-fio", "--no-torch",
-                                  "--no-baseline", "--checksum-cost", "--path", str(tmp_path / "adam"))
-    assert code == 0 and True in seen and False in seen
+    code, out, err = bench_in_process(capsys, "adam", "--params", "1M", "--steps", "6", "--no-fio", "--no-torch",
+                                      "--no-baseline", "--checksum-cost", "--path", str(tmp_path / "adam"))
+    assert code == 0, out + err
+    assert True in seen and False in seen

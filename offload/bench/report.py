@@ -8,7 +8,7 @@ import platform
 import socket
 import sys
 import time
-from typing import Any, Sequence, TextIO
+from typing import Any, Optional, Sequence, TextIO
 
 from ..units import format_size
 from .cli import BenchFailure, short_size
@@ -86,8 +86,10 @@ def machine_info(paths: Sequence[str]) -> dict[str, Any]:
 
 
 def print_header(title: str, machine: dict[str, Any], params: Sequence[tuple[str, str]],
-                 out: TextIO = sys.stdout) -> None:
-    """The machine and every parameter of the run, one per line."""
+                 out: Optional[TextIO] = None) -> None:
+    """The machine and every parameter of the run, one per line, to ``out`` (default: sys.stdout as it is
+    at the call, not at import: a caller may have replaced it since)."""
+    out = out if out is not None else sys.stdout
     mem = format_size(machine["memory_bytes"]) if machine.get("memory_bytes") else "unknown"
     print(f"offload-bench {title}", file=out)
     print(f"  machine      {machine['hostname']}, {machine['cpu_count']} CPUs, {mem} RAM", file=out)
