@@ -23,9 +23,8 @@ import time
 import torch
 
 from offload import OffloadedAdamW
+from offload.bench.peer import BATCH, WIDTH, linear_stack
 from offload.units import parse_count, parse_size
-
-WIDTH, BATCH = 2048, 4
 
 
 def main(argv=None) -> int:
@@ -35,9 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--host-cache", default="0")
     ap.add_argument("--path", help="directory for the swap files (default: a scratch directory, removed after)")
     args = ap.parse_args(argv)
-    torch.manual_seed(0)
-    layers = max(1, parse_count(args.params) // (WIDTH * WIDTH))
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+    model = linear_stack(parse_count(args.params), torch.float32)
+    layers = len(model)
     x = torch.randn(BATCH, WIDTH)
     with tempfile.TemporaryDirectory(dir=args.path) as scratch:
         opt = OffloadedAdamW(model.parameters(), lr=1e-3, nvme_path=scratch, host_cache=parse_size(args.host_cache))

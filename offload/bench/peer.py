@@ -22,7 +22,8 @@ WIDTH = 2048
 BATCH = 4
 
 
-def _model(params: int, dtype):
+def linear_stack(params: int, dtype):
+    """The compared model: ``params // 2048**2`` (at least one) ``Linear(2048, 2048)`` without bias, seeded."""
     import torch
 
     layers = max(1, params // (WIDTH * WIDTH))
@@ -34,7 +35,7 @@ def _ours(args, dtype) -> dict:
     from offload import OffloadedAdamW, offload_parameters
     from offload.params import offloaded
 
-    model = _model(args.params, dtype)
+    model = linear_stack(args.params, dtype)
     if args.params_nvme:
         offload_parameters(model, nvme_path=os.path.join(args.nvme, "w"), max_in_cpu=0, max_grad_in_cpu=0,
                            config={"checksum": args.checksum == "on"})
@@ -61,7 +62,7 @@ def _torch(args, dtype) -> dict:
     """The same model and optimizer in memory (torch's fused AdamW): the compute alone."""
     import torch
 
-    model = _model(args.params, dtype)
+    model = linear_stack(args.params, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     return dict(_loop(_steps(model, lambda loss: loss.backward(), opt.step, opt.zero_grad), dtype, args.iterations,
                       None), system="torch (in memory)")
@@ -81,7 +82,7 @@ def _deepspeed(args, dtype) -> dict:
         os.environ.setdefault(k, v)
     import deepspeed
 
-    model = _model(args.params, torch.float32)
+    model = linear_stack(args.params, torch.float32)
     # DeepSpeed stops with "Not enough buffers" for weights on NVMe with fewer than about 20 buffers here.
     cfg = {
         "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
