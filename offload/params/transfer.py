@@ -196,7 +196,7 @@ class TensorIO:
             return self.store.read(stored, pbuf.buffer, k)
 
         def process(k: int, pbuf: PoolBuffer) -> bool:
-            ext, n = self.store.block(stored, k)
+            n = self.store.block(stored, k)[1]
             view = pbuf.buffer.tensor[:n]
             if fill is None and crossing:
                 landing[k] = copies.to_host(view, src[k * self.unit_bytes:k * self.unit_bytes + n])
@@ -206,9 +206,7 @@ class TensorIO:
                 ticket = fill(k, view, read_first is not None and read_first(k))
                 if ticket is not None:
                     landing[k] = ticket
-            # The tail of the last block goes to disk too: make it deterministic, not stale bytes.
-            pbuf.buffer.tensor[n:ext.nbytes].zero_()
-            return True
+            return True  # the tail of the last block: ByteStore.write zeroes it
 
         def write(k: int, pbuf: PoolBuffer):
             nonlocal moved
