@@ -222,6 +222,31 @@ def ckpt_file(directory, name: str) -> str:
     return os.path.join(directory, entry.get("file", name))
 
 
+def rewrite_in_pieces(directory, piece: int) -> None:
+    """Rewrite checkpoint ``directory``'s manifest as a clone save that took the store's checksums writes it:
+    every unit's checksum in the engine's form (``piece``-byte pieces of its padded bytes), state.bin without
+    one of its own, format version 2, and the manifest's own checksum made valid again."""
+    import json
+
+    from offload.aio import PieceDigest
+    from offload.checkpoint.manifest import digest
+
+    with open(ckpt_file(directory, "state.bin"), "rb") as f:
+        data = f.read()
+    path = os.path.join(directory, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    for u in manifest["units"]:
+        d = PieceDigest(piece)
+        d.update(data[u["offset"]:u["offset"] + u["length"]])
+        u.update(pieces=piece, xxh3_64=d.hexdigest())
+    manifest["files"]["state.bin"]["xxh3_64"] = None
+    manifest["version"] = 2
+    manifest["manifest_xxh3_64"] = digest(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
 def proc_status(key: str) -> int:
     """A byte count of this process from /proc/self/status (``VmRSS``, ``VmHWM``, ...)."""
     from offload._proc import status_bytes

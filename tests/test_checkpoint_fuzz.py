@@ -15,13 +15,12 @@ import threading
 
 import pytest
 import torch
-from helpers import SMALL, make_params, saved_checkpoint
+from helpers import SMALL, make_params, rewrite_in_pieces, saved_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import CheckpointError, OffloadedAdamW
 from offload import checkpoint as ckpt
-from offload.aio import PieceDigest
 from offload.checkpoint.manifest import digest
 
 HANG_S = 20  # a FIFO opened for reading blocks until someone writes: after this, the test opens it itself
@@ -34,29 +33,10 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     saved_checkpoint(root, "good")
     shutil.copytree(root / "good", root / "pieces")
-    _in_pieces(str(root / "pieces"))
+    rewrite_in_pieces(str(root / "pieces"), 2 * 4096)
     fresh = OffloadedAdamW(make_params(seed=1), lr=1e-2, nvme_path=root / "nvme2", **SMALL)
     yield root, fresh, torch.nn.Linear(8, 4)
     fresh.close()
-
-
-def _in_pieces(directory: str, piece: int = 2 * 4096) -> None:
-    """The checkpoint's manifest as a clone save that took the store's checksums writes it: each unit's checksum
-    in the engine's form (pieces of ``piece`` bytes), state.bin without one of its own."""
-    path = os.path.join(directory, "manifest.json")
-    with open(path) as f:
-        manifest = json.load(f)
-    with open(os.path.join(directory, manifest["files"]["state.bin"]["file"]), "rb") as f:
-        data = f.read()
-    for u in manifest["units"]:
-        d = PieceDigest(piece)
-        d.update(data[u["offset"]:u["offset"] + u["length"]])
-        u.update(pieces=piece, xxh3_64=d.hexdigest())
-    manifest["files"]["state.bin"]["xxh3_64"] = None
-    manifest["version"] = 2
-    manifest["manifest_xxh3_64"] = digest(manifest)
-    with open(path, "w") as f:
-        json.dump(manifest, f)
 
 
 json_values = st.recursive(

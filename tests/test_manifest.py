@@ -13,13 +13,22 @@ import sys
 
 import pytest
 import torch
-from helpers import SMALL, assert_same_state, ckpt_file, make_params, saved_checkpoint, train
+from helpers import (
+    SMALL,
+    assert_same_state,
+    ckpt_file,
+    flip_bit,
+    make_params,
+    rewrite_in_pieces,
+    saved_checkpoint,
+    train,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
-from offload.aio import Engine, PieceDigest
+from offload.aio import Engine
 from offload.buffers import BufferPool
 from offload.checkpoint.manifest import Manifest, digest, read
 from offload.checkpoint.stream import read_verified, unit_spans
@@ -66,21 +75,6 @@ def _in_params_bin(offset: int, length: int):
 
 def _set_file(name: str, value: str):
     return lambda m: m["files"][name].__setitem__("file", value)
-
-
-def in_pieces(directory, piece: int = 3 * 4096) -> None:
-    """Rewrite ``directory``'s manifest as a clone save that took the store's checksums writes it: every unit's
-    checksum in the engine's form (``piece``-byte pieces of its padded bytes), state.bin without its own."""
-    data = open(ckpt_file(directory, "state.bin"), "rb").read()
-
-    def change(m):
-        for u in m["units"]:
-            d = PieceDigest(piece)
-            d.update(data[u["offset"]:u["offset"] + u["length"]])
-            u.update(pieces=piece, xxh3_64=d.hexdigest())
-        m["files"]["state.bin"]["xxh3_64"] = None
-        m["version"] = 2
-    _edit(directory, change)
 
 
 def _null_state_digest(also=lambda m: None):
@@ -351,7 +345,7 @@ def test_units_checksummed_in_pieces_verify_load_and_a_flipped_byte_is_refused(t
     plain, pieces = tmp_path / "plain", tmp_path / "pieces"
     shutil.copytree(saved, plain)
     shutil.copytree(saved, pieces)
-    in_pieces(pieces)
+    rewrite_in_pieces(pieces, 3 * 4096)
     manifest = read(str(pieces))
     assert Manifest.parse(manifest.to_json(), "", root=manifest.root) == manifest
     assert manifest.files["state.bin"].xxh3_64 is None and {u.pieces for u in manifest.units} == {3 * 4096}
@@ -390,16 +384,25 @@ def test_units_checksummed_in_pieces_verify_load_and_a_flipped_byte_is_refused(t
 
 def test_a_unit_in_pieces_is_checked_whatever_parts_it_is_read_in(tmp_path, saved):
     """read_verified checks the engine's form of a unit read through buffers smaller than the unit, whose parts
-    do not line up with its pieces (16 KiB parts, 12 KiB pieces), and one of a unit read whole, alike."""
+    do not line up with its pieces (16 KiB parts, 12 KiB pieces), and of a unit read whole, alike: the intact
+    file passes both ways, and one bit flipped where a part and a piece both straddle (16 KiB + 100 of the
+    largest unit, in its second piece and second part) is refused both ways."""
     directory = tmp_path / "c"
     shutil.copytree(saved, directory)
-    in_pieces(directory)
+    rewrite_in_pieces(directory, 3 * 4096)
     manifest = read(str(directory))
-    assert max(u.length for u in manifest.units) > 16 * 1024
+    path = manifest.sized_path("state.bin")
+    largest = max(manifest.units, key=lambda u: u.length)
+    assert largest.length > 24 * 1024
+    sizes = (16 * 1024, largest.length)
     engine = Engine()
     try:
-        for size in (16 * 1024, max(u.length for u in manifest.units)):
+        for size in sizes:
             with BufferPool(3, size) as pool:
-                read_verified(engine, manifest.sized_path("state.bin"), unit_spans(manifest), list(pool), None)
+                read_verified(engine, path, unit_spans(manifest), list(pool), None)
+        flip_bit(path, largest.offset + 16 * 1024 + 100)
+        for size in sizes:
+            with BufferPool(3, size) as pool, pytest.raises(ckpt.ChecksumError, match="in 12288-byte pieces"):
+                read_verified(engine, path, unit_spans(manifest), list(pool), None)
     finally:
         engine.close()
