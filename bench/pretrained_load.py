@@ -50,12 +50,12 @@ def write_checkpoint(directory: str, layers: int) -> None:
     import torch
 
     from offload.pretrained import write_checkpoint as write
-    from offload.pretrained.save import Tensor, _write_tensor
+    from offload.pretrained.save import Tensor
 
     def tensor(i: int) -> Tensor:
         def fill(f):
             g = torch.Generator().manual_seed(i)
-            _write_tensor(f, torch.randn(SIDE, SIDE, generator=g).to(torch.bfloat16))
+            f.write(torch.randn(SIDE, SIDE, generator=g).to(torch.bfloat16).view(torch.uint8).numpy())
         return Tensor(f"{i}.weight", (SIDE, SIDE), torch.bfloat16, fill)
 
     write(directory, [tensor(i) for i in range(layers)], max_shard_size="1GB")
