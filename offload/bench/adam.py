@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._proc import reset_peak_rss, status_bytes
+from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..state import resolve_pin
 from ..units import GIB, format_size, parse_size
@@ -76,24 +76,6 @@ def cache_arg(text: str):
         raise argparse.ArgumentTypeError(f"{err}; or write auto") from None
 
 
-def _rss_now() -> int:
-    return _status_field("VmRSS")
-
-
-def _rss_peak() -> int:
-    return _status_field("VmHWM")
-
-
-def _status_field(name: str) -> int:
-    try:
-        return status_bytes(name)
-    except LookupError as err:
-        raise BenchFailure(f"{err}; peak memory cannot be measured here") from None
-
-
-_reset_peak = reset_peak_rss  # VmHWM := VmRSS
-
-
 def _time_steps(opt, steps: int) -> list[float]:
     times = []
     device = opt.param_groups[0]["params"][0].device
@@ -154,8 +136,8 @@ def run_adam(args: argparse.Namespace) -> int:
         # the baseline so the peak measures optimizer state, for ours and torch's alike.
         torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
         gc.collect()
-        base_rss = _rss_now()
-        _reset_peak()
+        base_rss = report.memory_bytes("VmRSS")
+        reset_peak_rss()  # VmHWM := VmRSS
         reset_gpu_peak(device)
         opt = OffloadedAdamW(params, lr=1e-3, config=main_cfg)
         base = None
@@ -164,7 +146,7 @@ def run_adam(args: argparse.Namespace) -> int:
             first = _time_steps(opt, 1)[0]
             times, moved = [], []
             _timed_step(opt, [], [])
-            peak = _rss_peak()
+            peak = report.memory_bytes("VmHWM")
             our_gpu_peak = gpu_peak(device)
             pinned = pool_pinned([opt.state_store.pool])
             pool_bytes, cache_bytes = opt.host_pool_bytes, opt.host_cache_bytes
@@ -214,11 +196,11 @@ def run_adam(args: argparse.Namespace) -> int:
         torch_med = torch_peak = torch_gpu_peak = None
         if not args.no_torch:
             gc.collect()
-            _reset_peak()
+            reset_peak_rss()  # VmHWM := VmRSS
             reset_gpu_peak(device)
             ref = torch.optim.AdamW(params, lr=1e-3, fused=True)
             torch_times = _time_steps(ref, args.steps)
-            torch_peak = _rss_peak()
+            torch_peak = report.memory_bytes("VmHWM")
             torch_gpu_peak = gpu_peak(device)
             torch_med = statistics.median(torch_times[1:])
             del ref

@@ -10,12 +10,12 @@ from typing import Any
 
 import torch
 
+from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..params import offload_parameters, offloaded, restore_parameters
 from ..state import resolve_pin
 from ..units import GIB, format_size
 from . import overlap, report
-from .adam import _reset_peak, _rss_peak
 from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, config_given, positive_int_arg
 from .fio import write_read_gib_s
 from .gpu import gpu_peak, pinned_text, pool_pinned, require_cuda, reset_gpu_peak, synchronize
@@ -129,10 +129,10 @@ def run_params(args: argparse.Namespace) -> int:
             or0, ow0 = opt.io_bytes()
             store.reset_peak()
             store.reset_grad_peak()
-            _reset_peak()
+            reset_peak_rss()
             reset_gpu_peak(device)
             times = [_train_step(model, opt, x) for _ in range(args.steps - 1)]
-            peak = _rss_peak()
+            peak = report.memory_bytes("VmHWM")
             our_gpu_peak = gpu_peak(device)
             steady = len(times)
             fetch = (store.bytes_read - r0) // steady

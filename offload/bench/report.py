@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence, TextIO
 
+from .._proc import status_bytes
 from ..units import format_size
 from .cli import BenchFailure, short_size
 
@@ -83,6 +84,18 @@ def machine_info(paths: Sequence[str]) -> dict[str, Any]:
         "nvme_offload": __version__,
         "file_systems": {p: file_system(p) for p in paths},
     }
+
+
+def memory_bytes(key: str) -> int:
+    """A memory figure of this process in bytes (``VmRSS``, ``VmHWM``: see :func:`offload._proc.status_bytes`).
+
+    Raises:
+        BenchFailure: the kernel does not report it (memory cannot be measured here).
+    """
+    try:
+        return status_bytes(key)
+    except LookupError as err:
+        raise BenchFailure(f"{err}; peak memory cannot be measured here") from None
 
 
 def print_header(title: str, machine: dict[str, Any], params: Sequence[tuple[str, str]],

@@ -15,12 +15,12 @@ from typing import Any
 import psutil
 import torch
 
+from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..params import empty_parameters, offload_parameters, offloaded, resident
 from ..pretrained import SafetensorsCheckpoint, offload_pretrained, save_pretrained
 from ..units import GIB, format_size
 from . import report
-from .adam import _reset_peak, _rss_peak, _status_field
 from .cli import BenchFailure, add_path_option, bench_paths, count_arg, positive_int_arg
 from .fio import write_read_gib_s
 
@@ -73,7 +73,7 @@ class _Timer:
         t = time.perf_counter()
         yield
         self.times[name] = time.perf_counter() - t
-        self.peaks[name] = _rss_peak() - self.base
+        self.peaks[name] = report.memory_bytes("VmHWM") - self.base
 
 
 def _close(model) -> None:
@@ -113,8 +113,8 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     machine = report.machine_info(paths)
     # Every weight and grad on NVMe, through a pool of 5 x 16 MiB (the default, 5 x 1e8 elements, is 1 GB).
     offload = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=5, buffer_size=8 << 20)
-    base_rss = _status_field("VmRSS")
-    _reset_peak()
+    base_rss = report.memory_bytes("VmRSS")
+    reset_peak_rss()
     timer = _Timer(base_rss)
 
     # A pretrained checkpoint to start from, written without the model ever in memory.
@@ -150,7 +150,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         swap_bytes = store.swap_bytes + store.grad_swap_bytes + state_bytes
         with timer("export"):
             save_pretrained(model, export, max_shard_size="1GB")
-        peak = _rss_peak() - base_rss
+        peak = report.memory_bytes("VmHWM") - base_rss
         with timer("verify"):
             checked = _check_export(model, export, transformers, weight_bytes)
     finally:
