@@ -608,3 +608,18 @@ def test_checksum_cost_switches_the_byte_stores_checksums(tmp_path, capsys, monk
                                       "--no-baseline", "--checksum-cost", "--path", str(tmp_path / "adam"))
     assert code == 0, out + err
     assert True in seen and False in seen
+
+
+def test_adam_with_state_in_host_memory_beside_a_baseline_that_moved_nothing(tmp_path, capsys):
+    """``adam --offload-device cpu`` at a size whose baseline state fits the pool (the pool as a cache: the
+    baseline reads nothing back) reports its bytes instead of failing on a ratio it cannot form."""
+    code, out, err = bench_in_process(capsys, "adam", "--params", "2M", "--dtype", "bf16", "--offload-device", "cpu",
+                                      "--steps", "3", "--no-fio", "--no-torch", "--path", str(tmp_path),
+                                      "--json", str(tmp_path / "r.json"))
+    assert code == 0, out + err
+    assert "without host cache: read / written" in out
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["baseline_bytes_read_per_step"] == 0
+    moved, base = r["bytes_read_per_step"] + r["bytes_written_per_step"], \
+        r["baseline_bytes_read_per_step"] + r["baseline_bytes_written_per_step"]
+    assert r["bytes_vs_baseline"] == (moved / base if base else None)

@@ -233,7 +233,7 @@ def run_adam(args: argparse.Namespace) -> int:
         "baseline_bytes_written_per_step": base_written,
         "step_vs_baseline": step_med / base_med if base_med else None,
         "bytes_vs_baseline": (read_per_step + written_per_step) / (base_read + base_written)
-        if base_read else None,
+        if base_read is not None and base_read + base_written else None,
         "peak_rss_bytes": peak,
         "base_rss_bytes": base_rss,
         "rss_over_base_bytes": over,
@@ -269,8 +269,8 @@ def run_adam(args: argparse.Namespace) -> int:
     if base_med:
         rows += [
             ["without host cache: step", f"{base_med:.3f} s ({_spread(base_times)}; ours {step_med / base_med:.2f}x)"],
-            ["without host cache: read / written", f"{format_size(base_read)} / {format_size(base_written)} "
-                                                   f"({result['bytes_vs_baseline']:.2f}x)"],
+            ["without host cache: read / written", f"{format_size(base_read)} / {format_size(base_written)}"
+             + (f" ({result['bytes_vs_baseline']:.2f}x)" if result["bytes_vs_baseline"] is not None else "")],
         ]
     rows += [
         ["fio read / write", f"{report.fmt_gib(fio_read)} / {report.fmt_gib(fio_write)} GiB/s"],
