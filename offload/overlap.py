@@ -203,6 +203,7 @@ class _Run:
         self.all_final = threading.Event()
         self.error: Optional[BaseException] = None
         self.updated: set = set()
+        self.done = copies.DONE  # where the worker's streams were when its last update had been issued
         self.lock = threading.Lock()
         self.ended = False  # the worker has given back the holds it took (under ``lock``)
         self.begun = 0  # updates the worker has begun (a unit's state changes once one has)
@@ -287,6 +288,7 @@ class _Run:
         self.thread.join()
         if self.error is not None:
             raise self.error
+        copies.after(self.done)  # the work issued after step() runs after the updates (the weights they wrote)
         seen = {id(u) for u in self.finished_order}
         self.finished_order += [u for u in self.order if id(u) not in seen]
         return self.updated
@@ -301,7 +303,12 @@ class _Run:
 
     def _work(self, slots: list) -> None:
         try:
-            self.updated = self.owner._run_step(slots, self.gate, self.order)
+            params = [s.param for s in slots]
+            # On streams of its own: on the default stream the updates would queue behind all of backward
+            # issued so far (and hold it up); gate() orders each update after the grads it reads instead.
+            with copies.own_streams(params):
+                self.updated = self.owner._run_step(slots, self.gate, self.order)
+                self.done = copies.produced(params)
         except BaseException as err:  # noqa: BLE001 - reported by the next hook and by step()
             self.error = self.error or err
             if self.begun or not self.cancelled:

@@ -303,3 +303,43 @@ def test_with_state_in_host_memory_the_next_units_copy_goes_out_while_the_last_c
     want = train(tmp_path, "plain", steps=1, device="cpu")
     assert_same(got[0], want[0])
     assert_same(got[1], want[1])  # the state that came back late is the state, bit for bit
+
+
+def test_the_overlapped_update_does_not_queue_behind_backward_on_the_default_stream(tmp_path):
+    """The worker's copies and updates run on a stream of its own: on the default stream, which backward
+    shares, each would wait for all of backward issued so far (on a GPU the host runs far ahead), so nothing
+    would overlap. Here the default stream holds work, queued once the last layer's grads are final, that
+    finishes only when one of the worker's copies back to the host has completed: it must not wait for it."""
+    import threading
+
+    options = dict(overlap_backward=True)
+    want = train(tmp_path, "plain", **options)
+    with copies.emulated(delay=0.002) as emu:
+        worker_copies, waited = [], []
+        d2h = emu.d2h
+
+        def recorded_d2h(dst, src, device):
+            ticket = d2h(dst, src, device)
+            if threading.current_thread().name == "offload-overlap":
+                worker_copies.append(ticket)
+            return ticket
+
+        emu.d2h = recorded_d2h
+
+        def until_a_worker_copy_completed():
+            deadline = time.monotonic() + 5
+            while not any(t.done() for t in list(worker_copies)) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            waited.append(any(t.done() for t in list(worker_copies)))
+
+        def prepare(model):
+            # Queued on the default stream from the main thread when the first layer's grad is final, before
+            # the optimizer's own hook for it: the other layers' updates need not wait for it.
+            model.a.weight.register_post_accumulate_grad_hook(
+                lambda p: emu.later(until_a_worker_copy_completed, delay=0))
+
+        got = train(tmp_path, "emulated", prepare=prepare, **options)
+        emu.check()
+    assert waited and all(waited), "the overlapped update waited for backward's later work on the default stream"
+    assert_same(got[0], want[0])
+    assert_same(got[1], want[1])

@@ -12,8 +12,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["DONE", "Ticket", "after", "crosses", "emulated", "into_device", "on_host", "produced", "to_device",
-           "to_host", "waited"]
+__all__ = ["DONE", "Ticket", "after", "crosses", "emulated", "into_device", "on_host", "own_streams", "produced",
+           "to_device", "to_host", "waited"]
 
 
 class Ticket:
@@ -153,6 +153,24 @@ def produced(tensors: Iterable[Optional[torch.Tensor]]) -> Ticket:
             key = b.device_of(t)
             devices[repr(key)] = key
     return Ticket.all(b.mark(d) for d in devices.values())
+
+
+@contextlib.contextmanager
+def own_streams(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+    """For the block, this thread's work on the devices of ``tensors`` (its copies, and the math it issues)
+    goes to a stream of its own on each device instead of the device's default stream, which every thread
+    shares. A worker beside backward then neither queues behind the backward work issued so far nor holds
+    it up; it orders itself against other threads' work only through :func:`produced` and :func:`after`."""
+    b = _backend()
+    devices = {}
+    for t in tensors:
+        if b.crosses(t.device):
+            key = b.device_of(t)
+            devices[repr(key)] = key
+    with contextlib.ExitStack() as stack:
+        for d in devices.values():
+            stack.enter_context(b.own_stream(d))
+        yield
 
 
 def after(ticket: Ticket) -> None:

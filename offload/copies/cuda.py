@@ -90,6 +90,9 @@ class CudaCopies:
         src.record_stream(side)  # not reused by the allocator before the copy ran
         return Ticket([_Recorded(side, device)])
 
+    def own_stream(self, device: torch.device):
+        return torch.cuda.stream(self._stream(device, "worker"))
+
     @staticmethod
     def mark(device: torch.device):
         return Ticket([_Recorded(torch.cuda.current_stream(device), device)])

@@ -228,8 +228,9 @@ class EmulatedCopies:
                                      "completed")
             dst.copy_(before)
 
+        deps = self._deps(device)  # (may make the default stream, under the lock)
         with self._lock:
-            deps = self._deps(device) + list(self._waited.get(device, ()))
+            deps += self._waited.get(device, ())
         # Once the copy starts, nothing may read the destination before it completed.
         event = self._stream(device, "d2h").enqueue(late, delay=self.delay, deps=deps, start=lambda: _poison(dst))
         with self._lock:
@@ -237,6 +238,10 @@ class EmulatedCopies:
             self._back.setdefault(device, []).append(event)
         self.log.append(("d2h", device))
         return Ticket([event])
+
+    def own_stream(self, device: int):
+        """Make the worker stream of ``device`` this thread's current stream for the block (as the CUDA backend)."""
+        return self.stream(self._stream(device, "worker"))
 
     def mark(self, device: int) -> Ticket:
         self.log.append(("mark", device))
@@ -260,9 +265,9 @@ class EmulatedCopies:
         return stream if stream is not None else self._stream(device, "default")
 
     def _deps(self, device: int) -> list:
-        """What a copy stream waits for first: the work queued so far on this thread's current stream."""
-        stream = self._current().get(device)
-        return [stream.enqueue()] if stream is not None else []
+        """What a copy stream waits for first: the work queued so far on this thread's current stream (the
+        device's default stream, which every thread shares, unless the thread chose another)."""
+        return [self._current_stream(device).enqueue()]
 
     def _stream(self, device: int, kind: str) -> EmulatedStream:
         key = (device, kind)
