@@ -7,7 +7,7 @@ import dataclasses
 import gc
 import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -115,104 +115,158 @@ def run_adam(args: argparse.Namespace) -> int:
             "nvme_path": list(paths), "device": args.offload_device, "host_cache": args.host_cache,
             "state_dtype": args.state_dtype})
         base_cfg = main_cfg.replace(offload_optimizer={"device": "nvme", "host_cache": 0, "state_dtype": "fp32"})
-        compare = not args.no_baseline and base_cfg != main_cfg
-        oc, aio = main_cfg.offload_optimizer, main_cfg.aio
+        if args.no_baseline or base_cfg == main_cfg:
+            base_cfg = None
         machine = report.machine_info(paths)
-        report.print_header("adam", machine, [
-            ("params", f"{args.params:,} {args.dtype} on {device.type} in tensors of {TENSOR_ELEMENTS:,}"),
-            ("steps", str(args.steps)),
-            ("state", f"on {oc.device}, host cache {_cache_text(oc.host_cache)}, moments in {oc.state_dtype}, "
-                      f"checksums {'on' if oc.checksum else 'off'}"),
-            ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}, pinned: "
-                     f"{pinned_text(resolve_pin(oc.pin_memory, [torch.empty(0, device=device)]), oc.pin_memory)}"),
-            ("aio", f"block size {format_size(aio.block_size)}, queue depth {aio.queue_depth}, "
-                    f"{aio.thread_count} thread(s), backend {aio.backend}"),
-            ("compared with", "the same without a host cache (nvme, fp32 moments), interleaved step by step"
-             if compare else "nothing of ours"),
-        ])
-
+        _print_header(args, machine, main_cfg, device, compared=base_cfg is not None)
         params = synthetic_params(args.params, dtype, device=device)
-        # Building any torch optimizer imports torch._dynamo once (about 70 MiB here): pay that before
-        # the baseline so the peak measures optimizer state, for ours and torch's alike.
-        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
-        gc.collect()
-        base_rss = report.memory_bytes("VmRSS")
-        reset_peak_rss()  # VmHWM := VmRSS
-        reset_gpu_peak(device)
-        opt = OffloadedAdamW(params, lr=1e-3, config=main_cfg)
-        base = None
-        try:
-            # Memory: ours alone, the first step and one steady step (not timed: it runs alone).
-            first = _time_steps(opt, 1)[0]
-            times, moved = [], []
-            _timed_step(opt, [], [])
-            peak = report.memory_bytes("VmHWM")
-            our_gpu_peak = gpu_peak(device)
-            pinned = pool_pinned([opt.state_store.pool])
-            pool_bytes, cache_bytes = opt.host_pool_bytes, opt.host_cache_bytes
-            state_bytes, resident = opt.offloaded_state_bytes, opt.state_store.resident_bytes
-            backend = opt.swap_space.backend if opt.swap_space is not None else "none (state in memory)"
-            # Time: ours and the baseline in turn, step by step, so the disk's drift hits both alike, and
-            # in the order ours-base, base-ours, ... so neither always runs while the other's writes are
-            # still being flushed below the file system.
-            base_times, base_moved = [], []
-            if compare:
-                base = OffloadedAdamW(params, lr=1e-3, config=base_cfg)
-                _time_steps(base, 2)
-            unchecked: list = []
-            for i in range(args.steps - 1):
-                # With --checksum-cost: one optimizer, one swap file, checksums on and off in turn (two
-                # optimizers on two files would measure where their files lie on the disk).
-                # A step "on" right after the two "off" has no digests to check its reads against: not timed.
-                off = args.checksum_cost and i % 4 in (1, 2)
-                after_off = args.checksum_cost and i % 4 == 3
-                opt.state_store.bytes.checksum = oc.checksum and not off
-                turn = [(opt, unchecked if off else [] if after_off else times, [] if off or after_off else moved)]
-                if base is not None:
-                    turn.append((base, base_times, base_moved))
-                for which, into, bytes_into in turn if i % 2 == 0 else reversed(turn):
-                    _timed_step(which, into, bytes_into)
-            opt.state_store.bytes.checksum = oc.checksum
-        finally:
-            opt.close()
-            if base is not None:
-                base.close()
-        del opt, base
-        gc.collect()
-        step_med = statistics.median(times)
-        unchecked_med = statistics.median(unchecked) if unchecked else None
-        # Means: with a host cache, which units stay resident alternates with the snake order.
-        read_per_step = sum(r for r, _ in moved) // len(moved)
-        written_per_step = sum(w for _, w in moved) // len(moved)
-        base_med = statistics.median(base_times) if base_times else None
-        base_read = sum(r for r, _ in base_moved) // len(base_moved) if base_moved else None
-        base_written = sum(w for _, w in base_moved) // len(base_moved) if base_moved else None
-
-        fio_read = fio_write = None
+        ours = _measure_ours(args, params, main_cfg, base_cfg, device)
+        oc, aio = main_cfg.offload_optimizer, main_cfg.aio
+        fio = (None, None)
         if not args.no_fio and oc.device == "nvme":
-            fio_write, fio_read = write_read_gib_s(paths, min(state_bytes, 1 << 30), aio.block_size,
-                                                   aio.queue_depth, aio.thread_count)
+            fio = write_read_gib_s(paths, min(ours.state_bytes, 1 << 30), aio.block_size, aio.queue_depth,
+                                   aio.thread_count)
+        torch_run = None if args.no_torch else _measure_torch(params, args.steps, device)
+    result = _result(args, main_cfg, device, ours, fio, torch_run, machine)
+    print(report.table(["", "value"], _rows(result)))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return 0
 
-        torch_med = torch_peak = torch_gpu_peak = None
-        if not args.no_torch:
-            gc.collect()
-            reset_peak_rss()  # VmHWM := VmRSS
-            reset_gpu_peak(device)
-            ref = torch.optim.AdamW(params, lr=1e-3, fused=True)
-            torch_times = _time_steps(ref, args.steps)
-            torch_peak = report.memory_bytes("VmHWM")
-            torch_gpu_peak = gpu_peak(device)
-            torch_med = statistics.median(torch_times[1:])
-            del ref
-            gc.collect()
 
+def _print_header(args: argparse.Namespace, machine: dict, cfg, device: torch.device, *, compared: bool) -> None:
+    oc, aio = cfg.offload_optimizer, cfg.aio
+    report.print_header("adam", machine, [
+        ("params", f"{args.params:,} {args.dtype} on {device.type} in tensors of {TENSOR_ELEMENTS:,}"),
+        ("steps", str(args.steps)),
+        ("state", f"on {oc.device}, host cache {_cache_text(oc.host_cache)}, moments in {oc.state_dtype}, "
+                  f"checksums {'on' if oc.checksum else 'off'}"),
+        ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}, pinned: "
+                 f"{pinned_text(resolve_pin(oc.pin_memory, [torch.empty(0, device=device)]), oc.pin_memory)}"),
+        ("aio", f"block size {format_size(aio.block_size)}, queue depth {aio.queue_depth}, "
+                f"{aio.thread_count} thread(s), backend {aio.backend}"),
+        ("compared with", "the same without a host cache (nvme, fp32 moments), interleaved step by step"
+         if compared else "nothing of ours"),
+    ])
+
+
+@dataclasses.dataclass
+class _Ours:
+    """What our optimizer (and the baseline, when there is one) gave: times, bytes moved, memory."""
+
+    first: float
+    times: list = dataclasses.field(default_factory=list)
+    moved: list = dataclasses.field(default_factory=list)  # (read, written) per timed step
+    unchecked: list = dataclasses.field(default_factory=list)  # steps with checksums off
+    base_times: list = dataclasses.field(default_factory=list)
+    base_moved: list = dataclasses.field(default_factory=list)
+    peak: int = 0
+    base_rss: int = 0
+    gpu_peak: Optional[int] = None
+    pinned: Optional[bool] = None
+    pool_bytes: int = 0
+    cache_bytes: int = 0
+    state_bytes: int = 0
+    resident: int = 0
+    backend: str = ""
+
+
+def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device: torch.device) -> _Ours:
+    # Building any torch optimizer imports torch._dynamo once (about 70 MiB here): pay that before
+    # the baseline so the peak measures optimizer state, for ours and torch's alike.
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    gc.collect()
+    base_rss = report.memory_bytes("VmRSS")
+    reset_peak_rss()  # VmHWM := VmRSS
+    reset_gpu_peak(device)
+    opt = OffloadedAdamW(params, lr=1e-3, config=cfg)
+    base = None
+    try:
+        # Memory: ours alone, the first step and one steady step (not timed: it runs alone).
+        ours = _Ours(first=_time_steps(opt, 1)[0], base_rss=base_rss)
+        _timed_step(opt, [], [])
+        ours.peak = report.memory_bytes("VmHWM")
+        ours.gpu_peak = gpu_peak(device)
+        ours.pinned = pool_pinned([opt.state_store.pool])
+        ours.pool_bytes, ours.cache_bytes = opt.host_pool_bytes, opt.host_cache_bytes
+        ours.state_bytes, ours.resident = opt.offloaded_state_bytes, opt.state_store.resident_bytes
+        ours.backend = opt.swap_space.backend if opt.swap_space is not None else "none (state in memory)"
+        if base_cfg is not None:
+            base = OffloadedAdamW(params, lr=1e-3, config=base_cfg)
+            _time_steps(base, 2)
+        _interleave(opt, base, ours, args.steps - 1, checksum_cost=args.checksum_cost,
+                    checksum=cfg.offload_optimizer.checksum)
+    finally:
+        opt.close()
+        if base is not None:
+            base.close()
+    del opt, base
+    gc.collect()
+    return ours
+
+
+def _interleave(opt, base, ours: _Ours, steps: int, *, checksum_cost: bool, checksum: bool) -> None:
+    """Time ours and the baseline in turn, step by step, so the disk's drift hits both alike, and in the
+    order ours-base, base-ours, ... so neither always runs while the other's writes are still being
+    flushed below the file system."""
+    for i in range(steps):
+        # With --checksum-cost: one optimizer, one swap file, checksums on and off in turn (two
+        # optimizers on two files would measure where their files lie on the disk).
+        # A step "on" right after the two "off" has no digests to check its reads against: not timed.
+        off = checksum_cost and i % 4 in (1, 2)
+        after_off = checksum_cost and i % 4 == 3
+        opt.state_store.bytes.checksum = checksum and not off
+        turn = [(opt, ours.unchecked if off else [] if after_off else ours.times,
+                 [] if off or after_off else ours.moved)]
+        if base is not None:
+            turn.append((base, ours.base_times, ours.base_moved))
+        for which, into, bytes_into in turn if i % 2 == 0 else reversed(turn):
+            _timed_step(which, into, bytes_into)
+    opt.state_store.bytes.checksum = checksum
+
+
+def _measure_torch(params: list, steps: int, device: torch.device) -> dict:
+    """torch's fused AdamW on the same tensors: its steady step median and its memory peaks."""
+    gc.collect()
+    reset_peak_rss()  # VmHWM := VmRSS
+    reset_gpu_peak(device)
+    ref = torch.optim.AdamW(params, lr=1e-3, fused=True)
+    times = _time_steps(ref, steps)
+    out = {"median": statistics.median(times[1:]), "peak": report.memory_bytes("VmHWM"), "gpu_peak": gpu_peak(device)}
+    del ref
+    gc.collect()
+    return out
+
+
+def _mean_bytes(moved: list) -> tuple:
+    """Mean bytes (read, written) per step, or (None, None) for no steps. Means: with a host cache, which
+    units stay resident alternates with the snake order."""
+    if not moved:
+        return None, None
+    return sum(r for r, _ in moved) // len(moved), sum(w for _, w in moved) // len(moved)
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def _result(args: argparse.Namespace, cfg, device: torch.device, ours: _Ours, fio: tuple,
+            torch_run: Optional[dict], machine: dict) -> dict[str, Any]:
+    """The JSON result: every figure the table shows, and the runs behind them."""
+    oc, aio = cfg.offload_optimizer, cfg.aio
+    fio_write, fio_read = fio
+    step_med = statistics.median(ours.times)
+    unchecked_med = statistics.median(ours.unchecked) if ours.unchecked else None
+    read, written = _mean_bytes(ours.moved)
+    base_med = statistics.median(ours.base_times) if ours.base_times else None
+    base_read, base_written = _mean_bytes(ours.base_moved)
     bound = base_bound = None
     if fio_read and fio_write:
-        bound = read_per_step / GIB / fio_read + written_per_step / GIB / fio_write
+        bound = read / GIB / fio_read + written / GIB / fio_write
         if base_read is not None:
             base_bound = base_read / GIB / fio_read + base_written / GIB / fio_write
-    over = peak - base_rss
-    held = pool_bytes + cache_bytes
+    torch_run = torch_run or {}
     result: dict[str, Any] = {
         "params": args.params,
         "dtype": args.dtype,
@@ -221,83 +275,94 @@ def run_adam(args: argparse.Namespace) -> int:
         "host_cache": oc.host_cache,
         "state_dtype": oc.state_dtype,
         "step_s_median": step_med,
-        "step_s_runs": times,
-        "first_step_s": first,
+        "step_s_runs": ours.times,
+        "first_step_s": ours.first,
         "unchecked_step_s_median": unchecked_med,
         "checksum_cost": step_med / unchecked_med - 1 if unchecked_med else None,
-        "bytes_read_per_step": read_per_step,
-        "bytes_written_per_step": written_per_step,
+        "bytes_read_per_step": read,
+        "bytes_written_per_step": written,
         "baseline_step_s_median": base_med,
-        "baseline_step_s_runs": base_times,
+        "baseline_step_s_runs": ours.base_times,
         "baseline_bytes_read_per_step": base_read,
         "baseline_bytes_written_per_step": base_written,
-        "step_vs_baseline": step_med / base_med if base_med else None,
-        "bytes_vs_baseline": (read_per_step + written_per_step) / (base_read + base_written)
-        if base_read is not None and base_read + base_written else None,
-        "peak_rss_bytes": peak,
-        "base_rss_bytes": base_rss,
-        "rss_over_base_bytes": over,
-        "host_pool_bytes": pool_bytes,
-        "host_cache_bytes": cache_bytes,
-        "resident_state_bytes": resident,
-        "offloaded_state_bytes": state_bytes,
-        "gpu_peak_bytes": our_gpu_peak,
-        "torch_gpu_peak_bytes": torch_gpu_peak,
-        "pool_pinned": pinned,
-        "torch_step_s_median": torch_med,
-        "torch_peak_rss_bytes": torch_peak,
-        "step_vs_torch": step_med / torch_med if torch_med else None,
+        "step_vs_baseline": _ratio(step_med, base_med),
+        "bytes_vs_baseline": _ratio(read + written, None if base_read is None else base_read + base_written),
+        "peak_rss_bytes": ours.peak,
+        "base_rss_bytes": ours.base_rss,
+        "rss_over_base_bytes": ours.peak - ours.base_rss,
+        "host_pool_bytes": ours.pool_bytes,
+        "host_cache_bytes": ours.cache_bytes,
+        "resident_state_bytes": ours.resident,
+        "offloaded_state_bytes": ours.state_bytes,
+        "gpu_peak_bytes": ours.gpu_peak,
+        "torch_gpu_peak_bytes": torch_run.get("gpu_peak"),
+        "pool_pinned": ours.pinned,
+        "torch_step_s_median": torch_run.get("median"),
+        "torch_peak_rss_bytes": torch_run.get("peak"),
+        "step_vs_torch": _ratio(step_med, torch_run.get("median")),
         "fio_read_gib_s": fio_read,
         "fio_write_gib_s": fio_write,
         "disk_bound_s": bound,
-        "ratio_to_bound": step_med / bound if bound else None,
-        "baseline_ratio_to_bound": base_med / base_bound if base_bound and base_med else None,
-        "backend": backend,
+        "ratio_to_bound": _ratio(step_med, bound),
+        "baseline_ratio_to_bound": _ratio(base_med, base_bound),
+        "backend": ours.backend,
         "config": {"aio": dataclasses.asdict(aio), "buffer_count": oc.buffer_count, "buffer_size": oc.buffer_size},
         "machine": machine,
     }
+    result["drive_writes_per_day"] = report.drive_writes(written, step_med)[0]
+    return result
+
+
+def _rows(r: dict) -> list:
+    """The table, from the JSON result."""
+    step_med, size = r["step_s_median"], format_size
     rows = [
-        ["step (median of steady steps)", f"{step_med:.3f} s ({_spread(times)})"],
-        ["first step (nothing to read)", f"{first:.3f} s"],
-        ["read / written per step", f"{format_size(read_per_step)} / {format_size(written_per_step)}"],
-        ["drive writes at this step rate (optimizer alone)", report.drive_writes(written_per_step, step_med)[1]],
+        ["step (median of steady steps)", f"{step_med:.3f} s ({_spread(r['step_s_runs'])})"],
+        ["first step (nothing to read)", f"{r['first_step_s']:.3f} s"],
+        ["read / written per step", f"{size(r['bytes_read_per_step'])} / {size(r['bytes_written_per_step'])}"],
+        ["drive writes at this step rate (optimizer alone)",
+         report.drive_writes(r["bytes_written_per_step"], step_med)[1]],
     ]
-    result["drive_writes_per_day"] = report.drive_writes(written_per_step, step_med)[0]
-    if unchecked_med:
+    if r["unchecked_step_s_median"]:
         rows.append(["without checksums (same optimizer, in turn)",
-                     f"{unchecked_med:.3f} s: checksums cost {100 * (step_med / unchecked_med - 1):+.1f}%"])
+                     f"{r['unchecked_step_s_median']:.3f} s: checksums cost {100 * r['checksum_cost']:+.1f}%"])
+    base_med = r["baseline_step_s_median"]
     if base_med:
+        ratio = r["bytes_vs_baseline"]
         rows += [
-            ["without host cache: step", f"{base_med:.3f} s ({_spread(base_times)}; ours {step_med / base_med:.2f}x)"],
-            ["without host cache: read / written", f"{format_size(base_read)} / {format_size(base_written)}"
-             + (f" ({result['bytes_vs_baseline']:.2f}x)" if result["bytes_vs_baseline"] is not None else "")],
+            ["without host cache: step",
+             f"{base_med:.3f} s ({_spread(r['baseline_step_s_runs'])}; ours {step_med / base_med:.2f}x)"],
+            ["without host cache: read / written",
+             f"{size(r['baseline_bytes_read_per_step'])} / {size(r['baseline_bytes_written_per_step'])}"
+             + (f" ({ratio:.2f}x)" if ratio is not None else "")],
         ]
+    bound = r["disk_bound_s"]
     rows += [
-        ["fio read / write", f"{report.fmt_gib(fio_read)} / {report.fmt_gib(fio_write)} GiB/s"],
+        ["fio read / write", f"{report.fmt_gib(r['fio_read_gib_s'])} / {report.fmt_gib(r['fio_write_gib_s'])} GiB/s"],
         ["disk bound (fio)", f"{bound:.3f} s" if bound else "n/a"],
         ["step / disk bound", f"{step_med / bound:.2f}x" if bound else "n/a"],
     ]
     if base_med:
         # Below 1x: the disk served reads faster than fio's cold reads (a VM's host caches recent writes).
-        rows.append(["without host cache: step / disk bound", f"{base_med / base_bound:.2f}x" if base_bound else "n/a"])
+        base_ratio = r["baseline_ratio_to_bound"]
+        rows.append(["without host cache: step / disk bound", f"{base_ratio:.2f}x" if base_ratio else "n/a"])
+    over, held = r["rss_over_base_bytes"], r["host_pool_bytes"] + r["host_cache_bytes"]
+    torch_med, torch_peak = r["torch_step_s_median"], r["torch_peak_rss_bytes"]
     rows += [
-        [f"torch AdamW(fused) step, state resident {'on the GPU' if device.type == 'cuda' else 'in memory'}",
+        [f"torch AdamW(fused) step, state resident {'on the GPU' if r['device'] == 'cuda' else 'in memory'}",
          f"{torch_med:.3f} s ({step_med / torch_med:.2f}x)" if torch_med else "n/a"],
-        ["state / resident in host memory", f"{format_size(state_bytes)} / {format_size(resident)}"],
-        ["host pool + cache", f"{format_size(pool_bytes)} + {format_size(cache_bytes)}"],
-        ["peak RSS above params+grads", f"{format_size(over)} ({over / held:.2f}x pool + cache)" if held
-         else format_size(over)],
-        ["torch peak RSS above params+grads", format_size(torch_peak - base_rss) if torch_peak else "n/a"],
+        ["state / resident in host memory", f"{size(r['offloaded_state_bytes'])} / {size(r['resident_state_bytes'])}"],
+        ["host pool + cache", f"{size(r['host_pool_bytes'])} + {size(r['host_cache_bytes'])}"],
+        ["peak RSS above params+grads", f"{size(over)} ({over / held:.2f}x pool + cache)" if held else size(over)],
+        ["torch peak RSS above params+grads", size(torch_peak - r["base_rss_bytes"]) if torch_peak else "n/a"],
     ]
-    if our_gpu_peak is not None:
-        rows += [["GPU memory peak (params, grads and one unit's update)", format_size(our_gpu_peak)],
-                 ["GPU memory peak, torch AdamW(fused)", format_size(torch_gpu_peak) if torch_gpu_peak else "n/a"]]
+    if r["gpu_peak_bytes"] is not None:
+        torch_gpu = r["torch_gpu_peak_bytes"]
+        rows += [["GPU memory peak (params, grads and one unit's update)", size(r["gpu_peak_bytes"])],
+                 ["GPU memory peak, torch AdamW(fused)", size(torch_gpu) if torch_gpu else "n/a"]]
+    pinned = r["pool_pinned"]
     rows.append(["pool pinned", "no pool" if pinned is None else "yes" if pinned else "no"])
-    print(report.table(["", "value"], rows))
-    if args.json:
-        report.write_json(args.json, result)
-        print(f"wrote {args.json}")
-    return 0
+    return rows
 
 
 def _spread(times: list) -> str:
