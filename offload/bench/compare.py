@@ -120,55 +120,25 @@ def _repo_root() -> str:
 
 
 def run_compare(args: argparse.Namespace) -> int:
+    """``offload-bench compare``: every variant once per round, in alternating order, then the medians."""
     peer, why = _peer_python(args.peer_python)
     with bench_paths(args.paths) as paths:
         root = paths[0]
-        variants = [("ours", {})]
-        if not args.no_extras:  # what the default integrity check costs, run beside ours in every round
-            variants.append((UNCHECKED, {"checksum": "off"}))
-        if peer:
-            variants.append((DEEPSPEED, {}))
-        if not args.no_extras:
-            variants.append((TORCH, {}))
         n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH  # whole Linear(2048, 2048) layers
         print(f"compare: {format_size(n * (2 if args.bf16 else 4))} of {'bf16' if args.bf16 else 'fp32'} "
               f"weights ({n / 1e6:.1f}M parameters in {n // (WIDTH * WIDTH)} layers), optimizer state on NVMe"
               + (", weights on NVMe" if args.params_nvme else "") + f", {args.rounds} round(s), in {root}")
         print(f"DeepSpeed: {why}" if not peer else f"DeepSpeed {why} ({peer})")
-        runs: dict[str, list] = {}
-        for r in range(args.rounds):
-            order = variants if r % 2 == 0 else variants[::-1]
-            for name, kw in order:
-                system = {DEEPSPEED: DEEPSPEED, TORCH: "torch"}.get(name, "ours")
-                runs.setdefault(name, []).append(_run(peer if system == DEEPSPEED else sys.executable, system, root,
-                                                      args, **kw))
-            if r == 0 and not args.no_extras:
-                variants += _extras(args, runs)
-        rows, doc = [], {"params": args.params, "bf16": args.bf16, "params_nvme": args.params_nvme,
-                         "deepspeed": why, "runs": runs, "medians": {}}
-        ds = _median(runs.get(DEEPSPEED), "iteration_s_median")
-        floor = _median(runs.get(TORCH), "iteration_s_median")
-        for name, results in runs.items():
-            it, st = _median(results, "iteration_s_median"), _median(results, "step_s_median")
-            rss = max(x["peak_rss_bytes"] for x in results)
-            moved = results[-1].get("bytes_per_iteration")
-            spread = [f"{x['iteration_s_median']:.2f}" for x in results]
-            rows.append([name, f"{it:.3f} s ({', '.join(spread)})", f"{st:.3f} s", format_size(rss),
-                         format_size(moved) if moved is not None else "-",
-                         f"{ds / it:.2f}x" if ds and name not in (DEEPSPEED, TORCH) else "-",
-                         f"{it / floor:.2f}x" if floor and name != TORCH else "-"])
-            doc["medians"][name] = {"iteration_s": it, "step_s": st, "peak_rss_bytes": rss,
-                                    "bytes_per_iteration": moved, "speedup_vs_deepspeed": ds / it if ds else None,
-                                    "vs_compute_alone": it / floor if floor else None}
+        runs = _rounds(args, peer, root)
+        doc = {"params": args.params, "bf16": args.bf16, "params_nvme": args.params_nvme, "deepspeed": why,
+               "runs": runs, "medians": {name: _medians(results, runs) for name, results in runs.items()}}
         print(report.table(["variant", "iteration (runs)", "step()", "peak RSS", "moved/iter", "vs DeepSpeed",
-                            "vs compute alone"], rows))
+                            "vs compute alone"],
+                           [_row(name, results, doc["medians"][name]) for name, results in runs.items()]))
         print("where an iteration's time goes (medians of the runs' medians; DeepSpeed's step() zeroes the grads)")
-        phase_rows = []
-        for name, results in runs.items():
-            phases = {ph: statistics.median(x["phases_s_median"][ph] for x in results) for ph in PHASES}
-            doc["medians"][name]["phases_s"] = phases
-            phase_rows.append([name] + [f"{phases[ph]:.3f} s" for ph in PHASES])
-        print(report.table(["variant"] + list(PHASES), phase_rows))
+        print(report.table(["variant"] + list(PHASES),
+                           [[name] + [f"{m['phases_s'][ph]:.3f} s" for ph in PHASES]
+                            for name, m in doc["medians"].items()]))
         if UNCHECKED in runs:
             pairs = [a["iteration_s_median"] / b["iteration_s_median"] - 1
                      for a, b in zip(runs["ours"], runs[UNCHECKED])]
@@ -178,6 +148,47 @@ def run_compare(args: argparse.Namespace) -> int:
         if args.json:
             report.write_json(args.json, doc)
     return EXIT_OK
+
+
+def _rounds(args: argparse.Namespace, peer: Optional[str], root: str) -> dict[str, list]:
+    """Each variant's results, one per round; the extras join after the first round (they are sized by it)."""
+    variants = [("ours", {})]
+    if not args.no_extras:  # what the default integrity check costs, run beside ours in every round
+        variants.append((UNCHECKED, {"checksum": "off"}))
+    if peer:
+        variants.append((DEEPSPEED, {}))
+    if not args.no_extras:
+        variants.append((TORCH, {}))
+    runs: dict[str, list] = {}
+    for r in range(args.rounds):
+        for name, kw in variants if r % 2 == 0 else variants[::-1]:
+            system = {DEEPSPEED: DEEPSPEED, TORCH: "torch"}.get(name, "ours")
+            runs.setdefault(name, []).append(_run(peer if system == DEEPSPEED else sys.executable, system, root,
+                                                  args, **kw))
+        if r == 0 and not args.no_extras:
+            variants += _extras(args, runs)
+    return runs
+
+
+def _medians(results: list, runs: dict) -> dict:
+    """One variant's medians over the rounds, and its ratios to DeepSpeed's and to compute alone."""
+    ds = _median(runs.get(DEEPSPEED), "iteration_s_median")
+    floor = _median(runs.get(TORCH), "iteration_s_median")
+    it = _median(results, "iteration_s_median")
+    return {"iteration_s": it, "step_s": _median(results, "step_s_median"),
+            "peak_rss_bytes": max(x["peak_rss_bytes"] for x in results),
+            "bytes_per_iteration": results[-1].get("bytes_per_iteration"),
+            "speedup_vs_deepspeed": ds / it if ds else None, "vs_compute_alone": it / floor if floor else None,
+            "phases_s": {ph: statistics.median(x["phases_s_median"][ph] for x in results) for ph in PHASES}}
+
+
+def _row(name: str, results: list, m: dict) -> list:
+    spread = ", ".join(f"{x['iteration_s_median']:.2f}" for x in results)
+    moved, ds, floor = m["bytes_per_iteration"], m["speedup_vs_deepspeed"], m["vs_compute_alone"]
+    return [name, f"{m['iteration_s']:.3f} s ({spread})", f"{m['step_s']:.3f} s", format_size(m["peak_rss_bytes"]),
+            format_size(moved) if moved is not None else "-",
+            f"{ds:.2f}x" if ds and name not in (DEEPSPEED, TORCH) else "-",
+            f"{floor:.2f}x" if floor and name != TORCH else "-"]
 
 
 def _extras(args, runs: dict) -> list:
