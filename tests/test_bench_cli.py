@@ -548,7 +548,7 @@ def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, ca
     from offload.bench import compare
     from offload.bench.cli import BenchFailure
 
-    args = argparse.Namespace(params=4_000_000, iterations=3, params_nvme=False, bf16=False)
+    args = argparse.Namespace(params=4_000_000, iterations=3, params_nvme=False, bf16=False, device="cpu")
     reported = tmp_path / "reported"
     report = '{"iteration_s_median": 1.0, "step_s_median": 0.5, "peak_rss_bytes": 7, "phases_s_median": {}}'
     reported.write_text(f"#!/bin/sh\necho '{report}'\necho \"terminate called\" >&2\nexit 134\n")

@@ -23,9 +23,12 @@ import sys
 import tempfile
 from typing import Optional
 
+import torch
+
 from ..units import format_size
 from . import report
 from .cli import EXIT_OK, BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
+from .gpu import require_cuda
 from .peer import WIDTH
 
 __all__ = ["register", "run_compare"]
@@ -50,6 +53,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--peer-python", metavar="PYTHON", help="a Python that imports deepspeed (default: "
                    "~/.peer-venv/bin/python if present, else this one if it imports deepspeed)")
     p.add_argument("--no-extras", action="store_true", help="ours plain only (no host cache, no bf16 state)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model computes, for every variant; cuda needs a GPU (default cpu)")
     add_path_option(p)
     p.add_argument("--json", metavar="FILE", help="write every run and the medians as JSON")
     p.set_defaults(run=run_compare)
@@ -84,6 +89,7 @@ def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, stat
     cmd = [python, "-m", "offload.bench.peer", system, directory, str(args.params), "--iterations",
            str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype, "--checksum", checksum]
     cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16 + ["--overlap"] * overlap
+    cmd += ["--device", args.device]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
@@ -121,16 +127,19 @@ def _repo_root() -> str:
 
 def run_compare(args: argparse.Namespace) -> int:
     """``offload-bench compare``: every variant once per round, in alternating order, then the medians."""
+    require_cuda(torch.device(args.device))
     peer, why = _peer_python(args.peer_python)
     with bench_paths(args.paths) as paths:
         root = paths[0]
         n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH  # whole Linear(2048, 2048) layers
         print(f"compare: {format_size(n * (2 if args.bf16 else 4))} of {'bf16' if args.bf16 else 'fp32'} "
               f"weights ({n / 1e6:.1f}M parameters in {n // (WIDTH * WIDTH)} layers), optimizer state on NVMe"
-              + (", weights on NVMe" if args.params_nvme else "") + f", {args.rounds} round(s), in {root}")
+              + (", weights on NVMe" if args.params_nvme else "") + f", computed on {args.device}"
+              + f", {args.rounds} round(s), in {root}")
         print(f"DeepSpeed: {why}" if not peer else f"DeepSpeed {why} ({peer})")
         runs = _rounds(args, peer, root)
-        doc = {"params": args.params, "bf16": args.bf16, "params_nvme": args.params_nvme, "deepspeed": why,
+        doc = {"params": args.params, "bf16": args.bf16, "params_nvme": args.params_nvme, "device": args.device,
+               "deepspeed": why,
                "runs": runs, "medians": {name: _medians(results, runs) for name, results in runs.items()}}
         print(report.table(["variant", "iteration (runs)", "step()", "peak RSS", "moved/iter", "vs DeepSpeed",
                             "vs compute alone"],

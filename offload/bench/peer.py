@@ -2,11 +2,12 @@
 DeepSpeed ZeRO-3 training the same stack of ``Linear(width, width)`` layers on the same disk, with optimizer state
 (and with ``--params-nvme`` the weights) on NVMe, or the same model trained in memory by torch's AdamW (``torch``:
 the compute alone, no I/O). Prints one JSON line, with each iteration's forward, backward, step and zero_grad
-timed apart. Run by ``offload-bench compare``; DeepSpeed's run needs a Python where ``import deepspeed`` works
-(``--peer-python``), and is never a dependency.
+timed apart (on a GPU, each phase until the device has finished it). Run by ``offload-bench compare``;
+DeepSpeed's run needs a Python where ``import deepspeed`` works (``--peer-python``), and is never a dependency.
 
 Usage: ``python -m offload.bench.peer {ours,deepspeed,torch} NVME_DIR PARAMS [--params-nvme] [--bf16]
-[--host-cache BYTES] [--state-dtype fp32|bf16] [--iterations N] [--checksum on|off] [--overlap]``
+[--host-cache BYTES] [--state-dtype fp32|bf16] [--iterations N] [--checksum on|off] [--overlap]
+[--device cpu|cuda]``
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def _ours(args, dtype) -> dict:
     from offload import OffloadedAdamW, offload_parameters
     from offload.params import offloaded
 
-    model = linear_stack(args.params, dtype)
+    model = linear_stack(args.params, dtype).to(args.device)
     if args.params_nvme:
         offload_parameters(model, nvme_path=os.path.join(args.nvme, "w"), max_in_cpu=0, max_grad_in_cpu=0,
                            config={"checksum": args.checksum == "on"})
@@ -52,7 +53,7 @@ def _ours(args, dtype) -> dict:
 
     try:
         result = _loop(_steps(model, lambda loss: loss.backward(), opt.step, opt.zero_grad), dtype,
-                       args.iterations, moved)
+                       args.iterations, moved, args.device)
     finally:
         opt.close()
     return dict(result, system="nvme-offload")
@@ -62,10 +63,10 @@ def _torch(args, dtype) -> dict:
     """The same model and optimizer in memory (torch's fused AdamW): the compute alone."""
     import torch
 
-    model = linear_stack(args.params, dtype)
+    model = linear_stack(args.params, dtype).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     return dict(_loop(_steps(model, lambda loss: loss.backward(), opt.step, opt.zero_grad), dtype, args.iterations,
-                      None), system="torch (in memory)")
+                      None, args.device), system="torch (in memory)")
 
 
 def _steps(forward, backward, step, zero_grad):
@@ -84,14 +85,21 @@ def _deepspeed(args, dtype) -> dict:
 
     model = linear_stack(args.params, torch.float32)
     # DeepSpeed stops with "Not enough buffers" for weights on NVMe with fewer than about 20 buffers here.
+    # On a GPU its buffers are pinned, as ours are there ("auto"), and without --params-nvme the weights stay on
+    # the GPU, as ours do; on the CPU accelerator the weights are the host's either way.
+    pin = args.device == "cuda"
+    if args.params_nvme:
+        param = {"device": "nvme", "nvme_path": args.nvme, "buffer_count": 20, "buffer_size": 1e8, "max_in_cpu": 0,
+                 "pin_memory": pin}
+    else:
+        param = {"device": "none"} if pin else {"device": "cpu"}
     cfg = {
         "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": {
             "stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme, "buffer_count": 4, "pin_memory": False},
-            "offload_param": ({"device": "nvme", "nvme_path": args.nvme, "buffer_count": 20, "buffer_size": 1e8,
-                               "max_in_cpu": 0, "pin_memory": False} if args.params_nvme else {"device": "cpu"})},
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme, "buffer_count": 4, "pin_memory": pin},
+            "offload_param": param},
         "aio": {"block_size": 1 << 20, "queue_depth": 32, "thread_count": 1, "single_submit": False,
                 "overlap_events": True},
     }
@@ -100,16 +108,18 @@ def _deepspeed(args, dtype) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     # engine.step() zeroes the grads itself: its zero_grad phase is empty.
-    return dict(_loop(_steps(engine, engine.backward, engine.step, lambda: None), dtype, args.iterations, None),
-                system="deepspeed", version=deepspeed.__version__)
+    return dict(_loop(_steps(engine, engine.backward, engine.step, lambda: None), dtype, args.iterations, None,
+                      args.device), system="deepspeed", version=deepspeed.__version__)
 
 
-def _loop(phases, dtype, n: int, moved) -> dict:
-    """Time ``n`` iterations (forward, backward, step, zero_grad, each apart); the first (no state to read) is
-    left out of the medians. ``step_s`` is step() with zero_grad (what follows backward)."""
+def _loop(phases, dtype, n: int, moved, device: str = "cpu") -> dict:
+    """Time ``n`` iterations (forward, backward, step, zero_grad, each apart, on a GPU each until the device
+    has finished it); the first (no state to read) is left out of the medians. ``step_s`` is step() with
+    zero_grad (what follows backward)."""
     import torch
 
-    x = torch.randn(BATCH, WIDTH, dtype=dtype)
+    x = torch.randn(BATCH, WIDTH, dtype=dtype).to(device)
+    done = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict = {name: [] for name, _ in phases}
     iters, per_iter = [], []
     for _ in range(n):
@@ -118,6 +128,7 @@ def _loop(phases, dtype, n: int, moved) -> dict:
         t0 = last = time.perf_counter()
         for name, run in phases:
             value = run(value)
+            done()
             now = time.perf_counter()
             times[name].append(now - last)
             last = now
@@ -143,6 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--checksum", choices=("on", "off"), default="on", help="ours: checksums of swapped state")
     p.add_argument("--overlap", action="store_true", help="ours: overlap_backward=True")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model computes")
     args = p.parse_args(argv)
     import torch
 
@@ -151,7 +163,7 @@ def main(argv=None) -> int:
     result = {"ours": _ours, "deepspeed": _deepspeed, "torch": _torch}[args.system](args, dtype)
     print(json.dumps(dict(result, params=n, params_on_nvme=args.params_nvme, bf16=args.bf16,
                           host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum,
-                          overlap_backward=args.overlap)),
+                          overlap_backward=args.overlap, device=args.device)),
           flush=True)
     return 0
 
