@@ -73,76 +73,20 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
         ("rounds", f"{args.rounds} x {args.steps} iterations per variant"),
     ])
 
-    def build(overlap: bool):
-        model = block_model(layers, hidden, dtype, device)
-        if weights_offloaded:
-            offload_parameters(model, config=cfg, prefetch=2)
-        opt = OffloadedAdamW(model.parameters(), lr=1e-4, config=cfg, overlap_backward=overlap)
-        return model, opt
-
-    runs: dict[str, Any] = {}
+    runs, rounds = _Runs(args, cfg, paths, layers, hidden, dtype, device, weights_offloaded), None
     try:
-        runs["plain"] = build(False)
-        runs["overlap"] = build(True)
-        ref = block_model(layers, hidden, dtype, device)
-        runs["compute"] = (ref, torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True))
-
-        def inputs(batch: int):
-            return torch.randn(batch, hidden, generator=torch.Generator().manual_seed(1)).to(device, dtype)
-
-        # Bytes one overlapped iteration moves (after a first one that creates state), then the batch.
-        x = inputs(CALIBRATION_BATCH if args.batch in (None, "auto") else args.batch)
-        for name in ("plain", "overlap", "compute"):
-            _iterate(*runs[name], x, 1)
-        moved = {name: _bytes(*runs[name], x, weights_offloaded) for name in ("plain", "overlap")}
-
-        def io_alone() -> float:
-            if weights_offloaded:
-                return io_only(paths, cfg.aio, moved["overlap"]["read"], moved["overlap"]["write"])
-            return _step_alone(*runs["plain"], x)
-
-        io_s = io_alone()
-        batch = args.batch
-        if batch in (None, "auto"):
-            batch = _calibrate(lambda b: statistics.median(_iterate(*runs["compute"], inputs(b), 1)
-                                                           for _ in range(2)), io_s)
-        x = inputs(batch)
-        times: dict[str, list] = {name: [] for name in (*runs, "serial", "io", "beside")}
-        pool = runs["plain"][1].state_store.pool  # None with device "cpu": then I/O as io_only moves it
-        beside_shape = {"buffers": len(pool), "piece": pool.buffer_size} if pool is not None else {}
-        gpu_peaks: dict[str, int] = {}
-        for _ in range(args.rounds):
-            for name in runs:
-                before = _gpu_mark(device)
-                times[name].append(_iterate(*runs[name], x, args.steps) / args.steps)
-                if before is not None:
-                    gpu_peaks[name] = max(gpu_peaks.get(name, 0), torch.cuda.max_memory_allocated(device) - before)
-            times["serial"].append(_iterate(*runs["plain"], x, args.steps, drain_each=True) / args.steps)
-            times["io"].append(io_alone())
-            times["beside"].append(compute_beside_io(
-                paths, cfg.aio, lambda: _iterate(*runs["compute"], x, args.steps) / args.steps,
-                **beside_shape))
-        pinned = pool_pinned([pool]
-                             + ([offloaded(runs["plain"][0]).store.pool] if weights_offloaded else []))
+        rounds = runs.measure()
     finally:
-        for name in ("plain", "overlap"):
-            if name in runs:
-                model, opt = runs[name]
-                opt.close()
-                if weights_offloaded:
-                    restore_parameters(model)
-        runs.clear()
-        gc.collect()
-
+        runs.close()
+    times, moved, batch, gpu_peaks, pinned = rounds
     med = {name: statistics.median(t) for name, t in times.items()}
-    io_s = med["io"]
-    bound = max(med["compute"], io_s)
+    bound = max(med["compute"], med["io"])
     result: dict[str, Any] = {
         "params": n_params, "layers": layers, "hidden": hidden, "batch": batch, "device": device.type,
         "weights_offloaded": weights_offloaded,
         "iteration_s_median": {"overlap": med["overlap"], "plain": med["plain"], "serial": med["serial"],
                                "compute_only": med["compute"]},
-        "iteration_s_runs": times, "io_only_s": io_s,
+        "iteration_s_runs": times, "io_only_s": med["io"],
         "bytes_per_iteration": moved,
         "overlap_to_bound": med["overlap"] / bound,
         "compute_beside_io_s": med["beside"],
@@ -152,23 +96,108 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
         "pools_pinned": pinned,
         "machine": machine,
     }
+    weight_bytes = n_params * torch.tensor([], dtype=dtype).element_size()
+    print(report.table(["", "value"], _rows(result, weight_bytes, auto=args.batch in (None, "auto"))))
+    if args.json:
+        report.write_json(args.json, result)
+        print(f"wrote {args.json}")
+    return result
+
+
+class _Runs:
+    """The variants of one comparison (ours without and with overlap_backward, torch in memory) and their timing."""
+
+    def __init__(self, args, cfg, paths, layers: int, hidden: int, dtype, device, weights_offloaded: bool):
+        self.args, self.cfg, self.paths = args, cfg, paths
+        self.layers, self.hidden, self.dtype, self.device = layers, hidden, dtype, device
+        self.weights_offloaded = weights_offloaded
+        self.runs: dict[str, Any] = {}
+
+    def build(self, overlap: bool):
+        model = block_model(self.layers, self.hidden, self.dtype, self.device)
+        if self.weights_offloaded:
+            offload_parameters(model, config=self.cfg, prefetch=2)
+        opt = OffloadedAdamW(model.parameters(), lr=1e-4, config=self.cfg, overlap_backward=overlap)
+        return model, opt
+
+    def inputs(self, batch: int) -> torch.Tensor:
+        return torch.randn(batch, self.hidden, generator=torch.Generator().manual_seed(1)).to(self.device, self.dtype)
+
+    def measure(self) -> tuple:
+        """(times per variant over the rounds, bytes per iteration, batch, GPU peaks, whether pools are pinned)."""
+        args, runs = self.args, self.runs
+        runs["plain"] = self.build(False)
+        runs["overlap"] = self.build(True)
+        ref = block_model(self.layers, self.hidden, self.dtype, self.device)
+        runs["compute"] = (ref, torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True))
+        # Bytes one overlapped iteration moves (after a first one that creates state), then the batch.
+        x = self.inputs(CALIBRATION_BATCH if args.batch in (None, "auto") else args.batch)
+        for name in ("plain", "overlap", "compute"):
+            _iterate(*runs[name], x, 1)
+        moved = {name: _bytes(*runs[name], x, self.weights_offloaded) for name in ("plain", "overlap")}
+
+        def io_alone() -> float:
+            if self.weights_offloaded:
+                return io_only(self.paths, self.cfg.aio, moved["overlap"]["read"], moved["overlap"]["write"])
+            return _step_alone(*runs["plain"], x)
+
+        batch = args.batch
+        if batch in (None, "auto"):
+            io_s = io_alone()
+            batch = _calibrate(lambda b: statistics.median(_iterate(*runs["compute"], self.inputs(b), 1)
+                                                           for _ in range(2)), io_s)
+        else:
+            io_alone()  # as when calibrating: the first I/O alone warms what the rounds measure
+        x = self.inputs(batch)
+        times: dict[str, list] = {name: [] for name in (*runs, "serial", "io", "beside")}
+        pool = runs["plain"][1].state_store.pool  # None with device "cpu": then I/O as io_only moves it
+        beside_shape = {"buffers": len(pool), "piece": pool.buffer_size} if pool is not None else {}
+        gpu_peaks: dict[str, int] = {}
+        for _ in range(args.rounds):
+            for name in runs:
+                before = _gpu_mark(self.device)
+                times[name].append(_iterate(*runs[name], x, args.steps) / args.steps)
+                if before is not None:
+                    gpu_peaks[name] = max(gpu_peaks.get(name, 0),
+                                          torch.cuda.max_memory_allocated(self.device) - before)
+            times["serial"].append(_iterate(*runs["plain"], x, args.steps, drain_each=True) / args.steps)
+            times["io"].append(io_alone())
+            times["beside"].append(compute_beside_io(
+                self.paths, self.cfg.aio, lambda: _iterate(*runs["compute"], x, args.steps) / args.steps,
+                **beside_shape))
+        pinned = pool_pinned([pool] + ([offloaded(runs["plain"][0]).store.pool] if self.weights_offloaded else []))
+        return times, moved, batch, gpu_peaks, pinned
+
+    def close(self) -> None:
+        for name in ("plain", "overlap"):
+            if name in self.runs:
+                model, opt = self.runs[name]
+                opt.close()
+                if self.weights_offloaded:
+                    restore_parameters(model)
+        self.runs.clear()
+        gc.collect()
+
+
+def _rows(r: dict, weight_bytes: int, *, auto: bool) -> list:
+    """The table, from the JSON result."""
+    med, io_s, beside = r["iteration_s_median"], r["io_only_s"], r["compute_beside_io_s"]
+    weights_offloaded = r["weights_offloaded"]
     rows = [
         ["iteration, overlap_backward", f"{med['overlap']:.3f} s"],
         ["iteration, without overlap_backward (tail writes overlap)", f"{med['plain']:.3f} s"],
         ["iteration, nothing overlapped (writes drained in step)", f"{med['serial']:.3f} s"],
-        ["compute alone (torch AdamW in memory)", f"{med['compute']:.3f} s"],
+        ["compute alone (torch AdamW in memory)", f"{med['compute_only']:.3f} s"],
         ["I/O alone (the bytes an overlapped iteration moves, no compute)" if weights_offloaded else
          "step alone (the state's I/O and the update, no forward/backward)", f"{io_s:.3f} s"],
         ["compute alone, with I/O running beside it (how much they contend here)",
-         f"{med['beside']:.3f} s ({med['beside'] / med['compute']:.2f}x compute alone)"],
-        ["overlap / max(compute, I/O)", f"{med['overlap'] / bound:.2f}x (bar 1.15x)"],
-        ["nothing overlapped / overlap", f"{med['serial'] / med['overlap']:.2f}x (bar 1.6x)"],
-        ["without overlap_backward / overlap", f"{med['plain'] / med['overlap']:.2f}x"],
+         f"{beside:.3f} s ({beside / med['compute_only']:.2f}x compute alone)"],
+        ["overlap / max(compute, I/O)", f"{r['overlap_to_bound']:.2f}x (bar 1.15x)"],
+        ["nothing overlapped / overlap", f"{r['serial_to_overlap']:.2f}x (bar 1.6x)"],
+        ["without overlap_backward / overlap", f"{r['plain_to_overlap']:.2f}x"],
     ]
-    weight_bytes = n_params * torch.tensor([], dtype=dtype).element_size()
-    for name in ("overlap", "plain"):
-        m = moved[name]
-        label = "overlap" if name == "overlap" else "without overlap"
+    for name, label in (("overlap", "overlap"), ("plain", "without overlap")):
+        m = r["bytes_per_iteration"][name]
         rows.append([f"moved per iteration, {label}",
                      f"read {format_size(m['read'])}, written {format_size(m['write'])}"
                      + (f" (grads {format_size(m['grad_read'])} / {format_size(m['grad_write'])})"
@@ -179,17 +208,13 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
             rows.append([f"weights read / written per iteration, {label}",
                          f"{m['weights_read'] / weight_bytes:.2f}x / {m['weights_written'] / weight_bytes:.2f}x "
                          "the weights (2x / 1x needed)"])
-    rows.append(["batch", f"{batch} rows" + (" (auto: compute about equal to I/O)" if args.batch in (None, "auto")
-                                             else "")])
+    rows.append(["batch", f"{r['batch']} rows" + (" (auto: compute about equal to I/O)" if auto else "")])
     labels = {"overlap": "overlap_backward", "plain": "without overlap_backward", "compute": "compute alone"}
-    for name, peak in gpu_peaks.items():
+    for name, peak in (r["gpu_peak_bytes"] or {}).items():
         rows.append([f"GPU memory peak above the models, {labels[name]}", format_size(peak)])
+    pinned = r["pools_pinned"]
     rows.append(["pools pinned", "no pool" if pinned is None else "yes" if pinned else "no"])
-    print(report.table(["", "value"], rows))
-    if args.json:
-        report.write_json(args.json, result)
-        print(f"wrote {args.json}")
-    return result
+    return rows
 
 
 def _gpu_mark(device: torch.device) -> int | None:
