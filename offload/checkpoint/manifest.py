@@ -5,29 +5,27 @@ What parsing refuses (a ``CheckpointError``, a ValueError, naming the manifest's
 format or version this library does not read, a field missing or of the wrong type, a size or offset that
 is negative, unaligned or beyond its file's size, a chunk outside its unit, a file name that is not a bare
 name inside the checkpoint directory, and a data file that is a symbolic link or not a regular file. So
-nothing read from a manifest can make a load read or write outside the checkpoint. Each entry checks its
-own fields; the rules of a process's manifest as a whole are :mod:`offload.checkpoint.checks`.
+nothing read from a manifest can make a load read or write outside the checkpoint. The manifest file's
+format, version and own checksum are checked first (:mod:`offload.checkpoint.envelope`); each entry checks
+its own fields, and the rules of a process's manifest as a whole are :mod:`offload.checkpoint.checks`.
 """
 
 from __future__ import annotations
 
 import datetime
-import errno as _errno
-import json
 import math
 import os
-import re
 import stat
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
-import xxhash
 
 from .._version import __version__
 from ..errors import CheckpointError, ChecksumError
 from ..units import ALIGNMENT
 from .checks import RULES, memory_holds
+from .envelope import check_envelope, read_json, shard_name
 from .fields import (
     Entry,
     bare_name,
@@ -57,22 +55,8 @@ from .format import (
     PIECES_VERSION,
     dtype_name,
     dtype_of,
-    io_error,
     jsonable,
 )
-
-SHARD_NAME = re.compile(r"^rank-(\d{5,})$")
-
-
-def shard_name(rank: int) -> str:
-    """The directory of ``rank``'s shard inside a job's checkpoint."""
-    return f"rank-{rank:05d}"
-
-
-def digest(body: dict) -> str:
-    """The xxh3_64 a manifest records of itself: over its JSON without the ``manifest_xxh3_64`` field."""
-    body = {k: v for k, v in body.items() if k != "manifest_xxh3_64"}
-    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -437,35 +421,16 @@ class JobManifest(Entry):
 
 # -- from disk ---------------------------------------------------------------------------------------
 
-def raw_manifest(directory: str, name: str = MANIFEST) -> Any:
-    """The JSON in ``directory/name``, unchecked; None if there is none or it does not parse."""
-    try:
-        with open(os.path.join(directory, name), "rb") as f:
-            return json.loads(f.read())
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
-        return None
-
-
 def parse(raw: Any, root: str, where: str) -> Manifest | JobManifest:
     """Check ``raw`` (the JSON read from ``where``, the manifest of checkpoint ``root``): its format, its
-    version, its own checksum, then its whole shape (:meth:`Manifest.parse`, :meth:`JobManifest.parse`).
+    version, its own checksum (:func:`~offload.checkpoint.envelope.check_envelope`), then its whole shape
+    (:meth:`Manifest.parse`, :meth:`JobManifest.parse`).
 
     Raises:
         CheckpointError: not a manifest of ours, a version this library does not read, or a field
             wrong (named); ``ChecksumError``: its checksum does not hold.
     """
-    kind = raw.get("format") if isinstance(raw, dict) else None
-    if kind not in (FORMAT, JOB_FORMAT):
-        raise CheckpointError(f"{where} is not an nvme-offload checkpoint manifest")
-    versions = (JOB_VERSION,) if kind == JOB_FORMAT else (FORMAT_VERSION, PIECES_VERSION)
-    if raw.get("version") not in versions:
-        raise CheckpointError(f"{where} has format version {raw.get('version')!r}; this library reads version "
-                              f"{' or '.join(map(str, versions))}. Load it with the nvme-offload version that saved it "
-                              "(a newer one, if its version is higher), or load another checkpoint")
-    found = digest(raw)
-    if found != raw.get("manifest_xxh3_64"):
-        raise ChecksumError(f"{where}: xxh3_64 of its content is {found}, it records "
-                            f"{raw.get('manifest_xxh3_64')}; the manifest is corrupt")
+    kind = check_envelope(raw, where)
     try:
         return (JobManifest if kind == JOB_FORMAT else Manifest).parse(raw, "", root=root)
     except CheckpointError as err:
@@ -480,21 +445,7 @@ def read(directory: str) -> Manifest | JobManifest:
         FileNotFoundError: no such directory.
         CheckpointError: no manifest (no save of ours finished there), or one :func:`parse` refuses.
     """
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
-    path = os.path.join(directory, _manifest_name(directory))
-    try:
-        with open(path, "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save commits by "
-                              f"writing its {MANIFEST} last, so no save of ours finished here") from None
-    except OSError as err:
-        raise io_error(err, path, "cannot read") from err
-    try:
-        raw = json.loads(text)
-    except ValueError as err:
-        raise ChecksumError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt") from None
+    raw, path = read_json(directory)
     return parse(raw, directory, path)
 
 
@@ -508,19 +459,3 @@ def read_process(directory: str) -> Manifest:
     if isinstance(manifest, JobManifest):
         raise CheckpointError(manifest.refusal(1))
     return manifest
-
-
-def _manifest_name(directory: str) -> str:
-    """A job's shard (a directory named ``rank-<n>``) has the manifest its job manifest in the directory
-    above names (a save writes it under the job's generation); anything else ``manifest.json``. A name that
-    is not a bare file name there is ignored."""
-    parent, name = os.path.split(directory)
-    job = raw_manifest(parent) if SHARD_NAME.match(name) else None
-    if isinstance(job, dict) and job.get("format") == JOB_FORMAT and isinstance(job.get("shards"), list):
-        for entry in job["shards"]:
-            if isinstance(entry, dict) and entry.get("name") == name:
-                try:
-                    return bare_name(entry.get("manifest", MANIFEST), "manifest")
-                except CheckpointError:
-                    break
-    return MANIFEST
