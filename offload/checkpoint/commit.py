@@ -17,8 +17,9 @@ from dataclasses import replace
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError
+from .envelope import digest
 from .format import JSON, MANIFEST, write_file
-from .manifest import JobManifest, Manifest, digest
+from .manifest import JobManifest, Manifest
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
 from .storage import DEFAULT_STORAGE, Storage
 

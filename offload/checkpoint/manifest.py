@@ -5,26 +5,27 @@ What parsing refuses (a ``CheckpointError``, a ValueError, naming the manifest's
 format or version this library does not read, a field missing or of the wrong type, a size or offset that
 is negative, unaligned or beyond its file's size, a chunk outside its unit, a file name that is not a bare
 name inside the checkpoint directory, and a data file that is a symbolic link or not a regular file. So
-nothing read from a manifest can make a load read or write outside the checkpoint.
+nothing read from a manifest can make a load read or write outside the checkpoint. The manifest file's
+format, version and own checksum are checked first (:mod:`offload.checkpoint.envelope`); each entry checks
+its own fields, and the rules of a process's manifest as a whole are :mod:`offload.checkpoint.checks`.
 """
 
 from __future__ import annotations
 
 import datetime
-import errno as _errno
-import json
+import math
 import os
-import re
 import stat
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
-import xxhash
 
 from .._version import __version__
 from ..errors import CheckpointError, ChecksumError
-from ..units import ALIGNMENT, round_up
+from ..units import ALIGNMENT
+from .checks import RULES, memory_holds
+from .envelope import check_envelope, read_json, shard_name
 from .fields import (
     Entry,
     bare_name,
@@ -49,28 +50,13 @@ from .format import (
     JOB_FORMAT,
     JOB_VERSION,
     MANIFEST,
-    MEMORY,
     MODEL_MEMORY,
     PARAMS_DATA,
     PIECES_VERSION,
     dtype_name,
     dtype_of,
-    io_error,
     jsonable,
 )
-
-SHARD_NAME = re.compile(r"^rank-(\d{5,})$")
-
-
-def shard_name(rank: int) -> str:
-    """The directory of ``rank``'s shard inside a job's checkpoint."""
-    return f"rank-{rank:05d}"
-
-
-def digest(body: dict) -> str:
-    """The xxh3_64 a manifest records of itself: over its JSON without the ``manifest_xxh3_64`` field."""
-    body = {k: v for k, v in body.items() if k != "manifest_xxh3_64"}
-    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -183,11 +169,11 @@ class ParamEntry(Entry):
         """The entry of a parameter whose state ``keys`` (of ``slot``'s, a ``state.layout`` slot) lie in
         state.bin in ``chunks``."""
         dtypes = tuple(dtype_name(slot.dtype_of(k)) for k in keys)
-        return cls(index, "swap", initialized, tuple(shape), dtype_name(dtype), _product(shape), tuple(keys),
+        return cls(index, "swap", initialized, tuple(shape), dtype_name(dtype), math.prod(shape), tuple(keys),
                    dtype_name(slot.dtype), dtypes if len(set(slot.dtypes)) > 1 else None, tuple(chunks), step)
 
     def check(self, name: str) -> None:
-        if self.shape is not None and self.numel is not None and _product(self.shape) != self.numel:
+        if self.shape is not None and self.numel is not None and math.prod(self.shape) != self.numel:
             fail(f"{name}.numel", f"the product of its shape {list(self.shape)}", self.numel)
         if self.key_dtypes is not None and len(self.key_dtypes) != len(self.keys):
             fail(f"{name}.key_dtypes", f"a list of {len(self.keys)} (one per key)", list(self.key_dtypes))
@@ -231,7 +217,7 @@ class TensorEntry(Entry):
             self.require(name, "offset", "length", "xxh3_64")
             if self.offset % ALIGNMENT:
                 fail(f"{name}.offset", f"a multiple of {ALIGNMENT}", self.offset)
-            if self.length != _product(self.shape) * dtype_of(self.dtype).itemsize:
+            if self.length != math.prod(self.shape) * dtype_of(self.dtype).itemsize:
                 fail(f"{name}.length", f"the bytes of its shape and dtype ({list(self.shape)}, {self.dtype})",
                       self.length)
 
@@ -259,13 +245,6 @@ class ModelSection(Entry):
     def on_disk(self) -> list:
         """The entries in params.bin, by offset."""
         return sorted((t for t in self.tensors if t.where == PARAMS_DATA), key=lambda t: t.offset)
-
-
-def _product(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def chunk_table(units, index_of: Callable[[Any], int]) -> dict:
@@ -336,74 +315,9 @@ class Manifest(Entry):
         return any(u.pieces is not None for u in self.units) or (data is not None and data.xxh3_64 is None)
 
     def check(self, name: str) -> None:
-        """Every index, offset and size within what it points into; every file inside the directory."""
-        data = self.files.get(DATA)
-        if self.optimizer is not None and MEMORY not in self.files:
-            raise CheckpointError(f"manifest field files lists no {MEMORY}, which an optimizer's checkpoint has (its "
-                                  "groups and small state); load another checkpoint")
-        if self.units and data is None:
-            raise CheckpointError(f"manifest field units lists {len(self.units)} units, and files has no {DATA}")
-        for i, u in enumerate(self.units):
-            if u.offset + u.length > data.bytes:
-                fail(f"units[{i}]", f"a range within {DATA}'s {data.bytes} bytes", u.to_json())
-        if data is not None and data.xxh3_64 is None:
-            self._check_tiled(data.bytes)
-        if self.in_pieces and self.version < PIECES_VERSION:
-            fail("version", f"{PIECES_VERSION} (units checksummed in pieces, or state.bin without a checksum)",
-                 self.version)
-        for i, p in enumerate(self.params):
-            if p.index != i:
-                fail(f"params[{i}].index", f"{i} (its place in the list)", p.index)
-            sizes = [d.itemsize for d in p.state_dtypes()] if p.keys else []
-            for j, c in enumerate(p.chunks):
-                if c.unit >= len(self.units):
-                    raise CheckpointError(f"manifest field params[{i}].chunks[{j}] names unit {c.unit}, and there "
-                                          f"are {len(self.units)}")
-                unit = self.units[c.unit]
-                room = unit.nbytes if unit.nbytes is not None else unit.length
-                if any(c.key_offset(k) + c.numel * size > room for k, size in enumerate(sizes)):
-                    fail(f"params[{i}].chunks[{j}]", f"slices within unit {c.unit}'s {room} bytes", c.to_json())
-                if any(c.key_offset(k) % size for k, size in enumerate(sizes)):
-                    fail(f"params[{i}].chunks[{j}]", "slices at offsets that are multiples of their dtypes' sizes",
-                          c.to_json())
-        for i, g in enumerate(self.param_groups):
-            # An Adam parameter with state has its moments (and with amsgrad its maximum): what load would
-            # find missing, verify refuses too.
-            need = {"exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if g.get("amsgrad") is True else set())
-            for j, index in enumerate(g["params"]):
-                if index >= len(self.params):
-                    fail(f"param_groups[{i}].params[{j}]", f"one of the {len(self.params)} params' indices", index)
-                p = self.params[index]
-                if p.initialized and p.where != "none" and not need <= set(p.keys):
-                    fail(f"params[{index}].keys", f"the state of an Adam parameter ({', '.join(sorted(need))})",
-                          list(p.keys))
-        for i, t in enumerate(self.model.tensors if self.model is not None else ()):
-            if t.same_as is not None:
-                continue  # the bytes are those of the tensor it names (checked where the section is parsed)
-            if t.where is not None and t.where not in self.files:
-                raise CheckpointError(f"manifest field model.tensors[{i}].where names {t.where}, and files has "
-                                      f"no {t.where}")
-            if t.where == PARAMS_DATA and t.offset + round_up(t.length, ALIGNMENT) > self.files[t.where].bytes:
-                fail(f"model.tensors[{i}]", f"a range within {PARAMS_DATA}'s {self.files[t.where].bytes} bytes",
-                      t.to_json())
-        for n in self.files:
-            self.path(n, must_exist=False)
-
-    def _check_tiled(self, size: int) -> None:
-        """state.bin without a checksum of its own: its units' checksums must cover every byte of it, so
-        the units must lie back to back from byte 0 to its end, each with a checksum."""
-        pos = 0
-        for i, u in enumerate(self.units):
-            if u.xxh3_64 is None:
-                raise CheckpointError(f"manifest field units[{i}].xxh3_64 is missing (files[{DATA!r}] has no "
-                                      "xxh3_64 of its own: every unit's checksum must cover it)")
-            if u.offset != pos:
-                fail(f"units[{i}].offset", f"{pos}, where the unit before it ends (files[{DATA!r}] has no xxh3_64 "
-                     "of its own: its units must cover it back to back)", u.offset)
-            pos += u.length
-        if pos != size:
-            fail(f"files[{DATA!r}].bytes", f"{pos}, where its last unit ends (it has no xxh3_64 of its own: its "
-                 "units must cover it)", size)
+        """The rules of a manifest as a whole (:data:`offload.checkpoint.checks.RULES`)."""
+        for rule in RULES:
+            rule(self)
 
     def path(self, name: str, *, must_exist: bool = True) -> str:
         """The path of the format's file ``name`` in this checkpoint: in its directory, under the name its
@@ -441,22 +355,12 @@ class Manifest(Entry):
 
     def check_memory(self, memory: Any) -> None:
         """Refuse ``memory`` (memory.pt's content) unless it holds what the manifest says: the groups, each
-        small parameter's state, each offloaded parameter's step.
+        small parameter's state, each offloaded parameter's step (:func:`offload.checkpoint.checks.memory_holds`).
 
         Raises:
             CheckpointError: the first thing missing, named.
         """
-        where = f"checkpoint {self.root}: {MEMORY}"
-        if not isinstance(memory, dict) or not all(isinstance(memory.get(k), t) for k, t in
-                                                   (("param_groups", list), ("state", dict), ("steps", dict))):
-            raise CheckpointError(f"{where} is not the groups, state and steps of an optimizer; load another "
-                                  "checkpoint")
-        for e in self.params:
-            if e.initialized and e.where != "none":
-                table, kind = (memory["steps"], "step") if e.where == "swap" else (memory["state"], "state")
-                if not isinstance(table.get(e.index), dict if kind == "state" else (torch.Tensor, float, int)):
-                    raise CheckpointError(f"{where} lacks the {kind} of parameter {e.index}, which the manifest "
-                                          "lists; load another checkpoint")
+        memory_holds(self, memory)
 
     def holders(self, unit: int) -> list:
         """The indices of the parameters with a chunk in unit ``unit``."""
@@ -517,35 +421,16 @@ class JobManifest(Entry):
 
 # -- from disk ---------------------------------------------------------------------------------------
 
-def raw_manifest(directory: str, name: str = MANIFEST) -> Any:
-    """The JSON in ``directory/name``, unchecked; None if there is none or it does not parse."""
-    try:
-        with open(os.path.join(directory, name), "rb") as f:
-            return json.loads(f.read())
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
-        return None
-
-
 def parse(raw: Any, root: str, where: str) -> Manifest | JobManifest:
     """Check ``raw`` (the JSON read from ``where``, the manifest of checkpoint ``root``): its format, its
-    version, its own checksum, then its whole shape (:meth:`Manifest.parse`, :meth:`JobManifest.parse`).
+    version, its own checksum (:func:`~offload.checkpoint.envelope.check_envelope`), then its whole shape
+    (:meth:`Manifest.parse`, :meth:`JobManifest.parse`).
 
     Raises:
         CheckpointError: not a manifest of ours, a version this library does not read, or a field
             wrong (named); ``ChecksumError``: its checksum does not hold.
     """
-    kind = raw.get("format") if isinstance(raw, dict) else None
-    if kind not in (FORMAT, JOB_FORMAT):
-        raise CheckpointError(f"{where} is not an nvme-offload checkpoint manifest")
-    versions = (JOB_VERSION,) if kind == JOB_FORMAT else (FORMAT_VERSION, PIECES_VERSION)
-    if raw.get("version") not in versions:
-        raise CheckpointError(f"{where} has format version {raw.get('version')!r}; this library reads version "
-                              f"{' or '.join(map(str, versions))}. Load it with the nvme-offload version that saved it "
-                              "(a newer one, if its version is higher), or load another checkpoint")
-    found = digest(raw)
-    if found != raw.get("manifest_xxh3_64"):
-        raise ChecksumError(f"{where}: xxh3_64 of its content is {found}, it records "
-                            f"{raw.get('manifest_xxh3_64')}; the manifest is corrupt")
+    kind = check_envelope(raw, where)
     try:
         return (JobManifest if kind == JOB_FORMAT else Manifest).parse(raw, "", root=root)
     except CheckpointError as err:
@@ -560,21 +445,7 @@ def read(directory: str) -> Manifest | JobManifest:
         FileNotFoundError: no such directory.
         CheckpointError: no manifest (no save of ours finished there), or one :func:`parse` refuses.
     """
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
-    path = os.path.join(directory, _manifest_name(directory))
-    try:
-        with open(path, "rb") as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save commits by "
-                              f"writing its {MANIFEST} last, so no save of ours finished here") from None
-    except OSError as err:
-        raise io_error(err, path, "cannot read") from err
-    try:
-        raw = json.loads(text)
-    except ValueError as err:
-        raise ChecksumError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt") from None
+    raw, path = read_json(directory)
     return parse(raw, directory, path)
 
 
@@ -588,19 +459,3 @@ def read_process(directory: str) -> Manifest:
     if isinstance(manifest, JobManifest):
         raise CheckpointError(manifest.refusal(1))
     return manifest
-
-
-def _manifest_name(directory: str) -> str:
-    """A job's shard (a directory named ``rank-<n>``) has the manifest its job manifest in the directory
-    above names (a save writes it under the job's generation); anything else ``manifest.json``. A name that
-    is not a bare file name there is ignored."""
-    parent, name = os.path.split(directory)
-    job = raw_manifest(parent) if SHARD_NAME.match(name) else None
-    if isinstance(job, dict) and job.get("format") == JOB_FORMAT and isinstance(job.get("shards"), list):
-        for entry in job["shards"]:
-            if isinstance(entry, dict) and entry.get("name") == name:
-                try:
-                    return bare_name(entry.get("manifest", MANIFEST), "manifest")
-                except CheckpointError:
-                    break
-    return MANIFEST
