@@ -14,13 +14,15 @@ from .api import (
     register_external_parameter,
     restore_parameters,
 )
+from .checkpointing import weight_loads
 from .grads import clip_grad_norm_, load_grad
 from .guard import OffloadedGrad, OffloadedParameter
 from .holds import resident
 from .meta import empty_parameters
 from .names import named_tensors
+from .placement import smallest_within
 from .registry import store_of
-from .store import ParamStore, smallest_within, weight_loads
+from .store import ParamStore
 
 __all__ = [
     "smallest_within",

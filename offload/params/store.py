@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Optional
 
 import torch
 
 from .. import copies
 from .._proc import heap_freed
 from ..aio import wait_quietly
-from ..buffers import BufferPool, HostBuffer
+from ..buffers import BufferPool
 from ..config import Config
 from ..copies import DONE, Ticket
 from ..errors import StateError
@@ -20,18 +19,12 @@ from ..space import Extent, SwapSpace
 from ..store import ByteStore, Stored
 from ..units import ALIGNMENT, round_up
 from . import registry
+from .checkpointing import Checkpointing
 from .gradstore import GradStore
 from .guard import OffloadedParameter
 from .handoff import Handoff
+from .placement import HostCache, reserve, smallest_within
 from .transfer import BufferLender, TensorIO
-
-_loads_made = 0  # loads of new weights from outside, in every store of the process (see weight_loads)
-
-
-def weight_loads() -> int:
-    """How many times new weights were put in place from outside in any parameter store of this process: an
-    optimizer that saw the same number last time need not look at its parameters' :meth:`ParamStore.loads`."""
-    return _loads_made
 
 __all__ = ["ParamStore"]
 
@@ -52,6 +45,15 @@ class _Record(Stored):
     cls: type = None  # the parameter's class before offload, restored on undo
     name: str = "?"
 
+    def data(self) -> torch.Tensor:
+        """The parameter's bytes, flat (uint8)."""
+        # .data: copies into it are not autograd's business and do not bump the version counter.
+        return self.param.data.reshape(-1).view(torch.uint8)
+
+    def what(self) -> str:
+        """What the bytes are, for messages."""
+        return f"the offloaded weights of {self.name}"
+
 
 # NOTE: a released parameter keeps its Python object, shape, dtype, device and requires_grad; only its
 # storage is shrunk to zero bytes (``untyped_storage().resize_(0)``, as FSDP does). A fetch grows the
@@ -60,7 +62,7 @@ class _Record(Stored):
 # Bytes move through a fixed pool of page-aligned buffers (O_DIRECT needs aligned memory; a
 # parameter's own storage is not) in blocks of one buffer, pipelined (TensorIO). Everything here runs
 # under one lock: autograd may call hooks from its own device threads.
-class ParamStore:
+class ParamStore(Checkpointing):
     """Holds parameters' bytes on a swap space and materialises them on demand.
 
     Args:
@@ -83,7 +85,6 @@ class ParamStore:
                  offload_grads: bool = False, names: Optional[dict] = None, handoff: Optional[Handoff] = None,
                  fresh: Iterable[torch.Tensor] = ()):
         pc = config.offload_param
-        fresh_ids = {id(p) for p in fresh}
         params = list(params)
         self.config = config
         self.offload_grads = offload_grads
@@ -108,35 +109,42 @@ class ParamStore:
         # A device model's weights cross to it by copies (and its host cache is a copy of them); a CPU model's
         # are used where they are.
         self._on_device = copies.crosses(self.device)
-        cached = smallest_within(params, pc.max_in_cpu)  # the host cache
         self._host_cache = self.space = self.grads = None
         try:
-            self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
-            # Weights are fetched one parameter at a time: a block whose bytes changed on disk names itself
-            # at each fetch, and fails nothing else.
-            self.bytes = ByteStore(self.space, self.pool.buffer_size // self.space.alignment * self.space.alignment,
-                                   checksum=pc.checksum, mismatch_fails=False, remedy=(
-                                       "Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to "
-                                       "restore it."))
-            self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
-            self.io = TensorIO(self.bytes, self.lender)
-            self.grads = GradStore(self.io, self._lock, pin_memory=self.pool[0].pinned)
-            extent_of, grad_extent_of = self._reserve(params, cached)
-            # A GPU model's host cache: one block of page-aligned memory, pinned when the pool is
-            # (torch's pinned allocator would round each parameter up to a power of two).
-            cache_bytes = sum(round_up(p.numel() * p.element_size(), 64) for p in cached) if self._on_device else 0
-            self._host_cache = HostBuffer(cache_bytes, pin_memory=self.pool[0].pinned) if cache_bytes else None
-            self._host_used = 0
-            for p in params:
-                if p in cached and not self._on_device:
-                    self.kept_bytes += p.numel() * p.element_size()
-                else:
-                    self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)),
-                              fresh=id(p) in fresh_ids)
+            self._open(config, name)
+            self._take_in(params, smallest_within(params, pc.max_in_cpu), {id(p) for p in fresh})
             self._quiesce()
         except BaseException:
             self.close()
             raise
+
+    def _open(self, config: Config, name: str) -> None:
+        """The swap space, the byte store on it, and the pool's lender, transfers and grad store."""
+        pc = config.offload_param
+        self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
+        # Weights are fetched one parameter at a time: a block whose bytes changed on disk names itself
+        # at each fetch, and fails nothing else.
+        self.bytes = ByteStore(self.space, self.pool.buffer_size // self.space.alignment * self.space.alignment,
+                               checksum=pc.checksum, mismatch_fails=False, remedy=(
+                                   "Load a checkpoint (load_checkpoint(..., model=) or load_parameters) to "
+                                   "restore it."))
+        self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
+        self.io = TensorIO(self.bytes, self.lender)
+        self.grads = GradStore(self.io, self._lock, pin_memory=self.pool[0].pinned)
+
+    def _take_in(self, params: list, cached: set, fresh_ids: set) -> None:
+        """Reserve every extent, then offload each parameter; a CPU model's ``cached`` ones stay where they are,
+        a device model's are copied into the host cache."""
+        extent_of, grad_extent_of = reserve(self.space, params, cached, grads=self.offload_grads,
+                                            on_device=self._on_device,
+                                            max_grad_in_cpu=self.config.offload_param.max_grad_in_cpu)
+        self._host_cache = HostCache(cached if self._on_device else (), pin_memory=self.pool[0].pinned)
+        for p in params:
+            if p in cached and not self._on_device:
+                self.kept_bytes += p.numel() * p.element_size()
+            else:
+                self._add(p, extent_of.get(id(p)), id(p) in grad_extent_of, grad_extent_of.get(id(p)),
+                          fresh=id(p) in fresh_ids)
 
     # -- what the hooks and the optimizer call -------------------------------------------------
 
@@ -160,7 +168,7 @@ class ParamStore:
                 return
             try:
                 if rec.host is not None:
-                    rec.copying = copies.into_device(self._data(rec), rec.host)
+                    rec.copying = copies.into_device(rec.data(), rec.host)
                     self.cache_hits += 1
                 else:
                     self._load(rec)
@@ -196,7 +204,7 @@ class ParamStore:
                 pbuf = self.lender.take(wait=False)
                 if pbuf is None:
                     break
-                rec.prefetched[k] = (pbuf, self.bytes.read(rec, pbuf.buffer, k, what=lambda: self._what(rec)))
+                rec.prefetched[k] = (pbuf, self.bytes.read(rec, pbuf.buffer, k, what=rec.what))
                 self.bytes_read += self.bytes.block(rec, k)[0].nbytes
             if rec.prefetched:
                 self._issued.append(rec)
@@ -277,11 +285,6 @@ class ParamStore:
     def host_cache_bytes(self) -> int:
         return sum(r.host.numel() for r in self.records.values() if r.host is not None)
 
-    @property
-    def unit_bytes(self) -> int:
-        """Bytes per block (the checkpoint interface's name): parameters move in blocks of one pool buffer."""
-        return self.io.unit_bytes
-
     # -- lifetime -------------------------------------------------------------------------------
 
     def restore(self) -> None:
@@ -321,99 +324,7 @@ class ParamStore:
                 self.grads.close()
             self.pool.close()
 
-    # -- checkpoints (offload.checkpoint streams weights through the pool) ---------------------
-    #
-    # A checkpoint moves each parameter's bytes between its extent and a file through this store's
-    # own pool, so saving or loading a model needs no memory beyond the pool, and nothing is fetched.
-    # ``exclusive()`` holds the store still meanwhile (every write landed, no prefetch in flight);
-    # ``current_bytes`` says where a parameter's latest bytes are (a resident or host-cached copy may
-    # be newer than its extent), ``load_targets`` where new bytes must go so no stale copy survives.
-
-    @contextlib.contextmanager
-    def exclusive(self) -> Iterator[list[HostBuffer]]:
-        """Hold the store still for the block and lend the caller every pool buffer.
-
-        Every write has landed and no prefetch is in flight when the block starts; no fetch,
-        release or gradient write of another thread runs until it ends (they wait on the lock).
-
-        Raises:
-            OSError: a write-back had failed (the weights it carried are lost: the store is failed).
-        """
-        with self._lock:
-            self._quiesce()
-            with self.lender.lend_all() as buffers:
-                yield buffers
-
-    def current_bytes(self, param: torch.Tensor) -> tuple[Optional[Extent], Optional[torch.Tensor]]:
-        """Where ``param``'s latest bytes are: ``(extent, None)`` or ``(None, flat uint8 tensor)``.
-
-        A resident parameter's own storage (changed or not since the fetch) and the host cache's copy
-        are newer than, or the only copy of, what is on disk. Call inside :meth:`exclusive`.
-        """
-        rec = self.records[param]
-        if rec.resident:
-            return None, self._data(rec)
-        if rec.host is not None:
-            return None, rec.host.reshape(-1)
-        return rec.extent, None
-
-    def read_unit(self, param: torch.Tensor, k: int, buffer):
-        """Start reading block ``k`` of ``param``'s extent into ``buffer``; waiting for the future checks the
-        bytes against the block's last write (``StateError`` if they changed on disk behind our back)."""
-        rec = self.records[param]
-        return self.bytes.read(rec, buffer, k, what=lambda: self._what(rec))
-
-    def loads(self, param: torch.Tensor) -> int:
-        """How many times new weights of ``param`` were put in place from outside (see :meth:`loaded`): an
-        optimizer holding an fp32 master of them tells by it that the master is no longer theirs."""
-        return self.records[param].loads
-
-    def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
-        """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
-        overwrite with them (its storage while resident, the host cache's copy). Call inside
-        :meth:`exclusive`, write blocks of :attr:`unit_bytes` bytes (with :meth:`write_unit`, which keeps
-        their checksums), then call :meth:`loaded`."""
-        rec = self.records[param]
-        targets = []
-        if rec.resident:
-            targets.append(self._data(rec))
-        if rec.host is not None:
-            targets.append(rec.host.reshape(-1))
-        self.bytes.forget_digests(rec)
-        return rec.extent, targets
-
-    def write_unit(self, param: torch.Tensor, k: int, buffer):
-        """Start writing block ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
-        return self.bytes.write(self.records[param], buffer, k)
-
-    def loaded(self, params: Iterable[torch.Tensor]) -> None:
-        """New weights of ``params`` are in place: their in-memory copies equal their extents now, and
-        the stored gradients, which belonged to the old weights, are gone (as after ``zero_grad``)."""
-        global _loads_made
-        with self._lock:
-            for p in params:
-                self.records[p].dirty = False
-                self.records[p].loads += 1
-                self.grads.clear(p)
-            _loads_made += 1
-            self.bytes.mark_restored()
-
     # -- internals ----------------------------------------------------------------------------
-
-    def _reserve(self, params: list, cached: set) -> tuple[dict, dict]:
-        """Extents for the weights not ``cached`` and for the gradients to offload, all reserved at once (a
-        full disk is reported now, with the whole need). Returns ``id(param) ->`` the weights' extent, and
-        ``id(param) ->`` the gradient's extent (None: kept in host memory, ``max_grad_in_cpu``)."""
-        on_disk = [p for p in params if p not in cached]
-        with_grad = [p for p in params
-                     if self.offload_grads and p.requires_grad and (p not in cached or self._on_device)]
-        host_grads = smallest_within(with_grad, self.config.offload_param.max_grad_in_cpu)
-        grads_on_disk = [p for p in with_grad if p not in host_grads]
-        extents = self.space.alloc_many([p.numel() * p.element_size() for p in on_disk + grads_on_disk])
-        extent_of = dict(zip(map(id, on_disk), extents[:len(on_disk)]))
-        grad_extent_of = dict(zip(map(id, grads_on_disk), extents[len(on_disk):]))
-        grad_extent_of.update((id(p), None) for p in host_grads)
-        return extent_of, grad_extent_of
 
     def _add(self, p: torch.Tensor, extent: Optional[Extent], grad: bool, grad_extent: Optional[Extent], *,
              fresh: bool) -> None:
@@ -423,10 +334,9 @@ class ParamStore:
         if grad:
             self.grads.add(p, grad_extent, rec.name)  # no extent: kept in host memory
         if extent is None:
-            rec.host = self._host_cache.tensor[self._host_used:self._host_used + nbytes]
-            self._host_used += round_up(nbytes, 64)
+            rec.host = self._host_cache.take(nbytes)
             if not fresh:
-                rec.host.copy_(self._data(rec))
+                rec.host.copy_(rec.data())
         else:
             rec.extent = extent
             if not fresh:
@@ -438,10 +348,6 @@ class ParamStore:
         p._nvme_name = rec.name
         p.__class__ = OffloadedParameter
         self._shrink(rec)
-
-    def _data(self, rec: _Record) -> torch.Tensor:
-        # .data: copies into it are not autograd's business and do not bump the version counter.
-        return rec.param.data.reshape(-1).view(torch.uint8)
 
     def _grow(self, rec: _Record) -> None:
         rec.param.untyped_storage().resize_(rec.nbytes)
@@ -468,7 +374,7 @@ class ParamStore:
         if rec.dirty:
             if rec.host is not None:
                 rec.copying.wait()  # the copy from the host cache at the fetch no longer reads it
-                rec.copying = copies.to_host(rec.host, self._data(rec))
+                rec.copying = copies.to_host(rec.host, rec.data())
             else:
                 self._store(rec)
             rec.dirty = False
@@ -494,23 +400,12 @@ class ParamStore:
         if rec in self._issued:
             self._issued.remove(rec)
             self.prefetch_hits += 1
-        self.bytes_read += self.io.read_into(self._data(rec), rec, pending=pending, what=lambda: self._what(rec))
-
-    def rewriting(self, params: Iterable[torch.Tensor]) -> None:
-        """``params``' stored bytes are about to be overwritten (a load). If that is every offloaded tensor, a
-        swap file cut behind our back gets its size back: nothing will be read from the cut. A partial load
-        leaves the cut to be named."""
-        if self.space is not None and {id(p) for p in self.records} <= {id(p) for p in params}:
-            self.bytes.regrow()
+        self.bytes_read += self.io.read_into(rec.data(), rec, pending=pending, what=rec.what)
 
     def _store(self, rec: _Record) -> None:
         """Write ``rec``'s (resident) bytes to its extent; the writes land while the caller goes on."""
         self._land(rec)  # requests complete in any order: an old write must not land after this one
-        self.bytes_written += self.io.write_from(self._data(rec), rec)
-
-    @staticmethod
-    def _what(rec: _Record) -> str:
-        return f"the offloaded weights of {rec.name}"
+        self.bytes_written += self.io.write_from(rec.data(), rec)
 
     def _land(self, rec: _Record) -> None:
         """Wait for every write of ``rec``'s extent. A failed one lost the weights it carried: the store
@@ -533,14 +428,3 @@ class ParamStore:
         if failed is not None:
             raise failed
 
-
-def smallest_within(params: list, budget: int) -> set:
-    """The parameters kept in host memory under a budget of ``budget`` elements: smallest first, since for
-    them a disk request costs the most per byte."""
-    chosen = set()
-    for p in sorted(params, key=lambda t: t.numel()):
-        if p.numel() > budget:
-            break
-        budget -= p.numel()
-        chosen.add(p)
-    return chosen

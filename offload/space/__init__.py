@@ -1,7 +1,8 @@
 """The swap space: aligned extents striped over one preallocated, locked swap file per drive.
 
 ``extents`` keeps the books, ``files`` creates, locks and cleans up swap files, ``paths`` checks the
-directories, and ``swap`` holds :class:`SwapSpace`, which moves extents through the engine.
+directories, ``fileset`` holds a space's engines and files and sizes them together, and ``swap`` holds
+:class:`SwapSpace`, which moves extents through the engine.
 """
 
 from .extents import Extent, ExtentAllocator

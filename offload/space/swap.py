@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno as _errno
 import itertools
 import os
 import threading
@@ -10,55 +9,19 @@ import weakref
 from typing import Iterable, Sequence
 
 from .._proc import reset_after_fork
-from ..aio import READ, WRITE, AioFile, Engine, FutureGroup, Segment, wait_quietly
+from ..aio import READ, WRITE, FutureGroup, Segment, wait_quietly
 from ..buffers import HostBuffer
 from ..config import AioConfig
 from ..errors import ConfigError
-from ..units import ALIGNMENT, round_up
+from ..units import round_up
 from . import files as _files
 from .extents import Extent, ExtentAllocator
-from .paths import PathsLike, check_paths, no_space_message
+from .fileset import FileSet
+from .paths import PathsLike, check_paths
 
 __all__ = ["SwapSpace"]
 
 _owner_ids = itertools.count(1)
-
-
-class _Resources:
-    """What a SwapSpace must release: its engines, open files and their names.
-
-    Kept apart from the SwapSpace so a ``weakref.finalize`` can release it at garbage collection or
-    interpreter exit without keeping the space alive.
-    """
-
-    def __init__(self):
-        self.engines: list[Engine] = []
-        self.files: list[AioFile] = []
-        self.names: list[str] = []
-        self.pid = os.getpid()
-
-    def close(self) -> None:
-        first = None
-        for engine in self.engines:
-            try:
-                engine.close()  # waits for everything in flight (returns at once in a forked child)
-            except Exception as err:  # noqa: BLE001 - keep releasing the rest, report the first
-                first = first or err
-        # A forked child inherits this object; only the creating process deletes the files.
-        owner = os.getpid() == self.pid
-        for name in self.names:
-            if owner:
-                try:
-                    os.unlink(name)  # while still locked, so nobody sees it as stale
-                except FileNotFoundError:
-                    pass
-                except OSError as err:
-                    first = first or err
-        for f in self.files:
-            f.close()  # releases the flock
-        self.engines, self.files, self.names = [], [], []
-        if first is not None:
-            raise first
 
 
 # NOTE: each directory in ``paths`` gets one swap file, preallocated with fallocate so that a full
@@ -68,11 +31,8 @@ class _Resources:
 # (s // N) * unit + L % unit. Every path has its own Engine (its own queue), and a read or write of
 # an extent becomes one vectored request per path, so N drives move an extent in parallel and one
 # slow drive does not stall the others' queues. Space grows only by whole stripes on every file,
-# and always before the allocator records an extent there: a failed growth changes nothing. After the
-# address space each file has one guard block (the alignment), which no extent reaches: our writes of
-# state cannot give a truncated file its size back, so ``check_intact`` sees a cut made at any time. Only
-# growth (which checks first) and ``regrow`` (for a load that rewrites all the state) ever lengthen a file
-# or write its guard block, which ends in the seal that lets ``offload-swap clean`` prove a file is ours.
+# and always before the allocator records an extent there: a failed growth changes nothing. The files,
+# their engines, sizes and guard blocks are the FileSet's (offload.space.fileset).
 class SwapSpace:
     """Aligned extents over one preallocated swap file per directory, striped RAID0-style.
 
@@ -123,7 +83,7 @@ class SwapSpace:
         self._lock = threading.RLock()
         self._pid = os.getpid()
         self._forked_from: int | None = None
-        self._res = _Resources()
+        self._res = FileSet()
         self._finalizer = weakref.finalize(self, self._res.close)
         self._owner = next(_owner_ids)
         try:
@@ -135,30 +95,17 @@ class SwapSpace:
         reset_after_fork(self)
 
     def _open(self, aio, stripe_unit, buffers, name, o_direct) -> None:
+        """Create the swap files and their engines, check the stripe unit, start the books empty, and warn of
+        stale swap files found in the paths."""
         stale = {p: _files.find_stale(p) for p in self.paths}
-        buffers = [buffers] if isinstance(buffers, HostBuffer) else list(buffers)
-        for path in self.paths:
-            engine = Engine(aio)
-            self._res.engines.append(engine)
-            if buffers:
-                try:
-                    engine.register_buffers(buffers)
-                except (ValueError, RuntimeError, OSError):
-                    pass  # fixed buffers are an optimisation; plain reads and writes work the same
-            f = _files.create_swap_file(path, name, o_direct=o_direct)
-            self._res.files.append(f)
-            self._res.names.append(f.path)
+        self._res.open(self.paths, aio, [buffers] if isinstance(buffers, HostBuffer) else list(buffers), name,
+                       o_direct)
         self.files = list(self._res.names)
         self.backend = self._res.engines[0].backend
         self.o_direct = all(f.o_direct for f in self._res.files)
-        self.alignment = max([ALIGNMENT] + [f.alignment for f in self._res.files])
-        unit = aio.block_size if stripe_unit is None else stripe_unit
-        if (not isinstance(unit, int) or isinstance(unit, bool) or unit <= 0 or unit % aio.block_size
-                or unit % self.alignment):
-            raise ConfigError(f"stripe_unit must be a positive multiple of block_size ({aio.block_size}) "
-                              f"and of the direct-I/O alignment ({self.alignment}), got {unit!r}")
-        self.stripe_unit = unit
-        self._per_file = 0
+        self.alignment = self._res.alignment
+        self.stripe_unit = _check_stripe_unit(aio.block_size if stripe_unit is None else stripe_unit,
+                                              aio.block_size, self.alignment)
         self._alloc = ExtentAllocator(0, self.alignment, self._owner)
         _files.warn_stale(stale, stacklevel=3)
 
@@ -196,7 +143,7 @@ class SwapSpace:
             self._check_open()
             n = len(self.paths)
             per_file = round_up(nbytes, n * self.stripe_unit) // n
-            self._grow_files(per_file, f"reserving {nbytes} bytes")
+            self._res.grow(per_file, f"reserving {nbytes} bytes")
             self._alloc.grow(per_file * n)
 
     def alloc(self, nbytes: int) -> Extent:
@@ -242,44 +189,10 @@ class SwapSpace:
                 extents.append(extent)
             npaths = len(self.paths)
             per_file = round_up(plan.capacity, npaths * self.stripe_unit) // npaths
-            self._grow_files(per_file, f"{len(sizes)} extent(s) of {sum(e.nbytes for e in extents)} bytes")
+            self._res.grow(per_file, f"{len(sizes)} extent(s) of {sum(e.nbytes for e in extents)} bytes")
             plan.grow(per_file * npaths)
             self._alloc = plan
             return extents
-
-    def _file_bytes(self, per_file: int) -> int:
-        """A swap file's size holding ``per_file`` bytes of address space: those and a guard block."""
-        return per_file + self.alignment if per_file else 0
-
-    def _grow_files(self, per_file: int, what: str) -> None:
-        """Preallocate every swap file to ``per_file`` bytes of address space (and the guard block after
-        them), or leave them all as they were."""
-        if per_file <= self._per_file:
-            return
-        # Growing a truncated file would give it its size back with a hole in the cut: name the cut first.
-        self.check_intact()
-        grown, before = 0, self._file_bytes(self._per_file)
-        sizes = [os.fstat(f.fd).st_size for f in self._res.files]
-        try:
-            for f in self._res.files:
-                os.posix_fallocate(f.fd, before, self._file_bytes(per_file) - before)
-                _files.seal(f, per_file, self.alignment)
-                grown += 1
-        except OSError as err:
-            # Give back what this call took, on the file that failed too (it may have grown part-way),
-            # shrinking each file to the size it had (never lengthening one).
-            for g, size in zip(self._res.files[:grown + 1], sizes):
-                try:
-                    if os.fstat(g.fd).st_size > size:
-                        os.ftruncate(g.fd, size)
-                except OSError:
-                    pass
-            failed = self._res.files[grown].path
-            if err.errno in (_errno.ENOSPC, _errno.EDQUOT):
-                need = {p: self._file_bytes(per_file) - before for p in self.paths}
-                raise OSError(err.errno, no_space_message(need, what), failed) from err
-            raise OSError(err.errno, f"cannot preallocate the swap file ({err.strerror})", failed) from err
-        self._per_file = per_file
 
     def check_intact(self) -> None:
         """Raise if a swap file is shorter than it was preallocated to (truncated behind our back).
@@ -294,13 +207,7 @@ class SwapSpace:
         """
         with self._lock:
             self._check_open()
-            want = self._file_bytes(self._per_file)
-            for f in self._res.files:
-                size = os.fstat(f.fd).st_size
-                if size < want:
-                    raise OSError(_errno.ENODATA, f"the swap file is {size} bytes, shorter than the {want} bytes it "
-                                                  "was preallocated to: it was truncated behind our back, so state "
-                                                  "stored in it is lost", f.path)
+            self._res.check_intact()
 
     def regrow(self) -> None:
         """Give every swap file its preallocated size back, after a cut that :meth:`check_intact` named:
@@ -312,16 +219,7 @@ class SwapSpace:
         """
         with self._lock:
             self._check_open()
-            want = self._file_bytes(self._per_file)
-            for f in self._res.files:
-                if os.fstat(f.fd).st_size < want:
-                    try:
-                        os.posix_fallocate(f.fd, 0, want)
-                    except OSError as err:
-                        raise OSError(err.errno, f"cannot preallocate the swap file again ({err.strerror})",
-                                      f.path) from err
-                    if self._per_file:
-                        _files.seal(f, self._per_file, self.alignment)
+            self._res.regrow()
 
     def free(self, extent: Extent) -> None:
         """Give an extent back for reuse.
@@ -393,35 +291,49 @@ class SwapSpace:
     def _submit(self, op, extent, buffer, buffer_offset, nbytes, digest=False) -> FutureGroup:
         with self._lock:
             self._check_open()
-            if not isinstance(extent, Extent):
-                raise TypeError(f"expected an Extent, got {type(extent).__name__}")
-            if extent.owner not in (0, self._owner):
-                raise ValueError(f"{extent} belongs to another swap space")
-            length = extent.nbytes if nbytes is None else round_up(nbytes, self.alignment)
-            if (nbytes is not None and nbytes < 0) or length > extent.nbytes:
-                raise ValueError(f"nbytes={nbytes} does not fit in {extent} (rounded to alignment "
-                                 f"{self.alignment}: {length})")
-            if extent.offset % self.alignment or extent.end > self.capacity:
-                raise ValueError(f"{extent} is not an extent of this swap space (capacity {self.capacity})")
-            size = buffer.nbytes if isinstance(buffer, HostBuffer) else memoryview(buffer).nbytes
-            if buffer_offset < 0 or buffer_offset + length > size:
-                raise ValueError(f"the buffer holds {size} bytes; {length} bytes (nbytes rounded up to the "
-                                 f"alignment {self.alignment}) at buffer offset {buffer_offset} do not fit")
-            if (isinstance(buffer, HostBuffer) and self.o_direct
-                    and (buffer.address + buffer_offset) % self.alignment):
-                raise ValueError(f"buffer_offset {buffer_offset} must be a multiple of the alignment "
-                                 f"{self.alignment}")
-            futures = []
-            try:
-                for i, segs in enumerate(self._segments(extent.offset, length, buffer, buffer_offset)):
-                    if segs:
-                        # Every byte of an extent lies inside the preallocated files: a read that
-                        # meets end of file found a truncated file, never a legitimate prefix.
-                        futures.append(self._res.engines[i].submit(op, segs, exact=True, digest=digest))
-            except BaseException:
-                wait_quietly(futures)  # don't leave half a request running against the caller's buffer
-                raise
-            return FutureGroup(futures)
+            length = self._check_range(extent, nbytes)
+            self._check_buffer(buffer, buffer_offset, length)
+            return self._start(op, extent.offset, length, buffer, buffer_offset, digest)
+
+    def _check_range(self, extent, nbytes) -> int:
+        """Check that ``extent`` is one of this space's and ``nbytes`` of it (all if None) fit in it; returns
+        the length to move (``nbytes`` rounded up to the alignment)."""
+        if not isinstance(extent, Extent):
+            raise TypeError(f"expected an Extent, got {type(extent).__name__}")
+        if extent.owner not in (0, self._owner):
+            raise ValueError(f"{extent} belongs to another swap space")
+        length = extent.nbytes if nbytes is None else round_up(nbytes, self.alignment)
+        if (nbytes is not None and nbytes < 0) or length > extent.nbytes:
+            raise ValueError(f"nbytes={nbytes} does not fit in {extent} (rounded to alignment "
+                             f"{self.alignment}: {length})")
+        if extent.offset % self.alignment or extent.end > self.capacity:
+            raise ValueError(f"{extent} is not an extent of this swap space (capacity {self.capacity})")
+        return length
+
+    def _check_buffer(self, buffer, buffer_offset: int, length: int) -> None:
+        """Check that ``length`` bytes at ``buffer_offset`` fit in ``buffer``, aligned for direct I/O."""
+        size = buffer.nbytes if isinstance(buffer, HostBuffer) else memoryview(buffer).nbytes
+        if buffer_offset < 0 or buffer_offset + length > size:
+            raise ValueError(f"the buffer holds {size} bytes; {length} bytes (nbytes rounded up to the "
+                             f"alignment {self.alignment}) at buffer offset {buffer_offset} do not fit")
+        if (isinstance(buffer, HostBuffer) and self.o_direct
+                and (buffer.address + buffer_offset) % self.alignment):
+            raise ValueError(f"buffer_offset {buffer_offset} must be a multiple of the alignment "
+                             f"{self.alignment}")
+
+    def _start(self, op, offset: int, length: int, buffer, buffer_offset: int, digest: bool) -> FutureGroup:
+        """Submit the request on every path's engine: one vectored request per path the range is striped over."""
+        futures = []
+        try:
+            for i, segs in enumerate(self._segments(offset, length, buffer, buffer_offset)):
+                if segs:
+                    # Every byte of an extent lies inside the preallocated files: a read that
+                    # meets end of file found a truncated file, never a legitimate prefix.
+                    futures.append(self._res.engines[i].submit(op, segs, exact=True, digest=digest))
+        except BaseException:
+            wait_quietly(futures)  # don't leave half a request running against the caller's buffer
+            raise
+        return FutureGroup(futures)
 
     def _segments(self, offset: int, nbytes: int, buffer, buffer_offset: int) -> list[list[Segment]]:
         files = self._res.files
@@ -519,3 +431,12 @@ class SwapSpace:
 def _check_nbytes(nbytes) -> None:
     if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
         raise ValueError(f"nbytes must be a non-negative number of bytes, got {nbytes!r}")
+
+
+def _check_stripe_unit(unit, block_size: int, alignment: int) -> int:
+    """``unit`` if it is a positive multiple of ``block_size`` and of ``alignment``; raises ConfigError if not."""
+    if (not isinstance(unit, int) or isinstance(unit, bool) or unit <= 0 or unit % block_size
+            or unit % alignment):
+        raise ConfigError(f"stripe_unit must be a positive multiple of block_size ({block_size}) "
+                          f"and of the direct-I/O alignment ({alignment}), got {unit!r}")
+    return unit
