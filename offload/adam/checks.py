@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Callable
 
 import torch
 
 from ..distributed import is_dtensor
 
-__all__ = ["check_dtensor_options", "check_grad", "check_params", "no_duplicate_warning"]
+__all__ = [
+    "check_dtensor_options", "check_grad", "check_max_grad_norm", "check_params", "check_torch_options",
+    "no_duplicate_warning", "params_with_grads",
+]
 
 
 @contextlib.contextmanager
@@ -18,6 +22,20 @@ def no_duplicate_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*duplicate parameters", category=UserWarning)
         yield
+
+
+def check_torch_options(*, capturable: bool, differentiable: bool) -> None:
+    """torch's Adam options that offloaded state cannot honour, refused."""
+    if capturable:
+        raise ValueError("capturable=True is not supported by OffloadedAdam (state is not on the device)")
+    if differentiable:
+        raise ValueError("differentiable=True is not supported by OffloadedAdam")
+
+
+def check_max_grad_norm(max_grad_norm) -> None:
+    """``max_grad_norm`` is None or a positive number."""
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
 
 
 def check_params(groups: list[dict]) -> None:
@@ -52,6 +70,21 @@ def check_grad(p: torch.Tensor) -> None:
         raise RuntimeError("OffloadedAdam does not support sparse gradients; consider torch.optim.SparseAdam")
     if p.grad.is_complex():
         raise RuntimeError("complex gradients are not supported by OffloadedAdam")
+
+
+def params_with_grads(groups: list[dict], is_small: Callable[[torch.Tensor], bool]) -> tuple[list, list, list]:
+    """The parameters a step updates, their grads checked: ``(group, param)`` pairs of those whose state is
+    in memory (``is_small``) and of those whose state is offloaded, and all of them in the groups' order (as
+    torch's clip stacks norms)."""
+    in_memory, offloaded, with_grad = [], [], []
+    for group in groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            check_grad(p)
+            with_grad.append(p)
+            (in_memory if is_small(p) else offloaded).append((group, p))
+    return in_memory, offloaded, with_grad
 
 
 def check_dtensor_options(groups: list, *, max_grad_norm, overlap_backward: bool) -> None:

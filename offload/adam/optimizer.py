@@ -7,21 +7,34 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from .. import copies
 from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
-from ..checkpoint.load import restore_in_memory
-from ..clipping import clip_coef, grad_norm, total_norm
 from ..config import offload_config
-from ..copies import DONE, Ticket
-from ..distributed import is_dtensor, like
 from ..errors import StateError
 from ..overlap import BackwardOverlap
-from ..params import ParamAccess, store_of, weight_loads
-from ..state import ParamSlot, StateStore, check_state_dict, local_entry
-from .checks import check_dtensor_options, check_grad, check_params, no_duplicate_warning
-from .update import NO_SCALING, GradScaling, kernel_flags, update_chunks, update_in_memory
+from ..params import ParamAccess
+from ..state import ParamSlot, StateStore, check_state_dict
+from .checks import (
+    check_dtensor_options,
+    check_max_grad_norm,
+    check_params,
+    check_torch_options,
+    no_duplicate_warning,
+    params_with_grads,
+)
+from .offloaded import update_offloaded
+from .refusals import (
+    abandon,
+    abandon_backward_step,
+    refuse_during_backward_step,
+    refuse_in_overlap,
+    refuse_scaler_in_overlap,
+)
+from .scaling import step_scaling
+from .statedict import add_offloaded_state, load_state
+from .update import NO_SCALING, kernel_flags, update_in_memory
 from .wear import WearMeter
+from .weights import WeightWatch
 
 __all__ = ["OffloadedAdam", "OffloadedAdamW"]
 
@@ -100,10 +113,7 @@ class OffloadedAdam(torch.optim.Adam):
         overlap_backward: Optional[bool] = None,
         max_grad_norm: Optional[float] = None,
     ):
-        if capturable:
-            raise ValueError("capturable=True is not supported by OffloadedAdam (state is not on the device)")
-        if differentiable:
-            raise ValueError("differentiable=True is not supported by OffloadedAdam")
+        check_torch_options(capturable=capturable, differentiable=differentiable)
         with no_duplicate_warning():  # refused below, with a message of our own
             super().__init__(
                 params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
@@ -119,8 +129,7 @@ class OffloadedAdam(torch.optim.Adam):
         )
         if self.config.aio.use_gds:
             warn_use_gds()  # once per process: what GPUDirect Storage gives here
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        check_max_grad_norm(max_grad_norm)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._scaling = NO_SCALING  # what step() does to the grads, for its updates
@@ -129,27 +138,34 @@ class OffloadedAdam(torch.optim.Adam):
         check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
                                overlap_backward=self.config.offload_optimizer.overlap_backward)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
+        self._place_state()
+        # With overlap_backward, weights on NVMe (offload_parameters) whose gradients are final wait, resident,
+        # for their update instead of a round trip of their gradients through NVMe: up to this many bytes.
+        handoff = max(2 * self.host_pool_bytes, _HANDOFF_MIN)
+        self._access = ParamAccess(pin_memory=self.state_store.pin_memory, handoff_bytes=handoff)
+        self._weights = WeightWatch(self.param_groups, self.state_store, self.state)
+        self.state_store.on_restored.append(self._weights.note)  # a load of ours restores masters with them
+        self._overlap = self._start_overlap()
+
+    def _place_state(self) -> None:
+        """Space for the state of every trainable parameter, and the host cache sized; the store is closed
+        again if that fails."""
         try:
             self.state_store.place(self.param_groups, trainable_only=True)
             self.state_store.size_cache()
         except BaseException:
             self.state_store.close()
             raise
-        # With overlap_backward, weights on NVMe (offload_parameters) whose gradients are final wait, resident,
-        # for their update instead of a round trip of their gradients through NVMe: up to this many bytes.
-        handoff = max(2 * self.host_pool_bytes, _HANDOFF_MIN)
-        self._access = ParamAccess(pin_memory=self.state_store.pin_memory, handoff_bytes=handoff)
-        # Loads of offloaded weights seen by the fp32 masters: a load after a master was made (load_parameters,
-        # load_safetensors) would be undone by the next update, which writes the master's weights back.
-        self._weights_seen: dict[int, int] = {}
-        self._note_weights()
-        self.state_store.on_restored.append(self._note_weights)  # a load of ours restores masters with them
-        self._overlap = None
-        if self.config.offload_optimizer.overlap_backward:
-            self._overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
-                                            clip=max_grad_norm is not None, mark_failed=self.state_store.mark_failed,
-                                            access=self._access)
-            self._overlap.hook(p for g in self.param_groups for p in g["params"])
+
+    def _start_overlap(self) -> Optional[BackwardOverlap]:
+        """With overlap_backward, the hooks through which backward starts the updates; else None."""
+        if not self.config.offload_optimizer.overlap_backward:
+            return None
+        overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
+                                  clip=self.max_grad_norm is not None, mark_failed=self.state_store.mark_failed,
+                                  access=self._access)
+        overlap.hook(p for g in self.param_groups for p in g["params"])
+        return overlap
 
     # -- what users call ---------------------------------------------------------------------
 
@@ -165,7 +181,7 @@ class OffloadedAdam(torch.optim.Adam):
         before the scaler reads any grad (an offloaded one would fail it with another error, and the
         state would look usable)."""
         if self._overlap is not None and self._overlap.running:
-            self._refuse_scaler_in_overlap()
+            refuse_scaler_in_overlap(self._overlap, self.state_store.mark_failed)
         return all(kernel_flags(g, p.device)["fused"] for g in self.param_groups for p in g["params"])
 
     @_step_supports_amp_scaling.setter
@@ -180,17 +196,7 @@ class OffloadedAdam(torch.optim.Adam):
             StateError: an earlier step failed part-way; restore state with ``load_state_dict``.
             OSError: reading or writing state failed (the optimizer then refuses further steps).
         """
-        store = self.state_store
-        overlap = self._overlap
-        try:
-            store.check_usable("step")
-        except StateError as err:
-            if overlap is not None:
-                overlap.abandon(err)  # a step that failed during backward ends here
-            raise
-        if overlap is not None:
-            self._refuse_in_overlap(closure)
-        self._check_weights()
+        self._check_can_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -201,45 +207,58 @@ class OffloadedAdam(torch.optim.Adam):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and bool(found_inf.sum() > 0):
             return loss
-        scale = getattr(self, "grad_scale", None)
+        in_memory, offloaded, with_grad = params_with_grads(self.param_groups, self.state_store.is_small)
+        self._update(in_memory, offloaded, with_grad, scale=getattr(self, "grad_scale", None))
+        self._wear.step(self.state_store.bytes_written)
+        return loss
 
-        in_memory, offloaded, with_grad = [], [], []  # with_grad: in the groups' order, as torch's clip stacks norms
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                check_grad(p)
-                with_grad.append(p)
-                (in_memory if store.is_small(p) else offloaded).append((group, p))
-        # Until the update starts, a failure leaves the state as it was (placing late parameters is
-        # all or nothing), unless an update is already under way since backward.
-        changing = overlap is not None and overlap.running
+    def _check_can_step(self, closure: Optional[Callable]) -> None:
+        """The state usable (else a step that failed during backward ends here), what overlap_backward
+        cannot honour refused, and no offloaded weights replaced under a master."""
+        try:
+            self.state_store.check_usable("step")
+        except StateError as err:
+            abandon(self._overlap, err)  # a step that failed during backward ends here
+            raise
+        scaler = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
+        refuse_in_overlap(self._overlap, self.state_store.mark_failed, closure=closure, scaler=scaler)
+        self._weights.check()
+
+    def _update(self, in_memory: list, offloaded: list, with_grad: list, *, scale: Optional[torch.Tensor]) -> None:
+        """Update the state of the parameters with grads. Until the update starts, a failure leaves the
+        state as it was (placing late parameters is all or nothing), unless an update is already under way
+        since backward; after that, a failure marks the state failed."""
+        changing = self._overlap is not None and self._overlap.running
         try:
             self._scaling = self._grad_scaling(with_grad, scale)
-            late = {p for _, p in offloaded if store.slot(p) is None}
+            late = {p for _, p in offloaded if self.state_store.slot(p) is None}
             if late:
                 # Parameters that were frozen at construction and now have grads get their place.
-                store.place(self.param_groups, only=late)
+                self.state_store.place(self.param_groups, only=late)
             changing = True
             # Parameters whose weights live on NVMe (offload_parameters) are fetched for the update and
             # written back after it; ordinary parameters are untouched by this.
             with self._access.resident([p for _, p in in_memory], dirty=True):
                 update_in_memory(self.state, in_memory, grad_of=self._access.grad, scaling=self._scaling)
-            # With overlap_backward most units were updated during backward: finish that, then the rest.
-            done = overlap.finish() if overlap is not None else set()
-            rest = [store.slot(p) for _, p in offloaded if store.slot(p) not in done]
-            if rest:
-                self._step_offloaded(rest)
+            self._update_rest(offloaded)
         except BaseException as err:
-            if overlap is not None:
-                overlap.abandon(err)
-            if changing and not isinstance(err, (ValueError, TypeError)):
-                store.mark_failed(err)
+            self._fail_step(err, changing)
             raise
         finally:
             self._scaling = NO_SCALING
-        self._wear.step(store.bytes_written)
-        return loss
+
+    def _update_rest(self, offloaded: list) -> None:
+        """With overlap_backward most units were updated during backward: finish that, then the rest."""
+        done = self._overlap.finish() if self._overlap is not None else set()
+        rest = [self.state_store.slot(p) for _, p in offloaded if self.state_store.slot(p) not in done]
+        if rest:
+            self._step_offloaded(rest)
+
+    def _fail_step(self, err: BaseException, changing: bool) -> None:
+        """A step that raised ``err``: one running since backward ends, and state that was changing is failed."""
+        abandon(self._overlap, err)
+        if changing and not isinstance(err, (ValueError, TypeError)):
+            self.state_store.mark_failed(err)
 
     def no_step(self):
         """A context in which backward passes only accumulate gradients, with ``overlap_backward``.
@@ -267,7 +286,7 @@ class OffloadedAdam(torch.optim.Adam):
             OSError: the disk cannot hold the new state; the optimizer keeps its groups and state as before.
         """
         if hasattr(self, "state_store"):
-            self._refuse_during_backward_step("add_param_group()")
+            refuse_during_backward_step(self._overlap, "add_param_group()")
         with no_duplicate_warning():
             super().add_param_group(param_group)
         if hasattr(self, "state_store"):
@@ -292,19 +311,9 @@ class OffloadedAdam(torch.optim.Adam):
         Raises:
             StateError: the last step failed part-way, so the offloaded state may be half written.
         """
-        self._refuse_during_backward_step("state_dict()")
+        refuse_during_backward_step(self._overlap, "state_dict()")
         self.state_store.check_usable("export the state")
-        sd = super().state_dict()
-        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        for slot, tensors in self.state_store.read_state():
-            # Offloaded state lives on the host side: it stays there (as torch's optimizers keep state where
-            # it lives), so saving state larger than the GPU's memory works. A DTensor's shard goes to its
-            # mesh's device, where a DTensor's local tensor must be.
-            entry = {k: like(t.to(slot.param.device) if is_dtensor(slot.param) else t, slot.param)
-                     for k, t in tensors.items()}
-            entry["step"] = self.state[slot.param]["step"].clone()
-            sd["state"][index[slot.param]] = entry
-        return sd
+        return add_offloaded_state(super().state_dict(), self.param_groups, self.state_store, self.state)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load state saved by this class or by ``torch.optim.Adam``/``AdamW``; clears a failed step.
@@ -316,24 +325,11 @@ class OffloadedAdam(torch.optim.Adam):
         Raises:
             ValueError: the groups, parameter counts or state shapes do not match this optimizer.
         """
-        store = self.state_store
-        if store.closed:
+        if self.state_store.closed:
             raise ValueError("the optimizer is closed")
         params = check_state_dict(self.param_groups, state_dict)
-        self._abandon_backward_step("load_state_dict()")
-        entries = {params[k]: local_entry(entry, params[k]) for k, entry in state_dict["state"].items()}
-        offloaded = {p: e for p, e in entries.items() if not store.is_small(p)}
-        restore_in_memory(self, state_dict["param_groups"], {p: e for p, e in entries.items() if p not in offloaded},
-                          {p: e.get("step", 0.0) for p, e in offloaded.items()})
-        late = {p for p in offloaded if store.slot(p) is None}
-        if late:
-            store.place(self.param_groups, only=late)  # frozen at construction: placed now, together
-        by_slot = {store.slot(p): e for p, e in offloaded.items()}
-        units = store.units_of(by_slot)
-        with self._access.units(units, {id(s) for s in by_slot}, write_back=False) as unit_pass:
-            # A master copy made from weights on NVMe needs them resident, one unit's worth at a time.
-            store.write_state(by_slot, master_from=unit_pass.weights, after_unit=unit_pass.done)
-        store.restored()
+        abandon_backward_step(self._overlap, "load_state_dict()")
+        load_state(self, state_dict, params, self._access)
 
     def save_checkpoint(self, directory, *, model=None, extra=None, blocking: bool = True,
                         snapshot: str = "auto", progress: Optional[bool] = None, alone: bool = False):
@@ -346,7 +342,7 @@ class OffloadedAdam(torch.optim.Adam):
         checkpoint for the job), unless ``alone=True`` (one rank saving by itself, e.g. rank 0 under DDP). See
         :func:`offload.checkpoint.save_checkpoint`.
         """
-        self._refuse_during_backward_step("save_checkpoint()")
+        refuse_during_backward_step(self._overlap, "save_checkpoint()")
         return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking,
                                snapshot=snapshot, progress=progress, alone=alone)
 
@@ -356,20 +352,8 @@ class OffloadedAdam(torch.optim.Adam):
         weights if given; returns its ``extra``. ``alone`` as for :meth:`save_checkpoint`. See
         :func:`offload.checkpoint.load_checkpoint`.
         """
-        self._abandon_backward_step("load_checkpoint()")
+        abandon_backward_step(self._overlap, "load_checkpoint()")
         return load_checkpoint(self, directory, model=model, progress=progress, alone=alone)
-
-    def _refuse_during_backward_step(self, what: str) -> None:
-        """With overlap_backward, between a backward and step() the step is running on the pool: what
-        reads or changes the state then would race it."""
-        if self._overlap is not None and self._overlap.running:
-            raise StateError(f"{what} was called between backward and step() with overlap_backward=True, while "
-                             "the update that backward started is still running: call step() first.")
-
-    def _abandon_backward_step(self, what: str) -> None:
-        """A load replaces the state: a step left running by a backward (or failed in it) ends first."""
-        if self._overlap is not None and self._overlap.running:
-            self._overlap.abandon(StateError(f"{what} replaced the state during an overlapped step"))
 
     def __getstate__(self):
         raise TypeError(
@@ -428,145 +412,27 @@ class OffloadedAdam(torch.optim.Adam):
 
     def _step_offloaded(self, slots: list[ParamSlot], gate: Optional[Callable] = None,
                         order: Optional[list] = None) -> set:
-        """Update the units of ``slots`` (in ``order``, else the store's snake order); ``gate(unit)`` runs
-        before each update (overlap_backward: until its grads are final). A chunk is updated when its slot
-        is one of ``slots`` and its parameter has a grad then. Returns the slots updated."""
-        store = self.state_store
-        candidates = {id(s) for s in slots}
-        units = order if order is not None else store.step_order(store.units_of(slots))
-        # With an fp32 master copy on disk the old weights are not read: the update rewrites all of them.
-        has_master = lambda slot: "master" in slot.keys and slot.initialized  # noqa: E731
-        copying: dict[int, Ticket] = {}  # id(unit) -> the copies of its updated state back into its buffer
-        updated: set = set()
-
-        def before_write(unit) -> None:
-            # The state copied back from the device must be in the buffer before it is written.
-            copying.pop(id(unit), DONE).wait()
-
-        try:
-            with self._access.units(units, candidates) as unit_pass:
-                def update(unit, buf) -> None:
-                    if gate is not None:
-                        gate(unit)
-                    # What this update changes: the chunks whose parameter has a grad now. Only their weights
-                    # are fetched (and written back); a parameter unused in this iteration keeps its weights on
-                    # NVMe untouched (fetched without a read, as a master allows, they would go back as garbage).
-                    chunks = [c for c in unit.chunks if id(c.slot) in candidates and c.slot.param.grad is not None]
-                    grads = unit_pass.grads(unit)
-                    unit_pass.fetch(unit, {c.slot for c in chunks}, skip_read=has_master)
-                    by_group: dict[int, list] = {}
-                    for c in chunks:
-                        by_group.setdefault(id(c.slot.group), []).append(c)
-                        updated.add(c.slot)
-                        # A state entry only for a parameter that is updated (a parameter without a grad gets
-                        # none, as in torch); made once, not a tensor per chunk per step.
-                        st = self.state[c.slot.param]
-                        if "step" not in st:
-                            st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    read = landed = DONE
-                    try:
-                        for chunks in by_group.values():
-                            r, w = update_chunks(chunks, buf, grads, state=self.state, scaling=self._scaling)
-                            read, landed = read | r, landed | w
-                    except BaseException:
-                        # The pipeline hands the buffer back at once: no copy of an earlier group may be in flight.
-                        copies.waited([read, landed])
-                        raise
-                    copying[id(unit)] = landed
-                    unit_pass.done(unit, read)
-
-                # Its last writes land while the caller goes on (the next forward); reading a unit back, a
-                # checkpoint, state_dict() or close() waits for them.
-                store.step(units, update, before_write)
-        finally:
-            # Units resident in host memory are never written: their copies back must land before the step
-            # ends (and after a failure, before anyone reuses their buffers).
-            copies.waited(copying.values())
-        for s in updated:
-            s.initialized = True
-            self.state[s.param]["step"] += 1
-        return updated
-
-    def _note_weights(self) -> None:
-        self._loads_checked = weight_loads()
-        for g in self.param_groups:
-            for p in g["params"]:
-                s = store_of(p)
-                if s is not None:
-                    self._weights_seen[id(p)] = s.loads(p)
-
-    def _check_weights(self) -> None:
-        """Refuse to update a parameter whose offloaded weights were replaced from outside after its fp32
-        master was made: the update would write the master's weights back over the ones loaded."""
-        loads = weight_loads()
-        if loads == self._loads_checked:
-            return  # no weights were loaded anywhere since the last look: nothing per parameter to do
-        store = self.state_store
-        for g in self.param_groups:
-            for p in g["params"]:
-                s = store_of(p)
-                if s is None or s.loads(p) == self._weights_seen.get(id(p), s.loads(p)):
-                    continue
-                slot = store.slot(p)
-                has_master = ("master" in slot.keys and slot.initialized) if slot is not None \
-                    else "master" in self.state.get(p, {})
-                if not has_master:  # no master yet: it is made from the weights as they are now
-                    self._weights_seen[id(p)] = s.loads(p)
-                    continue
-                raise StateError(
-                    f"the weights of a {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')} parameter were "
-                    "replaced (load_parameters, load_safetensors) after this optimizer made its fp32 master copy "
-                    "of them; the next update would write the old weights back over them. Load weights before "
-                    "the first step (or build the optimizer after loading), or load a checkpoint of this "
-                    "optimizer (load_checkpoint with model=), which restores both together.")
-        self._loads_checked = loads
+        """Update the units of ``slots`` with this step's grad scaling (:func:`update_offloaded`): what step()
+        runs, and with overlap_backward what backward runs on the worker. Returns the slots updated."""
+        return update_offloaded(self.state_store, self._access, self.state, slots, scaling=lambda: self._scaling,
+                                gate=gate, order=order)
 
     def _overlap_slots(self) -> list:
-        self._check_weights()  # before backward starts any update
+        self._weights.check()  # before backward starts any update
         store = self.state_store
         return [store.slot(p) for g in self.param_groups for p in g["params"]
                 if p.requires_grad and store.slot(p) is not None]
 
-    def _refuse_in_overlap(self, closure) -> None:
-        """What overlap_backward cannot honour, refused when first seen (the state is then failed: the
-        updates of the backward just run used grads that were not meant to be stepped on as they were)."""
-        if closure is not None:
-            raise ValueError("step(closure) cannot be used with overlap_backward=True: the update runs during "
-                             "backward; call loss.backward() yourself, then step()")
-        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            self._refuse_scaler_in_overlap()
+    def _grad_scaling(self, params: list, scale: Optional[torch.Tensor]):
+        """What this step does to ``params``' grads (:func:`step_scaling`); with max_grad_norm, their total
+        norm becomes ``last_grad_norm`` (norms taken during backward with overlap_backward)."""
+        scaling, norm = step_scaling(params, scale, max_grad_norm=self.max_grad_norm,
+                                     norms_taken=self._overlap.norms if self._overlap is not None else dict,
+                                     grad_of=self._access.grad)
+        if norm is not None:
+            self.last_grad_norm = norm
+        return scaling
 
-    def _refuse_scaler_in_overlap(self) -> None:
-        err = StateError(
-            "a GradScaler cannot be used with overlap_backward=True: the update ran during backward on the "
-            "scaled gradients, before the scaler could unscale them or skip an inf step. Restore the state "
-            "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
-            "overlap_backward.")
-        self._overlap.abandon(err)
-        self.state_store.mark_failed(err)
-        raise err
-
-    def _grad_scaling(self, params: list, scale: Optional[torch.Tensor]) -> GradScaling:
-        """What this step does to ``params``' grads. ``scale``: a GradScaler's, handed to step() (see
-        _step_supports_amp_scaling). With max_grad_norm, the total norm of the grads (torch's
-        clip_grad_norm_, bit for bit; norms taken during backward with overlap_backward) gives the factor
-        they are multiplied by. Clipping needs unscaled grads: with a scale too, the grads are first
-        multiplied by 1/scale as ``scaler.unscale_`` does, so the step is torch's ``unscale_``,
-        ``clip_grad_norm_``, ``step`` bit for bit."""
-        if self.max_grad_norm is None or not params:
-            return GradScaling(kernel_scale=scale)
-        unscaling = GradScaling(unscale=None if scale is None else scale.double().reciprocal().float())
-        taken = self._overlap.norms() if self._overlap is not None else {}  # no GradScaler with overlap
-        norms = []
-        for p in params:
-            norm = taken.get(id(p))
-            if norm is None:
-                g = unscaling.apply(self._access.grad(p))
-                norm = grad_norm(g)
-                del g  # one gradient of a grad store in memory at a time
-            norms.append(norm)
-        self.last_grad_norm = total_norm([p.grad for p in params], norms)
-        return GradScaling(unscale=unscaling.unscale, clip=clip_coef(self.last_grad_norm, self.max_grad_norm))
 
 class OffloadedAdamW(OffloadedAdam):
     """AdamW (decoupled weight decay) with optimizer state on NVMe; a drop-in for ``torch.optim.AdamW``.

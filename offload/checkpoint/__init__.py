@@ -24,9 +24,9 @@ from .export import (
     export_model_checkpoint,
     export_model_state_dict,
     export_state_dict,
-    import_state_dict,
 )
 from .format import FORMAT_VERSION
+from .importing import import_state_dict
 from .load import load_checkpoint
 from .model import load_parameters, save_parameters
 from .retention import Retention, save_with_retention
