@@ -623,3 +623,21 @@ def test_adam_with_state_in_host_memory_beside_a_baseline_that_moved_nothing(tmp
     moved, base = r["bytes_read_per_step"] + r["bytes_written_per_step"], \
         r["baseline_bytes_read_per_step"] + r["baseline_bytes_written_per_step"]
     assert r["bytes_vs_baseline"] == (moved / base if base else None)
+
+
+def test_compare_goes_on_without_a_deepspeed_run_that_fails(tmp_path, capsys):
+    """A Python that imports deepspeed but whose run fails (its ops failing to build, say) is reported with the
+    reason and left out of the later rounds; ours are still measured and written."""
+    peer = tmp_path / "peer"
+    peer.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.0-test; exit 0; fi\n'
+                    'echo "ValueError: cannot build the ops" >&2\nexit 1\n')
+    peer.chmod(0o755)
+    out = tmp_path / "compare.json"
+    (tmp_path / "d").mkdir()
+    assert main(["compare", "--params", "4M", "--rounds", "2", "--iterations", "3", "--no-extras", "--peer-python",
+                 str(peer), "--path", str(tmp_path / "d"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.count("cannot build the ops") == 1 and "DeepSpeed is left out" in text
+    doc = json.loads(out.read_text())
+    assert sorted(doc["runs"]) == ["ours"] and len(doc["runs"]["ours"]) == 2
+    assert "its run failed" in doc["deepspeed"] and "cannot build the ops" in doc["deepspeed"]

@@ -137,7 +137,9 @@ def run_compare(args: argparse.Namespace) -> int:
               + (", weights on NVMe" if args.params_nvme else "") + f", computed on {args.device}"
               + f", {args.rounds} round(s), in {root}")
         print(f"DeepSpeed: {why}" if not peer else f"DeepSpeed {why} ({peer})")
-        runs = _rounds(args, peer, root)
+        runs, failed = _rounds(args, peer, root)
+        if failed:
+            why = f"{why}, but its run failed: {failed}"
         doc = {"params": args.params, "bf16": args.bf16, "params_nvme": args.params_nvme, "device": args.device,
                "deepspeed": why,
                "runs": runs, "medians": {name: _medians(results, runs) for name, results in runs.items()}}
@@ -159,8 +161,10 @@ def run_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _rounds(args: argparse.Namespace, peer: Optional[str], root: str) -> dict[str, list]:
-    """Each variant's results, one per round; the extras join after the first round (they are sized by it)."""
+def _rounds(args: argparse.Namespace, peer: Optional[str], root: str) -> tuple[dict[str, list], Optional[str]]:
+    """Each variant's results, one per round; the extras join after the first round (they are sized by it).
+    A DeepSpeed run that fails (its ops fail to build, say) is reported and left out, with why (the second
+    value); ours are still measured."""
     variants = [("ours", {})]
     if not args.no_extras:  # what the default integrity check costs, run beside ours in every round
         variants.append((UNCHECKED, {"checksum": "off"}))
@@ -169,14 +173,24 @@ def _rounds(args: argparse.Namespace, peer: Optional[str], root: str) -> dict[st
     if not args.no_extras:
         variants.append((TORCH, {}))
     runs: dict[str, list] = {}
+    failed = None
     for r in range(args.rounds):
         for name, kw in variants if r % 2 == 0 else variants[::-1]:
             system = {DEEPSPEED: DEEPSPEED, TORCH: "torch"}.get(name, "ours")
-            runs.setdefault(name, []).append(_run(peer if system == DEEPSPEED else sys.executable, system, root,
-                                                  args, **kw))
+            try:
+                result = _run(peer if system == DEEPSPEED else sys.executable, system, root, args, **kw)
+            except BenchFailure as err:
+                if system != DEEPSPEED:
+                    raise
+                failed = str(err).splitlines()[-1][-300:]
+                print(f"note: {err}\nDeepSpeed is left out of this comparison; ours goes on.")
+                continue
+            runs.setdefault(name, []).append(result)
+        if failed:
+            variants = [v for v in variants if v[0] != DEEPSPEED]
         if r == 0 and not args.no_extras:
             variants += _extras(args, runs)
-    return runs
+    return runs, failed
 
 
 def _medians(results: list, runs: dict) -> dict:
