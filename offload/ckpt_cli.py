@@ -105,75 +105,96 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args) -> int:
-    if args.command == "export":
-        if args.out is None and args.model_out is None and args.hf is None:
-            print(f"{PROG} export: error: give OUT.pt (the optimizer), --model-out MODEL.pt or --hf DIR (the model)",
-                  file=sys.stderr)
-            return EXIT_USAGE
-        with reading(args.checkpoint):  # no save replaces it while it is read
-            if args.out is not None:
-                checkpoint.export_checkpoint(args.checkpoint, args.out, include_master=not args.no_master)
-                print(f"wrote {args.out}")
-            if args.model_out is not None:
-                checkpoint.export_model_checkpoint(args.checkpoint, args.model_out)
-                print(f"wrote {args.model_out}")
-            if args.hf is not None:
-                print(f"wrote {_export_hf(args.checkpoint, args.hf, args.config, args.max_shard_size, args.overwrite)}")
-    elif args.command == "import":
-        like, config = None, None
-        if args.like is not None:
-            if os.path.isdir(args.like):
-                like = args.like
-            elif os.path.isfile(args.like):
-                config = args.like
-            else:
-                print(f"{PROG} import: error: --like {args.like} is neither a checkpoint directory nor a "
-                      "config file", file=sys.stderr)
-                return EXIT_USAGE
-        if not os.path.isfile(args.state_dict):
-            print(f"{PROG} import: error: {args.state_dict} is not a file", file=sys.stderr)
-            return EXIT_USAGE
-        path = checkpoint.import_state_dict(args.state_dict, args.checkpoint, like=like, config=config)
-        print(f"wrote {path}")
-    elif args.command == "inspect":
-        with reading(args.checkpoint):
-            if args.json:
-                print(json.dumps(checkpoint.read_manifest(args.checkpoint), indent=1, sort_keys=True))
-            else:
-                print(checkpoint.inspect_checkpoint(args.checkpoint))
-    elif args.command == "mirror":
-        if not os.path.isdir(args.source):
-            print(f"{PROG} mirror: error: {args.source} is not a directory", file=sys.stderr)
-            return EXIT_USAGE
-        path = checkpoint.mirror_checkpoint(args.source, args.destination, progress=args.progress)
-        print(f"wrote {path} (verified)")
-    elif args.command == "verify":
-        failed = 0
-        for path in args.checkpoints:
-            try:
-                manifest = checkpoint.verify_checkpoint(path, local=args.local)
-            except (checkpoint.CheckpointError, OSError) as err:
-                print(f"{path}: FAILED: {_describe(err)}")
-                failed += 1
-            else:
-                print(f"{path}: OK" + _shards_here(path, manifest, " ({}: verified)"))
-        return EXIT_FAILURE if failed else EXIT_OK
-    elif args.command == "list":
-        if not os.path.isdir(args.root):
-            print(f"{PROG} list: error: {args.root} is not a directory", file=sys.stderr)
-            return EXIT_USAGE
-        for name in sorted(os.listdir(args.root)):
-            path = os.path.join(args.root, name)
-            if not os.path.isdir(path) or not is_our_format(path):
-                continue
-            try:
-                with reading(path) as path:
-                    m = read_either(path).to_json()
-            except (checkpoint.CheckpointError, OSError) as err:
-                print(f"{name}: unreadable: {_describe(err)}")
-                continue
-            print(f"{name}: step {m.get('step')}, {m.get('created')}" + _shards_here(path, m, ", {}"))
+    return _COMMANDS[args.command](args)
+
+
+def _export(args) -> int:
+    if args.out is None and args.model_out is None and args.hf is None:
+        print(f"{PROG} export: error: give OUT.pt (the optimizer), --model-out MODEL.pt or --hf DIR (the model)",
+              file=sys.stderr)
+        return EXIT_USAGE
+    with reading(args.checkpoint):  # no save replaces it while it is read
+        if args.out is not None:
+            checkpoint.export_checkpoint(args.checkpoint, args.out, include_master=not args.no_master)
+            print(f"wrote {args.out}")
+        if args.model_out is not None:
+            checkpoint.export_model_checkpoint(args.checkpoint, args.model_out)
+            print(f"wrote {args.model_out}")
+        if args.hf is not None:
+            print(f"wrote {_export_hf(args.checkpoint, args.hf, args.config, args.max_shard_size, args.overwrite)}")
     return EXIT_OK
+
+
+def _import(args) -> int:
+    like, config = None, None
+    if args.like is not None:
+        if os.path.isdir(args.like):
+            like = args.like
+        elif os.path.isfile(args.like):
+            config = args.like
+        else:
+            print(f"{PROG} import: error: --like {args.like} is neither a checkpoint directory nor a "
+                  "config file", file=sys.stderr)
+            return EXIT_USAGE
+    if not os.path.isfile(args.state_dict):
+        print(f"{PROG} import: error: {args.state_dict} is not a file", file=sys.stderr)
+        return EXIT_USAGE
+    path = checkpoint.import_state_dict(args.state_dict, args.checkpoint, like=like, config=config)
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
+def _inspect(args) -> int:
+    with reading(args.checkpoint):
+        if args.json:
+            print(json.dumps(checkpoint.read_manifest(args.checkpoint), indent=1, sort_keys=True))
+        else:
+            print(checkpoint.inspect_checkpoint(args.checkpoint))
+    return EXIT_OK
+
+
+def _mirror(args) -> int:
+    if not os.path.isdir(args.source):
+        print(f"{PROG} mirror: error: {args.source} is not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    path = checkpoint.mirror_checkpoint(args.source, args.destination, progress=args.progress)
+    print(f"wrote {path} (verified)")
+    return EXIT_OK
+
+
+def _verify(args) -> int:
+    failed = 0
+    for path in args.checkpoints:
+        try:
+            manifest = checkpoint.verify_checkpoint(path, local=args.local)
+        except (checkpoint.CheckpointError, OSError) as err:
+            print(f"{path}: FAILED: {_describe(err)}")
+            failed += 1
+        else:
+            print(f"{path}: OK" + _shards_here(path, manifest, " ({}: verified)"))
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
+def _list(args) -> int:
+    if not os.path.isdir(args.root):
+        print(f"{PROG} list: error: {args.root} is not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    for name in sorted(os.listdir(args.root)):
+        path = os.path.join(args.root, name)
+        if not os.path.isdir(path) or not is_our_format(path):
+            continue
+        try:
+            with reading(path) as path:
+                m = read_either(path).to_json()
+        except (checkpoint.CheckpointError, OSError) as err:
+            print(f"{name}: unreadable: {_describe(err)}")
+            continue
+        print(f"{name}: step {m.get('step')}, {m.get('created')}" + _shards_here(path, m, ", {}"))
+    return EXIT_OK
+
+
+_COMMANDS = {"export": _export, "import": _import, "inspect": _inspect, "mirror": _mirror, "verify": _verify,
+             "list": _list}
 
 
 _SLICE = 64 << 20  # bytes of a weight read from params.bin at once by the --hf export
