@@ -203,7 +203,12 @@ class _Run:
         self.all_final = threading.Event()
         self.error: Optional[BaseException] = None
         self.updated: set = set()
-        self.done = copies.DONE  # where the worker's streams were when its last update had been issued
+        self.params = [s.param for s in slots]
+        # Where the worker's streams were once it had issued its last work (set however it ended), and where
+        # the stream of the thread calling finish() was when it opened the remaining gates (what it computed
+        # for them, a clip factor, and grads an earlier backward made).
+        self.done = copies.DONE
+        self.opened = copies.DONE
         self.lock = threading.Lock()
         self.ended = False  # the worker has given back the holds it took (under ``lock``)
         self.begun = 0  # updates the worker has begun (a unit's state changes once one has)
@@ -275,6 +280,10 @@ class _Run:
         (self.all_final if self.owner.clip else self.ready_units[id(unit)]).wait()
         if self.error is not None:
             raise self.error
+        if self.owner.clip or self.waiting[id(unit)] > 0:
+            # Opened by finish(): after what its caller issued before (the clip factor, and the grads of
+            # parameters whose hook did not fire in this backward: made by an earlier one, under no_step()).
+            copies.after(self.opened)
         for c in unit.chunks:
             produced = self.producers.get(id(c.slot.param))
             if produced is not None:
@@ -282,13 +291,13 @@ class _Run:
         self.begun += 1
 
     def finish(self) -> set:
+        self.opened = copies.produced(self.params)
         self.all_final.set()
         for event in self.ready_units.values():
             event.set()
-        self.thread.join()
+        self._join()
         if self.error is not None:
             raise self.error
-        copies.after(self.done)  # the work issued after step() runs after the updates (the weights they wrote)
         seen = {id(u) for u in self.finished_order}
         self.finished_order += [u for u in self.order if id(u) not in seen]
         return self.updated
@@ -299,16 +308,23 @@ class _Run:
         for event in self.ready_units.values():
             event.set()
         if threading.current_thread() is not self.thread:
-            self.thread.join()
+            self._join()
+
+    def _join(self) -> None:
+        """Wait for the worker; work this thread issues from here on runs after the worker's (the weights
+        its updates wrote, the grads they read), whether it ended well or not."""
+        self.thread.join()
+        copies.after(self.done)
 
     def _work(self, slots: list) -> None:
         try:
-            params = [s.param for s in slots]
             # On streams of its own: on the default stream the updates would queue behind all of backward
             # issued so far (and hold it up); gate() orders each update after the grads it reads instead.
-            with copies.own_streams(params):
-                self.updated = self.owner._run_step(slots, self.gate, self.order)
-                self.done = copies.produced(params)
+            with copies.own_streams(self.params):
+                try:
+                    self.updated = self.owner._run_step(slots, self.gate, self.order)
+                finally:
+                    self.done = copies.produced(self.params)
         except BaseException as err:  # noqa: BLE001 - reported by the next hook and by step()
             self.error = self.error or err
             if self.begun or not self.cancelled:

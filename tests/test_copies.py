@@ -306,15 +306,18 @@ def test_with_state_in_host_memory_the_next_units_copy_goes_out_while_the_last_c
 
 
 def test_the_overlapped_update_does_not_queue_behind_backward_on_the_default_stream(tmp_path):
-    """The worker's copies and updates run on a stream of its own: on the default stream, which backward
-    shares, each would wait for all of backward issued so far (on a GPU the host runs far ahead), so nothing
-    would overlap. Here the default stream holds work, queued once the last layer's grads are final, that
-    finishes only when one of the worker's copies back to the host has completed: it must not wait for it."""
+    """The worker's copies and updates run on a stream of its own: on the default stream, which every thread
+    shares, each would wait for all the work issued there so far (on a GPU the host runs far ahead), so
+    nothing would overlap. Here backward runs on a side stream while the default stream holds work that
+    finishes only once one of the worker's copies back to the host has completed (or after 2 s): from the
+    second step on (the first updates late, once step() opens every gate, after the caller's work), the
+    worker must not wait for it."""
     import threading
 
-    options = dict(overlap_backward=True)
+    options = dict(overlap_backward=True, steps=4)
     want = train(tmp_path, "plain", **options)
     with copies.emulated(delay=0.002) as emu:
+        side = emu.new_stream()
         worker_copies, waited = [], []
         d2h = emu.d2h
 
@@ -327,19 +330,21 @@ def test_the_overlapped_update_does_not_queue_behind_backward_on_the_default_str
         emu.d2h = recorded_d2h
 
         def until_a_worker_copy_completed():
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 2
             while not any(t.done() for t in list(worker_copies)) and time.monotonic() < deadline:
                 time.sleep(0.005)
             waited.append(any(t.done() for t in list(worker_copies)))
 
-        def prepare(model):
-            # Queued on the default stream from the main thread when the first layer's grad is final, before
-            # the optimizer's own hook for it: the other layers' updates need not wait for it.
-            model.a.weight.register_post_accumulate_grad_hook(
-                lambda p: emu.later(until_a_worker_copy_completed, delay=0))
+        @contextlib.contextmanager
+        def backward_on_a_side_stream(model, step):
+            worker_copies.clear()
+            emu.later(until_a_worker_copy_completed, delay=0)  # on the default stream, from this thread
+            with emu.stream(side):
+                yield
 
-        got = train(tmp_path, "emulated", prepare=prepare, **options)
+        got = train(tmp_path, "emulated", hook=backward_on_a_side_stream, **options)
         emu.check()
-    assert waited and all(waited), "the overlapped update waited for backward's later work on the default stream"
+    assert len(waited) == 4 and all(waited[1:]), \
+        f"the overlapped update waited for other work on the default stream ({waited})"
     assert_same(got[0], want[0])
     assert_same(got[1], want[1])

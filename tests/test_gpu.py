@@ -7,6 +7,7 @@ the tensors moved to ``DEVICE``: set ``DEVICE = "cpu"`` and drop the marker to r
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -25,7 +26,7 @@ from helpers import (
     snapshot,
 )
 
-from offload import OffloadedAdamW
+from offload import OffloadedAdamW, materialized, offload_parameters, restore_parameters
 from offload.checkpoint import load_checkpoint, save_checkpoint
 
 DEVICE = "cuda"
@@ -170,7 +171,55 @@ def test_overlap_backward_on_cuda_equals_torch_fused(nvme, closing):
     assert_same_state(ours.state_dict(), ref.state_dict())
 
 
-# -- what the CPU emulator of copies cannot show (tests/test_copies.py shows the ordering) ----------
+def train_accumulating(model, opt, steps, micro: int) -> list:
+    """Training steps of ``micro`` backward passes each, all but the last inside ``opt.no_step()`` (which
+    changes nothing without overlap_backward); returns the losses."""
+    losses = []
+    for step in steps:
+        for m in range(micro):
+            x, y = (t.to(DEVICE) for t in batch(step * micro + m))
+            loss = (model(x) - y).float().square().mean()
+            with opt.no_step() if m < micro - 1 else contextlib.nullcontext():
+                loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("offload", [None, dict(max_in_cpu=0, max_grad_in_cpu=0, offload_grads=True)],
+                         ids=["weights-in-memory", "weights-and-grads-on-nvme"])
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["no-clip", "clip"])
+def test_overlap_on_cuda_equals_the_same_optimizer_without_it(nvme, closing, offload, clip):
+    """overlap_backward on a GPU (the worker's own stream) against the same optimizer without it, bit for bit,
+    with accumulation (no_step), with max_grad_norm (the clip factor computed on the caller's stream at
+    step(), read by the worker's), and with weights and grads on NVMe (a grad dropped as soon as the update
+    that reads it was issued)."""
+    a, b = model_pair(seed=11)
+    models = []
+    try:
+        for i, m in enumerate((a, b)):
+            if offload is not None:
+                offload_parameters(m, nvme_path=f"{nvme}-w{i}", buffer_size=OPT["buffer_size"], **offload)
+                models.append(m)
+        ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, overlap_backward=True,
+                                      max_grad_norm=clip, **OPT))
+        ref = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-ref", fused=True, max_grad_norm=clip, **OPT))
+        assert train_accumulating(a, ours, range(4), 2) == train_accumulating(b, ref, range(4), 2)
+        with contextlib.ExitStack() as stack:
+            for m in models:
+                stack.enter_context(materialized(m))
+            assert_same(list(a.parameters()), list(b.parameters()))
+        assert_same_state(ours.state_dict(), ref.state_dict())
+        if clip is not None:
+            assert torch.equal(ours.last_grad_norm, ref.last_grad_norm)
+    finally:
+        for m in models:
+            restore_parameters(m)
+
+
+# -- what the CPU emulator of copies cannot show (tests/test_copies.py shows the ordering of copies; the
+# -- worker's stream against the caller's work, above and below, needs a GPU) ------------------------
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

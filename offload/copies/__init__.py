@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 __all__ = ["DONE", "Ticket", "after", "crosses", "emulated", "into_device", "on_host", "own_streams", "produced",
-           "to_device", "to_host", "waited"]
+           "read_here", "to_device", "to_host", "waited"]
 
 
 class Ticket:
@@ -147,12 +147,17 @@ def produced(tensors: Iterable[Optional[torch.Tensor]]) -> Ticket:
     """Where the current streams of ``tensors``' devices are now: done when the work issued so far on them
     (what produced the tensors, for instance a backward on a side stream) has run."""
     b = _backend()
+    return Ticket.all(b.mark(d) for d in _devices(b, tensors))
+
+
+def _devices(b, tensors: Iterable[Optional[torch.Tensor]]) -> list:
+    """The devices (as the backend names them) of ``tensors`` reached by copies, each once."""
     devices = {}
     for t in tensors:
         if t is not None and b.crosses(t.device):
             key = b.device_of(t)
             devices[repr(key)] = key
-    return Ticket.all(b.mark(d) for d in devices.values())
+    return list(devices.values())
 
 
 @contextlib.contextmanager
@@ -160,17 +165,25 @@ def own_streams(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
     """For the block, this thread's work on the devices of ``tensors`` (its copies, and the math it issues)
     goes to a stream of its own on each device instead of the device's default stream, which every thread
     shares. A worker beside backward then neither queues behind the backward work issued so far nor holds
-    it up; it orders itself against other threads' work only through :func:`produced` and :func:`after`."""
+    it up; it orders itself against other threads' work only through :func:`produced` and :func:`after`.
+
+    There is one such stream per device in the process (two optimizers' workers share it, in turn). Memory
+    allocated on it is cached for it: GPU memory reserved grows by what the worker's work holds at once."""
     b = _backend()
-    devices = {}
-    for t in tensors:
-        if b.crosses(t.device):
-            key = b.device_of(t)
-            devices[repr(key)] = key
     with contextlib.ExitStack() as stack:
-        for d in devices.values():
+        for d in _devices(b, tensors):
             stack.enter_context(b.own_stream(d))
         yield
+
+
+def read_here(tensors: Iterable[Optional[torch.Tensor]]) -> None:
+    """``tensors`` (made on other streams, a backward's grads) are read by work this thread has issued on
+    its current streams: their memory is not given to other work before that work ran, even once the last
+    reference to them is dropped."""
+    b = _backend()
+    for t in tensors:
+        if t is not None and b.crosses(t.device):
+            b.read_here(t)
 
 
 def after(ticket: Ticket) -> None:

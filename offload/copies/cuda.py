@@ -1,9 +1,10 @@
-"""Copies between host memory and CUDA devices, on two copy streams per device."""
+"""Copies between host memory and CUDA devices, on two copy streams per device (and a worker's stream)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -38,6 +39,8 @@ class _Recorded:
 # worker thread the current device is device 0 whatever the parameters' device is, and an event there would
 # complete before a copy on another device. The device is made current around each copy (torch.cuda.device
 # restores the old one only where it has a context), so the worker thread makes no CUDA context on device 0.
+# The overlap_backward worker issues all its work on a third stream per device (own_stream), current with its
+# device for the whole step, ordered against backward only by the events of the grads it reads (produced).
 class CudaCopies:
     """The backend of :mod:`offload.copies` for CUDA devices (CPU tensors are copied at once)."""
 
@@ -90,8 +93,16 @@ class CudaCopies:
         src.record_stream(side)  # not reused by the allocator before the copy ran
         return Ticket([_Recorded(side, device)])
 
-    def own_stream(self, device: torch.device):
-        return torch.cuda.stream(self._stream(device, "worker"))
+    @contextlib.contextmanager
+    def own_stream(self, device: torch.device) -> Iterator[None]:
+        # The device first: torch.cuda.stream alone would switch devices and, on the way out, make the
+        # thread's old device current again, creating a context there (device 0 in a worker thread).
+        with torch.cuda.device(device), torch.cuda.stream(self._stream(device, "worker")):
+            yield
+
+    @staticmethod
+    def read_here(t: torch.Tensor) -> None:
+        t.record_stream(torch.cuda.current_stream(t.device))
 
     @staticmethod
     def mark(device: torch.device):

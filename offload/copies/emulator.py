@@ -243,6 +243,10 @@ class EmulatedCopies:
         """Make the worker stream of ``device`` this thread's current stream for the block (as the CUDA backend)."""
         return self.stream(self._stream(device, "worker"))
 
+    @staticmethod
+    def read_here(t: torch.Tensor) -> None:
+        """Emulated device work runs on the host at once: it has read ``t`` by now."""
+
     def mark(self, device: int) -> Ticket:
         self.log.append(("mark", device))
         return Ticket([self._current_stream(device).enqueue()])

@@ -7,6 +7,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from .. import copies
 from ..buffers import BufferPool
 from ..copies import DONE, Ticket
 from ..distributed import local
@@ -257,7 +258,10 @@ class UnitPass:
         if slot in self._adopted:
             self._adopted.discard(slot)
             if store.offload_grads:
-                store.grads.consume(slot.param)  # updated: the gradient is not needed, nor kept
+                # Updated: the gradient is not needed, nor kept; its memory (backward's) is not reused before
+                # the update's work, issued on this thread's streams, has read it.
+                copies.read_here([slot.param.grad])
+                store.grads.consume(slot.param)
 
 
 def _direct(watcher):
