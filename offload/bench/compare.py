@@ -183,6 +183,7 @@ def _rounds(args: argparse.Namespace, peer: Optional[str], root: str) -> tuple[d
                 if system != DEEPSPEED:
                     raise
                 failed = str(err).splitlines()[-1][-300:]
+                runs.pop(DEEPSPEED, None)  # the rounds it ran are not a comparison: none of it is reported
                 print(f"note: {err}\nDeepSpeed is left out of this comparison; ours goes on.")
                 continue
             runs.setdefault(name, []).append(result)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -152,7 +153,7 @@ class _Laid:
         layout = Layout(target.unit_bytes, target.cfg.offload_optimizer.state_dtype)
         offloaded = []
         for i in range(len(target.shapes)):
-            if i in state and _numel(target.shapes[i]) >= target.threshold:
+            if i in state and math.prod(map(int, target.shapes[i])) >= target.threshold:
                 metas[i] = torch.empty(target.shapes[i], dtype=target.dtypes[i], device="meta")
                 offloaded.append((metas[i], {"index": i}, amsgrad_of[i]))
         layout.commit(layout.plan(offloaded))
@@ -178,7 +179,7 @@ class _Laid:
         entries, memory_state, steps = [], {}, {}
         for i in range(len(self.target.shapes)):
             shape, dtype = self.target.shapes[i], self.target.dtypes[i]
-            numel = _numel(shape) if shape is not None else None
+            numel = math.prod(map(int, shape)) if shape is not None else None
             name = dtype_name(dtype) if dtype is not None else None
             if i not in self.state:
                 entries.append(ParamEntry(i, "none", False, shape, name, numel))
@@ -194,10 +195,3 @@ class _Laid:
                 keys = tuple(sorted(k for k in self.state[i] if k != "step"))
                 entries.append(ParamEntry(i, "memory", True, shape, name, numel, keys, name, step=step))
         return entries, memory_state, steps
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
