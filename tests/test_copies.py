@@ -309,7 +309,7 @@ def test_the_overlapped_update_does_not_queue_behind_backward_on_the_default_str
     """The worker's copies and updates run on a stream of its own: on the default stream, which every thread
     shares, each would wait for all the work issued there so far (on a GPU the host runs far ahead), so
     nothing would overlap. Here backward runs on a side stream while the default stream holds work that
-    finishes only once one of the worker's copies back to the host has completed (or after 2 s): from the
+    finishes only once one of the worker's copies back to the host has completed (or after 1 s): from the
     second step on (the first updates late, once step() opens every gate, after the caller's work), the
     worker must not wait for it."""
     import threading
@@ -330,7 +330,7 @@ def test_the_overlapped_update_does_not_queue_behind_backward_on_the_default_str
         emu.d2h = recorded_d2h
 
         def until_a_worker_copy_completed():
-            deadline = time.monotonic() + 2
+            deadline = time.monotonic() + 1
             while not any(t.done() for t in list(worker_copies)) and time.monotonic() < deadline:
                 time.sleep(0.005)
             waited.append(any(t.done() for t in list(worker_copies)))

@@ -152,8 +152,8 @@ def _print_header(args: argparse.Namespace, machine: dict, cfg, device: torch.de
 
 
 @dataclasses.dataclass
-class _Ours:
-    """What our optimizer (and the baseline, when there is one) gave: times, bytes moved, memory."""
+class _Measured:
+    """What the timed steps gave: ours (times, bytes moved, memory) and the baseline's beside it, if any."""
 
     first: float
     times: list = dataclasses.field(default_factory=list)
@@ -172,7 +172,7 @@ class _Ours:
     backend: str = ""
 
 
-def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device: torch.device) -> _Ours:
+def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device: torch.device) -> _Measured:
     # Building any torch optimizer imports torch._dynamo once (about 70 MiB here): pay that before
     # the baseline so the peak measures optimizer state, for ours and torch's alike.
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
@@ -184,7 +184,7 @@ def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device:
     base = None
     try:
         # Memory: ours alone, the first step and one steady step (not timed: it runs alone).
-        ours = _Ours(first=_time_steps(opt, 1)[0], base_rss=base_rss)
+        ours = _Measured(first=_time_steps(opt, 1)[0], base_rss=base_rss)
         _timed_step(opt, [], [])
         ours.peak = report.memory_bytes("VmHWM")
         ours.gpu_peak = gpu_peak(device)
@@ -206,7 +206,7 @@ def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device:
     return ours
 
 
-def _interleave(opt, base, ours: _Ours, steps: int, *, checksum_cost: bool, checksum: bool) -> None:
+def _interleave(opt, base, ours: _Measured, steps: int, *, checksum_cost: bool, checksum: bool) -> None:
     """Time ours and the baseline in turn, step by step, so the disk's drift hits both alike, and in the
     order ours-base, base-ours, ... so neither always runs while the other's writes are still being
     flushed below the file system."""
@@ -251,7 +251,7 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def _result(args: argparse.Namespace, cfg, device: torch.device, ours: _Ours, fio: tuple,
+def _result(args: argparse.Namespace, cfg, device: torch.device, ours: _Measured, fio: tuple,
             torch_run: Optional[dict], machine: dict) -> dict[str, Any]:
     """The JSON result: every figure the table shows, and the runs behind them."""
     oc, aio = cfg.offload_optimizer, cfg.aio
