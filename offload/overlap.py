@@ -249,14 +249,15 @@ class _Run:
             self.seen_grads.append((p, g, _sample(g)))
         if self.owner.clip and p.grad is not None:
             self.norms[id(p)] = grad_norm(ParamAccess.grad(p) if in_store else p.grad)
-        for u in self.chunks_of.get(id(p), ()):
-            for c in u.chunks:
-                if c.slot.param is p:
-                    self.waiting[id(u)] -= 1
-            if self.waiting[id(u)] == 0:
-                self.finished_order.append(u)
-                if not self.owner.clip:
-                    self.ready_units[id(u)].set()
+        with self.lock:  # hooks of parameters on two GPUs run on two autograd threads
+            for u in self.chunks_of.get(id(p), ()):
+                for c in u.chunks:
+                    if c.slot.param is p:
+                        self.waiting[id(u)] -= 1
+                if self.waiting[id(u)] == 0:
+                    self.finished_order.append(u)
+                    if not self.owner.clip:
+                        self.ready_units[id(u)].set()
 
     def grads_changed(self) -> bool:
         """Whether a final gradient was replaced or changed in place since its hook fired."""
@@ -291,10 +292,12 @@ class _Run:
         self.begun += 1
 
     def finish(self) -> set:
-        self.opened = copies.produced(self.params)
-        self.all_final.set()
-        for event in self.ready_units.values():
-            event.set()
+        try:
+            self.opened = copies.produced(self.params)
+        finally:  # the gates open whatever happened: the worker must not wait forever
+            self.all_final.set()
+            for event in self.ready_units.values():
+                event.set()
         self._join()
         if self.error is not None:
             raise self.error
@@ -323,8 +326,11 @@ class _Run:
             with copies.own_streams(self.params):
                 try:
                     self.updated = self.owner._run_step(slots, self.gate, self.order)
-                finally:
-                    self.done = copies.produced(self.params)
+                except BaseException:
+                    with contextlib.suppress(Exception):  # the step's error is the one to report
+                        self.done = copies.produced(self.params)
+                    raise
+                self.done = copies.produced(self.params)
         except BaseException as err:  # noqa: BLE001 - reported by the next hook and by step()
             self.error = self.error or err
             if self.begun or not self.cancelled:

@@ -260,7 +260,8 @@ class UnitPass:
             if store.offload_grads:
                 # Updated: the gradient is not needed, nor kept; its memory (backward's) is not reused before
                 # the update's work, issued on this thread's streams, has read it.
-                copies.read_here([slot.param.grad])
+                if slot.param.grad is not store.grads.placeholder(slot.param):
+                    copies.read_here([slot.param.grad])
                 store.grads.consume(slot.param)
 
 
