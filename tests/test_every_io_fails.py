@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -45,14 +46,22 @@ def _grads(model, step):
 
 
 class _Faults:
-    """Counts every request submitted to any engine of this process; the k-th one (0-based) gets ``kind``."""
+    """Counts every request submitted to the engines made from now on; the k-th one (0-based) gets ``kind``.
+    (Engines made before, by earlier tests whose background work may still end, are not the run's.)"""
 
     def __init__(self, monkeypatch, k: int | None, kind: str):
         self.count, self.k, self.kind, self.fired = 0, k, kind, False
-        real = Engine.submit
+        real, real_init = Engine.submit, Engine.__init__
         lock = threading.Lock()
+        ours = weakref.WeakSet()
+
+        def init(engine, *args, **kw):
+            real_init(engine, *args, **kw)
+            ours.add(engine)
 
         def submit(engine, op, segments, **kw):
+            if engine not in ours:
+                return real(engine, op, segments, **kw)
             with lock:
                 mine = self.count == self.k
                 self.count += 1
@@ -61,6 +70,7 @@ class _Faults:
                 engine.inject_fault(self.kind, count=1, errno=errno.EIO)
             return real(engine, op, segments, **kw)
 
+        monkeypatch.setattr(Engine, "__init__", init)
         monkeypatch.setattr(Engine, "submit", submit)
 
 
