@@ -7,7 +7,6 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .. import copies
 from ..buffers import BufferPool
 from ..copies import DONE, Ticket
 from ..distributed import local
@@ -258,11 +257,7 @@ class UnitPass:
         if slot in self._adopted:
             self._adopted.discard(slot)
             if store.offload_grads:
-                # Updated: the gradient is not needed, nor kept; its memory (backward's) is not reused before
-                # the update's work, issued on this thread's streams, has read it.
-                if slot.param.grad is not store.grads.placeholder(slot.param):
-                    copies.read_here([slot.param.grad])
-                store.grads.consume(slot.param)
+                store.grads.consume(slot.param)  # updated: the gradient is not needed, nor kept
 
 
 def _direct(watcher):

@@ -169,11 +169,13 @@ class GradStore:
 
     def consume(self, param: torch.Tensor) -> None:
         """The optimizer updated ``param`` from ``param.grad`` during backward (overlap_backward): free the
-        gradient, leaving the placeholder; reading it raises until ``zero_grad()``."""
+        gradient, leaving the placeholder; reading it raises until ``zero_grad()``. The update's work, issued on
+        the calling thread's streams, may not have run yet: the gradient's memory waits for it."""
         with self._lock:
             g = self.grads.get(param)
             if g is None or param.grad is None or param.grad is g.placeholder:
                 return
+            copies.read_here([param.grad])
             param.grad = g.placeholder
             self._settle(g)
             g.host, g.state, g.scales = None, _CONSUMED, []
