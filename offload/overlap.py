@@ -203,7 +203,7 @@ class _Run:
         self.all_final = threading.Event()
         self.error: Optional[BaseException] = None
         self.updated: set = set()
-        self.params = [s.param for s in slots]
+        self.params = copies.on_each_device(s.param for s in slots)  # where the streams below are taken
         # Where the worker's streams were once it had issued its last work (set however it ended), and where
         # the stream of the thread calling finish() was when it opened the remaining gates (what it computed
         # for them, a clip factor, and grads an earlier backward made).

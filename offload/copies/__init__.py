@@ -12,8 +12,8 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-__all__ = ["DONE", "Ticket", "after", "crosses", "emulated", "into_device", "on_host", "own_streams", "produced",
-           "read_here", "to_device", "to_host", "waited"]
+__all__ = ["DONE", "Ticket", "after", "crosses", "emulated", "into_device", "on_each_device", "on_host", "own_streams",
+           "produced", "read_here", "to_device", "to_host", "waited"]
 
 
 class Ticket:
@@ -152,12 +152,18 @@ def produced(tensors: Iterable[Optional[torch.Tensor]]) -> Ticket:
 
 def _devices(b, tensors: Iterable[Optional[torch.Tensor]]) -> list:
     """The devices (as the backend names them) of ``tensors`` reached by copies, each once."""
-    devices = {}
+    return [b.device_of(t) for t in on_each_device(tensors)]
+
+
+def on_each_device(tensors: Iterable[Optional[torch.Tensor]]) -> list:
+    """One of ``tensors`` per device reached by copies: all that :func:`produced` and :func:`own_streams` look
+    at, for a caller that passes the same tensors again and again."""
+    b = _backend()
+    one = {}
     for t in tensors:
         if t is not None and b.crosses(t.device):
-            key = b.device_of(t)
-            devices[repr(key)] = key
-    return list(devices.values())
+            one.setdefault(repr(b.device_of(t)), t)
+    return list(one.values())
 
 
 @contextlib.contextmanager
