@@ -14,7 +14,7 @@ import torch
 from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..state import resolve_pin
-from ..units import GIB, format_size, parse_size
+from ..units import format_size, parse_size
 from . import overlap, report
 from .cli import (
     BenchFailure,
@@ -261,11 +261,8 @@ def _result(args: argparse.Namespace, cfg, device: torch.device, ours: _Measured
     read, written = _mean_bytes(ours.moved)
     base_med = statistics.median(ours.base_times) if ours.base_times else None
     base_read, base_written = _mean_bytes(ours.base_moved)
-    bound = base_bound = None
-    if fio_read and fio_write:
-        bound = read / GIB / fio_read + written / GIB / fio_write
-        if base_read is not None:
-            base_bound = base_read / GIB / fio_read + base_written / GIB / fio_write
+    bound = report.disk_bound(read, written, fio_read, fio_write)
+    base_bound = None if base_read is None else report.disk_bound(base_read, base_written, fio_read, fio_write)
     torch_run = torch_run or {}
     result: dict[str, Any] = {
         "params": args.params,

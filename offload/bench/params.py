@@ -14,7 +14,7 @@ from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..params import offload_parameters, offloaded, restore_parameters
 from ..state import resolve_pin
-from ..units import GIB, format_size
+from ..units import format_size
 from . import overlap, report
 from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, config_given, positive_int_arg
 from .fio import write_read_gib_s
@@ -165,7 +165,7 @@ def run_params(args: argparse.Namespace) -> int:
     largest = max(sum(p.numel() * p.element_size() for p in m.parameters(recurse=False)) for m in model.modules())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound = max(io_s, compute_s)
-    disk_bound = read_total / GIB / fio_read + write_total / GIB / fio_write if fio_read and fio_write else None
+    disk_bound = report.disk_bound(read_total, write_total, fio_read, fio_write)
     result: dict[str, Any] = {
         "params": n_params,
         "device": device.type,

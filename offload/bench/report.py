@@ -139,6 +139,14 @@ def drive_writes(bytes_per_step: int, step_s: float) -> tuple[float, str]:
     return per_day, f"{per_day / 1e12:.1f} TB/day"
 
 
+def disk_bound(read: int, written: int, fio_read: float | None, fio_write: float | None) -> float | None:
+    """Seconds the drive needs for ``read`` and ``written`` bytes at fio's GiB/s (None without fio's figures):
+    the lower bound every benchmark reads its time against."""
+    if not (fio_read and fio_write):
+        return None
+    return read / (1 << 30) / fio_read + written / (1 << 30) / fio_write
+
+
 def fmt_gib(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
