@@ -32,7 +32,6 @@ import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDE = 4096
-OFFLOAD = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=5, buffer_size=8 << 20)  # as offload-bench scale
 
 
 def _model(layers: int):
@@ -66,6 +65,7 @@ def child(args: argparse.Namespace) -> None:
     import torch  # noqa: F401 - imported before the clock starts
 
     from offload import offload_parameters
+    from offload.bench.scale import PARAM_OFFLOAD, close_offloaded
     from offload.params import offloaded
     from offload.pretrained import load_safetensors, offload_pretrained
 
@@ -76,20 +76,19 @@ def child(args: argparse.Namespace) -> None:
         profile.enable()
     layers = args.layers
     if args.what == "load_safetensors":
-        model = offload_parameters(_model(layers), nvme_path=args.swap, init=False, **OFFLOAD)
+        model = offload_parameters(_model(layers), nvme_path=args.swap, init=False, **PARAM_OFFLOAD)
         start = time.perf_counter()
         load_safetensors(model, args.ckpt)
     else:
         start = time.perf_counter()
-        model = offload_pretrained(lambda: _model(layers), args.ckpt, args.swap, **OFFLOAD)
-    took = time.perf_counter() - start
+        model = offload_pretrained(lambda: _model(layers), args.ckpt, args.swap, **PARAM_OFFLOAD)
+    with offloaded(model).store.exclusive():  # the clock stops once the last weights written have landed
+        took = time.perf_counter() - start
     if profile is not None:
         import pstats
         profile.disable()
         pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(14)
-    state = offloaded(model)
-    state.scheduler.remove()
-    state.store.close()
+    close_offloaded(model)
     print(json.dumps({"seconds": took}))
 
 
@@ -118,7 +117,7 @@ def run_child(tree: str, what: str, ckpt: str, swap: str, layers: int, args) -> 
 
 
 def dd(args: list[str]) -> float:
-    """GiB/s that ``dd`` reports."""
+    """GiB/s of a ``dd`` run: the bytes it reports over the time the process took."""
     start = time.perf_counter()
     out = subprocess.run(["dd", *args], capture_output=True, text=True, check=True)
     took = time.perf_counter() - start
@@ -144,6 +143,7 @@ def main(argv=None) -> int:
         child(args)
         return 0
     sys.path.insert(0, HERE)
+    from offload.bench import report
     from offload.bench.fio import write_read_gib_s
     from offload.units import GIB, parse_size
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
                         "oflag=direct", "conv=fsync"])
             os.unlink(plain)
             print(f"round {r}: dd read of a shard {read:.2f} GiB/s, dd write of a new file {write:.2f} GiB/s")
-    bound = nbytes / GIB / fio_read + nbytes / GIB / fio_write if fio_read and fio_write else None
+    bound = report.disk_bound(nbytes, nbytes, fio_read, fio_write)
     print(f"fio: read {fio_read} GiB/s, write {fio_write} GiB/s; copy bound {bound and round(bound, 2)} s")
     rows = {}
     for key, ts in times.items():
@@ -191,9 +191,8 @@ def main(argv=None) -> int:
         of = f", {bound / med:.2f}x of the copy bound" if bound else ""
         print(f"{key:28s} median {med:6.2f} s ({spread}), {nbytes / med / GIB:.2f} GiB/s{of}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"bytes": nbytes, "fio_read_gib_s": fio_read, "fio_write_gib_s": fio_write,
-                       "copy_bound_s": bound, "cold_cache": cold, "results": rows}, f, indent=2)
+        report.write_json(args.json, {"bytes": nbytes, "fio_read_gib_s": fio_read, "fio_write_gib_s": fio_write,
+                                      "copy_bound_s": bound, "cold_cache": cold, "results": rows})
     return 0
 
 

@@ -76,7 +76,11 @@ class _Timer:
         self.peaks[name] = report.memory_bytes("VmHWM") - self.base
 
 
-def _close(model) -> None:
+# Every weight and grad on NVMe, through a pool of 5 x 8 MiB (the default, 5 x 1e8 elements, is 1 GB).
+PARAM_OFFLOAD = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=5, buffer_size=8 << 20)
+
+
+def close_offloaded(model) -> None:
     """Drop an offloaded model's swap file without bringing its weights back into memory."""
     state = offloaded(model)
     state.scheduler.remove()
@@ -111,8 +115,6 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     swap = os.path.join(work, "swap")
     source, export = os.path.join(work, "pretrained"), os.path.join(work, "finetuned")
     machine = report.machine_info(paths)
-    # Every weight and grad on NVMe, through a pool of 5 x 16 MiB (the default, 5 x 1e8 elements, is 1 GB).
-    offload = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=5, buffer_size=8 << 20)
     base_rss = report.memory_bytes("VmRSS")
     reset_peak_rss()
     timer = _Timer(base_rss)
@@ -127,16 +129,16 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
                       f"vocab {args.vocab}: {n_params:,} bf16 parameters ({format_size(2 * n_params)})"),
             ("training", f"{args.steps} steps, 1 x {args.seq} tokens; weights, grads and state on NVMe"),
         ])
-        offload_parameters(model, swap, init=model._init_weights, **offload)
+        offload_parameters(model, swap, init=model._init_weights, **PARAM_OFFLOAD)
     with timer("write_checkpoint"):
         save_pretrained(model, source, max_shard_size="1GB")
-    _close(model)
+    close_offloaded(model)
     del model
     weight_bytes = 2 * n_params
 
     with timer("load"):
         build = transformers.AutoModelForCausalLM.from_config
-        model = offload_pretrained(lambda: build(hf_config, dtype=torch.bfloat16), source, swap, **offload)
+        model = offload_pretrained(lambda: build(hf_config, dtype=torch.bfloat16), source, swap, **PARAM_OFFLOAD)
     model.train()
     store = offloaded(model).store
     opt = OffloadedAdamW(model.parameters(), lr=1e-5, nvme_path=swap)
@@ -155,7 +157,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
             checked = _check_export(model, export, transformers, weight_bytes)
     finally:
         opt.close()
-        _close(model)
+        close_offloaded(model)
     fio_write = fio_read = None
     if not args.no_fio:
         fio_write, fio_read = write_read_gib_s(paths, min(weight_bytes, GIB), 1 << 20, 32, 1)
@@ -163,10 +165,8 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     step = statistics.median(times[1:] if len(times) > 1 else times)
     read, written = moved[-1]
 
-    def bound(r: int, w: int) -> float | None:
-        return r / GIB / fio_read + w / GIB / fio_write if fio_read and fio_write else None
-
-    step_bound, copy_bound = bound(read, written), bound(weight_bytes, weight_bytes)
+    step_bound = report.disk_bound(read, written, fio_read, fio_write)
+    copy_bound = report.disk_bound(weight_bytes, weight_bytes, fio_read, fio_write)
     t = timer.times
     result: dict[str, Any] = {
         "params": n_params, "layers": layers, "hidden": args.hidden, "intermediate": inter,
