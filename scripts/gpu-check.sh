@@ -2,8 +2,9 @@
 # Run on a GPU machine, in the project's root, with .device-bundle/ (scripts/gpu-bundle.sh) carried along:
 # builds the engine, runs the GPU tests, then the GPU benchmarks at sizes that fit a few minutes, and, when
 # the bundle holds DeepSpeed, compare --device cuda beside it. Logs go to $OUT (or ./gpu-check-out).
-# BUDGET (seconds, default 420) bounds the whole run: the benchmarks get what the tests leave.
-set -u
+# BUDGET (seconds, default 420) bounds the whole run: the benchmarks get what the tests leave. Exits with the
+# build's status if it fails, else the GPU tests'.
+set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-check-out}
 BUDGET=${BUDGET:-420}
 mkdir -p "$OUT"
@@ -13,12 +14,13 @@ export PYTHONPATH=/tmp/site:$PWD LD_LIBRARY_PATH=$D/uring/lib:$D/aio/lib PYTHONU
 left() { echo $(( BUDGET - SECONDS )); }
 timeout $(( $(left) / 2 )) python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rfEs --tb=short \
   --basetemp=/tmp/gpu-check-pt 2>&1 | tee "$OUT/gpu-tests.log"
+tests=$?
 scratch=$(mktemp -d)
 bench() {  # a name, then offload-bench's arguments; skipped once the budget is spent
   local name=$1; shift
   [ "$(left)" -gt 30 ] || { echo "### $name: skipped (budget spent)"; return; }
   echo "### $name"
-  timeout $(( $(left) - 10 )) python3 -m offload.bench "$@" 2>&1 | grep -v " TB of "
+  timeout $(( $(left) - 10 )) python3 -m offload.bench "$@" 2>&1 | { grep -v " TB of " || true; }
 }
 {
   bench gpu gpu --size 512MiB --rounds 3
@@ -35,4 +37,5 @@ bench() {  # a name, then offload-bench's arguments; skipped once the budget is 
   fi
 } 2>&1 | tee "$OUT/bench.log"
 rm -rf "$scratch" /tmp/gpu-check-pt
-echo "took $SECONDS s"
+echo "took $SECONDS s; the GPU tests exited $tests"
+exit $tests
