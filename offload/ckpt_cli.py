@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("export", help="write a checkpoint as a torch optimizer state_dict (torch.save), and "
                                       "its model weights as a model state_dict")
+    p.set_defaults(run=_export)
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
     p.add_argument("out", metavar="OUT.pt", nargs="?",
                    help="file for the optimizer state_dict (replaced atomically)")
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --hf: replace a Hugging Face checkpoint at DIR (never a directory with other files)")
 
     p = sub.add_parser("import", help="write a torch optimizer state_dict file as a checkpoint")
+    p.set_defaults(run=_import)
     p.add_argument("state_dict", metavar="IN.pt", help="a file torch.save wrote (an optimizer state_dict)")
     p.add_argument("checkpoint", metavar="CKPT",
                    help="checkpoint directory to write: a new or empty directory, or a checkpoint (replaced "
@@ -79,10 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "a config file (JSON, DeepSpeed ds_config.json works) for the unit size and threshold")
 
     p = sub.add_parser("inspect", help="print a summary of a checkpoint's manifest")
+    p.set_defaults(run=_inspect)
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
     p.add_argument("--json", action="store_true", help="print the whole manifest as JSON")
 
     p = sub.add_parser("verify", help="check every file's size and checksum")
+    p.set_defaults(run=_verify)
     p.add_argument("checkpoints", metavar="CKPT", nargs="+", help="checkpoint directories")
     p.add_argument("--local", action="store_true",
                    help="for a job's checkpoint (saved by every rank of a torch.distributed job), check the "
@@ -91,10 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("list", help="list the checkpoints in a directory (a Retention root), a job's with its "
                                     "shards here")
+    p.set_defaults(run=_list)
     p.add_argument("root", metavar="DIR", help="directory holding checkpoints")
 
     p = sub.add_parser("mirror", help="copy a checkpoint to a second level (another drive, a network mount), "
                                       "atomically, verified after the copy")
+    p.set_defaults(run=_mirror)
     p.add_argument("source", metavar="SRC", help="checkpoint directory to copy")
     p.add_argument("destination", metavar="DST",
                    help="the copy's directory: new or empty, or a checkpoint (its files replaced by the copy's, "
@@ -102,10 +108,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="show a progress bar (default: when stderr is a terminal)")
     return parser
-
-
-def _run(args) -> int:
-    return _COMMANDS[args.command](args)
 
 
 def _export(args) -> int:
@@ -193,10 +195,6 @@ def _list(args) -> int:
     return EXIT_OK
 
 
-_COMMANDS = {"export": _export, "import": _import, "inspect": _inspect, "mirror": _mirror, "verify": _verify,
-             "list": _list}
-
-
 _SLICE = 64 << 20  # bytes of a weight read from params.bin at once by the --hf export
 
 
@@ -274,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        return args.run(args)
     except (checkpoint.CheckpointError, OSError) as err:
         print(f"{PROG} {args.command}: error: {_describe(err)}", file=sys.stderr)
         return EXIT_FAILURE
