@@ -328,7 +328,7 @@ def _rows(r: dict) -> list:
         ratio = r["bytes_vs_baseline"]
         rows += [
             ["without host cache: step",
-             f"{base_med:.3f} s ({_spread(r['baseline_step_s_runs'])}; ours {step_med / base_med:.2f}x)"],
+             f"{base_med:.3f} s ({_spread(r['baseline_step_s_runs'])}; ours {r['step_vs_baseline']:.2f}x)"],
             ["without host cache: read / written",
              f"{size(r['baseline_bytes_read_per_step'])} / {size(r['baseline_bytes_written_per_step'])}"
              + (f" ({ratio:.2f}x)" if ratio is not None else "")],
@@ -337,7 +337,7 @@ def _rows(r: dict) -> list:
     rows += [
         ["fio read / write", f"{report.fmt_gib(r['fio_read_gib_s'])} / {report.fmt_gib(r['fio_write_gib_s'])} GiB/s"],
         ["disk bound (fio)", f"{bound:.3f} s" if bound else "n/a"],
-        ["step / disk bound", f"{step_med / bound:.2f}x" if bound else "n/a"],
+        ["step / disk bound", f"{r['ratio_to_bound']:.2f}x" if bound else "n/a"],
     ]
     if base_med:
         # Below 1x: the disk served reads faster than fio's cold reads (a VM's host caches recent writes).
@@ -347,7 +347,7 @@ def _rows(r: dict) -> list:
     torch_med, torch_peak = r["torch_step_s_median"], r["torch_peak_rss_bytes"]
     rows += [
         [f"torch AdamW(fused) step, state resident {'on the GPU' if r['device'] == 'cuda' else 'in memory'}",
-         f"{torch_med:.3f} s ({step_med / torch_med:.2f}x)" if torch_med else "n/a"],
+         f"{torch_med:.3f} s ({r['step_vs_torch']:.2f}x)" if torch_med else "n/a"],
         ["state / resident in host memory", f"{size(r['offloaded_state_bytes'])} / {size(r['resident_state_bytes'])}"],
         ["host pool + cache", f"{size(r['host_pool_bytes'])} + {size(r['host_cache_bytes'])}"],
         ["peak RSS above params+grads", f"{size(over)} ({over / held:.2f}x pool + cache)" if held else size(over)],

@@ -23,8 +23,6 @@ import sys
 import tempfile
 from typing import Optional
 
-import torch
-
 from ..units import format_size
 from . import report
 from .cli import EXIT_OK, BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
@@ -127,7 +125,7 @@ def _repo_root() -> str:
 
 def run_compare(args: argparse.Namespace) -> int:
     """``offload-bench compare``: every variant once per round, in alternating order, then the medians."""
-    require_cuda(torch.device(args.device))
+    require_cuda(args.device)
     peer, why = _peer_python(args.peer_python)
     with bench_paths(args.paths) as paths:
         root = paths[0]

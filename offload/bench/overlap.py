@@ -73,12 +73,11 @@ def run_overlap(args: argparse.Namespace, paths: list[str], *, layers: int, hidd
         ("rounds", f"{args.rounds} x {args.steps} iterations per variant"),
     ])
 
-    runs, rounds = _Runs(args, cfg, paths, layers, hidden, dtype, device, weights_offloaded), None
+    runs = _Runs(args, cfg, paths, layers, hidden, dtype, device, weights_offloaded)
     try:
-        rounds = runs.measure()
+        times, moved, batch, gpu_peaks, pinned = runs.measure()
     finally:
         runs.close()
-    times, moved, batch, gpu_peaks, pinned = rounds
     med = {name: statistics.median(t) for name, t in times.items()}
     bound = max(med["compute"], med["io"])
     result: dict[str, Any] = {
