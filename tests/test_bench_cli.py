@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.aio import gds_status
+from offload.bench import checkpoint as checkpoint_bench
 from offload.bench.cli import main
 from offload.config import AioConfig, config_to_dict, load_config
 
@@ -258,25 +259,29 @@ def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
     assert p.returncode == 0, p.stderr
     assert not ckpt_dir.exists(), "a --ckpt-dir the run made is removed again"
     r = json.loads(out.read_text())
+    assert set(checkpoint_bench.JSON_KEYS) <= r.keys()
     for key in ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s"):
         assert r[key] > 0, key
-    assert {"fio_write_gib_s", "fio_read_gib_s"} <= r.keys()
     assert r["state_bytes"] >= 8 * 1_000_000
     assert not nvme.exists() or not os.listdir(nvme)
 
 
 def test_checkpoint_async_benchmark_times_the_loop_three_ways_and_makes_then_removes_its_ckpt_dir(tmp_path):
     """`checkpoint --async` on a tiny state reports the loop's iteration without a save, with an asynchronous
-    save in flight and with a blocking save, and the snapshot; a --ckpt-dir that did not exist is made and
-    removed again."""
+    save in flight and with a blocking save, the window of iterations from each call on, the save alone, and
+    the snapshot; a --ckpt-dir that did not exist is made and removed again."""
     out = tmp_path / "async.json"
     ckpt_dir = tmp_path / "ckpts"
     p = bench("checkpoint", "--async", "--params", "1M", "--repeat", "1", "--iterations", "2", "--compute-ms", "0",
               "--path", str(tmp_path / "nvme"), "--ckpt-dir", str(ckpt_dir), "--json", str(out), timeout=120)
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
-    for key in ("iteration_s", "iteration_async_save_s", "iteration_blocking_save_s", "snapshot_s"):
+    assert set(checkpoint_bench.ASYNC_JSON_KEYS) <= r.keys()
+    for key in ("iteration_s", "iteration_async_save_s", "iteration_blocking_save_s", "snapshot_s",
+                "iteration_window_s", "async_save_alone_s"):
         assert r[key] > 0, key
+    assert len(r["iteration_window_s_runs"]) == 1 * 2  # --repeat x --iterations: the call's and the next ones
+    assert r["window_vs_none"] == pytest.approx(r["iteration_window_s"] / r["iteration_s"])
     assert r["snapshot_method"] == "stream" and r["state_bytes"] >= 8 * 1_000_000
     assert not ckpt_dir.exists()
 
@@ -619,10 +624,10 @@ def test_adam_with_state_in_host_memory_beside_a_baseline_that_moved_nothing(tmp
     assert code == 0, out + err
     assert "without host cache: read / written" in out
     r = json.loads((tmp_path / "r.json").read_text())
-    assert r["baseline_bytes_read_per_step"] == 0
-    moved, base = r["bytes_read_per_step"] + r["bytes_written_per_step"], \
-        r["baseline_bytes_read_per_step"] + r["baseline_bytes_written_per_step"]
-    assert r["bytes_vs_baseline"] == (moved / base if base else None)
+    # Ours moves nothing (state in memory); the baseline reads nothing back but writes its state each step.
+    assert r["baseline_bytes_read_per_step"] == 0 < r["baseline_bytes_written_per_step"]
+    assert r["bytes_read_per_step"] == r["bytes_written_per_step"] == 0 and r["bytes_vs_baseline"] == 0
+    assert "(0.00x)" in next(line for line in out.splitlines() if "without host cache: read / written" in line)
 
 
 def test_compare_goes_on_without_a_deepspeed_run_that_fails(tmp_path, capsys):
@@ -641,3 +646,24 @@ def test_compare_goes_on_without_a_deepspeed_run_that_fails(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert sorted(doc["runs"]) == ["ours"] and len(doc["runs"]["ours"]) == 2
     assert "its run failed" in doc["deepspeed"] and "cannot build the ops" in doc["deepspeed"]
+
+
+def test_compare_drops_the_rounds_of_a_deepspeed_that_fails_later(tmp_path, capsys):
+    """DeepSpeed reporting in the first round and failing in the second: its first round is not a comparison,
+    so no DeepSpeed figure is reported (no run, no median, no ratio), and ours are."""
+    calls = tmp_path / "calls"
+    report = '{"iteration_s_median": 1.0, "step_s_median": 0.5, "peak_rss_bytes": 7, ' \
+             '"phases_s_median": {"forward": 0.1, "backward": 0.2, "step": 0.5, "zero_grad": 0.0}}'
+    peer = tmp_path / "peer"
+    peer.write_text('#!/bin/sh\nif [ "$1" = "-c" ]; then echo 0.0-test; exit 0; fi\n'
+                    f'if [ -e {calls} ]; then echo "RuntimeError: lost the GPU" >&2; exit 1; fi\n'
+                    f"touch {calls}\necho '{report}'\n")
+    peer.chmod(0o755)
+    out = tmp_path / "compare.json"
+    (tmp_path / "d").mkdir()
+    assert main(["compare", "--params", "4M", "--rounds", "2", "--iterations", "3", "--no-extras", "--peer-python",
+                 str(peer), "--path", str(tmp_path / "d"), "--json", str(out)]) == 0
+    assert "lost the GPU" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert sorted(doc["runs"]) == ["ours"] and sorted(doc["medians"]) == ["ours"]
+    assert doc["medians"]["ours"]["speedup_vs_deepspeed"] is None and "its run failed" in doc["deepspeed"]

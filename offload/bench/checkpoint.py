@@ -30,6 +30,7 @@ from .cli import (
 from .fio import write_read_gib_s
 from .workload import TENSOR_ELEMENTS, synthetic_params
 
+# The keys of the JSON results (tests check them).
 JSON_KEYS = ("state_bytes", "save_gib_s", "load_gib_s", "torch_save_gib_s", "torch_load_gib_s",
              "fio_write_gib_s", "fio_read_gib_s")
 ASYNC_JSON_KEYS = ("state_bytes", "iteration_s", "iteration_async_save_s", "iteration_blocking_save_s",
