@@ -146,6 +146,7 @@ def test_digests_of_many_requests_in_flight_are_those_of_their_bytes(scratch, ba
 
     path = os.path.join(scratch, "f")
     n, parts = 1 * MIB, 6
+    hashers_before = set(_threads_named("offload-hash"))
     with Engine(backend=backend, block_size=32 * KIB, queue_depth=8, thread_count=3) as e, \
             BufferPool(3 * parts, n) as pool, e.open(path, "w+") as f:
         for i in range(2 * parts):
@@ -155,6 +156,9 @@ def test_digests_of_many_requests_in_flight_are_those_of_their_bytes(scratch, ba
         first = [[Segment(f, i * n, pool[i], 0, n)] for i in range(parts)]
         want = [segments_digest(s, 32 * KIB) for s in first]
         assert [w.digest() for w in [e.submit(WRITE, s, digest=True) for s in first]] == want
+        # The mode the fixture asked for is the one running: a hasher thread of this engine, or none.
+        hashers = set(_threads_named("offload-hash")) - hashers_before
+        assert len(hashers) == (1 if hasher == "hasher" and lib.ofl_have_xxhash() else 0)
         # Reads of the first half beside writes of the second: the hasher takes both kinds at once.
         second = [[Segment(f, (parts + i) * n, pool[parts + i], 0, n)] for i in range(parts)]
         back = [[Segment(f, i * n, pool[2 * parts + i], 0, n)] for i in range(parts)]
@@ -164,9 +168,10 @@ def test_digests_of_many_requests_in_flight_are_those_of_their_bytes(scratch, ba
         assert all(np.array_equal(pool[2 * parts + i].numpy(), pool[i].numpy()) for i in range(parts))
 
 
-def test_a_read_that_meets_end_of_file_has_no_digest(scratch, backend, hasher):
+def test_a_read_that_meets_end_of_file_or_fails_has_no_digest(scratch, backend, hasher):
     """A read (not exact) that meets end of file returns the bytes that exist, and no digest: there is none
-    of bytes that did not come; a read of the whole file has the write's."""
+    of bytes that did not come; a read of the whole file has the write's; a read that fails raises when its
+    digest is asked for."""
     path = os.path.join(scratch, "f")
     with Engine(backend=backend, block_size=32 * KIB) as e, BufferPool(2, 256 * KIB) as pool, \
             e.open(path, "w+") as f:
@@ -178,6 +183,10 @@ def test_a_read_that_meets_end_of_file_has_no_digest(scratch, backend, hasher):
         assert read.digest() is None
         whole = e.submit(READ, [Segment(f, 0, pool[1], 0, 128 * KIB)], digest=True)
         assert whole.digest() == wrote.digest()
+        e.inject_fault("error", op="read", skip=1)
+        failed = e.submit(READ, [Segment(f, 0, pool[1], 0, 128 * KIB)], digest=True)
+        with pytest.raises(OSError):
+            failed.digest()
 
 
 def _threads_named(name: str) -> list[int]:
