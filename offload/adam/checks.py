@@ -11,7 +11,7 @@ import torch
 from ..distributed import is_dtensor
 
 __all__ = [
-    "check_dtensor_options", "check_grad", "check_max_grad_norm", "check_params", "check_torch_options",
+    "check_dtensor_options", "check_max_grad_norm", "check_params", "check_torch_options",
     "no_duplicate_warning", "params_with_grads",
 ]
 

@@ -46,11 +46,6 @@ def update_offloaded(store: StateStore, access: ParamAccess, state: dict, slots:
     return updates.updated
 
 
-def _has_master(slot: ParamSlot) -> bool:
-    """With an fp32 master copy on disk the old weights are not read: the update rewrites all of them."""
-    return "master" in slot.keys and slot.initialized
-
-
 class _UnitUpdates:
     """The update of each unit of one pass, and what it leaves: the slots updated, the copies of their
     state back into the units' buffers."""
@@ -71,7 +66,8 @@ class _UnitUpdates:
             self.gate(unit)
         chunks = self._chunks_to_update(unit)
         grads = self.unit_pass.grads(unit)
-        self.unit_pass.fetch(unit, {c.slot for c in chunks}, skip_read=_has_master)
+        # With an fp32 master copy the old weights are not read: the update rewrites all of them.
+        self.unit_pass.fetch(unit, {c.slot for c in chunks}, skip_read=lambda slot: slot.has_master)
         by_group = self._start(chunks)
         read, landed = self._run_kernels(by_group, buf, grads)
         self.copying[id(unit)] = landed

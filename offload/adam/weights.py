@@ -64,5 +64,5 @@ class WeightWatch:
     def _has_master(self, p) -> bool:
         slot = self.store.slot(p)
         if slot is not None:
-            return "master" in slot.keys and slot.initialized
+            return slot.has_master
         return "master" in self.state.get(p, {})

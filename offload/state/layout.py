@@ -98,6 +98,11 @@ class ParamSlot:
     def dtype_of(self, key: str) -> torch.dtype:
         return self.dtypes[self.keys.index(key)]
 
+    @property
+    def has_master(self) -> bool:
+        """Whether an fp32 master copy of the parameter exists in its state (the weights are then its rounding)."""
+        return "master" in self.keys and self.initialized
+
 
 def _slice_offsets(numel: int, dtypes: tuple) -> tuple[tuple[int, ...], int]:
     offsets, pos = [], 0
