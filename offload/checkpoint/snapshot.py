@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import xxhash
 
-from ..aio import wait_quietly
+from ..aio import hex_digest, wait_quietly
 from ..buffers import BufferPool
 from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
@@ -174,7 +174,7 @@ class StateCopy:
                 if known is not None:
                     # The store zeroes a unit's padding as it writes it, so the clone is what a copy
                     # writes; the checksum is of the bytes shared, padding included.
-                    self.digests[i], self.pieces[i] = f"{known[0]:016x}", known[1]
+                    self.digests[i], self.pieces[i] = hex_digest(known[0]), known[1]
                 elif gap:
                     os.pwrite(pad, bytes(gap), self.offsets[i] + u.nbytes)  # as a copy pads: zeros
                 self.state[i] = _IN_FILE
