@@ -366,11 +366,7 @@ def test_units_checksummed_in_pieces_verify_load_and_a_flipped_byte_is_refused(t
     for at in (units[i]["offset"] + units[i]["nbytes"] // 2, units[i]["offset"] + units[i]["nbytes"]):
         bad = tmp_path / f"bad-{at}"
         shutil.copytree(pieces, bad)
-        with open(ckpt_file(bad, "state.bin"), "r+b") as f:
-            f.seek(at)
-            b = f.read(1)
-            f.seek(at)
-            f.write(bytes([b[0] ^ 0x80]))
+        flip_bit(ckpt_file(bad, "state.bin"), at, 0x80)
         message = rf"state\.[0-9a-f]+\.bin: bytes \[{units[i]['offset']}, .*unit {i}.*in 12288-byte pieces"
         with pytest.raises(ckpt.ChecksumError, match=message):
             ckpt.verify_checkpoint(bad)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_same_state, ckpt_file
+from helpers import assert_same_state, ckpt_file, flip_bit
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -259,12 +259,7 @@ def test_a_clone_without_the_stores_checksums_reads_state_bin_back_and_verifies(
         assert manifest["files"]["state.bin"]["xxh3_64"] is not None and manifest["version"] == 1
         assert all("pieces" not in u for u in manifest["units"])
         ckpt.verify_checkpoint(xfs / "c")
-        path = ckpt_file(xfs / "c", "state.bin")
-        with open(path, "r+b") as f:
-            f.seek(100)
-            b = f.read(1)
-            f.seek(100)
-            f.write(bytes([b[0] ^ 1]))
+        flip_bit(ckpt_file(xfs / "c", "state.bin"), 100)
         with pytest.raises(ckpt.ChecksumError, match=r"unit 0"):
             ckpt.verify_checkpoint(xfs / "c")
     finally:
