@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .._version import __version__
+from ..config.rules import MAX_BLOCK_SIZE
 from ..errors import CheckpointError, ChecksumError
 from ..units import ALIGNMENT
 from .checks import RULES, memory_holds
@@ -88,7 +89,7 @@ def _files(value: Any, name: str) -> dict:
 
 
 # The engine's piece sizes (aio.block_size): a multiple of 4096 from 4 KiB to 1 GiB.
-PIECE_MIN, PIECE_MAX = 4096, 1 << 30
+PIECE_MIN, PIECE_MAX = ALIGNMENT, MAX_BLOCK_SIZE  # what aio.block_size accepts
 piece_size = check_value(f"a piece size: a multiple of {PIECE_MIN} from {PIECE_MIN} to {PIECE_MAX}",
                          lambda v: isinstance(v, int) and not isinstance(v, bool) and PIECE_MIN <= v <= PIECE_MAX
                          and v % PIECE_MIN == 0)
