@@ -47,18 +47,21 @@ def set_grads(*param_lists, seed, skip=()):
             params[i].grad = None if i in skip else grad.to(DEVICE, params[i].dtype)
 
 
-def train_model(model, opt, steps, *, autocast=False):
-    """Training steps on helpers' batches moved to ``DEVICE``; returns the losses."""
+def train_model(model, opt, steps, *, autocast=False, micro: int = 1):
+    """Training steps on helpers' batches moved to ``DEVICE``, each of ``micro`` backward passes, all but the
+    last inside ``opt.no_step()`` (which changes nothing without overlap_backward); returns the losses."""
     losses = []
     dtype = next(model.parameters()).dtype
     for step in steps:
-        x, y = (t.to(DEVICE) for t in batch(step, dtype))
-        with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
-            loss = (model(x) - y).float().square().mean()
-        loss.backward()
+        for m in range(micro):
+            x, y = (t.to(DEVICE) for t in batch(step * micro + m, dtype))
+            with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+                loss = (model(x) - y).float().square().mean()
+            with opt.no_step() if m < micro - 1 else contextlib.nullcontext():
+                loss.backward()
+            losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item())
     return losses
 
 
@@ -171,22 +174,6 @@ def test_overlap_backward_on_cuda_equals_torch_fused(nvme, closing):
     assert_same_state(ours.state_dict(), ref.state_dict())
 
 
-def train_accumulating(model, opt, steps, micro: int) -> list:
-    """Training steps of ``micro`` backward passes each, all but the last inside ``opt.no_step()`` (which
-    changes nothing without overlap_backward); returns the losses."""
-    losses = []
-    for step in steps:
-        for m in range(micro):
-            x, y = (t.to(DEVICE) for t in batch(step * micro + m))
-            loss = (model(x) - y).float().square().mean()
-            with opt.no_step() if m < micro - 1 else contextlib.nullcontext():
-                loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
 @pytest.mark.parametrize("offload", [None, dict(max_in_cpu=0, max_grad_in_cpu=0, offload_grads=True)],
                          ids=["weights-in-memory", "weights-and-grads-on-nvme"])
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["no-clip", "clip"])
@@ -205,7 +192,7 @@ def test_overlap_on_cuda_equals_the_same_optimizer_without_it(nvme, closing, off
         ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, fused=True, overlap_backward=True,
                                       max_grad_norm=clip, **OPT))
         ref = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-ref", fused=True, max_grad_norm=clip, **OPT))
-        assert train_accumulating(a, ours, range(4), 2) == train_accumulating(b, ref, range(4), 2)
+        assert train_model(a, ours, range(4), micro=2) == train_model(b, ref, range(4), micro=2)
         with contextlib.ExitStack() as stack:
             for m in models:
                 stack.enter_context(materialized(m))
