@@ -111,17 +111,17 @@ class ParamStore(Checkpointing):
         self._on_device = copies.crosses(self.device)
         self._host_cache = self.space = self.grads = None
         try:
-            self._open(config, name)
+            self._open(name)
             self._take_in(params, smallest_within(params, pc.max_in_cpu), {id(p) for p in fresh})
             self._quiesce()
         except BaseException:
             self.close()
             raise
 
-    def _open(self, config: Config, name: str) -> None:
+    def _open(self, name: str) -> None:
         """The swap space, the byte store on it, and the pool's lender, transfers and grad store."""
-        pc = config.offload_param
-        self.space = SwapSpace(pc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
+        pc = self.config.offload_param
+        self.space = SwapSpace(pc.nvme_path, 0, aio=self.config.aio, buffers=self.pool, name=name)
         # Weights are fetched one parameter at a time: a block whose bytes changed on disk names itself
         # at each fetch, and fails nothing else.
         self.bytes = ByteStore(self.space, self.pool.buffer_size // self.space.alignment * self.space.alignment,
