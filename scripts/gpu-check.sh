@@ -29,8 +29,10 @@ bench() {  # a name, then offload-bench's arguments; skipped once the budget is 
   bench params params --device cuda --layers 8 --hidden 1024 --steps 4 --path "$scratch"
   if [ -d "$D/ds" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$D"/ds/*.whl
-    # DeepSpeed builds its ops on first use and cannot parse an arch list like "9.0a".
-    export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} CPATH=$D/aio/inc LIBRARY_PATH=$D/aio/lib \
+    # DeepSpeed builds its ops on first use and cannot parse an arch list like "9.0a", which GPU images
+    # often set: name this GPU's plain compute capability instead.
+    export TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+    export CPATH=$D/aio/inc LIBRARY_PATH=$D/aio/lib \
       CFLAGS="-I$D/aio/inc" LDFLAGS="-L$D/aio/lib"
     bench compare compare --device cuda --params 64M --rounds 1 --iterations 4 --no-extras --peer-python python3 \
       --path "$scratch" --json "$OUT/compare.json"
