@@ -443,6 +443,76 @@ def test_touching_a_released_parameter_raises_a_clear_error_instead_of_crashing(
     assert "OffloadedParameter('child.weight'" in proc.stdout and "not resident" in proc.stdout
 
 
+VIEW_SCRIPT = r"""
+import copy, io, pickle, sys
+import torch
+from torch import nn
+from offload import offload_parameters, restore_parameters
+from offload.params import OffloadedView, materialized
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+offload_parameters(model, sys.argv[1], max_in_cpu=0, buffer_count=3, buffer_size=2048)
+w = model[0].weight
+kept = {}
+
+def keep(module, args):
+    kept.update({
+        "index": w[0], "t": w.t(), "T": w.T, "detach": w.detach(), "data": w.data, "view": w.view(-1),
+        "split": torch.split(w, 4)[1], "view of a view": w.detach().view(-1)[:3], "narrow": w.narrow(0, 1, 2),
+    })
+    kept["clone"] = w.clone()
+    kept["sums"] = {k: float(v.sum()) for k, v in kept.items() if k != "sums"}
+
+model[0].register_forward_pre_hook(keep)
+out = model(torch.randn(2, 8))
+assert type(out) is torch.Tensor
+out.sum().backward()
+clone, sums = kept.pop("clone"), kept.pop("sums")
+assert type(clone) is torch.Tensor and float(clone.sum()) == sums["clone"]
+for name, v in kept.items():
+    assert type(v) is OffloadedView, (name, type(v))
+    assert v.shape == (v.shape) and "not resident" in repr(v), repr(v)
+    attempts = {
+        "sum": lambda: v.sum(), "equal": lambda: torch.equal(v, v), "add_": lambda: v.add_(1),
+        "zero_": lambda: v.zero_(), "deepcopy": lambda: copy.deepcopy(v), "save": lambda: torch.save(v, io.BytesIO()),
+        "format": lambda: f"{v:.3}" if v.dim() == 0 else float(v.flatten()[0]), "print": lambda: print(v.tolist()),
+    }
+    for what, attempt in attempts.items():
+        try:
+            attempt()
+        except RuntimeError as err:
+            assert "shares the memory of parameter '0.weight'" in str(err), err
+            assert "clone()" in str(err) and "materialized" in str(err), err
+        else:
+            raise SystemExit(f"{name}: {what} was not refused")
+    print("refused", name)
+with materialized(model):  # the same storage, fetched again: every view reads the weight's bytes
+    for name, v in kept.items():
+        assert float(v.sum()) == sums[name], name
+        v = v.detach()  # torch deep-copies and pickles graph leaves only
+        for copied in (copy.deepcopy(v), pickle.loads(pickle.dumps(v))):
+            assert type(copied) is torch.Tensor and torch.equal(copied, v), name
+print("readable again")
+restore_parameters(model)
+assert all(float(v.sum()) == sums[name] for name, v in kept.items())
+print("restored")
+"""
+
+
+def test_views_of_a_parameter_read_after_its_release_raise_instead_of_crashing(nvme):
+    """Views, ``detach()`` and ``.data`` of an offloaded weight taken while it is resident (in a forward
+    pre-hook) share its memory, which its release frees: reading one afterwards raises a RuntimeError naming
+    the parameter and the fix (it read freed memory and crashed the process before); printing one says it is
+    not resident; inside ``materialized`` and after ``restore_parameters`` they read the weight's bytes
+    again; copies are plain tensors. Run apart, so a crash fails only this test."""
+    proc = run_code(VIEW_SCRIPT, nvme)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name in ("index", "t", "T", "detach", "data", "view", "split", "view of a view", "narrow"):
+        assert f"refused {name}" in proc.stdout, proc.stdout
+    assert "readable again" in proc.stdout and "restored" in proc.stdout
+
+
 def test_guard_keeps_parameter_identity_and_undo_restores_the_class(nvme, closing):
     """Offloaded parameters stay Parameters (same objects, named_parameters, optimizers accept them);
     restore_parameters gives back plain nn.Parameter objects."""

@@ -16,7 +16,7 @@ from .api import (
 )
 from .checkpointing import weight_loads
 from .grads import clip_grad_norm_, load_grad
-from .guard import OffloadedGrad, OffloadedParameter
+from .guard import OffloadedGrad, OffloadedParameter, OffloadedView
 from .holds import resident
 from .meta import empty_parameters
 from .names import named_tensors
@@ -28,6 +28,7 @@ __all__ = [
     "smallest_within",
     "OffloadedGrad",
     "OffloadedParameter",
+    "OffloadedView",
     "ParamAccess",
     "ParamOffload",
     "ParamStore",

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OffloadedGrad", "OffloadedParameter"]
+__all__ = ["OffloadedGrad", "OffloadedParameter", "OffloadedView"]
 
 _T = torch.Tensor
 
@@ -42,6 +42,8 @@ _DTYPES = {_T.double: torch.float64, _T.float: torch.float32, _T.half: torch.flo
            _T.bfloat16: torch.bfloat16}
 _MOVES = frozenset([_T.to, _T.cuda, _T.cpu, _T.type, *_DTYPES])
 _SET_DATA = _T.data.__set__
+_ATEN = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+_ALIASES = frozenset([_T.detach, torch.detach, _T.data.__get__])  # alias without being views (``_is_view``)
 
 
 def _run(func, args, kwargs):
@@ -50,18 +52,71 @@ def _run(func, args, kwargs):
 
 
 def _blocked(value: Any):
-    """The first released parameter or gradient placeholder in ``value`` (one level of lists), or None."""
+    """The first released parameter, view of one or gradient placeholder in ``value`` (one level of lists),
+    or None."""
     t = type(value)
     if t is OffloadedParameter:
         return None if value.__dict__.get("_nvme_resident", True) else value
     if t is OffloadedGrad:
         return value
+    if t is OffloadedView:
+        return value if _view_released(value) else None
     if t is list or t is tuple:
         for v in value:
             tv = type(v)
-            if (tv is OffloadedParameter and not v.__dict__.get("_nvme_resident", True)) or tv is OffloadedGrad:
+            if ((tv is OffloadedParameter and not v.__dict__.get("_nvme_resident", True)) or tv is OffloadedGrad
+                    or (tv is OffloadedView and _view_released(v))):
                 return v
     return None
+
+
+def _view_released(view) -> bool:
+    """Whether the parameter whose memory ``view`` shares is released (or its storage freed)."""
+    p = view.__dict__["_nvme_base"]()
+    if p is not None and not p.__dict__.get("_nvme_resident", True):
+        return True
+    return view.untyped_storage().nbytes() == 0 and view.numel() > 0
+
+
+def _source(value: Any):
+    """The offloaded parameter whose memory ``value`` is (a resident parameter) or shares (a view), or None."""
+    t = type(value)
+    if t is OffloadedParameter:
+        return value
+    if t is OffloadedView:
+        return value.__dict__["_nvme_base"]()
+    return None
+
+
+# NOTE: a view of a resident parameter (``w[0]``, ``w.t()``, ``w.view(...)``, ``w.detach()``, ``w.data``,
+# ``torch.split(w, ...)``) shares its storage, which the store frees at the release: read afterwards, it
+# would crash the process. Every such result of a call given an offloaded parameter (or a view of one)
+# becomes an ``OffloadedView``, refused by the same guard once its parameter is released. Views torch
+# makes inside its kernels and autograd (``F.linear``'s transposed weight) never reach Python and stay
+# plain; they are read only while the parameter is resident.
+def _mark_views(func, out, sources: list):
+    """Turn the tensors ``func`` returned in ``out`` (one, or a tuple or list of them) that share the memory
+    of one of ``sources`` (resident offloaded parameters or views of them) into ``OffloadedView``s."""
+    t = type(out)
+    if t is _T:
+        if func in _ALIASES or out._is_view():  # a cheap test first: most results are new tensors
+            _mark_view(out, sources)
+    elif (t is tuple or t is list) and out and type(out[0]) is _T and out[0]._is_view():
+        for o in out:
+            if type(o) is _T:
+                _mark_view(o, sources)
+    return out
+
+
+def _mark_view(out: torch.Tensor, sources: list) -> None:
+    with torch._C.DisableTorchFunctionSubclass():
+        ptr = out.untyped_storage().data_ptr()
+        src = next((s for s in sources if ptr != 0 and s.untyped_storage().data_ptr() == ptr), None)
+    p = _source(src) if src is not None else None
+    if p is not None:
+        out.__class__ = OffloadedView
+        out._nvme_base = weakref.ref(p)
+        out._nvme_name = p.__dict__.get("_nvme_name", "?")
 
 
 # NOTE: a released parameter's storage is resized to zero bytes (autograd's saved views share it, so
@@ -102,7 +157,7 @@ def _zero(func, args, kwargs):
     for t in items:
         if type(t) is OffloadedGrad:
             t._nvme_zero()
-        elif type(t) is OffloadedParameter and not t.__dict__.get("_nvme_resident", True):
+        elif _blocked(t) is not None:
             raise RuntimeError(_message(t, func))
         else:
             rest.append(t)
@@ -188,13 +243,24 @@ def _set_data(t, value):
 
 
 def _checked(func, args, kwargs):
+    sources = None
     for a in [*args, *kwargs.values()]:
         bad = _blocked(a)
         if bad is not None:
             if type(bad) is OffloadedGrad:
                 _tell_refused(bad)
             raise RuntimeError(_message(bad, func))
-    return _run(func, args, kwargs)
+        ta = type(a)
+        if ta is OffloadedParameter or ta is OffloadedView:
+            sources = [a] if sources is None else [*sources, a]
+        elif (ta is tuple or ta is list) and a:
+            more = [v for v in a if type(v) is OffloadedParameter or type(v) is OffloadedView]
+            if more:
+                sources = more if sources is None else [*sources, *more]
+    out = _run(func, args, kwargs)
+    if sources is not None and not isinstance(func, _ATEN) and not torch.compiler.is_compiling():
+        _mark_views(func, out, sources)  # not for aten ops: those are compiled graphs running, not user code
+    return out
 
 
 def _tell_refused(grad) -> None:
@@ -212,6 +278,8 @@ def _tell_refused(grad) -> None:
 def _what(t) -> str:
     if type(t) is OffloadedGrad:
         return f"the gradient of parameter {t._nvme_name}"
+    if type(t) is OffloadedView:
+        return f"a view of parameter {t._nvme_name}"
     return f"parameter {t.__dict__.get('_nvme_name', '?')}"
 
 
@@ -233,6 +301,13 @@ def _message(t, func) -> str:
             "step with OffloadedAdam/OffloadedAdamW (with Hugging Face's Trainer, use "
             "offload.integrations.transformers.OffloadTrainer), or pass offload_grads=False to keep ordinary "
             "gradients"
+        )
+    if type(t) is OffloadedView:
+        return (
+            f"this tensor shares the memory of parameter {t._nvme_name} (a view, .detach() or .data taken while it "
+            f"was resident), and the parameter is offloaded to NVMe and not resident now, so {what} cannot read it: "
+            "its memory is gone. Keep a copy instead (.clone() while the parameter is resident, e.g. inside the "
+            "forward), or read it inside `with offload.params.materialized(model):`"
         )
     if _in_ddp_constructor():
         return (
@@ -336,3 +411,46 @@ def make_placeholder(param: torch.Tensor, name: str, on_zero) -> OffloadedGrad:
     ph._nvme_param = weakref.ref(param)
     ph._nvme_on_zero = weakref.WeakMethod(on_zero)
     return ph
+
+
+class OffloadedView(torch.Tensor):
+    """A tensor sharing an offloaded parameter's memory: a view (``w[0]``, ``w.t()``, ``w.view(...)``),
+    ``w.detach()`` or ``w.data``, taken while the parameter was resident.
+
+    It is an ordinary tensor while the parameter is resident (and again after a fetch: it sees the
+    fetched bytes); once the parameter is released any torch call that reads it raises ``RuntimeError``
+    naming the parameter, instead of reading freed memory. Copies of it (``clone()``, ``copy.deepcopy``,
+    pickling) are plain tensors.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _guard(func, args, kwargs)
+
+    def _plain(self) -> torch.Tensor:
+        """A plain tensor sharing this one's memory; raises if the parameter is released."""
+        if _view_released(self):
+            raise RuntimeError(_message(self, _T.as_subclass))
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(_T)
+
+    def __repr__(self) -> str:
+        if _view_released(self):
+            return (f"OffloadedView(of {self._nvme_name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                    f"device={self.device}: its parameter is on NVMe, not resident)")
+        return repr(self._plain())
+
+    def __format__(self, spec: str) -> str:
+        return repr(self) if _view_released(self) else format(self._plain(), spec)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        import copy
+
+        out = copy.deepcopy(self._plain(), memo)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, proto):
+        return self._plain().__reduce_ex__(proto)

@@ -47,8 +47,10 @@ class _Record(Stored):
 
     def data(self) -> torch.Tensor:
         """The parameter's bytes, flat (uint8)."""
-        # .data: copies into it are not autograd's business and do not bump the version counter.
-        return self.param.data.reshape(-1).view(torch.uint8)
+        # .data: copies into it are not autograd's business and do not bump the version counter. A plain
+        # tensor, not a guarded view: the store reads and writes it only while it holds the bytes.
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.param.data.reshape(-1).view(torch.uint8)
 
     def what(self) -> str:
         """What the bytes are, for messages."""
