@@ -14,7 +14,7 @@ from .clipping import grad_norm
 from .errors import StateError
 from .params import ParamAccess, store_of
 
-__all__ = ["BackwardOverlap"]
+__all__ = ["BackwardOverlap", "NoOverlap"]
 
 
 # NOTE: with overlap_backward, a post-accumulate-grad hook on every parameter tells a step in progress
@@ -132,6 +132,57 @@ class BackwardOverlap:
     def remove(self) -> None:
         _remove_hooks(self._handles)
 
+    # -- what the optimizer refuses, or ends, while a step that backward started runs ------------
+
+    def refuse_while_running(self, what: str) -> None:
+        """Between a backward and step() the step runs on the pool: ``what``, which reads or changes the
+        state, would race it.
+
+        Raises:
+            StateError: such a step is running.
+        """
+        if self.running:
+            raise StateError(f"{what} was called between backward and step() with overlap_backward=True, while "
+                             "the update that backward started is still running: call step() first.")
+
+    def end_for_load(self, what: str) -> None:
+        """``what`` replaces the state: a step left running by a backward (or failed in it) ends first."""
+        if self.running:
+            self.abandon(StateError(f"{what} replaced the state during an overlapped step"))
+
+    def refuse_unsupported(self, *, closure: Optional[Callable], scaler: bool) -> None:
+        """What step() cannot honour with overlap_backward, refused when first seen.
+
+        Args:
+            closure: step()'s closure.
+            scaler: whether a GradScaler handed step() its scale or found infs.
+
+        Raises:
+            ValueError: a closure.
+            StateError: a GradScaler (see :meth:`refuse_scaler`).
+        """
+        if closure is not None:
+            raise ValueError("step(closure) cannot be used with overlap_backward=True: the update runs during "
+                             "backward; call loss.backward() yourself, then step()")
+        if scaler:
+            self.refuse_scaler()
+
+    def refuse_scaler(self) -> None:
+        """A GradScaler: the updates backward ran used the scaled gradients, so the step in progress is
+        abandoned and the state marked failed.
+
+        Raises:
+            StateError: always.
+        """
+        err = StateError(
+            "a GradScaler cannot be used with overlap_backward=True: the update ran during backward on the "
+            "scaled gradients, before the scaler could unscale them or skip an inf step. Restore the state "
+            "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
+            "overlap_backward.")
+        self.abandon(err)
+        self._mark_failed(err)
+        raise err
+
     # -- what the parameter layer calls (ParamAccess.watch) --------------------------------------
 
     def take(self, p: torch.Tensor) -> bool:
@@ -178,6 +229,43 @@ class BackwardOverlap:
         seen = {id(u): i for i, u in enumerate(self._order)}
         known = sorted((u for u in units if id(u) in seen), key=lambda u: seen[id(u)])
         return known + [u for u in reversed(units) if id(u) not in seen]
+
+
+class NoOverlap:
+    """What an optimizer without overlap_backward has in place of a :class:`BackwardOverlap`: the same
+    calls, none of which does anything (updates happen in step() only)."""
+
+    running = False
+
+    def hook(self, params) -> None:
+        pass
+
+    def no_step(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def norms(self) -> dict:
+        return {}
+
+    def finish(self) -> set:
+        return set()
+
+    def abandon(self, err: BaseException) -> None:
+        pass
+
+    def cancel(self, what: str) -> None:
+        pass
+
+    def remove(self) -> None:
+        pass
+
+    def refuse_while_running(self, what: str) -> None:
+        pass
+
+    def end_for_load(self, what: str) -> None:
+        pass
+
+    def refuse_unsupported(self, *, closure: Optional[Callable], scaler: bool) -> None:
+        pass
 
 
 class _Run:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -11,7 +10,7 @@ from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
 from ..config import offload_config
 from ..errors import StateError
-from ..overlap import BackwardOverlap
+from ..overlap import BackwardOverlap, NoOverlap
 from ..params import ParamAccess
 from ..state import ParamSlot, StateStore, check_state_dict
 from .checks import (
@@ -23,13 +22,6 @@ from .checks import (
     params_with_grads,
 )
 from .offloaded import update_offloaded
-from .refusals import (
-    abandon,
-    abandon_backward_step,
-    refuse_during_backward_step,
-    refuse_in_overlap,
-    refuse_scaler_in_overlap,
-)
 from .scaling import step_scaling
 from .statedict import add_offloaded_state, load_state
 from .update import NO_SCALING, kernel_flags, update_in_memory
@@ -157,10 +149,10 @@ class OffloadedAdam(torch.optim.Adam):
             self.state_store.close()
             raise
 
-    def _start_overlap(self) -> Optional[BackwardOverlap]:
-        """With overlap_backward, the hooks through which backward starts the updates; else None."""
+    def _start_overlap(self) -> BackwardOverlap | NoOverlap:
+        """With overlap_backward, the hooks through which backward starts the updates; else a NoOverlap."""
         if not self.config.offload_optimizer.overlap_backward:
-            return None
+            return NoOverlap()
         overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
                                   clip=self.max_grad_norm is not None, mark_failed=self.state_store.mark_failed,
                                   access=self._access)
@@ -180,8 +172,8 @@ class OffloadedAdam(torch.optim.Adam):
         update (on the scaled grads), that is where the scaler is refused and the state marked failed,
         before the scaler reads any grad (an offloaded one would fail it with another error, and the
         state would look usable)."""
-        if self._overlap is not None and self._overlap.running:
-            refuse_scaler_in_overlap(self._overlap, self.state_store.mark_failed)
+        if self._overlap.running:
+            self._overlap.refuse_scaler()
         return all(kernel_flags(g, p.device)["fused"] for g in self.param_groups for p in g["params"])
 
     @_step_supports_amp_scaling.setter
@@ -218,17 +210,17 @@ class OffloadedAdam(torch.optim.Adam):
         try:
             self.state_store.check_usable("step")
         except StateError as err:
-            abandon(self._overlap, err)  # a step that failed during backward ends here
+            self._overlap.abandon(err)  # a step that failed during backward ends here
             raise
         scaler = getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None
-        refuse_in_overlap(self._overlap, self.state_store.mark_failed, closure=closure, scaler=scaler)
+        self._overlap.refuse_unsupported(closure=closure, scaler=scaler)
         self._weights.check()
 
     def _update(self, in_memory: list, offloaded: list, with_grad: list, *, scale: Optional[torch.Tensor]) -> None:
         """Update the state of the parameters with grads. Until the update starts, a failure leaves the
         state as it was (placing late parameters is all or nothing), unless an update is already under way
         since backward; after that, a failure marks the state failed."""
-        changing = self._overlap is not None and self._overlap.running
+        changing = self._overlap.running
         try:
             self._scaling = self._grad_scaling(with_grad, scale)
             late = {p for _, p in offloaded if self.state_store.slot(p) is None}
@@ -249,14 +241,14 @@ class OffloadedAdam(torch.optim.Adam):
 
     def _update_rest(self, offloaded: list) -> None:
         """With overlap_backward most units were updated during backward: finish that, then the rest."""
-        done = self._overlap.finish() if self._overlap is not None else set()
+        done = self._overlap.finish()
         rest = [self.state_store.slot(p) for _, p in offloaded if self.state_store.slot(p) not in done]
         if rest:
             self._step_offloaded(rest)
 
     def _fail_step(self, err: BaseException, changing: bool) -> None:
         """A step that raised ``err``: one running since backward ends, and state that was changing is failed."""
-        abandon(self._overlap, err)
+        self._overlap.abandon(err)
         if changing and not isinstance(err, (ValueError, TypeError)):
             self.state_store.mark_failed(err)
 
@@ -267,14 +259,13 @@ class OffloadedAdam(torch.optim.Adam):
         step; the backward of the last one (outside the block) updates the state, then call ``step()``.
         Without ``overlap_backward`` updates happen in ``step()`` only, and the block changes nothing.
         """
-        return self._overlap.no_step() if self._overlap is not None else contextlib.nullcontext()
+        return self._overlap.no_step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; gradients held in a parameter grad store are dropped (or marked zero) too. With
         overlap_backward, a step a backward started and no step() finished (an interrupted backward) ends
         here: the state stays usable if that step had updated nothing, else it is failed until restored."""
-        if self._overlap is not None:
-            self._overlap.cancel("zero_grad()")
+        self._overlap.cancel("zero_grad()")
         super().zero_grad(set_to_none)
         self._access.forget_grads(p for g in self.param_groups for p in g["params"])
 
@@ -286,7 +277,7 @@ class OffloadedAdam(torch.optim.Adam):
             OSError: the disk cannot hold the new state; the optimizer keeps its groups and state as before.
         """
         if hasattr(self, "state_store"):
-            refuse_during_backward_step(self._overlap, "add_param_group()")
+            self._overlap.refuse_while_running("add_param_group()")
         with no_duplicate_warning():
             super().add_param_group(param_group)
         if hasattr(self, "state_store"):
@@ -296,8 +287,7 @@ class OffloadedAdam(torch.optim.Adam):
             except BaseException:
                 self.param_groups.pop()
                 raise
-            if self._overlap is not None:
-                self._overlap.hook(self.param_groups[-1]["params"])
+            self._overlap.hook(self.param_groups[-1]["params"])
 
     def state_dict(self) -> dict:
         """The state in torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``.
@@ -311,7 +301,7 @@ class OffloadedAdam(torch.optim.Adam):
         Raises:
             StateError: the last step failed part-way, so the offloaded state may be half written.
         """
-        refuse_during_backward_step(self._overlap, "state_dict()")
+        self._overlap.refuse_while_running("state_dict()")
         self.state_store.check_usable("export the state")
         return add_offloaded_state(super().state_dict(), self.param_groups, self.state_store, self.state)
 
@@ -328,7 +318,7 @@ class OffloadedAdam(torch.optim.Adam):
         if self.state_store.closed:
             raise ValueError("the optimizer is closed")
         params = check_state_dict(self.param_groups, state_dict)
-        abandon_backward_step(self._overlap, "load_state_dict()")
+        self._overlap.end_for_load("load_state_dict()")
         load_state(self, state_dict, params, self._access)
 
     def save_checkpoint(self, directory, *, model=None, extra=None, blocking: bool = True,
@@ -342,7 +332,7 @@ class OffloadedAdam(torch.optim.Adam):
         checkpoint for the job), unless ``alone=True`` (one rank saving by itself, e.g. rank 0 under DDP). See
         :func:`offload.checkpoint.save_checkpoint`.
         """
-        refuse_during_backward_step(self._overlap, "save_checkpoint()")
+        self._overlap.refuse_while_running("save_checkpoint()")
         return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking,
                                snapshot=snapshot, progress=progress, alone=alone)
 
@@ -352,7 +342,7 @@ class OffloadedAdam(torch.optim.Adam):
         weights if given; returns its ``extra``. ``alone`` as for :meth:`save_checkpoint`. See
         :func:`offload.checkpoint.load_checkpoint`.
         """
-        abandon_backward_step(self._overlap, "load_checkpoint()")
+        self._overlap.end_for_load("load_checkpoint()")
         return load_checkpoint(self, directory, model=model, progress=progress, alone=alone)
 
     def __getstate__(self):
@@ -370,9 +360,8 @@ class OffloadedAdam(torch.optim.Adam):
         try:
             wait_for_saves(self)
         finally:
-            if self._overlap is not None:
-                self._overlap.abandon(StateError("the optimizer was closed during backward"))
-                self._overlap.remove()
+            self._overlap.abandon(StateError("the optimizer was closed during backward"))
+            self._overlap.remove()
             self.state_store.close()
             self._access.close()
 
@@ -427,7 +416,7 @@ class OffloadedAdam(torch.optim.Adam):
         """What this step does to ``params``' grads (:func:`step_scaling`); with max_grad_norm, their total
         norm becomes ``last_grad_norm`` (norms taken during backward with overlap_backward)."""
         scaling, norm = step_scaling(params, scale, max_grad_norm=self.max_grad_norm,
-                                     norms_taken=self._overlap.norms if self._overlap is not None else dict,
+                                     norms_taken=self._overlap.norms,
                                      grad_of=self._access.grad)
         if norm is not None:
             self.last_grad_norm = norm
