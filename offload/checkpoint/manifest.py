@@ -7,7 +7,7 @@ is negative, unaligned or beyond its file's size, a chunk outside its unit, a fi
 name inside the checkpoint directory, and a data file that is a symbolic link or not a regular file. So
 nothing read from a manifest can make a load read or write outside the checkpoint. The manifest file's
 format, version and own checksum are checked first (:mod:`offload.checkpoint.envelope`); each entry checks
-its own fields, and the rules of a process's manifest as a whole are :mod:`offload.checkpoint.checks`.
+its own fields, and the rules of a process's manifest as a whole are :data:`offload.checkpoint.fields.RULES`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from .._version import __version__
 from ..config.rules import MAX_BLOCK_SIZE
 from ..errors import CheckpointError, ChecksumError
 from ..units import ALIGNMENT
-from .checks import RULES, memory_holds
 from .envelope import check_envelope, read_json, shard_name
 from .fields import (
+    RULES,
     Entry,
     bare_name,
     check_value,
@@ -39,6 +39,7 @@ from .fields import (
     json_object,
     list_of,
     maybe,
+    memory_holds,
     number,
     one_of,
     string,
@@ -316,7 +317,7 @@ class Manifest(Entry):
         return any(u.pieces is not None for u in self.units) or (data is not None and data.xxh3_64 is None)
 
     def check(self, name: str) -> None:
-        """The rules of a manifest as a whole (:data:`offload.checkpoint.checks.RULES`)."""
+        """The rules of a manifest as a whole (:data:`offload.checkpoint.fields.RULES`)."""
         for rule in RULES:
             rule(self)
 
@@ -356,7 +357,7 @@ class Manifest(Entry):
 
     def check_memory(self, memory: Any) -> None:
         """Refuse ``memory`` (memory.pt's content) unless it holds what the manifest says: the groups, each
-        small parameter's state, each offloaded parameter's step (:func:`offload.checkpoint.checks.memory_holds`).
+        small parameter's state, each offloaded parameter's step (:func:`offload.checkpoint.fields.memory_holds`).
 
         Raises:
             CheckpointError: the first thing missing, named.
