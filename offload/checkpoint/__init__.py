@@ -19,13 +19,12 @@ from __future__ import annotations
 
 from ..errors import CheckpointError, ChecksumError
 from .commit import SaveHandle, reading
-from .format import FORMAT_VERSION
+from .format import FORMAT_VERSION, Storage
 from .importing import import_state_dict
 from .load import load_checkpoint
 from .model import load_parameters, save_parameters
 from .retention import Retention, save_with_retention
 from .save import mirror_checkpoint, save_checkpoint, wait_for_saves
-from .storage import Storage
 from .verify import (
     export_checkpoint,
     export_model_checkpoint,

@@ -18,10 +18,9 @@ from typing import Callable, Iterator
 
 from ..errors import CheckpointError
 from .envelope import digest
-from .format import JSON, MANIFEST, write_file
+from .format import DEFAULT_STORAGE, JSON, MANIFEST, Storage, write_file
 from .manifest import JobManifest, Manifest
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
-from .storage import DEFAULT_STORAGE, Storage
 
 # -- the directory's lock ------------------------------------------------------------------------
 

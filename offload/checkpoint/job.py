@@ -17,10 +17,9 @@ from ..distributed import rank_info
 from ..errors import CheckpointError
 from .commit import Staged, commit_manifest, lock_directory, write_manifest
 from .envelope import raw_manifest, shard_name
-from .format import MANIFEST
+from .format import MANIFEST, Storage
 from .manifest import FileEntry, JobManifest, Shard
 from .ownership import check_target, fresh_name, our_manifest, sweep
-from .storage import Storage
 
 
 def job_world() -> int | None:

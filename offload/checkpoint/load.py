@@ -15,11 +15,10 @@ from ..errors import CheckpointError
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
 from .commit import reading, wait_for_save
-from .format import DATA, EXTRA, MEMORY, dtype_of, read_torch
+from .format import DATA, DEFAULT_STORAGE, EXTRA, MEMORY, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank
 from .manifest import Manifest, ParamEntry, read_process
 from .model import load_model, model_section
-from .storage import DEFAULT_STORAGE, Storage
 from .stream import RangeReader, progress_bar, read_verified, stream, unit_spans
 from .verify import job_shard, verify_data
 

@@ -18,9 +18,8 @@ from ..params import named_tensors, store_of
 from ..space import Extent
 from ..units import ALIGNMENT, round_up
 from .commit import Staged, reading, write_atomically
-from .format import MODEL_MEMORY, PARAMS_DATA, dtype_name, dtype_of, read_torch, write_file
+from .format import DEFAULT_STORAGE, MODEL_MEMORY, PARAMS_DATA, Storage, dtype_name, dtype_of, read_torch, write_file
 from .manifest import Manifest, ModelSection, TensorEntry, read_process
-from .storage import DEFAULT_STORAGE, Storage
 from .stream import DONE, read_verified, stream, tensor_spans, tool_pool, write_data
 
 __all__ = ["load_parameters", "save_parameters"]

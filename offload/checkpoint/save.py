@@ -16,12 +16,11 @@ from ..buffers import BufferPool
 from ..config import config_to_dict
 from ..errors import CheckpointError, ChecksumError
 from .commit import SaveHandle, Staged, in_background, reading, wait_for_save, write_atomically
-from .format import MANIFEST, io_error, torch_bytes
+from .format import DEFAULT_STORAGE, MANIFEST, Storage, io_error, torch_bytes
 from .job import job_world, save_job
 from .manifest import FileEntry, Manifest, read_process
 from .model import save_model
 from .snapshot import StateCopy, plan, write_small_files
-from .storage import DEFAULT_STORAGE, Storage
 from .stream import progress_bar
 from .verify import verify_files
 

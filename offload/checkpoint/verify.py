@@ -16,6 +16,7 @@ from ..state import step_tensor
 from .commit import reading
 from .format import (
     DATA,
+    DEFAULT_STORAGE,
     EXTRA,
     FORMAT,
     JOB_FORMAT,
@@ -28,7 +29,6 @@ from .format import (
 )
 from .manifest import JobManifest, Manifest, read, read_process
 from .model import model_section, state_dict, verify_model
-from .storage import DEFAULT_STORAGE
 from .stream import aio_of, read_verified, tool_pool, unit_spans
 
 
