@@ -15,7 +15,7 @@ from ..errors import CheckpointError
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
 from .commit import reading, wait_for_save
-from .format import DATA, DEFAULT_STORAGE, EXTRA, MEMORY, Storage, dtype_of, read_torch
+from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank
 from .manifest import Manifest, ParamEntry, read_process
 from .model import load_model, model_section
@@ -86,8 +86,7 @@ def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
     if model is not None:
         model_section(manifest)  # before anything is read: a checkpoint without the model
     manifest.sized_path(DATA)
-    memory = read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
-    manifest.check_memory(memory)
+    memory = manifest.memory()
     extra = read_torch(manifest.path(EXTRA), manifest.files[EXTRA]) if EXTRA in manifest.files else None
     params = _match(optimizer, manifest, memory)
     return manifest, memory, extra, params
@@ -184,9 +183,8 @@ def _load_into(opt, manifest: Manifest, memory: dict, params: list, progress: Op
     if late:
         store.place(opt.param_groups, only=late)
     path = manifest.path(DATA)
-    engine = storage.engine(opt.config.aio)
     small_from_swap: list = []
-    try:
+    with storage.engine(opt.config.aio) as engine:
         plan = _same_packing(store, manifest, params)
         if plan is not None:
             with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
@@ -200,8 +198,6 @@ def _load_into(opt, manifest: Manifest, memory: dict, params: list, progress: Op
             verify_data(manifest, engine, store.buffers)
             with engine.open(path, "r", no_links=True) as f:
                 small_from_swap = _rechunk(store, manifest, memory, params, engine, f, store.buffers)
-    finally:
-        engine.close()
 
     # The data is in place: now the in-memory side, which cannot fail half way.
     small, offloaded = {}, {}

@@ -52,12 +52,14 @@ from .format import (
     JOB_FORMAT,
     JOB_VERSION,
     MANIFEST,
+    MEMORY,
     MODEL_MEMORY,
     PARAMS_DATA,
     PIECES_VERSION,
     dtype_name,
     dtype_of,
     jsonable,
+    read_torch,
 )
 
 
@@ -355,14 +357,16 @@ class Manifest(Entry):
                                 "checkpoint is corrupt, load an older one")
         return path
 
-    def check_memory(self, memory: Any) -> None:
-        """Refuse ``memory`` (memory.pt's content) unless it holds what the manifest says: the groups, each
-        small parameter's state, each offloaded parameter's step (:func:`offload.checkpoint.fields.memory_holds`).
+    def memory(self) -> dict:
+        """memory.pt's content, checksum verified, once it is found to hold what the manifest says: the
+        groups, each small parameter's state, each offloaded parameter's step (:func:`fields.memory_holds`).
 
         Raises:
-            CheckpointError: the first thing missing, named.
+            CheckpointError: the first thing missing, named; ``ChecksumError``: memory.pt is corrupt.
         """
+        memory = read_torch(self.path(MEMORY), self.files[MEMORY])
         memory_holds(self, memory)
+        return memory
 
     def holders(self, unit: int) -> list:
         """The indices of the parameters with a chunk in unit ``unit``."""

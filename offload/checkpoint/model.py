@@ -258,10 +258,9 @@ def _tool_pool(manifest: Manifest):
     return tool_pool([t.length for t in model_section(manifest).on_disk()])
 
 
-def verify_model(manifest: Manifest, aio: AioConfig) -> None:
-    """Check model.pt's and params.bin's checksums, every parameter's in params.bin, and that model.pt holds
-    each tensor the manifest places there with the shape and dtype it records (what a load compares with
-    the model)."""
+def model_memory(manifest: Manifest) -> dict:
+    """model.pt's content, checksum verified, once it is checked to hold each tensor the manifest places
+    there with the shape and dtype it records (what a load compares with the model)."""
     memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
     for e in model_section(manifest).tensors:
         if e.same_as is None and e.where == MODEL_MEMORY:
@@ -270,6 +269,12 @@ def verify_model(manifest: Manifest, aio: AioConfig) -> None:
                 raise CheckpointError(f"checkpoint {manifest.root}: {MODEL_MEMORY} does not hold {e.name!r} as the "
                                       f"manifest records it (shape {list(e.shape)}, {e.dtype}); load another "
                                       "checkpoint")
+    return memory
+
+
+def verify_model(manifest: Manifest, aio: AioConfig) -> None:
+    """Check model.pt (:func:`model_memory`), params.bin's checksum and every parameter's in it."""
+    model_memory(manifest)
     state_dict(manifest, aio, keep=False)
 
 
@@ -291,12 +296,8 @@ def state_dict(manifest: Manifest, aio: AioConfig, *, keep: bool = True) -> Orde
     def sink(e: TensorEntry, start: int, data: torch.Tensor) -> None:
         flat[e.name][start:start + data.numel()].copy_(data)
 
-    with _tool_pool(manifest) as pool:
-        engine = Engine(aio)
-        try:
-            scan_params(manifest, engine, list(pool), sink if keep else None)
-        finally:
-            engine.close()
+    with _tool_pool(manifest) as pool, Engine(aio) as engine:
+        scan_params(manifest, engine, list(pool), sink if keep else None)
     return out
 
 
@@ -347,38 +348,26 @@ def load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig] = 
             old and new, and the store refuses fetches (``StateError``) until a load succeeds.
     """
     jobs = _match(model, manifest)
-    memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
-    for _, _, e in jobs:
-        if e.where == MODEL_MEMORY:
-            src = memory.get(e.name) if isinstance(memory, dict) else None
-            if not torch.is_tensor(src) or tuple(src.shape) != tuple(e.shape) or src.dtype != dtype_of(e.dtype):
-                raise CheckpointError(f"checkpoint {manifest.root}: {MODEL_MEMORY} lacks {e.name!r} as its "
-                                      "manifest describes it")
+    memory = model_memory(manifest)
     manifest.sized_path(PARAMS_DATA)
     stores = _stores_of(t for _, t, _ in jobs)
     if aio is None:
         aio = stores[0].config.aio if stores else AioConfig()
     own_pool = None if stores else _tool_pool(manifest)
-    engine = storage.engine(aio)
-    try:
-        with _held(stores) as lent:
-            buffers = lent if lent is not None else list(own_pool)
-            # First pass: every checksum, before anything changes.
-            scan_params(manifest, engine, buffers)
-            try:
-                _stream_in(manifest, jobs, memory, engine, buffers, stores)
-            except BaseException as err:
-                for s in stores:
-                    s.error = err
-                if on_partial is not None:
-                    on_partial(err)
-                raise
+    with own_pool or contextlib.nullcontext(), storage.engine(aio) as engine, _held(stores) as lent:
+        buffers = lent if lent is not None else list(own_pool)
+        # First pass: every checksum, before anything changes.
+        scan_params(manifest, engine, buffers)
+        try:
+            _stream_in(manifest, jobs, memory, engine, buffers, stores)
+        except BaseException as err:
             for s in stores:
-                s.loaded([t for _, t, _ in jobs if store_of(t) is s])
-    finally:
-        engine.close()
-        if own_pool is not None:
-            own_pool.close()
+                s.error = err
+            if on_partial is not None:
+                on_partial(err)
+            raise
+        for s in stores:
+            s.loaded([t for _, t, _ in jobs if store_of(t) is s])
 
 
 def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buffers: list, stores: list) -> None:

@@ -173,12 +173,8 @@ def verify_files(manifest: Manifest) -> None:
         read_checked(manifest.path(EXTRA), manifest.files[EXTRA])
     if MEMORY in manifest.files:
         read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
-        with tool_pool([u.length for u in manifest.units]) as pool:
-            engine = Engine(aio_of(manifest))
-            try:
-                verify_data(manifest, engine, list(pool))
-            finally:
-                engine.close()
+        with tool_pool([u.length for u in manifest.units]) as pool, Engine(aio_of(manifest)) as engine:
+            verify_data(manifest, engine, list(pool))
     if manifest.model is not None:
         verify_model(manifest, aio_of(manifest))
 
@@ -265,8 +261,7 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
         raise CheckpointError(f"checkpoint {directory} holds model weights only, no optimizer state to export; "
                               "export the model with export_model_checkpoint (offload-ckpt export --model-out)")
     path = manifest.sized_path(DATA)
-    memory = read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
-    manifest.check_memory(memory)
+    memory = manifest.memory()
     state: dict = {}
     placements: list[list] = [[] for _ in manifest.units]
     for e in manifest.params:
@@ -293,12 +288,8 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
                     src = buf[at: at + c.numel * dtype.itemsize].view(dtype)
                     state[e.index][key].view(-1)[c.start:c.start + c.numel].copy_(src)
 
-    with tool_pool([u.length for u in manifest.units], cap=None) as pool:
-        engine = Engine(aio_of(manifest))
-        try:
-            read_verified(engine, path, unit_spans(manifest), list(pool), manifest.files[DATA].xxh3_64, sink=sink)
-        finally:
-            engine.close()
+    with tool_pool([u.length for u in manifest.units], cap=None) as pool, Engine(aio_of(manifest)) as engine:
+        read_verified(engine, path, unit_spans(manifest), list(pool), manifest.files[DATA].xxh3_64, sink=sink)
     return {"state": state, "param_groups": [dict(g) for g in memory["param_groups"]]}
 
 
