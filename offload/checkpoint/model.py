@@ -261,8 +261,9 @@ def _tool_pool(manifest: Manifest):
 def model_memory(manifest: Manifest) -> dict:
     """model.pt's content, checksum verified, once it is checked to hold each tensor the manifest places
     there with the shape and dtype it records (what a load compares with the model)."""
+    section = model_section(manifest)
     memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
-    for e in model_section(manifest).tensors:
+    for e in section.tensors:
         if e.same_as is None and e.where == MODEL_MEMORY:
             t = memory.get(e.name) if isinstance(memory, dict) else None
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(e.shape) or dtype_name(t.dtype) != e.dtype:
@@ -275,16 +276,16 @@ def model_memory(manifest: Manifest) -> dict:
 def verify_model(manifest: Manifest, aio: AioConfig) -> None:
     """Check model.pt (:func:`model_memory`), params.bin's checksum and every parameter's in it."""
     model_memory(manifest)
-    state_dict(manifest, aio, keep=False)
+    with _tool_pool(manifest) as pool, Engine(aio) as engine:
+        scan_params(manifest, engine, list(pool))
 
 
-def state_dict(manifest: Manifest, aio: AioConfig, *, keep: bool = True) -> OrderedDict:
-    """The checkpoint's model as a ``state_dict`` (every tensor in memory), checksums verified; with
-    ``keep`` False, only verified (nothing is kept)."""
-    memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY]) if keep else {}
+def state_dict(manifest: Manifest, aio: AioConfig) -> OrderedDict:
+    """The checkpoint's model as a ``state_dict`` (every tensor in memory), checksums verified."""
+    memory = model_memory(manifest)
     out: OrderedDict = OrderedDict()
     flat: dict[str, torch.Tensor] = {}
-    for e in model_section(manifest).tensors if keep else ():
+    for e in model_section(manifest).tensors:
         if e.same_as is not None:
             out[e.name] = out[e.same_as]
         elif e.where == MODEL_MEMORY:
@@ -297,7 +298,7 @@ def state_dict(manifest: Manifest, aio: AioConfig, *, keep: bool = True) -> Orde
         flat[e.name][start:start + data.numel()].copy_(data)
 
     with _tool_pool(manifest) as pool, Engine(aio) as engine:
-        scan_params(manifest, engine, list(pool), sink if keep else None)
+        scan_params(manifest, engine, list(pool), sink)
     return out
 
 

@@ -28,7 +28,7 @@ from .format import (
     write_file,
 )
 from .manifest import JobManifest, Manifest, read, read_process
-from .model import model_section, state_dict, verify_model
+from .model import state_dict, verify_model
 from .stream import aio_of, read_verified, tool_pool, unit_spans
 
 
@@ -312,7 +312,6 @@ def export_model_state_dict(directory: str | os.PathLike) -> OrderedDict:
     """
     with reading(directory) as directory:
         manifest = read_process(directory)
-        model_section(manifest)
         return state_dict(manifest, aio_of(manifest))
 
 
