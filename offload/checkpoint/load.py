@@ -11,15 +11,16 @@ from torch import nn
 
 from ..aio import Engine
 from ..distributed import like, local, rank_info
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ChecksumError
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
+from ..units import ALIGNMENT
 from .commit import reading, wait_for_save
 from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank
 from .manifest import Manifest, ParamEntry, read_process
 from .model import load_model, model_section
-from .stream import RangeReader, progress_bar, read_verified, stream, unit_spans
+from .stream import progress_bar, read_verified, stream, unit_spans
 from .verify import job_shard, verify_data
 
 
@@ -274,6 +275,32 @@ def _same_packing(store, manifest: Manifest, params: list) -> Optional[dict]:
             return None
         plan[u] = target
     return plan
+
+
+class RangeReader:
+    """Copies byte ranges of a checkpoint's data file into tensors through one staging buffer."""
+
+    def __init__(self, engine: Engine, file, buffer, file_bytes: int):
+        self.engine, self.file, self.buffer, self.file_bytes = engine, file, buffer, file_bytes
+        self.start, self.end = 0, 0  # the window of the file the buffer holds
+
+    def copy(self, dest: torch.Tensor, offset: int) -> None:
+        """Fill the 1-D tensor ``dest`` from the file's bytes at ``offset``."""
+        itemsize = dest.element_size()
+        done, total = 0, dest.numel() * itemsize
+        while done < total:
+            pos = offset + done
+            if not (self.start <= pos < self.end):
+                self.start = pos // ALIGNMENT * ALIGNMENT
+                length = min(self.buffer.nbytes, self.file_bytes - self.start)
+                got = self.engine.read(self.file, self.buffer, self.start, length)
+                self.end = self.start + got
+                if got < itemsize:
+                    raise ChecksumError(f"{self.file.path}: ends at byte {self.end}, data expected at {pos}")
+            take = min(total - done, self.end - pos)
+            n = take // itemsize
+            dest[done // itemsize: done // itemsize + n].copy_(self.buffer.view(dest.dtype, pos - self.start, n))
+            done += n * itemsize
 
 
 def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engine, f, buffers: list) -> dict:
