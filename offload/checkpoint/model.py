@@ -79,11 +79,7 @@ def load_parameters(model: nn.Module, directory) -> None:
 
 
 def model_section(manifest: Manifest) -> ModelSection:
-    """The manifest's model section.
-
-    Raises:
-        CheckpointError: the checkpoint holds no model weights.
-    """
+    """The manifest's model section; CheckpointError where the checkpoint holds no model weights."""
     if manifest.model is None:
         raise CheckpointError(f"checkpoint {manifest.root} holds no model weights (it was saved without model=); "
                               "load the model from where its weights were saved, or pass no model")
@@ -141,33 +137,20 @@ class _Unit:
     entry: Optional[TensorEntry] = None  # loading: read from params.bin at this entry (else from ``memory``)
     param: Optional[torch.Tensor] = None  # the parameter whose extent this is (with ``store``)
 
-    def store_unit(self, unit_bytes: int) -> Optional[int]:
-        """This unit's index among the store's own units (of ``unit_bytes``), or None when sizes differ."""
-        if self.store is None or self.store.unit_bytes != unit_bytes:
-            return None
-        return self.start // unit_bytes
+    def swap(self, buf, unit_bytes: int, *, write: bool):
+        """Read (or write) these bytes of the swap space through ``buf``: as one of the store's own units
+        where they are one (``unit_bytes`` is the store's), checked against (or keeping) its checksum."""
+        if self.store.unit_bytes == unit_bytes:
+            move = self.store.write_unit if write else self.store.read_unit
+            return move(self.param, self.start // unit_bytes, buf)
+        space = self.store.space
+        return (space.write if write else space.read)(space.sub(self.extent, self.start, self.n), buf, nbytes=self.n)
 
 
-# NOTE: with ``model=`` (or ``save_parameters``) a checkpoint also holds the model's tensors, by
-# qualified name, in ``state_dict`` order:
-#
-#   params.bin  each offloaded parameter's bytes at a 4096-aligned offset, copied from the parameter
-#               store's swap space through the store's own pool with the native engine (O_DIRECT).
-#               Nothing is fetched, so host memory stays the pool whatever the model size. A
-#               parameter resident now (in use, maybe changed in place) or held in the host cache is
-#               saved from that copy, which is its latest.
-#   model.pt    torch.save of the rest: parameters that are not offloaded, persistent buffers.
-#
-# The manifest's "model" section lists every name with its shape and dtype and where it is
-# ("params.bin" with offset, length and xxh3_64 of its bytes, or "model.pt"); a tied name (the same
-# tensor under a second name, as ``state_dict`` lists it) says ``same_as`` instead.
-#
-# Loading checks names, shapes and dtypes, model.pt's checksum, and (in a first read of params.bin)
-# every parameter's checksum before anything changes; then a second pass streams the bytes into
-# the extents and into any in-memory copy (a resident parameter's storage, the host cache), so no
-# stale copy survives. Stored gradients are dropped: they belong to the old weights, and torch does
-# not save gradients either. Bytes may move between the two files' kinds: a parameter offloaded
-# when saved loads into a model that keeps it in memory, and the other way round.
+# The model's part of a checkpoint (params.bin, model.pt, the manifest's "model" section) and how it is
+# saved and loaded are docs/checkpoint.md's "Format", "Saving the model" and "Loading checks first": in
+# short, nothing is fetched to save, and a load checks every checksum in a first read of params.bin before
+# a second one changes anything, then overwrites every in-memory copy so that no stale one survives.
 def save_model(model: nn.Module, staged: Staged) -> tuple[ModelSection, dict]:
     """Write params.bin and model.pt into ``staged``; returns the manifest's model section and the two
     files' entries (as ``write_file`` returns them)."""
@@ -205,11 +188,8 @@ def save_model(model: nn.Module, staged: Staged) -> tuple[ModelSection, dict]:
         def read(u: _Unit, buf):
             if u.extent is None:
                 return DONE
-            if u.store_unit(unit_bytes) is not None:
-                # Checked as it lands: a checkpoint never copies weights changed on disk behind our back.
-                return u.store.read_unit(u.param, u.store_unit(unit_bytes), buf)
-            space = u.store.space
-            return space.read(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
+            # Checked as it lands: a checkpoint never copies weights changed on disk behind our back.
+            return u.swap(buf, unit_bytes, write=False)
 
         def fill(u: _Unit, buf) -> None:
             if u.memory is not None:
@@ -338,16 +318,8 @@ def load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig] = 
                on_partial: Optional[Callable[[BaseException], None]] = None,
                storage: Storage = DEFAULT_STORAGE) -> None:
     """Load the checkpoint's model section into ``model``: check everything, then stream (with an
-    engine of ``storage``).
-
-    ``on_partial(err)`` is called when streaming failed after the first bytes changed.
-
-    Raises:
-        CheckpointError: the checkpoint does not fit the model (first mismatch named) or holds no
-            model; ``ChecksumError`` a file or parameter is corrupt. Nothing was changed.
-        OSError: reading or writing failed while streaming: the offloaded weights are then a mix of
-            old and new, and the store refuses fetches (``StateError``) until a load succeeds.
-    """
+    engine of ``storage``); raises as :func:`load_parameters` says, calling ``on_partial(err)`` first
+    where streaming failed after the first bytes changed."""
     jobs = _match(model, manifest)
     memory = model_memory(manifest)
     manifest.sized_path(PARAMS_DATA)
@@ -427,10 +399,7 @@ def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buf
             return True
 
         def write(u: _Unit, buf):
-            if u.store_unit(unit_bytes) is not None:
-                return u.store.write_unit(u.param, u.store_unit(unit_bytes), buf)  # its checksum kept
-            space = u.store.space
-            return space.write(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
+            return u.swap(buf, unit_bytes, write=True)
 
         stream(units, buffers, read=read, process=process, write=write)
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
