@@ -16,9 +16,8 @@ import torch.distributed as dist
 from ..distributed import rank_info
 from ..errors import CheckpointError
 from .commit import Staged, commit_manifest, lock_directory, write_manifest
-from .envelope import raw_manifest, shard_name
 from .format import MANIFEST, Storage
-from .manifest import FileEntry, JobManifest, Shard
+from .manifest import FileEntry, JobManifest, Shard, raw_manifest, shard_name
 from .ownership import check_target, fresh_name, our_manifest, sweep
 
 

@@ -12,9 +12,8 @@ import warnings
 from typing import Callable
 
 from ..errors import CheckpointError
-from .envelope import SHARD_NAME, raw_manifest
 from .format import FORMAT, JOB_FORMAT, MANIFEST
-from .manifest import JobManifest, Manifest, parse
+from .manifest import SHARD_NAME, JobManifest, Manifest, parse, raw_manifest
 
 _WHAT_TO_DO = "save into a new directory, or remove this one yourself if nothing in it is needed"
 

@@ -15,11 +15,10 @@ from ..aio import create_private
 from ..distributed import rank_info
 from ..errors import CheckpointError
 from .commit import SaveHandle, lock_directory
-from .envelope import raw_manifest
 from .format import DEFAULT_STORAGE, JOB_FORMAT
 from .job import gather, job_world
 from .load import load_checkpoint
-from .manifest import read
+from .manifest import raw_manifest, read
 from .ownership import is_our_format, remove_checkpoint, remove_leftovers, used_elsewhere
 from .save import save
 from .verify import verify_checkpoint, verify_job
