@@ -312,12 +312,8 @@ def in_background(owner, handle: SaveHandle, work: Callable[[], None], name: str
 
 def wait_for_save(owner, *, report: bool, timeout: float | None = None) -> None:
     """Wait for ``owner``'s save in flight, if any. With ``report``, a failure nobody has looked at yet
-    (``wait()``, ``exception()``) is raised now, once: an asynchronous save's error is never lost.
-
-    Raises:
-        CheckpointError: ``report`` and that save failed (its error chained).
-        TimeoutError: ``timeout`` seconds passed first.
-    """
+    (``wait()``, ``exception()``) is raised now, once, as a CheckpointError with it chained: an
+    asynchronous save's error is never lost. TimeoutError where ``timeout`` seconds pass first."""
     with _IN_FLIGHT_LOCK:
         handle = _IN_FLIGHT.get(owner)
     if handle is None:

@@ -60,11 +60,8 @@ def _timeout(world):
 
 
 def gather(obj: Any, doing: str) -> list:
-    """Every rank's ``obj``, by rank (a collective of the checkpoints' group: every rank calls it).
-
-    Raises:
-        CheckpointError: a rank did not answer: it died, or did not come within the timeout.
-    """
+    """Every rank's ``obj``, by rank (a collective of the checkpoints' group: every rank calls it);
+    CheckpointError where a rank did not answer (it died, or did not come within the timeout)."""
     out: list = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(out, obj, group=_group())

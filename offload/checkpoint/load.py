@@ -304,10 +304,8 @@ class RangeReader:
 
 
 def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engine, f, buffers: list) -> dict:
-    """Fill the optimizer's units from the checkpoint by parameter element ranges.
-
-    Returns ``{index: {key: tensor}}`` for parameters small here whose state the checkpoint holds on disk.
-    """
+    """Fill the optimizer's units from the checkpoint by parameter element ranges; returns ``{index: {key:
+    tensor}}`` for parameters small here whose state the checkpoint holds on disk."""
     reader = RangeReader(engine, f, buffers[0], manifest.files[DATA].bytes)
     index = {p: i for i, p in enumerate(params)}
 

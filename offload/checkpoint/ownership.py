@@ -100,11 +100,8 @@ def checkpoint_problem(path: str) -> str | None:
 # Refusals are FileExistsError (an OSError with the path, as os.mkdir raises for a name that is taken),
 # not CheckpointError: nothing is wrong with any checkpoint, the name is taken by something else.
 def check_target(path: str, given: str) -> None:
-    """Refuse directory ``path`` (the real path of the ``given`` one) unless a save may write there.
-
-    Raises:
-        FileExistsError: ``path`` is a file, or a directory that is not one of our checkpoints.
-    """
+    """Refuse directory ``path`` (the real path of the ``given`` one), with FileExistsError, unless a save
+    may write there."""
     name = given if given == path else f"{given} (a link to {path})"
     try:
         st = os.lstat(path)

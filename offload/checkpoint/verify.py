@@ -70,12 +70,8 @@ def read_job_manifest(directory: str | os.PathLike) -> dict:
 
 
 def shard_manifest(job: JobManifest, rank: int) -> Manifest:
-    """The manifest of rank ``rank``'s shard of ``job``, checked to be the one the job manifest lists.
-
-    Raises:
-        CheckpointError: the shard is not here (node-local directories: it is on another node), or
-            ``ChecksumError``: its manifest is not the one the job manifest lists.
-    """
+    """The manifest of rank ``rank``'s shard of ``job``, checked to be here (CheckpointError) and to be
+    the one the job manifest lists (ChecksumError)."""
     entry = job.shards[rank]
     path = os.path.join(job.root, entry.name)
     if not os.path.isdir(path):
@@ -92,12 +88,8 @@ def shard_manifest(job: JobManifest, rank: int) -> Manifest:
 def job_shard(directory: str, world: int, rank: int) -> tuple[str, str | None]:
     """Where rank ``rank`` of a job of ``world`` ranks loads from in checkpoint ``directory``: its shard
     and the job's id for a job's checkpoint, the directory itself (and None) for a process's, which every
-    rank loads whole (replicated state, as under DDP).
-
-    Raises:
-        CheckpointError: saved by a job of another size (the message says how to convert), or this
-            rank's shard is not here, or it is not the one the job manifest lists.
-    """
+    rank loads whole (replicated state, as under DDP). CheckpointError where the job had another size
+    (the message says how to convert), or as :func:`shard_manifest` says."""
     manifest = read(directory)
     if isinstance(manifest, Manifest):
         return directory, None
@@ -107,11 +99,8 @@ def job_shard(directory: str, world: int, rank: int) -> tuple[str, str | None]:
 
 
 def verify_data(manifest: Manifest, engine: Engine, buffers: Sequence) -> None:
-    """Read state.bin once and check every unit's checksum and the file's.
-
-    Units larger than the buffers are read in parts (e.g. loading into an optimizer with smaller
-    buffers than the one that saved).
-    """
+    """Read state.bin once and check every unit's checksum and the file's (units larger than the buffers
+    in parts)."""
     read_verified(engine, manifest.sized_path(DATA), unit_spans(manifest), buffers, manifest.files[DATA].xxh3_64)
 
 
