@@ -229,7 +229,7 @@ def rewrite_in_pieces(directory, piece: int) -> None:
     import json
 
     from offload.aio import PieceDigest
-    from offload.checkpoint.envelope import digest
+    from offload.checkpoint.manifest import digest
 
     with open(ckpt_file(directory, "state.bin"), "rb") as f:
         data = f.read()

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from offload import CheckpointError, OffloadedAdamW
 from offload import checkpoint as ckpt
-from offload.checkpoint.envelope import digest
+from offload.checkpoint.manifest import digest
 
 HANG_S = 20  # a FIFO opened for reading blocks until someone writes: after this, the test opens it itself
 

@@ -15,8 +15,8 @@ from helpers import FOUR_SIZES, SMALL, assert_same_state, make_params, train
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
-from offload.checkpoint.envelope import digest
 from offload.checkpoint.format import MANIFEST
+from offload.checkpoint.manifest import digest
 
 
 class Crash(BaseException):

@@ -30,8 +30,7 @@ from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.aio import Engine
 from offload.buffers import BufferPool
-from offload.checkpoint.envelope import digest
-from offload.checkpoint.manifest import Manifest, read
+from offload.checkpoint.manifest import Manifest, digest, read
 from offload.checkpoint.stream import read_verified, unit_spans
 
 # Paths opened (open, os.open) while ``_OPENED`` is a list: an audit hook cannot be removed, so it is

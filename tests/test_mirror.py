@@ -63,20 +63,20 @@ def test_save_and_load_take_no_mirror_of_their_own(tmp_path, nvme, closing):
 def test_a_mirror_whose_copy_reads_back_wrong_is_not_committed(tmp_path, nvme, closing, monkeypatch):
     """A copy that differs from the manifest when read back (a drive that corrupts writes) fails with
     ChecksumError, and the destination keeps what it had."""
-    from offload.checkpoint import mirror as mirror_module
+    from offload.checkpoint import save as save_module
 
     params = make_params()
     opt = closing(make_opt(params, nvme))
     train(opt, params, range(1))
     ckpt.save_checkpoint(opt, tmp_path / "c")
-    real = mirror_module._copy_file
+    real = save_module._copy_file
 
     def corrupting(src, dst, bar):
         real(src, dst, bar)
         if os.path.basename(dst).startswith("state."):
             flip_bit(dst, 4096)
 
-    monkeypatch.setattr(mirror_module, "_copy_file", corrupting)
+    monkeypatch.setattr(save_module, "_copy_file", corrupting)
     with pytest.raises(ChecksumError):
         ckpt.mirror_checkpoint(tmp_path / "c", tmp_path / "remote" / "c")
     assert not os.path.exists(tmp_path / "remote" / "c") and os.listdir(tmp_path / "remote") == []

@@ -19,8 +19,8 @@ from helpers import assert_same_state, ckpt_file, flip_bit
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.aio import Engine, PieceDigest
+from offload.checkpoint import Storage
 from offload.checkpoint import snapshot as snapshot_module
-from offload.checkpoint.storage import Storage
 from offload.units import GIB, MIB
 
 

@@ -19,20 +19,21 @@ from __future__ import annotations
 
 from ..errors import CheckpointError, ChecksumError
 from .commit import SaveHandle, reading
-from .export import (
-    export_checkpoint,
-    export_model_checkpoint,
-    export_model_state_dict,
-    export_state_dict,
-)
-from .format import FORMAT_VERSION
+from .format import FORMAT_VERSION, Storage
 from .importing import import_state_dict
 from .load import load_checkpoint
 from .model import load_parameters, save_parameters
 from .retention import Retention, save_with_retention
 from .save import mirror_checkpoint, save_checkpoint, wait_for_saves
-from .storage import Storage
-from .verify import inspect_checkpoint, read_manifest, verify_checkpoint
+from .verify import (
+    export_checkpoint,
+    export_model_checkpoint,
+    export_model_state_dict,
+    export_state_dict,
+    inspect_checkpoint,
+    read_manifest,
+    verify_checkpoint,
+)
 
 __all__ = [
     "CheckpointError",

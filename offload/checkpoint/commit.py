@@ -17,11 +17,9 @@ from dataclasses import replace
 from typing import Callable, Iterator
 
 from ..errors import CheckpointError
-from .envelope import digest
-from .format import JSON, MANIFEST, write_file
-from .manifest import JobManifest, Manifest
+from .format import DEFAULT_STORAGE, JSON, MANIFEST, Storage, write_file
+from .manifest import JobManifest, Manifest, digest
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
-from .storage import DEFAULT_STORAGE, Storage
 
 # -- the directory's lock ------------------------------------------------------------------------
 
@@ -182,7 +180,7 @@ class Staged:
             raise
 
     def path(self, name: str) -> str:
-        """Where this save writes the format's file ``name`` (under its generation's name)."""
+        """Where this save writes the format's file ``name``."""
         self.written[name] = fresh_name(name, self.generation)
         return os.path.join(self.target, self.written[name])
 
@@ -216,17 +214,9 @@ class Staged:
 
 def write_atomically(directory: str | os.PathLike, write: Callable[[Staged], Manifest],
                      storage: Storage = DEFAULT_STORAGE) -> str:
-    """Stage ``directory``, let ``write`` fill it and return its manifest, then commit; returns the path.
-
-    ``directory`` must be missing, an empty directory or a checkpoint of ours (see
-    :func:`ownership.check_target`); anything else is refused before anything is written. On any
-    error (or interruption) what was written is removed and the checkpoint there is untouched; an
-    I/O error names the file (or, where the failing call did not say, the checkpoint directory).
-
-    Raises:
-        FileExistsError: ``directory`` is a file, or a directory that is not one of our checkpoints.
-        OSError: writing failed (``OSError(errno, message, path)``, the original chained).
-    """
+    """Stage ``directory`` (refused as :func:`ownership.check_target` says before anything is written),
+    let ``write`` fill it and return its manifest, then commit; returns the path. On any error what was
+    written is removed; an OSError that names no file names the checkpoint directory."""
     staged = Staged(directory, storage=storage)
     try:
         try:
@@ -322,12 +312,8 @@ def in_background(owner, handle: SaveHandle, work: Callable[[], None], name: str
 
 def wait_for_save(owner, *, report: bool, timeout: float | None = None) -> None:
     """Wait for ``owner``'s save in flight, if any. With ``report``, a failure nobody has looked at yet
-    (``wait()``, ``exception()``) is raised now, once: an asynchronous save's error is never lost.
-
-    Raises:
-        CheckpointError: ``report`` and that save failed (its error chained).
-        TimeoutError: ``timeout`` seconds passed first.
-    """
+    (``wait()``, ``exception()``) is raised now, once, as a CheckpointError with it chained: an
+    asynchronous save's error is never lost. TimeoutError where ``timeout`` seconds pass first."""
     with _IN_FLIGHT_LOCK:
         handle = _IN_FLIGHT.get(owner)
     if handle is None:

@@ -1,5 +1,5 @@
-"""The checkpoint format's names, and the whole small files of a checkpoint (torch.save files, JSON),
-written fsynced and read back checked."""
+"""The checkpoint format's names; the whole small files of a checkpoint (torch.save files, JSON), written
+fsynced and read back checked; and :class:`Storage`, every call by which checkpoints touch files."""
 
 from __future__ import annotations
 
@@ -11,27 +11,12 @@ from typing import Any, Callable
 import torch
 import xxhash
 
-from ..aio import create_private
+from ..aio import Engine, create_private
+from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
+from ..modes import dir_mode
 
-# NOTE: a checkpoint is a directory of these files (state.bin and memory.pt when it holds an
-# optimizer, params.bin and model.pt when it holds a model's weights, or all of them):
-#
-#   state.bin     the offloaded state, unit by unit, each unit padded to 4096 bytes. A unit is copied
-#                 byte for byte from the swap space through the optimizer's own pool buffers with the
-#                 native engine (O_DIRECT), so host memory stays the pool whatever the model size.
-#   memory.pt     torch.save of what lives in memory: the param_groups (torch's layout, params as
-#                 indices), the state of small parameters, and the step of every offloaded parameter.
-#   extra.pt      optional: anything the caller passes as ``extra`` (the model's state_dict, the
-#                 data loader's position, ...), saved in the same atomic directory.
-#   params.bin    with a model: each offloaded parameter's bytes, streamed from the parameter
-#                 store's swap space through its pool, at a 4096-aligned offset (see ``model``).
-#   model.pt      with a model: torch.save of its other parameters and its persistent buffers.
-#   manifest.json format version, param groups, per parameter its index, shape, dtype, state keys
-#                 and where each chunk of its state lies in state.bin, the optimizer's config, the
-#                 model's tensors (name, shape, dtype, and offset, length and xxh3_64 in params.bin),
-#                 and the size and xxh3_64 of every file and of every unit. Written last; its shape
-#                 is ``manifest``'s.
+# A checkpoint is a directory of these files; what each holds is docs/checkpoint.md's "Format".
 FORMAT = "nvme-offload-checkpoint"
 FORMAT_VERSION = 1
 # Version 2: some units of state.bin are checksummed in pieces (the store's checksums, taken by a clone save)
@@ -57,11 +42,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_of(name: str) -> torch.dtype:
-    """The torch dtype named ``name`` (as :func:`dtype_name` writes it).
-
-    Raises:
-        CheckpointError: no such dtype.
-    """
+    """The torch dtype named ``name`` (as :func:`dtype_name` writes it); CheckpointError if none is."""
     value = getattr(torch, str(name), None)
     if not isinstance(value, torch.dtype):
         raise CheckpointError(f"unknown dtype {name!r} in the manifest")
@@ -92,6 +73,58 @@ def io_error(err: OSError, path: str, doing: str) -> OSError:
     return OSError(err.errno, f"{doing} {path}: {err.strerror or os.strerror(err.errno)}", path)
 
 
+# The calls by which checkpoints touch files, in one object: the engine that moves the data files, and
+# the file-system operations of the commit rule. Saves and loads take one (``storage=``); the default
+# does what it says, and the fault tests hand in one that fails where they want.
+class Storage:
+    """The file-system and engine calls of a save or a load. Subclass it to inject faults."""
+
+    def engine(self, aio: AioConfig) -> Engine:
+        return Engine(aio)
+
+    def rename(self, src: str, dst: str) -> None:
+        os.rename(src, dst)
+
+    def unlink(self, path: str) -> None:
+        os.unlink(path)
+
+    def fsync(self, fd: int, path: str) -> None:
+        try:
+            os.fsync(fd)
+        except OSError as err:
+            raise io_error(err, path, "cannot fsync") from err
+
+    def make_dirs(self, path: str) -> bool:
+        """Create directory ``path`` and its missing parents (0700, see :mod:`offload.modes`), durably: each
+        new name's directory is fsynced, so a power loss cannot take away a directory whose files were made
+        durable. Returns whether ``path`` was made."""
+        missing = []
+        while not os.path.isdir(path):
+            missing.append(path)
+            parent = os.path.dirname(path)
+            if parent == path:
+                break
+            path = parent
+        for new in reversed(missing):
+            try:
+                os.mkdir(new, dir_mode())
+            except FileExistsError:
+                if not os.path.isdir(new):
+                    raise
+            self.fsync_dir(os.path.dirname(new))
+        return bool(missing)
+
+    def fsync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.fsync(fd, path)
+        finally:
+            os.close(fd)
+
+
+DEFAULT_STORAGE = Storage()
+
+
 # -- writing ------------------------------------------------------------------------------------------
 
 
@@ -107,7 +140,7 @@ def torch_bytes(obj: Any) -> Serialized:
 
 
 class JSON:
-    """A value :func:`write_file` writes as JSON (a manifest)."""
+    """A value :func:`write_file` writes as JSON."""
 
     def __init__(self, value: Any):
         self.value = value
@@ -145,15 +178,9 @@ class _HashingWriter:
 
 
 def write_file(obj: Any, path: str, fsync: Callable[[int, str], None], *, within: int = 0o777) -> dict:
-    """Write ``obj`` into the new file ``path`` and fsync it with ``fsync(fd, path)`` (a save's
-    ``Storage.fsync``): bytes as they are, a :class:`JSON` value as JSON, else
-    ``torch.save(obj)``. Returns the file's size and xxh3_64. Its mode is ``within`` at most (see
-    :func:`offload.aio.create_private`).
-
-    Raises:
-        OSError: writing failed (ENOSPC, EIO, ...): ``OSError(errno, message, path)``, with the
-            original error chained.
-    """
+    """Write ``obj`` into the new file ``path`` (mode ``within`` at most) and fsync it with ``fsync(fd,
+    path)``: bytes as they are, a :class:`JSON` value as JSON, else ``torch.save(obj)``. Returns the
+    file's size and xxh3_64; an OSError names ``path``."""
     w = None
     try:
         with create_private(path, within=within) as f:
@@ -179,13 +206,8 @@ def write_file(obj: Any, path: str, fsync: Callable[[int, str], None], *, within
 
 
 def read_checked(path: str, entry) -> bytes:
-    """The bytes of the checkpoint file ``path``, checked against its manifest ``entry`` (a
-    ``manifest.FileEntry``: size and xxh3_64).
-
-    Raises:
-        ChecksumError: its size or checksum differs (the file is corrupt).
-        OSError: it could not be read (path named).
-    """
+    """The bytes of the checkpoint file ``path``, checked against its ``manifest.FileEntry`` (size and
+    xxh3_64: ChecksumError where either differs)."""
     try:
         with open(path, "rb") as f:
             data = f.read()

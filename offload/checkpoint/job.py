@@ -16,11 +16,9 @@ import torch.distributed as dist
 from ..distributed import rank_info
 from ..errors import CheckpointError
 from .commit import Staged, commit_manifest, lock_directory, write_manifest
-from .envelope import raw_manifest, shard_name
-from .format import MANIFEST
-from .manifest import FileEntry, JobManifest, Shard
+from .format import MANIFEST, Storage
+from .manifest import FileEntry, JobManifest, Shard, raw_manifest, shard_name
 from .ownership import check_target, fresh_name, our_manifest, sweep
-from .storage import Storage
 
 
 def job_world() -> int | None:
@@ -62,11 +60,8 @@ def _timeout(world):
 
 
 def gather(obj: Any, doing: str) -> list:
-    """Every rank's ``obj``, by rank (a collective of the checkpoints' group: every rank calls it).
-
-    Raises:
-        CheckpointError: a rank did not answer: it died, or did not come within the timeout.
-    """
+    """Every rank's ``obj``, by rank (a collective of the checkpoints' group: every rank calls it);
+    CheckpointError where a rank did not answer (it died, or did not come within the timeout)."""
     out: list = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(out, obj, group=_group())

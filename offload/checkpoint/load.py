@@ -11,16 +11,16 @@ from torch import nn
 
 from ..aio import Engine
 from ..distributed import like, local, rank_info
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ChecksumError
 from ..params import ParamAccess
 from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
+from ..units import ALIGNMENT
 from .commit import reading, wait_for_save
-from .format import DATA, EXTRA, MEMORY, dtype_of, read_torch
+from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank
 from .manifest import Manifest, ParamEntry, read_process
 from .model import load_model, model_section
-from .storage import DEFAULT_STORAGE, Storage
-from .stream import RangeReader, progress_bar, read_verified, stream, unit_spans
+from .stream import progress_bar, read_verified, stream, unit_spans
 from .verify import job_shard, verify_data
 
 
@@ -87,8 +87,7 @@ def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
     if model is not None:
         model_section(manifest)  # before anything is read: a checkpoint without the model
     manifest.sized_path(DATA)
-    memory = read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
-    manifest.check_memory(memory)
+    memory = manifest.memory()
     extra = read_torch(manifest.path(EXTRA), manifest.files[EXTRA]) if EXTRA in manifest.files else None
     params = _match(optimizer, manifest, memory)
     return manifest, memory, extra, params
@@ -185,9 +184,8 @@ def _load_into(opt, manifest: Manifest, memory: dict, params: list, progress: Op
     if late:
         store.place(opt.param_groups, only=late)
     path = manifest.path(DATA)
-    engine = storage.engine(opt.config.aio)
     small_from_swap: list = []
-    try:
+    with storage.engine(opt.config.aio) as engine:
         plan = _same_packing(store, manifest, params)
         if plan is not None:
             with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
@@ -201,8 +199,6 @@ def _load_into(opt, manifest: Manifest, memory: dict, params: list, progress: Op
             verify_data(manifest, engine, store.buffers)
             with engine.open(path, "r", no_links=True) as f:
                 small_from_swap = _rechunk(store, manifest, memory, params, engine, f, store.buffers)
-    finally:
-        engine.close()
 
     # The data is in place: now the in-memory side, which cannot fail half way.
     small, offloaded = {}, {}
@@ -281,11 +277,35 @@ def _same_packing(store, manifest: Manifest, params: list) -> Optional[dict]:
     return plan
 
 
-def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engine, f, buffers: list) -> dict:
-    """Fill the optimizer's units from the checkpoint by parameter element ranges.
+class RangeReader:
+    """Copies byte ranges of a checkpoint's data file into tensors through one staging buffer."""
 
-    Returns ``{index: {key: tensor}}`` for parameters small here whose state the checkpoint holds on disk.
-    """
+    def __init__(self, engine: Engine, file, buffer, file_bytes: int):
+        self.engine, self.file, self.buffer, self.file_bytes = engine, file, buffer, file_bytes
+        self.start, self.end = 0, 0  # the window of the file the buffer holds
+
+    def copy(self, dest: torch.Tensor, offset: int) -> None:
+        """Fill the 1-D tensor ``dest`` from the file's bytes at ``offset``."""
+        itemsize = dest.element_size()
+        done, total = 0, dest.numel() * itemsize
+        while done < total:
+            pos = offset + done
+            if not (self.start <= pos < self.end):
+                self.start = pos // ALIGNMENT * ALIGNMENT
+                length = min(self.buffer.nbytes, self.file_bytes - self.start)
+                got = self.engine.read(self.file, self.buffer, self.start, length)
+                self.end = self.start + got
+                if got < itemsize:
+                    raise ChecksumError(f"{self.file.path}: ends at byte {self.end}, data expected at {pos}")
+            take = min(total - done, self.end - pos)
+            n = take // itemsize
+            dest[done // itemsize: done // itemsize + n].copy_(self.buffer.view(dest.dtype, pos - self.start, n))
+            done += n * itemsize
+
+
+def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engine, f, buffers: list) -> dict:
+    """Fill the optimizer's units from the checkpoint by parameter element ranges; returns ``{index: {key:
+    tensor}}`` for parameters small here whose state the checkpoint holds on disk."""
     reader = RangeReader(engine, f, buffers[0], manifest.files[DATA].bytes)
     index = {p: i for i, p in enumerate(params)}
 

@@ -1,33 +1,30 @@
-"""A checkpoint's manifest as frozen dataclasses: parsed and checked once, when it is read, before anything
-uses it; written by the same classes with one ``to_json``.
-
-What parsing refuses (a ``CheckpointError``, a ValueError, naming the manifest's path and the field): a
-format or version this library does not read, a field missing or of the wrong type, a size or offset that
-is negative, unaligned or beyond its file's size, a chunk outside its unit, a file name that is not a bare
-name inside the checkpoint directory, and a data file that is a symbolic link or not a regular file. So
-nothing read from a manifest can make a load read or write outside the checkpoint. The manifest file's
-format, version and own checksum are checked first (:mod:`offload.checkpoint.envelope`); each entry checks
-its own fields, and the rules of a process's manifest as a whole are :mod:`offload.checkpoint.checks`.
+"""A checkpoint's manifest: the file (where a directory's is, its JSON, its format, version and own checksum)
+and its content as frozen dataclasses, parsed and checked whole once, when it is read, before anything uses
+it (what is refused: docs/checkpoint.md, "What a manifest may say"); written by the same classes with one
+``to_json``. So nothing read from a manifest can make a load read or write outside the checkpoint.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno as _errno
+import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
+import xxhash
 
 from .._version import __version__
 from ..config.rules import MAX_BLOCK_SIZE
 from ..errors import CheckpointError, ChecksumError
 from ..units import ALIGNMENT
-from .checks import RULES, memory_holds
-from .envelope import check_envelope, read_json, shard_name
 from .fields import (
+    RULES,
     Entry,
     bare_name,
     check_value,
@@ -39,6 +36,7 @@ from .fields import (
     json_object,
     list_of,
     maybe,
+    memory_holds,
     number,
     one_of,
     string,
@@ -51,13 +49,29 @@ from .format import (
     JOB_FORMAT,
     JOB_VERSION,
     MANIFEST,
+    MEMORY,
     MODEL_MEMORY,
     PARAMS_DATA,
     PIECES_VERSION,
     dtype_name,
     dtype_of,
+    io_error,
     jsonable,
+    read_torch,
 )
+
+SHARD_NAME = re.compile(r"^rank-(\d{5,})$")
+
+
+def shard_name(rank: int) -> str:
+    """The directory of ``rank``'s shard inside a job's checkpoint."""
+    return f"rank-{rank:05d}"
+
+
+def digest(body: dict) -> str:
+    """The xxh3_64 a manifest records of itself: over its JSON without the ``manifest_xxh3_64`` field."""
+    body = {k: v for k, v in body.items() if k != "manifest_xxh3_64"}
+    return xxhash.xxh3_64(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -66,7 +80,7 @@ class FileEntry(Entry):
     wrote each file under its fixed name and recorded none)."""
 
     bytes: int = json_field(count, required=True)
-    # Null only for state.bin whose units' checksums cover the whole file (see Manifest.check): a clone
+    # Null only for state.bin whose units' checksums cover the whole file (fields.units_cover_data): a clone
     # takes them from the optimizer's store, and no pass over the file in order computes its own.
     xxh3_64: Optional[str] = json_field(maybe(string), required=True, null=True)
     file: Optional[str] = json_field(bare_name, None)
@@ -88,8 +102,7 @@ def _files(value: Any, name: str) -> dict:
     return entries
 
 
-# The engine's piece sizes (aio.block_size): a multiple of 4096 from 4 KiB to 1 GiB.
-PIECE_MIN, PIECE_MAX = ALIGNMENT, MAX_BLOCK_SIZE  # what aio.block_size accepts
+PIECE_MIN, PIECE_MAX = ALIGNMENT, MAX_BLOCK_SIZE  # the engine's piece sizes: what aio.block_size accepts
 piece_size = check_value(f"a piece size: a multiple of {PIECE_MIN} from {PIECE_MIN} to {PIECE_MAX}",
                          lambda v: isinstance(v, int) and not isinstance(v, bool) and PIECE_MIN <= v <= PIECE_MAX
                          and v % PIECE_MIN == 0)
@@ -268,12 +281,9 @@ def _group(value: Any, name: str) -> dict:
 
 @dataclass(frozen=True)
 class Manifest(Entry):
-    """The manifest of one process's checkpoint in directory ``root``.
-
-    Build one with the fields a save knows (:meth:`new`), or read one with :func:`read`, which checks it
-    whole; :meth:`to_json` is what ``manifest.json`` holds. :meth:`path` is the only way from a file of
-    the format to a path: always inside ``root``, never through a symbolic link.
-    """
+    """The manifest of one process's checkpoint in directory ``root``: made by a save (:meth:`new`) or read
+    (:func:`read`). :meth:`path` is the only way from a file of the format to a path: always inside
+    ``root``, never through a symbolic link."""
 
     optimizer: Optional[str] = json_field(maybe(string), None, null=True)
     files: dict = json_field(_files, {}, required=True)
@@ -316,18 +326,13 @@ class Manifest(Entry):
         return any(u.pieces is not None for u in self.units) or (data is not None and data.xxh3_64 is None)
 
     def check(self, name: str) -> None:
-        """The rules of a manifest as a whole (:data:`offload.checkpoint.checks.RULES`)."""
         for rule in RULES:
             rule(self)
 
     def path(self, name: str, *, must_exist: bool = True) -> str:
         """The path of the format's file ``name`` in this checkpoint: in its directory, under the name its
-        entry records, a regular file (not a symbolic link).
-
-        Raises:
-            CheckpointError: the manifest does not list ``name``, or the file is missing (``must_exist``),
-                or it is a link or not a regular file.
-        """
+        entry records; CheckpointError where the manifest does not list it, it is missing (``must_exist``),
+        or it is a link or not a regular file."""
         entry = self.files.get(name)
         if entry is None:
             raise CheckpointError(f"checkpoint {self.root} has no {name} (its manifest does not list one)")
@@ -354,14 +359,12 @@ class Manifest(Entry):
                                 "checkpoint is corrupt, load an older one")
         return path
 
-    def check_memory(self, memory: Any) -> None:
-        """Refuse ``memory`` (memory.pt's content) unless it holds what the manifest says: the groups, each
-        small parameter's state, each offloaded parameter's step (:func:`offload.checkpoint.checks.memory_holds`).
-
-        Raises:
-            CheckpointError: the first thing missing, named.
-        """
+    def memory(self) -> dict:
+        """memory.pt's content, checksum verified, once it is found to hold what the manifest says
+        (:func:`fields.memory_holds`: CheckpointError naming the first thing missing)."""
+        memory = read_torch(self.path(MEMORY), self.files[MEMORY])
         memory_holds(self, memory)
+        return memory
 
     def holders(self, unit: int) -> list:
         """The indices of the parameters with a chunk in unit ``unit``."""
@@ -422,16 +425,47 @@ class JobManifest(Entry):
 
 # -- from disk ---------------------------------------------------------------------------------------
 
+def raw_manifest(directory: str, name: str = MANIFEST) -> Any:
+    """The JSON in ``directory/name``, unchecked; None if there is none or it does not parse."""
+    try:
+        with open(os.path.join(directory, name), "rb") as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
+        return None
+
+
+def _manifest_name(directory: str) -> str:
+    """A job's shard (a directory named ``rank-<n>``) has the manifest its job manifest in the directory
+    above names (a save writes it under the job's generation); anything else ``manifest.json``. A name that
+    is not a bare file name there is ignored."""
+    parent, name = os.path.split(directory)
+    job = raw_manifest(parent) if SHARD_NAME.match(name) else None
+    if isinstance(job, dict) and job.get("format") == JOB_FORMAT and isinstance(job.get("shards"), list):
+        for entry in job["shards"]:
+            if isinstance(entry, dict) and entry.get("name") == name:
+                try:
+                    return bare_name(entry.get("manifest", MANIFEST), "manifest")
+                except CheckpointError:
+                    break
+    return MANIFEST
+
+
 def parse(raw: Any, root: str, where: str) -> Manifest | JobManifest:
     """Check ``raw`` (the JSON read from ``where``, the manifest of checkpoint ``root``): its format, its
-    version, its own checksum (:func:`~offload.checkpoint.envelope.check_envelope`), then its whole shape
-    (:meth:`Manifest.parse`, :meth:`JobManifest.parse`).
-
-    Raises:
-        CheckpointError: not a manifest of ours, a version this library does not read, or a field
-            wrong (named); ``ChecksumError``: its checksum does not hold.
-    """
-    kind = check_envelope(raw, where)
+    version and its own checksum (else ``ChecksumError``), then its whole shape (CheckpointError naming
+    the field)."""
+    kind = raw.get("format") if isinstance(raw, dict) else None
+    if kind not in (FORMAT, JOB_FORMAT):
+        raise CheckpointError(f"{where} is not an nvme-offload checkpoint manifest")
+    versions = (JOB_VERSION,) if kind == JOB_FORMAT else (FORMAT_VERSION, PIECES_VERSION)
+    if raw.get("version") not in versions:
+        raise CheckpointError(f"{where} has format version {raw.get('version')!r}; this library reads version "
+                              f"{' or '.join(map(str, versions))}. Load it with the nvme-offload version that saved it "
+                              "(a newer one, if its version is higher), or load another checkpoint")
+    found = digest(raw)
+    if found != raw.get("manifest_xxh3_64"):
+        raise ChecksumError(f"{where}: xxh3_64 of its content is {found}, it records "
+                            f"{raw.get('manifest_xxh3_64')}; the manifest is corrupt")
     try:
         return (JobManifest if kind == JOB_FORMAT else Manifest).parse(raw, "", root=root)
     except CheckpointError as err:
@@ -440,22 +474,29 @@ def parse(raw: Any, root: str, where: str) -> Manifest | JobManifest:
 
 def read(directory: str) -> Manifest | JobManifest:
     """The manifest of checkpoint ``directory`` (absolute), parsed and checked (:func:`parse`). A job's
-    shard has the manifest its job manifest names; anything else ``manifest.json``.
-
-    Raises:
-        FileNotFoundError: no such directory.
-        CheckpointError: no manifest (no save of ours finished there), or one :func:`parse` refuses.
-    """
-    raw, path = read_json(directory)
+    shard has the manifest its job manifest names; anything else ``manifest.json``. FileNotFoundError
+    where there is no such directory, CheckpointError where there is no manifest."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
+    path = os.path.join(directory, _manifest_name(directory))
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save commits by "
+                              f"writing its {MANIFEST} last, so no save of ours finished here") from None
+    except OSError as err:
+        raise io_error(err, path, "cannot read") from err
+    try:
+        raw = json.loads(text)
+    except ValueError as err:
+        raise ChecksumError(f"{path} is not valid JSON ({err}); the checkpoint is corrupt") from None
     return parse(raw, directory, path)
 
 
 def read_process(directory: str) -> Manifest:
-    """:func:`read` of a checkpoint that must be one process's, not a job's.
-
-    Raises:
-        CheckpointError: it is a job's (the message says how to load it), or :func:`read` refuses it.
-    """
+    """:func:`read` of a checkpoint that must be one process's, not a job's (CheckpointError, saying how
+    to load it, for a job's)."""
     manifest = read(directory)
     if isinstance(manifest, JobManifest):
         raise CheckpointError(manifest.refusal(1))

@@ -18,9 +18,8 @@ from ..params import named_tensors, store_of
 from ..space import Extent
 from ..units import ALIGNMENT, round_up
 from .commit import Staged, reading, write_atomically
-from .format import MODEL_MEMORY, PARAMS_DATA, dtype_name, dtype_of, read_torch, write_file
+from .format import DEFAULT_STORAGE, MODEL_MEMORY, PARAMS_DATA, Storage, dtype_name, dtype_of, read_torch, write_file
 from .manifest import Manifest, ModelSection, TensorEntry, read_process
-from .storage import DEFAULT_STORAGE, Storage
 from .stream import DONE, read_verified, stream, tensor_spans, tool_pool, write_data
 
 __all__ = ["load_parameters", "save_parameters"]
@@ -80,11 +79,7 @@ def load_parameters(model: nn.Module, directory) -> None:
 
 
 def model_section(manifest: Manifest) -> ModelSection:
-    """The manifest's model section.
-
-    Raises:
-        CheckpointError: the checkpoint holds no model weights.
-    """
+    """The manifest's model section; CheckpointError where the checkpoint holds no model weights."""
     if manifest.model is None:
         raise CheckpointError(f"checkpoint {manifest.root} holds no model weights (it was saved without model=); "
                               "load the model from where its weights were saved, or pass no model")
@@ -142,33 +137,20 @@ class _Unit:
     entry: Optional[TensorEntry] = None  # loading: read from params.bin at this entry (else from ``memory``)
     param: Optional[torch.Tensor] = None  # the parameter whose extent this is (with ``store``)
 
-    def store_unit(self, unit_bytes: int) -> Optional[int]:
-        """This unit's index among the store's own units (of ``unit_bytes``), or None when sizes differ."""
-        if self.store is None or self.store.unit_bytes != unit_bytes:
-            return None
-        return self.start // unit_bytes
+    def swap(self, buf, unit_bytes: int, *, write: bool):
+        """Read (or write) these bytes of the swap space through ``buf``: as one of the store's own units
+        where they are one (``unit_bytes`` is the store's), checked against (or keeping) its checksum."""
+        if self.store.unit_bytes == unit_bytes:
+            move = self.store.write_unit if write else self.store.read_unit
+            return move(self.param, self.start // unit_bytes, buf)
+        space = self.store.space
+        return (space.write if write else space.read)(space.sub(self.extent, self.start, self.n), buf, nbytes=self.n)
 
 
-# NOTE: with ``model=`` (or ``save_parameters``) a checkpoint also holds the model's tensors, by
-# qualified name, in ``state_dict`` order:
-#
-#   params.bin  each offloaded parameter's bytes at a 4096-aligned offset, copied from the parameter
-#               store's swap space through the store's own pool with the native engine (O_DIRECT).
-#               Nothing is fetched, so host memory stays the pool whatever the model size. A
-#               parameter resident now (in use, maybe changed in place) or held in the host cache is
-#               saved from that copy, which is its latest.
-#   model.pt    torch.save of the rest: parameters that are not offloaded, persistent buffers.
-#
-# The manifest's "model" section lists every name with its shape and dtype and where it is
-# ("params.bin" with offset, length and xxh3_64 of its bytes, or "model.pt"); a tied name (the same
-# tensor under a second name, as ``state_dict`` lists it) says ``same_as`` instead.
-#
-# Loading checks names, shapes and dtypes, model.pt's checksum, and (in a first read of params.bin)
-# every parameter's checksum before anything changes; then a second pass streams the bytes into
-# the extents and into any in-memory copy (a resident parameter's storage, the host cache), so no
-# stale copy survives. Stored gradients are dropped: they belong to the old weights, and torch does
-# not save gradients either. Bytes may move between the two files' kinds: a parameter offloaded
-# when saved loads into a model that keeps it in memory, and the other way round.
+# The model's part of a checkpoint (params.bin, model.pt, the manifest's "model" section) and how it is
+# saved and loaded are docs/checkpoint.md's "Format", "Saving the model" and "Loading checks first": in
+# short, nothing is fetched to save, and a load checks every checksum in a first read of params.bin before
+# a second one changes anything, then overwrites every in-memory copy so that no stale one survives.
 def save_model(model: nn.Module, staged: Staged) -> tuple[ModelSection, dict]:
     """Write params.bin and model.pt into ``staged``; returns the manifest's model section and the two
     files' entries (as ``write_file`` returns them)."""
@@ -206,11 +188,8 @@ def save_model(model: nn.Module, staged: Staged) -> tuple[ModelSection, dict]:
         def read(u: _Unit, buf):
             if u.extent is None:
                 return DONE
-            if u.store_unit(unit_bytes) is not None:
-                # Checked as it lands: a checkpoint never copies weights changed on disk behind our back.
-                return u.store.read_unit(u.param, u.store_unit(unit_bytes), buf)
-            space = u.store.space
-            return space.read(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
+            # Checked as it lands: a checkpoint never copies weights changed on disk behind our back.
+            return u.swap(buf, unit_bytes, write=False)
 
         def fill(u: _Unit, buf) -> None:
             if u.memory is not None:
@@ -259,28 +238,34 @@ def _tool_pool(manifest: Manifest):
     return tool_pool([t.length for t in model_section(manifest).on_disk()])
 
 
-def verify_model(manifest: Manifest, aio: AioConfig) -> None:
-    """Check model.pt's and params.bin's checksums, every parameter's in params.bin, and that model.pt holds
-    each tensor the manifest places there with the shape and dtype it records (what a load compares with
-    the model)."""
+def model_memory(manifest: Manifest) -> dict:
+    """model.pt's content, checksum verified, once it is checked to hold each tensor the manifest places
+    there with the shape and dtype it records (what a load compares with the model)."""
+    section = model_section(manifest)
     memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
-    for e in model_section(manifest).tensors:
+    for e in section.tensors:
         if e.same_as is None and e.where == MODEL_MEMORY:
             t = memory.get(e.name) if isinstance(memory, dict) else None
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(e.shape) or dtype_name(t.dtype) != e.dtype:
                 raise CheckpointError(f"checkpoint {manifest.root}: {MODEL_MEMORY} does not hold {e.name!r} as the "
                                       f"manifest records it (shape {list(e.shape)}, {e.dtype}); load another "
                                       "checkpoint")
-    state_dict(manifest, aio, keep=False)
+    return memory
 
 
-def state_dict(manifest: Manifest, aio: AioConfig, *, keep: bool = True) -> OrderedDict:
-    """The checkpoint's model as a ``state_dict`` (every tensor in memory), checksums verified; with
-    ``keep`` False, only verified (nothing is kept)."""
-    memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY]) if keep else {}
+def verify_model(manifest: Manifest, aio: AioConfig) -> None:
+    """Check model.pt (:func:`model_memory`), params.bin's checksum and every parameter's in it."""
+    model_memory(manifest)
+    with _tool_pool(manifest) as pool, Engine(aio) as engine:
+        scan_params(manifest, engine, list(pool))
+
+
+def state_dict(manifest: Manifest, aio: AioConfig) -> OrderedDict:
+    """The checkpoint's model as a ``state_dict`` (every tensor in memory), checksums verified."""
+    memory = model_memory(manifest)
     out: OrderedDict = OrderedDict()
     flat: dict[str, torch.Tensor] = {}
-    for e in model_section(manifest).tensors if keep else ():
+    for e in model_section(manifest).tensors:
         if e.same_as is not None:
             out[e.name] = out[e.same_as]
         elif e.where == MODEL_MEMORY:
@@ -292,12 +277,8 @@ def state_dict(manifest: Manifest, aio: AioConfig, *, keep: bool = True) -> Orde
     def sink(e: TensorEntry, start: int, data: torch.Tensor) -> None:
         flat[e.name][start:start + data.numel()].copy_(data)
 
-    with _tool_pool(manifest) as pool:
-        engine = Engine(aio)
-        try:
-            scan_params(manifest, engine, list(pool), sink if keep else None)
-        finally:
-            engine.close()
+    with _tool_pool(manifest) as pool, Engine(aio) as engine:
+        scan_params(manifest, engine, list(pool), sink)
     return out
 
 
@@ -337,49 +318,29 @@ def load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig] = 
                on_partial: Optional[Callable[[BaseException], None]] = None,
                storage: Storage = DEFAULT_STORAGE) -> None:
     """Load the checkpoint's model section into ``model``: check everything, then stream (with an
-    engine of ``storage``).
-
-    ``on_partial(err)`` is called when streaming failed after the first bytes changed.
-
-    Raises:
-        CheckpointError: the checkpoint does not fit the model (first mismatch named) or holds no
-            model; ``ChecksumError`` a file or parameter is corrupt. Nothing was changed.
-        OSError: reading or writing failed while streaming: the offloaded weights are then a mix of
-            old and new, and the store refuses fetches (``StateError``) until a load succeeds.
-    """
+    engine of ``storage``); raises as :func:`load_parameters` says, calling ``on_partial(err)`` first
+    where streaming failed after the first bytes changed."""
     jobs = _match(model, manifest)
-    memory = read_torch(manifest.path(MODEL_MEMORY), manifest.files[MODEL_MEMORY])
-    for _, _, e in jobs:
-        if e.where == MODEL_MEMORY:
-            src = memory.get(e.name) if isinstance(memory, dict) else None
-            if not torch.is_tensor(src) or tuple(src.shape) != tuple(e.shape) or src.dtype != dtype_of(e.dtype):
-                raise CheckpointError(f"checkpoint {manifest.root}: {MODEL_MEMORY} lacks {e.name!r} as its "
-                                      "manifest describes it")
+    memory = model_memory(manifest)
     manifest.sized_path(PARAMS_DATA)
     stores = _stores_of(t for _, t, _ in jobs)
     if aio is None:
         aio = stores[0].config.aio if stores else AioConfig()
     own_pool = None if stores else _tool_pool(manifest)
-    engine = storage.engine(aio)
-    try:
-        with _held(stores) as lent:
-            buffers = lent if lent is not None else list(own_pool)
-            # First pass: every checksum, before anything changes.
-            scan_params(manifest, engine, buffers)
-            try:
-                _stream_in(manifest, jobs, memory, engine, buffers, stores)
-            except BaseException as err:
-                for s in stores:
-                    s.error = err
-                if on_partial is not None:
-                    on_partial(err)
-                raise
+    with own_pool or contextlib.nullcontext(), storage.engine(aio) as engine, _held(stores) as lent:
+        buffers = lent if lent is not None else list(own_pool)
+        # First pass: every checksum, before anything changes.
+        scan_params(manifest, engine, buffers)
+        try:
+            _stream_in(manifest, jobs, memory, engine, buffers, stores)
+        except BaseException as err:
             for s in stores:
-                s.loaded([t for _, t, _ in jobs if store_of(t) is s])
-    finally:
-        engine.close()
-        if own_pool is not None:
-            own_pool.close()
+                s.error = err
+            if on_partial is not None:
+                on_partial(err)
+            raise
+        for s in stores:
+            s.loaded([t for _, t, _ in jobs if store_of(t) is s])
 
 
 def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buffers: list, stores: list) -> None:
@@ -438,10 +399,7 @@ def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buf
             return True
 
         def write(u: _Unit, buf):
-            if u.store_unit(unit_bytes) is not None:
-                return u.store.write_unit(u.param, u.store_unit(unit_bytes), buf)  # its checksum kept
-            space = u.store.space
-            return space.write(space.sub(u.extent, u.start, u.n), buf, nbytes=u.n)
+            return u.swap(buf, unit_bytes, write=True)
 
         stream(units, buffers, read=read, process=process, write=write)
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():

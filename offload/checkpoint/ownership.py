@@ -12,9 +12,8 @@ import warnings
 from typing import Callable
 
 from ..errors import CheckpointError
-from .envelope import SHARD_NAME, raw_manifest
 from .format import FORMAT, JOB_FORMAT, MANIFEST
-from .manifest import JobManifest, Manifest, parse
+from .manifest import SHARD_NAME, JobManifest, Manifest, parse, raw_manifest
 
 _WHAT_TO_DO = "save into a new directory, or remove this one yourself if nothing in it is needed"
 
@@ -101,11 +100,8 @@ def checkpoint_problem(path: str) -> str | None:
 # Refusals are FileExistsError (an OSError with the path, as os.mkdir raises for a name that is taken),
 # not CheckpointError: nothing is wrong with any checkpoint, the name is taken by something else.
 def check_target(path: str, given: str) -> None:
-    """Refuse directory ``path`` (the real path of the ``given`` one) unless a save may write there.
-
-    Raises:
-        FileExistsError: ``path`` is a file, or a directory that is not one of our checkpoints.
-    """
+    """Refuse directory ``path`` (the real path of the ``given`` one), with FileExistsError, unless a save
+    may write there."""
     name = given if given == path else f"{given} (a link to {path})"
     try:
         st = os.lstat(path)

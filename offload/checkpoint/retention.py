@@ -15,14 +15,12 @@ from ..aio import create_private
 from ..distributed import rank_info
 from ..errors import CheckpointError
 from .commit import SaveHandle, lock_directory
-from .envelope import raw_manifest
-from .format import JOB_FORMAT
+from .format import DEFAULT_STORAGE, JOB_FORMAT
 from .job import gather, job_world
 from .load import load_checkpoint
-from .manifest import read
+from .manifest import raw_manifest, read
 from .ownership import is_our_format, remove_checkpoint, remove_leftovers, used_elsewhere
 from .save import save
-from .storage import DEFAULT_STORAGE
 from .verify import verify_checkpoint, verify_job
 
 log = logging.getLogger("offload")
@@ -91,17 +89,16 @@ class Retention:
         """Checkpoints (``step-<n>`` directories with a manifest of ours), oldest first."""
         return [e.path for e in self._entries()]
 
-    def _entries(self) -> list[_Entry]:
+    def _named(self) -> list[_Entry]:
+        """Every ``step-<n>`` name under the root, ours or not."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:
             return []
-        found = []
-        for n in names:
-            m = self._NAME.match(n)
-            if m and is_our_format(os.path.join(self.root, n)):
-                found.append(_Entry(int(m[1]), os.path.join(self.root, n)))
-        return sorted(found, key=lambda e: e.step)
+        return [_Entry(int(m[1]), os.path.join(self.root, n)) for n in names if (m := self._NAME.match(n))]
+
+    def _entries(self) -> list[_Entry]:
+        return sorted((e for e in self._named() if is_our_format(e.path)), key=lambda e: e.step)
 
     def latest(self) -> Optional[str]:
         """The newest complete checkpoint of this level, or None."""
@@ -173,17 +170,11 @@ class Retention:
 
     def _remove_leftovers(self) -> None:
         """Delete ``step-<n>`` directories that hold only what a save or a deletion cut short left."""
-        try:
-            names = os.listdir(self.root)
-        except FileNotFoundError:
-            return
-        for n in names:
-            path = os.path.join(self.root, n)
-            if not self._NAME.match(n) or is_our_format(path) or not os.path.isdir(path):
+        for path in (e.path for e in self._named()):
+            if is_our_format(path) or not os.path.isdir(path):
                 continue
-            try:
-                fd = lock_directory(path, exclusive=True, timeout=0)
-            except (CheckpointError, OSError):
+            fd = _lock_now(path)
+            if fd is None:
                 continue  # a save is writing it
             try:
                 remove_leftovers(path)
@@ -193,9 +184,8 @@ class Retention:
     def _remove(self, path: str) -> bool:
         """Delete checkpoint ``path`` unless it is in use: read or written (its lock) or held open by
         another process; True if it is gone."""
-        try:
-            fd = lock_directory(path, exclusive=True, timeout=0)
-        except (CheckpointError, OSError):
+        fd = _lock_now(path)
+        if fd is None:
             log.info("not deleting %s now: it is being read or written", path)
             return False
         try:
@@ -268,6 +258,14 @@ class Retention:
                 continue
             self._remember(path)
             return path
+        return None
+
+
+def _lock_now(path: str) -> Optional[int]:
+    """Directory ``path``'s lock, taken exclusively if nobody holds it now (its descriptor), else None."""
+    try:
+        return lock_directory(path, exclusive=True, timeout=0)
+    except (CheckpointError, OSError):
         return None
 
 

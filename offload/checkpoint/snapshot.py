@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import errno as _errno
+import fcntl
 import os
+import struct
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -22,7 +24,29 @@ from ..units import format_size
 from .commit import Staged
 from .format import DATA, EXTRA, MEMORY, dtype_name, io_error, write_file
 from .manifest import Manifest, ParamEntry, Unit, chunk_table
-from .stream import DataFile, clone_range, packed, stream
+from .stream import DataFile, packed, stream
+
+# -- cloning extents (reflink) -------------------------------------------------------------------------
+
+FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range)
+# What a file system says when it cannot share extents between these two files: no reflink support
+# (ext4, tmpfs), two file systems, or offsets and lengths that are not multiples of its block size.
+NO_CLONE_ERRORS = frozenset({_errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EXDEV, _errno.EINVAL, _errno.ENOTTY,
+                       _errno.ENOSYS, _errno.EBADF})
+
+
+def clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
+    """Make ``length`` bytes of ``dst_fd`` at ``dst_offset`` share the extents of ``src_fd`` at
+    ``src_offset`` (``FICLONERANGE``: XFS with reflink, btrfs): metadata only, whatever the length.
+    False where the file system cannot (the caller copies the bytes instead); OSError on any other
+    failure (ENOSPC, EIO, ...)."""
+    try:
+        fcntl.ioctl(dst_fd, FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, length, dst_offset))
+    except OSError as err:
+        if err.errno in NO_CLONE_ERRORS:
+            return False
+        raise
+    return True
 
 
 @dataclass
@@ -353,19 +377,10 @@ class StateCopy:
 
 def write_small_files(staged: Staged, plan: Plan, data: tuple, *, kind: str, extra, config: dict, unit_bytes: int,
                       threshold: int, memory=None) -> Manifest:
-    """Write memory.pt (and extra.pt) into ``staged`` beside state.bin; returns the manifest to commit.
-
-    Args:
-        staged: the checkpoint being written.
-        plan: what was taken from the optimizer (or an imported state dict).
-        data: state.bin's file entry and units, as :meth:`StateCopy.run` or ``stream.write_data`` return them.
-        kind: the optimizer's class name, or ``"imported"``.
-        extra: the caller's ``extra`` (None: no extra.pt); maybe ``format.Serialized``, taken at the call.
-        config: the optimizer's config as a dict.
-        unit_bytes: the unit (buffer) size.
-        threshold: the small-parameter threshold.
-        memory: memory.pt's content serialized at the call (``format.Serialized``), else made from ``plan``.
-    """
+    """Write memory.pt (``memory``, serialized at the call, else made from ``plan``) and extra.pt (unless
+    ``extra`` is None) into ``staged`` beside state.bin (``data``: its file entry and units, as
+    :meth:`StateCopy.run` returns them); returns the manifest to commit. ``kind``: the optimizer's class
+    name, or ``"imported"``."""
     file, units = data
     files = {DATA: file}
     if memory is None:

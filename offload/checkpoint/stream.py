@@ -1,16 +1,13 @@
-"""Moving a checkpoint's data file through host buffers: ranged reads and the writer of state.bin and params.bin."""
+"""Moving a checkpoint's data files through host buffers: the writer of state.bin and params.bin, and the
+checked reader of their ranges."""
 
 from __future__ import annotations
 
-import errno as _errno
-import fcntl
 import os
-import struct
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 import xxhash
 from tqdm import tqdm
 
@@ -60,63 +57,11 @@ def progress_bar(total: int, what: str, enabled: Optional[bool] = None, *, delay
                 disable=not enabled, dynamic_ncols=True, file=sys.stderr)
 
 
-# -- cloning extents (reflink) ----------------------------------------------------------------------
-
-FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range)
-# What a file system says when it cannot share extents between these two files: no reflink support
-# (ext4, tmpfs), two file systems, or offsets and lengths that are not multiples of its block size.
-NO_CLONE_ERRORS = frozenset({_errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EXDEV, _errno.EINVAL, _errno.ENOTTY,
-                       _errno.ENOSYS, _errno.EBADF})
-
-
-def clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
-    """Make ``length`` bytes of ``dst_fd`` at ``dst_offset`` share the extents of ``src_fd`` at
-    ``src_offset`` (``FICLONERANGE``: XFS with reflink, btrfs): metadata only, whatever the length.
-    False where the file system cannot (the caller copies the bytes instead).
-
-    Raises:
-        OSError: any other failure (ENOSPC, EIO, ...).
-    """
-    try:
-        fcntl.ioctl(dst_fd, FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, length, dst_offset))
-    except OSError as err:
-        if err.errno in NO_CLONE_ERRORS:
-            return False
-        raise
-    return True
-
-
 def stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,
             process: Callable[[Any, Any], bool], write: Optional[Callable] = None) -> None:
     """:meth:`offload.pipeline.Pipeline.run` over ``buffers``, reads as far ahead as buffers allow."""
     if len(items):
         Pipeline(list(buffers)).run(items, read=read, process=process, write=write)
-
-
-class RangeReader:
-    """Copies byte ranges of a checkpoint's data file into tensors through one staging buffer."""
-
-    def __init__(self, engine: Engine, file, buffer, file_bytes: int):
-        self.engine, self.file, self.buffer, self.file_bytes = engine, file, buffer, file_bytes
-        self.start, self.end = 0, 0  # the window of the file the buffer holds
-
-    def copy(self, dest: torch.Tensor, offset: int) -> None:
-        """Fill the 1-D tensor ``dest`` from the file's bytes at ``offset``."""
-        itemsize = dest.element_size()
-        done, total = 0, dest.numel() * itemsize
-        while done < total:
-            pos = offset + done
-            if not (self.start <= pos < self.end):
-                self.start = pos // ALIGNMENT * ALIGNMENT
-                length = min(self.buffer.nbytes, self.file_bytes - self.start)
-                got = self.engine.read(self.file, self.buffer, self.start, length)
-                self.end = self.start + got
-                if got < itemsize:
-                    raise ChecksumError(f"{self.file.path}: ends at byte {self.end}, data expected at {pos}")
-            take = min(total - done, self.end - pos)
-            n = take // itemsize
-            dest[done // itemsize: done // itemsize + n].copy_(self.buffer.view(dest.dtype, pos - self.start, n))
-            done += n * itemsize
 
 
 # -- writing a data file (state.bin, params.bin) -------------------------------------------
