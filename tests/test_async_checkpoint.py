@@ -9,7 +9,7 @@ import os
 import threading
 
 import pytest
-from helpers import SMALL, assert_same_state, ckpt_file, make_params, train
+from helpers import SMALL, assert_same_state, ckpt_file, make_params, run_code, train
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
@@ -249,3 +249,120 @@ def test_a_step_that_meets_a_unit_the_save_is_reading_waits_for_that_read(tmp_pa
     monkeypatch.undo()
     assert waited, "the step changed the unit while the save's read of it was in flight"
     assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
+
+
+# -- saves that ride on the steps ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def patient(monkeypatch) -> None:
+    """Asynchronous saves wait an hour for the steps to hand them their units, unless something else ends it."""
+    monkeypatch.setattr(snapshot_module, "RIDE_MIN_S", 3600.0)
+    monkeypatch.setattr(snapshot_module, "RIDE_FIRST_S", 3600.0)
+
+
+def save_reads(store, monkeypatch) -> list:
+    """The units the asynchronous save's own thread reads from the store, as it reads them."""
+    reads = []
+    real = store.read_unit
+
+    def read_unit(unit, buf):
+        if threading.current_thread().name == "offload-checkpoint-save":
+            reads.append(unit)
+        return real(unit, buf)
+
+    monkeypatch.setattr(store, "read_unit", read_unit)
+    return reads
+
+
+def commits_unwaited(handle, seconds: float = 60) -> bool:
+    """Whether the save commits within ``seconds`` with nobody waiting on it (waiting would hurry it)."""
+    deadline = threading.Event()
+    for _ in range(int(seconds * 20)):
+        if handle.done():
+            return True
+        deadline.wait(0.05)
+    return False
+
+
+def test_an_async_save_rides_on_the_next_step_and_reads_nothing_itself(tmp_path, nvme, closing, monkeypatch,
+                                                                        patient):
+    """The step after an asynchronous save hands it every unit (the guard copies each from the step's own
+    buffer): the save reads none from the store, so it adds only its writes; it commits without anybody
+    waiting; state.bin is byte for byte a blocking save's at the call, and the units' checksums, taken of the
+    bytes the guard wrote, cover it (state.bin has none of its own)."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    ckpt.save_checkpoint(opt, tmp_path / "blocking")
+    expected = copy.deepcopy(opt.state_dict())
+    reads = save_reads(opt.state_store, monkeypatch)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "async", blocking=False)
+    train(opt, params, range(2, 3))
+    assert commits_unwaited(handle), "the save did not commit after a step had handed it every unit"
+    handle.wait()
+    assert reads == []
+    assert filecmp.cmp(ckpt_file(tmp_path / "blocking", "state.bin"), ckpt_file(tmp_path / "async", "state.bin"),
+                       shallow=False)
+    assert ckpt.read_manifest(tmp_path / "async")["files"]["state.bin"]["xxh3_64"] is None
+    ckpt.verify_checkpoint(tmp_path / "async")
+    assert_same_state(loaded_state(tmp_path / "async", str(tmp_path / "nvme2")), expected)
+
+
+def test_units_a_whole_step_left_alone_are_read_by_the_save_itself(tmp_path, nvme, closing, monkeypatch, patient):
+    """Units the step after the save does not change (a parameter without a grad) are not waited for past
+    that step: the save reads them itself and commits, with nobody waiting on it."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    expected = copy.deepcopy(opt.state_dict())
+    reads = save_reads(opt.state_store, monkeypatch)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    train(opt, params, range(2, 3), skip={4})  # the largest parameter, in units of its own, gets no grad
+    assert commits_unwaited(handle), "the save went on waiting for units the step had left alone"
+    n_units = len(ckpt.read_manifest(tmp_path / "c")["units"])
+    assert 0 < len(reads) < n_units
+    assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
+
+
+def test_waiting_for_an_async_save_without_a_step_makes_it_read_the_units_itself(tmp_path, nvme, closing,
+                                                                                  monkeypatch, patient):
+    """With no step after the call, the handle's wait() does not wait for one: the save reads every unit
+    from the store and commits the state of the call."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    expected = copy.deepcopy(opt.state_dict())
+    reads = save_reads(opt.state_store, monkeypatch)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    waiter = threading.Thread(target=handle.wait)
+    waiter.start()
+    waiter.join(60)
+    assert not waiter.is_alive(), "wait() waited for a step"
+    assert len(reads) == len(ckpt.read_manifest(tmp_path / "c")["units"])
+    assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
+
+
+EXIT_SCRIPT = r"""
+import sys
+import torch
+from offload import OffloadedAdamW
+from offload import checkpoint as ckpt
+from offload.checkpoint import snapshot
+snapshot.RIDE_MIN_S = snapshot.RIDE_FIRST_S = 3600.0
+params = [torch.nn.Parameter(torch.randn(70_000)) for _ in range(3)]
+opt = OffloadedAdamW(params, lr=1e-2, nvme_path=sys.argv[1], buffer_size=256 * 1024, buffer_count=3)
+for p in params:
+    p.grad = torch.randn_like(p)
+opt.step()
+ckpt.save_checkpoint(opt, sys.argv[2], blocking=False)
+print("saving")
+"""
+
+
+def test_a_script_that_ends_during_an_async_save_exits_with_the_save_committed(tmp_path, nvme):
+    """A script ending right after an asynchronous save (no step, nobody waiting) does not hang at exit
+    waiting for a step: the save reads the units itself, commits, and the checkpoint verifies."""
+    proc = run_code(EXIT_SCRIPT, nvme, str(tmp_path / "c"), timeout=60)
+    assert proc.returncode == 0 and "saving" in proc.stdout, proc.stdout + proc.stderr
+    ckpt.verify_checkpoint(tmp_path / "c")

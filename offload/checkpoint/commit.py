@@ -253,6 +253,7 @@ class SaveHandle:
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._observed = False
+        self._hurry: Callable[[], None] = lambda: None  # somebody waits: stop waiting for steps to help
 
     def done(self) -> bool:
         """Whether the save (and its copy to a mirror level, if any) has finished, well or not. Never blocks."""
@@ -276,6 +277,7 @@ class SaveHandle:
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
         """
+        self._hurry()
         if not self._done.wait(timeout):
             raise TimeoutError(f"the save to {self.directory} is still in progress after {timeout:g} s")
         self._observed = True
@@ -318,6 +320,7 @@ def wait_for_save(owner, *, report: bool, timeout: float | None = None) -> None:
         handle = _IN_FLIGHT.get(owner)
     if handle is None:
         return
+    handle._hurry()
     if not handle._done.wait(timeout):
         raise TimeoutError(f"the save to {handle.directory} is still in progress after {timeout:g} s")
     unseen = handle._error is not None and not handle._observed

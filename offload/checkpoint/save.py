@@ -167,6 +167,8 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
                 model_part = save_model(model, staged) if model is not None else None
                 handle = SaveHandle(staged.directory)
                 state.guard_on()
+                state.ride()  # the next step hands the units over; waiting for the handle hurries it
+                handle._hurry = state.hurry
 
                 def work() -> None:
                     _finish_in_background(handle, staged, state, finish, show)

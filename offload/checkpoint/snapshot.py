@@ -9,6 +9,7 @@ import fcntl
 import os
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -18,7 +19,7 @@ import xxhash
 from ..aio import hex_digest, wait_quietly
 from ..buffers import BufferPool
 from ..config import AioConfig
-from ..errors import CheckpointError, ChecksumError
+from ..errors import CheckpointError
 from ..pipeline import BufferRing
 from ..units import format_size
 from .commit import Staged
@@ -109,6 +110,13 @@ def plan(opt) -> Plan:
 _PENDING, _READING, _CAPTURING, _IN_FILE = range(4)
 
 
+# How long an asynchronous save waits for the steps to hand it the units, at least (or when the store has
+# not seen two steps yet, to time them), and in step intervals.
+RIDE_MIN_S = 2.0
+RIDE_FIRST_S = 10.0
+RIDE_STEPS = 2.0
+
+
 # NOTE: state.bin holds every unit as it was when the save was called, while training may go on.
 # Each unit is in one of four states: pending; being read from the store by the save's thread
 # (reading); being copied by the change guard (capturing); or already in state.bin (in file: cloned
@@ -116,11 +124,18 @@ _PENDING, _READING, _CAPTURING, _IN_FILE = range(4)
 # unit is then copied from the step's own buffer (no extra read) into a spare buffer and written
 # to state.bin, and a unit being read is waited for (that unit alone). The save's thread goes
 # through the units in file order: it reads pending ones from the store and writes them, and reads
-# back those in file, so that every unit's checksum and the file's are computed in order, and what
-# the guard wrote is checked. A unit cloned with the checksum the store recorded of its last write
-# (taken at the clone) is not read back at all: its checksum is that one, in the engine's form, and
-# state.bin then has none of its own. A blocking save is the same walk with no guard, through the
-# optimizer's own pool.
+# back those cloned without a checksum, so that every unit's checksum and the file's are computed in
+# order. A unit the guard wrote has the checksum the guard took of the bytes it wrote; one cloned with
+# the checksum the store recorded of its last write (taken at the clone) has that one, in the engine's
+# form. Neither is read back, and state.bin then has no checksum of its own. A blocking save is the
+# same walk with no guard, through the optimizer's own pool.
+#
+# An asynchronous save rides on the steps: the next step reads every unit it updates anyway, so the
+# walk first waits for the guard to capture a pending unit rather than reading it from the store
+# itself (the save then adds only its writes to the drive's work). It stops waiting, and reads what
+# is left, once a whole step has run since the call (what it did not capture it will not), after
+# about two step intervals, when somebody waits for the save (the handle, the next save, a load,
+# close) or when the main thread has ended.
 class StateCopy:
     """state.bin of one save: offsets, what each unit's bytes are doing, the clone, the walk and the guard."""
 
@@ -150,6 +165,9 @@ class StateCopy:
         self.failure: Optional[BaseException] = None
         self.guards = 0  # guard calls under way
         self.closed = False
+        self.riding = False  # the walk waits for the steps to capture pending units (asynchronous saves)
+        self._ride_from = 0  # the store's steps_done at the call
+        self._ride_until = 0.0
         self._remove_guard: Optional[Callable[[], None]] = None
         self.spares: Optional[BufferPool] = None
         self.spares_ready = threading.Event()
@@ -238,6 +256,33 @@ class StateCopy:
             return
         self._remove_guard = self.store.add_change_guard(self._guard)
 
+    def ride(self) -> None:
+        """Let the walk wait for the steps to capture the units (see the note above :class:`StateCopy`)."""
+        if self._remove_guard is None:
+            return  # no guard: every unit was cloned
+        interval = self.store.step_interval
+        wait = RIDE_FIRST_S if interval is None else max(RIDE_MIN_S, RIDE_STEPS * interval)
+        with self.mu:
+            self.riding = True
+            self._ride_from = self.store.steps_done
+            self._ride_until = time.monotonic() + wait
+
+    def hurry(self) -> None:
+        """Somebody waits for the save: the walk reads what the steps have not captured, now."""
+        with self.mu:
+            self.riding = False
+            self.mu.notify_all()
+
+    def _await_capture(self, i: int) -> None:
+        """Under ``mu``: wait while riding for the guard to take unit ``i``."""
+        main = threading.main_thread()
+        while self.riding and self.state[i] == _PENDING and self.failure is None and not self.closed:
+            if (self.store.steps_done > self._ride_from or time.monotonic() > self._ride_until
+                    or not main.is_alive()):
+                self.riding = False
+                return
+            self.mu.wait(0.05)
+
     def make_spares(self) -> None:
         """The guard's two spare buffers, made by the save's thread (zeroing them is not the caller's time);
         a guard call before then waits for them."""
@@ -259,6 +304,7 @@ class StateCopy:
             else:
                 self.state[i], take = _CAPTURING, True
                 self.guards += 1
+                self.mu.notify_all()  # a walk waiting for this unit stops waiting
         if was == _READING:
             self.issued[i].wait()
             # The save's read of this unit has its bytes: the step may go on.
@@ -305,7 +351,7 @@ class StateCopy:
         entry and the units' table (as ``stream.write_data``). Units whose checksum was taken from the store
         at the clone are not read back; the file then has no checksum of its own (its units' cover it)."""
         walk = [i for i in range(len(self.units)) if self.pieces[i] is None]
-        whole = xxhash.xxh3_64() if len(walk) == len(self.units) else None
+        hashing = {"whole": xxhash.xxh3_64() if len(walk) == len(self.units) else None}
         bar.update(sum(self.lengths[i] for i in range(len(self.units)) if self.pieces[i] is not None))
         from_store = [False] * len(self.units)
 
@@ -313,6 +359,7 @@ class StateCopy:
             with self.mu:
                 if self.failure is not None:
                     raise self.failure
+                self._await_capture(i)
                 was = self.state[i]
                 if was == _PENDING:
                     self.state[i] = _READING
@@ -331,17 +378,22 @@ class StateCopy:
                     raise self.failure
             if self.written[i] is not None:
                 self.written[i].wait()
+            if self.expected[i] is not None:
+                return None  # captured: its checksum is that of the bytes the guard wrote
             return self.engine.read_async(self.file, buf, self.offsets[i], self.lengths[i])
 
         def process(i: int, buf) -> bool:
             n, length = self.units[i].nbytes, self.lengths[i]
+            if not from_store[i] and self.expected[i] is not None:
+                self.digests[i] = self.expected[i]
+                hashing["whole"] = None  # not read back: the units' checksums cover the file
+                bar.update(length)
+                return False
+            whole = hashing["whole"]
             if from_store[i]:
                 buf.tensor[n:length].zero_()  # padding: same state, same bytes
             data = buf.tensor[:length].numpy()
             digest = xxhash.xxh3_64(data).hexdigest()
-            if self.expected[i] is not None and digest != self.expected[i]:
-                raise ChecksumError(f"{self.path}: bytes [{self.offsets[i]}, {self.offsets[i] + length}) read back "
-                                    f"have xxh3_64 {digest}, {self.expected[i]} was written there")
             self.digests[i] = digest
             if whole is not None:
                 whole.update(data)
@@ -356,6 +408,7 @@ class StateCopy:
         self.data.storage.fsync(self.file.fd, self.path)
         table = [Unit(o, n, u.nbytes, d, k) for u, o, n, d, k in
                  zip(self.units, self.offsets, self.lengths, self.digests, self.pieces)]
+        whole = hashing["whole"]
         return {"bytes": self.total, "xxh3_64": whole.hexdigest() if whole is not None else None}, table
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -88,6 +89,11 @@ class StateStore:
             raise
         unit_bytes = self.pool.buffer_size if self.pool is not None else size
         self.on_restored: list[Callable[[], None]] = []  # what an owner redoes after a load
+        # Steps finished, and the time between the starts of the last two (an asynchronous save waits about
+        # that long for a step to hand it the units, see offload.checkpoint.snapshot).
+        self.steps_done = 0
+        self.step_interval: Optional[float] = None
+        self._step_started: Optional[float] = None
         self.bytes = ByteStore(self.space, unit_bytes, checksum=oc.checksum, mismatch_fails=True, remedy=(
             "Training on it would be silently wrong; restore the state with load_checkpoint() (or "
             "load_state_dict()) before stepping again."))
@@ -242,7 +248,14 @@ class StateStore:
                 step left landing; the store is then failed.
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
-        self.moves.step(units, update, before_write)
+        now = time.monotonic()
+        if self._step_started is not None:
+            self.step_interval = now - self._step_started
+        self._step_started = now
+        try:
+            self.moves.step(units, update, before_write)
+        finally:
+            self.steps_done += 1
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
         """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
