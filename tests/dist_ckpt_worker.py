@@ -49,7 +49,7 @@ from ranks import fork_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import offload.checkpoint.format as format_module
+import offload.checkpoint.manifest as manifest_module
 import offload.checkpoint.job as job_module
 import offload.checkpoint.snapshot as snapshot_module
 from offload import OffloadedAdamW
@@ -57,7 +57,7 @@ from offload.checkpoint import Retention, Storage, load_checkpoint, save_checkpo
 
 
 class FixedClock:
-    """Stands in for the datetime module in offload.checkpoint.format: now() is always the same second."""
+    """Stands in for the datetime module in offload.checkpoint.manifest: now() is always the same second."""
 
     timezone = datetime.timezone
 
@@ -191,7 +191,7 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
                 undo = inject(action.get("fault"), rank)
                 extra = {"step": step, **action.get("extra", {}).get(str(rank), {})}
                 if action.get("fixed_clock"):  # every shard manifest says the same second
-                    format_module.datetime = FixedClock
+                    manifest_module.datetime = FixedClock
                 try:
                     entry["result"] = save_checkpoint(opt, action["dir"], model=holder, extra=extra,
                                                       snapshot="stream", blocking=action.get("blocking", True),
@@ -199,7 +199,7 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
                                                       storage=storage_for(action.get("fault"), rank))
                 finally:
                     undo()
-                    format_module.datetime = datetime
+                    manifest_module.datetime = datetime
             elif action["do"] == "load":
                 step = load_checkpoint(opt, action["dir"], model=holder, alone=action.get("alone", False))["step"]
             elif action["do"] == "keep_save":
