@@ -49,8 +49,8 @@ from ranks import fork_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-import offload.checkpoint.manifest as manifest_module
 import offload.checkpoint.job as job_module
+import offload.checkpoint.manifest as manifest_module
 import offload.checkpoint.snapshot as snapshot_module
 from offload import OffloadedAdamW
 from offload.checkpoint import Retention, Storage, load_checkpoint, save_checkpoint, verify_checkpoint
