@@ -115,6 +115,13 @@ def local(t):
     return shard.detach() if shard.requires_grad else shard
 
 
+def detached(t) -> torch.Tensor:
+    """``local(t).detach()`` as a plain tensor: the library's own alias of a parameter's memory, which no
+    tensor subclass's ``__torch_function__`` (an offloaded parameter's guard) sees again on its uses."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return local(t).detach()
+
+
 def like(shard: torch.Tensor, ref) -> torch.Tensor:
     """``shard`` (a rank's local part) as a DTensor laid out as ``ref`` (same mesh, placements, global
     shape); ``shard`` itself when ``ref`` is not a DTensor."""

@@ -454,15 +454,17 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
 offload_parameters(model, sys.argv[1], max_in_cpu=0, buffer_count=3, buffer_size=2048)
 w = model[0].weight
-kept = {}
+kept, shapes = {}, {}
 
 def keep(module, args):
     kept.update({
         "index": w[0], "t": w.t(), "T": w.T, "detach": w.detach(), "data": w.data, "view": w.view(-1),
         "split": torch.split(w, 4)[1], "view of a view": w.detach().view(-1)[:3], "narrow": w.narrow(0, 1, 2),
+        "dtype view": w.view(torch.int32), "detached dtype view": w.detach().view(torch.uint8),
     })
     kept["clone"] = w.clone()
     kept["sums"] = {k: float(v.sum()) for k, v in kept.items() if k != "sums"}
+    shapes.update({k: v.shape for k, v in kept.items() if k != "sums"})
 
 model[0].register_forward_pre_hook(keep)
 out = model(torch.randn(2, 8))
@@ -472,11 +474,12 @@ clone, sums = kept.pop("clone"), kept.pop("sums")
 assert type(clone) is torch.Tensor and float(clone.sum()) == sums["clone"]
 for name, v in kept.items():
     assert type(v) is OffloadedView, (name, type(v))
-    assert v.shape == (v.shape) and "not resident" in repr(v), repr(v)
+    assert v.shape == shapes[name] and "not resident" in repr(v) and "not resident" in f"{v}", repr(v)
     attempts = {
         "sum": lambda: v.sum(), "equal": lambda: torch.equal(v, v), "add_": lambda: v.add_(1),
         "zero_": lambda: v.zero_(), "deepcopy": lambda: copy.deepcopy(v), "save": lambda: torch.save(v, io.BytesIO()),
-        "format": lambda: f"{v:.3}" if v.dim() == 0 else float(v.flatten()[0]), "print": lambda: print(v.tolist()),
+        "item": lambda: float(v.flatten()[0]), "print": lambda: print(v.tolist()),
+        "pickle": lambda: pickle.dumps(v),
     }
     for what, attempt in attempts.items():
         try:
@@ -493,6 +496,8 @@ with materialized(model):  # the same storage, fetched again: every view reads t
         v = v.detach()  # torch deep-copies and pickles graph leaves only
         for copied in (copy.deepcopy(v), pickle.loads(pickle.dumps(v))):
             assert type(copied) is torch.Tensor and torch.equal(copied, v), name
+    for copied in (copy.deepcopy(w), pickle.loads(pickle.dumps(w))):  # the parameter itself: a Parameter
+        assert type(copied) is nn.Parameter and torch.equal(copied, w)
 print("readable again")
 restore_parameters(model)
 assert all(float(v.sum()) == sums[name] for name, v in kept.items())
@@ -508,7 +513,8 @@ def test_views_of_a_parameter_read_after_its_release_raise_instead_of_crashing(n
     again; copies are plain tensors. Run apart, so a crash fails only this test."""
     proc = run_code(VIEW_SCRIPT, nvme)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name in ("index", "t", "T", "detach", "data", "view", "split", "view of a view", "narrow"):
+    for name in ("index", "t", "T", "detach", "data", "view", "split", "view of a view", "narrow", "dtype view",
+                 "detached dtype view"):
         assert f"refused {name}" in proc.stdout, proc.stdout
     assert "readable again" in proc.stdout and "restored" in proc.stdout
 

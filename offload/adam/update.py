@@ -11,7 +11,7 @@ from torch.optim.adam import adam as _torch_adam
 
 from .. import copies
 from ..copies import Ticket
-from ..distributed import like, local
+from ..distributed import detached, like, local
 from ..state import HALF_DTYPES
 
 __all__ = ["GradScaling", "kernel_flags", "run_adam", "update_chunks", "update_in_memory"]
@@ -98,7 +98,7 @@ def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], to
             st = state[p]
             fused = kernel_flags(group, p.device)["fused"]
             half = p.dtype in HALF_DTYPES
-            weights = local(p).detach()
+            weights = detached(p)
             if len(st) == 0:
                 st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
                               else torch.tensor(0.0, dtype=torch.float32))
@@ -123,7 +123,7 @@ def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], to
         run_adam(group, targets, *lists, grad_scale=scaling.kernel_scale)
         for p, target in zip(params, targets):
             if p.dtype in HALF_DTYPES:
-                local(p).detach().copy_(target)
+                detached(p).copy_(target)
 
 
 def update_chunks(chunks, buf, grad_views: dict, *, state: dict,
@@ -161,7 +161,7 @@ def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: 
     for c in chunks:
         p = c.slot.param
         lo, hi = c.start, c.start + c.numel
-        flat_p = local(p).detach().view(-1)[lo:hi]
+        flat_p = detached(p).view(-1)[lo:hi]
         crossing = copies.crosses(p.device)
         flat_g = grad_views.get(c)
         if flat_g is None:
@@ -212,7 +212,7 @@ def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: 
         stored.copy_(wide)
     for c, target in zip(chunks, params):
         if "master" in c.slot.keys:
-            local(c.slot.param).detach().view(-1)[c.start:c.start + c.numel].copy_(target)
+            detached(c.slot.param).view(-1)[c.start:c.start + c.numel].copy_(target)
     for host, dev_t in writeback:
         landed.append(copies.to_host(host, dev_t))
     return Ticket.all(read), Ticket.all(landed)

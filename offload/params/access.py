@@ -9,7 +9,7 @@ import torch
 
 from ..buffers import BufferPool
 from ..copies import DONE, Ticket
-from ..distributed import local
+from ..distributed import detached
 from ..errors import StateError
 from ..units import round_up
 from .holds import release_each, resident
@@ -226,7 +226,7 @@ class UnitPass:
     def weights(self, chunk) -> torch.Tensor:
         """The flat weights of ``chunk``'s elements (fetched if offloaded; released by :meth:`done`)."""
         self._hold(chunk.slot, read=True)
-        return local(chunk.slot.param).detach().reshape(-1)[chunk.start:chunk.start + chunk.numel]
+        return detached(chunk.slot.param).reshape(-1)[chunk.start:chunk.start + chunk.numel]
 
     def done(self, unit, reading: Ticket = DONE) -> None:
         """``unit`` is updated: release (write back) the weights whose last chunk in this pass it held.

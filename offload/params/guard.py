@@ -43,7 +43,6 @@ _DTYPES = {_T.double: torch.float64, _T.float: torch.float32, _T.half: torch.flo
 _MOVES = frozenset([_T.to, _T.cuda, _T.cpu, _T.type, *_DTYPES])
 _SET_DATA = _T.data.__set__
 _ATEN = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
-_ALIASES = frozenset([_T.detach, torch.detach, _T.data.__get__])  # alias without being views (``_is_view``)
 
 
 def _run(func, args, kwargs):
@@ -71,11 +70,13 @@ def _blocked(value: Any):
 
 
 def _view_released(view) -> bool:
-    """Whether the parameter whose memory ``view`` shares is released (or its storage freed)."""
+    """Whether the parameter whose memory ``view`` shares is released (or, the parameter gone, its storage
+    freed)."""
     p = view.__dict__["_nvme_base"]()
-    if p is not None and not p.__dict__.get("_nvme_resident", True):
-        return True
-    return view.untyped_storage().nbytes() == 0 and view.numel() > 0
+    if p is not None:
+        return not p.__dict__.get("_nvme_resident", True)
+    with torch._C.DisableTorchFunctionSubclass():
+        return view.untyped_storage().nbytes() == 0 and view.numel() > 0
 
 
 def _source(value: Any):
@@ -94,14 +95,15 @@ def _source(value: Any):
 # becomes an ``OffloadedView``, refused by the same guard once its parameter is released. Views torch
 # makes inside its kernels and autograd (``F.linear``'s transposed weight) never reach Python and stay
 # plain; they are read only while the parameter is resident.
-def _mark_views(func, out, sources: list):
-    """Turn the tensors ``func`` returned in ``out`` (one, or a tuple or list of them) that share the memory
-    of one of ``sources`` (resident offloaded parameters or views of them) into ``OffloadedView``s."""
+def _mark_views(out, sources: list):
+    """Turn the tensors in ``out`` (one, or a tuple or list of them) that share the memory of one of
+    ``sources`` (resident offloaded parameters or views of them) into ``OffloadedView``s. Any result is
+    compared, not only views in autograd's sense: ``detach()``, ``.data`` and ``view(dtype)`` share memory
+    too."""
     t = type(out)
     if t is _T:
-        if func in _ALIASES or out._is_view():  # a cheap test first: most results are new tensors
-            _mark_view(out, sources)
-    elif (t is tuple or t is list) and out and type(out[0]) is _T and out[0]._is_view():
+        _mark_view(out, sources)
+    elif (t is tuple or t is list) and out:
         for o in out:
             if type(o) is _T:
                 _mark_view(o, sources)
@@ -109,9 +111,11 @@ def _mark_views(func, out, sources: list):
 
 
 def _mark_view(out: torch.Tensor, sources: list) -> None:
+    ptr = out.untyped_storage().data_ptr()
+    if ptr == 0:
+        return
     with torch._C.DisableTorchFunctionSubclass():
-        ptr = out.untyped_storage().data_ptr()
-        src = next((s for s in sources if ptr != 0 and s.untyped_storage().data_ptr() == ptr), None)
+        src = next((s for s in sources if s.untyped_storage().data_ptr() == ptr), None)
     p = _source(src) if src is not None else None
     if p is not None:
         out.__class__ = OffloadedView
@@ -259,7 +263,7 @@ def _checked(func, args, kwargs):
                 sources = more if sources is None else [*sources, *more]
     out = _run(func, args, kwargs)
     if sources is not None and not isinstance(func, _ATEN) and not torch.compiler.is_compiling():
-        _mark_views(func, out, sources)  # not for aten ops: those are compiled graphs running, not user code
+        _mark_views(out, sources)  # not for aten ops: those are compiled graphs running, not user code
     return out
 
 
@@ -362,16 +366,24 @@ class OffloadedParameter(nn.Parameter):
     def __format__(self, spec: str) -> str:
         return super().__format__(spec) if self._nvme_is_resident() else format(repr(self), spec)
 
+    def _nvme_data(self, func) -> torch.Tensor:
+        """A plain tensor of this parameter's memory, for ``func``; raises if the parameter is released."""
+        if not self._nvme_is_resident():
+            raise RuntimeError(_message(self, func))
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.data
+
     def __deepcopy__(self, memo):
         # A copy is an ordinary Parameter: it belongs to no store. Reading a released one raises.
         if id(self) in memo:
             return memo[id(self)]
-        out = nn.Parameter(self.data.clone(memory_format=torch.preserve_format), self.requires_grad)
+        data = self._nvme_data(_T.__deepcopy__)
+        out = nn.Parameter(data.clone(memory_format=torch.preserve_format), self.requires_grad)
         memo[id(self)] = out
         return out
 
     def __reduce_ex__(self, proto):
-        return nn.Parameter(self.data, self.requires_grad).__reduce_ex__(proto)
+        return nn.Parameter(self._nvme_data(_T.__reduce_ex__), self.requires_grad).__reduce_ex__(proto)
 
 
 class OffloadedGrad(torch.Tensor):
@@ -427,10 +439,10 @@ class OffloadedView(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _guard(func, args, kwargs)
 
-    def _plain(self) -> torch.Tensor:
-        """A plain tensor sharing this one's memory; raises if the parameter is released."""
+    def _plain(self, func) -> torch.Tensor:
+        """A plain tensor sharing this one's memory, for ``func``; raises if the parameter is released."""
         if _view_released(self):
-            raise RuntimeError(_message(self, _T.as_subclass))
+            raise RuntimeError(_message(self, func))
         with torch._C.DisableTorchFunctionSubclass():
             return self.as_subclass(_T)
 
@@ -438,19 +450,19 @@ class OffloadedView(torch.Tensor):
         if _view_released(self):
             return (f"OffloadedView(of {self._nvme_name}, shape={tuple(self.shape)}, dtype={self.dtype}, "
                     f"device={self.device}: its parameter is on NVMe, not resident)")
-        return repr(self._plain())
+        return repr(self._plain(_T.__repr__))
 
     def __format__(self, spec: str) -> str:
-        return repr(self) if _view_released(self) else format(self._plain(), spec)
+        return repr(self) if _view_released(self) else format(self._plain(_T.__format__), spec)
 
     def __deepcopy__(self, memo):
         if id(self) in memo:
             return memo[id(self)]
         import copy
 
-        out = copy.deepcopy(self._plain(), memo)
+        out = copy.deepcopy(self._plain(_T.__deepcopy__), memo)
         memo[id(self)] = out
         return out
 
     def __reduce_ex__(self, proto):
-        return self._plain().__reduce_ex__(proto)
+        return self._plain(_T.__reduce_ex__).__reduce_ex__(proto)
