@@ -267,6 +267,9 @@ class NoOverlap:
     def refuse_unsupported(self, *, closure: Optional[Callable], scaler: bool) -> None:
         pass
 
+    def refuse_scaler(self) -> None:
+        pass  # never running: nothing to refuse
+
 
 class _Run:
     """One backward's step in progress, on its worker thread."""

@@ -592,3 +592,19 @@ def test_an_optimizer_dropped_without_close_is_collected_with_its_swap_file(tmp_
     assert gone() is None and os.listdir(tmp_path / "state") == []
     assert not [t for t in threading.enumerate() if t.name == "offload-overlap"]
     model(torch.randn(2, 64)).sum().backward()  # the model goes on without it
+
+
+def test_no_overlap_answers_every_call_the_optimizer_makes_on_its_overlap():
+    """An optimizer without overlap_backward holds a NoOverlap and calls it as it calls a BackwardOverlap: every
+    attribute the optimizer uses exists on both (one added to BackwardOverlap alone would fail only in the
+    default configuration)."""
+    import inspect
+    import re
+
+    from offload.adam import optimizer
+    from offload.overlap import BackwardOverlap, NoOverlap
+
+    used = set(re.findall(r"self\._overlap\.(\w+)", inspect.getsource(optimizer)))
+    assert "refuse_while_running" in used
+    missing = {cls.__name__: sorted(n for n in used if not hasattr(cls, n)) for cls in (NoOverlap, BackwardOverlap)}
+    assert missing == {"NoOverlap": [], "BackwardOverlap": []}
