@@ -221,6 +221,8 @@ class _LateRead:
 def test_a_step_that_meets_a_unit_the_save_is_reading_waits_for_that_read(tmp_path, nvme, closing, monkeypatch):
     """A step that reaches a unit while the asynchronous save's read of it is still in flight waits for that
     read before changing the unit: the checkpoint holds the state at the call."""
+    for name in ("RIDE_MIN_S", "RIDE_MAX_S", "RIDE_FIRST_S"):
+        monkeypatch.setattr(snapshot_module, name, 0.0)  # the save reads at once, without waiting for a step
     params = make_params()
     opt = closing(make_opt(params, nvme))
     train(opt, params, range(2))
@@ -257,8 +259,8 @@ def test_a_step_that_meets_a_unit_the_save_is_reading_waits_for_that_read(tmp_pa
 @pytest.fixture
 def patient(monkeypatch) -> None:
     """Asynchronous saves wait an hour for the steps to hand them their units, unless something else ends it."""
-    monkeypatch.setattr(snapshot_module, "RIDE_MIN_S", 3600.0)
-    monkeypatch.setattr(snapshot_module, "RIDE_FIRST_S", 3600.0)
+    for name in ("RIDE_MIN_S", "RIDE_MAX_S", "RIDE_FIRST_S"):
+        monkeypatch.setattr(snapshot_module, name, 3600.0)
 
 
 def save_reads(store, monkeypatch) -> list:
@@ -297,7 +299,16 @@ def test_an_async_save_rides_on_the_next_step_and_reads_nothing_itself(tmp_path,
     ckpt.save_checkpoint(opt, tmp_path / "blocking")
     expected = copy.deepcopy(opt.state_dict())
     reads = save_reads(opt.state_store, monkeypatch)
+    waiting = threading.Event()
+    real_await = snapshot_module.StateCopy._await_capture
+
+    def await_capture(self, i):
+        waiting.set()
+        return real_await(self, i)
+
+    monkeypatch.setattr(snapshot_module.StateCopy, "_await_capture", await_capture)
     handle = ckpt.save_checkpoint(opt, tmp_path / "async", blocking=False)
+    assert waiting.wait(30)  # the save's thread has reached the units before the step does
     train(opt, params, range(2, 3))
     assert commits_unwaited(handle), "the save did not commit after a step had handed it every unit"
     handle.wait()
@@ -349,7 +360,7 @@ import torch
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint import snapshot
-snapshot.RIDE_MIN_S = snapshot.RIDE_FIRST_S = 3600.0
+snapshot.RIDE_MIN_S = snapshot.RIDE_MAX_S = snapshot.RIDE_FIRST_S = 3600.0
 params = [torch.nn.Parameter(torch.randn(70_000)) for _ in range(3)]
 opt = OffloadedAdamW(params, lr=1e-2, nvme_path=sys.argv[1], buffer_size=256 * 1024, buffer_count=3)
 for p in params:

@@ -232,6 +232,7 @@ def _finish_in_background(handle: SaveHandle, staged: Staged, state: StateCopy, 
     finally:
         state.close()
         staged.close()
+        handle._hurry = lambda: None  # the handle no longer holds the state (nor, through it, the store)
     handle.committed = True
 
 

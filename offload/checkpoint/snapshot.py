@@ -110,9 +110,10 @@ def plan(opt) -> Plan:
 _PENDING, _READING, _CAPTURING, _IN_FILE = range(4)
 
 
-# How long an asynchronous save waits for the steps to hand it the units, at least (or when the store has
-# not seen two steps yet, to time them), and in step intervals.
+# How long an asynchronous save waits for the steps to hand it the units: RIDE_STEPS step intervals, within
+# [RIDE_MIN_S, RIDE_MAX_S]; RIDE_FIRST_S when the store has not timed two steps yet.
 RIDE_MIN_S = 2.0
+RIDE_MAX_S = 30.0
 RIDE_FIRST_S = 10.0
 RIDE_STEPS = 2.0
 
@@ -166,6 +167,7 @@ class StateCopy:
         self.guards = 0  # guard calls under way
         self.closed = False
         self.riding = False  # the walk waits for the steps to capture pending units (asynchronous saves)
+        self.rides: list = [False] * n  # per unit, whether the walk waits for it (its bytes are on disk)
         self._ride_from = 0  # the store's steps_done at the call
         self._ride_until = 0.0
         self._remove_guard: Optional[Callable[[], None]] = None
@@ -260,9 +262,17 @@ class StateCopy:
         """Let the walk wait for the steps to capture the units (see the note above :class:`StateCopy`)."""
         if self._remove_guard is None:
             return  # no guard: every unit was cloned
+        # Only units read from disk are worth waiting for: one in host memory is copied either way, and
+        # better by the save's thread than by the step.
+        tier = self.store.tier
+        rides = [self.state[i] == _PENDING and u.extent is not None and not (tier is not None and tier.resident(u))
+                 for i, u in enumerate(self.units)]
+        if not any(rides):
+            return
         interval = self.store.step_interval
-        wait = RIDE_FIRST_S if interval is None else max(RIDE_MIN_S, RIDE_STEPS * interval)
+        wait = RIDE_FIRST_S if interval is None else min(RIDE_MAX_S, max(RIDE_MIN_S, RIDE_STEPS * interval))
         with self.mu:
+            self.rides = rides
             self.riding = True
             self._ride_from = self.store.steps_done
             self._ride_until = time.monotonic() + wait
@@ -276,7 +286,8 @@ class StateCopy:
     def _await_capture(self, i: int) -> None:
         """Under ``mu``: wait while riding for the guard to take unit ``i``."""
         main = threading.main_thread()
-        while self.riding and self.state[i] == _PENDING and self.failure is None and not self.closed:
+        while (self.riding and self.rides[i] and self.state[i] == _PENDING and self.failure is None
+               and not self.closed):
             if (self.store.steps_done > self._ride_from or time.monotonic() > self._ride_until
                     or not main.is_alive()):
                 self.riding = False
@@ -317,6 +328,8 @@ class StateCopy:
         except BaseException as err:  # noqa: BLE001 - the save fails, training goes on
             with self.mu:
                 self.failure = self.failure or err
+            if not isinstance(err, Exception):
+                raise  # a KeyboardInterrupt (or exit) in the step is the step's, not only the save's
         finally:
             self.issued[i].set()
             with self.mu:
@@ -347,11 +360,12 @@ class StateCopy:
     # -- the walk ------------------------------------------------------------------------------------
 
     def run(self, buffers: Sequence, bar) -> dict:
-        """Put every unit not in state.bin yet there, hash the file in order, fsync; returns the file's
-        entry and the units' table (as ``stream.write_data``). Units whose checksum was taken from the store
-        at the clone are not read back; the file then has no checksum of its own (its units' cover it)."""
+        """Put every unit not in state.bin yet there, fsync; returns the file's entry and the units' table
+        (as ``stream.write_data``). Units cloned with the store's checksum and units the guard wrote (it took
+        their checksum as it wrote them) are not read back. The file has a checksum of its own only when
+        every unit passes here in order (a blocking save that cloned nothing); else its units' cover it."""
         walk = [i for i in range(len(self.units)) if self.pieces[i] is None]
-        hashing = {"whole": xxhash.xxh3_64() if len(walk) == len(self.units) else None}
+        whole = xxhash.xxh3_64() if len(walk) == len(self.units) and self._remove_guard is None else None
         bar.update(sum(self.lengths[i] for i in range(len(self.units)) if self.pieces[i] is not None))
         from_store = [False] * len(self.units)
 
@@ -385,11 +399,9 @@ class StateCopy:
         def process(i: int, buf) -> bool:
             n, length = self.units[i].nbytes, self.lengths[i]
             if not from_store[i] and self.expected[i] is not None:
-                self.digests[i] = self.expected[i]
-                hashing["whole"] = None  # not read back: the units' checksums cover the file
+                self.digests[i] = self.expected[i]  # the guard wrote it
                 bar.update(length)
                 return False
-            whole = hashing["whole"]
             if from_store[i]:
                 buf.tensor[n:length].zero_()  # padding: same state, same bytes
             data = buf.tensor[:length].numpy()
@@ -408,7 +420,6 @@ class StateCopy:
         self.data.storage.fsync(self.file.fd, self.path)
         table = [Unit(o, n, u.nbytes, d, k) for u, o, n, d, k in
                  zip(self.units, self.offsets, self.lengths, self.digests, self.pieces)]
-        whole = hashing["whole"]
         return {"bytes": self.total, "xxh3_64": whole.hexdigest() if whole is not None else None}, table
 
     def close(self) -> None:
