@@ -30,8 +30,11 @@ bench() {  # a name, then offload-bench's arguments; skipped once the budget is 
   if [ -d "$D/ds" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$D"/ds/*.whl
     # DeepSpeed builds its ops on first use and cannot parse an arch list like "9.0a", which GPU images
-    # often set: name this GPU's plain compute capability instead.
-    export TORCH_CUDA_ARCH_LIST=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+    # often set: the list without such suffixes, else this GPU's compute capability (9.0 if that fails).
+    arch=$(echo "${TORCH_CUDA_ARCH_LIST:-}" | sed -E 's/([0-9]+\.[0-9]+)[a-z]+/\1/g')
+    [ -n "$arch" ] || arch=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" \
+      2>/dev/null) || arch=9.0
+    export TORCH_CUDA_ARCH_LIST=${arch:-9.0}
     export CPATH=$D/aio/inc LIBRARY_PATH=$D/aio/lib \
       CFLAGS="-I$D/aio/inc" LDFLAGS="-L$D/aio/lib"
     bench compare compare --device cuda --params 64M --rounds 1 --iterations 4 --no-extras --peer-python python3 \
