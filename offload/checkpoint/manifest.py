@@ -326,6 +326,8 @@ class Manifest(Entry):
         return any(u.pieces is not None for u in self.units) or (data is not None and data.xxh3_64 is None)
 
     def check(self, name: str) -> None:
+        """The rules over the whole manifest (fields.RULES), in order; a manifest is the root, so ``name``
+        is not needed to name a field."""
         for rule in RULES:
             rule(self)
 
