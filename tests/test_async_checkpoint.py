@@ -278,6 +278,20 @@ def save_reads(store, monkeypatch) -> list:
     return reads
 
 
+def ends_without_a_step(action, seconds: float = 60) -> bool:
+    """Whether ``action()``, run in a thread, ends within ``seconds`` with no step coming. If it does not, the
+    saves are let go (so that the test fails rather than hangs) and False is returned."""
+    worker = threading.Thread(target=action)
+    worker.start()
+    worker.join(seconds)
+    if not worker.is_alive():
+        return True
+    for state in gc_objects(snapshot_module.StateCopy):
+        state.hurry()
+    worker.join(seconds)
+    return False
+
+
 def commits_unwaited(handle, seconds: float = 60) -> bool:
     """Whether the save commits within ``seconds`` with nobody waiting on it (waiting would hurry it)."""
     deadline = threading.Event()
@@ -347,15 +361,7 @@ def test_waiting_for_an_async_save_without_a_step_makes_it_read_the_units_itself
     expected = copy.deepcopy(opt.state_dict())
     reads = save_reads(opt.state_store, monkeypatch)
     handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
-    waiter = threading.Thread(target=handle.wait)
-    waiter.start()
-    waiter.join(60)
-    stuck = waiter.is_alive()
-    if stuck:  # let it go (so that this test fails rather than hangs)
-        for state in gc_objects(snapshot_module.StateCopy):
-            state.hurry()
-        waiter.join(60)
-    assert not stuck, "wait() waited for a step"
+    assert ends_without_a_step(handle.wait), "wait() waited for a step"
     assert len(reads) == len(ckpt.read_manifest(tmp_path / "c")["units"])
     assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
 
@@ -398,15 +404,7 @@ def test_the_next_save_a_load_or_close_end_a_riding_saves_wait_for_a_step(tmp_pa
         handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
         action = {"save": lambda: ckpt.save_checkpoint(opt, tmp_path / "d"),
                   "load": lambda: ckpt.load_checkpoint(opt, tmp_path / "earlier"), "close": opt.close}[then]
-        worker = threading.Thread(target=action)
-        worker.start()
-        worker.join(60)
-        stuck = worker.is_alive()
-        if stuck:  # let it go (so that this test fails rather than hangs)
-            for state in gc_objects(snapshot_module.StateCopy):
-                state.hurry()
-            worker.join(60)
-        assert not stuck, f"{then} waited for a step"
+        assert ends_without_a_step(action), f"{then} waited for a step"
         assert handle.done() and handle.exception(0) is None
     finally:
         opt.close()
