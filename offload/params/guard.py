@@ -247,24 +247,31 @@ def _set_data(t, value):
 
 
 def _checked(func, args, kwargs):
-    sources = None
-    for a in [*args, *kwargs.values()]:
+    values = [*args, *kwargs.values()]
+    for a in values:
         bad = _blocked(a)
         if bad is not None:
             if type(bad) is OffloadedGrad:
                 _tell_refused(bad)
             raise RuntimeError(_message(bad, func))
+    out = _run(func, args, kwargs)
+    if not isinstance(func, _ATEN) and not torch.compiler.is_compiling():  # aten ops: compiled graphs running
+        sources = _memory_of_weights(values)
+        if sources:
+            _mark_views(out, sources)
+    return out
+
+
+def _memory_of_weights(values: list) -> list:
+    """The offloaded parameters and views of them among ``values`` (one level of lists)."""
+    found = []
+    for a in values:
         ta = type(a)
         if ta is OffloadedParameter or ta is OffloadedView:
-            sources = [a] if sources is None else [*sources, a]
+            found.append(a)
         elif (ta is tuple or ta is list) and a:
-            more = [v for v in a if type(v) is OffloadedParameter or type(v) is OffloadedView]
-            if more:
-                sources = more if sources is None else [*sources, *more]
-    out = _run(func, args, kwargs)
-    if sources is not None and not isinstance(func, _ATEN) and not torch.compiler.is_compiling():
-        _mark_views(out, sources)  # not for aten ops: those are compiled graphs running, not user code
-    return out
+            found.extend(v for v in a if type(v) is OffloadedParameter or type(v) is OffloadedView)
+    return found
 
 
 def _tell_refused(grad) -> None:
