@@ -95,32 +95,28 @@ def _source(value: Any):
 # becomes an ``OffloadedView``, refused by the same guard once its parameter is released. Views torch
 # makes inside its kernels and autograd (``F.linear``'s transposed weight) never reach Python and stay
 # plain; they are read only while the parameter is resident.
-def _mark_views(out, sources: list):
+def _mark_views(out, sources: list, args: list) -> None:
     """Turn the tensors in ``out`` (one, or a tuple or list of them) that share the memory of one of
     ``sources`` (resident offloaded parameters or views of them) into ``OffloadedView``s. Any result is
     compared, not only views in autograd's sense: ``detach()``, ``.data`` and ``view(dtype)`` share memory
-    too."""
+    too. A result that is one of the call's ``args`` (an in-place op, ``out=``) is the caller's: left as is."""
     t = type(out)
     if t is _T:
-        _mark_view(out, sources)
+        results = (out,)
     elif (t is tuple or t is list) and out:
-        for o in out:
-            if type(o) is _T:
-                _mark_view(o, sources)
-    return out
-
-
-def _mark_view(out: torch.Tensor, sources: list) -> None:
-    ptr = out.untyped_storage().data_ptr()
-    if ptr == 0:
+        results = [o for o in out if type(o) is _T]
+    else:
         return
     with torch._C.DisableTorchFunctionSubclass():
-        src = next((s for s in sources if s.untyped_storage().data_ptr() == ptr), None)
-    p = _source(src) if src is not None else None
-    if p is not None:
-        out.__class__ = OffloadedView
-        out._nvme_base = weakref.ref(p)
-        out._nvme_name = p.__dict__.get("_nvme_name", "?")
+        by_memory = {s.untyped_storage().data_ptr(): s for s in sources}
+    by_memory.pop(0, None)
+    for o in results:
+        src = by_memory.get(o.untyped_storage().data_ptr())
+        p = _source(src) if src is not None and not any(o is a for a in args) else None
+        if p is not None:
+            o.__class__ = OffloadedView
+            o._nvme_base = weakref.ref(p)
+            o._nvme_name = p.__dict__.get("_nvme_name", "?")
 
 
 # NOTE: a released parameter's storage is resized to zero bytes (autograd's saved views share it, so
@@ -258,7 +254,7 @@ def _checked(func, args, kwargs):
     if not isinstance(func, _ATEN) and not torch.compiler.is_compiling():  # aten ops: compiled graphs running
         sources = _memory_of_weights(values)
         if sources:
-            _mark_views(out, sources)
+            _mark_views(out, sources, values)
     return out
 
 
