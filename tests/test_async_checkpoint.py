@@ -322,7 +322,7 @@ def test_an_async_save_rides_on_the_next_step_and_reads_nothing_itself(tmp_path,
         return real_await(self, i)
 
     monkeypatch.setattr(snapshot_module.StateCopy, "_await_capture", await_capture)
-    handle = ckpt.save_checkpoint(opt, tmp_path / "async", blocking=False)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "async", blocking=False, snapshot="stream")
     assert waiting.wait(30)  # the save's thread has reached the units before the step does
     train(opt, params, range(2, 3))
     assert commits_unwaited(handle), "the save did not commit after a step had handed it every unit"
@@ -343,7 +343,7 @@ def test_units_a_whole_step_left_alone_are_read_by_the_save_itself(tmp_path, nvm
     train(opt, params, range(2))
     expected = copy.deepcopy(opt.state_dict())
     reads = save_reads(opt.state_store, monkeypatch)
-    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
     train(opt, params, range(2, 3), skip={4})  # the largest parameter, in units of its own, gets no grad
     assert commits_unwaited(handle), "the save went on waiting for units the step had left alone"
     n_units = len(ckpt.read_manifest(tmp_path / "c")["units"])
@@ -360,7 +360,7 @@ def test_waiting_for_an_async_save_without_a_step_makes_it_read_the_units_itself
     train(opt, params, range(2))
     expected = copy.deepcopy(opt.state_dict())
     reads = save_reads(opt.state_store, monkeypatch)
-    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
     assert ends_without_a_step(handle.wait), "wait() waited for a step"
     assert len(reads) == len(ckpt.read_manifest(tmp_path / "c")["units"])
     assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
@@ -378,7 +378,7 @@ opt = OffloadedAdamW(params, lr=1e-2, nvme_path=sys.argv[1], buffer_size=256 * 1
 for p in params:
     p.grad = torch.randn_like(p)
 opt.step()
-ckpt.save_checkpoint(opt, sys.argv[2], blocking=False)
+ckpt.save_checkpoint(opt, sys.argv[2], blocking=False, snapshot="stream")
 print("saving")
 """
 
@@ -401,7 +401,7 @@ def test_the_next_save_a_load_or_close_end_a_riding_saves_wait_for_a_step(tmp_pa
         train(opt, params, range(2))
         expected = copy.deepcopy(opt.state_dict())
         ckpt.save_checkpoint(opt, tmp_path / "earlier")
-        handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+        handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
         action = {"save": lambda: ckpt.save_checkpoint(opt, tmp_path / "d"),
                   "load": lambda: ckpt.load_checkpoint(opt, tmp_path / "earlier"), "close": opt.close}[then]
         assert ends_without_a_step(action), f"{then} waited for a step"
@@ -435,10 +435,10 @@ def test_an_overlapped_step_hands_the_units_over_from_its_worker(tmp_path, nvme,
         return real_guard(self, unit, buf)
 
     monkeypatch.setattr(snapshot_module.StateCopy, "_guard", guard)
-    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
     iteration(2)
     assert commits_unwaited(handle)
-    assert reads == [] and threading.current_thread().name not in threads, threads
+    assert reads == [] and threads == {"offload-overlap"}, threads
     assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
 
 
@@ -449,7 +449,7 @@ def test_a_write_failing_in_the_guard_fails_the_save_not_the_step(tmp_path, nvme
     opt, ref = closing(make_opt(params, nvme)), closing(make_opt(twin, str(tmp_path / "nvme-ref")))
     train(opt, params, range(2))
     train(ref, twin, range(2))
-    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
     state = next(o for o in gc_objects(snapshot_module.StateCopy) if o.path.startswith(str(tmp_path / "c")))
 
     def failing_write(*args, **kwargs):
@@ -469,3 +469,40 @@ def gc_objects(cls) -> list:
     import gc
 
     return [o for o in gc.get_objects() if type(o) is cls]
+
+
+def test_a_step_longer_than_the_wait_still_hands_over_every_unit(tmp_path, nvme, closing, monkeypatch):
+    """The wait for a step bounds only how long the save waits for one to start: a step that started in time
+    and takes longer than the wait (a large model's) still hands the save every unit, which reads none."""
+    for name in ("RIDE_MIN_S", "RIDE_MAX_S", "RIDE_FIRST_S"):
+        monkeypatch.setattr(snapshot_module, name, 0.5)
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(2))
+    expected = copy.deepcopy(opt.state_dict())
+    reads = save_reads(opt.state_store, monkeypatch)
+    moves = opt.state_store.moves
+    real_step = moves.step
+
+    def slow_step(*args, **kwargs):  # started at once, lasting well past the save's wait
+        threading.Event().wait(1.5)
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(moves, "step", slow_step)
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
+    train(opt, params, range(2, 3))
+    assert commits_unwaited(handle)
+    assert reads == []
+    assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
+
+
+def test_units_in_host_memory_are_not_waited_for(tmp_path, nvme, closing, patient):
+    """With the whole state in a host cache nothing is read from disk, so the save does not wait for a step to
+    hand the units over: its thread copies them and commits, with no step and nobody waiting."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme, host_cache=64 * 1024 * 1024))
+    train(opt, params, range(2))
+    expected = copy.deepcopy(opt.state_dict())
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
+    assert commits_unwaited(handle, seconds=30), "the save waited for a step to hand over units in host memory"
+    assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2"), host_cache=64 * 1024 * 1024), expected)

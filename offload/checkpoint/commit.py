@@ -12,6 +12,7 @@ import os
 import secrets
 import threading
 import time
+import traceback
 import weakref
 from dataclasses import replace
 from typing import Callable, Iterator
@@ -303,6 +304,8 @@ def in_background(owner, handle: SaveHandle, work: Callable[[], None], name: str
             work()
         except BaseException as err:  # noqa: BLE001 - surfaces on the handle and at the next save
             error = err
+            # The frames of the save hold the optimizer's store; the error is kept, not what they held.
+            traceback.clear_frames(err.__traceback__)
         finally:
             handle._error = error
             handle._done.set()

@@ -110,8 +110,9 @@ def plan(opt) -> Plan:
 _PENDING, _READING, _CAPTURING, _IN_FILE = range(4)
 
 
-# How long an asynchronous save waits for the steps to hand it the units: RIDE_STEPS step intervals, within
-# [RIDE_MIN_S, RIDE_MAX_S]; RIDE_FIRST_S when the store has not timed two steps yet.
+# How long an asynchronous save waits for a step to start and hand it the units: RIDE_STEPS step intervals,
+# within [RIDE_MIN_S, RIDE_MAX_S]; RIDE_FIRST_S when the store has not timed two steps yet. Once a step has
+# started, the save waits for it to end, however long it takes.
 RIDE_MIN_S = 2.0
 RIDE_MAX_S = 30.0
 RIDE_FIRST_S = 10.0
@@ -168,7 +169,7 @@ class StateCopy:
         self.closed = False
         self.riding = False  # the walk waits for the steps to capture pending units (asynchronous saves)
         self.rides: list = [False] * n  # per unit, whether the walk waits for it (its bytes are on disk)
-        self._ride_from = 0  # the store's steps_done at the call
+        self._ride_from = (0, 0)  # the store's steps_started and steps_done at the call
         self._ride_until = 0.0
         self._remove_guard: Optional[Callable[[], None]] = None
         self.spares: Optional[BufferPool] = None
@@ -274,7 +275,7 @@ class StateCopy:
         with self.mu:
             self.rides = rides
             self.riding = True
-            self._ride_from = self.store.steps_done
+            self._ride_from = (self.store.steps_started, self.store.steps_done)
             self._ride_until = time.monotonic() + wait
 
     def hurry(self) -> None:
@@ -288,8 +289,9 @@ class StateCopy:
         main = threading.main_thread()
         while (self.riding and self.rides[i] and self.state[i] == _PENDING and self.failure is None
                and not self.closed):
-            if (self.store.steps_done > self._ride_from or time.monotonic() > self._ride_until
-                    or not main.is_alive()):
+            started, done = self._ride_from
+            if (self.store.steps_done > done or not main.is_alive()
+                    or (self.store.steps_started == started and time.monotonic() > self._ride_until)):
                 self.riding = False
                 return
             self.mu.wait(0.05)
@@ -326,10 +328,15 @@ class StateCopy:
         try:
             self._capture(i, unit, buf)
         except BaseException as err:  # noqa: BLE001 - the save fails, training goes on
+            failure = err
+            if not isinstance(err, Exception):  # a KeyboardInterrupt (or exit) in the step: the step's too
+                failure = CheckpointError(f"the save was interrupted ({type(err).__name__}) in the step that was "
+                                          "handing it the state")
+                failure.__cause__ = err
             with self.mu:
-                self.failure = self.failure or err
-            if not isinstance(err, Exception):
-                raise  # a KeyboardInterrupt (or exit) in the step is the step's, not only the save's
+                self.failure = self.failure or failure
+            if failure is not err:
+                raise
         finally:
             self.issued[i].set()
             with self.mu:

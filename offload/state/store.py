@@ -89,9 +89,9 @@ class StateStore:
             raise
         unit_bytes = self.pool.buffer_size if self.pool is not None else size
         self.on_restored: list[Callable[[], None]] = []  # what an owner redoes after a load
-        # Steps finished, and the time between the starts of the last two (an asynchronous save waits about
-        # that long for a step to hand it the units, see offload.checkpoint.snapshot).
-        self.steps_done = 0
+        # Steps started and finished, and the time between the starts of the last two (an asynchronous save
+        # waits about that long for a step to start and hand it the units, see offload.checkpoint.snapshot).
+        self.steps_started = self.steps_done = 0
         self.step_interval: Optional[float] = None
         self._step_started: Optional[float] = None
         self.bytes = ByteStore(self.space, unit_bytes, checksum=oc.checksum, mismatch_fails=True, remedy=(
@@ -252,6 +252,7 @@ class StateStore:
         if self._step_started is not None:
             self.step_interval = now - self._step_started
         self._step_started = now
+        self.steps_started += 1
         try:
             self.moves.step(units, update, before_write)
         finally:
