@@ -248,13 +248,13 @@ class SaveHandle:
             may still be under way).
     """
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, hurry: Callable[[], None] = lambda: None):
         self.directory = directory
         self.committed = False
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._observed = False
-        self._hurry: Callable[[], None] = lambda: None  # somebody waits: stop waiting for steps to help
+        self._hurry = hurry  # somebody waits for the save: it stops waiting for steps to help
 
     def done(self) -> bool:
         """Whether the save (and its copy to a mirror level, if any) has finished, well or not. Never blocks."""
@@ -308,6 +308,7 @@ def in_background(owner, handle: SaveHandle, work: Callable[[], None], name: str
             traceback.clear_frames(err.__traceback__)
         finally:
             handle._error = error
+            handle._hurry = lambda: None  # what it held (the save's state, and through it the store) goes
             handle._done.set()
 
     with _IN_FLIGHT_LOCK:

@@ -165,10 +165,8 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
                 finish(data)
             else:
                 model_part = save_model(model, staged) if model is not None else None
-                handle = SaveHandle(staged.directory)
-                state.guard_on()
-                state.ride()  # the next step hands the units over; waiting for the handle hurries it
-                handle._hurry = state.hurry
+                state.guard_on()  # from here the next step hands the units over; waiting on the handle hurries it
+                handle = SaveHandle(staged.directory, hurry=state.hurry)
 
                 def work() -> None:
                     _finish_in_background(handle, staged, state, finish, show)
@@ -232,7 +230,6 @@ def _finish_in_background(handle: SaveHandle, staged: Staged, state: StateCopy, 
     finally:
         state.close()
         staged.close()
-        handle._hurry = lambda: None  # the handle no longer holds the state (nor, through it, the store)
     handle.committed = True
 
 

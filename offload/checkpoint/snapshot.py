@@ -135,9 +135,10 @@ RIDE_STEPS = 2.0
 # An asynchronous save rides on the steps: the next step reads every unit it updates anyway, so the
 # walk first waits for the guard to capture a pending unit rather than reading it from the store
 # itself (the save then adds only its writes to the drive's work). It stops waiting, and reads what
-# is left, once a whole step has run since the call (what it did not capture it will not), after
-# about two step intervals, when somebody waits for the save (the handle, the next save, a load,
-# close) or when the main thread has ended.
+# is left, once a whole step has run since the call (what it did not capture it will not), when no
+# step has started within about two step intervals (one that has is waited for), when somebody waits
+# for the save (the handle, the next save, a load, close) or when the main thread has ended. Units in
+# host memory are not waited for.
 class StateCopy:
     """state.bin of one save: offsets, what each unit's bytes are doing, the clone, the walk and the guard."""
 
@@ -150,7 +151,6 @@ class StateCopy:
         self.state = [_PENDING] * n
         self.reads: list = [None] * n  # the save's read of a unit from the store (the guard waits for it)
         self.written: list = [None] * n  # the guard's write of a unit
-        self.expected: list = [None] * n  # xxh3_64 of what the guard wrote
         self.issued = [threading.Event() for _ in range(n)]  # reads[i] is set, or the unit is in file
         # The slots that had state at the call: the guard trusts a step's buffer only while they still
         # do (a step reads such a unit; load_state_dict resets them all and then does not read).
@@ -252,17 +252,16 @@ class StateCopy:
     # -- the guard -----------------------------------------------------------------------------------
 
     def guard_on(self) -> None:
-        """Copy units before any step changes them, until the walk is over (asynchronous saves); nothing to
-        do when every unit was cloned."""
+        """Copy units before any step changes them, until the walk is over, and let the walk wait for the
+        steps to hand them over (asynchronous saves); nothing to do when every unit was cloned."""
         if all(s == _IN_FILE for s in self.state):
             self.spares_ready.set()
             return
         self._remove_guard = self.store.add_change_guard(self._guard)
+        self._ride()
 
-    def ride(self) -> None:
+    def _ride(self) -> None:
         """Let the walk wait for the steps to capture the units (see the note above :class:`StateCopy`)."""
-        if self._remove_guard is None:
-            return  # no guard: every unit was cloned
         # Only units read from disk are worth waiting for: one in host memory is copied either way, and
         # better by the save's thread than by the step.
         tier = self.store.tier
@@ -359,7 +358,7 @@ class StateCopy:
             spare.tensor[n:length].zero_()
             pending = self.engine.write_async(self.file, spare, self.offsets[i], length)
             self.written[i] = pending
-            self.expected[i] = xxhash.xxh3_64(spare.tensor[:length].numpy()).hexdigest()
+            self.digests[i] = xxhash.xxh3_64(spare.tensor[:length].numpy()).hexdigest()  # what was written
             self.state[i] = _IN_FILE
         finally:
             self.ring.give(spare, pending)
@@ -399,14 +398,12 @@ class StateCopy:
                     raise self.failure
             if self.written[i] is not None:
                 self.written[i].wait()
-            if self.expected[i] is not None:
-                return None  # captured: its checksum is that of the bytes the guard wrote
+                return None  # the guard wrote it, and took its checksum
             return self.engine.read_async(self.file, buf, self.offsets[i], self.lengths[i])
 
         def process(i: int, buf) -> bool:
             n, length = self.units[i].nbytes, self.lengths[i]
-            if not from_store[i] and self.expected[i] is not None:
-                self.digests[i] = self.expected[i]  # the guard wrote it
+            if self.written[i] is not None:  # the guard wrote it: nothing read, its checksum taken
                 bar.update(length)
                 return False
             if from_store[i]:
