@@ -54,18 +54,20 @@ def _blocked(value: Any):
     """The first released parameter, view of one or gradient placeholder in ``value`` (one level of lists),
     or None."""
     t = type(value)
+    if t is list or t is tuple:
+        return next((v for v in value if _blocked_one(v) is not None), None)
+    return _blocked_one(value)
+
+
+def _blocked_one(value: Any):
+    """``value`` if it is a released parameter, a view of one or a gradient placeholder, else None."""
+    t = type(value)
     if t is OffloadedParameter:
         return None if value.__dict__.get("_nvme_resident", True) else value
     if t is OffloadedGrad:
         return value
     if t is OffloadedView:
         return value if _view_released(value) else None
-    if t is list or t is tuple:
-        for v in value:
-            tv = type(v)
-            if ((tv is OffloadedParameter and not v.__dict__.get("_nvme_resident", True)) or tv is OffloadedGrad
-                    or (tv is OffloadedView and _view_released(v))):
-                return v
     return None
 
 
