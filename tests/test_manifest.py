@@ -278,7 +278,7 @@ def test_random_state_round_trips_through_save_and_load_bit_for_bit(tmp_path_fac
 
 def test_a_memory_file_that_lacks_what_the_manifest_lists_is_refused(tmp_path, saved):
     """memory.pt rewritten without a parameter's step, with its size and checksum recorded anew, is refused
-    by a load and an export naming the parameter, before the optimizer changes."""
+    by a load, an export and a verify naming the parameter, before the optimizer changes."""
     import xxhash
 
     directory = tmp_path / "c"
@@ -297,7 +297,7 @@ def test_a_memory_file_that_lacks_what_the_manifest_lists_is_refused(tmp_path, s
     try:
         train(opt, params, range(1))
         before = copy.deepcopy(opt.state_dict())
-        for call in (lambda d: ckpt.load_checkpoint(opt, d), ckpt.export_state_dict):
+        for call in (lambda d: ckpt.load_checkpoint(opt, d), ckpt.export_state_dict, ckpt.verify_checkpoint):
             with pytest.raises(ckpt.CheckpointError, match=rf"memory\.pt lacks the step of parameter {index}"):
                 call(directory)
         assert_same_state(before, opt.state_dict())

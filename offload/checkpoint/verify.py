@@ -24,7 +24,6 @@ from .format import (
     MODEL_MEMORY,
     PARAMS_DATA,
     read_checked,
-    read_torch,
     write_file,
 )
 from .manifest import JobManifest, Manifest, read, read_process
@@ -161,7 +160,7 @@ def verify_files(manifest: Manifest) -> None:
     if EXTRA in manifest.files:
         read_checked(manifest.path(EXTRA), manifest.files[EXTRA])
     if MEMORY in manifest.files:
-        read_torch(manifest.path(MEMORY), manifest.files[MEMORY])
+        manifest.memory()  # checked as a load reads it: checksum, and that it holds what the manifest says
         with tool_pool([u.length for u in manifest.units]) as pool, Engine(aio_of(manifest)) as engine:
             verify_data(manifest, engine, list(pool))
     if manifest.model is not None:
