@@ -68,9 +68,7 @@ class Plan:
     @property
     def step_seconds(self) -> Optional[float]:
         """The disk's time for one step's bytes (reads, then writes), or None without bandwidth figures."""
-        if not self.read_gib_s or not self.write_gib_s:
-            return None
-        return self.read_bytes / (self.read_gib_s * (1 << 30)) + self.write_bytes / (self.write_gib_s * (1 << 30))
+        return report.disk_bound(self.read_bytes, self.write_bytes, self.read_gib_s, self.write_gib_s)
 
     @property
     def written_per_day(self) -> Optional[int]:

@@ -11,7 +11,7 @@ import time
 from typing import Any, Optional, Sequence, TextIO
 
 from .._proc import status_bytes
-from ..units import format_size
+from ..units import GIB, format_size
 from .cli import BenchFailure, short_size
 
 PLOT_INSTALL_HINT = (
@@ -144,7 +144,7 @@ def disk_bound(read: int, written: int, fio_read: float | None, fio_write: float
     the lower bound every benchmark reads its time against."""
     if not (fio_read and fio_write):
         return None
-    return read / (1 << 30) / fio_read + written / (1 << 30) / fio_write
+    return read / GIB / fio_read + written / GIB / fio_write
 
 
 def fmt_gib(x: float | None) -> str:
