@@ -158,10 +158,12 @@ def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: 
     amsgrad = group["amsgrad"]
     params, grads, m, v, vmax, steps = [], [], [], [], [], []
     writeback, narrow = [], []  # (host view, device tensor); (bf16 moment, its fp32 working copy)
+    weights = []  # each chunk's elements of its parameter
     for c in chunks:
         p = c.slot.param
         lo, hi = c.start, c.start + c.numel
         flat_p = detached(p).view(-1)[lo:hi]
+        weights.append(flat_p)
         crossing = copies.crosses(p.device)
         flat_g = grad_views.get(c)
         if flat_g is None:
@@ -210,9 +212,9 @@ def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: 
     run_adam(group, params, grads, m, v, vmax, steps, grad_scale=scaling.kernel_scale)
     for stored, wide in narrow:
         stored.copy_(wide)
-    for c, target in zip(chunks, params):
+    for c, flat_p, target in zip(chunks, weights, params):
         if "master" in c.slot.keys:
-            detached(c.slot.param).view(-1)[c.start:c.start + c.numel].copy_(target)
+            flat_p.copy_(target)
     for host, dev_t in writeback:
         landed.append(copies.to_host(host, dev_t))
     return Ticket.all(read), Ticket.all(landed)
