@@ -202,12 +202,11 @@ class Future:
         offset = ffi.new("int64_t *")
         handle = self._engine._handle
         rc = lib.ofl_request_wait(handle, self._request, result, seg, offset)
-        asked = sum(s.nbytes for s in self._segments)
         if rc == 0 and self._want_digest and self._digest is None:
             d = ffi.new("uint64_t *")
             if lib.ofl_request_digest(handle, self._request, d) == 0:
                 self._digest = int(d[0])
-            elif int(result[0]) == asked:
+            elif int(result[0]) == self._asked():
                 # Built without libxxhash, or no memory was left for it there: take it here. A read cut
                 # short by end of file has none (no digest of bytes that did not come).
                 self._digest = segments_digest(self._segments, self._engine.config.block_size)
@@ -218,11 +217,15 @@ class Future:
             path = self._segments[seg[0]].file.path if 0 <= seg[0] < len(self._segments) else None
             self._error = _io_error(-rc, self._op, path, int(offset[0]))
         self._result = int(result[0])
-        if rc == 0 and self._exact and self._result < asked:
+        if rc == 0 and self._exact and self._result < self._asked():
             self._error = _short_read_error(self._segments, self._result)
         self._keepalive = None
         for s in self._segments:
             s.file._release()
+
+    def _asked(self) -> int:
+        """The bytes this request was asked to move (its segments'), for the rare checks that need them."""
+        return sum(s.nbytes for s in self._segments)
 
     def __del__(self):
         if (getattr(self, "_request", None) is not None and not self._engine.closed
