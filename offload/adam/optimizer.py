@@ -223,10 +223,7 @@ class OffloadedAdam(torch.optim.Adam):
         changing = self._overlap.running
         try:
             self._scaling = self._grad_scaling(with_grad, scale)
-            late = {p for _, p in offloaded if self.state_store.slot(p) is None}
-            if late:
-                # Parameters that were frozen at construction and now have grads get their place.
-                self.state_store.place(self.param_groups, only=late)
+            self.state_store.place_late(self.param_groups, (p for _, p in offloaded))
             changing = True
             # Parameters whose weights live on NVMe (offload_parameters) are fetched for the update and
             # written back after it; ordinary parameters are untouched by this.

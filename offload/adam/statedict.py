@@ -48,9 +48,7 @@ def load_state(optimizer, state_dict: dict, params: list, access: ParamAccess) -
 
 def _write_offloaded(store: StateStore, groups: list[dict], offloaded: dict, access: ParamAccess) -> None:
     """``{param: state}`` written to the store's units, parameters that have no place yet placed first."""
-    late = {p for p in offloaded if store.slot(p) is None}
-    if late:
-        store.place(groups, only=late)  # frozen at construction: placed now, together
+    store.place_late(groups, offloaded)  # frozen at construction: placed now, together
     by_slot = {store.slot(p): e for p, e in offloaded.items()}
     units = store.units_of(by_slot)
     with access.units(units, {id(s) for s in by_slot}, write_back=False) as unit_pass:

@@ -179,10 +179,7 @@ def _load_into(opt, manifest: Manifest, memory: dict, params: list, progress: Op
     store = opt.state_store
     store.drain(quiet=True)  # the last step's writes land first; their state is overwritten now
     store.rewriting_all()  # all of the state is replaced: a swap file cut behind our back is whole again
-    # Parameters frozen when the optimizer was built have no place yet.
-    late = {params[e.index] for e in manifest.params if e.initialized and store.slot(params[e.index]) is None}
-    if late:
-        store.place(opt.param_groups, only=late)
+    store.place_late(opt.param_groups, (params[e.index] for e in manifest.params if e.initialized))
     path = manifest.path(DATA)
     small_from_swap: list = []
     with storage.engine(opt.config.aio) as engine:

@@ -121,6 +121,13 @@ class StateStore:
                 out.append((p, g, bool(g["amsgrad"])))
         return out
 
+    def place_late(self, groups: Iterable[dict], params: Iterable[torch.Tensor]) -> None:
+        """:meth:`place` those of ``params`` that have no place yet (parameters frozen when the optimizer was
+        built that now have grads or state); nothing to do, and no pass over ``groups``, when all have one."""
+        late = {p for p in params if self.slot(p) is None}
+        if late:
+            self.place(groups, only=late)
+
     def size_cache(self) -> None:
         """Make the host tier ``host_cache`` asks for (after the first placement: "auto" needs the state size)."""
         oc = self.config.offload_optimizer
