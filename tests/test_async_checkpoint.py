@@ -292,6 +292,22 @@ def ends_without_a_step(action, seconds: float = 60) -> bool:
     return False
 
 
+def trained(nvme, closing, **kw) -> tuple:
+    """An optimizer over ``make_params()`` after two steps, and its parameters."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme, **kw))
+    train(opt, params, range(2))
+    return opt, params
+
+
+def riding_save(opt, directory, monkeypatch) -> tuple:
+    """Start a streamed asynchronous save of ``opt`` to ``directory``; returns the state at the call, the list
+    of units the save's thread will read from the store itself (see :func:`save_reads`), and the handle."""
+    expected = copy.deepcopy(opt.state_dict())
+    reads = save_reads(opt.state_store, monkeypatch)
+    return expected, reads, ckpt.save_checkpoint(opt, directory, blocking=False, snapshot="stream")
+
+
 def commits_unwaited(handle, seconds: float = 60) -> bool:
     """Whether the save commits within ``seconds`` with nobody waiting on it (waiting would hurry it)."""
     deadline = threading.Event()
@@ -338,12 +354,8 @@ def test_an_async_save_rides_on_the_next_step_and_reads_nothing_itself(tmp_path,
 def test_units_a_whole_step_left_alone_are_read_by_the_save_itself(tmp_path, nvme, closing, monkeypatch, patient):
     """Units the step after the save does not change (a parameter without a grad) are not waited for past
     that step: the save reads them itself and commits, with nobody waiting on it."""
-    params = make_params()
-    opt = closing(make_opt(params, nvme))
-    train(opt, params, range(2))
-    expected = copy.deepcopy(opt.state_dict())
-    reads = save_reads(opt.state_store, monkeypatch)
-    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
+    opt, params = trained(nvme, closing)
+    expected, reads, handle = riding_save(opt, tmp_path / "c", monkeypatch)
     train(opt, params, range(2, 3), skip={4})  # the largest parameter, in units of its own, gets no grad
     assert commits_unwaited(handle), "the save went on waiting for units the step had left alone"
     n_units = len(ckpt.read_manifest(tmp_path / "c")["units"])
@@ -355,12 +367,8 @@ def test_waiting_for_an_async_save_without_a_step_makes_it_read_the_units_itself
                                                                                   monkeypatch, patient):
     """With no step after the call, the handle's wait() does not wait for one: the save reads every unit
     from the store and commits the state of the call."""
-    params = make_params()
-    opt = closing(make_opt(params, nvme))
-    train(opt, params, range(2))
-    expected = copy.deepcopy(opt.state_dict())
-    reads = save_reads(opt.state_store, monkeypatch)
-    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
+    opt, params = trained(nvme, closing)
+    expected, reads, handle = riding_save(opt, tmp_path / "c", monkeypatch)
     assert ends_without_a_step(handle.wait), "wait() waited for a step"
     assert len(reads) == len(ckpt.read_manifest(tmp_path / "c")["units"])
     assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
@@ -476,11 +484,7 @@ def test_a_step_longer_than_the_wait_still_hands_over_every_unit(tmp_path, nvme,
     and takes longer than the wait (a large model's) still hands the save every unit, which reads none."""
     for name in ("RIDE_MIN_S", "RIDE_MAX_S", "RIDE_FIRST_S"):
         monkeypatch.setattr(snapshot_module, name, 0.5)
-    params = make_params()
-    opt = closing(make_opt(params, nvme))
-    train(opt, params, range(2))
-    expected = copy.deepcopy(opt.state_dict())
-    reads = save_reads(opt.state_store, monkeypatch)
+    opt, params = trained(nvme, closing)
     moves = opt.state_store.moves
     real_step = moves.step
 
@@ -489,7 +493,7 @@ def test_a_step_longer_than_the_wait_still_hands_over_every_unit(tmp_path, nvme,
         return real_step(*args, **kwargs)
 
     monkeypatch.setattr(moves, "step", slow_step)
-    handle = ckpt.save_checkpoint(opt, tmp_path / "c", blocking=False, snapshot="stream")
+    expected, reads, handle = riding_save(opt, tmp_path / "c", monkeypatch)
     train(opt, params, range(2, 3))
     assert commits_unwaited(handle)
     assert reads == []
