@@ -360,31 +360,46 @@ def test_sigkill_during_backward_then_resume_equals_the_uninterrupted_run(tmp_pa
     sigkill_then_resume_equals_uninterrupted(tmp_path, {"overlap_backward": True, "offload_parameters": True})
 
 
-def test_state_reads_between_backward_and_step_are_refused_and_loads_end_the_running_step(nvme, closing, tmp_path):
-    """Between a backward and step(), with the update running on the pool: state_dict(), save_checkpoint() and
-    add_param_group() are refused with a StateError saying to call step() first, and leave training as it was
-    (bit for bit the same as without them); load_checkpoint() ends the running step and restores the state."""
+@pytest.mark.parametrize("through", ["optimizer", "module", "retention"])
+def test_state_reads_between_backward_and_step_are_refused_and_loads_end_the_running_step(nvme, closing, tmp_path,
+                                                                                         through):
+    """Between a backward and step(), with the update running on the pool: state_dict(), a checkpoint save (the
+    optimizer's method, offload.checkpoint's function or a Retention's) and add_param_group() are refused with a
+    StateError saying to call step() first, and leave training as it was (bit for bit the same as without them);
+    a checkpoint load (the same three ways) ends the running step and restores the state."""
+    from offload.checkpoint import Retention, load_checkpoint, save_checkpoint
+
+    ckpt, other = tmp_path / "ckpt", tmp_path / "other"
+    save, load = {
+        "optimizer": (lambda opt, d, **kw: opt.save_checkpoint(d, **kw),
+                      lambda opt, d, **kw: opt.load_checkpoint(d, **kw)),
+        "module": (save_checkpoint, load_checkpoint),
+        "retention": (lambda opt, d, **kw: Retention(d).save(opt, 1, **kw),
+                      lambda opt, d, **kw: Retention(d).load_latest(opt, **kw)),
+    }[through]
     a, b, ours, ref = pair(nvme)
     closing(ours)
     closing(ref)
     train(a, ours, range(1))
     train(b, ref, range(1))
-    ours.save_checkpoint(tmp_path / "ckpt", model=a)
+    save(ours, ckpt, model=a)
     for model in (a, b):
         x, y = batch(1)
         torch.nn.functional.cross_entropy(model(x).reshape(-1, 50), y.reshape(-1)).backward()
-    for call in (ours.state_dict, lambda: ours.save_checkpoint(tmp_path / "other"),
+    for call in (ours.state_dict, lambda: save(ours, other),
                  lambda: ours.add_param_group({"params": [torch.nn.Parameter(torch.zeros(8))]})):
         with pytest.raises(StateError, match="between backward and step.*call step\\(\\) first"):
             call()
-    assert not (tmp_path / "other").exists() and len(ours.param_groups) == 1
+    assert not (other.exists() and os.listdir(other)) and len(ours.param_groups) == 1
     for opt in (ours, ref):
         opt.step()
         opt.zero_grad()
     assert_same(list(a.parameters()), list(b.parameters()))
     x, y = batch(2)
     torch.nn.functional.cross_entropy(a(x).reshape(-1, 50), y.reshape(-1)).backward()
-    ours.load_checkpoint(tmp_path / "ckpt", model=a)
+    assert ours.overlap.running
+    load(ours, ckpt, model=a)
+    assert not ours.overlap.running  # ended by the load, not left to race it
     ours.zero_grad()
     train(a, ours, [1])
     ref_model, _, ref2, unused = pair(nvme + "-c")
@@ -596,15 +611,17 @@ def test_an_optimizer_dropped_without_close_is_collected_with_its_swap_file(tmp_
 
 def test_no_overlap_answers_every_call_the_optimizer_makes_on_its_overlap():
     """An optimizer without overlap_backward holds a NoOverlap and calls it as it calls a BackwardOverlap: every
-    attribute the optimizer uses exists on both (one added to BackwardOverlap alone would fail only in the
-    default configuration)."""
+    attribute the optimizer and its checkpoints use exists on both (one added to BackwardOverlap alone would fail
+    only in the default configuration)."""
     import inspect
     import re
 
     from offload.adam import optimizer
+    from offload.checkpoint import load, save
     from offload.overlap import BackwardOverlap, NoOverlap
 
     used = set(re.findall(r"self\._overlap\.(\w+)", inspect.getsource(optimizer)))
-    assert "refuse_while_running" in used
+    used |= {n for m in (load, save) for n in re.findall(r"optimizer\.overlap\.(\w+)", inspect.getsource(m))}
+    assert {"refuse_while_running", "end_for_load", "finish"} <= used
     missing = {cls.__name__: sorted(n for n in used if not hasattr(cls, n)) for cls in (NoOverlap, BackwardOverlap)}
     assert missing == {"NoOverlap": [], "BackwardOverlap": []}

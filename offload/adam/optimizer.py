@@ -329,7 +329,6 @@ class OffloadedAdam(torch.optim.Adam):
         checkpoint for the job), unless ``alone=True`` (one rank saving by itself, e.g. rank 0 under DDP). See
         :func:`offload.checkpoint.save_checkpoint`.
         """
-        self._overlap.refuse_while_running("save_checkpoint()")
         return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking,
                                snapshot=snapshot, progress=progress, alone=alone)
 
@@ -339,7 +338,6 @@ class OffloadedAdam(torch.optim.Adam):
         weights if given; returns its ``extra``. ``alone`` as for :meth:`save_checkpoint`. See
         :func:`offload.checkpoint.load_checkpoint`.
         """
-        self._overlap.end_for_load("load_checkpoint()")
         return load_checkpoint(self, directory, model=model, progress=progress, alone=alone)
 
     def __getstate__(self):
@@ -384,6 +382,12 @@ class OffloadedAdam(torch.optim.Adam):
     def offloaded_state_bytes(self) -> int:
         """Bytes of state stored on the swap space (all units)."""
         return self.state_store.state_bytes
+
+    @property
+    def overlap(self) -> BackwardOverlap | NoOverlap:
+        """The step that backward runs ahead with ``overlap_backward`` (a :class:`offload.overlap.NoOverlap`
+        without it): checkpoint saves refuse to race it, loads end it."""
+        return self._overlap
 
     @property
     def swap_space(self):

@@ -118,6 +118,9 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
         return save_job(optimizer, directory, blocking=blocking, mirror=mirror, then=then, storage=storage,
                         write_shard=lambda shard: save(optimizer, shard.directory, model=model, extra=extra,
                                                        snapshot=snapshot, progress=progress, shard=shard))
+    # Between a backward and step() with overlap_backward the update runs on the pool: refused, not raced
+    # (in a job, inside the shard's write, so every rank hears of it).
+    optimizer.overlap.refuse_while_running("save_checkpoint()")
     store = optimizer.state_store
     wait_for_save(store, report=True)  # one save at a time per optimizer; a failure nobody saw is raised here
     store.check_usable("save a checkpoint")
