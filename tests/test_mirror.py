@@ -60,25 +60,22 @@ def test_save_and_load_take_no_mirror_of_their_own(tmp_path, nvme, closing):
     assert sorted(os.listdir(tmp_path)) == ["nvme"]
 
 
-def test_a_mirror_whose_copy_reads_back_wrong_is_not_committed(tmp_path, nvme, closing, monkeypatch):
+def test_a_mirror_whose_copy_reads_back_wrong_is_not_committed(tmp_path, nvme, closing):
     """A copy that differs from the manifest when read back (a drive that corrupts writes) fails with
     ChecksumError, and the destination keeps what it had."""
-    from offload.checkpoint import save as save_module
-
     params = make_params()
     opt = closing(make_opt(params, nvme))
     train(opt, params, range(1))
     ckpt.save_checkpoint(opt, tmp_path / "c")
-    real = save_module._copy_file
 
-    def corrupting(src, dst, bar):
-        real(src, dst, bar)
-        if os.path.basename(dst).startswith("state."):
-            flip_bit(dst, 4096)
+    class Corrupting(ckpt.Storage):
+        def copy_file(self, src, dst, bar):
+            super().copy_file(src, dst, bar)
+            if os.path.basename(dst).startswith("state."):
+                flip_bit(dst, 4096)
 
-    monkeypatch.setattr(save_module, "_copy_file", corrupting)
     with pytest.raises(ChecksumError):
-        ckpt.mirror_checkpoint(tmp_path / "c", tmp_path / "remote" / "c")
+        ckpt.mirror_checkpoint(tmp_path / "c", tmp_path / "remote" / "c", storage=Corrupting())
     assert not os.path.exists(tmp_path / "remote" / "c") and os.listdir(tmp_path / "remote") == []
 
 

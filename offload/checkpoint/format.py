@@ -3,6 +3,7 @@ fsynced and read back checked; and :class:`Storage`, every call by which checkpo
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -76,8 +77,15 @@ def io_error(err: OSError, path: str, doing: str) -> OSError:
 # The calls by which checkpoints touch files, in one object: the engine that moves the data files, and
 # the file-system operations of the commit rule. Saves and loads take one (``storage=``); the default
 # does what it says, and the fault tests hand in one that fails where they want.
+_COPY_CHUNK = 64 << 20
+# What copy_file_range says where it cannot copy between these two files: the copy falls back to reads
+# and writes.
+_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP,
+                            errno.EBADF, errno.EPERM})
+
+
 class Storage:
-    """The file-system and engine calls of a save or a load. Subclass it to inject faults."""
+    """The file-system and engine calls of a save, a load or a mirror. Subclass it to inject faults."""
 
     def engine(self, aio: AioConfig) -> Engine:
         return Engine(aio)
@@ -120,6 +128,46 @@ class Storage:
             self.fsync(fd, path)
         finally:
             os.close(fd)
+
+    def copy_file(self, src: str, dst: str, bar) -> None:
+        """Copy ``src`` to the new file ``dst`` and fsync it (``copy_file_range``, else reads and writes),
+        counting the bytes on the progress bar ``bar``."""
+        try:
+            fin = open(src, "rb")
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {os.path.dirname(src)} is missing {os.path.basename(src)}, which "
+                                  "its manifest lists") from None
+        with fin:
+            try:
+                # A copy never lets more people read it than its original does.
+                with create_private(dst, within=os.fstat(fin.fileno()).st_mode) as fout:
+                    size = os.fstat(fin.fileno()).st_size
+                    pos, ranged = 0, True
+                    while pos < size:
+                        want = min(_COPY_CHUNK, size - pos)
+                        if ranged:
+                            try:
+                                n = os.copy_file_range(fin.fileno(), fout.fileno(), want, pos, pos)
+                            except OSError as err:
+                                if err.errno not in _NO_COPY_RANGE:
+                                    raise
+                                ranged = False
+                                continue
+                        else:
+                            data = os.pread(fin.fileno(), min(want, 8 << 20), pos)
+                            n = len(data)
+                            view = memoryview(data)
+                            while view:
+                                view = view[os.pwrite(fout.fileno(), view, pos + n - len(view)):]
+                        if n == 0:
+                            raise ChecksumError(f"{src}: ends at byte {pos}, {size} expected (it shrank while "
+                                                "copied)")
+                        pos += n
+                        bar.update(n)
+                    fout.flush()
+                    os.fsync(fout.fileno())
+            except OSError as err:
+                raise io_error(err, dst, "cannot copy to") from err
 
 
 DEFAULT_STORAGE = Storage()

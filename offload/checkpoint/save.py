@@ -4,19 +4,17 @@ network mount); what is captured at the call is ``snapshot``'s, a job's save ``j
 
 from __future__ import annotations
 
-import errno as _errno
 import os
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from torch import nn
 
-from ..aio import create_private
 from ..buffers import BufferPool
 from ..config import config_to_dict
-from ..errors import CheckpointError, ChecksumError
+from ..errors import CheckpointError
 from .commit import SaveHandle, Staged, in_background, reading, wait_for_save, write_atomically
-from .format import DEFAULT_STORAGE, MANIFEST, Storage, io_error, torch_bytes
+from .format import DEFAULT_STORAGE, MANIFEST, Storage, torch_bytes
 from .job import job_world, save_job
 from .manifest import FileEntry, Manifest, read_process
 from .model import save_model
@@ -173,7 +171,7 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
 
                 def work() -> None:
                     _finish_in_background(handle, staged, state, finish, show)
-                    _after(staged.directory, then, mirror, then_mirror, background=False)
+                    _after(staged.directory, then, mirror, then_mirror, background=False, storage=storage)
 
                 in_background(store, handle, work, "offload-checkpoint-save")
                 started = True
@@ -189,11 +187,12 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
                 staged.close()  # the directory's lock goes, whatever the cleanup met
         raise
     staged.close()
-    _after(staged.directory, then, mirror, then_mirror, background=True, owner=store)
+    _after(staged.directory, then, mirror, then_mirror, background=True, owner=store, storage=storage)
     return staged.directory
 
 
-def _after(directory: str, then, mirror, then_mirror, *, background: bool, owner=None) -> None:
+def _after(directory: str, then, mirror, then_mirror, *, background: bool, owner=None,
+           storage: Storage = DEFAULT_STORAGE) -> None:
     """What follows a committed save: ``then(directory)``, then the copy to ``mirror`` (in the background
     where the save was not) and ``then_mirror(mirror)``."""
     if then is not None:
@@ -202,7 +201,7 @@ def _after(directory: str, then, mirror, then_mirror, *, background: bool, owner
         return
 
     def copy_out() -> None:
-        mirror_checkpoint(directory, mirror)
+        mirror_checkpoint(directory, mirror, storage=storage)
         if then_mirror is not None:
             then_mirror(mirror)
 
@@ -240,7 +239,7 @@ def _finish_in_background(handle: SaveHandle, staged: Staged, state: StateCopy, 
 
 
 def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike, *,
-                      progress: Optional[bool] = None) -> str:
+                      progress: Optional[bool] = None, storage: Optional[Storage] = None) -> str:
     """Copy the checkpoint ``source`` to ``destination`` (another drive, a network mount), atomically, and
     verify the copy by checksum after it is written (``offload-ckpt mirror SRC DST``).
 
@@ -248,7 +247,8 @@ def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike,
     like a save, so ``destination`` is either the previous checkpoint there or the whole verified
     copy, and it may only replace what a save may (missing, an empty directory, a checkpoint of
     ours). Files are copied with ``copy_file_range`` (a server-side copy or a reflink where the file
-    systems offer one), then read back with O_DIRECT and checked against the manifest.
+    systems offer one), then read back with O_DIRECT and checked against the manifest. ``storage``: the
+    file-system calls it makes, as for :func:`save_checkpoint`.
 
     Returns:
         ``destination`` (absolute).
@@ -263,6 +263,7 @@ def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike,
     dst = os.path.abspath(os.fspath(destination))
     if os.path.realpath(src) == os.path.realpath(dst):
         raise ValueError(f"cannot mirror {src} onto itself")
+    storage = storage or DEFAULT_STORAGE
 
     def write(staged: Staged) -> Manifest:
         with reading(src):  # inside the save of dst's parent: a read there counts up, never waits for itself
@@ -271,54 +272,10 @@ def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike,
             total = sum(e.bytes for e in manifest.files.values())
             with progress_bar(total, "mirror", progress) as bar:
                 for name in sorted(manifest.files):
-                    _copy_file(manifest.path(name), staged.path(name), bar)
+                    storage.copy_file(manifest.path(name), staged.path(name), bar)
         copy = replace(manifest, root=staged.target, manifest_xxh3_64=None,
                        files={n: replace(e, file=staged.written[n]) for n, e in manifest.files.items()})
         verify_files(copy)  # the copy, read back from its drive
         return copy
 
-    return write_atomically(dst, write)
-
-
-_COPY_CHUNK = 64 << 20
-_NO_COPY_RANGE = frozenset({_errno.EXDEV, _errno.EINVAL, _errno.ENOSYS, _errno.EOPNOTSUPP, _errno.ENOTSUP,
-                            _errno.EBADF, _errno.EPERM})
-
-
-def _copy_file(src: str, dst: str, bar) -> None:
-    """Copy ``src`` to the new file ``dst`` and fsync it (``copy_file_range``, else reads and writes)."""
-    try:
-        fin = open(src, "rb")
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {os.path.dirname(src)} is missing {os.path.basename(src)}, which its "
-                              "manifest lists") from None
-    with fin:
-        try:
-            # A copy never lets more people read it than its original does.
-            with create_private(dst, within=os.fstat(fin.fileno()).st_mode) as fout:
-                size = os.fstat(fin.fileno()).st_size
-                pos, ranged = 0, True
-                while pos < size:
-                    want = min(_COPY_CHUNK, size - pos)
-                    if ranged:
-                        try:
-                            n = os.copy_file_range(fin.fileno(), fout.fileno(), want, pos, pos)
-                        except OSError as err:
-                            if err.errno not in _NO_COPY_RANGE:
-                                raise
-                            ranged = False
-                            continue
-                    else:
-                        data = os.pread(fin.fileno(), min(want, 8 << 20), pos)
-                        n = len(data)
-                        view = memoryview(data)
-                        while view:
-                            view = view[os.pwrite(fout.fileno(), view, pos + n - len(view)):]
-                    if n == 0:
-                        raise ChecksumError(f"{src}: ends at byte {pos}, {size} expected (it shrank while copied)")
-                    pos += n
-                    bar.update(n)
-                fout.flush()
-                os.fsync(fout.fileno())
-        except OSError as err:
-            raise io_error(err, dst, "cannot copy to") from err
+    return write_atomically(dst, write, storage)
