@@ -88,6 +88,21 @@ def test_params_without_state_stay_without_state(tmp_path, nvme, closing):
     assert_same_state(opt.state_dict(), opt2.state_dict())
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("extra", [b"\x80not a pickle", bytearray(b"abc"), "text", {"step": 3, "raw": b"\x00"}])
+def test_extra_comes_back_as_it_was_given_bytes_included(tmp_path, nvme, closing, blocking, extra):
+    """``extra`` of any type torch.save takes comes back equal from a load, blocking save or not: bytes are an
+    object like any other (written as they were, they were read back as a corrupt torch file)."""
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(1))
+    handle = ckpt.save_checkpoint(opt, tmp_path / "c", extra=extra, blocking=blocking)
+    if not blocking:
+        handle.wait()
+    got = opt.load_checkpoint(tmp_path / "c")
+    assert type(got) is type(extra) and got == extra
+
+
 def test_saving_the_same_directory_again_replaces_it_atomically(tmp_path, nvme, closing):
     """A second save over an existing checkpoint replaces it whole: its files under the new generation's
     names, the previous generation's deleted, nothing beside the directory."""

@@ -227,13 +227,14 @@ class _HashingWriter:
 
 def write_file(obj: Any, path: str, fsync: Callable[[int, str], None], *, within: int = 0o777) -> dict:
     """Write ``obj`` into the new file ``path`` (mode ``within`` at most) and fsync it with ``fsync(fd,
-    path)``: bytes as they are, a :class:`JSON` value as JSON, else ``torch.save(obj)``. Returns the
-    file's size and xxh3_64; an OSError names ``path``."""
+    path)``: :class:`Serialized` bytes as they are, a :class:`JSON` value as JSON, else ``torch.save(obj)``
+    (plain bytes too: a user's ``extra=b"..."`` is an object like any other). Returns the file's size and
+    xxh3_64; an OSError names ``path``."""
     w = None
     try:
         with create_private(path, within=within) as f:
             w = _HashingWriter(f)
-            if isinstance(obj, bytes):
+            if isinstance(obj, Serialized):
                 w.write(obj)
             elif isinstance(obj, JSON):
                 w.write((json.dumps(obj.value, indent=1, sort_keys=True) + "\n").encode())
