@@ -91,7 +91,9 @@ def close_offloaded(model) -> None:
 # imported) to the end: construction, loading, training and export included. What it is compared with is
 # the pools this run holds: the parameter store's pool, the optimizer's pool and its grad buffers. The
 # step is compared with the disk bound of its bytes (fio's read and write rates on the same path); loading
-# and exporting with the bound of copying the weights' bytes once each way.
+# and exporting with the bound of copying the weights' bytes once each way. fio runs four times (before the
+# checkpoint is written, after it is loaded, before and after the export), and each phase is compared with
+# the mean of the bounds just before and just after it: the disk's speed drifts up to 2x within one run.
 def run_scale(args: argparse.Namespace) -> int:
     """``offload-bench scale``."""
     try:
@@ -130,15 +132,18 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
             ("training", f"{args.steps} steps, 1 x {args.seq} tokens; weights, grads and state on NVMe"),
         ])
         offload_parameters(model, swap, init=model._init_weights, **PARAM_OFFLOAD)
+    weight_bytes = 2 * n_params
+    fio = _Fio(args, paths, weight_bytes)
+    fio("before writing the checkpoint")
     with timer("write_checkpoint"):
         save_pretrained(model, source, max_shard_size="1GB")
     close_offloaded(model)
     del model
-    weight_bytes = 2 * n_params
 
     with timer("load"):
         build = transformers.AutoModelForCausalLM.from_config
         model = offload_pretrained(lambda: build(hf_config, dtype=torch.bfloat16), source, swap, **PARAM_OFFLOAD)
+    fio("after loading")
     model.train()
     store = offloaded(model).store
     opt = OffloadedAdamW(model.parameters(), lr=1e-5, nvme_path=swap)
@@ -150,6 +155,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         pools = store.pool.nbytes + opt.host_pool_bytes + opt.grad_pool_bytes
         state_bytes = opt.offloaded_state_bytes
         swap_bytes = store.swap_bytes + store.grad_swap_bytes + state_bytes
+        fio("before exporting")
         with timer("export"):
             save_pretrained(model, export, max_shard_size="1GB")
         peak = report.memory_bytes("VmHWM") - base_rss
@@ -158,15 +164,17 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     finally:
         opt.close()
         close_offloaded(model)
-    fio_write = fio_read = None
-    if not args.no_fio:
-        fio_write, fio_read = write_read_gib_s(paths, min(weight_bytes, GIB), 1 << 20, 32, 1)
+    fio("after exporting")
 
     step = statistics.median(times[1:] if len(times) > 1 else times)
     read, written = moved[-1]
 
-    step_bound = report.disk_bound(read, written, fio_read, fio_write)
-    copy_bound = report.disk_bound(weight_bytes, weight_bytes, fio_read, fio_write)
+    # Each copy is compared with fio's rates measured just before and just after it (the disk's speed drifts
+    # up to 2x within a run): the mean of the two bounds. The step, with the rates around the training.
+    copy_bound = fio.bound(weight_bytes, weight_bytes, 0, 1)  # writing the checkpoint, and loading it
+    export_bound = fio.bound(weight_bytes, weight_bytes, 2, 3)
+    step_bound = fio.bound(read, written, 1, 2)
+    fio_read, fio_write = fio.median()
     t = timer.times
     result: dict[str, Any] = {
         "params": n_params, "layers": layers, "hidden": args.hidden, "intermediate": inter,
@@ -177,7 +185,8 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         "export_s": t["export"], "verify_s": t["verify"], "export_checked": checked, "step_s": times,
         "step_s_median": step,
         "read_bytes_per_step": read, "write_bytes_per_step": written, "step_disk_bound_s": step_bound,
-        "copy_bound_s": copy_bound, "fio_read_gib_s": fio_read, "fio_write_gib_s": fio_write,
+        "copy_bound_s": copy_bound, "export_copy_bound_s": export_bound, "fio_read_gib_s": fio_read,
+        "fio_write_gib_s": fio_write, "fio_runs": fio.runs,
         "drive_writes_per_day": report.drive_writes(written, step)[0], "machine": machine,
     }
 
@@ -193,19 +202,52 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         ["step (median)", vs(step, step_bound) + f", runs {', '.join(f'{x:.1f}' for x in times)}"],
         ["read / written per step", f"{format_size(read)} / {format_size(written)}"],
         ["drive writes at this step rate", report.drive_writes(written, step)[1]],
-        ["export (save_pretrained)", vs(t["export"], copy_bound)],
+        ["export (save_pretrained)", vs(t["export"], export_bound)],
         ["export checked against the offloaded weights", f"equal, {checked} ({t['verify']:.1f} s)"],
         ["pools (weights, optimizer, grads)", format_size(pools)],
         ["peak RSS growth (build to export)", f"{format_size(peak)} (pools + {format_size(peak - pools)})"],
         ["  reached by the end of", ", ".join(f"{k.split('_')[0]} {format_size(v)}"
                                                for k, v in timer.peaks.items() if k != "verify")],
-        ["fio read / write", f"{report.fmt_gib(fio_read)} / {report.fmt_gib(fio_write)} GiB/s"],
-    ]
+    ] + [[f"fio read / write, {r['when']}", f"{report.fmt_gib(r['read_gib_s'])} / "
+                                              f"{report.fmt_gib(r['write_gib_s'])} GiB/s"] for r in fio.runs]
     print(report.table(["", "value"], rows))
     if args.json:
         report.write_json(args.json, result)
         print(f"wrote {args.json}")
     return 0
+
+
+class _Fio:
+    """fio's read and write rates on the run's paths, measured at named moments of the run (none with
+    ``--no-fio``)."""
+
+    def __init__(self, args, paths: list, weight_bytes: int):
+        self.paths, self.size, self.off = paths, min(weight_bytes, GIB), args.no_fio
+        self.runs: list[dict] = []
+
+    def __call__(self, when: str) -> None:
+        if self.off:
+            return
+        write, read = write_read_gib_s(self.paths, self.size, 1 << 20, 32, 1)
+        if read is None or write is None:
+            self.off = True  # said why; no bound
+            self.runs.clear()
+            return
+        self.runs.append({"when": when, "read_gib_s": read, "write_gib_s": write})
+
+    def bound(self, read: int, written: int, before: int, after: int) -> float | None:
+        """The disk bound of ``read`` and ``written`` bytes: the mean of the bounds at runs ``before`` and
+        ``after`` (None without fio)."""
+        if len(self.runs) <= max(before, after):
+            return None
+        return statistics.mean(report.disk_bound(read, written, self.runs[i]["read_gib_s"],
+                                                 self.runs[i]["write_gib_s"]) for i in (before, after))
+
+    def median(self) -> tuple[float | None, float | None]:
+        if not self.runs:
+            return None, None
+        return (statistics.median(r["read_gib_s"] for r in self.runs),
+                statistics.median(r["write_gib_s"] for r in self.runs))
 
 
 def _train(model, opt, store, args, g, times: list, moved: list) -> None:
