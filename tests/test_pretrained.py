@@ -177,6 +177,60 @@ def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
         assert torch.equal(model[5].weight, _weight(5))
 
 
+def cached_pages(path) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of the file), by mincore(2) over a mapping of it."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size = os.path.getsize(path)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+            return sum(v & 1 for v in vec), pages
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_load_drops_the_pages_it_read_from_the_page_cache_alone_not_in_a_job(nvme, closing, tmp_path, monkeypatch,
+                                                                               world):
+    """What a load read of the checkpoint leaves the page cache as it goes (a load larger than memory does not
+    push everything else out); in a job of several ranks, which may read the same shards, its pages stay."""
+    if world > 1:
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file({f"{i}.weight": _weight(i) for i in range(4)}, path)
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # as if written long ago: nothing cached
+    os.close(fd)
+    if cached_pages(path)[0] > 1:
+        pytest.skip("this file system keeps the file's pages in memory (tmpfs?)")
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(SIDE, SIDE, bias=False) for _ in range(4)])
+    closing(offload_parameters(model, nvme_path=nvme, init=False, max_in_cpu=0, max_grad_in_cpu=0,
+                               buffer_count=3, buffer_size=1 << 20))
+    load_safetensors(model, path)
+    cached, pages = cached_pages(path)
+    if world == 1:
+        # At most the header's, and the pages a tensor shares with its neighbours (only whole pages are dropped).
+        assert cached <= 2 + 2 * 4, f"{cached} of {pages} pages still cached"
+    else:
+        assert cached > pages // 2, f"only {cached} of {pages} pages cached"
+    with materialized(model):
+        assert torch.equal(model[3].weight, _weight(3))
+
+
 def test_save_pretrained_of_offloaded_model_loads_with_from_pretrained_bit_for_bit(hf_dir, nvme, closing, tmp_path):
     """An offloaded model saved as sharded safetensors (tied head saved once) loads with transformers'
     from_pretrained equal bit for bit, its shards within max_shard_size, its files the owner's alone (0600 in a

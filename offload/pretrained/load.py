@@ -100,6 +100,7 @@ def copy_into(ckpt: SafetensorsCheckpoint, entry: Entry, dest: torch.Tensor) -> 
         for start in range(0, entry.shape[0], step):
             stop = min(entry.shape[0], start + step)
             dest[start:stop].copy_(ckpt.read(entry.name, start, stop))
+            ckpt.drop_read(entry, start, stop)
 
 
 def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> Plan:
