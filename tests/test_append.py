@@ -1,5 +1,6 @@
 """AppendFile: a new file written front to back through aligned buffers with the engine."""
 
+import errno
 import os
 import stat
 
@@ -20,16 +21,19 @@ def engine():
 # The scratch directory is shared by the examples: each writes its own name and removes it.
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(sizes=st.lists(st.integers(0, 40_000), max_size=12), buffer_pages=st.integers(1, 3),
-       count=st.integers(2, 4), o_direct=st.booleans(), seed=st.integers(0, 2**31))
-def test_pieces_of_any_length_round_trip_exactly(scratch, sizes, buffer_pages, count, o_direct, seed):
+       count=st.integers(2, 4), o_direct=st.booleans(), seed=st.integers(0, 2**31),
+       reserve=st.sampled_from([None, 0, -5000, 1, 70_000]))
+def test_pieces_of_any_length_round_trip_exactly(scratch, sizes, buffer_pages, count, o_direct, seed, reserve):
     """Pieces of random lengths (empty ones, ones longer than a buffer, ones ending mid-page) appended as bytes,
     memoryviews and arrays of other dtypes read back byte for byte, and the file is exactly their length, with
-    direct I/O (the last write padded, the file cut) and without."""
+    direct I/O (the last write padded, the file cut) and without; with the length reserved up front exactly,
+    or too little or too much (the file is cut to what was written)."""
     rng = np.random.default_rng(seed)
     pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     path = os.path.join(scratch, f"f-{seed}-{o_direct}.bin")
+    size = 0 if reserve is None else max(0, sum(sizes) + reserve)
     with Engine({"o_direct": o_direct}) as engine:
-        with AppendFile(path, engine, buffer_size=buffer_pages * 4096, count=count) as f:
+        with AppendFile(path, engine, buffer_size=buffer_pages * 4096, count=count, size=size) as f:
             assert f._file.o_direct == o_direct
             for k, piece in enumerate(pieces):
                 kind = k % 3
@@ -53,6 +57,17 @@ def test_an_existing_name_or_a_planted_link_is_refused_and_left_alone(tmp_path, 
         with pytest.raises(FileExistsError):
             AppendFile(name, engine)
     assert theirs.read_bytes() == b"keep" and os.path.islink(link)
+
+
+def test_a_reservation_the_disk_cannot_hold_fails_before_any_write_and_leaves_no_file(tmpfs, engine):
+    """``size`` past the free space: ENOSPC at construction, naming the file, the bytes asked and free; no file."""
+    small = tmpfs("1m")
+    path = small / "f.bin"
+    with pytest.raises(OSError) as caught:
+        AppendFile(path, engine, buffer_size=4096, count=2, size=8 << 20)
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(path)
+    assert "cannot reserve 8388608 bytes" in str(caught.value) and "bytes free" in str(caught.value)
+    assert os.listdir(small) == []
 
 
 def test_a_failed_write_raises_and_leaves_no_file(tmp_path, engine):

@@ -144,8 +144,10 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         # Direct I/O where the file system has it (see AppendFile), every shard through the same three buffers.
         with Engine(aio) as engine, BufferPool(3, 8 << 20) as buffers:
             for name, shard in zip(names, shards):
-                with AppendFile(os.path.join(tmp, name), engine, buffers=buffers) as f:  # fsynced at its close
-                    f.write(_header(shard.tensors))
+                header = _header(shard.tensors)
+                size = len(header) + sum(t.nbytes for t in shard.tensors)  # reserved: a full disk shows at once
+                with AppendFile(os.path.join(tmp, name), engine, buffers=buffers, size=size) as f:  # fsynced at close
+                    f.write(header)
                     for t in shard.tensors:
                         start = f.tell()
                         t.write(f)
