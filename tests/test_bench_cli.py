@@ -154,23 +154,24 @@ def test_default_scratch_directory_is_removed_after_the_run(tmp_path):
     assert list(tmp.iterdir()) == []
 
 
-def test_io_error_is_one_clean_line_and_exit_1(tmp_path):
+def test_io_error_is_one_clean_line_and_exit_1(tmp_path, capsys):
     """A failing run (no room for the swap file) exits 1 with the error on one line, no traceback."""
     if shutil.disk_usage(tmp_path).free > 1 << 50:
         pytest.skip("needs a file system smaller than 1024 TiB")
-    p = bench("io", "--path", str(tmp_path), "--size", "1024TiB", "--block-size", "1MiB")
-    assert p.returncode == 1
-    assert "offload-bench: error:" in p.stderr and "needs" in p.stderr
-    assert "Traceback" not in p.stderr
+    code, _, err = bench_in_process(capsys, "io", "--path", str(tmp_path), "--size", "1024TiB", "--block-size", "1MiB")
+    assert code == 1
+    assert "offload-bench: error:" in err and "needs" in err
+    assert "Traceback" not in err
 
 
-def test_missing_fio_is_explained_and_fails(tmp_path):
+def test_missing_fio_is_explained_and_fails(tmp_path, capsys, monkeypatch):
     """--fio without fio on PATH says how to install it and exits non-zero before any I/O."""
     empty = tmp_path / "bin"
     empty.mkdir()
-    p = bench("io", "--path", str(tmp_path), *TINY, "--fio", env={"PATH": str(empty)})
-    assert p.returncode != 0
-    assert "fio is not installed" in p.stderr and "apt-get install fio" in p.stderr
+    monkeypatch.setenv("PATH", str(empty))
+    code, _, err = bench_in_process(capsys, "io", "--path", str(tmp_path), *TINY, "--fio")
+    assert code != 0
+    assert "fio is not installed" in err and "apt-get install fio" in err
 
 
 @pytest.mark.parametrize("command", [["adam", "--params", "300K", "--hidden", "64", "--steps", "3"],
@@ -241,11 +242,11 @@ def test_adam_reports_step_time_io_and_memory_against_torch(tmp_path):
     assert not nvme.exists() or not os.listdir(nvme)
 
 
-def test_adam_rejects_a_bad_parameter_count(tmp_path):
+def test_adam_rejects_a_bad_parameter_count(tmp_path, capsys):
     """A count that is not a number exits 2 and names the problem."""
-    p = bench("adam", "--params", "lots", "--path", str(tmp_path))
-    assert p.returncode == 2
-    assert "lots" in p.stderr
+    code, _, err = bench_in_process(capsys, "adam", "--params", "lots", "--path", str(tmp_path))
+    assert code == 2
+    assert "lots" in err
 
 
 def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
@@ -317,13 +318,13 @@ def test_engine_vs_fio_script_reports_ratios_and_removes_its_file(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["adam", "checkpoint", "params"])
-def test_a_bad_config_file_is_an_argument_error(tmp_path, command):
+def test_a_bad_config_file_is_an_argument_error(tmp_path, capsys, command):
     """A --config with an unknown key exits 2 before any work, naming the key and a correction."""
     cfg = tmp_path / "bad.json"
     cfg.write_text('{"aio": {"queue_depht": 8}}')
-    p = bench(command, "--config", str(cfg), "--path", str(tmp_path / "nvme"))
-    assert p.returncode == 2
-    assert "queue_depht" in p.stderr and "queue_depth" in p.stderr
+    code, _, err = bench_in_process(capsys, command, "--config", str(cfg), "--path", str(tmp_path / "nvme"))
+    assert code == 2
+    assert "queue_depht" in err and "queue_depth" in err
     assert not (tmp_path / "nvme").exists()
 
 
@@ -336,25 +337,26 @@ no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is
 @pytest.mark.parametrize("command", [["gpu"], ["adam", "--device", "cuda"], ["params", "--device", "cuda"],
                                      ["params", "--device", "cuda", "--overlap"]],
                          ids=["copy-bench", "adam", "params", "params-overlap"])
-def test_gpu_commands_without_cuda_fail_in_one_line_before_any_work(tmp_path, command):
+def test_gpu_commands_without_cuda_fail_in_one_line_before_any_work(tmp_path, capsys, command):
     """Without a CUDA device, ``gpu`` and ``--device cuda`` exit 1 with one line saying a CUDA device is needed,
     no traceback, and leave no directory behind."""
-    p = bench(*command, "--path", str(tmp_path / "nvme")) if command[0] != "gpu" else bench(*command)
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert "needs a CUDA device" in p.stderr and "Traceback" not in p.stderr
-    assert len(p.stderr.strip().splitlines()) == 1
+    args = [*command, "--path", str(tmp_path / "nvme")] if command[0] != "gpu" else command
+    code, out, err = bench_in_process(capsys, *args)
+    assert code == 1, out + err
+    assert "needs a CUDA device" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "nvme").exists()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("kvikio") is not None and torch.cuda.is_available(),
                     reason="kvikio and a GPU are present: --gds runs")
-def test_io_gds_without_kvikio_or_a_gpu_gives_the_reason_and_fails(tmp_path):
+def test_io_gds_without_kvikio_or_a_gpu_gives_the_reason_and_fails(tmp_path, capsys):
     """``io --gds`` where kvikio or a GPU is missing exits 1 naming why (offload.aio.gds_status's reason) and what
     to run instead, before any I/O; its --path is removed."""
-    p = bench("io", "--gds", "--path", str(tmp_path / "nvme"), *TINY)
-    assert p.returncode == 1, p.stdout + p.stderr
-    assert gds_status()[1] in p.stderr and "without --gds" in p.stderr
-    assert "Traceback" not in p.stderr
+    code, out, err = bench_in_process(capsys, "io", "--gds", "--path", str(tmp_path / "nvme"), *TINY)
+    assert code == 1, out + err
+    assert gds_status()[1] in err and "without --gds" in err
+    assert "Traceback" not in err
     assert not (tmp_path / "nvme").exists()
 
 
