@@ -172,7 +172,8 @@ def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, mod
         dtype: the weights' dtype (default: config.json's ``dtype``, else float32).
         strict: refuse a checkpoint whose names differ from the model's; with False, tensors it lacks get
             the model's own ``_init_weights``.
-        offload_kwargs: more keywords for :func:`offload.offload_parameters` (``max_in_cpu=0``, ...).
+        offload_kwargs: more keywords for :func:`offload.offload_parameters` (``max_in_cpu=0``, ...), and
+            ``drop_behind`` for :func:`offload.pretrained.offload_pretrained`.
 
     Raises:
         CheckpointError: the checkpoint is missing, corrupt, or does not fit the config (named); no swap

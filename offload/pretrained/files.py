@@ -10,7 +10,6 @@ from typing import Optional
 
 import torch
 
-from ..distributed import rank_info
 from ..errors import CheckpointError
 
 __all__ = ["DTYPES", "INDEX", "SINGLE", "Entry", "SafetensorsCheckpoint", "dtype_name"]
@@ -46,29 +45,71 @@ class Entry:
     file: str
     shape: tuple
     dtype: torch.dtype
-    offset: int = 0
+    offset: Optional[int] = None  # None: unknown (nothing of it is dropped from the page cache)
     nbytes: int = 0
 
 
 def _data_ranges(file: str) -> dict[str, tuple[int, int]]:
     """``{name: (offset, nbytes)}`` of each tensor's bytes in the safetensors ``file``, from its header (read
     after ``safe_open`` has checked it: an 8-byte little-endian length, then that much JSON; offsets count
-    from the header's end)."""
+    from the header's end). Only used to drop pages from the page cache: a range that does not fit the
+    file is left out."""
     with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    return {name: (8 + n + v["data_offsets"][0], v["data_offsets"][1] - v["data_offsets"][0])
-            for name, v in header.items() if name != "__metadata__"}
+        header = json.loads(f.read(n)) if 8 + n <= size else {}
+    out = {}
+    for name, v in header.items():
+        a, b = v.get("data_offsets", (0, -1)) if isinstance(v, dict) and name != "__metadata__" else (0, -1)
+        if isinstance(a, int) and isinstance(b, int) and 0 <= a <= b and 8 + n + b <= size:
+            out[name] = (8 + n + a, b - a)
+    return out
+
+
+def _drop_range(file: str, start: int, length: int) -> None:
+    """``length`` bytes of ``file`` from ``start`` (0: to its end) out of the page cache; advice, nothing raised
+    (pages mapped, or still being read ahead, stay)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, start, length, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _several_here() -> bool:
+    """Whether other ranks of this process's job may run on this machine (sharing its page cache): torchrun's
+    ``LOCAL_WORLD_SIZE``, else the job's world size (torch.distributed's, else ``WORLD_SIZE``); a value that
+    cannot be read counts as several."""
+    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        if name == "WORLD_SIZE" and torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size() > 1
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value) > 1
+            except ValueError:
+                return True
+    return False
+
+
+# Bytes before a read that the kernel may read with it (its read-around on a fault is up to the read-ahead
+# size, 8 MiB on the disks measured, centred on the fault): dropped again after each read.
+_READ_AROUND = 16 << 20
 
 
 # NOTE: the ``safetensors`` package maps a whole file and copies slices out of the mapping. Pages of a mapping
 # count in the process's RSS for as long as it stays mapped, so a shard kept open while all its tensors are
 # read would show the whole shard in memory. Each read maps the file anew and drops the mapping when done:
 # what is resident from a checkpoint is the slice being read. Its pages in the page cache are dropped too
-# once copied (``drop_read``): a load of a checkpoint larger than memory does not push the rest of the cache
-# out, and the pages freed serve the next reads (on a virtual machine whose host backs guest memory lazily,
-# pages the guest never used cost a fault on the host each: loads ran 1.5x faster here). Not in a job of
-# several ranks, which may read the same shards at once from one cache.
+# once copied (``drop_behind``): a load of a checkpoint larger than memory does not push the rest of the
+# cache out, and the pages freed serve the next reads (on a virtual machine whose host backs guest memory
+# lazily, pages the guest never used cost a fault on the host each: loads ran 1.5x faster here). Not where
+# other ranks of a job may run on the machine, which may read the same shards at once from one cache.
 class SafetensorsCheckpoint:
     """A safetensors checkpoint's files: every tensor's name, shape and dtype from their headers, and
     :meth:`read` for slices of them. Usable as a context manager.
@@ -76,6 +117,8 @@ class SafetensorsCheckpoint:
     Args:
         path: a ``.safetensors`` file, or a directory holding ``model.safetensors.index.json`` (shards) or
             ``model.safetensors``.
+        drop_behind: drop what :meth:`read` has read from the page cache (see the note above); None: unless
+            other ranks of a job may run on this machine (``LOCAL_WORLD_SIZE``, else the world size, above 1).
 
     Raises:
         CheckpointError: no checkpoint there, a shard the index names is missing, an index or header is
@@ -87,8 +130,8 @@ class SafetensorsCheckpoint:
 
         path = os.fspath(path)
         self.path = path
-        # A job of several ranks may read the same shards at once, sharing their pages: kept there.
-        self.drop_behind = rank_info().world_size == 1 if drop_behind is None else drop_behind
+        self.drop_behind = not _several_here() if drop_behind is None else bool(drop_behind)
+        self._unread: dict[str, set] = {}  # file -> names of its tensors not read to their end yet
         self.files = self._files(path)
         self.entries: dict[str, Entry] = {}
         try:
@@ -105,7 +148,7 @@ class SafetensorsCheckpoint:
                                                   "loader does not know; convert the checkpoint to F32/F16/BF16")
                         found[name] = (tuple(s.get_shape()), dtype)
                     ranges = _data_ranges(file)
-                    found = {name: Entry(name, file, shape, dtype, *ranges[name])
+                    found = {name: Entry(name, file, shape, dtype, *ranges.get(name, (None, 0)))
                              for name, (shape, dtype) in found.items()}
                 except CheckpointError:
                     raise
@@ -122,6 +165,8 @@ class SafetensorsCheckpoint:
                                               "checkpoint's shards overlap: save it again")
                     self.entries[name] = e
             self._check_index()
+            for e in self.entries.values():
+                self._unread.setdefault(e.file, set()).add(e.name)
         except BaseException:
             self.close()
             raise
@@ -133,10 +178,16 @@ class SafetensorsCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Nothing stays open between reads; here for the context manager."""
+        """Nothing stays open between reads; with ``drop_behind``, what is left in the page cache of the files
+        read (read ahead after the last drop) is dropped once more."""
+        if self.drop_behind:
+            for file, unread in self._unread.items():
+                if len(unread) < sum(1 for e in self.entries.values() if e.file == file):
+                    _drop_range(file, 0, 0)
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Rows ``[start, stop)`` of tensor ``name`` (all of a 0-d tensor), as a new CPU tensor."""
+        """Rows ``[start, stop)`` of tensor ``name`` (all of a 0-d tensor), as a CPU tensor (which may share
+        the file's pages until it is freed; :meth:`read_into` copies and lets them go)."""
         from safetensors import safe_open
 
         e = self.entries[name]
@@ -152,22 +203,31 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"{e.file}: cannot read {name!r} ({err}); the file is corrupt or was changed "
                                   "while loading: download or save it again") from err
 
-    def drop_read(self, entry: Entry, start: int, stop: int) -> None:
-        """Drop rows ``[start, stop)`` of ``entry``, read already, from the page cache (with ``drop_behind``;
-        advice: nothing is raised)."""
-        if not self.drop_behind or not entry.shape or not entry.shape[0]:
+    def read_into(self, name: str, dest: torch.Tensor, start: int = 0, stop: int | None = None) -> None:
+        """Copy rows ``[start, stop)`` of tensor ``name`` (all of a 0-d tensor) into ``dest`` (their shape,
+        any floating-point dtype where ``name`` is one); with ``drop_behind`` their pages then leave the page
+        cache (see the note above)."""
+        e = self.entries[name]
+        dest.copy_(self.read(name, start, stop))
+        if self.drop_behind:
+            self._drop(e, None if not e.shape else (stop if stop is not None else e.shape[0]))
+
+    def _drop(self, e: Entry, stop: Optional[int]) -> None:
+        """Drop ``e``'s bytes up to row ``stop`` (all of it for None) from the page cache, and the read-around
+        before them (a fault on a new mapping reads pages behind it too, those of rows dropped already); the
+        whole file once every tensor of it was read to its end. Advice: nothing is raised."""
+        if e.offset is None:
             return
-        row = entry.nbytes // entry.shape[0]
-        try:
-            fd = os.open(entry.file, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, entry.offset + start * row, (stop - start) * row, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        end = e.nbytes if stop is None or not e.shape[0] else e.nbytes // e.shape[0] * stop
+        unread = self._unread.get(e.file, set())
+        if end == e.nbytes:
+            unread.discard(e.name)
+        start, length = max(0, e.offset - _READ_AROUND), e.offset + end - max(0, e.offset - _READ_AROUND)
+        if not unread:
+            start, length = 0, 0  # the whole file
+        elif length <= 0:
+            return  # nothing read (an empty tensor): length 0 would mean to the end of the file
+        _drop_range(e.file, start, length)
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -93,17 +93,17 @@ def copy_into(ckpt: SafetensorsCheckpoint, entry: Entry, dest: torch.Tensor) -> 
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         dest = dest.detach()
         if not entry.shape:
-            dest.copy_(ckpt.read(entry.name))
+            ckpt.read_into(entry.name, dest)
             return
         row = max(1, entry.dtype.itemsize * (dest.numel() // max(1, entry.shape[0])))
         step = max(1, READ_BYTES // row)
         for start in range(0, entry.shape[0], step):
             stop = min(entry.shape[0], start + step)
-            dest[start:stop].copy_(ckpt.read(entry.name, start, stop))
-            ckpt.drop_read(entry, start, stop)
+            ckpt.read_into(entry.name, dest[start:stop], start, stop)
 
 
-def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> Plan:
+def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
+                     drop_behind: Optional[bool] = None) -> Plan:
     """Load a safetensors checkpoint into ``model``, one tensor at a time.
 
     ``path`` is a ``.safetensors`` file or a directory with ``model.safetensors`` or shards listed in
@@ -121,6 +121,9 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
         model: a model, offloaded with :func:`offload.offload_parameters` or not.
         path: the checkpoint.
         strict: refuse a checkpoint whose names differ from the model's (else load what matches).
+        drop_behind: drop the checkpoint's pages from the page cache once copied (a load larger than memory
+            does not push the rest of the cache out); None: unless other ranks of a job may run on this
+            machine (they may read the same shards). See :class:`SafetensorsCheckpoint`.
 
     Returns:
         The :class:`Plan`: what was loaded, and the names missing or unexpected.
@@ -132,7 +135,7 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_safetensors expects a torch.nn.Module, got {type(model).__name__}")
-    with SafetensorsCheckpoint(path) as ckpt:
+    with SafetensorsCheckpoint(path, drop_behind=drop_behind) as ckpt:
         plan = match(model, ckpt, strict=strict)
         done: dict[int, tuple] = {}  # id(tensor) -> (tensor, its store or None)
         for t, names in _named(model).values():
@@ -186,7 +189,7 @@ def fill_modules(model: nn.Module, ckpt: SafetensorsCheckpoint, plan: Plan,
 
 def offload_pretrained(build: Callable[[], nn.Module], path: str | os.PathLike, nvme_path=None, config=None, *,
                        strict: bool = True, init_missing: Optional[Callable[[nn.Module], Callable]] = None,
-                       **offload_kwargs) -> nn.Module:
+                       drop_behind: Optional[bool] = None, **offload_kwargs) -> nn.Module:
     """Build a model with its parameters on meta, then offload it with the weights of a safetensors checkpoint.
 
     ``build()`` runs under :func:`offload.params.empty_parameters` (parameters on meta, buffers real); the
@@ -202,11 +205,12 @@ def offload_pretrained(build: Callable[[], nn.Module], path: str | os.PathLike, 
         strict: refuse a checkpoint whose names differ from the model's.
         init_missing: ``init_missing(model)`` gives the per-module initialiser for tensors the checkpoint
             lacks (with ``strict=False``); default zeros.
+        drop_behind: as for :func:`load_safetensors`.
 
     Raises:
         CheckpointError: the checkpoint is missing, corrupt, or does not fit; no swap file was made.
     """
-    with SafetensorsCheckpoint(path) as ckpt:
+    with SafetensorsCheckpoint(path, drop_behind=drop_behind) as ckpt:
         with empty_parameters():
             model = build()
         plan = match(model, ckpt, strict=strict)
