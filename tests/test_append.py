@@ -70,6 +70,17 @@ def test_a_reservation_the_disk_cannot_hold_fails_before_any_write_and_leaves_no
     assert os.listdir(small) == []
 
 
+def test_the_size_given_is_reserved_when_the_file_is_made(tmp_path, engine):
+    """``size`` allocates the file's blocks at construction, before any write (not in the round-trip test,
+    which passes whether or not anything is reserved); the file is then cut to what was written."""
+    path = tmp_path / "f.bin"
+    with AppendFile(path, engine, buffer_size=4096, count=2, size=300_000) as f:
+        st = os.stat(path)
+        assert st.st_size >= 300_000 and st.st_blocks * 512 >= 300_000
+        f.write(b"x" * 5000)
+    assert os.path.getsize(path) == 5000
+
+
 def test_a_failed_write_raises_and_leaves_no_file(tmp_path, engine):
     """A write error (injected in the engine) is an OSError from write() or close(), and the file is gone."""
     path = tmp_path / "f.bin"

@@ -11,7 +11,7 @@ import numpy as np
 from ..buffers import BufferPool
 from ..units import ALIGNMENT, round_up
 from .engine import Engine
-from .files import unlink_if_same
+from .files import reserve, unlink_if_same
 from .futures import wait_quietly
 
 __all__ = ["AppendFile"]
@@ -62,7 +62,7 @@ class AppendFile:
                 raise ValueError(f"buffers of {buffers.buffer_size} bytes are not a multiple of {path}'s direct-I/O "
                                  f"alignment ({align} bytes)")
             if size > 0:
-                self._reserve(round_up(size, align))
+                reserve(self._file.fd, 0, round_up(size, align), self.path)  # where the file system can
             self._pool = buffers if buffers is not None else BufferPool(count, round_up(max(buffer_size, 1), align))
         except BaseException:
             unlink_if_same(self.path, self._file.fd)
@@ -152,14 +152,6 @@ class AppendFile:
             fut.wait()
             self._free.append(buf)
         self._buf = self._free.popleft()
-
-    def _reserve(self, nbytes: int) -> None:
-        try:
-            os.posix_fallocate(self._file.fd, 0, nbytes)
-        except OSError as err:
-            st = os.statvfs(os.path.dirname(os.path.abspath(self.path)))
-            raise OSError(err.errno, f"cannot reserve {nbytes} bytes for the file ({err.strerror}; "
-                          f"{st.f_bavail * st.f_frsize} bytes free)", self.path) from err
 
     def _fail(self) -> None:
         self._failed = True

@@ -256,6 +256,44 @@ def _set_o_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
+_libc = None
+
+
+def reserve(fd: int, offset: int, length: int, path: str) -> bool:
+    """Allocate ``length`` bytes of the file ``fd`` from ``offset`` now (fallocate(2), which also extends it),
+    so that a full disk is reported before data moves. False where the file system cannot reserve space
+    (nothing was written: glibc's ``posix_fallocate`` would write a byte per block instead, which fails on
+    an O_DIRECT descriptor and crawls on a network mount).
+
+    Raises:
+        OSError: ENOSPC, EDQUOT, EFBIG or another failure, naming ``path``, the bytes asked and the bytes free.
+    """
+    global _libc
+    if length <= 0:
+        return True
+    import ctypes
+
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    call = getattr(_libc, "fallocate", None)
+    if call is None:  # a C library without it: the portable call, whose fallback writes
+        try:
+            os.posix_fallocate(fd, offset, length)
+            return True
+        except OSError as err:
+            code = err.errno
+    else:
+        call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+        if call(fd, 0, offset, length) == 0:
+            return True
+        code = ctypes.get_errno()
+    if code in (_errno.EOPNOTSUPP, _errno.ENOSYS, _errno.ENODEV):
+        return False
+    st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    raise OSError(code, f"cannot reserve {length} bytes ({os.strerror(code)}; {st.f_bavail * st.f_frsize} bytes "
+                        "free)", path)
+
+
 def unlink_if_same(path: str, fd: int) -> None:
     """Remove ``path`` if it still names the file open on ``fd`` (never someone else's file)."""
     try:

@@ -3,7 +3,6 @@ checked reader of their ranges."""
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -11,7 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 import xxhash
 from tqdm import tqdm
 
-from ..aio import CompletedFuture, Engine, PieceDigest
+from ..aio import CompletedFuture, Engine, PieceDigest, reserve
 from ..buffers import BufferPool
 from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
@@ -106,13 +105,8 @@ class DataFile:
 
     def reserve(self, runs: Sequence[tuple[int, int]]) -> None:
         """Allocate the file's ranges ``[a, b)`` now, so that a full disk is reported before data moves."""
-        try:
-            for a, b in runs:
-                os.posix_fallocate(self.file.fd, a, b - a)
-        except OSError as err:
-            st = os.statvfs(os.path.dirname(self.path))
-            raise OSError(err.errno, f"cannot reserve {sum(b - a for a, b in runs)} bytes for the checkpoint data "
-                          f"({err.strerror}; {st.f_bavail * st.f_frsize} bytes free)", self.path) from err
+        for a, b in runs:
+            reserve(self.file.fd, a, b - a, self.path)  # where the file system can
 
     def close(self) -> None:
         if self.file is not None:

@@ -145,7 +145,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         with Engine(aio) as engine, BufferPool(3, 8 << 20) as buffers:
             for name, shard in zip(names, shards):
                 header = _header(shard.tensors)
-                size = len(header) + sum(t.nbytes for t in shard.tensors)  # reserved: a full disk shows at once
+                size = len(header) + shard.nbytes  # reserved: a disk too full for this shard shows at once
                 with AppendFile(os.path.join(tmp, name), engine, buffers=buffers, size=size) as f:  # fsynced at close
                     f.write(header)
                     for t in shard.tensors:
