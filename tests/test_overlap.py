@@ -390,16 +390,17 @@ def test_state_reads_between_backward_and_step_are_refused_and_loads_end_the_run
                  lambda: ours.add_param_group({"params": [torch.nn.Parameter(torch.zeros(8))]})):
         with pytest.raises(StateError, match="between backward and step.*call step\\(\\) first"):
             call()
-    assert not (other.exists() and os.listdir(other)) and len(ours.param_groups) == 1
+    assert len(ours.param_groups) == 1
+    assert not other.exists() or (through == "retention" and os.listdir(other) == [])  # a Retention makes its root
     for opt in (ours, ref):
         opt.step()
         opt.zero_grad()
     assert_same(list(a.parameters()), list(b.parameters()))
     x, y = batch(2)
     torch.nn.functional.cross_entropy(a(x).reshape(-1, 50), y.reshape(-1)).backward()
-    assert ours.overlap.running
+    assert ours._overlap.running
     load(ours, ckpt, model=a)
-    assert not ours.overlap.running  # ended by the load, not left to race it
+    assert not ours._overlap.running  # ended by the load, not left to race it
     ours.zero_grad()
     train(a, ours, [1])
     ref_model, _, ref2, unused = pair(nvme + "-c")
@@ -611,17 +612,15 @@ def test_an_optimizer_dropped_without_close_is_collected_with_its_swap_file(tmp_
 
 def test_no_overlap_answers_every_call_the_optimizer_makes_on_its_overlap():
     """An optimizer without overlap_backward holds a NoOverlap and calls it as it calls a BackwardOverlap: every
-    attribute the optimizer and its checkpoints use exists on both (one added to BackwardOverlap alone would fail
-    only in the default configuration)."""
+    attribute the optimizer uses exists on both (one added to BackwardOverlap alone would fail only in the
+    default configuration)."""
     import inspect
     import re
 
     from offload.adam import optimizer
-    from offload.checkpoint import load, save
     from offload.overlap import BackwardOverlap, NoOverlap
 
     used = set(re.findall(r"self\._overlap\.(\w+)", inspect.getsource(optimizer)))
-    used |= {n for m in (load, save) for n in re.findall(r"optimizer\.overlap\.(\w+)", inspect.getsource(m))}
     assert {"refuse_while_running", "end_for_load", "finish"} <= used
     missing = {cls.__name__: sorted(n for n in used if not hasattr(cls, n)) for cls in (NoOverlap, BackwardOverlap)}
     assert missing == {"NoOverlap": [], "BackwardOverlap": []}

@@ -383,11 +383,19 @@ class OffloadedAdam(torch.optim.Adam):
         """Bytes of state stored on the swap space (all units)."""
         return self.state_store.state_bytes
 
-    @property
-    def overlap(self) -> BackwardOverlap | NoOverlap:
-        """The step that backward runs ahead with ``overlap_backward`` (a :class:`offload.overlap.NoOverlap`
-        without it): checkpoint saves refuse to race it, loads end it."""
-        return self._overlap
+    def check_no_step_running(self, what: str) -> None:
+        """Refuse ``what`` (a checkpoint save) while a step that backward started (``overlap_backward``) runs
+        on the pool: it would race it.
+
+        Raises:
+            StateError: such a step is running; call step() first.
+        """
+        self._overlap.refuse_while_running(what)
+
+    def end_running_step(self, what: str) -> None:
+        """End a step that backward started (``overlap_backward``), if one runs: ``what`` (a checkpoint load)
+        replaces the state."""
+        self._overlap.end_for_load(what)
 
     @property
     def swap_space(self):

@@ -165,7 +165,7 @@ class Storage:
                         pos += n
                         bar.update(n)
                     fout.flush()
-                    os.fsync(fout.fileno())
+                    self.fsync(fout.fileno(), dst)
             except OSError as err:
                 raise io_error(err, dst, "cannot copy to") from err
 

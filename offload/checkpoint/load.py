@@ -69,7 +69,7 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     """
     if optimizer.state_store.closed:
         raise ValueError("the optimizer is closed")
-    optimizer.overlap.end_for_load("load_checkpoint()")  # the state is replaced: a step backward started ends
+    optimizer.end_running_step("load_checkpoint()")  # the state is replaced: a step backward started ends
     # A save in the background copies units as steps change them; a load changes them all unguarded.
     wait_for_save(optimizer.state_store, report=False)
     if not alone and job_world() is not None:

@@ -118,7 +118,7 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
                                                        snapshot=snapshot, progress=progress, shard=shard))
     # Between a backward and step() with overlap_backward the update runs on the pool: refused, not raced
     # (in a job, inside the shard's write, so every rank hears of it).
-    optimizer.overlap.refuse_while_running("save_checkpoint()")
+    optimizer.check_no_step_running("save_checkpoint()")
     store = optimizer.state_store
     wait_for_save(store, report=True)  # one save at a time per optimizer; a failure nobody saw is raised here
     store.check_usable("save a checkpoint")
@@ -192,7 +192,7 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
 
 
 def _after(directory: str, then, mirror, then_mirror, *, background: bool, owner=None,
-           storage: Storage = DEFAULT_STORAGE) -> None:
+           storage: Optional[Storage] = None) -> None:
     """What follows a committed save: ``then(directory)``, then the copy to ``mirror`` (in the background
     where the save was not) and ``then_mirror(mirror)``."""
     if then is not None:
