@@ -94,6 +94,11 @@ def close_offloaded(model) -> None:
 # and exporting with the bound of copying the weights' bytes once each way. fio runs four times (before the
 # checkpoint is written, after it is loaded, before and after the export), and each phase is compared with
 # the mean of the bounds just before and just after it: the disk's speed drifts up to 2x within one run.
+# When fio runs (the names its runs have in the report).
+WRITE_BEFORE, LOADED = "before writing the checkpoint", "after loading"
+EXPORT_BEFORE, EXPORT_AFTER = "before exporting", "after exporting"
+
+
 def run_scale(args: argparse.Namespace) -> int:
     """``offload-bench scale``."""
     try:
@@ -134,7 +139,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         offload_parameters(model, swap, init=model._init_weights, **PARAM_OFFLOAD)
     weight_bytes = 2 * n_params
     fio = _Fio(args, paths, weight_bytes)
-    fio("before writing the checkpoint")
+    fio(WRITE_BEFORE)
     with timer("write_checkpoint"):
         save_pretrained(model, source, max_shard_size="1GB")
     close_offloaded(model)
@@ -143,7 +148,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     with timer("load"):
         build = transformers.AutoModelForCausalLM.from_config
         model = offload_pretrained(lambda: build(hf_config, dtype=torch.bfloat16), source, swap, **PARAM_OFFLOAD)
-    fio("after loading")
+    fio(LOADED)
     model.train()
     store = offloaded(model).store
     opt = OffloadedAdamW(model.parameters(), lr=1e-5, nvme_path=swap)
@@ -155,7 +160,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         pools = store.pool.nbytes + opt.host_pool_bytes + opt.grad_pool_bytes
         state_bytes = opt.offloaded_state_bytes
         swap_bytes = store.swap_bytes + store.grad_swap_bytes + state_bytes
-        fio("before exporting")
+        fio(EXPORT_BEFORE)
         with timer("export"):
             save_pretrained(model, export, max_shard_size="1GB")
         peak = report.memory_bytes("VmHWM") - base_rss
@@ -164,16 +169,16 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     finally:
         opt.close()
         close_offloaded(model)
-    fio("after exporting")
+    fio(EXPORT_AFTER)
 
     step = statistics.median(times[1:] if len(times) > 1 else times)
     read, written = moved[-1]
 
     # Each copy is compared with fio's rates measured just before and just after it (the disk's speed drifts
     # up to 2x within a run): the mean of the two bounds. The step, with the rates around the training.
-    copy_bound = fio.bound(weight_bytes, weight_bytes, 0, 1)  # writing the checkpoint, and loading it
-    export_bound = fio.bound(weight_bytes, weight_bytes, 2, 3)
-    step_bound = fio.bound(read, written, 1, 2)
+    copy_bound = fio.bound(weight_bytes, weight_bytes, WRITE_BEFORE, LOADED)  # writing the checkpoint, loading it
+    export_bound = fio.bound(weight_bytes, weight_bytes, EXPORT_BEFORE, EXPORT_AFTER)
+    step_bound = fio.bound(read, written, LOADED, EXPORT_BEFORE)
     fio_read, fio_write = fio.median()
     t = timer.times
     result: dict[str, Any] = {
@@ -219,7 +224,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
 
 class _Fio:
     """fio's read and write rates on the run's paths, measured at named moments of the run (none with
-    ``--no-fio``)."""
+    ``--no-fio``, or after fio failed once: it says why)."""
 
     def __init__(self, args, paths: list, weight_bytes: int):
         self.paths, self.size, self.off = paths, min(weight_bytes, GIB), args.no_fio
@@ -230,18 +235,18 @@ class _Fio:
             return
         write, read = write_read_gib_s(self.paths, self.size, 1 << 20, 32, 1)
         if read is None or write is None:
-            self.off = True  # said why; no bound
-            self.runs.clear()
+            self.off = True
             return
         self.runs.append({"when": when, "read_gib_s": read, "write_gib_s": write})
 
-    def bound(self, read: int, written: int, before: int, after: int) -> float | None:
-        """The disk bound of ``read`` and ``written`` bytes: the mean of the bounds at runs ``before`` and
-        ``after`` (None without fio)."""
-        if len(self.runs) <= max(before, after):
+    def bound(self, read: int, written: int, before: str, after: str) -> float | None:
+        """The disk bound of ``read`` and ``written`` bytes: the mean of the bounds at the runs named ``before``
+        and ``after`` (None where either is missing)."""
+        runs = {r["when"]: r for r in self.runs}
+        if before not in runs or after not in runs:
             return None
-        return statistics.mean(report.disk_bound(read, written, self.runs[i]["read_gib_s"],
-                                                 self.runs[i]["write_gib_s"]) for i in (before, after))
+        return statistics.mean(report.disk_bound(read, written, runs[w]["read_gib_s"], runs[w]["write_gib_s"])
+                               for w in (before, after))
 
     def median(self) -> tuple[float | None, float | None]:
         if not self.runs:
