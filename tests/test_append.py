@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload.aio import AppendFile, Engine
+from offload.aio import AppendFile, Engine, reserve
 
 
 @pytest.fixture(scope="module")
@@ -73,12 +73,47 @@ def test_a_reservation_the_disk_cannot_hold_fails_before_any_write_and_leaves_no
 def test_the_size_given_is_reserved_when_the_file_is_made(tmp_path, engine):
     """``size`` allocates the file's blocks at construction, before any write (not in the round-trip test,
     which passes whether or not anything is reserved); the file is then cut to what was written."""
+    probe = tmp_path / "probe"
+    fd = os.open(probe, os.O_CREAT | os.O_WRONLY, 0o600)
+    try:
+        if not reserve(fd, 0, 4096, str(probe)):
+            pytest.skip("this file system cannot reserve space (no fallocate)")
+    finally:
+        os.close(fd)
     path = tmp_path / "f.bin"
     with AppendFile(path, engine, buffer_size=4096, count=2, size=300_000) as f:
         st = os.stat(path)
         assert st.st_size >= 300_000 and st.st_blocks * 512 >= 300_000
         f.write(b"x" * 5000)
     assert os.path.getsize(path) == 5000
+
+
+@pytest.mark.parametrize("errors, expected", [
+    ([errno.EOPNOTSUPP], False), ([errno.EINTR, errno.EINTR], True), ([errno.ENOSPC], errno.ENOSPC),
+    ([errno.EINTR, errno.EDQUOT], errno.EDQUOT)])
+def test_reserve_tells_a_file_system_without_fallocate_from_a_full_one(tmp_path, monkeypatch, errors, expected):
+    """fallocate(2) unsupported: nothing reserved (False), nothing raised; interrupted: tried again; no space or
+    quota: an OSError naming the file, the bytes asked and the bytes free."""
+    from offload.aio import files
+
+    left = list(errors)
+    last = []
+
+    def fallocate(fd, mode, offset, length):
+        if left:
+            last[:] = [left.pop(0)]
+            return -1
+        return 0
+
+    monkeypatch.setattr(files, "_fallocate", (fallocate, lambda: last[0]))
+    if isinstance(expected, bool):
+        assert reserve(3, 0, 8192, str(tmp_path / "f")) is expected
+    else:
+        with pytest.raises(OSError) as caught:
+            reserve(3, 0, 8192, str(tmp_path / "f"))
+        assert caught.value.errno == expected and caught.value.filename == str(tmp_path / "f")
+        assert "cannot reserve 8192 bytes" in str(caught.value) and "bytes free" in str(caught.value)
+    assert not left
 
 
 def test_a_failed_write_raises_and_leaves_no_file(tmp_path, engine):

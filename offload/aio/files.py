@@ -256,37 +256,49 @@ def _set_o_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 
 
-_libc = None
+_fallocate = None  # fallocate(2) through the C library, its argument types set: found once
+
+
+def _fallocate_call():
+    global _fallocate
+    if _fallocate is None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = getattr(libc, "fallocate64", None) or getattr(libc, "fallocate", None)
+        if call is not None:
+            call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+            call.restype = ctypes.c_int
+        _fallocate = (call, ctypes.get_errno)
+    return _fallocate
 
 
 def reserve(fd: int, offset: int, length: int, path: str) -> bool:
     """Allocate ``length`` bytes of the file ``fd`` from ``offset`` now (fallocate(2), which also extends it),
     so that a full disk is reported before data moves. False where the file system cannot reserve space
     (nothing was written: glibc's ``posix_fallocate`` would write a byte per block instead, which fails on
-    an O_DIRECT descriptor and crawls on a network mount).
+    an O_DIRECT descriptor and crawls on a network mount). A call that fails may leave the file partly
+    allocated and longer: the callers remove it.
 
     Raises:
         OSError: ENOSPC, EDQUOT, EFBIG or another failure, naming ``path``, the bytes asked and the bytes free.
     """
-    global _libc
     if length <= 0:
         return True
-    import ctypes
-
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    call = getattr(_libc, "fallocate", None)
-    if call is None:  # a C library without it: the portable call, whose fallback writes
-        try:
-            os.posix_fallocate(fd, offset, length)
+    call, get_errno = _fallocate_call()
+    while True:
+        if call is None:  # a C library without it: the portable call (whose fallback writes)
+            try:
+                os.posix_fallocate(fd, offset, length)
+                return True
+            except OSError as err:
+                code = err.errno
+        elif call(fd, 0, offset, length) == 0:
             return True
-        except OSError as err:
-            code = err.errno
-    else:
-        call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-        if call(fd, 0, offset, length) == 0:
-            return True
-        code = ctypes.get_errno()
+        else:
+            code = get_errno()
+        if code != _errno.EINTR:
+            break
     if code in (_errno.EOPNOTSUPP, _errno.ENOSYS, _errno.ENODEV):
         return False
     st = os.statvfs(os.path.dirname(os.path.abspath(path)))

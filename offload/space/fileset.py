@@ -85,6 +85,9 @@ class FileSet:
         sizes = [os.fstat(f.fd).st_size for f in self.files]
         try:
             for f in self.files:
+                # posix_fallocate, not offload.aio.reserve: a swap file needs its full size whatever the file
+                # system (check_intact compares it); where fallocate(2) is missing, glibc's fallback writes a
+                # byte per block, which an O_DIRECT descriptor refuses (EINVAL): such a path is refused.
                 os.posix_fallocate(f.fd, before, self.file_bytes(per_file) - before)
                 _files.seal(f, per_file, self.alignment)
                 grown += 1
