@@ -89,7 +89,7 @@ def test_params_without_state_stay_without_state(tmp_path, nvme, closing):
 
 
 @pytest.mark.parametrize("blocking, extra", [(True, b"\x80not a pickle"), (False, b"\x80not a pickle"),
-                                             (True, {"step": 3, "raw": b"\x00"})])
+                                             (True, bytearray(b"abc")), (True, {"step": 3, "raw": b"\x00"})])
 def test_extra_comes_back_as_it_was_given_bytes_included(tmp_path, nvme, closing, blocking, extra):
     """``extra`` of any type torch.save takes comes back equal from a load, blocking save or not: bytes are an
     object like any other (written as they were, they were read back as a corrupt torch file)."""

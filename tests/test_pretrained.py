@@ -177,8 +177,9 @@ def test_loading_holds_one_tensor_in_memory(nvme, closing, tmp_path):
         assert torch.equal(model[5].weight, _weight(5))
 
 
-def cached_pages(path) -> tuple[int, int]:
-    """(pages of ``path`` in the page cache, pages of the file), by mincore(2) over a mapping of it."""
+def cached_pages(path, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+    """(pages of ``path`` in the page cache, pages of the file), by mincore(2) over a mapping of it; with
+    ``start``/``stop``, only the pages wholly inside those bytes counted cached."""
     import ctypes
     import mmap
 
@@ -194,7 +195,9 @@ def cached_pages(path) -> tuple[int, int]:
         try:
             vec = (ctypes.c_ubyte * pages)()
             assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
-            return sum(v & 1 for v in vec), pages
+            first = -(-start // mmap.PAGESIZE)
+            last = pages if stop is None else stop // mmap.PAGESIZE
+            return sum(vec[i] & 1 for i in range(first, last)), pages
         finally:
             libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
     finally:
@@ -236,21 +239,58 @@ def test_a_load_drops_the_pages_it_read_from_the_page_cache_alone_not_beside_oth
         assert torch.equal(model[3].weight, _weight(3))
 
 
-def test_reading_an_empty_tensor_drops_nothing_else(tmp_path):
-    """A tensor of no bytes read: the file's other pages stay cached (a zero length to posix_fadvise means to the
-    end of the file)."""
+def _cached_file(tmp_path, tensors: dict):
+    """A safetensors file of ``tensors`` with every page in the page cache (written, synced, read), or a skip
+    where the file system does not cache them."""
     from offload.pretrained import SafetensorsCheckpoint
 
     path = tmp_path / "model.safetensors"
-    safetensors_torch.save_file({"a": _weight(0), "empty": torch.zeros(5, 0), "b": _weight(1)}, path)
+    safetensors_torch.save_file(tensors, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)  # clean pages: only those can be dropped
+    os.close(fd)
     with open(path, "rb") as f:
-        f.read()  # every page cached
-    if cached_pages(path)[0] == 0:
-        pytest.skip("this file system does not cache the file's pages")
-    ckpt = SafetensorsCheckpoint(path, drop_behind=True)
+        f.read()
+    if cached_pages(path)[0] < cached_pages(path)[1] - 1:
+        pytest.skip("this file system does not keep the file's pages cached")
+    return path, SafetensorsCheckpoint(path, drop_behind=True)
+
+
+def test_reading_an_empty_tensor_drops_nothing(tmp_path):
+    """A tensor of no bytes read drops nothing (a zero length to posix_fadvise would mean to the end of the
+    file), even read last."""
+    path, ckpt = _cached_file(tmp_path, {"a": _weight(0), "a_empty": torch.zeros(5, 0), "b": _weight(1)})
+    assert ckpt.entries["a"].offset < ckpt.entries["a_empty"].offset <= ckpt.entries["b"].offset  # before b
     before = cached_pages(path)[0]
-    ckpt.read_into("empty", torch.empty(5, 0))
-    assert cached_pages(path)[0] >= before - (16 << 20) // 4096  # at most the read-around window before it
+    ckpt.read_into("a_empty", torch.empty(5, 0))
+    assert cached_pages(path)[0] == before
+
+
+def test_each_tensor_read_leaves_the_page_cache_before_the_file_is_done_and_no_other_tensor_does(tmp_path):
+    """Pages go as they are read, not only once the whole file was: after three of four tensors (read in slices),
+    the first three's pages are gone while the fourth's, not read yet, stay; a tensor read alone leaves the
+    pages of the one before it."""
+    path, ckpt = _cached_file(tmp_path, {f"{i}.weight": _weight(i) for i in range(4)})
+    for i in range(3):
+        e = ckpt.entries[f"{i}.weight"]
+        dest = torch.empty(e.shape, dtype=e.dtype)
+        for start in range(0, e.shape[0], 200):
+            ckpt.read_into(e.name, dest[start:start + 200], start, min(e.shape[0], start + 200))
+        assert torch.equal(dest, _weight(i))
+    for i in range(3):
+        e = ckpt.entries[f"{i}.weight"]
+        assert cached_pages(path, e.offset, e.offset + e.nbytes)[0] == 0, f"tensor {i} still cached"
+    last = ckpt.entries["3.weight"]
+    inside, pages = cached_pages(path, last.offset, last.offset + last.nbytes)
+    assert inside >= last.nbytes // 4096 - 1, "the unread tensor's pages were dropped"
+    ckpt.read_into("3.weight", torch.empty(last.shape, dtype=last.dtype))
+    assert cached_pages(path)[0] == 0  # the file done: all of it
+    with open(path, "rb") as f:
+        f.read()  # all cached again; a tensor read alone leaves the one before it, unread, cached
+    ckpt = type(ckpt)(path, drop_behind=True)
+    ckpt.read_into("2.weight", torch.empty(last.shape, dtype=last.dtype))
+    before = ckpt.entries["1.weight"]
+    assert cached_pages(path, before.offset, before.offset + before.nbytes)[0] >= before.nbytes // 4096 - 1
 
 
 def test_save_pretrained_of_offloaded_model_loads_with_from_pretrained_bit_for_bit(hf_dir, nvme, closing, tmp_path):

@@ -45,7 +45,7 @@ class Entry:
     file: str
     shape: tuple
     dtype: torch.dtype
-    offset: Optional[int] = None  # None: unknown (nothing of it is dropped from the page cache)
+    offset: Optional[int] = None  # None: unknown (dropped from the page cache only with its whole file)
     nbytes: int = 0
 
 
@@ -117,8 +117,9 @@ class SafetensorsCheckpoint:
     Args:
         path: a ``.safetensors`` file, or a directory holding ``model.safetensors.index.json`` (shards) or
             ``model.safetensors``.
-        drop_behind: drop what :meth:`read` has read from the page cache (see the note above); None: unless
-            other ranks of a job may run on this machine (``LOCAL_WORLD_SIZE``, else the world size, above 1).
+        drop_behind: drop what :meth:`read_into` has read from the page cache (see the note above); None:
+            unless other ranks of a job may run on this machine (``LOCAL_WORLD_SIZE``, else the world size,
+            above 1).
 
     Raises:
         CheckpointError: no checkpoint there, a shard the index names is missing, an index or header is
@@ -132,6 +133,7 @@ class SafetensorsCheckpoint:
         self.path = path
         self.drop_behind = not _several_here() if drop_behind is None else bool(drop_behind)
         self._unread: dict[str, set] = {}  # file -> names of its tensors not read to their end yet
+        self._touched: set[str] = set()  # files read_into has read from
         self.files = self._files(path)
         self.entries: dict[str, Entry] = {}
         try:
@@ -181,9 +183,9 @@ class SafetensorsCheckpoint:
         """Nothing stays open between reads; with ``drop_behind``, what is left in the page cache of the files
         read (read ahead after the last drop) is dropped once more."""
         if self.drop_behind:
-            for file, unread in self._unread.items():
-                if len(unread) < sum(1 for e in self.entries.values() if e.file == file):
-                    _drop_range(file, 0, 0)
+            for file in self._touched:
+                _drop_range(file, 0, 0)
+            self._touched.clear()
 
     def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of tensor ``name`` (all of a 0-d tensor), as a CPU tensor (which may share
@@ -210,24 +212,26 @@ class SafetensorsCheckpoint:
         e = self.entries[name]
         dest.copy_(self.read(name, start, stop))
         if self.drop_behind:
-            self._drop(e, None if not e.shape else (stop if stop is not None else e.shape[0]))
+            self._touched.add(e.file)
+            rows = (start, stop if stop is not None else e.shape[0]) if e.shape else None
+            self._drop(e, rows)
 
-    def _drop(self, e: Entry, stop: Optional[int]) -> None:
-        """Drop ``e``'s bytes up to row ``stop`` (all of it for None) from the page cache, and the read-around
-        before them (a fault on a new mapping reads pages behind it too, those of rows dropped already); the
-        whole file once every tensor of it was read to its end. Advice: nothing is raised."""
-        if e.offset is None:
-            return
-        end = e.nbytes if stop is None or not e.shape[0] else e.nbytes // e.shape[0] * stop
+    def _drop(self, e: Entry, rows: Optional[tuple[int, int]]) -> None:
+        """Drop rows ``[a, b)`` of ``e`` (all of it for None), just read, from the page cache, with the rows of
+        ``e`` up to :data:`_READ_AROUND` bytes before them (a fault on a new mapping reads pages behind it too,
+        those of rows dropped already); never another tensor's bytes, which may not be read yet: what was read
+        around into them goes with the whole file, once every tensor of it was read to its end (or at
+        :meth:`close`). Advice: nothing is raised."""
         unread = self._unread.get(e.file, set())
-        if end == e.nbytes:
+        row = e.nbytes // e.shape[0] if e.shape and e.shape[0] else 0
+        a, b = (0, e.nbytes) if rows is None else (rows[0] * row, rows[1] * row)
+        if b >= e.nbytes:
             unread.discard(e.name)
-        start, length = max(0, e.offset - _READ_AROUND), e.offset + end - max(0, e.offset - _READ_AROUND)
         if not unread:
-            start, length = 0, 0  # the whole file
-        elif length <= 0:
-            return  # nothing read (an empty tensor): length 0 would mean to the end of the file
-        _drop_range(e.file, start, length)
+            _drop_range(e.file, 0, 0)  # the whole file
+        elif e.offset is not None and b > a:  # (no bytes: a length of 0 would mean to the end of the file)
+            start = e.offset + max(0, a - _READ_AROUND)
+            _drop_range(e.file, start, e.offset + b - start)
 
     # -- internals ----------------------------------------------------------------------------
 
