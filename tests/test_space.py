@@ -245,6 +245,20 @@ def test_full_disk_is_reported_at_construction_with_bytes_needed_and_free(tmpfs)
     assert os.listdir(mnt) == []
 
 
+def test_a_file_system_that_cannot_preallocate_is_refused_saying_what_to_do(tmp_path, monkeypatch):
+    """Where fallocate(2) is unsupported (NFSv3, ext4 without extents), a swap space is refused at construction
+    with EOPNOTSUPP naming the file and the file systems to use, not glibc's EINVAL of writing a byte per block
+    on an O_DIRECT file, and leaves no swap file behind."""
+    monkeypatch.setattr(aio_files, "_fallocate", (lambda fd, mode, offset, length: -1, lambda: errno.EOPNOTSUPP))
+    with pytest.raises(OSError) as info:
+        SwapSpace(tmp_path / "swap", 4 * MIB, aio=AIO, o_direct=True)
+    assert info.value.errno == errno.EOPNOTSUPP and info.value.filename.startswith(str(tmp_path / "swap"))
+    assert "no fallocate" in str(info.value) and "ext4, XFS or btrfs" in str(info.value)
+    assert os.listdir(tmp_path / "swap") == []
+    with SwapSpace(tmp_path / "buffered", 4 * MIB, aio=AIO, o_direct=False) as space:  # glibc's fallback writes
+        assert os.path.getsize(space.files[0]) >= 4 * MIB
+
+
 def test_missing_directory_is_created_when_its_parent_exists(tmp_path):
     """A missing swap directory under an existing parent is created."""
     with SwapSpace(tmp_path / "new", MIB, aio=AIO) as space:

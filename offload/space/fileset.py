@@ -14,7 +14,7 @@ import errno
 import os
 from typing import Sequence
 
-from ..aio import AioFile, Engine
+from ..aio import AioFile, Engine, reserve
 from ..buffers import HostBuffer
 from ..config import AioConfig
 from ..units import ALIGNMENT
@@ -22,6 +22,25 @@ from . import files as _files
 from .paths import no_space_message
 
 __all__ = ["FileSet"]
+
+
+def _preallocate(f: AioFile, offset: int, length: int) -> None:
+    """Allocate ``length`` bytes of the swap file ``f`` from ``offset`` (its size grows to match). Where the file
+    system has no fallocate (ramfs, NFSv3, ext4 without extents) a file open without O_DIRECT gets glibc's
+    fallback, a byte written per block; one open with O_DIRECT cannot (those writes fail with EINVAL).
+
+    Raises:
+        OSError: ENOSPC or EDQUOT (the caller names the bytes); EOPNOTSUPP for an O_DIRECT file where the file
+            system cannot preallocate, saying what to do.
+    """
+    if reserve(f.fd, offset, length, f.path):
+        return
+    if not f.o_direct:
+        os.posix_fallocate(f.fd, offset, length)
+    else:
+        raise OSError(errno.EOPNOTSUPP, "cannot preallocate the swap file: this file system has no fallocate "
+                      "(NFSv3, ext4 without extents, some FUSE file systems); put nvme_path on a local ext4, "
+                      "XFS or btrfs file system, or set aio.o_direct to false", f.path)
 
 
 class FileSet:
@@ -85,10 +104,7 @@ class FileSet:
         sizes = [os.fstat(f.fd).st_size for f in self.files]
         try:
             for f in self.files:
-                # posix_fallocate, not offload.aio.reserve: a swap file needs its full size whatever the file
-                # system (check_intact compares it); where fallocate(2) is missing, glibc's fallback writes a
-                # byte per block, which an O_DIRECT descriptor refuses (EINVAL): such a path is refused.
-                os.posix_fallocate(f.fd, before, self.file_bytes(per_file) - before)
+                _preallocate(f, before, self.file_bytes(per_file) - before)
                 _files.seal(f, per_file, self.alignment)
                 grown += 1
         except OSError as err:
@@ -98,7 +114,9 @@ class FileSet:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 need = {p: self.file_bytes(per_file) - before for p in self.paths}
                 raise OSError(err.errno, no_space_message(need, what), failed) from err
-            raise OSError(err.errno, f"cannot preallocate the swap file ({err.strerror})", failed) from err
+            if err.errno == errno.EOPNOTSUPP:
+                raise  # says what to do, naming the file
+            raise OSError(err.errno, f"cannot preallocate the swap file ({os.strerror(err.errno)})", failed) from err
         self.per_file = per_file
 
     def check_intact(self) -> None:
@@ -122,9 +140,11 @@ class FileSet:
         for f in self.files:
             if os.fstat(f.fd).st_size < want:
                 try:
-                    os.posix_fallocate(f.fd, 0, want)
+                    _preallocate(f, 0, want)
                 except OSError as err:
-                    raise OSError(err.errno, f"cannot preallocate the swap file again ({err.strerror})",
+                    if err.errno == errno.EOPNOTSUPP:
+                        raise
+                    raise OSError(err.errno, f"cannot preallocate the swap file again ({os.strerror(err.errno)})",
                                   f.path) from err
                 if self.per_file:
                     _files.seal(f, self.per_file, self.alignment)
