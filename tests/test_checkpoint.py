@@ -88,6 +88,27 @@ def test_params_without_state_stay_without_state(tmp_path, nvme, closing):
     assert_same_state(opt.state_dict(), opt2.state_dict())
 
 
+def test_a_streamed_state_bin_is_reserved_in_one_call_for_its_whole_length(tmp_path, nvme, closing, monkeypatch):
+    """The units of state.bin lie back to back: a save reserves them in one fallocate of the file's whole
+    length (a full disk then names the bytes the whole file needs), not one per unit."""
+    from offload.aio import files
+
+    real = files._fallocate_call()
+    calls = []
+
+    def fallocate(fd, mode, offset, length):
+        calls.append((offset, length))
+        return real[0](fd, mode, offset, length)
+
+    params = make_params()
+    opt = closing(make_opt(params, nvme))
+    train(opt, params, range(1))
+    monkeypatch.setattr(files, "_fallocate", (fallocate, real[1]))
+    ckpt.save_checkpoint(opt, tmp_path / "c", snapshot="stream")
+    doc = ckpt.read_manifest(tmp_path / "c")
+    assert len(doc["units"]) > 1 and (0, doc["files"]["state.bin"]["bytes"]) in calls, calls
+
+
 @pytest.mark.parametrize("blocking, extra", [(True, b"\x80not a pickle"), (False, b"\x80not a pickle"),
                                              (True, bytearray(b"abc")), (True, {"step": 3, "raw": b"\x00"})])
 def test_extra_comes_back_as_it_was_given_bytes_included(tmp_path, nvme, closing, blocking, extra):

@@ -104,8 +104,16 @@ class DataFile:
                 pass  # fixed buffers only save a little CPU
 
     def reserve(self, runs: Sequence[tuple[int, int]]) -> None:
-        """Allocate the file's ranges ``[a, b)`` now, so that a full disk is reported before data moves."""
+        """Allocate the file's ranges ``[a, b)`` (in order) now, so that a full disk is reported before data
+        moves: ranges that touch are reserved in one call (a save's units lie back to back), so an error names
+        the bytes of the whole stretch."""
+        merged: list[list[int]] = []
         for a, b in runs:
+            if merged and merged[-1][1] == a:
+                merged[-1][1] = b
+            else:
+                merged.append([a, b])
+        for a, b in merged:
             reserve(self.file.fd, a, b - a, self.path)  # where the file system can
 
     def close(self) -> None:
