@@ -204,7 +204,7 @@ def cached_pages(path, start: int = 0, stop: int | None = None) -> tuple[int, in
         os.close(fd)
 
 
-@pytest.mark.parametrize("how", ["alone", "torchrun-2-here", "asked-to-keep", "torchrun-1-here-of-2"])
+@pytest.mark.parametrize("how", ["alone", "torchrun-2-here", "asked-to-keep", "torchrun-1-here-of-2", "unreadable"])
 def test_a_load_drops_the_pages_it_read_from_the_page_cache_alone_not_beside_other_ranks(nvme, closing, tmp_path,
                                                                                         monkeypatch, how):
     """What a load read of the checkpoint leaves the page cache as it goes (a load larger than memory does not
@@ -212,7 +212,8 @@ def test_a_load_drops_the_pages_it_read_from_the_page_cache_alone_not_beside_oth
     other ranks of the job run on this machine (torchrun's LOCAL_WORLD_SIZE), which may read the same shards,
     or when asked, its pages stay."""
     env = {"torchrun-2-here": {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"},
-           "torchrun-1-here-of-2": {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"}}.get(how, {})
+           "torchrun-1-here-of-2": {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"},
+           "unreadable": {"WORLD_SIZE": "two"}}.get(how, {})  # counts as several, never raises
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr("offload.pretrained.load.READ_BYTES", 1 << 20)  # each 8 MiB tensor in 8 slices

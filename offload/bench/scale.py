@@ -174,8 +174,6 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
     step = statistics.median(times[1:] if len(times) > 1 else times)
     read, written = moved[-1]
 
-    # Each copy is compared with fio's rates measured just before and just after it (the disk's speed drifts
-    # up to 2x within a run): the mean of the two bounds. The step, with the rates around the training.
     copy_bound = fio.bound(weight_bytes, weight_bytes, WRITE_BEFORE, LOADED)  # writing the checkpoint, loading it
     export_bound = fio.bound(weight_bytes, weight_bytes, EXPORT_BEFORE, EXPORT_AFTER)
     step_bound = fio.bound(read, written, LOADED, EXPORT_BEFORE)

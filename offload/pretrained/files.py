@@ -85,16 +85,15 @@ def _several_here() -> bool:
     """Whether other ranks of this process's job may run on this machine (sharing its page cache): torchrun's
     ``LOCAL_WORLD_SIZE``, else the job's world size (torch.distributed's, else ``WORLD_SIZE``); a value that
     cannot be read counts as several."""
-    for name in ("LOCAL_WORLD_SIZE", "WORLD_SIZE"):
-        if name == "WORLD_SIZE" and torch.distributed.is_available() and torch.distributed.is_initialized():
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_world_size() > 1
-        value = os.environ.get(name)
-        if value is not None:
-            try:
-                return int(value) > 1
-            except ValueError:
-                return True
-    return False
+        value = os.environ.get("WORLD_SIZE", "1")
+    try:
+        return int(value) > 1
+    except ValueError:
+        return True
 
 
 # Bytes before a read that the kernel may read with it (its read-around on a fault is up to the read-ahead
