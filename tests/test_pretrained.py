@@ -213,7 +213,7 @@ def test_a_load_drops_the_pages_it_read_from_the_page_cache_alone_not_beside_oth
     or when asked, its pages stay."""
     env = {"torchrun-2-here": {"LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "2"},
            "torchrun-1-here-of-2": {"LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2"},
-           "unreadable": {"WORLD_SIZE": "two"}}.get(how, {})  # counts as several, never raises
+           "unreadable": {"LOCAL_WORLD_SIZE": "two"}}.get(how, {})  # counts as several, never raises
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setattr("offload.pretrained.load.READ_BYTES", 1 << 20)  # each 8 MiB tensor in 8 slices
