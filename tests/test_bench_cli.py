@@ -589,6 +589,31 @@ def test_bench_scale_runs_checks_its_export_and_removes_every_file(tmp_path):
     assert not (tmp_path / "scratch").exists()
 
 
+def test_scale_compares_each_phase_with_the_fio_runs_around_it(monkeypatch, capsys):
+    """offload-bench scale's bound of a phase is the mean of the bounds at the fio runs named before and after
+    it; a fio that fails stops later runs but keeps the earlier ones, and a bound missing a run is None."""
+    import types
+
+    from offload.bench import scale
+
+    rates = iter([(2.0, 1.0), (4.0, 2.0), None])  # (write, read) GiB/s per run; the third run fails
+
+    def fio_run(paths, size, block, depth, threads):
+        r = next(rates)
+        return (None, None) if r is None else r
+
+    monkeypatch.setattr(scale, "write_read_gib_s", fio_run)
+    fio = scale._Fio(types.SimpleNamespace(no_fio=False), ["/nowhere"], 1 << 30)
+    for when in (scale.WRITE_BEFORE, scale.LOADED, scale.EXPORT_BEFORE, scale.EXPORT_AFTER):
+        fio(when)
+    assert [r["when"] for r in fio.runs] == [scale.WRITE_BEFORE, scale.LOADED]
+    gib = 1 << 30
+    # 1 GiB read and written: 1/1 + 1/2 = 1.5 s at the first run's rates, 1/2 + 1/4 = 0.75 s at the second's.
+    assert fio.bound(gib, gib, scale.WRITE_BEFORE, scale.LOADED) == pytest.approx((1.5 + 0.75) / 2)
+    assert fio.bound(gib, gib, scale.EXPORT_BEFORE, scale.EXPORT_AFTER) is None
+    assert fio.median() == (1.5, 3.0)
+
+
 def test_checksum_cost_switches_the_byte_stores_checksums(tmp_path, capsys, monkeypatch):
     """The checksum-cost measurements really switch checksums off and on: the byte store records digests for
     the steps "on" and none for the steps "off" (a switch on an attribute nobody reads measured on against on)."""
