@@ -8,7 +8,7 @@ STAMP := build/.installed
 .PHONY: install demo test lint bench clean
 
 # Reinstall when the native sources, the build script or the metadata change.
-$(STAMP): scripts/install-deps.sh pyproject.toml setup.py offload/_build.py offload/_version.py native/offload_engine.c native/offload_engine.h
+$(STAMP): scripts/install-deps.sh pyproject.toml setup.py offload/_build.py offload/_version.py native/offload_engine.c native/offload_engine.h native/offload_kernels.c native/offload_kernels.h
 	PYTHON=$(PYTHON) bash scripts/install-deps.sh
 	@mkdir -p build && touch $(STAMP)
 
@@ -28,4 +28,4 @@ bench: $(STAMP)
 	$(PYTHON) -m offload.bench io --size 1GiB --fio
 
 clean:
-	rm -rf build dist *.egg-info offload/_engine.c offload/*.so offload/*.o .pytest_cache .ruff_cache
+	rm -rf build dist *.egg-info offload/_engine.c offload/_kernels.c offload/*.so offload/*.o .pytest_cache .ruff_cache

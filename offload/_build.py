@@ -19,6 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "native"
 HEADER = NATIVE / "offload_engine.h"
 SOURCE = NATIVE / "offload_engine.c"
+KERNELS_HEADER = NATIVE / "offload_kernels.h"
+KERNELS_SOURCE = NATIVE / "offload_kernels.c"
 
 
 def _read_version() -> str:
@@ -80,5 +82,22 @@ ffibuilder.set_source(
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter"],
 )
 
+# The optimizer's own kernels (8-bit state, stochastic rounding): a module of their own, since they share
+# nothing with the engine. -ffp-contract=off: each operation rounds once, as torch's element-wise kernels do.
+kernels = FFI()
+kernels.cdef(KERNELS_HEADER.read_text())
+kernels.set_source(
+    "offload._kernels",
+    '#include "offload_kernels.h"\nconst char *ofl_kernels_version(void) { return OFL_VERSION; }',
+    sources=[str(KERNELS_SOURCE.relative_to(ROOT))],
+    include_dirs=[str(NATIVE.relative_to(ROOT))],
+    define_macros=[("OFL_VERSION", f'"{_read_version()}"')],
+    libraries=["m", "pthread"],
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter", "-ffp-contract=off",
+                        "-fno-math-errno"],
+)
+kernels.cdef("const char *ofl_kernels_version(void);")
+
 if __name__ == "__main__":
     ffibuilder.compile(verbose=True)
+    kernels.compile(verbose=True)

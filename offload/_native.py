@@ -1,4 +1,5 @@
-"""The only importer of the compiled engine (``offload._engine``).
+"""The only importer of the compiled modules: the engine (``offload._engine``) and the optimizer's kernels
+(``offload._kernels``).
 
 It refuses to load a build whose compiled-in version differs from the package's: with editable
 installs, a stale extension otherwise runs silently against newer Python code.
@@ -8,6 +9,8 @@ from ._version import __version__
 
 try:
     from ._engine import ffi, lib
+    from ._kernels import ffi as kernels_ffi
+    from ._kernels import lib as kernels_lib
 except ImportError as err:  # pragma: no cover - depends on the installation
     raise ImportError(
         "nvme-offload's native engine is not built. Build it with `pip install -e .` "
@@ -15,7 +18,7 @@ except ImportError as err:  # pragma: no cover - depends on the installation
     ) from err
 
 BUILT_VERSION = ffi.string(lib.ofl_version()).decode()
-if BUILT_VERSION != __version__:
+if BUILT_VERSION != __version__ or kernels_ffi.string(kernels_lib.ofl_kernels_version()).decode() != __version__:
     raise ImportError(
         f"nvme-offload's native engine is a stale build (built for {BUILT_VERSION}, package is "
         f"{__version__}). Rebuild it with `pip install -e .` (or `make install`)."
