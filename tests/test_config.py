@@ -803,7 +803,8 @@ def test_every_key_of_a_block_is_a_keyword_of_what_uses_it():
         return {n for n, p in inspect.signature(fn).parameters.items() if n not in skip and p.default is not p.empty}
 
     adam = keywords(OffloadedAdam.__init__, {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
-                                             "capturable", "differentiable", "fused", "config", "max_grad_norm"})
+                                             "capturable", "differentiable", "fused", "config", "max_grad_norm",
+                                             "seed"})
     assert adam == {f.name for f in dataclasses.fields(OptimizerOffloadConfig)}
     params = keywords(offload_parameters, {"config", "prefetch", "offload_grads", "device", "init"})
     assert params <= {f.name for f in dataclasses.fields(ParamOffloadConfig)}

@@ -11,8 +11,8 @@ import torch
 from ..distributed import is_dtensor
 
 __all__ = [
-    "check_dtensor_options", "check_max_grad_norm", "check_params", "check_torch_options",
-    "no_duplicate_warning", "params_with_grads",
+    "check_dtensor_options", "check_master_weights", "check_max_grad_norm", "check_params", "check_seed",
+    "check_torch_options", "no_duplicate_warning", "params_with_grads",
 ]
 
 
@@ -36,6 +36,31 @@ def check_max_grad_norm(max_grad_norm) -> None:
     """``max_grad_norm`` is None or a positive number."""
     if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
         raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+
+
+def check_seed(seed) -> int:
+    """``seed`` (of the stochastic rounding's stream) as a non-negative int below 2**64."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
+        raise ValueError(f"seed must be an int from 0 to 2**64 - 1, got {seed!r}")
+    return seed
+
+
+def check_master_weights(groups: list[dict], master_weights: bool) -> None:
+    """Weights kept without an fp32 master are bf16 ones: fp16 parameters are refused then.
+
+    Raises:
+        ValueError: ``master_weights`` is off and a parameter is fp16, naming it and what to do.
+    """
+    if master_weights:
+        return
+    for gi, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            if p.dtype == torch.float16 and p.requires_grad:
+                raise ValueError(
+                    f"master_weights=False keeps bf16 weights without an fp32 master, and parameter {i} of group "
+                    f"{gi} (shape {tuple(p.shape)}) is fp16: fp16's 5-bit exponent loses the small updates that "
+                    "stochastic rounding relies on (and it rounds to bf16). Convert the model to bf16 "
+                    "(model.to(torch.bfloat16)), or keep master_weights=True.")
 
 
 def check_params(groups: list[dict]) -> None:

@@ -10,14 +10,14 @@ from .. import copies
 from ..copies import DONE, Ticket
 from ..params import ParamAccess
 from ..state import ParamSlot, StateStore
-from .update import GradScaling, update_chunks
+from .update import TORCH_MATH, GradScaling, Math, update_chunks
 
 __all__ = ["update_offloaded"]
 
 
 def update_offloaded(store: StateStore, access: ParamAccess, state: dict, slots: list[ParamSlot], *,
                      scaling: Callable[[], GradScaling], gate: Optional[Callable] = None,
-                     order: Optional[list] = None) -> set:
+                     order: Optional[list] = None, math: Math = TORCH_MATH) -> set:
     """Update the units of ``slots`` (in ``order``, else the store's snake order); ``gate(unit)`` runs
     before each update (overlap_backward: until its grads are final). A chunk is updated when its slot
     is one of ``slots`` and its parameter has a grad then. Returns the slots updated.
@@ -29,9 +29,10 @@ def update_offloaded(store: StateStore, access: ParamAccess, state: dict, slots:
         slots: the slots to update.
         scaling: what the step does to the grads it reads, asked at each unit's update after its gate
             (with overlap_backward and clipping, step() sets it once the norms are known).
+        math: the formula, and the rounding stream of weights without a master.
     """
     units = order if order is not None else store.step_order(store.units_of(slots))
-    updates = _UnitUpdates(state, slots, scaling, gate)
+    updates = _UnitUpdates(state, slots, scaling, gate, math)
     try:
         with access.units(units, updates.candidates) as unit_pass:
             updates.unit_pass = unit_pass
@@ -51,8 +52,9 @@ class _UnitUpdates:
     state back into the units' buffers."""
 
     def __init__(self, state: dict, slots: list[ParamSlot], scaling: Callable[[], GradScaling],
-                 gate: Optional[Callable]):
+                 gate: Optional[Callable], math: Math):
         self.state = state
+        self.math = math
         self.candidates = {id(s) for s in slots}
         self.scaling = scaling
         self.gate = gate
@@ -102,7 +104,7 @@ class _UnitUpdates:
         read = landed = DONE
         try:
             for chunks in by_group.values():
-                r, w = update_chunks(chunks, buf, grads, state=self.state, scaling=self.scaling())
+                r, w = update_chunks(chunks, buf, grads, state=self.state, scaling=self.scaling(), math=self.math)
                 read, landed = read | r, landed | w
         except BaseException:
             # The pipeline hands the buffer back at once: no copy of an earlier group may be in flight.

@@ -15,8 +15,10 @@ from ..params import ParamAccess
 from ..state import ParamSlot, StateStore, check_state_dict
 from .checks import (
     check_dtensor_options,
+    check_master_weights,
     check_max_grad_norm,
     check_params,
+    check_seed,
     check_torch_options,
     no_duplicate_warning,
     params_with_grads,
@@ -24,7 +26,7 @@ from .checks import (
 from .offloaded import update_offloaded
 from .scaling import step_scaling
 from .statedict import add_offloaded_state, load_state
-from .update import NO_SCALING, kernel_flags, update_in_memory
+from .update import NO_SCALING, Math, kernel_flags, update_in_memory
 from .wear import WearMeter
 from .weights import WeightWatch
 
@@ -56,10 +58,14 @@ class OffloadedAdam(torch.optim.Adam):
             DeepSpeed ``ds_config.json`` works (its ``aio`` and ``zero_optimization.offload_optimizer``
             blocks are used).
         device, buffer_count, buffer_size, pin_memory, pipeline_read, pipeline_write,
-        small_param_threshold, host_cache, state_dtype, checksum: override the ``offload_optimizer``
-            settings of ``config`` (see :class:`offload.config.OptimizerOffloadConfig`): ``device="cpu"``
-            keeps all state in host memory; ``host_cache`` keeps that many bytes of it (or ``"auto"``)
-            resident between steps; ``state_dtype="bf16"`` stores the moments in bf16.
+        small_param_threshold, host_cache, state_dtype, master_weights, checksum: override the
+            ``offload_optimizer`` settings of ``config`` (see :class:`offload.config.OptimizerOffloadConfig`):
+            ``device="cpu"`` keeps all state in host memory; ``host_cache`` keeps that many bytes of it (or
+            ``"auto"``) resident between steps; ``state_dtype="bf16"`` stores the moments in bf16,
+            ``"int8"`` as 8-bit codes (torchao's AdamW8bit, bit for bit); ``master_weights=False`` keeps bf16
+            parameters without an fp32 master, rounding their updates stochastically.
+        seed: the seed of that rounding's random stream (a run resumed with the same seed draws what the
+            uninterrupted run drew).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``, tensor parallelism): each rank keeps and updates
     the state of its local shards, and ``state_dict()`` gives DTensors as torch's optimizers do.
@@ -101,6 +107,8 @@ class OffloadedAdam(torch.optim.Adam):
         device: Optional[str] = None,
         host_cache=None,
         state_dtype: Optional[str] = None,
+        master_weights: Optional[bool] = None,
+        seed: int = 0,
         checksum: Optional[bool] = None,
         overlap_backward: Optional[bool] = None,
         max_grad_norm: Optional[float] = None,
@@ -116,8 +124,8 @@ class OffloadedAdam(torch.optim.Adam):
             otherwise="or use torch.optim.Adam for state in memory",
             nvme_path=nvme_path, buffer_count=buffer_count, buffer_size=buffer_size, pin_memory=pin_memory,
             pipeline_read=pipeline_read, pipeline_write=pipeline_write, small_param_threshold=small_param_threshold,
-            device=device, host_cache=host_cache, state_dtype=state_dtype, checksum=checksum,
-            overlap_backward=overlap_backward,
+            device=device, host_cache=host_cache, state_dtype=state_dtype, master_weights=master_weights,
+            checksum=checksum, overlap_backward=overlap_backward,
         )
         if self.config.aio.use_gds:
             warn_use_gds()  # once per process: what GPUDirect Storage gives here
@@ -127,6 +135,10 @@ class OffloadedAdam(torch.optim.Adam):
         self._scaling = NO_SCALING  # what step() does to the grads, for its updates
         self._wear = WearMeter()  # says once what the writes mean for the drives
         check_params(self.param_groups)
+        oc = self.config.offload_optimizer
+        check_master_weights(self.param_groups, oc.master_weights)
+        self._math = Math(int8=oc.state_dtype == "int8", seed=check_seed(seed))
+        self._note_positions()
         check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
                                overlap_backward=self.config.offload_optimizer.overlap_backward)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
@@ -174,6 +186,8 @@ class OffloadedAdam(torch.optim.Adam):
         state would look usable)."""
         if self._overlap.running:
             self._overlap.refuse_scaler()
+        if self._math.int8:
+            return False  # torchao's formula has no scale to hand: the scaler unscales the grads itself
         return all(kernel_flags(g, p.device)["fused"] for g in self.param_groups for p in g["params"])
 
     @_step_supports_amp_scaling.setter
@@ -228,7 +242,8 @@ class OffloadedAdam(torch.optim.Adam):
             # Parameters whose weights live on NVMe (offload_parameters) are fetched for the update and
             # written back after it; ordinary parameters are untouched by this.
             with self._access.resident([p for _, p in in_memory], dirty=True):
-                update_in_memory(self.state, in_memory, grad_of=self._access.grad, scaling=self._scaling)
+                update_in_memory(self.state, in_memory, grad_of=self._access.grad, scaling=self._scaling,
+                                 math=self._math, master=self.config.offload_optimizer.master_weights)
             self._update_rest(offloaded)
         except BaseException as err:
             self._fail_step(err, changing)
@@ -280,10 +295,12 @@ class OffloadedAdam(torch.optim.Adam):
         if hasattr(self, "state_store"):
             try:
                 check_params(self.param_groups)
+                check_master_weights(self.param_groups[-1:], self.config.offload_optimizer.master_weights)
                 self.state_store.place(self.param_groups[-1:], trainable_only=True)
             except BaseException:
                 self.param_groups.pop()
                 raise
+            self._note_positions()
             self._overlap.hook(self.param_groups[-1]["params"])
 
     def state_dict(self) -> dict:
@@ -413,7 +430,12 @@ class OffloadedAdam(torch.optim.Adam):
         """Update the units of ``slots`` with this step's grad scaling (:func:`update_offloaded`): what step()
         runs, and with overlap_backward what backward runs on the worker. Returns the slots updated."""
         return update_offloaded(self.state_store, self._access, self.state, slots, scaling=lambda: self._scaling,
-                                gate=gate, order=order)
+                                gate=gate, order=order, math=self._math)
+
+    def _note_positions(self) -> None:
+        """Each parameter's index over the groups (``state_dict``'s), which keys its rounding stream."""
+        self._math.position.clear()
+        self._math.position.update({id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])})
 
     def _overlap_slots(self) -> list:
         self._weights.check()  # before backward starts any update

@@ -1,9 +1,10 @@
-"""The Adam update itself: torch's functional Adam on whole small parameters and on chunks of swapped-in buffers."""
+"""The Adam update itself: torch's functional Adam (or, for 8-bit state, torchao's formula) on whole small
+parameters and on chunks of swapped-in buffers."""
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -13,8 +14,9 @@ from .. import copies
 from ..copies import Ticket
 from ..distributed import detached, like, local
 from ..state import HALF_DTYPES
+from . import lowbit
 
-__all__ = ["GradScaling", "kernel_flags", "run_adam", "update_chunks", "update_in_memory"]
+__all__ = ["GradScaling", "Math", "kernel_flags", "run_adam", "update_chunks", "update_in_memory"]
 
 _FUSED_DEVICES = ("cpu", "cuda")
 
@@ -54,6 +56,34 @@ class GradScaling:
 NO_SCALING = GradScaling()
 
 
+# NOTE: two formulas. torch's Adam kernels (the default: bit for bit torch.optim.Adam/AdamW) and, with 8-bit
+# state, torchao's AdamW8bit formula for every parameter (those that keep fp32 moments too), which the 8-bit
+# results are tested against bit for bit. Weights kept without an fp32 master (master_weights=False, bf16) are
+# updated in fp32 either way and rounded back stochastically; the random stream is keyed by the seed, the
+# parameter's position in the optimizer, the step it makes and the element, so nothing about a run (its
+# chunking, a resume) changes what is drawn.
+@dataclass(frozen=True)
+class Math:
+    """How a step computes its updates.
+
+    Attributes:
+        int8: torchao's formula (``state_dtype: "int8"``) instead of torch's kernels.
+        seed: the seed of the stochastic rounding of weights kept without a master.
+        position: ``{id(param): its index over the optimizer's groups}``, for the rounding's stream.
+    """
+
+    int8: bool = False
+    seed: int = 0
+    position: dict = field(default_factory=dict)
+
+    def key(self, p: torch.Tensor, step: float) -> tuple[int, int]:
+        """The stream that rounds ``p``'s weights as its update makes its step count ``step``."""
+        return lowbit.stream_key(self.seed, self.position.get(id(p), 0), int(step))
+
+
+TORCH_MATH = Math()
+
+
 def kernel_flags(group: dict, device: torch.device) -> dict:
     """The ``fused``/``foreach`` arguments torch's Adam would use for ``group`` on ``device``."""
     fused = group["fused"]
@@ -80,7 +110,7 @@ def run_adam(group: dict, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
 
 
 def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], torch.Tensor],
-                     scaling: GradScaling = NO_SCALING) -> None:
+                     scaling: GradScaling = NO_SCALING, math: Math = TORCH_MATH, master: bool = True) -> None:
     """Update small parameters whose state stays in memory (``state[p]``, created at the first step).
 
     Args:
@@ -88,46 +118,83 @@ def update_in_memory(state: dict, items, *, grad_of: Callable[[torch.Tensor], to
         items: ``(group, param)`` pairs.
         grad_of: the whole gradient of a parameter (read from a grad store when it has one).
         scaling: what is done to each grad before the kernel (and the scale the kernel divides by).
+        math: the formula, and the rounding stream of weights without a master.
+        master: whether bf16 parameters keep an fp32 master (fp16 ones always do).
     """
     by_group: dict[int, list] = {}
     for group, p in items:
         by_group.setdefault(id(group), [group, []])[1].append(p)
     for group, params in by_group.values():
-        targets, lists = [], [[], [], [], [], []]
+        targets, lists, rounded = [], [[], [], [], [], []], []
         for p in params:
             st = state[p]
-            fused = kernel_flags(group, p.device)["fused"]
-            half = p.dtype in HALF_DTYPES
+            fused = kernel_flags(group, p.device)["fused"] and not math.int8
             weights = detached(p)
+            with_master = keeps_master(p, master)
             if len(st) == 0:
-                st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
-                              else torch.tensor(0.0, dtype=torch.float32))
-                if half:
-                    # Every fp16/bf16 parameter has an fp32 master, small ones too: their small updates
-                    # would otherwise round away, and they would drift from the large ones.
-                    st["master"] = like(weights.float().clone(memory_format=torch.preserve_format), p)
-                for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
-                    # A DTensor parameter's state is a DTensor laid out as the parameter, as torch's.
-                    st[key] = like(torch.zeros_like(local(st["master"]) if half else weights,
-                                                    memory_format=torch.preserve_format), p)
+                _init_in_memory(st, p, weights, group, fused=fused, with_master=with_master)
             if fused and st["step"].device != p.device:
                 st["step"] = st["step"].to(p.device)
             grad = scaling.apply(local(grad_of(p)))
-            targets.append(local(st["master"]) if half else weights)
-            lists[0].append(grad.float() if half else grad)
+            target = local(st["master"]) if with_master else weights
+            if math.int8:
+                _lowbit_in_memory(math, group, p, st, target, grad)
+                continue
+            if target.dtype in HALF_DTYPES:  # no master: computed in fp32, rounded back after
+                rounded.append((p, target, target.float()))
+                target = rounded[-1][2]
+            targets.append(target)
+            lists[0].append(grad if grad.dtype == target.dtype else grad.to(target.dtype))
             lists[1].append(local(st["exp_avg"]))
             lists[2].append(local(st["exp_avg_sq"]))
             if group["amsgrad"]:
                 lists[3].append(local(st["max_exp_avg_sq"]))
             lists[4].append(st["step"])
-        run_adam(group, targets, *lists, grad_scale=scaling.kernel_scale)
-        for p, target in zip(params, targets):
-            if p.dtype in HALF_DTYPES:
-                detached(p).copy_(target)
+        if targets:
+            run_adam(group, targets, *lists, grad_scale=scaling.kernel_scale)
+        for p, weights, wide in rounded:
+            weights.copy_(lowbit.round_bf16(wide, key=math.key(p, state[p]["step"])).view(weights.shape))
+        for p in params:
+            if keeps_master(p, master):
+                detached(p).copy_(state[p]["master"])
 
 
-def update_chunks(chunks, buf, grad_views: dict, *, state: dict,
-                  scaling: GradScaling = NO_SCALING) -> tuple[Ticket, Ticket]:
+def keeps_master(p: torch.Tensor, master: bool = True) -> bool:
+    """Whether ``p`` has an fp32 master copy: every fp16 parameter, and bf16 ones unless ``master`` is off."""
+    return p.dtype == torch.float16 or (p.dtype == torch.bfloat16 and master)
+
+
+def _init_in_memory(st: dict, p: torch.Tensor, weights: torch.Tensor, group: dict, *, fused: bool,
+                    with_master: bool) -> None:
+    """A small parameter's first state: its step, its fp32 master (small ones too: their small updates would
+    otherwise round away, and they would drift from the large ones), zero moments."""
+    st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                  else torch.tensor(0.0, dtype=torch.float32))
+    if with_master:
+        st["master"] = like(weights.float().clone(memory_format=torch.preserve_format), p)
+    moment = local(st["master"]) if with_master else (weights.float() if p.dtype in HALF_DTYPES else weights)
+    for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
+        # A DTensor parameter's state is a DTensor laid out as the parameter, as torch's.
+        st[key] = like(torch.zeros_like(moment, memory_format=torch.preserve_format), p)
+
+
+def _lowbit_in_memory(math: Math, group: dict, p: torch.Tensor, st: dict, target: torch.Tensor,
+                      grad: torch.Tensor) -> None:
+    """torchao's formula on a small parameter (fp32 moments, as torchao keeps for small ones)."""
+    count = float(st["step"]) + 1
+    moments = {k: local(st[k]).view(-1) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if k in st}
+    flat = target.reshape(-1)
+    if not target.is_contiguous():
+        flat = flat.clone()  # a copy, written back below
+    lowbit.step_chunk(lowbit.constants(group, count), flat, grad.reshape(-1).contiguous(), moments,
+                      key=math.key(p, count))
+    if flat.data_ptr() != target.data_ptr():
+        target.copy_(flat.view(target.shape))
+    st["step"] += 1
+
+
+def update_chunks(chunks, buf, grad_views: dict, *, state: dict, scaling: GradScaling = NO_SCALING,
+                  math: Math = TORCH_MATH) -> tuple[Ticket, Ticket]:
     """Update ``chunks`` (one group's, all in the unit held by ``buf``) in place.
 
     Args:
@@ -137,6 +204,7 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict,
             ``p.grad``.
         state: the optimizer's ``state`` mapping (its ``"step"`` counts; they are not incremented here).
         scaling: what is done to each grad before the kernel (and the scale the kernel divides by).
+        math: the formula, and the rounding stream of weights without a master.
 
     Returns:
         Two tickets, for parameters on a device: ``read``, done when the copies to the device no longer read
@@ -145,7 +213,7 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict,
     """
     read, landed = [], []
     try:
-        return _update_chunks(chunks, buf, grad_views, state, scaling, read, landed)
+        return _update_chunks(chunks, buf, grad_views, state, scaling, math, read, landed)
     except BaseException:
         # Nothing may still copy from or into the buffers when the caller hands them back.
         with contextlib.suppress(BaseException):
@@ -153,17 +221,17 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict,
         raise
 
 
-def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: list) -> tuple[Ticket, Ticket]:
+def _update_chunks(chunks, buf, grad_views, state, scaling, math: Math, read: list,
+                   landed: list) -> tuple[Ticket, Ticket]:
     group = chunks[0].slot.group
     amsgrad = group["amsgrad"]
     params, grads, m, v, vmax, steps = [], [], [], [], [], []
     writeback, narrow = [], []  # (host view, device tensor); (bf16 moment, its fp32 working copy)
-    weights = []  # each chunk's elements of its parameter
+    masters, rounded = [], []  # (weights, their master); (chunk, weights, their fp32 working copy)
     for c in chunks:
         p = c.slot.param
         lo, hi = c.start, c.start + c.numel
         flat_p = detached(p).view(-1)[lo:hi]
-        weights.append(flat_p)
         crossing = copies.crosses(p.device)
         flat_g = grad_views.get(c)
         if flat_g is None:
@@ -179,7 +247,6 @@ def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: 
                     t.copy_(flat_p)
                 else:
                     t.zero_()
-        dev = p.device
         if crossing:
             # State crosses to the parameter's device through the (pinned) buffer.
             on_dev = {}
@@ -188,13 +255,25 @@ def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: 
                 read.append(ticket)
             writeback.extend((views[k], on_dev[k]) for k in views)
             views = on_dev
+        master = views.get("master")
+        if master is not None:
+            masters.append((flat_p, master))
+        if math.int8:
+            # torchao's formula, chunk by chunk (element-wise, blocks whole): the same bits as on the whole.
+            count = float(state[p]["step"]) + 1
+            moments = {k: t for k, t in views.items() if k != "master"}
+            lowbit.step_chunk(lowbit.constants(group, count), master if master is not None else flat_p,
+                              flat_g.contiguous(), moments, first=lo, key=math.key(p, count))
+            continue
         for k in [k for k in views if k != "master" and views[k].dtype == torch.bfloat16]:
             # Narrow state (state_dtype "bf16"): computed in fp32, rounded to nearest when stored.
             wide = views[k].float()
             narrow.append((views[k], wide))
             views[k] = wide
-        master = views.get("master")
         target = master if master is not None else flat_p
+        if target.dtype in HALF_DTYPES:  # no master: computed in fp32, rounded back stochastically after
+            rounded.append((c, flat_p, target.float()))
+            target = rounded[-1][2]
         params.append(target)
         grads.append(flat_g if flat_g.dtype == target.dtype else flat_g.to(target.dtype))
         m.append(views["exp_avg"])
@@ -203,18 +282,21 @@ def _update_chunks(chunks, buf, grad_views, state, scaling, read: list, landed: 
             vmax.append(views["max_exp_avg_sq"])
         step = state[p]["step"]
         # A copy per chunk: the kernel increments it, and a parameter may span several chunks.
-        if kernel_flags(group, dev)["fused"] and crossing:
+        if kernel_flags(group, p.device)["fused"] and crossing:
             step, ticket = copies.to_device(step, flat_p)
             read.append(ticket)
             steps.append(step)
         else:
             steps.append(step.clone())
-    run_adam(group, params, grads, m, v, vmax, steps, grad_scale=scaling.kernel_scale)
+    if params:
+        run_adam(group, params, grads, m, v, vmax, steps, grad_scale=scaling.kernel_scale)
     for stored, wide in narrow:
         stored.copy_(wide)
-    for c, flat_p, target in zip(chunks, weights, params):
-        if "master" in c.slot.keys:
-            flat_p.copy_(target)
+    for c, flat_p, wide in rounded:
+        count = float(state[c.slot.param]["step"]) + 1
+        flat_p.copy_(lowbit.round_bf16(wide, first=c.start, key=math.key(c.slot.param, count)))
+    for flat_p, master in masters:
+        flat_p.copy_(master)
     for host, dev_t in writeback:
         landed.append(copies.to_host(host, dev_t))
     return Ticket.all(read), Ticket.all(landed)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import codes
 from ..errors import CheckpointError
 from ..units import ALIGNMENT, round_up
 from .format import DATA, MEMORY, PARAMS_DATA, PIECES_VERSION, dtype_of
@@ -188,21 +189,22 @@ def params_within_units(m: Any) -> None:
     for i, p in enumerate(m.params):
         if p.index != i:
             fail(f"params[{i}].index", f"{i} (its place in the list)", p.index)
-        sizes = [d.itemsize for d in p.state_dtypes()] if p.keys else []
+        sizes = list(zip(p.keys, (d.itemsize for d in p.state_dtypes()))) if p.keys else []
         for j, c in enumerate(p.chunks):
             _chunk_within_unit(m.units, f"params[{i}].chunks[{j}]", c, sizes)
 
 
 def _chunk_within_unit(units: tuple, name: str, c: Any, sizes: list) -> None:
-    """Chunk ``c`` (field ``name``) names one of ``units``, and each key's slice (of ``sizes``-byte
-    elements) lies within the unit's state bytes at an offset that is a multiple of its element size."""
+    """Chunk ``c`` (field ``name``) names one of ``units``, and each key's slice (``sizes``: ``(key, bytes per
+    element)``; an absmax has one element per block) lies within the unit's state bytes at an offset that is a
+    multiple of its element size."""
     if c.unit >= len(units):
         raise CheckpointError(f"manifest field {name} names unit {c.unit}, and there are {len(units)}")
     unit = units[c.unit]
     room = unit.nbytes if unit.nbytes is not None else unit.length
-    if any(c.key_offset(k) + c.numel * size > room for k, size in enumerate(sizes)):
+    if any(c.key_offset(k) + codes.elements(key, c.numel) * size > room for k, (key, size) in enumerate(sizes)):
         fail(name, f"slices within unit {c.unit}'s {room} bytes", c.to_json())
-    if any(c.key_offset(k) % size for k, size in enumerate(sizes)):
+    if any(c.key_offset(k) % size for k, (_, size) in enumerate(sizes)):
         fail(name, "slices at offsets that are multiples of their dtypes' sizes", c.to_json())
 
 

@@ -9,9 +9,10 @@ from typing import Any, Optional
 
 import torch
 
+from .. import codes
 from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
-from ..state import Layout, step_tensor
+from ..state import Layout, exported_keys, set_chunk_values, step_tensor
 from .commit import Staged, reading, write_atomically
 from .format import dtype_name, dtype_of
 from .manifest import Manifest, ParamEntry, chunk_table, read_process
@@ -150,7 +151,8 @@ class _Laid:
     def out(cls, state: dict, target: _Target, amsgrad_of: dict) -> _Laid:
         """Lay out the parameters with state, as an optimizer with this config would."""
         metas = {}
-        layout = Layout(target.unit_bytes, target.cfg.offload_optimizer.state_dtype)
+        oc = target.cfg.offload_optimizer
+        layout = Layout(target.unit_bytes, oc.state_dtype, master=oc.master_weights)
         offloaded = []
         for i in range(len(target.shapes)):
             if i in state and math.prod(map(int, target.shapes[i])) >= target.threshold:
@@ -163,15 +165,14 @@ class _Laid:
         """``buf`` filled with ``unit``'s state from the state dict."""
         for c in unit.chunks:
             i = self.meta_index[id(c.slot.param)]
-            for key in c.slot.keys:
-                view = c.slice(buf, key)
+            for key in exported_keys(c.slot):
                 src = self.state[i].get(key)
                 if src is None:
                     if key == "master":
-                        view.zero_()  # never read: "master" is absent from the manifest's keys below
+                        set_chunk_values(c, buf, key, None)  # never read: "master" is absent from the keys below
                         continue
                     raise CheckpointError(f"parameter {i}: state {key!r} is missing from the state dict")
-                view.copy_(src.detach().reshape(-1)[c.start:c.start + c.numel])
+                set_chunk_values(c, buf, key, src.detach().reshape(-1)[c.start:c.start + c.numel])
 
     def entries(self) -> tuple[list, dict, dict]:
         """The manifest's entry of each parameter, the state kept in memory, and the steps of the offloaded."""
@@ -187,7 +188,8 @@ class _Laid:
             step = float(self.state[i].get("step", 0.0))
             if i in self.metas:
                 slot = self.layout.slots[self.metas[i]]
-                keys = [k for k in slot.keys if k in self.state[i]]
+                keys = [k for k in slot.keys if k in self.state[i] or (k.endswith(codes.ABSMAX) and
+                                                                      k.removesuffix(codes.ABSMAX) in self.state[i])]
                 entries.append(ParamEntry.offloaded(i, shape, dtype, slot, keys, chunks_of.get(i, ()), step=step))
                 steps[i] = step_tensor(self.state[i].get("step", 0.0))
             else:

@@ -9,11 +9,21 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import codes
 from ..aio import Engine
 from ..distributed import like, local, rank_info
 from ..errors import CheckpointError, ChecksumError
 from ..params import ParamAccess
-from ..state import HALF_DTYPES, check_param_state, in_memory_state, local_entry, match_groups, step_tensor
+from ..state import (
+    HALF_DTYPES,
+    check_param_state,
+    exported_keys,
+    in_memory_state,
+    local_entry,
+    match_groups,
+    set_chunk_values,
+    step_tensor,
+)
 from ..units import ALIGNMENT
 from .commit import reading, wait_for_save
 from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
@@ -235,10 +245,11 @@ def restore_in_memory(optimizer, groups: list, small: dict, offloaded: dict) -> 
     optimizer.state.clear()
     for slot in optimizer.state_store.layout.slots.values():
         slot.initialized = False
+    master = optimizer.config.offload_optimizer.master_weights
     for p, source in small.items():
         # The weights are fetched (if offloaded) only where a master copy is to be made from them.
         with ParamAccess.resident([p] if p.dtype in HALF_DTYPES and "master" not in source else []):
-            state = in_memory_state(local(p), source)
+            state = in_memory_state(local(p), source, master=master)
         optimizer.state[p] = {k: like(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in state.items()}
     for p, step in offloaded.items():
         optimizer.state[p] = {"step": step_tensor(step)}
@@ -308,20 +319,39 @@ def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engi
     index = {p: i for i, p in enumerate(params)}
 
     def copy_from_disk(dest: torch.Tensor, e: ParamEntry, key: str, lo: int, hi: int) -> None:
+        """``dest`` filled with elements [lo, hi) of state ``key`` as saved (an absmax counts blocks)."""
         k = e.keys.index(key)
         saved = e.state_dtypes()[k]
         for c in e.chunks:
-            a, b = max(lo, c.start), min(hi, c.start + c.numel)
-            if a >= b:
-                continue
-            pos = manifest.units[c.unit].offset + c.key_offset(k) + (a - c.start) * saved.itemsize
-            part = dest[a - lo: b - lo]
-            if saved == part.dtype:
-                reader.copy(part, pos)
-            else:  # saved with another state_dtype: converted as it is loaded
-                wide = torch.empty(b - a, dtype=saved)
-                reader.copy(wide, pos)
-                part.copy_(wide)
+            first, n = codes.elements(key, c.start), codes.elements(key, c.numel)
+            a, b = max(lo, first), min(hi, first + n)
+            if a < b:
+                at = manifest.units[c.unit].offset + c.key_offset(k) + (a - first) * saved.itemsize
+                reader.copy(dest[a - lo: b - lo], at)
+
+    def values_from_disk(e: ParamEntry, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of state ``key`` as values: 8-bit codes dequantized (``lo`` starts a block)."""
+        saved = e.state_dtypes()[e.keys.index(key)]
+        raw = torch.empty(hi - lo, dtype=saved)
+        copy_from_disk(raw, e, key, lo, hi)
+        if saved != torch.uint8:
+            return raw
+        absmax = torch.empty(codes.blocks(hi - lo), dtype=torch.float32)
+        copy_from_disk(absmax, e, key + codes.ABSMAX, lo // codes.BLOCK, lo // codes.BLOCK + absmax.numel())
+        return codes.dequantize(raw, absmax, signed=key == "exp_avg")
+
+    def fill_key(c, buf, e: ParamEntry, key: str) -> None:
+        """State ``key`` of chunk ``c`` from the checkpoint: its bytes as they are where it is stored alike, else
+        its values converted (another state_dtype)."""
+        lo, hi = c.start, c.start + c.numel
+        if c.slot.dtype_of(key) == e.state_dtypes()[e.keys.index(key)]:
+            copy_from_disk(c.slice(buf, key), e, key, lo, hi)
+            if c.slot.dtype_of(key) == torch.uint8:
+                absmax = key + codes.ABSMAX
+                copy_from_disk(c.slice(buf, absmax), e, absmax, codes.elements(absmax, lo),
+                               codes.elements(absmax, lo) + codes.elements(absmax, c.numel))
+        else:
+            set_chunk_values(c, buf, key, values_from_disk(e, key, lo, hi))
 
     def wanted(p) -> Optional[ParamEntry]:
         e = manifest.params[index[p]]
@@ -336,14 +366,13 @@ def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engi
             if e is None:
                 continue
             lo, hi = c.start, c.start + c.numel
-            for key in c.slot.keys:
-                view = c.slice(buf, key)
+            for key in exported_keys(c.slot):
                 if e.where == "swap" and key in e.keys:
-                    copy_from_disk(view, e, key, lo, hi)
+                    fill_key(c, buf, e, key)
                 elif e.where == "memory" and key in memory["state"][e.index]:
-                    view.copy_(memory["state"][e.index][key].detach().reshape(-1)[lo:hi])
+                    set_chunk_values(c, buf, key, memory["state"][e.index][key].detach().reshape(-1)[lo:hi])
                 elif key == "master":
-                    view.copy_(weights.weights(c))
+                    set_chunk_values(c, buf, key, weights.weights(c))
                 else:
                     raise CheckpointError(f"parameter {e.index}: state {key!r} is not in the checkpoint")
         weights.done(unit)
@@ -359,10 +388,6 @@ def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engi
         e = wanted(p)
         if e is None or e.where != "swap" or not store.is_small(p):
             continue
-        tensors = {}
-        for key, dtype in zip(e.keys, e.state_dtypes()):
-            t = torch.empty(p.numel(), dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
-            copy_from_disk(t, e, key, 0, p.numel())
-            tensors[key] = t.view(p.shape)
+        tensors = {key: values_from_disk(e, key, 0, p.numel()).float().view(p.shape) for key in e.value_keys()}
         out[e.index] = tensors
     return out

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 import xxhash
 
+from .. import codes
 from .._version import __version__
 from ..config.rules import MAX_BLOCK_SIZE
 from ..errors import CheckpointError, ChecksumError
@@ -202,6 +203,22 @@ class ParamEntry(Entry):
     def state_dtypes(self) -> list:
         """The torch dtype of each state key, in ``keys`` order."""
         return [dtype_of(n) for n in (self.key_dtypes or [self.state_dtype] * len(self.keys))]
+
+    def value_keys(self) -> list:
+        """The keys of its state in torch's layout: the moments (and master), not the absmax of 8-bit codes."""
+        return [k for k in self.keys if not k.endswith(codes.ABSMAX)]
+
+    def values(self, c: Chunk, key: str, unit: torch.Tensor) -> torch.Tensor:
+        """State ``key`` of chunk ``c`` as values (8-bit codes dequantized to fp32), from ``unit``, the bytes of
+        the unit ``c`` lies in (a uint8 tensor from its first byte)."""
+        k = self.keys.index(key)
+        dtype = self.state_dtypes()[k]
+        at = c.key_offset(k)
+        raw = unit[at: at + codes.elements(key, c.numel) * dtype.itemsize].view(dtype)
+        if dtype != torch.uint8:
+            return raw
+        absmax = self.values(c, key + codes.ABSMAX, unit)
+        return codes.dequantize(raw, absmax, signed=key == "exp_avg")
 
 
 @dataclass(frozen=True)

@@ -260,9 +260,10 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
             continue
         entry = {"step": step_tensor(memory["steps"][e.index])}
         for k, dtype in zip(e.keys, e.state_dtypes()):
-            if k != "master" or include_master:
-                # Moments kept in bf16 (state_dtype "bf16") come out in fp32, torch's layout.
-                entry[k] = torch.empty(e.shape, dtype=torch.float32 if dtype == torch.bfloat16 else dtype)
+            if k in e.value_keys() and (k != "master" or include_master):
+                # Moments kept in bf16 or 8 bits (state_dtype) come out in fp32, torch's layout.
+                wide = dtype in (torch.bfloat16, torch.uint8)
+                entry[k] = torch.empty(e.shape, dtype=torch.float32 if wide else dtype)
         state[e.index] = entry
         for c in e.chunks:
             placements[c.unit].append((e, c))
@@ -270,11 +271,9 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
     def sink(span, start: int, data: torch.Tensor) -> None:
         buf = data.view(-1)  # the whole unit: the pool's buffers hold the longest
         for e, c in placements[span.key]:
-            for k, (key, dtype) in enumerate(zip(e.keys, e.state_dtypes())):
+            for key in e.value_keys():
                 if key in state[e.index]:
-                    at = c.key_offset(k)
-                    src = buf[at: at + c.numel * dtype.itemsize].view(dtype)
-                    state[e.index][key].view(-1)[c.start:c.start + c.numel].copy_(src)
+                    state[e.index][key].view(-1)[c.start:c.start + c.numel].copy_(e.values(c, key, buf))
 
     with tool_pool([u.length for u in manifest.units], cap=None) as pool, Engine(aio_of(manifest)) as engine:
         read_verified(engine, path, unit_spans(manifest), list(pool), manifest.files[DATA].xxh3_64, sink=sink)

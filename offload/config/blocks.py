@@ -124,9 +124,18 @@ class OptimizerOffloadConfig:
                                     'memory between steps (``"48GiB"`` in files), or ``"auto"`` (a share of '
                                     "available memory); units are visited in snake order, so bytes moved per "
                                     "step fall to (state - cache) each way.")
-    state_dtype: str = setting("fp32", Rule("choice", choices=("fp32", "bf16"), auto='write "fp32" or "bf16"'),
-                               '``"fp32"`` (bitwise torch) or ``"bf16"`` (moments stored as bf16, computed in '
-                               "fp32, rounded to nearest; fp32 masters stay fp32).")
+    state_dtype: str = setting("fp32", Rule("choice", choices=("fp32", "bf16", "int8"),
+                                            auto='write "fp32", "bf16" or "int8"'),
+                               '``"fp32"`` (bitwise torch), ``"bf16"`` (moments stored as bf16, computed in '
+                               'fp32, rounded to nearest) or ``"int8"`` (moments as 8-bit codes with an fp32 '
+                               "absmax per block of 256, updated as torchao's AdamW8bit does, bit for bit; "
+                               "parameters under 4096 elements or not in whole blocks keep fp32 moments). "
+                               "fp32 masters stay fp32.")
+    master_weights: bool = setting(True, BOOL, "keep an fp32 master copy of bf16 parameters (4 bytes per "
+                                   "parameter each way per step). ``false``: the update is computed in fp32 "
+                                   "from the bf16 weights and rounded back stochastically, with a random "
+                                   "stream keyed by seed, step, parameter and element (a resumed run equals "
+                                   "the uninterrupted one); fp16 parameters always keep their master.")
     checksum: bool = setting(True, BOOL, "an xxh3_64 of every unit written, verified on every read, so state "
                              "changed on disk behind our back is found instead of trained on; hashed on the "
                              "engine's threads as requests complete (measure its cost with ``offload-bench adam "

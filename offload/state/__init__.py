@@ -1,5 +1,6 @@
 """Offloaded optimizer state: its layout in units, the store that owns it, and saved state's checks."""
 
+from .codec import chunk_values, exported_keys, set_chunk_values
 from .dicts import check_param_state, check_state_dict, in_memory_state, local_entry, match_groups, step_tensor
 from .layout import GRAIN, HALF_DTYPES, Chunk, Layout, ParamSlot, Unit, state_dtype_for, state_keys_for
 from .store import StateStore, pool_buffer_size, resolve_pin
@@ -13,6 +14,9 @@ __all__ = [
     "StateStore",
     "Unit",
     "check_param_state",
+    "chunk_values",
+    "exported_keys",
+    "set_chunk_values",
     "check_state_dict",
     "in_memory_state",
     "local_entry",

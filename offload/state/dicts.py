@@ -102,18 +102,20 @@ def step_tensor(step) -> torch.Tensor:
     return torch.tensor(float(step), dtype=torch.float32)
 
 
-def in_memory_state(p: torch.Tensor, entry: dict) -> dict:
+def in_memory_state(p: torch.Tensor, entry: dict, *, master: bool = True) -> dict:
     """A small parameter's state for the optimizer's ``state`` dict: the step as :func:`step_tensor`, the
     saved tensors on ``p``'s device, in ``p``'s dtype, or for an fp16/bf16 parameter in fp32 with its fp32
-    master (the saved one, else a copy of the weights)."""
+    master (the saved one, else a copy of the weights) unless a bf16 one is kept without (``master`` off:
+    a saved master is dropped, the weights being what is trained)."""
     half = p.dtype in HALF_DTYPES
+    with_master = half and (master or p.dtype == torch.float16)
     dtype = torch.float32 if half else p.dtype
     st = {"step": step_tensor(entry.get("step", 0.0))}
     for k, v in entry.items():
-        if k == "step" or (k == "master" and not half):
+        if k == "step" or (k == "master" and not with_master):
             continue
         st[k] = v.detach().to(device=p.device, dtype=dtype).clone() if torch.is_tensor(v) else v
-    if half and "master" not in st:
+    if with_master and "master" not in st:
         st["master"] = p.detach().to(torch.float32, copy=True)
     return st
 

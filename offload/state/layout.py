@@ -7,20 +7,28 @@ from typing import Iterable
 
 import torch
 
+from .. import codes
 from ..distributed import local
 from ..store import Stored
 from ..units import round_up
 
 SLICE_ALIGN = 64
-GRAIN = 1024
+GRAIN = 1024  # a multiple of codes.BLOCK: a chunk of 8-bit state holds whole blocks
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.uint8}
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def state_dtype_for(param: torch.Tensor, state_dtype: str = "fp32") -> torch.dtype:
-    """The dtype of a parameter's moments: fp64 for fp64 parameters, else ``state_dtype`` (fp32 or bf16)."""
-    return torch.float64 if param.dtype == torch.float64 else STATE_DTYPES[state_dtype]
+    """The dtype of a parameter's moments: fp64 for fp64 parameters; uint8 codes for ``"int8"`` where the
+    parameter is in whole blocks of at least 4096 elements (:func:`offload.codes.eligible`), else fp32; else
+    ``state_dtype`` (fp32 or bf16)."""
+    if param.dtype == torch.float64:
+        return torch.float64
+    if state_dtype == "int8":
+        return torch.uint8 if codes.eligible(local(param).numel()) else torch.float32
+    return STATE_DTYPES[state_dtype]
 
 
 def master_dtype_for(param: torch.Tensor) -> torch.dtype:
@@ -28,14 +36,22 @@ def master_dtype_for(param: torch.Tensor) -> torch.dtype:
     return torch.float32
 
 
-def state_keys_for(param: torch.Tensor, amsgrad: bool) -> tuple[str, ...]:
-    """Names of the state tensors stored for a parameter, in slice order."""
-    keys = ["exp_avg", "exp_avg_sq"]
-    if amsgrad:
-        keys.append("max_exp_avg_sq")
-    if param.dtype in HALF_DTYPES:
+def state_keys_for(param: torch.Tensor, amsgrad: bool, *, quantized: bool = False,
+                   master: bool = True) -> tuple[str, ...]:
+    """Names of the state tensors stored for a parameter, in slice order: its moments, their absmax when they
+    are 8-bit codes (``quantized``), then the fp32 master copy of a half parameter (unless ``master`` is off)."""
+    moments = MOMENTS[:3 if amsgrad else 2]
+    keys = list(moments)
+    if quantized:
+        keys += [k + codes.ABSMAX for k in moments]
+    if param.dtype in HALF_DTYPES and master:
         keys.append("master")
     return tuple(keys)
+
+
+def key_dtype(key: str, moments: torch.dtype) -> torch.dtype:
+    """The dtype of state ``key`` when the moments are ``moments``: the master and absmax are fp32."""
+    return torch.float32 if key == "master" or key.endswith(codes.ABSMAX) else moments
 
 
 @dataclass(eq=False)
@@ -54,9 +70,10 @@ class Chunk:
     nbytes: int = 0
 
     def slice(self, buffer, key: str) -> torch.Tensor:
-        """The state tensor ``key`` of this chunk, as a view into ``buffer`` (a HostBuffer)."""
+        """The state tensor ``key`` of this chunk, as a view into ``buffer`` (a HostBuffer): ``numel`` elements,
+        or one per block of them for an absmax."""
         i = self.slot.keys.index(key)
-        return buffer.view(self.slot.dtypes[i], self.offset + self.slices[i], self.numel)
+        return buffer.view(self.slot.dtypes[i], self.offset + self.slices[i], codes.elements(key, self.numel))
 
     @property
     def stride(self) -> int:
@@ -103,12 +120,19 @@ class ParamSlot:
         """Whether an fp32 master copy of the parameter exists in its state (the weights are then its rounding)."""
         return "master" in self.keys and self.initialized
 
+    @property
+    def quantized(self) -> bool:
+        """Whether its moments are 8-bit codes (with an absmax per block)."""
+        return self.dtypes[0] == torch.uint8
 
-def _slice_offsets(numel: int, dtypes: tuple) -> tuple[tuple[int, ...], int]:
+
+def slice_offsets(numel: int, keys: tuple, dtypes: tuple) -> tuple[tuple[int, ...], int]:
+    """Each key's byte offset within a chunk of ``numel`` elements, each slice 64-byte aligned, and the
+    chunk's bytes."""
     offsets, pos = [], 0
-    for dtype in dtypes:
+    for key, dtype in zip(keys, dtypes):
         offsets.append(pos)
-        pos += round_up(numel * dtype.itemsize, SLICE_ALIGN)
+        pos += round_up(codes.elements(key, numel) * dtype.itemsize, SLICE_ALIGN)
     return tuple(offsets), pos
 
 
@@ -129,12 +153,14 @@ class Layout:
 
     Args:
         unit_bytes: the size of a unit (a pool buffer).
-        state_dtype: ``"fp32"`` or ``"bf16"``, the dtype of the moments of non-fp64 parameters.
+        state_dtype: ``"fp32"``, ``"bf16"`` or ``"int8"``: the moments of non-fp64 parameters.
+        master: whether half parameters keep an fp32 master copy.
     """
 
-    def __init__(self, unit_bytes: int, state_dtype: str = "fp32"):
+    def __init__(self, unit_bytes: int, state_dtype: str = "fp32", *, master: bool = True):
         self.unit_bytes = unit_bytes
         self.state_dtype = state_dtype
+        self.master = master
         self.units: list[Unit] = []
         self.slots: dict[torch.Tensor, ParamSlot] = {}
 
@@ -151,17 +177,17 @@ class Layout:
             if param in self.slots or param in planned:
                 continue
             planned.add(param)
-            keys = state_keys_for(param, amsgrad)
             moments = state_dtype_for(param, self.state_dtype)
-            dtypes = tuple(master_dtype_for(param) if k == "master" else moments for k in keys)
-            need = _slice_offsets(GRAIN, dtypes)[1]
+            keys = state_keys_for(param, amsgrad, quantized=moments == torch.uint8, master=self.master)
+            dtypes = tuple(key_dtype(k, moments) for k in keys)
+            need = slice_offsets(GRAIN, keys, dtypes)[1]
             if need > self.unit_bytes:
                 raise ValueError(
                     f"buffer_size {self.unit_bytes} bytes is too small for one chunk of state "
                     f"({need} bytes); set buffer_size to at least {need}"
                 )
             slot = ParamSlot(param, group, keys, dtypes)
-            per_element = sum(d.itemsize for d in dtypes)
+            per_element = need / GRAIN
             start, n = 0, local(param).numel()  # a DTensor's state is its local shard's
             while start < n:
                 if unit is None:
@@ -169,15 +195,15 @@ class Layout:
                     new_units.append(unit)
                 free = self.unit_bytes - unit.nbytes
                 take = n - start
-                if _slice_offsets(take, dtypes)[1] > free:
+                if slice_offsets(take, keys, dtypes)[1] > free:
                     # A part of the parameter: a whole number of grains, as many as fit.
-                    take = free // per_element // GRAIN * GRAIN
-                    while take > 0 and _slice_offsets(take, dtypes)[1] > free:
+                    take = int(free // per_element) // GRAIN * GRAIN
+                    while take > 0 and slice_offsets(take, keys, dtypes)[1] > free:
                         take -= GRAIN
                 if take <= 0:
                     unit = None
                     continue
-                slices, nbytes = _slice_offsets(take, dtypes)
+                slices, nbytes = slice_offsets(take, keys, dtypes)
                 chunk = Chunk(slot, start, take, unit.nbytes, slices, nbytes)
                 unit.chunks.append(chunk)
                 unit.nbytes += nbytes

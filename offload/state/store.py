@@ -16,6 +16,7 @@ from ..errors import ConfigError, StateError
 from ..space import SwapSpace
 from ..store import ByteStore, HostTier, auto_cache_bytes
 from ..units import MIB, format_size, round_up
+from .codec import chunk_values, exported_keys, set_chunk_values
 from .layout import Chunk, Layout, ParamSlot, Unit
 from .moves import UnitMover
 
@@ -28,7 +29,7 @@ def pool_buffer_size(oc, candidates: list) -> int:
     than the pool, about state / ``buffer_count`` (whole MiB): a small model gets a small pool."""
     if oc.buffer_size != type(oc)().buffer_size:
         return oc.buffer_size
-    state = sum(u.nbytes for u in Layout(oc.buffer_size, oc.state_dtype).plan(candidates))
+    state = sum(u.nbytes for u in Layout(oc.buffer_size, oc.state_dtype, master=oc.master_weights).plan(candidates))
     if state >= oc.buffer_count * oc.buffer_size:
         return oc.buffer_size
     return min(oc.buffer_size, max(MIB, round_up(-(-state // oc.buffer_count), MIB)))
@@ -101,7 +102,7 @@ class StateStore:
         # With B buffers: one holds the unit being updated, one (or more) the writes still landing,
         # and the rest the reads ahead (B - 2 of them, at least 1).
         lookahead = max(1, oc.buffer_count - 1) if oc.pipeline_read else 0
-        self.layout = Layout(unit_bytes, oc.state_dtype)
+        self.layout = Layout(unit_bytes, oc.state_dtype, master=oc.master_weights)
         self.moves = UnitMover(self.bytes, self.pool, self.layout, lookahead=lookahead,
                                write_behind=oc.pipeline_write, describe=self._describe)
         self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
@@ -267,19 +268,20 @@ class StateStore:
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
         """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
-        moments in fp32 (torch's layout) whatever ``state_dtype`` keeps them in. For a DTensor parameter the
-        tensors are shaped like its local shard (what this rank stores).
+        moments in fp32 (torch's layout) whatever ``state_dtype`` keeps them in (8-bit codes dequantized). For
+        a DTensor parameter the tensors are shaped like its local shard (what this rank stores).
 
         Needs host memory for the whole state.
         """
         wanted = [s for s in self.layout.slots.values() if s.initialized]
-        out = {s: {k: torch.empty(local(s.param).shape, dtype=_export_dtype(s, k)) for k in s.keys} for s in wanted}
+        out = {s: {k: torch.empty(local(s.param).shape, dtype=_export_dtype(s, k)) for k in exported_keys(s)}
+               for s in wanted}
 
         def copy_out(unit: Unit, buf) -> None:
             for c in unit.chunks:
                 if c.slot in out:
-                    for k in c.slot.keys:
-                        out[c.slot][k].view(-1)[c.start:c.start + c.numel].copy_(c.slice(buf, k))
+                    for k, t in out[c.slot].items():
+                        t.view(-1)[c.start:c.start + c.numel].copy_(chunk_values(c, buf, k))
 
         self.moves.export(self.units_of(wanted), copy_out)
         for s in wanted:
@@ -287,9 +289,10 @@ class StateStore:
 
     def write_state(self, by_slot: dict, *, master_from: Callable[[Chunk], torch.Tensor],
                     after_unit: Callable[[Unit], None] = lambda unit: None) -> None:
-        """Write state given per slot as ``{key: tensor shaped like the parameter}``; missing moments are
-        zeros, a missing ``"master"`` is seeded from ``master_from(chunk)`` (the chunk's flat weights);
-        ``after_unit(unit)`` runs once a unit's buffer is filled (to release weights fetched for it).
+        """Write state given per slot as ``{key: tensor shaped like the parameter}`` (torch's layout: 8-bit
+        moments are encoded, a dequantized state getting its codes back); missing moments are zeros, a missing
+        ``"master"`` is seeded from ``master_from(chunk)`` (the chunk's flat weights); ``after_unit(unit)``
+        runs once a unit's buffer is filled (to release weights fetched for it).
 
         Units that also hold other initialized parameters keep their bytes. The slots are initialized
         after. On failure the store is marked failed.
@@ -307,15 +310,14 @@ class StateStore:
                 entry = by_slot.get(c.slot)
                 if entry is None:
                     continue
-                for k in c.slot.keys:
-                    view = c.slice(buf, k)
+                for k in exported_keys(c.slot):
                     src = entry.get(k)
                     if src is not None:
-                        view.copy_(src.detach().reshape(-1)[c.start:c.start + c.numel])
+                        set_chunk_values(c, buf, k, src.detach().reshape(-1)[c.start:c.start + c.numel])
                     elif k == "master":
-                        view.copy_(master_from(c))
+                        set_chunk_values(c, buf, k, master_from(c))
                     else:
-                        view.zero_()
+                        set_chunk_values(c, buf, k, None)
             after_unit(unit)
 
         with self.bytes.failing_on(BaseException):
@@ -444,9 +446,9 @@ def resolve_pin(setting, params: Iterable[torch.Tensor]) -> bool:
 
 
 def _export_dtype(slot: ParamSlot, key: str) -> torch.dtype:
-    """Moments kept in bf16 (``state_dtype: "bf16"``) are exported in fp32, torch's layout."""
+    """Moments kept in bf16 or 8 bits (``state_dtype``) are exported in fp32, torch's layout."""
     dtype = slot.dtype_of(key)
-    return torch.float32 if dtype == torch.bfloat16 and key != "master" else dtype
+    return torch.float32 if dtype in (torch.bfloat16, torch.uint8) and key != "master" else dtype
 
 
 def _close(space: Optional[SwapSpace], pool: Optional[BufferPool], tier: Optional[HostTier]) -> None:
