@@ -32,16 +32,17 @@ def _within(predicted: int, measured: int, share: float = 0.01) -> bool:
     return abs(predicted - measured) <= share * measured
 
 
-@pytest.mark.parametrize("dtype, state_dtype", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"),
-                                                (torch.bfloat16, "bf16")])
-def test_the_plan_equals_what_the_optimizer_reserves_and_moves(nvme, closing, dtype, state_dtype):
+@pytest.mark.parametrize("dtype, state_dtype, master", [(torch.float32, "fp32", True), (torch.bfloat16, "fp32", True),
+                                                        (torch.bfloat16, "bf16", True), (torch.bfloat16, "int8", True),
+                                                        (torch.bfloat16, "int8", False)])
+def test_the_plan_equals_what_the_optimizer_reserves_and_moves(nvme, closing, dtype, state_dtype, master):
     """For 14M parameters in a few hundred units: the state's bytes and the bytes written per steady step equal the
     optimizer's, the bytes read are within one unit (the pool cache's hits vary by one), the swap space within
-    1%, small parameters' state is counted in memory."""
+    1%, small parameters' state is counted in memory; in every state mode."""
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in [1_200_000] * 12 + [100, 3000]]
+    params = [torch.nn.Parameter(torch.randn(n).to(dtype)) for n in [1_200_128] * 12 + [100, 3000]]
     config = load_config({"offload_optimizer": {"buffer_count": 4, "buffer_size": 256 << 10, "nvme_path": nvme,
-                                                "state_dtype": state_dtype}})
+                                                "state_dtype": state_dtype, "master_weights": master}})
     predicted = plan([p.detach().to("meta") for p in params], config, nvme_paths=[nvme])
     opt = closing(OffloadedAdamW(params, config=config))
     moved = _moved_per_step(opt, params, 3)
@@ -51,19 +52,20 @@ def test_the_plan_equals_what_the_optimizer_reserves_and_moves(nvme, closing, dt
     assert all(w == predicted.write_bytes for w in writes)
     # Reads: less the units still in pool buffers from the step before, which vary by one with the order.
     assert all(abs(r - predicted.read_bytes) <= predicted.unit_bytes for r in reads)
-    assert predicted.state_in_memory_bytes == 3100 * (8 + (4 if dtype == torch.bfloat16 else 0))
+    assert predicted.state_in_memory_bytes == 3100 * (8 + (4 if dtype == torch.bfloat16 and master else 0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing, dtype):
+@pytest.mark.parametrize("dtype, master", [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)])
+def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing, dtype, master):
     """With offload_parameters (weights and grads on NVMe): the plan's weight and grad bytes on NVMe and per step
-    equal the parameter store's counters: weights read for forward and backward, fp32 ones (no master copy) a
-    third time by the step, written once; grads written in backward and read by the optimizer."""
+    equal the parameter store's counters: weights read for forward and backward, those without a master copy
+    (fp32, or bf16 with master_weights off) a third time by the step, written once; grads written in backward
+    and read by the optimizer."""
     torch.manual_seed(0)
     model = Net(h=4096, layers=4).to(dtype)
     params = [p.detach().to("meta") for p in model.parameters()]
     closing(offload_parameters(model, nvme_path=nvme + "-p", **TINY))
-    config = load_config({"offload_param": TINY, "offload_optimizer": {"nvme_path": nvme}})
+    config = load_config({"offload_param": TINY, "offload_optimizer": {"nvme_path": nvme, "master_weights": master}})
     predicted = plan(params, config, offload_params=True, nvme_paths=[nvme])
     store = offloaded(model).store
     opt = closing(OffloadedAdamW(model.parameters(), config=config))
@@ -84,11 +86,42 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing,
     assert 0 <= grads_read - grads_written <= store.space.alignment * units
     with materialized(model):
         assert all(torch.isfinite(p).all() for p in model.parameters())
-    reads = 3 if dtype == torch.float32 else 2
+    reads = 3 if dtype == torch.float32 or not master else 2
     planned = predicted.read_bytes - predicted.grads_nvme_bytes - plan(params, config, nvme_paths=[nvme]).read_bytes
     assert planned == reads * predicted.weights_nvme_bytes
     # A prefetch dropped when the pool is full is read again (up to 3% of this small model's weights).
     assert 0 <= read - planned <= 0.03 * read
+
+
+def test_the_plan_of_the_update_inside_backward_counts_no_grad_round_trip_and_no_step_read(nvme, closing):
+    """With overlap_backward the update takes each offloaded weight as backward leaves it: the plan's bytes of
+    weights and grads per step (read twice, written once, no grads) are what the parameter store moves, and
+    the modes comparison lists the leanest mode below the plain one."""
+    from offload.bench.plan import modes
+
+    torch.manual_seed(0)
+    model = Net(h=4096, layers=4).to(torch.bfloat16)
+    params = [p.detach().to("meta") for p in model.parameters()]
+    closing(offload_parameters(model, nvme_path=nvme + "-p", **TINY))
+    config = load_config({"offload_param": TINY, "offload_optimizer": {"nvme_path": nvme, "overlap_backward": True}})
+    with_weights = plan(params, config, offload_params=True, nvme_paths=[nvme])
+    alone = plan(params, config, nvme_paths=[nvme])
+    store = offloaded(model).store
+    opt = closing(OffloadedAdamW(model.parameters(), config=config))
+    for step in range(3):
+        before = (store.bytes_read, store.bytes_written, store.grad_bytes_read, store.grad_bytes_written)
+        loss_of(model, step, torch.bfloat16).backward()
+        opt.step()
+        opt.zero_grad()
+        after = (store.bytes_read, store.bytes_written, store.grad_bytes_read, store.grad_bytes_written)
+    read, written, grads_read, grads_written = (b - a for a, b in zip(before, after))
+    assert grads_read == grads_written == 0
+    assert written == with_weights.write_bytes - alone.write_bytes == with_weights.weights_nvme_bytes
+    assert 0 <= read - (with_weights.read_bytes - alone.read_bytes) <= 0.03 * read
+    table = dict(modes(params, config, offload_params=True, nvme_paths=[nvme]))
+    lean = table["int8 state, no master, inside backward"]
+    plain = table["fp32 state (torch's results)"]
+    assert lean.read_bytes + lean.write_bytes < (plain.read_bytes + plain.write_bytes) / 2
 
 
 def test_a_host_cache_is_planned_as_the_optimizer_keeps_it(nvme, closing):

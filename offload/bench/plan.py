@@ -22,13 +22,13 @@ import torch
 from ..adam.wear import WEAR_WARN_BYTES_PER_DAY
 from ..config import Config, config_to_dict
 from ..params import smallest_within
-from ..state import HALF_DTYPES, Layout, pool_buffer_size
+from ..state import Layout, pool_buffer_size
 from ..store import auto_cache_bytes
 from ..units import ALIGNMENT, format_size, round_up
 from . import report
 from .cli import EXIT_OK, UsageError, add_config_option, count_arg, size_arg
 
-__all__ = ["Plan", "model_params", "plan", "register"]
+__all__ = ["MODES", "Plan", "model_params", "modes", "plan", "register"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _DAY = 86400
@@ -160,30 +160,36 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
 
     Per step, the optimizer reads and writes every unit of state not resident in the host cache, less the
     units still in pool buffers from the last step (the pool as a cache: ``buffer_count - 1``). Offloaded
-    weights are read for forward and for backward (and fp32 ones, which have no master copy, once more by the
-    step) and written once; offloaded grads are written in backward and read by the optimizer. With
-    ``overlap_backward`` the weights and grads that backward hands to the update (up to twice the optimizer
-    pool's bytes at a time) skip the step's read and the grads' round trip: the plan does not count that.
+    weights are read for forward and for backward (and those without an fp32 master, fp32 ones or bf16 ones
+    with ``master_weights`` off, once more by the step) and written once; offloaded grads are written in
+    backward and read by the optimizer. With ``overlap_backward`` the update takes each weight as backward
+    leaves it, resident, with its grad in memory: no grad round trip and no read by the step (so long as
+    what waits for its update stays within twice the optimizer pool or 256 MiB, as it does when the update
+    keeps up with backward; and not with ``max_grad_norm``, whose updates wait for every grad).
     """
     oc = config.offload_optimizer
     dtype = next((k for k, v in _DTYPES.items() if params and params[0].dtype == v), "fp32")
     small = [p for p in params if p.numel() < oc.small_param_threshold]
     candidates = [(p, {}, amsgrad) for p in params if p.numel() >= oc.small_param_threshold]
     unit_bytes = pool_buffer_size(oc, candidates)
-    units = Layout(unit_bytes, oc.state_dtype).plan(candidates)
+    units = Layout(unit_bytes, oc.state_dtype, master=oc.master_weights).plan(candidates)
     if available_host_bytes is None:
         available_host_bytes = psutil.virtual_memory().available
     host, cache, nvme_state, read, write = _optimizer(units, unit_bytes, config, len(nvme_paths), available_host_bytes)
-    in_memory = sum(p.numel() * (8 + (4 if p.dtype in HALF_DTYPES else 0) + (4 if amsgrad else 0)) for p in small)
+    in_memory = sum(p.numel() * (8 + (4 if _keeps_master(p, oc) else 0) + (4 if amsgrad else 0)) for p in small)
     if in_memory:
         host["small parameters' state"] = in_memory
     weights_nvme = grads_nvme = gpu = 0
     if offload_params:
-        held, weights_nvme, fp32_nvme, grads_nvme, gpu = _offloaded_weights(params, config.offload_param, on_gpu)
+        held, weights_nvme, unmastered, grads_nvme, gpu = _offloaded_weights(params, config.offload_param, on_gpu, oc)
         host.update(held)
-        # Read for forward and backward, fp32 weights by the step too; grads read by the optimizer.
-        read += 2 * weights_nvme + fp32_nvme + grads_nvme
-        write += weights_nvme + grads_nvme
+        # Read for forward and backward; weights without a master by the step too, and grads read by the
+        # optimizer, unless the update runs inside backward.
+        read += 2 * weights_nvme
+        write += weights_nvme
+        if not oc.overlap_backward:
+            read += unmastered + grads_nvme
+            write += grads_nvme
     elif on_gpu:
         gpu = 2 * sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params)
     else:
@@ -197,6 +203,39 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
                 optimizer_nvme_bytes=nvme_state, weights_nvme_bytes=weights_nvme, grads_nvme_bytes=grads_nvme,
                 host_bytes=host, gpu_bytes=gpu, read_bytes=read, write_bytes=write, read_gib_s=read_gib_s,
                 write_gib_s=write_gib_s, free_nvme_bytes=free, available_host_bytes=available_host_bytes)
+
+
+# The ways to store and update the state, from the most exact to the leanest: what `plan` compares.
+MODES = (
+    ("fp32 state (torch's results)", {}),
+    ("bf16 state", {"state_dtype": "bf16"}),
+    ("int8 state", {"state_dtype": "int8"}),
+    ("int8 state, update inside backward", {"state_dtype": "int8", "overlap_backward": True}),
+    ("int8 state, no master, inside backward", {"state_dtype": "int8", "master_weights": False,
+                                                 "overlap_backward": True}),
+)
+
+
+def modes(params: Sequence[torch.Tensor], config: Config, **kwargs) -> list[tuple[str, Plan]]:
+    """:func:`plan` of ``params`` for each of :data:`MODES` (those without a master only for bf16 weights),
+    the rest of ``config`` as given."""
+    out = []
+    for label, changes in MODES:
+        if changes.get("master_weights") is False and not any(p.dtype == torch.bfloat16 for p in params):
+            continue
+        out.append((label, plan(params, config.replace(offload_optimizer=changes), **kwargs)))
+    return out
+
+
+def render_modes(rows: list[tuple[str, Plan]]) -> str:
+    """The per-mode comparison as a table: NVMe space, bytes per step, the disk-bound step."""
+    n = max(1, rows[0][1].params) if rows else 1
+    lines = ["modes (bytes per parameter per iteration, read + written):"]
+    for label, p in rows:
+        step = f", disk-bound step {p.step_seconds:.2f} s" if p.step_seconds is not None else ""
+        lines.append(f"  {label}: {(p.read_bytes + p.write_bytes) / n:.1f} ({p.read_bytes / n:.1f} + "
+                     f"{p.write_bytes / n:.1f}), NVMe {format_size(p.nvme_bytes)}{step}")
+    return "\n".join(lines)
 
 
 def _optimizer(units: list, unit_bytes: int, config: Config, npaths: int, available: int) -> tuple:
@@ -218,10 +257,15 @@ def _optimizer(units: list, unit_bytes: int, config: Config, npaths: int, availa
     return host, cached_units * unit_bytes, space, write - pooled, write
 
 
-def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool) -> tuple:
-    """(host memory by name, weights on NVMe, the fp32 ones among them, grads on NVMe, GPU bytes) with
-    offload_parameters, whose rule (``smallest_within``) keeps the smallest parameters within max_in_cpu in
-    memory, and the smallest offloaded grads within max_grad_in_cpu."""
+def _keeps_master(p: torch.Tensor, oc) -> bool:
+    """Whether ``p`` has an fp32 master copy in the optimizer's state."""
+    return p.dtype == torch.float16 or (p.dtype == torch.bfloat16 and oc.master_weights)
+
+
+def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool, oc) -> tuple:
+    """(host memory by name, weights on NVMe, those among them without an fp32 master, grads on NVMe, GPU
+    bytes) with offload_parameters, whose rule (``smallest_within``) keeps the smallest parameters within
+    max_in_cpu in memory, and the smallest offloaded grads within max_grad_in_cpu."""
     itemsize = params[0].element_size() if params else 4
     kept = smallest_within(list(params), pc.max_in_cpu)
     offloaded = [p for p in params if p not in kept]
@@ -235,9 +279,9 @@ def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool) -> tupl
         return round_up(p.numel() * p.element_size(), ALIGNMENT)
 
     weights = sum(nbytes(p) for p in offloaded)
-    fp32 = sum(nbytes(p) for p in offloaded if p.dtype == torch.float32)
+    unmastered = sum(nbytes(p) for p in offloaded if not _keeps_master(p, oc))
     grads = sum(nbytes(p) for p in offloaded if p not in grad_kept)
-    return host, weights, fp32, grads, 2 * pc.buffer_count * pc.buffer_size * itemsize if on_gpu else 0
+    return host, weights, unmastered, grads, 2 * pc.buffer_count * pc.buffer_size * itemsize if on_gpu else 0
 
 
 def _existing(path: str) -> str:
@@ -297,6 +341,9 @@ def run_plan(args: argparse.Namespace) -> int:
     result = plan(params, config, offload_params=args.offload_params, on_gpu=args.gpu, amsgrad=args.amsgrad,
                   nvme_paths=paths, read_gib_s=read, write_gib_s=write, available_host_bytes=args.host_memory)
     print(render(result))
+    print(render_modes(modes(params, config, offload_params=args.offload_params, on_gpu=args.gpu,
+                             amsgrad=args.amsgrad, nvme_paths=paths, read_gib_s=read, write_gib_s=write,
+                             available_host_bytes=args.host_memory)))
     if args.json:
         report.write_json(args.json, result.to_dict())
     if args.emit_config:
