@@ -544,6 +544,14 @@ def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeyp
         phases = doc["medians"][name]["phases_s"]
         assert set(phases) == set(compare.PHASES) and all(v >= 0 for v in phases.values())
         assert sum(phases.values()) == pytest.approx(doc["medians"][name]["iteration_s"], rel=0.5)
+    # The ledger: ours by kind (fp32 weights in memory, so state alone: 8 bytes each way less the pool's hits),
+    # every process's disk bytes beside it.
+    ledger = doc["ledger"]["ours"]
+    kinds = ledger["bytes_per_param_iteration"]
+    assert kinds["state written"] == pytest.approx(8.0, rel=0.01) and 0 <= kinds["state read"] <= 8.0
+    assert kinds["weights read in forward"] == kinds["grads written"] == 0
+    assert ledger["total"] == pytest.approx(run["bytes_per_iteration"] / doc["runs"]["ours"][0]["params"], rel=0.2)
+    assert doc["ledger"][compare.TORCH]["total"] == 0 and "bytes per parameter per iteration" in text
 
 
 def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, capsys):
@@ -694,3 +702,31 @@ def test_compare_drops_the_rounds_of_a_deepspeed_that_fails_later(tmp_path, caps
     doc = json.loads(out.read_text())
     assert sorted(doc["runs"]) == ["ours"] and sorted(doc["medians"]) == ["ours"]
     assert doc["medians"]["ours"]["speedup_vs_deepspeed"] is None and "its run failed" in doc["deepspeed"]
+
+
+def test_the_ledger_gives_each_phase_what_moved_in_it_per_parameter_and_iteration():
+    """What the counters moved between phase boundaries is the phase's: weights read in forward and backward
+    apart, the rest wherever it moved; divided by parameters and iterations."""
+    from offload.bench.ledger import Meter, render
+
+    now = {"weights_read": 0, "state_read": 0, "state_written": 0, "grads_written": 0}
+    meter = Meter(10, lambda: dict(now))
+    for _ in range(2):
+        meter.start()
+        now["weights_read"] += 20
+        meter.phase("forward")
+        now["weights_read"] += 30
+        now["grads_written"] += 20
+        meter.phase("backward")
+        now["state_read"] += 40
+        now["state_written"] += 40
+        now["weights_read"] += 5
+        meter.phase("step")
+        meter.end()
+    ledger = meter.ledger()
+    assert ledger.kinds["weights read in forward"] == 2.0 and ledger.kinds["weights read in backward"] == 3.0
+    assert ledger.kinds["weights read by the step"] == 0.5 and ledger.kinds["grads written"] == 2.0
+    assert ledger.kinds["state read"] == ledger.kinds["state written"] == 4.0 and ledger.total == 15.5
+    rows = {row[0]: row[1] for row in render([("ours", ledger)])}
+    assert rows["weights read in backward"] == "3.00" and rows["total (the stores' counters)"] == "15.50"
+    assert "grads read" not in rows  # nothing moved of it

@@ -47,8 +47,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="offload_optimizer.device: state on NVMe, or all of it in host memory (default nvme)")
     p.add_argument("--host-cache", type=cache_arg, default=0, metavar="SIZE|auto",
                    help="offload_optimizer.host_cache: state kept in host memory between steps (default 0)")
-    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32",
+    p.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32",
                    help="offload_optimizer.state_dtype: the moments' dtype (default fp32)")
+    p.add_argument("--no-master", action="store_true",
+                   help="offload_optimizer.master_weights false: bf16 weights without fp32 masters")
     p.add_argument("--steps", type=positive_int_arg(3), default=5, metavar="N",
                    help="optimizer steps to time: the first (no state to read) is reported apart, the others "
                         "are interleaved with the baseline's; one more, untimed, measures memory (default 5)")
@@ -113,8 +115,9 @@ def run_adam(args: argparse.Namespace) -> int:
     with bench_paths(args.paths) as paths:
         main_cfg = args.config.replace(offload_optimizer={
             "nvme_path": list(paths), "device": args.offload_device, "host_cache": args.host_cache,
-            "state_dtype": args.state_dtype})
-        base_cfg = main_cfg.replace(offload_optimizer={"device": "nvme", "host_cache": 0, "state_dtype": "fp32"})
+            "state_dtype": args.state_dtype, "master_weights": not args.no_master})
+        base_cfg = main_cfg.replace(offload_optimizer={"device": "nvme", "host_cache": 0, "state_dtype": "fp32",
+                                                       "master_weights": True})
         if args.no_baseline or base_cfg == main_cfg:
             base_cfg = None
         machine = report.machine_info(paths)
@@ -141,6 +144,7 @@ def _print_header(args: argparse.Namespace, machine: dict, cfg, device: torch.de
         ("params", f"{args.params:,} {args.dtype} on {device.type} in tensors of {TENSOR_ELEMENTS:,}"),
         ("steps", str(args.steps)),
         ("state", f"on {oc.device}, host cache {_cache_text(oc.host_cache)}, moments in {oc.state_dtype}, "
+                  f"{'fp32 masters' if oc.master_weights else 'no masters'}, "
                   f"checksums {'on' if oc.checksum else 'off'}"),
         ("pool", f"{oc.buffer_count} x {format_size(oc.buffer_size)}, pinned: "
                  f"{pinned_text(resolve_pin(oc.pin_memory, [torch.empty(0, device=device)]), oc.pin_memory)}"),
@@ -271,6 +275,7 @@ def _result(args: argparse.Namespace, cfg, device: torch.device, ours: _Measured
         "offload_device": oc.device,
         "host_cache": oc.host_cache,
         "state_dtype": oc.state_dtype,
+        "master_weights": oc.master_weights,
         "step_s_median": step_med,
         "step_s_runs": ours.times,
         "first_step_s": ours.first,
@@ -278,6 +283,10 @@ def _result(args: argparse.Namespace, cfg, device: torch.device, ours: _Measured
         "checksum_cost": step_med / unchecked_med - 1 if unchecked_med else None,
         "bytes_read_per_step": read,
         "bytes_written_per_step": written,
+        # The ledger (offload.bench.ledger): this benchmark steps on given grads, so only the state moves.
+        "ledger": {"bytes_per_param_iteration": {"state read": read / args.params,
+                                                 "state written": written / args.params},
+                   "total": (read + written) / args.params},
         "baseline_step_s_median": base_med,
         "baseline_step_s_runs": ours.base_times,
         "baseline_bytes_read_per_step": base_read,
@@ -317,6 +326,9 @@ def _rows(r: dict) -> list:
         ["step (median of steady steps)", f"{step_med:.3f} s ({_spread(r['step_s_runs'])})"],
         ["first step (nothing to read)", f"{r['first_step_s']:.3f} s"],
         ["read / written per step", f"{size(r['bytes_read_per_step'])} / {size(r['bytes_written_per_step'])}"],
+        ["bytes per parameter per step: state read + written",
+         f"{r['ledger']['bytes_per_param_iteration']['state read']:.2f} + "
+         f"{r['ledger']['bytes_per_param_iteration']['state written']:.2f} = {r['ledger']['total']:.2f}"],
         ["drive writes at this step rate (optimizer alone)",
          report.drive_writes(r["bytes_written_per_step"], step_med)[1]],
     ]

@@ -27,6 +27,7 @@ from ..units import format_size
 from . import report
 from .cli import EXIT_OK, BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
 from .gpu import require_cuda
+from .ledger import KINDS, Ledger
 from .peer import WIDTH
 
 __all__ = ["register", "run_compare"]
@@ -78,15 +79,17 @@ def _peer_python(given: Optional[str]) -> tuple[Optional[str], str]:
 UNCHECKED = "ours, checksums off"
 OVERLAP = "ours + overlap_backward"
 TORCH = "torch AdamW in memory (compute alone)"
+INT8 = "ours + int8 state"
 PHASES = ("forward", "backward", "step", "zero_grad")
 
 
 def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, state_dtype: str = "fp32",
-         checksum: str = "on", overlap: bool = False) -> dict:
+         checksum: str = "on", overlap: bool = False, master: bool = True) -> dict:
     directory = tempfile.mkdtemp(prefix=f"compare-{system}-", dir=root)  # a new one: removed after, nothing else
     cmd = [python, "-m", "offload.bench.peer", system, directory, str(args.params), "--iterations",
            str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype, "--checksum", checksum]
     cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16 + ["--overlap"] * overlap
+    cmd += ["--no-master"] * (not master)
     cmd += ["--device", args.device]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
     try:
@@ -148,6 +151,12 @@ def run_compare(args: argparse.Namespace) -> int:
         print(report.table(["variant"] + list(PHASES),
                            [[name] + [f"{m['phases_s'][ph]:.3f} s" for ph in PHASES]
                             for name, m in doc["medians"].items()]))
+        ledgers = {name: _ledger(results, n) for name, results in runs.items()}
+        doc["ledger"] = {name: ledger.to_dict() if ledger else None for name, ledger in ledgers.items()}
+        print("bytes per parameter per iteration (our stores' counters by kind; every process's disk bytes, "
+              "/proc/<pid>/io)")
+        print(report.table(["variant"] + [_SHORT[k] for k, _, _ in KINDS] + ["total", "disk (/proc)"],
+                           [[name] + _ledger_row(ledger) for name, ledger in ledgers.items()]))
         if UNCHECKED in runs:
             pairs = [a["iteration_s_median"] / b["iteration_s_median"] - 1
                      for a, b in zip(runs["ours"], runs[UNCHECKED])]
@@ -215,7 +224,8 @@ def _row(name: str, results: list, m: dict) -> list:
 
 def _extras(args, runs: dict) -> list:
     """Our variants with extras, labelled: a host cache that brings our peak RSS up to DeepSpeed's (when it ran),
-    overlap_backward, and bf16 state for a bf16 model."""
+    overlap_backward, bf16 state for a bf16 model, and int8 state (with overlap_backward, and for a bf16 model
+    without fp32 masters too)."""
     out = []
     if DEEPSPEED in runs:
         room = runs[DEEPSPEED][0]["peak_rss_bytes"] - runs["ours"][0]["peak_rss_bytes"]
@@ -224,7 +234,30 @@ def _extras(args, runs: dict) -> list:
     out.append((OVERLAP, {"overlap": True}))
     if args.bf16:
         out.append(("ours + bf16 state", {"state_dtype": "bf16"}))
+    out.append((INT8, {"state_dtype": "int8"}))
+    out.append((INT8 + " + overlap_backward", {"state_dtype": "int8", "overlap": True}))
+    if args.bf16:
+        out.append((INT8 + ", no master + overlap_backward", {"state_dtype": "int8", "overlap": True, "master": False}))
     return out
+
+
+_SHORT = {"weights read in forward": "w fwd", "weights read in backward": "w bwd",
+          "weights read by the step": "w step", "grads written": "g out", "grads read": "g in",
+          "state read": "state in", "state written": "state out", "weights written": "w out"}
+
+
+def _ledger(results: list, params: int) -> Optional[Ledger]:
+    """A variant's ledger: its last run's (each run's counts are the same but for the disk's noise)."""
+    doc = results[-1].get("ledger") if results else None
+    return Ledger.from_dict(doc, params) if doc else None
+
+
+def _ledger_row(ledger: Optional[Ledger]) -> list:
+    if ledger is None:
+        return ["-"] * (len(KINDS) + 2)
+    counted = bool(ledger.total)  # DeepSpeed and torch in memory: the process's disk bytes alone
+    return ([f"{ledger.kinds.get(k, 0):.2f}" if counted else "-" for k, _, _ in KINDS]
+            + [f"{ledger.total:.2f}" if counted else "-", f"{ledger.disk:.2f}" if ledger.disk is not None else "-"])
 
 
 def _median(results, key) -> Optional[float]:

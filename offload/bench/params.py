@@ -6,7 +6,7 @@ import argparse
 import gc
 import statistics
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -19,6 +19,7 @@ from . import overlap, report
 from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, config_given, positive_int_arg
 from .fio import write_read_gib_s
 from .gpu import gpu_peak, pinned_text, pool_pinned, require_cuda, reset_gpu_peak, synchronize
+from .ledger import Meter, counters_of, render
 from .workload import block_model, io_only
 
 
@@ -49,13 +50,24 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.set_defaults(run=run_params)
 
 
-def _train_step(model, opt, x) -> float:
+def _train_step(model, opt, x, meter: Optional[Meter] = None) -> float:
+    """One iteration, timed; ``meter`` counts what each of its phases moves."""
+    phase = meter.phase if meter is not None else (lambda name: None)
+    if meter is not None:
+        meter.start()
     t = time.perf_counter()
-    model(x).float().square().mean().backward()
+    loss = model(x).float().square().mean()
+    phase("forward")
+    loss.backward()
+    phase("backward")
     opt.step()
     opt.zero_grad(set_to_none=True)
     synchronize(x.device)  # the GPU's kernels return before they finish
-    return time.perf_counter() - t
+    elapsed = time.perf_counter() - t
+    if meter is not None:
+        phase("step")
+        meter.end()
+    return elapsed
 
 
 # NOTE: a step here is forward + backward + OffloadedAdamW step with offload_parameters on the model.
@@ -131,7 +143,9 @@ def run_params(args: argparse.Namespace) -> int:
             store.reset_grad_peak()
             reset_peak_rss()
             reset_gpu_peak(device)
-            times = [_train_step(model, opt, x) for _ in range(args.steps - 1)]
+            meter = Meter(sum(p.numel() for p in model.parameters()), counters_of(opt, store))
+            times = [_train_step(model, opt, x, meter) for _ in range(args.steps - 1)]
+            ledger = meter.ledger()
             peak = report.memory_bytes("VmHWM")
             our_gpu_peak = gpu_peak(device)
             steady = len(times)
@@ -203,6 +217,7 @@ def run_params(args: argparse.Namespace) -> int:
         "largest_module_param_bytes": largest,
         "prefetch_hits": hits,
         "prefetches_dropped": dropped,
+        "ledger": ledger.to_dict(),
         "machine": machine,
     }
     resident = "GPU" if device.type == "cuda" else "memory"
@@ -225,6 +240,7 @@ def run_params(args: argparse.Namespace) -> int:
         ["resident grads, peak", f"{format_size(grad_max)} (optimizer's grad buffers {format_size(grad_pool)})"],
         ["peak RSS", format_size(peak)],
     ]
+    rows += [[f"bytes per parameter per iteration: {kind}", value] for kind, value in render([("", ledger)])]
     if our_gpu_peak is not None:
         rows += [["GPU memory peak", format_size(our_gpu_peak)],
                  ["GPU memory peak, model resident (torch)", format_size(torch_gpu_peak)]]

@@ -5,8 +5,11 @@ the compute alone, no I/O). Prints one JSON line, with each iteration's forward,
 timed apart (on a GPU, each phase until the device has finished it). Run by ``offload-bench compare``;
 DeepSpeed's run needs a Python where ``import deepspeed`` works (``--peer-python``), and is never a dependency.
 
+Each run also counts what every iteration moves (:mod:`offload.bench.ledger`): by kind from our stores' counters,
+and for every system the process's disk bytes.
+
 Usage: ``python -m offload.bench.peer {ours,deepspeed,torch} NVME_DIR PARAMS [--params-nvme] [--bf16]
-[--host-cache BYTES] [--state-dtype fp32|bf16] [--iterations N] [--checksum on|off] [--overlap]
+[--host-cache BYTES] [--state-dtype fp32|bf16|int8] [--no-master] [--iterations N] [--checksum on|off] [--overlap]
 [--device cpu|cuda]``
 """
 
@@ -18,6 +21,8 @@ import os
 import resource
 import statistics
 import time
+
+from .ledger import Meter, counters_of
 
 WIDTH = 2048
 BATCH = 4
@@ -42,21 +47,19 @@ def _ours(args, dtype) -> dict:
                            config={"checksum": args.checksum == "on"})
     opt = OffloadedAdamW(model.parameters(), lr=1e-3, nvme_path=os.path.join(args.nvme, "s"),
                          host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum == "on",
-                         overlap_backward=args.overlap)
-
-    def moved() -> int:
-        r, w = opt.io_bytes()
-        store = offloaded(model).store if args.params_nvme else None
-        extra = (store.bytes_read + store.bytes_written + store.grad_bytes_read + store.grad_bytes_written
-                 if store is not None else 0)
-        return r + w + extra
-
+                         overlap_backward=args.overlap, master_weights=not args.no_master)
+    counters = counters_of(opt, offloaded(model).store if args.params_nvme else None)
     try:
         result = _loop(_steps(model, lambda loss: loss.backward(), opt.step, opt.zero_grad), dtype,
-                       args.iterations, moved, args.device)
+                       args.iterations, counters, args.device, _count(args))
     finally:
         opt.close()
     return dict(result, system="nvme-offload")
+
+
+def _count(args) -> int:
+    """Parameters of the compared model: whole ``Linear(WIDTH, WIDTH)`` layers."""
+    return max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH
 
 
 def _torch(args, dtype) -> dict:
@@ -66,7 +69,7 @@ def _torch(args, dtype) -> dict:
     model = linear_stack(args.params, dtype).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     return dict(_loop(_steps(model, lambda loss: loss.backward(), opt.step, opt.zero_grad), dtype, args.iterations,
-                      None, args.device), system="torch (in memory)")
+                      dict, args.device, _count(args)), system="torch (in memory)")
 
 
 def _steps(forward, backward, step, zero_grad):
@@ -108,22 +111,27 @@ def _deepspeed(args, dtype) -> dict:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
     # engine.step() zeroes the grads itself: its zero_grad phase is empty.
-    return dict(_loop(_steps(engine, engine.backward, engine.step, lambda: None), dtype, args.iterations, None,
-                      args.device), system="deepspeed", version=deepspeed.__version__)
+    return dict(_loop(_steps(engine, engine.backward, engine.step, lambda: None), dtype, args.iterations, dict,
+                      args.device, _count(args)), system="deepspeed", version=deepspeed.__version__)
 
 
-def _loop(phases, dtype, n: int, moved, device: str = "cpu") -> dict:
+def _loop(phases, dtype, n: int, counters, device: str, params: int) -> dict:
     """Time ``n`` iterations (forward, backward, step, zero_grad, each apart, on a GPU each until the device
-    has finished it); the first (no state to read) is left out of the medians. ``step_s`` is step() with
-    zero_grad (what follows backward)."""
+    has finished it); the first (no state to read) is left out of the medians and of the ledger, which
+    ``counters()`` (our stores' counters; ``dict`` for none) and the process's disk bytes give. ``step_s`` is
+    step() with zero_grad (what follows backward)."""
     import torch
 
     x = torch.randn(BATCH, WIDTH, dtype=dtype).to(device)
     done = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     times: dict = {name: [] for name, _ in phases}
     iters, per_iter = [], []
-    for _ in range(n):
-        before = moved() if moved else 0
+    meter = Meter(params, counters)
+    for i in range(n):
+        counted = i > 0
+        before = sum(counters().values())
+        if counted:
+            meter.start()
         value = x
         t0 = last = time.perf_counter()
         for name, run in phases:
@@ -132,13 +140,18 @@ def _loop(phases, dtype, n: int, moved, device: str = "cpu") -> dict:
             now = time.perf_counter()
             times[name].append(now - last)
             last = now
+            if counted and name in ("forward", "backward", "zero_grad"):
+                meter.phase("step" if name == "zero_grad" else name)
+        if counted:
+            meter.end()
         iters.append(last - t0)
-        per_iter.append(moved() - before if moved else None)
+        per_iter.append(sum(counters().values()) - before)
     steps = [a + b for a, b in zip(times["step"], times["zero_grad"])]
     return {"iteration_s": iters[1:], "step_s": steps[1:], "iteration_s_median": statistics.median(iters[1:]),
             "step_s_median": statistics.median(steps[1:]),
             "phases_s_median": {name: statistics.median(t[1:]) for name, t in times.items()},
-            "bytes_per_iteration": per_iter[-1],
+            "bytes_per_iteration": per_iter[-1] if counters is not dict else None,
+            "ledger": meter.ledger().to_dict(),
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
@@ -150,7 +163,8 @@ def main(argv=None) -> int:
     p.add_argument("--params-nvme", action="store_true")
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--host-cache", type=int, default=0)
-    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32")
+    p.add_argument("--no-master", action="store_true", help="ours: master_weights=False")
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--checksum", choices=("on", "off"), default="on", help="ours: checksums of swapped state")
     p.add_argument("--overlap", action="store_true", help="ours: overlap_backward=True")
@@ -159,11 +173,11 @@ def main(argv=None) -> int:
     import torch
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH
+    n = _count(args)
     result = {"ours": _ours, "deepspeed": _deepspeed, "torch": _torch}[args.system](args, dtype)
     print(json.dumps(dict(result, params=n, params_on_nvme=args.params_nvme, bf16=args.bf16,
                           host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum,
-                          overlap_backward=args.overlap, device=args.device)),
+                          overlap_backward=args.overlap, master_weights=not args.no_master, device=args.device)),
           flush=True)
     return 0
 
