@@ -730,3 +730,32 @@ def test_the_ledger_gives_each_phase_what_moved_in_it_per_parameter_and_iteratio
     rows = {row[0]: row[1] for row in render([("ours", ledger)])}
     assert rows["weights read in backward"] == "3.00" and rows["total (the stores' counters)"] == "15.50"
     assert "grads read" not in rows  # nothing moved of it
+
+
+def test_quality_trains_each_mode_on_held_out_text_and_draws_the_curves(tmp_path, capsys):
+    """offload-bench quality on a small corpus: the reference twice (two data orders) and the modes asked for,
+    from the same initial weights, each judged by its held-out loss; the JSON holds every curve, the PNG is
+    drawn, and the swap files are gone."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("matplotlib")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(12):  # about one in ten held out, by a hash of the path
+        (corpus / f"m{i}.py").write_text("".join(f"def f{i}_{j}(x):\n    return x * {j} + {i}\n" for j in range(40)))
+    out, png = tmp_path / "q.json", tmp_path / "q.png"
+    assert main(["quality", "--corpus", str(corpus), "--steps", "10", "--eval-every", "5", "--hidden", "64",
+                 "--layers", "1", "--batch", "2", "--seq", "32", "--modes", "int8", "--path",
+                 str(tmp_path / "swap"), "--json", str(out), "--png", str(png)]) == 0
+    text = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    from offload.bench import quality
+
+    assert set(doc["runs"]) == {quality.REFERENCE, "int8", quality.REFERENCE_AGAIN}
+    for run in doc["runs"].values():
+        assert len(run["train"]) == 10 and [s for s, _ in run["held_out"]] == [0, 5, 10]
+        assert run["held_out"][-1][1] < run["held_out"][0][1]  # it learns
+    first = {name: run["held_out"][0][1] for name, run in doc["runs"].items()}
+    assert len(set(first.values())) <= 2  # the same initial weights (fp32 reference, bf16 modes)
+    assert "vs torch AdamW" in text and doc["reference_spread"] >= 0 and png.stat().st_size > 1000
+    swap = tmp_path / "swap"
+    assert not swap.exists() or not [f for f in os.listdir(swap) if f.endswith(".swap")]

@@ -27,7 +27,7 @@ PROG = "offload-bench"
 # 2 a bad argument, 130 interrupted.
 COMMANDS = ("offload.bench.io", "offload.bench.sweep", "offload.bench.adam", "offload.bench.checkpoint",
             "offload.bench.params", "offload.bench.scale", "offload.bench.gpu", "offload.bench.plan",
-            "offload.bench.doctor", "offload.bench.compare")
+            "offload.bench.doctor", "offload.bench.compare", "offload.bench.quality")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
