@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--steps", type=positive_int_arg(10, 100_000), default=300, metavar="N",
                    help="training steps per mode (default 300)")
     p.add_argument("--batch", type=positive_int_arg(1, 4096), default=16, metavar="N", help="sequences per step")
-    p.add_argument("--seq", type=positive_int_arg(16, 8192), default=256, metavar="N", help="bytes per sequence")
+    p.add_argument("--seq", type=positive_int_arg(16, 8192), default=128, metavar="N", help="bytes per sequence")
     p.add_argument("--hidden", type=positive_int_arg(64, 8192), default=384, metavar="N", help="model width")
     p.add_argument("--layers", type=positive_int_arg(1, 64), default=6, metavar="N", help="decoder layers")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (linear warmup, cosine decay)")
