@@ -123,6 +123,25 @@ def fsdp2_bf16(out: str) -> dict:
     return fsdp2_parity(out, MixedPrecisionPolicy(param_dtype=torch.bfloat16), name="fsdp2_bf16")
 
 
+def fsdp2_int8(out: str) -> dict:
+    """8-bit state under FSDP2: each rank's shards updated as torchao's AdamW8bit updates the same DTensors
+    (8-bit where a rank's local shard is in whole blocks of >= 4096 elements, fp32 moments elsewhere)."""
+    import torchao.optim
+
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # torchao's eager path
+    ref, ours = sharded(), sharded()
+    ref_opt = torchao.optim.AdamW8bit(ref.parameters(), **LR)
+    opt = OffloadedAdamW(ours.parameters(), **LR, **OFFLOAD, nvme_path=swap_dir(out, "fsdp2_int8"), state_dtype="int8")
+    try:
+        for m, o in ((ref, ref_opt), (ours, opt)):
+            train(m, o, range(STEPS))
+        quantized = sum(1 for s in opt.state_store.layout.slots.values() if s.quantized)
+        return {"differences": [name for (name, p), q in zip(ref.named_parameters(), ours.parameters())
+                                if not same(local(p.detach()), local(q.detach()))], "quantized": quantized}
+    finally:
+        opt.close()
+
+
 def dcp_resume(out: str) -> dict:
     """Saved with dcp after 2 steps (from ours, and from torch's AdamW), loaded into a new OffloadedAdamW that
     runs 2 more: compared with 4 uninterrupted steps of the optimizer that saved."""
@@ -332,8 +351,8 @@ def zero_redundancy(out: str) -> dict:
         opt.optim.close()
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, dcp_resume, streamed_checkpoint, reservation, placement,
-                                      ddp_offload_parameters, zero_redundancy)}
+SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, fsdp2_int8, dcp_resume, streamed_checkpoint, reservation,
+                                      placement, ddp_offload_parameters, zero_redundancy)}
 
 
 def rank_main(out: str, names: list[str], rank: int, world: int) -> None:

@@ -29,6 +29,7 @@ from offload.units import MIB
 
 LAYERS, WIDTH, BATCH, STEPS = 4, 1024, 4, 2  # 4.2 M fp32 parameters: 16 MiB of weights, 32 MiB of state
 OPT = dict(lr=1e-3, buffer_count=2, buffer_size=2 * MIB)  # the optimizer's pool: 4 MiB
+OPT.update(json.loads(os.environ.get("OFFLOAD_TEST_OPTIMIZER", "{}")))  # a state mode under test
 PARAMS = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=2, buffer_size=WIDTH * WIDTH // 2)  # 2 x 2 MiB
 
 growth = {"save": 0, "load": 0}

@@ -20,8 +20,8 @@ from helpers import REPO, python_env
 from offload.distributed import RankInfo, expand_placeholders, is_dtensor, like, local, rank_info, shard_like
 
 WORLD = 2
-SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "dcp_resume", "streamed_checkpoint", "reservation", "placement",
-             "ddp_offload_parameters", "zero_redundancy")
+SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "dcp_resume", "streamed_checkpoint", "reservation",
+             "placement", "ddp_offload_parameters", "zero_redundancy")
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -68,6 +68,15 @@ def test_fsdp2_bf16_mixed_precision_is_bitwise_torch(job):
     """With MixedPrecisionPolicy(param_dtype=bfloat16) the same holds bit for bit."""
     for r, res in enumerate(outcome(job, "fsdp2_bf16")):
         assert res["differences"] == [], f"rank {r}"
+
+
+def test_fsdp2_with_int8_state_is_bitwise_torchaos_8bit_adamw(job):
+    """With state_dtype="int8" each rank's shards (8-bit where a shard is in whole blocks, fp32 elsewhere) are
+    updated as torchao's AdamW8bit updates the same FSDP2 model, bit for bit."""
+    pytest.importorskip("torchao.optim")
+    for r, res in enumerate(outcome(job, "fsdp2_int8")):
+        assert res["differences"] == [], f"rank {r}"
+        assert res["quantized"] >= 1
 
 
 def test_dcp_save_and_load_resume_bit_for_bit(job):

@@ -78,6 +78,20 @@ def test_save_and_load_stay_within_the_pools(runs, framework):
     assert r["state_dict"] >= 0.9 * r["state"]  # the measurement does see a materialised state
 
 
+def test_int8_state_resumes_through_the_frameworks_bit_for_bit(tmp_path):
+    """The adapters save and load 8-bit state as any: resumed through accelerate and through Lightning, step 2
+    ends where the run that went on did."""
+    frameworks = [f for f in ("accelerate", "lightning") if not _missing(f)]
+    if not frameworks:
+        pytest.skip("neither accelerate nor lightning is installed")
+    env = python_env(OFFLOAD_TEST_OPTIMIZER=json.dumps({"state_dtype": "int8"}))
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "framework_runs.py"), str(tmp_path),
+                           *frameworks], capture_output=True, text=True, env=env, timeout=600)
+    lines = {r["framework"]: r for r in (json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"framew'))}
+    assert set(lines) == set(frameworks), done.stdout[-3000:] + done.stderr[-3000:]
+    assert all(r["same"] for r in lines.values())
+
+
 def test_lightning_refuses_a_ckpt_beside_another_saves_directory_and_removes_both(runs):
     """A .ckpt whose directory was replaced by another save's is refused when read, naming both; Lightning's
     removal of a .ckpt (save_top_k) removes its directory too."""
