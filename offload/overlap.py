@@ -12,9 +12,9 @@ import torch
 from . import copies
 from .clipping import grad_norm
 from .errors import StateError
-from .params import ParamAccess, store_of
+from .params import ParamAccess, grad_reads, store_of
 
-__all__ = ["BackwardOverlap", "NoOverlap"]
+__all__ = ["BackwardOverlap", "Learning", "NoOverlap"]
 
 
 # NOTE: with overlap_backward, a post-accumulate-grad hook on every parameter tells a step in progress
@@ -40,10 +40,19 @@ class BackwardOverlap:
             may then be half updated, and the owner refuses further steps until it is restored.
         access: the optimizer's :class:`ParamAccess`, through which gradients are watched and parameters
             whose weights live on NVMe are taken as backward finishes them.
+        armed: whether updates run inside backward from the first one (``overlap_backward=True``); else
+            (``"auto"``) they do once :class:`Learning` has seen that they may.
+        hyper: ``hyper()`` gives the groups' hyperparameters now: an update that ran inside backward used them
+            as they were then, so step() refuses a change made in between.
     """
 
     def __init__(self, run_step: Callable, slots_now: Callable, units_of: Callable, *, clip: bool,
-                 mark_failed: Callable[[BaseException], None], access: ParamAccess):
+                 mark_failed: Callable[[BaseException], None], access: ParamAccess, armed: bool = True,
+                 hyper: Callable[[], list] = list):
+        self.armed = armed
+        self.hyper = hyper
+        self.learning = None if armed else Learning(hyper)
+        self._params: list = []  # every parameter watched, to watch again once armed
         self._run_step = run_step
         self._mark_failed = mark_failed
         self._slots_now = slots_now
@@ -63,8 +72,22 @@ class BackwardOverlap:
     def hook(self, params) -> None:
         """Watch ``params``' gradients (those that require grad; each once)."""
         params = [p for p in params if p.requires_grad and id(p) not in self._handles]
-        for p, handle in zip(params, self.access.watch(params, self._watcher)):
+        self._params += params
+        for p, handle in zip(params, self.access.watch(params, self._watcher, strict=self.armed)):
             self._handles[id(p)] = handle
+
+    def note_step(self, *, clean: bool) -> None:
+        """A step ended; ``clean``: nothing in it kept its updates from running inside backward (no closure,
+        no GradScaler, no max_grad_norm, weights on NVMe). Unarmed, this is what :class:`Learning` weighs."""
+        if self.learning is None or self.armed:
+            return
+        if self.learning.step(clean=clean):
+            self.armed = True
+            self.learning = None
+            # Watched again, now through the stores' hand-off: weights offloaded since are taken too.
+            _remove_hooks(self._handles)
+            params, self._params = self._params, []
+            self.hook(params)
 
     @contextlib.contextmanager
     def no_step(self) -> Iterator[None]:
@@ -95,6 +118,14 @@ class BackwardOverlap:
         run, self._run = self._run, None
         if run is None:
             return set()
+        if run.begun and run.hyper != self.hyper():  # updates that begin from here on use the new ones
+            err = StateError(
+                "the optimizer's hyperparameters (a learning rate, say) changed between backward and step(), but "
+                "with overlap_backward the update ran during backward with those it had then. Change them before "
+                "the forward pass (an LR scheduler's step() after the optimizer's, as torch expects), or build the "
+                "optimizer with overlap_backward=False; restore the state (load_checkpoint) before going on.")
+            run.abort(err)
+            raise err
         if run.grads_changed():
             err = StateError(
                 "gradients changed between backward and step() (clip_grad_norm_, a GradScaler's "
@@ -161,6 +192,8 @@ class BackwardOverlap:
             ValueError: a closure.
             StateError: a GradScaler (see :meth:`refuse_scaler`).
         """
+        if not self.armed:
+            return  # "auto" still watching: the step is an ordinary one (and not a clean one to learn from)
         if closure is not None:
             raise ValueError("step(closure) cannot be used with overlap_backward=True: the update runs during "
                              "backward; call loss.backward() yourself, then step()")
@@ -188,8 +221,8 @@ class BackwardOverlap:
     def take(self, p: torch.Tensor) -> bool:
         """Whether the step in progress takes ``p`` (weights on NVMe) as backward leaves it: resident, its
         gradient in memory, to be updated and written back once (not when clipping, which waits for every
-        gradient, nor inside no_step())."""
-        if self._skip or self.clip:
+        gradient, nor inside no_step(), nor before it is armed)."""
+        if self._skip or self.clip or not self.armed:
             return False
         run = self._current_run()
         with run.lock:  # never adopted after the worker gave back what it held: that hold would stay
@@ -213,6 +246,9 @@ class BackwardOverlap:
     def final(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final for this backward."""
         if self._skip:
+            return
+        if not self.armed:
+            self.learning.final(p)
             return
         self._current_run().ready(p)
 
@@ -270,6 +306,53 @@ class NoOverlap:
     def refuse_scaler(self) -> None:
         pass  # never running: nothing to refuse
 
+    def note_step(self, *, clean: bool) -> None:
+        pass
+
+
+# NOTE: an update inside backward is exact only when the backward that makes a gradient final is the last
+# before step() and nothing reads or changes the gradients or the hyperparameters in between. With
+# overlap_backward="auto" the optimizer does not assume it: it watches two iterations in a row (each gradient
+# final once per step; the same sampled elements at step() as when final; the same hyperparameters; no offloaded
+# gradient read, by load_grad or clip_grad_norm_, since an update inside backward consumes them; and from the
+# optimizer: no closure, no GradScaler, no max_grad_norm, weights on NVMe, where updating inside backward saves
+# the gradients' round trip). Then it arms, and from there on it is overlap_backward=True: a later departure (a
+# second backward: accumulation without no_step()) is refused with what to do. A loop that accumulates, reads
+# or clips gradients never arms, and trains as without it.
+class Learning:
+    """What an optimizer with ``overlap_backward="auto"`` has seen of the training loop, step by step."""
+
+    STEPS = 2  # clean steps in a row before updates run inside backward
+
+    def __init__(self, hyper: Callable[[], list] = list):
+        self.hyper = hyper
+        self.clean_steps = 0
+        self._at_backward = None  # the hyperparameters when this step's first gradient became final
+        self._fired: set = set()
+        self._twice = False
+        self._seen: list = []  # (param, grad, sample) as each gradient became final
+        self._reads = grad_reads()
+
+    def final(self, p: torch.Tensor) -> None:
+        if id(p) in self._fired:
+            self._twice = True  # a second backward before step(): accumulation
+        if not self._fired:
+            self._at_backward = self.hyper()
+        self._fired.add(id(p))
+        if p.grad is not None and p.grad.layout == torch.strided and store_of(p) is None:
+            self._seen.append((p, p.grad, _sample(p.grad)))
+
+    def step(self, *, clean: bool) -> bool:
+        """A step ended; returns whether updates may run inside backward from the next backward."""
+        reads, self._reads = self._reads, grad_reads()
+        unchanged = all(p.grad is g and torch.equal(_sample(g).view(torch.int32), s.view(torch.int32))
+                        for p, g, s in self._seen)
+        ok = (clean and bool(self._fired) and not self._twice and unchanged and reads == self._reads
+              and self._at_backward == self.hyper())
+        self.clean_steps = self.clean_steps + 1 if ok else 0
+        self._fired, self._twice, self._seen, self._at_backward = set(), False, [], None
+        return self.clean_steps >= self.STEPS
+
 
 class _Run:
     """One backward's step in progress, on its worker thread."""
@@ -277,6 +360,7 @@ class _Run:
     def __init__(self, owner: BackwardOverlap, slots: list, order: list):
         self.owner = owner
         self.order = order
+        self.hyper = owner.hyper()  # what the updates run with
         self.fired: set = set()
         # Per parameter whose grad the update reads as backward left it: where the stream that produced it
         # was when it became final. The worker runs on its own streams, so it waits for that first.

@@ -254,7 +254,7 @@ def _offloaded_pair(nvme, closing, **opt_kw):
     for m, path in ((a, "-pa"), (b, "-pb")):
         closing(offload_parameters(m, nvme_path=nvme + path, **TINY))
     oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", overlap_backward=True, **OPT, **opt_kw))
-    ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", **OPT))
+    ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", overlap_backward=False, **OPT))
     return a, b, oa, ob
 
 
@@ -624,3 +624,102 @@ def test_no_overlap_answers_every_call_the_optimizer_makes_on_its_overlap():
     assert {"refuse_while_running", "end_for_load", "finish"} <= used
     missing = {cls.__name__: sorted(n for n in used if not hasattr(cls, n)) for cls in (NoOverlap, BackwardOverlap)}
     assert missing == {"NoOverlap": [], "BackwardOverlap": []}
+
+
+# -- overlap_backward="auto": the default -----------------------------------------------------------------
+
+
+def _auto_pair(nvme, closing, **opt_kw):
+    """Two equal models with weights on NVMe: one optimizer by default ("auto"), one without overlap."""
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    for m, path in ((a, "-pa"), (b, "-pb")):
+        closing(offload_parameters(m, nvme_path=nvme + path, **TINY))
+    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", **OPT, **opt_kw))
+    ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", overlap_backward=False, **OPT, **opt_kw))
+    return a, b, oa, ob
+
+
+def test_auto_updates_inside_backward_after_two_clean_iterations_and_stays_bit_for_bit(nvme, closing):
+    """By default, weights on NVMe are updated inside backward from the third iteration on: from then no
+    gradient goes to NVMe, and the weights equal those of the optimizer that never overlaps, bit for bit."""
+    a, b, oa, ob = _auto_pair(nvme, closing)
+    grads_out = []
+    for s in range(5):
+        for m, o in ((a, oa), (b, ob)):
+            before = _moved(m)
+            loss_of(m, s).backward()
+            o.step()
+            o.zero_grad()
+            if m is a:
+                grads_out.append(_moved(m)[3] - before[3])
+    assert oa._overlap.armed and not getattr(ob._overlap, "armed", False)
+    assert grads_out[0] > 0 and grads_out[1] > 0 and grads_out[2:] == [0, 0, 0]
+    with materialized(a), materialized(b):
+        assert_same(list(a.parameters()), list(b.parameters()))
+
+
+@pytest.mark.parametrize("loop", ["accumulation", "load_grad", "our clip", "lr set after backward", "closure",
+                                  "no weights on NVMe", "max_grad_norm"])
+def test_auto_never_updates_inside_backward_for_a_loop_where_it_would_not_be_exact(nvme, closing, loop):
+    """A loop that accumulates, reads or clips offloaded grads, changes the lr between backward and step or
+    steps with a closure, a model without weights on NVMe, or max_grad_norm: "auto" never arms, and trains
+    bit for bit as without overlap."""
+    if loop == "no weights on NVMe":
+        torch.manual_seed(0)
+        a, b = Net(), Net()
+        b.load_state_dict(a.state_dict())
+        oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", **OPT))
+        ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", overlap_backward=False, **OPT))
+    else:
+        a, b, oa, ob = _auto_pair(nvme, closing, **({"max_grad_norm": 1.0} if loop == "max_grad_norm" else {}))
+    from offload.params import clip_grad_norm_
+
+    for s in range(5):
+        for m, o in ((a, oa), (b, ob)):
+            if loop == "closure":
+                o.step(lambda m=m, s=s: loss_of(m, s).backward())
+                o.zero_grad()
+                continue
+            loss_of(m, s).backward()
+            if loop == "accumulation":
+                loss_of(m, 100 + s).backward()
+            elif loop == "load_grad":
+                load_grad(next(iter(m.parameters())))
+            elif loop == "our clip":
+                clip_grad_norm_(m, 1e9)
+            elif loop == "lr set after backward":
+                o.param_groups[0]["lr"] = 1e-2 / (s + 1)
+            o.step()
+            o.zero_grad()
+    assert not getattr(oa._overlap, "armed", False)
+    with materialized(a), materialized(b):
+        assert_same(list(a.parameters()), list(b.parameters()))
+
+
+def test_once_armed_auto_refuses_accumulation_without_no_step_as_overlap_does(nvme, closing):
+    """After "auto" has armed, a second backward before step() is refused with the StateError of
+    overlap_backward=True, naming no_step(): never a silently wrong update."""
+    a, _, oa, _ = _auto_pair(nvme, closing)
+    for s in range(3):
+        loss_of(a, s).backward()
+        oa.step()
+        oa.zero_grad()
+    assert oa._overlap.armed
+    loss_of(a, 3).backward()
+    with pytest.raises(StateError, match="no_step"):
+        loss_of(a, 4).backward()
+
+
+def test_a_learning_rate_changed_between_backward_and_step_is_refused_when_updates_ran_inside(nvme, closing):
+    """With overlap_backward=True the updates that ran during backward used the lr they had then: a change
+    before step() is refused (state failed), never applied to part of the state only."""
+    a, _, oa, _ = _offloaded_pair(nvme, closing)
+    loss_of(a, 0).backward()
+    oa.step()
+    oa.zero_grad()
+    loss_of(a, 1).backward()
+    oa.param_groups[0]["lr"] = 0.5
+    with pytest.raises(StateError, match="hyperparameters"):
+        oa.step()

@@ -65,7 +65,8 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing,
     model = Net(h=4096, layers=4).to(dtype)
     params = [p.detach().to("meta") for p in model.parameters()]
     closing(offload_parameters(model, nvme_path=nvme + "-p", **TINY))
-    config = load_config({"offload_param": TINY, "offload_optimizer": {"nvme_path": nvme, "master_weights": master}})
+    config = load_config({"offload_param": TINY, "offload_optimizer": {"nvme_path": nvme, "master_weights": master,
+                                                                       "overlap_backward": False}})
     predicted = plan(params, config, offload_params=True, nvme_paths=[nvme])
     store = offloaded(model).store
     opt = closing(OffloadedAdamW(model.parameters(), config=config))

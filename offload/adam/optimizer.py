@@ -9,9 +9,10 @@ import torch
 from ..aio import warn_use_gds
 from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
 from ..config import offload_config
+from ..distributed import is_dtensor
 from ..errors import StateError
 from ..overlap import BackwardOverlap, NoOverlap
-from ..params import ParamAccess
+from ..params import ParamAccess, store_of
 from ..state import ParamSlot, StateStore, check_state_dict
 from .checks import (
     check_dtensor_options,
@@ -140,7 +141,7 @@ class OffloadedAdam(torch.optim.Adam):
         self._math = Math(int8=oc.state_dtype == "int8", seed=check_seed(seed))
         self._note_positions()
         check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
-                               overlap_backward=self.config.offload_optimizer.overlap_backward)
+                               overlap_backward=self.config.offload_optimizer.overlap_backward is True)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
         self._place_state()
         # With overlap_backward, weights on NVMe (offload_parameters) whose gradients are final wait, resident,
@@ -162,12 +163,14 @@ class OffloadedAdam(torch.optim.Adam):
             raise
 
     def _start_overlap(self) -> BackwardOverlap | NoOverlap:
-        """With overlap_backward, the hooks through which backward starts the updates; else a NoOverlap."""
-        if not self.config.offload_optimizer.overlap_backward:
-            return NoOverlap()
+        """With overlap_backward, the hooks through which backward starts the updates (``"auto"``: once it has
+        seen that they may, see :class:`offload.overlap.Learning`); else a NoOverlap."""
+        mode = self.config.offload_optimizer.overlap_backward
+        if mode is False or (mode == "auto" and (self.max_grad_norm is not None or _sharded(self.param_groups))):
+            return NoOverlap()  # "auto" never updates inside backward when clipping waits, nor for DTensors
         overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
                                   clip=self.max_grad_norm is not None, mark_failed=self.state_store.mark_failed,
-                                  access=self._access)
+                                  access=self._access, armed=mode is True, hyper=self._hyperparameters)
         overlap.hook(p for g in self.param_groups for p in g["params"])
         return overlap
 
@@ -216,6 +219,8 @@ class OffloadedAdam(torch.optim.Adam):
         in_memory, offloaded, with_grad = params_with_grads(self.param_groups, self.state_store.is_small)
         self._update(in_memory, offloaded, with_grad, scale=getattr(self, "grad_scale", None))
         self._wear.step(self.state_store.bytes_written)
+        self._overlap.note_step(clean=closure is None and getattr(self, "grad_scale", None) is None
+                                and any(store_of(p) is not None for _, p in offloaded))
         return loss
 
     def _check_can_step(self, closure: Optional[Callable]) -> None:
@@ -437,6 +442,11 @@ class OffloadedAdam(torch.optim.Adam):
         self._math.position.clear()
         self._math.position.update({id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])})
 
+    def _hyperparameters(self) -> list:
+        """The groups' hyperparameters now (for the update inside backward: those it ran with)."""
+        return [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k not in ("params", "param_names")}
+                for g in self.param_groups]
+
     def _overlap_slots(self) -> list:
         self._weights.check()  # before backward starts any update
         store = self.state_store
@@ -452,6 +462,10 @@ class OffloadedAdam(torch.optim.Adam):
         if norm is not None:
             self.last_grad_norm = norm
         return scaling
+
+
+def _sharded(groups: list) -> bool:
+    return any(is_dtensor(p) for g in groups for p in g["params"])
 
 
 class OffloadedAdamW(OffloadedAdam):

@@ -162,8 +162,9 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
     units still in pool buffers from the last step (the pool as a cache: ``buffer_count - 1``). Offloaded
     weights are read for forward and for backward (and those without an fp32 master, fp32 ones or bf16 ones
     with ``master_weights`` off, once more by the step) and written once; offloaded grads are written in
-    backward and read by the optimizer. With ``overlap_backward`` the update takes each weight as backward
-    leaves it, resident, with its grad in memory: no grad round trip and no read by the step (so long as
+    backward and read by the optimizer. With ``overlap_backward`` (``"auto"`` counted as on: once armed, in the
+    steady state) the update takes each weight as backward leaves it, resident, with its grad in memory: no grad
+    round trip and no read by the step (so long as
     what waits for its update stays within twice the optimizer pool or 256 MiB, as it does when the update
     keeps up with backward; and not with ``max_grad_norm``, whose updates wait for every grad).
     """

@@ -140,8 +140,13 @@ class OptimizerOffloadConfig:
                              "changed on disk behind our back is found instead of trained on; hashed on the "
                              "engine's threads as requests complete (measure its cost with ``offload-bench adam "
                              "--checksum-cost``).")
-    overlap_backward: bool = setting(False, BOOL, "read and update state during backward, as each unit's grads "
-                                     "become final, so an iteration costs about max(compute, I/O).")
+    overlap_backward: bool | str = setting(
+        "auto", PIN, "read and update state during backward, as each unit's grads become final, so an iteration "
+        "costs about max(compute, I/O), and weights on NVMe are updated while backward holds them (no grad round "
+        'trip, no second read); ``"auto"``: once two iterations have shown it exact (one backward per step, '
+        "nothing changing the grads or hyperparameters between backward and step, no GradScaler, no "
+        "max_grad_norm) for a model whose weights are on NVMe; accumulation then needs ``no_step()``.",
+        shown="auto")
 
     def __post_init__(self) -> None:
         _validate(self, "offload_optimizer")

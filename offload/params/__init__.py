@@ -15,7 +15,7 @@ from .api import (
     restore_parameters,
 )
 from .checkpointing import weight_loads
-from .grads import clip_grad_norm_, load_grad
+from .grads import clip_grad_norm_, grad_reads, load_grad
 from .guard import OffloadedGrad, OffloadedParameter, OffloadedView
 from .holds import resident
 from .meta import empty_parameters
@@ -35,6 +35,7 @@ __all__ = [
     "clip_grad_norm_",
     "compile_offloaded",
     "empty_parameters",
+    "grad_reads",
     "load_grad",
     "materialized",
     "offload_parameters",

@@ -63,11 +63,15 @@ class ParamAccess:
 
     # -- updates during backward ------------------------------------------------------------------
 
-    def watch(self, params: Iterable[torch.Tensor], watcher) -> list:
+    def watch(self, params: Iterable[torch.Tensor], watcher, *, strict: bool = True) -> list:
         """Tell ``watcher.final(p)`` when each of ``params``' gradient is final in a backward, once it is where
         :meth:`UnitPass.grads` and ``p.grad`` will find it; for a parameter on NVMe also ask ``watcher.take(p)``
         first whether the optimizer takes it as it is (then it stays resident, its gradient in memory, until
         the update: see :meth:`adopt`), through its store's :class:`Handoff`. Returns handles to remove.
+
+        A parameter offloaded after this (``offload_parameters`` after the optimizer) then fails its backward
+        with a ``StateError`` saying so, unless not ``strict`` (an optimizer that only watches, and watches
+        again before it updates inside backward).
         """
         handles = []
         for p in params:
@@ -75,7 +79,7 @@ class ParamAccess:
             if store is not None and store.handoff.reported:
                 handles.append(store.handoff.watch(p, watcher))
             else:
-                handles.append(p.register_post_accumulate_grad_hook(_direct(watcher)))
+                handles.append(p.register_post_accumulate_grad_hook(_direct(watcher, strict)))
         return handles
 
     def adopt(self, p: torch.Tensor) -> bool:
@@ -260,9 +264,9 @@ class UnitPass:
                 store.grads.consume(slot.param)  # updated: the gradient is not needed, nor kept
 
 
-def _direct(watcher):
+def _direct(watcher, strict: bool = True):
     def hook(p: torch.Tensor) -> None:
-        if store_of(p) is not None:
+        if strict and store_of(p) is not None:
             raise StateError(
                 "offload_parameters was applied to this model after the optimizer was built with "
                 "overlap_backward=True, so the optimizer cannot see when an offloaded gradient is in place. "

@@ -11,7 +11,17 @@ from ..clipping import clip_coef, grad_norm, uses_foreach
 from ..clipping import total_norm as total_of
 from .registry import store_of
 
-__all__ = ["clip_grad_norm_", "load_grad"]
+__all__ = ["clip_grad_norm_", "grad_reads", "load_grad"]
+
+
+_READS = [0]  # calls of load_grad and clip_grad_norm_ so far: see grad_reads
+
+
+def grad_reads() -> int:
+    """How many times this process called :func:`load_grad` or :func:`clip_grad_norm_`: an optimizer that learns
+    whether its updates may run inside backward (which consumes offloaded grads) watches whether a loop reads
+    or clips them between backward and step."""
+    return _READS[0]
 
 
 def load_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -19,6 +29,7 @@ def load_grad(param: torch.Tensor) -> Optional[torch.Tensor]:
 
     Returns ``None`` when the parameter has no gradient, as ``param.grad`` would be.
     """
+    _READS[0] += 1
     store = store_of(param)
     if store is not None and store.holds_grad(param):
         return store.load_grad(param)
@@ -70,6 +81,7 @@ def clip_grad_norm_(
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite, or ``foreach=True`` on a
             device without foreach kernels.
     """
+    _READS[0] += 1
     params = [p for p in _params(model_or_params) if p.grad is not None]
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not params:
