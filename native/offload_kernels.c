@@ -158,6 +158,45 @@ __attribute__((target("avx2,fma"))) static void dequantize_avx2(const uint8_t *c
     for (; i < n; i++)
         out[i] = q[c[i]] * scale;
 }
+
+__attribute__((target("avx2,fma"))) static inline __m256i lowbias32_avx2(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846ca68bU));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+/* round_bf16 of n values, 8 at a time: the same stream and rule (elements first + i). */
+__attribute__((target("avx2,fma"))) static void round_block_avx2(const float *x, int64_t n, uint32_t key0,
+                                                                  uint32_t key1, int64_t first, uint16_t *out) {
+    int64_t i = 0;
+    const __m256i k0 = _mm256_set1_epi32((int)key0), k1 = _mm256_set1_epi32((int)key1),
+                  lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), low = _mm256_set1_epi32(0xffff),
+                  high = _mm256_set1_epi32((int)0xffff0000u), unit = _mm256_set1_epi32(0x10000);
+    for (; i + 8 <= n; i += 8) {
+        uint64_t index = (uint64_t)(first + i);
+        /* Eight consecutive indices share their upper 32 bits unless they cross a multiple of 2^32. */
+        if ((uint32_t)index > 0xfffffff8u)
+            break;
+        __m256i lo = _mm256_add_epi32(_mm256_set1_epi32((int)(uint32_t)index), lanes);
+        __m256i hi = _mm256_set1_epi32((int)(uint32_t)(index >> 32));
+        __m256i r = _mm256_srli_epi32(
+            lowbias32_avx2(_mm256_xor_si256(_mm256_xor_si256(lowbias32_avx2(_mm256_xor_si256(k0, lo)), k1), hi)), 16);
+        __m256i bits = _mm256_castps_si256(_mm256_loadu_ps(x + i));
+        /* r < (bits & 0xffff), both below 2^16: a signed comparison is right. */
+        __m256i up = _mm256_cmpgt_epi32(_mm256_and_si256(bits, low), r);
+        __m256i trunc = _mm256_and_si256(bits, high);
+        __m256i word = _mm256_add_epi32(trunc, _mm256_and_si256(up, unit));
+        /* The upper halves, packed to 16 bits: shifted down then packed as unsigned (values below 2^16). */
+        __m256i half = _mm256_srli_epi32(word, 16);
+        __m256i packed = _mm256_packus_epi32(half, half);
+        __m128i both = _mm_unpacklo_epi64(_mm256_castsi256_si128(packed), _mm256_extracti128_si256(packed, 1));
+        _mm_storeu_si128((__m128i *)(out + i), both);
+    }
+    for (; i < n; i++)
+        out[i] = round_bf16(x[i], key0, key1, first + i);
+}
 #else
 #define HAVE_SIMD 0
 #endif
@@ -271,7 +310,7 @@ HOT void moments_range(const ofl_adam_args *a, int64_t lo, int64_t hi, int64_t b
 
 /* The second pass over elements [lo, hi): the weights, from the first pass's m and torch's root. */
 HOT void apply_range(const ofl_adam_args *a, int64_t lo, int64_t hi, int64_t base, const float *m,
-                     const float *root) {
+                     const float *root, int simd) {
     float p[OFL_BLOCK];
     for (int64_t start = lo; start < hi; start += OFL_BLOCK) {
         int64_t n = hi - start < OFL_BLOCK ? hi - start : OFL_BLOCK;
@@ -292,6 +331,10 @@ HOT void apply_range(const ofl_adam_args *a, int64_t lo, int64_t hi, int64_t bas
         }
         if (a->param != NULL)
             memcpy(a->param + start, p, (size_t)n * sizeof(float));
+#if HAVE_SIMD
+        else if (simd)
+            round_block_avx2(p, n, a->key0, a->key1, a->first + start, a->param_bf16 + start);
+#endif
         else
             for (int64_t i = 0; i < n; i++)
                 a->param_bf16[start + i] = round_bf16(p[i], a->key0, a->key1, a->first + start + i);
@@ -307,7 +350,7 @@ __attribute__((target("avx2,fma"))) static void moments_avx2(const ofl_adam_args
 
 __attribute__((target("avx2,fma"))) static void apply_avx2(const ofl_adam_args *a, int64_t lo, int64_t hi,
                                                             int64_t base, const float *m, const float *root) {
-    apply_range(a, lo, hi, base, m, root);
+    apply_range(a, lo, hi, base, m, root, 1);
 }
 
 static int have_avx2(void) {
@@ -332,7 +375,7 @@ static void apply(const ofl_adam_args *a, int64_t lo, int64_t hi, int64_t base, 
         return;
     }
 #endif
-    apply_range(a, lo, hi, base, m, root);
+    apply_range(a, lo, hi, base, m, root, 0);
 }
 
 /* -- threads ------------------------------------------------------------------------------------- */
@@ -362,6 +405,12 @@ static void *run_apply(void *arg) {
 
 static void *run_round(void *arg) {
     part *p = arg;
+#if HAVE_SIMD
+    if (have_avx2()) {
+        round_block_avx2(p->src + p->lo, p->hi - p->lo, p->key0, p->key1, p->first + p->lo, p->dst + p->lo);
+        return NULL;
+    }
+#endif
     for (int64_t i = p->lo; i < p->hi; i++)
         p->dst[i] = round_bf16(p->src[i], p->key0, p->key1, p->first + i);
     return NULL;

@@ -176,3 +176,17 @@ def test_the_kernels_table_finds_the_reference_code_at_every_step_of_both_books(
         e = words[s >> 16]
         mine = (e & 0xFF) + ((s & 0xFFFF) >= (e >> 8)).long()
         assert torch.equal(mine, ref.long())
+
+
+def test_rounding_draws_the_same_stream_across_a_multiple_of_two_to_the_32_elements():
+    """Elements whose index crosses 2**32 (a parameter of more than 4G elements) round with the stream the
+    torch-ops reference draws, on either side and across, in the kernel's vector and scalar paths alike."""
+    key = lowbit.stream_key(3, 1, 2)
+    first = (1 << 32) - 37
+    x = torch.randn(100) * 3
+    native = lowbit.round_bf16(x, first=first, key=key)
+    bits = x.view(torch.int32).long() & 0xFFFFFFFF
+    rand = lowbit.random16(key, torch.arange(first, first + 100))
+    trunc = bits & 0xFFFF0000
+    reference = lowbit._bf16_from_upper(torch.where(rand < (bits & 0xFFFF), trunc + 0x10000, trunc) & 0xFFFFFFFF)
+    assert torch.equal(native.view(torch.int16), reference.view(torch.int16))
