@@ -224,37 +224,13 @@ def update_chunks(chunks, buf, grad_views: dict, *, state: dict, scaling: GradSc
 def _update_chunks(chunks, buf, grad_views, state, scaling, math: Math, read: list,
                    landed: list) -> tuple[Ticket, Ticket]:
     group = chunks[0].slot.group
-    amsgrad = group["amsgrad"]
-    params, grads, m, v, vmax, steps = [], [], [], [], [], []
-    writeback, narrow = [], []  # (host view, device tensor); (bf16 moment, its fp32 working copy)
-    masters, rounded = [], []  # (weights, their master); (chunk, weights, their fp32 working copy)
+    lists = _KernelLists()
+    writeback, masters = [], []  # (host view, device tensor); (weights, their master)
     for c in chunks:
         p = c.slot.param
-        lo, hi = c.start, c.start + c.numel
-        flat_p = detached(p).view(-1)[lo:hi]
-        crossing = copies.crosses(p.device)
-        flat_g = grad_views.get(c)
-        if flat_g is None:
-            flat_g = local(p.grad).reshape(-1)[lo:hi]
-        elif crossing:
-            flat_g, ticket = copies.to_device(flat_g, flat_p)
-            read.append(ticket)
-        flat_g = scaling.apply(flat_g)
-        views = {k: c.slice(buf, k) for k in c.slot.keys}
-        if not c.slot.initialized:
-            for k, t in views.items():
-                if k == "master":
-                    t.copy_(flat_p)
-                else:
-                    t.zero_()
-        if crossing:
-            # State crosses to the parameter's device through the (pinned) buffer.
-            on_dev = {}
-            for k, t in views.items():
-                on_dev[k], ticket = copies.to_device(t, flat_p)
-                read.append(ticket)
-            writeback.extend((views[k], on_dev[k]) for k in views)
-            views = on_dev
+        flat_p = detached(p).view(-1)[c.start:c.start + c.numel]
+        flat_g = _chunk_grad(c, grad_views, flat_p, read, scaling)
+        views = _chunk_views(c, buf, flat_p, read, writeback)
         master = views.get("master")
         if master is not None:
             masters.append((flat_p, master))
@@ -263,40 +239,89 @@ def _update_chunks(chunks, buf, grad_views, state, scaling, math: Math, read: li
             count = float(state[p]["step"]) + 1
             moments = {k: t for k, t in views.items() if k != "master"}
             lowbit.step_chunk(lowbit.constants(group, count), master if master is not None else flat_p,
-                              flat_g.contiguous(), moments, first=lo, key=math.key(p, count))
-            continue
-        for k in [k for k in views if k != "master" and views[k].dtype == torch.bfloat16]:
-            # Narrow state (state_dtype "bf16"): computed in fp32, rounded to nearest when stored.
-            wide = views[k].float()
-            narrow.append((views[k], wide))
-            views[k] = wide
-        target = master if master is not None else flat_p
-        if target.dtype in HALF_DTYPES:  # no master: computed in fp32, rounded back stochastically after
-            rounded.append((c, flat_p, target.float()))
-            target = rounded[-1][2]
-        params.append(target)
-        grads.append(flat_g if flat_g.dtype == target.dtype else flat_g.to(target.dtype))
-        m.append(views["exp_avg"])
-        v.append(views["exp_avg_sq"])
-        if amsgrad:
-            vmax.append(views["max_exp_avg_sq"])
-        step = state[p]["step"]
-        # A copy per chunk: the kernel increments it, and a parameter may span several chunks.
-        if kernel_flags(group, p.device)["fused"] and crossing:
-            step, ticket = copies.to_device(step, flat_p)
-            read.append(ticket)
-            steps.append(step)
+                              flat_g.contiguous(), moments, first=c.start, key=math.key(p, count))
         else:
-            steps.append(step.clone())
-    if params:
-        run_adam(group, params, grads, m, v, vmax, steps, grad_scale=scaling.kernel_scale)
-    for stored, wide in narrow:
-        stored.copy_(wide)
-    for c, flat_p, wide in rounded:
-        count = float(state[c.slot.param]["step"]) + 1
-        flat_p.copy_(lowbit.round_bf16(wide, first=c.start, key=math.key(c.slot.param, count)))
+            lists.add(c, flat_p, flat_g, views, state[p]["step"], group, read)
+    if lists.params:
+        run_adam(group, lists.params, lists.grads, lists.m, lists.v, lists.vmax, lists.steps,
+                 grad_scale=scaling.kernel_scale)
+    lists.store(state, math)
     for flat_p, master in masters:
         flat_p.copy_(master)
     for host, dev_t in writeback:
         landed.append(copies.to_host(host, dev_t))
     return Ticket.all(read), Ticket.all(landed)
+
+
+def _chunk_grad(c, grad_views: dict, flat_p: torch.Tensor, read: list, scaling: GradScaling) -> torch.Tensor:
+    """Chunk ``c``'s gradient where the kernel reads it (on the parameter's device), scaled."""
+    flat_g = grad_views.get(c)
+    if flat_g is None:
+        flat_g = local(c.slot.param.grad).reshape(-1)[c.start:c.start + c.numel]
+    elif copies.crosses(flat_p.device):
+        flat_g, ticket = copies.to_device(flat_g, flat_p)
+        read.append(ticket)
+    return scaling.apply(flat_g)
+
+
+def _chunk_views(c, buf, flat_p: torch.Tensor, read: list, writeback: list) -> dict:
+    """Chunk ``c``'s state tensors where the kernel updates them: views of ``buf`` (made first when the state
+    is new: zeros, the master from the weights), or copies on the parameter's device, to be copied back."""
+    views = {k: c.slice(buf, k) for k in c.slot.keys}
+    if not c.slot.initialized:
+        for k, t in views.items():
+            if k == "master":
+                t.copy_(flat_p)
+            else:
+                t.zero_()
+    if not copies.crosses(flat_p.device):
+        return views
+    # State crosses to the parameter's device through the (pinned) buffer.
+    on_dev = {}
+    for k, t in views.items():
+        on_dev[k], ticket = copies.to_device(t, flat_p)
+        read.append(ticket)
+    writeback.extend((views[k], on_dev[k]) for k in views)
+    return on_dev
+
+
+class _KernelLists:
+    """The lists torch's functional Adam takes, chunk by chunk, and what is stored back after it ran: bf16
+    moments rounded to nearest, weights without a master rounded stochastically."""
+
+    def __init__(self):
+        self.params, self.grads, self.m, self.v, self.vmax, self.steps = [], [], [], [], [], []
+        self.narrow: list = []  # (bf16 moment, its fp32 working copy)
+        self.rounded: list = []  # (chunk, weights, their fp32 working copy)
+
+    def add(self, c, flat_p: torch.Tensor, flat_g: torch.Tensor, views: dict, step: torch.Tensor, group: dict,
+            read: list) -> None:
+        for k in [k for k in views if k != "master" and views[k].dtype == torch.bfloat16]:
+            # Narrow state (state_dtype "bf16"): computed in fp32, rounded to nearest when stored.
+            wide = views[k].float()
+            self.narrow.append((views[k], wide))
+            views[k] = wide
+        target = views.get("master", flat_p)
+        if target.dtype in HALF_DTYPES:  # no master: computed in fp32, rounded back stochastically after
+            self.rounded.append((c, flat_p, target.float()))
+            target = self.rounded[-1][2]
+        self.params.append(target)
+        self.grads.append(flat_g if flat_g.dtype == target.dtype else flat_g.to(target.dtype))
+        self.m.append(views["exp_avg"])
+        self.v.append(views["exp_avg_sq"])
+        if group["amsgrad"]:
+            self.vmax.append(views["max_exp_avg_sq"])
+        # A copy per chunk: the kernel increments it, and a parameter may span several chunks.
+        if kernel_flags(group, flat_p.device)["fused"] and copies.crosses(flat_p.device):
+            step, ticket = copies.to_device(step, flat_p)
+            read.append(ticket)
+            self.steps.append(step)
+        else:
+            self.steps.append(step.clone())
+
+    def store(self, state: dict, math: Math) -> None:
+        for stored, wide in self.narrow:
+            stored.copy_(wide)
+        for c, flat_p, wide in self.rounded:
+            count = float(state[c.slot.param]["step"]) + 1
+            flat_p.copy_(lowbit.round_bf16(wide, first=c.start, key=math.key(c.slot.param, count)))
