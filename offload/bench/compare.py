@@ -84,12 +84,12 @@ PHASES = ("forward", "backward", "step", "zero_grad")
 
 
 def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, state_dtype: str = "fp32",
-         checksum: str = "on", overlap: bool = False, master: bool = True) -> dict:
+         checksum: str = "on", overlap: bool = False, master: bool = True, clip: Optional[float] = None) -> dict:
     directory = tempfile.mkdtemp(prefix=f"compare-{system}-", dir=root)  # a new one: removed after, nothing else
     cmd = [python, "-m", "offload.bench.peer", system, directory, str(args.params), "--iterations",
            str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype, "--checksum", checksum]
     cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16 + ["--overlap"] * overlap
-    cmd += ["--no-master"] * (not master)
+    cmd += ["--no-master"] * (not master) + (["--max-grad-norm", str(clip)] if clip is not None else [])
     cmd += ["--device", args.device]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
     try:
@@ -238,6 +238,9 @@ def _extras(args, runs: dict) -> list:
     out.append((INT8 + " + overlap_backward", {"state_dtype": "int8", "overlap": True}))
     if args.bf16:
         out.append((INT8 + ", no master + overlap_backward", {"state_dtype": "int8", "overlap": True, "master": False}))
+    if args.params_nvme:  # what the updates cost when they wait for the global norm (no grads handed over)
+        out.append((INT8 + " + overlap_backward + max_grad_norm", {"state_dtype": "int8", "overlap": True,
+                                                                   "clip": 1.0}))
     return out
 
 

@@ -9,8 +9,8 @@ Each run also counts what every iteration moves (:mod:`offload.bench.ledger`): b
 and for every system the process's disk bytes.
 
 Usage: ``python -m offload.bench.peer {ours,deepspeed,torch} NVME_DIR PARAMS [--params-nvme] [--bf16]
-[--host-cache BYTES] [--state-dtype fp32|bf16|int8] [--no-master] [--iterations N] [--checksum on|off] [--overlap]
-[--device cpu|cuda]``
+[--host-cache BYTES] [--state-dtype fp32|bf16|int8] [--no-master] [--max-grad-norm X] [--iterations N]
+[--checksum on|off] [--overlap] [--device cpu|cuda]``
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def _ours(args, dtype) -> dict:
                            config={"checksum": args.checksum == "on"})
     opt = OffloadedAdamW(model.parameters(), lr=1e-3, nvme_path=os.path.join(args.nvme, "s"),
                          host_cache=args.host_cache, state_dtype=args.state_dtype, checksum=args.checksum == "on",
-                         overlap_backward=args.overlap, master_weights=not args.no_master)
+                         overlap_backward=args.overlap, master_weights=not args.no_master,
+                         max_grad_norm=args.max_grad_norm)
     counters = counters_of(opt, offloaded(model).store if args.params_nvme else None)
     try:
         result = _loop(_steps(model, lambda loss: loss.backward(), opt.step, opt.zero_grad), dtype,
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
     p.add_argument("--host-cache", type=int, default=0)
     p.add_argument("--state-dtype", choices=("fp32", "bf16", "int8"), default="fp32")
     p.add_argument("--no-master", action="store_true", help="ours: master_weights=False")
+    p.add_argument("--max-grad-norm", type=float, default=None, help="ours: clipping by the optimizer")
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--checksum", choices=("on", "off"), default="on", help="ours: checksums of swapped state")
     p.add_argument("--overlap", action="store_true", help="ours: overlap_backward=True")
