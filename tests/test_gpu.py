@@ -332,3 +332,44 @@ def test_offload_bench_adam_with_state_in_host_memory_on_cuda_runs(tmp_path):
                       str(tmp_path / "scratch"), "--json", str(out), timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text())
+
+
+def test_int8_state_on_the_gpu_equals_torchaos_8bit_adamw_there(nvme, closing, monkeypatch):
+    """CUDA parameters with state_dtype int8: the state crosses to the GPU and torchao's formula runs there as
+    torch operations, so weights equal torchao's AdamW8bit on the same device bit for bit."""
+    torchao_optim = pytest.importorskip("torchao.optim")
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    torch.manual_seed(0)
+    base = [torch.randn(64, 1024), torch.randn(4096 + 256), torch.randn(300)]
+    ours, theirs = on_device(base), on_device(base)
+    opt = closing(OffloadedAdamW(ours, lr=1e-3, nvme_path=nvme, state_dtype="int8", buffer_size=1 << 16))
+    ref = torchao_optim.AdamW8bit(theirs, lr=1e-3)
+    for step in range(4):
+        set_grads(ours, theirs, seed=step)
+        opt.step()
+        ref.step()
+    assert_same(ours, theirs)
+
+
+def test_bf16_weights_without_masters_on_the_gpu_resume_bit_for_bit(nvme, closing, tmp_path):
+    """master_weights=False with CUDA bf16 weights: the rounding's stream is drawn on the GPU; a run resumed
+    from a checkpoint equals the uninterrupted one bit for bit."""
+    def build():
+        torch.manual_seed(0)
+        params = on_device([torch.randn(64, 1024).bfloat16(), torch.randn(8192).bfloat16()])
+        return params, closing(OffloadedAdamW(params, lr=1e-3, nvme_path=nvme, master_weights=False,
+                                              state_dtype="int8", seed=3))
+    a, oa = build()
+    for step in range(2):
+        set_grads(a, seed=step)
+        oa.step()
+    save_checkpoint(oa, tmp_path / "ck")
+    for step in range(2, 4):
+        set_grads(a, seed=step)
+        oa.step()
+    b, ob = build()
+    load_checkpoint(ob, tmp_path / "ck")
+    for step in range(2, 4):
+        set_grads(b, seed=step)
+        ob.step()
+    assert_same(a, b)
