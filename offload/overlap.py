@@ -11,6 +11,7 @@ import torch
 
 from . import copies
 from .clipping import grad_norm
+from .distributed import rank_info
 from .errors import StateError
 from .params import ParamAccess, grad_reads, store_of
 
@@ -314,7 +315,8 @@ class NoOverlap:
 # before step() and nothing reads or changes the gradients or the hyperparameters in between. With
 # overlap_backward="auto" the optimizer does not assume it: it watches two iterations in a row (each gradient
 # final once per step; the same sampled elements at step() as when final; the same hyperparameters; no offloaded
-# gradient read, by load_grad or clip_grad_norm_, since an update inside backward consumes them; and from the
+# gradient read, by load_grad or clip_grad_norm_, since an update inside backward consumes them; one process,
+# not a rank of a job, whose gradients DDP or ZeRO reduce after backward made them final; and from the
 # optimizer: no closure, no GradScaler, no max_grad_norm, weights on NVMe, where updating inside backward saves
 # the gradients' round trip). Then it arms, and from there on it is overlap_backward=True: a later departure (a
 # second backward: accumulation without no_step()) is refused with what to do. A loop that accumulates, reads
@@ -339,8 +341,9 @@ class Learning:
         if not self._fired:
             self._at_backward = self.hyper()
         self._fired.add(id(p))
-        if p.grad is not None and p.grad.layout == torch.strided and store_of(p) is None:
-            self._seen.append((p, p.grad, _sample(p.grad)))
+        store = store_of(p)
+        if p.grad is not None and p.grad.layout == torch.strided and not (store is not None and store.holds_grad(p)):
+            self._seen.append((p, p.grad, _sample(p.grad)))  # an ordinary grad tensor (offload_grads=False too)
 
     def step(self, *, clean: bool) -> bool:
         """A step ended; returns whether updates may run inside backward from the next backward."""
@@ -348,7 +351,7 @@ class Learning:
         unchanged = all(p.grad is g and torch.equal(_sample(g).view(torch.int32), s.view(torch.int32))
                         for p, g, s in self._seen)
         ok = (clean and bool(self._fired) and not self._twice and unchanged and reads == self._reads
-              and self._at_backward == self.hyper())
+              and self._at_backward == self.hyper() and not rank_info().distributed)
         self.clean_steps = self.clean_steps + 1 if ok else 0
         self._fired, self._twice, self._seen, self._at_backward = set(), False, [], None
         return self.clean_steps >= self.STEPS

@@ -723,3 +723,25 @@ def test_a_learning_rate_changed_between_backward_and_step_is_refused_when_updat
     oa.param_groups[0]["lr"] = 0.5
     with pytest.raises(StateError, match="hyperparameters"):
         oa.step()
+
+
+def test_auto_never_updates_inside_backward_when_ordinary_grads_change_before_step(nvme, closing):
+    """Weights on NVMe with ordinary grad tensors (offload_grads=False, as under DDP, whose all-reduce changes
+    them after backward made them final): a loop that changes the grads before step() never arms "auto"."""
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+    for m, path in ((a, "-pa"), (b, "-pb")):
+        closing(offload_parameters(m, nvme_path=nvme + path, offload_grads=False, **TINY))
+    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", **OPT))
+    ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", overlap_backward=False, **OPT))
+    for s in range(5):
+        for m, o in ((a, oa), (b, ob)):
+            loss_of(m, s).backward()
+            for p in m.parameters():
+                p.grad.mul_(0.5)  # what an all-reduce of two ranks' grads would do to equal ones
+            o.step()
+            o.zero_grad()
+    assert not oa._overlap.armed
+    with materialized(a), materialized(b):
+        assert_same(list(a.parameters()), list(b.parameters()))
