@@ -9,7 +9,7 @@ from .adam import OffloadedAdam, OffloadedAdamW
 from .checkpoint import load_checkpoint, load_parameters, save_checkpoint, save_parameters
 from .config import AioConfig, Config, load_config
 from .errors import CheckpointError, ChecksumError, ConfigError, OffloadError, PoolTooSmallError, StateError
-from .params import clip_grad_norm_, materialized, offload_parameters, restore_parameters
+from .params import clip_grad_norm_, materialized, offload_parameters, offloaded, restore_parameters
 
 __all__ = [
     "AioConfig",
@@ -29,6 +29,7 @@ __all__ = [
     "load_parameters",
     "materialized",
     "offload_parameters",
+    "offloaded",
     "restore_parameters",
     "save_checkpoint",
     "save_parameters",

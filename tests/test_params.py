@@ -732,3 +732,19 @@ def test_weights_shared_with_numpy_are_refused_release_clearly_and_restore_still
     restore_parameters(m)
     for p, q in zip(m.parameters(), before):
         assert torch.equal(p, q)
+
+
+def test_offloaded_is_importable_from_the_package_as_the_readme_uses_it(tmp_path):
+    """``from offload import offloaded`` works (the README's counters are read as ``offloaded(model).store``), and it
+    is the same function as ``offload.params.offloaded``."""
+    import offload
+    from offload import offloaded
+
+    assert offloaded is offload.params.offloaded and "offloaded" in offload.__all__
+    model = torch.nn.Linear(64, 64)
+    assert offloaded(model) is None
+    offload_parameters(model, nvme_path=str(tmp_path), max_in_cpu=0)
+    try:
+        assert offloaded(model).store.swap_bytes > 0
+    finally:
+        restore_parameters(model)
