@@ -402,8 +402,9 @@ class OffloadedAdam(torch.optim.Adam):
 
     @property
     def offloaded_state_bytes(self) -> int:
-        """Bytes of state stored on the swap space (all units)."""
-        return self.state_store.state_bytes
+        """Bytes of state stored on the swap space (all units); 0 with ``device: "cpu"``, whose state is all in
+        host memory (:attr:`host_cache_bytes`)."""
+        return self.state_store.state_bytes if self.state_store.space is not None else 0
 
     def check_no_step_running(self, what: str) -> None:
         """Refuse ``what`` (a checkpoint save) while a step that backward started (``overlap_backward``) runs

@@ -194,7 +194,7 @@ def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device:
         ours.gpu_peak = gpu_peak(device)
         ours.pinned = pool_pinned([opt.state_store.pool])
         ours.pool_bytes, ours.cache_bytes = opt.host_pool_bytes, opt.host_cache_bytes
-        ours.state_bytes, ours.resident = opt.offloaded_state_bytes, opt.state_store.resident_bytes
+        ours.state_bytes, ours.resident = opt.state_store.state_bytes, opt.state_store.resident_bytes
         ours.backend = opt.swap_space.backend if opt.swap_space is not None else "none (state in memory)"
         if base_cfg is not None:
             base = OffloadedAdamW(params, lr=1e-3, config=base_cfg)

@@ -328,7 +328,7 @@ def _run_loop(args, cfg, paths, scratch) -> int:
             blocking.append(time.perf_counter() - t)
             for _ in range(n - 1):
                 iteration()
-        state_bytes = opt.offloaded_state_bytes
+        state_bytes = opt.state_store.state_bytes
     finally:
         opt.close()
     base = statistics.median(plain)

@@ -158,7 +158,7 @@ def _run(args, transformers, paths: list, work: str, hf_config, layers: int, int
         with timer("train"):
             _train(model, opt, store, args, g, times, moved)
         pools = store.pool.nbytes + opt.host_pool_bytes + opt.grad_pool_bytes
-        state_bytes = opt.offloaded_state_bytes
+        state_bytes = opt.state_store.state_bytes
         swap_bytes = store.swap_bytes + store.grad_swap_bytes + state_bytes
         fio(EXPORT_BEFORE)
         with timer("export"):
