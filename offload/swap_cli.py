@@ -3,7 +3,7 @@
 A swap file is stale when no process holds its lock and it is provably ours (this user's, ending in the
 seal written when it was made, as long as the seal says; see ``SwapSpace.find_stale``): a file of a live
 run, in this process or any other, or a file merely named like a swap file, is never listed nor removed.
-Exit codes: 0 success, 1 a path that is not a directory, 2 a bad argument.
+Exit codes: 0 success, 1 a path that is not a directory (nothing is listed or removed then), 2 a bad argument.
 
 Examples::
 
@@ -63,12 +63,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name (default: ``sys.argv[1:]``).
     """
     args = build_parser().parse_args(argv)
+    # Every path is checked before anything is listed or removed: a typo in one of them is an error on its own,
+    # not a count of "0 stale swap files" that reads as if the directory had been looked at.
+    missing = [path for path in args.paths if not os.path.isdir(path)]
+    for path in missing:
+        why = "does not exist" if not os.path.lexists(path) else "is not a directory"
+        print(f"{PROG} {args.command}: error: {path} {why}; give the swap directory (the nvme_path of the run)",
+              file=sys.stderr)
+    if missing:
+        return EXIT_FAILURE
     status, count, total = EXIT_OK, 0, 0
     for path in args.paths:
-        if not os.path.isdir(path):
-            print(f"{PROG} {args.command}: error: {path} is not a directory", file=sys.stderr)
-            status = EXIT_FAILURE
-            continue
         for directory in _directories(path, args.recursive):
             if args.command == "list":
                 for f in SwapSpace.find_stale(directory):

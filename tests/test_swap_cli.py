@@ -100,11 +100,18 @@ def test_clean_removes_dead_runs_files_and_the_live_run_goes_on(swap_dirs, capsy
     assert _swap_files(top) == {}
 
 
-def test_a_path_that_is_not_a_directory_fails(tmp_path, capsys):
-    """A missing path is an error with exit code 1, named on stderr; the other paths are still handled."""
-    assert main(["list", str(tmp_path / "missing"), str(tmp_path)]) == EXIT_FAILURE
-    err = capsys.readouterr().err
-    assert "missing is not a directory" in err
+def test_a_missing_path_fails_before_anything_is_listed_or_counted(tmp_path, capsys):
+    """A missing path (or a file) is an error with exit code 1, named on stderr with what to give instead; nothing
+    is listed or removed and no count of stale files follows, which would read as if it had been searched."""
+    (tmp_path / "a-file").write_text("x")
+    for command in ("list", "clean"):
+        assert main([command, str(tmp_path / "missing"), str(tmp_path)]) == EXIT_FAILURE
+        out, err = capsys.readouterr()
+        assert "missing does not exist; give the swap directory" in err
+        assert out == ""
+    assert main(["list", str(tmp_path / "a-file")]) == EXIT_FAILURE
+    out, err = capsys.readouterr()
+    assert "a-file is not a directory" in err and out == ""
 
 
 def test_a_command_is_required(capsys):
