@@ -29,6 +29,7 @@ import torch
 import xxhash
 
 from . import checkpoint
+from ._version import __version__
 from .checkpoint.commit import reading
 from .checkpoint.format import JOB_FORMAT, MODEL_MEMORY, PARAMS_DATA
 from .checkpoint.manifest import read as read_either
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Inspect, verify, export, import and mirror nvme-offload checkpoints (optimizer state, model "
                     "weights).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s (nvme-offload) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("export", help="write a checkpoint as a torch optimizer state_dict (torch.save), and "

@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Iterator, Sequence
 
+from ._version import __version__
 from .space import SwapSpace
 from .space.files import find_unproven
 from .units import format_size
@@ -30,6 +31,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="List or remove stale nvme-offload swap files (those no live process holds).")
+    parser.add_argument("--version", action="version", version=f"%(prog)s (nvme-offload) {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, text in (("list", "print the stale swap files and the space they hold"),
                        ("clean", "remove the stale swap files (a live run's files are never touched)")):

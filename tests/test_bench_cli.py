@@ -759,3 +759,23 @@ def test_quality_trains_each_mode_on_held_out_text_and_draws_the_curves(tmp_path
     assert "vs torch AdamW" in text and doc["reference_spread"] >= 0 and png.stat().st_size > 1000
     swap = tmp_path / "swap"
     assert not swap.exists() or not [f for f in os.listdir(swap) if f.endswith(".swap")]
+
+
+def test_every_command_line_in_pyproject_answers_version(capsys):
+    """Each console script pyproject.toml installs takes ``--version``: it prints its name and nvme-offload's
+    version and exits 0."""
+    import importlib
+    import re
+
+    from offload import __version__
+
+    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:  # tomllib is Python 3.11+
+        section = f.read().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    scripts = dict(re.findall(r'^([\w-]+) = "([\w.:]+)"$', section, re.M))
+    assert len(scripts) >= 4
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        with pytest.raises(SystemExit) as exit_:
+            getattr(importlib.import_module(module), func)(["--version"])
+        assert exit_.value.code == 0, name
+        assert capsys.readouterr().out.strip() == f"{name} (nvme-offload) {__version__}"

@@ -13,6 +13,7 @@ import tempfile
 import traceback
 from typing import Callable, Iterator, Sequence
 
+from .._version import __version__
 from ..config import load_config
 from ..errors import OffloadError
 from ..units import ALIGNMENT, format_size, parse_count, parse_size, round_up
@@ -125,6 +126,11 @@ def common_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_version_option(parser: argparse.ArgumentParser) -> None:
+    """``--version``: the program's name and nvme-offload's version, then exit 0 (every command line has it)."""
+    parser.add_argument("--version", action="version", version=f"%(prog)s (nvme-offload) {__version__}")
+
+
 def add_config_option(parser: argparse.ArgumentParser) -> None:
     """``--config FILE``, read with :func:`offload.config.load_config` at parse time (``args.config`` is a
     ``Config``; the defaults without the option). A bad file is an argument error (exit code 2)."""
@@ -233,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "and find the best aio settings.",
         epilog="Sizes take units: 4KiB, 1MiB, 1GiB (binary) or 1MB, 1GB (decimal).",
     )
+    add_version_option(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     common = common_parser()
     for name in COMMANDS:

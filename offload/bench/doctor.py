@@ -25,7 +25,7 @@ from .._version import __version__
 from ..config import Config
 from ..units import ALIGNMENT, format_size, round_up
 from . import report
-from .cli import EXIT_FAILURE, EXIT_OK, add_config_option, common_parser
+from .cli import EXIT_FAILURE, EXIT_OK, add_config_option, add_version_option, common_parser
 
 __all__ = ["Check", "checks", "main", "register"]
 
@@ -237,6 +237,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``offload-report [PATH ...] [--config FILE] [--json FILE]``: exit 0, or 1 when a check failed."""
     p = argparse.ArgumentParser(prog="offload-report", parents=[common_parser()],
                                 description=__doc__.split("\n\n")[0])
+    add_version_option(p)
     _add_options(p)
     args = p.parse_args(argv)
     try:
