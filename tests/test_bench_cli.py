@@ -299,6 +299,9 @@ def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
     assert keys <= doc.keys()
     assert doc["params"] == 2 * (8 * 64 * 64 + 4 * 64 + 64 + 2 * 64)
     assert doc["fetch_bytes_per_step"] > 0 and doc["write_bytes_per_step"] > 0
+    # "grads on NVMe": every offloaded grad is written in backward and read by the step, none kept in memory.
+    grads = 2 * (8 * 64 * 64) * 2  # the up and down weights of each block, bf16; norms and biases stay in memory
+    assert doc["grad_write_bytes_per_step"] >= grads and doc["grad_read_bytes_per_step"] >= grads
     assert not (tmp_path / "scratch").exists()
 
 

@@ -97,8 +97,10 @@ def run_params(args: argparse.Namespace) -> int:
         raise BenchFailure("--batch auto goes with --overlap")
     args.batch = args.batch or 16
     with bench_paths(args.paths) as paths:
-        # Every weight goes through the disk; buffers of one H x 4H matrix unless the config says otherwise.
-        pc = {"nvme_path": list(paths), "max_in_cpu": 0}
+        # Every weight goes through the disk, and with grad offload every grad (max_grad_in_cpu 0: else
+        # the default keeps up to 1e9 elements of grads in host memory); buffers of one H x 4H matrix unless
+        # the config says otherwise.
+        pc = {"nvme_path": list(paths), "max_in_cpu": 0, "max_grad_in_cpu": 0}
         if not config_given(args):
             pc.update(buffer_size=4 * h * h, buffer_count=5)
         cfg = cfg.replace(offload_param=pc, offload_optimizer={"nvme_path": list(paths)})
