@@ -449,8 +449,9 @@ def test_pipeline_settings_do_not_change_results(nvme, closing, pipeline_read, p
 
 
 def test_config_from_deepspeed_file_and_keyword_overrides(nvme, closing, tmp_path):
-    """A ds_config.json drives the optimizer; keyword arguments override it."""
-    cfg = tmp_path / "ds_config.json"
+    """A DeepSpeed config drives the optimizer (a .hjson one with comments, as DeepSpeed reads them); keyword
+    arguments override it."""
+    cfg = tmp_path / "ds_config.hjson"
     cfg.write_text("""{
       // DeepSpeed reads comments
       "train_batch_size": 8,

@@ -146,8 +146,9 @@ def test_a_bare_aio_block_is_read():
     assert c.offload_optimizer == OptimizerOffloadConfig()
 
 
-def test_comments_and_trailing_commas_are_accepted(tmp_path):
-    """//, /* */ and # comments and trailing commas in objects and lists are read, as hjson reads them."""
+def test_comments_and_trailing_commas_are_accepted_in_an_hjson_file(tmp_path):
+    """In a .hjson file //, /* */ and # comments and trailing commas in objects and lists are read, as hjson
+    (and DeepSpeed) reads them."""
     text = """
     // leading comment
     {
@@ -159,7 +160,7 @@ def test_comments_and_trailing_commas_are_accepted(tmp_path):
       },
     }
     """
-    c = load_config(_write(tmp_path, text))
+    c = load_config(_write(tmp_path, text, "ds_config.hjson"))
     assert (c.aio.queue_depth, c.aio.block_size) == (16, 8192)
     assert c.offload_optimizer.nvme_path == ("/a", "/b")
 
@@ -171,7 +172,7 @@ def test_strings_containing_comment_markers_are_left_intact(tmp_path):
       "offload_param": {"nvme_path": "C:\\dir\\\"quoted\"//x"},
       "wandb": {"url": "https://example.com/a,]"},
     }"""
-    c = load_config(_write(tmp_path, text))
+    c = load_config(_write(tmp_path, text, "ds_config.hjson"))
     assert c.offload_optimizer.nvme_path == "/mnt//nvme/*run#1*/,}"
     assert c.offload_param.nvme_path == 'C:\\dir\\"quoted"//x'
 
@@ -183,11 +184,41 @@ def test_what_deepspeed_reads_through_hjson_loads_the_same(tmp_path):
         '{\n  aio: {\n    "queue_depth": 8.0\n    "block_size": 4096\n  }\n'
         "  offload_param: {nvme_path: /mnt/nvme 0\n  buffer_size: 2e8}\n}"
     )
-    path = tmp_path / "ds_config.json"
+    path = tmp_path / "ds_config.hjson"
     path.write_bytes(b"\xef\xbb\xbf" + text.encode())
     c = load_config(path)
     assert (c.aio.queue_depth, c.aio.block_size) == (8, 4096)
     assert (c.offload_param.nvme_path, c.offload_param.buffer_size) == ("/mnt/nvme 0", 200_000_000)
+
+
+@pytest.mark.parametrize("text, where, what", [
+    ('{"zero_optimization": {"offload_optimizer": {"nvme_path": "/x"\n "buffer_count": 4}}}', "line 2, column 2",
+     "Expecting ',' delimiter"),
+    ('{\n  // a comment\n  "aio": {}\n}', "line 2, column 3", "Expecting property name"),
+    ('{"aio": {"queue_depth": 8,}}', "line 1, column 27", "Expecting property name"),
+    ('{"offload_param": {\n"nvme_path": local_nvme\n}}', "line 2, column 14", "Expecting value"),
+])
+def test_a_json_file_is_strict_json_and_says_where_and_that_hjson_is_for_hjson_files(tmp_path, text, where, what):
+    """A .json file is held to JSON: a missing comma, a comment, a trailing comma or an unquoted string is an error
+    with its line and column, saying that the text would read as hjson under a .hjson name; the same text in a
+    .hjson file loads, as DeepSpeed reads it."""
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, text, "ds_config.json"))
+    message = str(info.value)
+    assert f"invalid JSON at {where}: {what}" in message and "rename the file to *.hjson" in message
+    assert isinstance(load_config(_write(tmp_path, text, "ds_config.hjson")), Config)
+
+
+def test_json_numbers_mean_what_they_mean_in_hjson(tmp_path):
+    """Whole numbers written with a fraction or exponent (8.0, 1e8) are integers in a .json file as in a .hjson
+    one, so a setting means the same in either; NaN and Infinity are not JSON numbers."""
+    text = '{"aio": {"queue_depth": 8.0}, "offload_param": {"buffer_size": 2e8, "max_in_cpu": 1e9}}'
+    a, b = load_config(_write(tmp_path, text, "a.json")), load_config(_write(tmp_path, text, "a.hjson"))
+    assert a == b and (a.aio.queue_depth, a.offload_param.buffer_size) == (8, 200_000_000)
+    with pytest.raises(ConfigError, match="NaN is not a JSON number"):
+        load_config(_write(tmp_path, '{"aio": {"queue_depth": NaN}}', "nan.json"))
+    with pytest.raises(ConfigError, match="empty"):
+        load_config(_write(tmp_path, " \n", "empty.json"))
 
 
 def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path):
@@ -225,11 +256,13 @@ _TOKENS = ['{', '}', '[', ']', ':', ',', '"', "'", "'''", "/*", "*/", "//", "#",
            "-", "0", "1e309", "9" * 30, ".", "e", "true", "null", "aio", '"aio"', "\r", "\x00", "é"]  # fmt: skip
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@pytest.mark.parametrize("suffix", [".json", ".hjson"])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(_TOKENS), max_size=30).map("".join))
-def test_any_text_loads_or_raises_config_error(tmp_path, text):
-    """Whatever a file holds, load_config returns a Config or raises ConfigError: no parser exception escapes."""
-    path = tmp_path / "fuzz.json"
+def test_any_text_loads_or_raises_config_error(tmp_path, suffix, text):
+    """Whatever a file holds, JSON or hjson, load_config returns a Config or raises ConfigError: no parser
+    exception escapes."""
+    path = tmp_path / f"fuzz{suffix}"
     path.write_text(text, encoding="utf-8")
     try:
         assert isinstance(load_config(path), Config)
@@ -355,16 +388,16 @@ BAD = [
     (("file", '{"aio": {"queue_depth": 8, "queue_depth": 4}}'), CE,
      r"ds_config\.json.*aio\.queue_depth: duplicate key"),
     (("file", '{"fp16": {"enabled": true, "enabled": false}}'), CE, r"fp16\.enabled: duplicate key"),
-    (("file", '{"aio": {}\n /* never closed'), CE, r"unterminated /\* comment at line 2, column 2"),
+    (("hjson", '{"aio": {}\n /* never closed'), CE, r"unterminated /\* comment at line 2, column 2"),
     (("file", "[1, 2]"), CE, r"the top level must be a JSON object"),
     (("file", ""), CE, r"invalid JSON at line 1, column 1"),
-    (("file", "// only a comment\n"), CE, r"no JSON value .*write \{\} for all defaults"),
+    (("hjson", "// only a comment\n"), CE, r"no JSON value .*write \{\} for all defaults"),
     (("file", '{"aio": {"queue_depth": 8}}\n{"aio": {}}'), CE, r"line 2, column 1: Extra data"),
     (("file", '{"offload_param": {"buffer_size": 1e999}}'), CE, r"line 1, column 35: the number 1e999 is out"),
     (("file", '{"n": ' + "9" * 5000 + "}"), CE, r"the number 99999.* \(5000 characters\) is out of range"),
     (("file", '{"a": "\\u\r\n-f"}'), CE, r"ds_config\.json: invalid JSON"),
-    (("file", "{'a': " + "'" * 3), CE, r"line 1, column 10: the file ends inside a multiline '{3} string"),
-    (("file", '{"p": "/a/*b",\n "aio": {} /* x'), CE, r"unterminated /\* comment at line 1, column 10"),
+    (("hjson", "{'a': " + "'" * 3), CE, r"line 1, column 10: the file ends inside a multiline '{3} string"),
+    (("hjson", '{"p": "/a/*b",\n "aio": {} /* x'), CE, r"unterminated /\* comment at line 1, column 10"),
     # values beyond what any machine or type holds, from files and mappings
     (("file", '{"offload_param": {"buffer_size": 1e300}}'), CE,
      r"offload_param\.buffer_size: must be at most 9223372036854775807 \(the largest int64\), got 1\.00e\+300"),
@@ -386,7 +419,7 @@ BAD = [
 def test_bad_input_raises_with_a_message_naming_the_problem(tmp_path, source, error, pattern):
     """Each bad input raises the listed exception, whose message names the key (by JSON path) and the fix."""
     if isinstance(source, tuple):
-        source = _write(tmp_path, source[1])
+        source = _write(tmp_path, source[1], "ds_config.json" if source[0] == "file" else "ds_config.hjson")
     with pytest.raises(error, match=pattern):
         load_config(source)
 
@@ -822,3 +855,51 @@ def test_deepspeed_keys_that_do_nothing_are_accepted_checked_and_dropped():
         load_config({"offload_optimizer": {"ratio": 0.5}})
     with pytest.raises(ConfigError, match='"offload_optimizer"; did you mean "fast_init"'):
         load_config({"offload_optimizer": {"fast_inits": True}})
+
+
+# The ZeRO-Infinity examples of DeepSpeed's documentation, as published: docs/_tutorials/zero.md ("Offloading to
+# CPU and NVMe with ZeRO-Infinity") and docs/code-docs/source/zero3.rst (NVMe; its "..." left out, and its missing
+# comma kept: DeepSpeed reads it with hjson, so here it loads as a .hjson file).
+ZERO_INFINITY_TUTORIAL = """{
+    "zero_optimization": {
+        "stage": 3,
+        "contiguous_gradients": true,
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_prefetch_bucket_size": 1e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "reduce_bucket_size": 1e7,
+        "sub_group_size": 1e9,
+        "offload_optimizer": {
+            "device": "cpu"
+         },
+        "offload_param": {
+            "device": "cpu"
+       }
+   }
+}"""
+ZERO3_NVME = """{
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": "/nvme_data"
+        }
+        "offload_param": {
+            "device": "nvme",
+            "nvme_path": "/nvme_data"
+        }
+    },
+}"""
+
+
+def test_the_zero_infinity_examples_of_deepspeed_s_docs_load(tmp_path):
+    """DeepSpeed's published ZeRO-Infinity configs load: the tutorial's (JSON, state and weights in CPU memory) and
+    the ZeRO-3 page's NVMe one (hjson: its missing comma is an error with its place in a .json file)."""
+    c = load_config(_write(tmp_path, ZERO_INFINITY_TUTORIAL, "zero_infinity.json"))
+    assert (c.offload_optimizer.device, c.offload_param.device) == ("cpu", "cpu")
+    c = load_config(_write(tmp_path, ZERO3_NVME, "zero3_nvme.hjson"))
+    assert c.offload_optimizer.nvme_path == c.offload_param.nvme_path == "/nvme_data"
+    assert c.offload_optimizer.device == c.offload_param.device == "nvme"
+    with pytest.raises(ConfigError, match=r"line 8, column 9: Expecting ',' delimiter .*\*\.hjson"):
+        load_config(_write(tmp_path, ZERO3_NVME, "zero3_nvme.json"))

@@ -726,3 +726,21 @@ def test_check_intact_names_a_truncated_file_even_after_our_writes_past_the_cut(
             space.check_intact()
         assert info.value.errno == errno.ENODATA and info.value.filename == victim
         assert f"{os.path.getsize(victim)} bytes, shorter than the {4 * UNIT + space.alignment}" in str(info.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root could create a directory at /")
+def test_a_missing_swap_directory_is_never_created_at_the_file_system_root(tmp_path, monkeypatch):
+    """A missing nvme_path is made when its parent exists, but never at "/": a placeholder such as "/local_nvme"
+    of an example config, or a relative path met with the current directory "/", is an error naming the path, why
+    and what to give, and nothing appears at the root."""
+    from offload.space.paths import check_paths
+
+    name = f"offload-test-{os.getpid()}"
+    for path, said in ((f"/{name}", "placeholder"), (name, "is relative: it was met with the current directory /")):
+        monkeypatch.chdir("/")
+        with pytest.raises(FileNotFoundError, match=said) as info:
+            check_paths(path)
+        assert info.value.filename == f"/{name}" and "NVMe drive" in str(info.value)
+        assert not os.path.exists(f"/{name}")
+    monkeypatch.chdir(tmp_path)
+    assert check_paths("made") == [str(tmp_path / "made")] and (tmp_path / "made").is_dir()  # below the root: made

@@ -91,6 +91,10 @@ def _path(path: str) -> list[Check]:
         if os.path.exists(path) or not os.path.isdir(parent):
             return [Check(FAIL, what, "not a directory" if os.path.exists(path) else "missing, and so is its parent",
                           "give a directory on the NVMe drive")]
+        if parent == os.path.dirname(parent):
+            return [Check(FAIL, what, "missing, and a directory at the file system's root is never created for you "
+                          "(a placeholder of an example config?)", "give a directory on the NVMe drive, or create "
+                          "this one")]
         probe_dir = parent
         created = " (missing: it is created at the first run)"
     else:

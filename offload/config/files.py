@@ -1,4 +1,4 @@
-"""Reading a configuration file into plain dicts and lists, the way DeepSpeed reads ``ds_config.json``.
+"""Reading a configuration file into plain dicts and lists: strict JSON, or hjson where the file says so.
 
 Every way a file can be unreadable (not UTF-8, bad syntax, duplicate keys, absurd nesting) is a
 ``ConfigError`` naming the file and, where there is one, the line and column.
@@ -7,6 +7,7 @@ Every way a file can be unreadable (not UTF-8, bad syntax, duplicate keys, absur
 from __future__ import annotations
 
 import codecs
+import json
 from typing import Any
 
 import hjson
@@ -14,32 +15,43 @@ import hjson
 from ..errors import ConfigError
 from .rules import raise_if, show
 
-__all__ = ["read_document"]
+__all__ = ["HJSON_SUFFIX", "read_document"]
+
+HJSON_SUFFIX = ".hjson"  # files read as hjson; every other file is strict JSON
 
 _SHOWN_LINE = 100  # characters of the offending line quoted in a syntax error
 
 
-# NOTE: files are parsed by hjson because DeepSpeed parses ds_config.json with it (runtime/config.py,
-# with a hook that refuses duplicate keys): whatever DeepSpeed reads, we read the same way. That includes
-# JSON itself, //, /* */ and # comments, trailing commas, members separated by newlines alone, and
-# hjson's unquoted keys and strings. hjson 3.1 has a few ways to fail that are not HjsonDecodeError (an
-# IndexError for a /* comment never closed, OverflowError for 1e999, ValueError from chr() for a bad
-# escape, RecursionError for deep nesting); each is turned into a ConfigError here.
+# NOTE: a file is strict JSON unless its name ends in .hjson. DeepSpeed parses ds_config.json with hjson
+# (runtime/config.py), which also takes //, /* */ and # comments, trailing commas, members separated by
+# newlines alone and unquoted keys and strings; but that also means a missing comma or a stray word is read
+# as something else, silently (a path swallowed into the previous value). A .json file is held to JSON, and
+# its error says so when hjson would have read it; a file named .hjson is read as DeepSpeed reads it. Numbers
+# are read the same way in both (a whole number with a fraction or exponent below 1e10, 8.0 or 1e8, is an
+# integer, as hjson reads it), so the same settings mean the same in either. hjson 3.1 and json have a few
+# ways to fail that are not their decode errors (an IndexError for a /* comment never closed, OverflowError
+# for 1e999, ValueError from chr() for a bad escape, RecursionError for deep nesting); each becomes a
+# ConfigError here.
 def read_document(path: str) -> dict:
-    """Parse the file at ``path`` into a dict of JSON values.
+    """Parse the file at ``path`` into a dict of JSON values: strict JSON, or hjson for a ``.hjson`` file.
 
     Raises:
-        ConfigError: the file is not UTF-8, is empty, is not valid hjson/JSON (with line and column), has
-            a duplicate key (with its JSON path), nests too deeply, or is not an object at the top level.
+        ConfigError: the file is not UTF-8, is empty, is not valid JSON (hjson for ``.hjson``; with line and
+            column), has a duplicate key (with its JSON path), nests too deeply, or is not an object at the
+            top level.
         OSError: the file cannot be read.
     """
     with open(path, "rb") as f:
         data = f.read()
     text = _decode(data, path)
+    hjson_file = str(path).lower().endswith(HJSON_SUFFIX)
     try:
-        doc = hjson.loads(text, object_pairs_hook=_Object.from_pairs, parse_float=_float, parse_int=_int)
-    except hjson.HjsonDecodeError as err:
-        raise ConfigError(_syntax_error(path, text, err.lineno, err.colno, err.msg)) from None
+        doc = _parse(text, hjson_file)
+    except (hjson.HjsonDecodeError, json.JSONDecodeError) as err:
+        message = err.msg + ("" if hjson_file else _hjson_hint(text))
+        if not hjson_file and not text.strip():
+            message = "the file holds no JSON value (it is empty); write {} for all defaults"
+        raise ConfigError(_syntax_error(path, text, err.lineno, err.colno, message)) from None
     except _NumberOutOfRange as err:
         where = text.find(err.literal)
         line, column = _line_and_column(text, max(where, 0))
@@ -69,6 +81,25 @@ def read_document(path: str) -> dict:
     return doc
 
 
+def _parse(text: str, hjson_file: bool) -> Any:
+    if hjson_file:
+        return hjson.loads(text, object_pairs_hook=_Object.from_pairs, parse_float=_float, parse_int=_int)
+    return json.loads(text, object_pairs_hook=_Object.from_pairs, parse_float=_json_float, parse_int=_int,
+                      parse_constant=_constant)
+
+
+def _hjson_hint(text: str) -> str:
+    """What to say after a JSON syntax error when the text is valid hjson (comments, trailing commas, unquoted
+    strings, or a missing comma that hjson reads past)."""
+    try:
+        hjson.loads(text)
+    except Exception:  # noqa: BLE001 - not hjson either: the JSON error is the whole story
+        return ""
+    return (f" (this is strict JSON; the file would read as hjson, which DeepSpeed also accepts, with its comments, "
+            f"trailing commas and unquoted strings: fix the JSON, or rename the file to *{HJSON_SUFFIX} to have "
+            "it read as hjson)")
+
+
 class _Object(dict):
     """A JSON object that remembers the keys it was given more than once."""
 
@@ -96,6 +127,18 @@ def _float(literal: str) -> float:
     if value in (float("inf"), float("-inf")):
         raise _NumberOutOfRange(literal)
     return value
+
+
+def _json_float(literal: str) -> float | int:
+    """A JSON number with a fraction or exponent, read as hjson reads it: a whole number below 1e10 is an int."""
+    value = _float(literal)
+    if value.is_integer() and abs(value) < 1e10:
+        return int(value)
+    return value
+
+
+def _constant(literal: str) -> float:
+    raise ValueError(f"{literal} is not a JSON number; write a number")
 
 
 def _int(literal: str) -> int:

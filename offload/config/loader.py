@@ -37,11 +37,12 @@ def load_config(source: Config | AioConfig | Mapping | str | os.PathLike | None 
       (``train_batch_size``, ``fp16``, ``optimizer``, ``zero_optimization.stage``, ...) are ignored. A block
       given in two places must be identical in both. A missing or ``null`` block means its defaults.
 
-    Files are UTF-8 and read with hjson, as DeepSpeed reads them: JSON, plus ``//``, ``/* */`` and ``#``
-    comments, trailing commas, and hjson's relaxations (members separated by newlines alone, unquoted keys
-    and strings). As in hjson, a number with a fraction or exponent that is a whole number below 1e10
-    (``8.0``, ``1e8``) is read as an integer. Duplicate keys are an error (as in DeepSpeed), and so is a
-    file with no value in it.
+    Files are UTF-8 and strict JSON, unless their name ends in ``.hjson``: those are read with hjson, as
+    DeepSpeed reads every config (``//``, ``/* */`` and ``#`` comments, trailing commas, members separated by
+    newlines alone, unquoted keys and strings). A ``.json`` file that only hjson reads is an error saying so,
+    with line and column. In both, as in hjson, a number with a fraction or exponent that is a whole number
+    below 1e10 (``8.0``, ``1e8``) is read as an integer. Duplicate keys are an error (as in DeepSpeed), and so
+    is a file with no value in it.
 
     Inside the three blocks every key is checked: an unknown key is an error with a "did you mean", and
     types are strict (``true``/``false`` for switches, not ``"yes"`` or ``1``; integers for counts).

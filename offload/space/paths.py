@@ -12,6 +12,14 @@ from ..units import format_size
 
 __all__ = ["PathsLike", "check_paths", "no_space_message"]
 
+# NOTE: a missing swap directory is made for the user when its parent exists, except at the file system's root.
+# There it is almost never meant: example configs (DeepSpeed's among them) carry "/local_nvme" as a placeholder,
+# and a relative nvme_path lands there when the current directory is "/" (a service, a container's default),
+# so a directory would appear at the root of the system disk, on the wrong drive, as root.
+_AT_ROOT = ("swap directory does not exist{relative}, and a directory at the root of the file system is never "
+            "created for you: an nvme_path like this is usually a placeholder of an example config. Give a "
+            "directory on your NVMe drive (for instance /mnt/nvme0/offload), or create this one yourself")
+
 PathsLike = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 
@@ -20,7 +28,9 @@ def check_paths(paths: PathsLike) -> list[str]:
 
     ``{rank}``, ``{local_rank}`` and ``{world_size}`` in a path are replaced by this process's values
     (see :func:`offload.distributed.expand_placeholders`), so ``"/mnt/nvme{local_rank}/offload"`` gives
-    each rank of a node its own drive. A missing directory is created when its parent exists.
+    each rank of a node its own drive. A missing directory is created when its parent exists and is not the
+    file system's root: ``/local_nvme`` (a placeholder of example configs, or a relative path met with the
+    current directory at ``/``) must exist already.
 
     Raises:
         FileNotFoundError, NotADirectoryError, PermissionError: a path is unusable; the message says
@@ -31,18 +41,23 @@ def check_paths(paths: PathsLike) -> list[str]:
     if isinstance(paths, (str, bytes, os.PathLike)):
         paths = [paths]
     try:
-        paths = [os.path.abspath(expand_placeholders(os.fsdecode(p))) for p in paths]
+        given = [expand_placeholders(os.fsdecode(p)) for p in paths]
     except TypeError as err:
         raise ValueError(f"paths must be a directory or a list of directories, got {paths!r}") from err
+    paths = [os.path.abspath(p) for p in given]
     if not paths:
         raise ValueError("paths is empty: give at least one directory (one per drive)")
     seen: dict[tuple[int, int], str] = {}
-    for p in paths:
+    for p, raw in zip(paths, given):
         if not os.path.exists(p):
             parent = os.path.dirname(p)
             if not os.path.isdir(parent):
                 raise FileNotFoundError(_errno.ENOENT, f"swap directory does not exist, nor does its parent "
                                         f"{parent}; create it or choose another nvme_path", p)
+            if parent == os.path.dirname(parent):
+                raise FileNotFoundError(_errno.ENOENT, _AT_ROOT.format(
+                    relative=f" (nvme_path {raw!r} is relative: it was met with the current directory "
+                             f"{os.getcwd()})" if not os.path.isabs(raw) else ""), p)
             try:
                 os.mkdir(p)
             except FileExistsError:
