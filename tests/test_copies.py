@@ -163,6 +163,9 @@ PATHS = [
     pytest.param(dict(ckpt=True, host_cache=16384), id="checkpoint"),
     pytest.param(dict(ckpt=True, offload=dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_size=1024)),
                  id="checkpoint-weights-nvme"),
+    # Weights and grads all in host memory: the parameter store has no pool; a checkpoint makes its own buffers.
+    pytest.param(dict(ckpt=True, offload=dict(max_in_cpu=10**6, max_grad_in_cpu=10**6)),
+                 id="checkpoint-weights-in-host-no-pool"),
 ]
 
 

@@ -748,3 +748,26 @@ def test_offloaded_is_importable_from_the_package_as_the_readme_uses_it(tmp_path
         assert offloaded(model).store.swap_bytes > 0
     finally:
         restore_parameters(model)
+
+
+def test_the_weights_pool_follows_what_is_on_nvme(tmp_path):
+    """The parameter pool holds buffer_count buffers no larger than the largest weight or gradient on NVMe (whole
+    MiB), at most buffer_size elements each; a model kept in host memory (DeepSpeed's default max_in_cpu) has no
+    pool at all, where it used to take 5 x 1e8 elements whatever the model."""
+    MiB = 1 << 20
+
+    def pool_of(model, **kw):
+        offload_parameters(model, nvme_path=str(tmp_path / "w"), **kw)
+        try:
+            store = offloaded(model).store
+            return len(store.pool), store.pool.nbytes
+        finally:
+            restore_parameters(model)
+
+    assert pool_of(nn.Linear(64, 64)) == (0, 0)  # within max_in_cpu: nothing on NVMe, no pool
+    assert pool_of(nn.Linear(64, 64), max_in_cpu=0) == (5, 5 * MiB)  # 16 KiB weight: 1 MiB buffers
+    big = nn.Sequential(nn.Linear(1024, 3000), nn.Linear(3000, 8))  # a 3072000-element fp32 weight: 11.7 MiB
+    assert pool_of(big, max_in_cpu=0) == (5, 5 * 12 * MiB)
+    assert pool_of(big, max_in_cpu=0, buffer_size=1 << 20, buffer_count=3) == (3, 3 * 4 * MiB)  # buffer_size caps it
+    # The small tensors kept in memory (max_in_cpu), the big weight and its grad on NVMe: the big one sizes it.
+    assert pool_of(big, max_in_cpu=30_000, max_grad_in_cpu=0) == (5, 5 * 12 * MiB)

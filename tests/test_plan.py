@@ -69,6 +69,7 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing,
                                                                        "overlap_backward": False}})
     predicted = plan(params, config, offload_params=True, nvme_paths=[nvme])
     store = offloaded(model).store
+    assert predicted.host_bytes["parameter pool"] == store.pool.nbytes > 0  # sized to what is on NVMe
     opt = closing(OffloadedAdamW(model.parameters(), config=config))
     for step in range(2):
         before = (store.bytes_read, store.bytes_written, store.grad_bytes_read, store.grad_bytes_written)
@@ -183,3 +184,18 @@ def test_a_hugging_face_config_is_planned_on_meta_with_tied_weights_once(tmp_pat
         model = transformers.AutoModelForCausalLM.from_config(cfg)
         assert sum(p.numel() for p in params) == sum(p.numel() for p in model.parameters())
         assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in params)
+
+
+def test_the_planned_weights_pool_is_what_the_parameter_store_allocates(nvme, closing):
+    """The plan's parameter pool is the store's: none for a model kept in host memory by max_in_cpu (DeepSpeed's
+    default 1e9), buffer_count buffers of the largest weight (whole MiB) when it is on NVMe."""
+    for kw in ({}, {"max_in_cpu": 0}):
+        model = Net(h=256, layers=2)
+        params = [p.detach().to("meta") for p in model.parameters()]
+        config = load_config({"offload_param": {"nvme_path": nvme, **kw}})
+        predicted = plan(params, config, offload_params=True, nvme_paths=[nvme])
+        offload_parameters(model, config=config)
+        try:
+            assert predicted.host_bytes.get("parameter pool", 0) == offloaded(model).store.pool.nbytes
+        finally:
+            closing(model)

@@ -51,3 +51,18 @@ def test_the_command_is_installed_and_runs_in_a_fresh_process(tmp_path):
     assert [ln.split(None, 1)[0] for ln in lines] == [c.status for c in expected]
     assert all(c.what in ln for c, ln in zip(expected, lines))
     assert not os.listdir(tmp_path)
+
+
+def test_the_pools_line_gives_each_pool_s_size_and_how_it_follows_the_model(tmp_path, capsys):
+    """One line says both pools' settings (defaults without a config) and that each shrinks with the model; a
+    config without offload_param offloads no weights and the memory checks count the optimizer's pool alone; the
+    seed's 70B config offloads weights and counts both."""
+    assert main([str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    pools = next(ln for ln in text.splitlines() if ln.split()[1:2] == ["pools"])
+    assert "optimizer 4 x 64.00 MiB = 256.00 MiB at most" in pools
+    assert "weights 5 x 1e+08 elements = 953.69 MiB at bf16 at most" in pools and "none when all stay" in pools
+    assert "this config offloads no weights" in pools and "the pools take at most 256.00 MiB" in text
+    assert main([str(tmp_path), "--config", os.path.join(REPO, "configs", "ds_config_70b.json")]) == 0
+    text = capsys.readouterr().out
+    assert "offloads no weights" not in text and "the pools take at most 1.18 GiB" in text

@@ -49,6 +49,7 @@ def checks(config: Config, paths: Sequence[str]) -> list[Check]:
     out += _engine()
     for path in paths:
         out += _path(path)
+    out.append(_pool_sizes(config))
     out.append(_memlock(config))
     out.append(_memory(config))
     out += _cuda()
@@ -149,9 +150,35 @@ def _reflink(what: str, fd: int, directory: str) -> Check:
         os.unlink(clone)
 
 
+def _weights_offloaded(config: Config) -> bool:
+    """Whether the config offloads weights: an ``offload_param`` block with device "nvme" (without one, a
+    DeepSpeed config keeps the weights in memory, and ``offload.initialize`` does too)."""
+    return "offload_param" in config.given and config.offload_param.device == "nvme"
+
+
 def _pools(config: Config) -> int:
+    """The most host memory the pools can take under ``config`` (bf16 weights): what the locked-memory limit and
+    the memory available are held against. Each is smaller for a smaller model (see :func:`_pool_sizes`)."""
     oc, pc = config.offload_optimizer, config.offload_param
-    return oc.buffer_count * oc.buffer_size + pc.buffer_count * round_up(pc.buffer_size * 2, ALIGNMENT)
+    weights = pc.buffer_count * round_up(pc.buffer_size * 2, ALIGNMENT) if _weights_offloaded(config) else 0
+    return (oc.buffer_count * oc.buffer_size if oc.device == "nvme" else 0) + weights
+
+
+def _pool_sizes(config: Config) -> Check:
+    """The two pools: their defaults or settings, and how each follows the model."""
+    oc, pc = config.offload_optimizer, config.offload_param
+    if oc.device == "nvme":
+        optimizer = (f"optimizer {oc.buffer_count} x {format_size(oc.buffer_size)} = "
+                     f"{format_size(oc.buffer_count * oc.buffer_size)} at most (less for less state)")
+    else:
+        optimizer = "optimizer: none (device cpu: the state is in host memory)"
+    each = round_up(pc.buffer_size * 2, ALIGNMENT)
+    weights = (f"weights {pc.buffer_count} x {pc.buffer_size:.3g} elements = {format_size(pc.buffer_count * each)} "
+               f"at bf16 at most, buffers no larger than the largest weight or grad on NVMe, none when all stay "
+               f"in memory (max_in_cpu {pc.max_in_cpu:.3g}, max_grad_in_cpu {pc.max_grad_in_cpu:.3g})")
+    if not _weights_offloaded(config):
+        weights += "; this config offloads no weights (no offload_param with device nvme)"
+    return Check(INFO, "pools", f"{optimizer}; {weights}")
 
 
 def _memlock(config: Config) -> Check:
@@ -161,8 +188,8 @@ def _memlock(config: Config) -> Check:
         return Check(OK, "locked memory", "root: not limited by ulimit -l")
     if soft == resource.RLIM_INFINITY or soft >= need:
         shown = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
-        return Check(OK, "locked memory", f"ulimit -l {shown}, pools {format_size(need)}")
-    return Check(WARN, "locked memory", f"ulimit -l {format_size(soft)} is less than the pools ({format_size(need)}): "
+        return Check(OK, "locked memory", f"ulimit -l {shown}, pools at most {format_size(need)}")
+    return Check(WARN, "locked memory", f"ulimit -l {format_size(soft)} is less than the pools at most ({format_size(need)}): "
                  "io_uring may refuse to register them as fixed buffers (a little slower) and pinning may fail",
                  "raise it: ulimit -l unlimited (or memlock in /etc/security/limits.conf, LimitMEMLOCK in systemd, "
                  "--ulimit memlock=-1 for docker)")
@@ -171,7 +198,7 @@ def _memlock(config: Config) -> Check:
 def _memory(config: Config) -> Check:
     vm = psutil.virtual_memory()
     need = _pools(config)
-    found = f"{format_size(vm.available)} available of {format_size(vm.total)}; the pools take {format_size(need)}"
+    found = f"{format_size(vm.available)} available of {format_size(vm.total)}; the pools take at most {format_size(need)}"
     if vm.available < need:
         return Check(WARN, "host memory", found, "lower buffer_count or buffer_size")
     return Check(OK, "host memory", found)

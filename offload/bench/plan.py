@@ -22,6 +22,7 @@ import torch
 from ..adam.wear import WEAR_WARN_BYTES_PER_DAY
 from ..config import Config, config_to_dict
 from ..params import smallest_within
+from ..params.placement import pool_buffer_bytes
 from ..state import Layout, pool_buffer_size
 from ..store import auto_cache_bytes
 from ..units import ALIGNMENT, format_size, round_up
@@ -267,11 +268,14 @@ def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool, oc) -> 
     """(host memory by name, weights on NVMe, those among them without an fp32 master, grads on NVMe, GPU
     bytes) with offload_parameters, whose rule (``smallest_within``) keeps the smallest parameters within
     max_in_cpu in memory, and the smallest offloaded grads within max_grad_in_cpu."""
-    itemsize = params[0].element_size() if params else 4
+    itemsize = max((p.element_size() for p in params), default=4)
     kept = smallest_within(list(params), pc.max_in_cpu)
     offloaded = [p for p in params if p not in kept]
     grad_kept = smallest_within(offloaded, pc.max_grad_in_cpu)
-    host = {"parameter pool": pc.buffer_count * round_up(pc.buffer_size * itemsize, ALIGNMENT)}
+    buffer, needed = pool_buffer_bytes(list(params), kept, grads=True, on_device=on_gpu,
+                                       max_grad_in_cpu=pc.max_grad_in_cpu, buffer_size=pc.buffer_size,
+                                       itemsize=itemsize)
+    host = {"parameter pool": pc.buffer_count * buffer} if needed else {}
     if kept:
         host["weights kept in memory"] = sum(p.numel() for p in kept) * itemsize
     if grad_kept:
@@ -282,7 +286,7 @@ def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool, oc) -> 
     weights = sum(nbytes(p) for p in offloaded)
     unmastered = sum(nbytes(p) for p in offloaded if not _keeps_master(p, oc))
     grads = sum(nbytes(p) for p in offloaded if p not in grad_kept)
-    return host, weights, unmastered, grads, 2 * pc.buffer_count * pc.buffer_size * itemsize if on_gpu else 0
+    return host, weights, unmastered, grads, 2 * host.get("parameter pool", 0) if on_gpu else 0
 
 
 def _existing(path: str) -> str:

@@ -220,11 +220,14 @@ class Config:
         aio: the I/O engine's settings.
         offload_optimizer: optimizer-state offload settings.
         offload_param: parameter offload settings.
+        given: the blocks the file or mapping it was read from set (a DeepSpeed config without
+            ``offload_param`` does not offload weights); not compared.
     """
 
     aio: AioConfig = field(default_factory=AioConfig)
     offload_optimizer: OptimizerOffloadConfig = field(default_factory=OptimizerOffloadConfig)
     offload_param: ParamOffloadConfig = field(default_factory=ParamOffloadConfig)
+    given: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []

@@ -175,7 +175,7 @@ def _from_document(doc: Mapping, origin: str | None) -> Config:
         blocks[name] = read_block(name, raw, prefix, problems)
     where = f"invalid configuration in {origin}" if origin else "invalid configuration"
     raise_if(problems, where)
-    return Config(**blocks)
+    return Config(**blocks, given=frozenset(blocks))
 
 
 def _locate_blocks(doc: Mapping, problems: list) -> dict[str, tuple[str, Any]]:

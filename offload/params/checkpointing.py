@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 
-from ..buffers import HostBuffer
+from ..buffers import BufferPool, HostBuffer
 from ..space import Extent
 
 __all__ = ["Checkpointing", "weight_loads"]
@@ -32,8 +32,8 @@ class Checkpointing:
     """The checkpoint interface of :class:`offload.params.store.ParamStore`, which mixes it in.
 
     It works on the store's ``records`` (each with ``data()``, ``what()``, ``host``, ``extent``), its byte
-    store ``bytes``, transfers ``io``, ``lender``, grad store ``grads`` and ``space``, under the store's
-    lock, and lets every write and prefetch land with the store's ``_quiesce``.
+    store ``bytes``, transfers ``io``, ``lender``, ``pool`` (and whether it is ``pinned``), grad store ``grads``
+    and ``space``, under the store's lock, and lets every write and prefetch land with the store's ``_quiesce``.
     """
 
     @property
@@ -53,6 +53,12 @@ class Checkpointing:
         """
         with self._lock:
             self._quiesce()
+            if not len(self.pool):
+                # Nothing on NVMe, no pool: a device model's host-cached weights still go to a checkpoint through
+                # aligned buffers, made for the save or load and freed after it.
+                with BufferPool(2, self.pool.buffer_size, pin_memory=self.pinned) as pool:
+                    yield list(pool)
+                return
             with self.lender.lend_all() as buffers:
                 yield buffers
 

@@ -17,14 +17,13 @@ from ..copies import DONE, Ticket
 from ..errors import StateError
 from ..space import Extent, SwapSpace
 from ..store import ByteStore, Stored
-from ..units import ALIGNMENT, round_up
 from . import registry
 from .checkpointing import Checkpointing
 from .gradstore import GradStore
 from .guard import OffloadedParameter
 from .handoff import Handoff
-from .placement import HostCache, reserve, smallest_within
-from .transfer import BufferLender, TensorIO
+from .placement import HostCache, pool_buffer_bytes, reserve, smallest_within
+from .transfer import BufferLender, NoPool, TensorIO
 
 __all__ = ["ParamStore"]
 
@@ -79,8 +78,9 @@ class ParamStore(Checkpointing):
             get their place but nothing is written for them.
 
     Every parameter is written to the swap space (or copied into the host cache) and released before
-    this returns. The pool holds ``buffer_count`` buffers of ``buffer_size`` elements of the widest
-    parameter dtype, rounded up to 4 KiB.
+    this returns. The pool holds ``buffer_count`` buffers of at most ``buffer_size`` elements of the widest
+    parameter dtype (rounded up to 4 KiB), each no larger than the largest weight or gradient on NVMe (whole
+    MiB); with nothing on NVMe it has no buffers (see :func:`offload.params.placement.pool_buffer_bytes`).
     """
 
     def __init__(self, params: Iterable[torch.Tensor], config: Config, *, name: str = "params",
@@ -104,17 +104,22 @@ class ParamStore(Checkpointing):
         self.handoff = handoff if handoff is not None else Handoff()
         self._issued: list[_Record] = []  # records with prefetches in flight, oldest first
 
-        itemsize = max((p.element_size() for p in params), default=4)
-        self.pool = BufferPool(pc.buffer_count, round_up(pc.buffer_size * itemsize, ALIGNMENT),
-                               pin_memory=pc.pin_memory if pc.pin_memory != "auto" else self.device.type == "cuda",
-                               keys=("offload_param.buffer_count", "offload_param.buffer_size"))
         # A device model's weights cross to it by copies (and its host cache is a copy of them); a CPU model's
         # are used where they are.
         self._on_device = copies.crosses(self.device)
+        cached = smallest_within(params, pc.max_in_cpu)
+        size, needed = pool_buffer_bytes(params, cached, grads=offload_grads, on_device=self._on_device,
+                                         max_grad_in_cpu=pc.max_grad_in_cpu, buffer_size=pc.buffer_size,
+                                         itemsize=max((p.element_size() for p in params), default=4))
+        pin = pc.pin_memory if pc.pin_memory != "auto" else self.device.type == "cuda"
+        self.pool = BufferPool(pc.buffer_count, size, pin_memory=pin,
+                               keys=("offload_param.buffer_count", "offload_param.buffer_size")) if needed \
+            else NoPool(size)
+        self.pinned = self.pool[0].pinned if len(self.pool) else bool(pin)  # the host memory made beside it
         self._host_cache = self.space = self.grads = None
         try:
             self._open(name)
-            self._take_in(params, smallest_within(params, pc.max_in_cpu), {id(p) for p in fresh})
+            self._take_in(params, cached, {id(p) for p in fresh})
             self._quiesce()
         except BaseException:
             self.close()
@@ -132,7 +137,7 @@ class ParamStore(Checkpointing):
                                    "restore it."))
         self.lender = BufferLender(self.pool, self._drop_latest_prefetch)
         self.io = TensorIO(self.bytes, self.lender)
-        self.grads = GradStore(self.io, self._lock, pin_memory=self.pool[0].pinned)
+        self.grads = GradStore(self.io, self._lock, pin_memory=self.pinned)
 
     def _take_in(self, params: list, cached: set, fresh_ids: set) -> None:
         """Reserve every extent, then offload each parameter; a CPU model's ``cached`` ones stay where they are,
@@ -140,7 +145,7 @@ class ParamStore(Checkpointing):
         extent_of, grad_extent_of = reserve(self.space, params, cached, grads=self.offload_grads,
                                             on_device=self._on_device,
                                             max_grad_in_cpu=self.config.offload_param.max_grad_in_cpu)
-        self._host_cache = HostCache(cached if self._on_device else (), pin_memory=self.pool[0].pinned)
+        self._host_cache = HostCache(cached if self._on_device else (), pin_memory=self.pinned)
         for p in params:
             if p in cached and not self._on_device:
                 self.kept_bytes += p.numel() * p.element_size()

@@ -17,7 +17,27 @@ from ..copies import DONE, Ticket
 from ..pipeline import Pipeline
 from ..store import ByteStore, Stored
 
-__all__ = ["TensorIO", "PoolBuffer", "BufferLender"]
+__all__ = ["BufferLender", "NoPool", "PoolBuffer", "TensorIO"]
+
+
+class NoPool:
+    """The parameter pool of a store with nothing on NVMe: no buffers, no memory. ``buffer_size`` is what one
+    would be, the block size of the store's byte store (a checkpoint streams host-cached weights through buffers
+    of that size, made for it: see ``Checkpointing.exclusive``)."""
+
+    nbytes = 0
+
+    def __init__(self, buffer_size: int):
+        self.buffer_size = buffer_size
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self) -> Iterator[HostBuffer]:
+        return iter(())
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass(eq=False)
