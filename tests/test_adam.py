@@ -708,29 +708,58 @@ def test_the_default_pool_is_sized_down_to_a_small_state(nvme, closing):
     assert given.host_pool_bytes == 3 * 8 * MiB
 
 
-def test_the_drive_writes_per_day_are_said_once_and_warned_past_the_threshold(nvme, closing, caplog):
-    """At the first step that writes after an earlier one, logger "offload" says once how many TB per day the
-    optimizer writes at the rate seen between the two steps: INFO below the documented threshold, a WARNING
-    naming the endurance rating past it; later steps say nothing."""
+def _wear_said(ours, params, caplog, *, seconds_per_step: float, steps: int, once) -> list:
+    """The wear messages of ``steps`` steps of ``ours`` one ``seconds_per_step`` apart (on a fake clock)."""
     import logging
 
-    from offload.adam.wear import WEAR_WARN_BYTES_PER_DAY
+    ticks = iter(float(t) * seconds_per_step for t in range(1000))
+    ours._wear.clock, ours._wear.once = ticks.__next__, once
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="offload"):
+        for step in range(steps):
+            set_grads(params, seed=step)
+            ours.step()
+    return [r for r in caplog.records if "TB of optimizer state per day" in r.getMessage()]
 
-    for threshold, level in ((WEAR_WARN_BYTES_PER_DAY, logging.INFO), (1, logging.WARNING)):
-        a = make_params()
-        ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, **SMALL))
-        ticks = iter(float(t) for t in range(0, 100, 10))  # one step every 10 s
-        ours._wear.threshold, ours._wear.clock = threshold, ticks.__next__
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="offload"):
-            for step in range(4):
-                set_grads(a, seed=step)
-                ours.step()
-        said = [r for r in caplog.records if "TB of optimizer state per day" in r.getMessage()]
+
+def test_the_drive_writes_per_day_are_said_once_after_a_minute_warned_past_a_drive_write_a_day(nvme, closing,
+                                                                                                caplog):
+    """After a minute of steps, logger "offload" says once how many TB per day the optimizer writes at the rate
+    seen over that minute: a WARNING naming the endurance rating from one drive write per day of the swap files'
+    drives, else INFO; later steps, and other optimizers of the process, say nothing."""
+    import logging
+
+    from offload.adam.wear import _Once, drive_bytes
+
+    a = make_params()
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, **SMALL))
+    assert ours._wear.threshold == drive_bytes([nvme]) > 0  # one drive write per day of the swap file's drive
+    for threshold, level in ((10**18, logging.INFO), (1, logging.WARNING)):
+        ours._wear.threshold, ours._wear._start, ours._wear._steps = threshold, None, 0
+        before = ours.state_store.bytes_written
+        said = _wear_said(ours, a, caplog, seconds_per_step=10, steps=12, once=_Once())
         assert len(said) == 1 and said[0].levelno == level
-        written = ours.state_store.bytes_written // 4  # every step writes every unit
-        assert f"{written * 86400 / 10 / 1e12:.1f} TB of optimizer state per day" in said[0].getMessage()
+        per_step = (ours.state_store.bytes_written - before) // 12  # every step writes every unit
+        assert f"{per_step * 86400 / 10 / 1e12:.1f} TB of optimizer state per day" in said[0].getMessage()
+        assert "its last 60 s" in said[0].getMessage()
         assert ("endurance" in said[0].getMessage()) is (level == logging.WARNING)
+    once = _Once()
+    first, second = (closing(OffloadedAdamW(make_params(), lr=1e-2, nvme_path=nvme + f"-{i}", **SMALL)) for i in (1, 2))
+    assert len(_wear_said(first, first.param_groups[0]["params"], caplog, seconds_per_step=10, steps=12,
+                          once=once)) == 1
+    assert _wear_said(second, second.param_groups[0]["params"], caplog, seconds_per_step=10, steps=12,
+                      once=once) == []  # once per process
+
+
+def test_a_short_run_says_nothing_of_wear_however_fast_it_writes(nvme, closing, caplog):
+    """A toy run (100 steps of 10 ms, writing at a rate of many TB per day) ends before the minute the rate is
+    measured over: nothing is said, not even at INFO."""
+    from offload.adam.wear import _Once
+
+    a = make_params()
+    ours = closing(OffloadedAdamW(a, lr=1e-2, nvme_path=nvme, **SMALL))
+    ours._wear.threshold = 1
+    assert _wear_said(ours, a, caplog, seconds_per_step=0.01, steps=100, once=_Once()) == []
 
 
 def test_max_grad_norm_over_small_and_offloaded_params_in_any_order_is_torch_s_norm(nvme, closing):

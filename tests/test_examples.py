@@ -63,6 +63,7 @@ def test_example_runs_and_resumes_bit_for_bit(runs, name):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
     assert DONE in out.splitlines()[-1], out[-2000:]
+    assert "TB of optimizer state per day" not in out, "a toy example printed the drive-wear figure"
     left = [os.path.join(d, f) for d, _, files in os.walk(where) for f in files if f.endswith(".swap")]
     assert not left, f"swap files left behind: {left}"
     if name == "resume_after_kill.py":

@@ -134,7 +134,6 @@ class OffloadedAdam(torch.optim.Adam):
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[torch.Tensor] = None
         self._scaling = NO_SCALING  # what step() does to the grads, for its updates
-        self._wear = WearMeter()  # says once what the writes mean for the drives
         check_params(self.param_groups)
         oc = self.config.offload_optimizer
         check_master_weights(self.param_groups, oc.master_weights)
@@ -143,6 +142,8 @@ class OffloadedAdam(torch.optim.Adam):
         check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
                                overlap_backward=self.config.offload_optimizer.overlap_backward is True)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
+        # Says once per process, after a minute of steps, what the writes mean for the swap files' drives.
+        self._wear = WearMeter(self.state_store.space.paths if self.state_store.space is not None else ())
         self._place_state()
         # With overlap_backward, weights on NVMe (offload_parameters) whose gradients are final wait, resident,
         # for their update instead of a round trip of their gradients through NVMe: up to this many bytes.

@@ -189,8 +189,9 @@ def _memlock(config: Config) -> Check:
     if soft == resource.RLIM_INFINITY or soft >= need:
         shown = "unlimited" if soft == resource.RLIM_INFINITY else format_size(soft)
         return Check(OK, "locked memory", f"ulimit -l {shown}, pools at most {format_size(need)}")
-    return Check(WARN, "locked memory", f"ulimit -l {format_size(soft)} is less than the pools at most ({format_size(need)}): "
-                 "io_uring may refuse to register them as fixed buffers (a little slower) and pinning may fail",
+    return Check(WARN, "locked memory", f"ulimit -l {format_size(soft)} is less than the pools "
+                 f"({format_size(need)} at most): io_uring may refuse to register them as fixed buffers (a little "
+                 "slower) and pinning may fail",
                  "raise it: ulimit -l unlimited (or memlock in /etc/security/limits.conf, LimitMEMLOCK in systemd, "
                  "--ulimit memlock=-1 for docker)")
 
@@ -198,7 +199,8 @@ def _memlock(config: Config) -> Check:
 def _memory(config: Config) -> Check:
     vm = psutil.virtual_memory()
     need = _pools(config)
-    found = f"{format_size(vm.available)} available of {format_size(vm.total)}; the pools take at most {format_size(need)}"
+    found = (f"{format_size(vm.available)} available of {format_size(vm.total)}; the pools take at most "
+             f"{format_size(need)}")
     if vm.available < need:
         return Check(WARN, "host memory", found, "lower buffer_count or buffer_size")
     return Check(OK, "host memory", found)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import psutil
 import torch
 
-from ..adam.wear import WEAR_WARN_BYTES_PER_DAY
+from ..adam.wear import wear_threshold
 from ..config import Config, config_to_dict
 from ..params import smallest_within
 from ..params.placement import pool_buffer_bytes
@@ -57,6 +57,7 @@ class Plan:
     write_gib_s: Optional[float]
     free_nvme_bytes: dict  # per path
     available_host_bytes: int
+    wear_threshold_bytes: int = 0  # bytes a day from which the writes matter: one drive write a day of the paths
 
     @property
     def nvme_bytes(self) -> int:
@@ -204,7 +205,8 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
                 state_bytes=sum(u.nbytes for u in units), state_in_memory_bytes=in_memory, host_cache_bytes=cache,
                 optimizer_nvme_bytes=nvme_state, weights_nvme_bytes=weights_nvme, grads_nvme_bytes=grads_nvme,
                 host_bytes=host, gpu_bytes=gpu, read_bytes=read, write_bytes=write, read_gib_s=read_gib_s,
-                write_gib_s=write_gib_s, free_nvme_bytes=free, available_host_bytes=available_host_bytes)
+                write_gib_s=write_gib_s, free_nvme_bytes=free, available_host_bytes=available_host_bytes,
+                wear_threshold_bytes=wear_threshold([_existing(p) for p in nvme_paths]))
 
 
 # The ways to store and update the state, from the most exact to the leanest: what `plan` compares.
@@ -381,9 +383,10 @@ def render(p: Plan) -> str:
         per_day = p.written_per_day
         lines.append(f"disk-bound step: {p.step_seconds:.2f} s at {p.read_gib_s:.2f} GiB/s read, "
                      f"{p.write_gib_s:.2f} GiB/s write; drive writes: {per_day / 1e12:.1f} TB per day of training")
-        if per_day >= WEAR_WARN_BYTES_PER_DAY:
-            lines.append(f"  note: over {WEAR_WARN_BYTES_PER_DAY / 1e12:.0f} TB/day wears a consumer SSD out within "
-                         "months; a host cache or bf16 state writes less")
+        if per_day >= p.wear_threshold_bytes:
+            lines.append(f"  note: over one drive write per day ({p.wear_threshold_bytes / 1e12:.1f} TB here) uses a "
+                         "consumer SSD's endurance rating up within a year or two; a host cache or bf16 state writes "
+                         "less")
     else:
         lines.append("disk-bound step: give --read-gib-s/--write-gib-s or --sweep (offload-bench sweep --json)")
     problems = p.problems()
