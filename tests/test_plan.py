@@ -4,10 +4,11 @@ move, for small models; the command prints a plan, says what does not fit and wr
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
-from helpers import TINY, Net, loss_of
+from helpers import REPO, TINY, Net, loss_of
 
 from offload import OffloadedAdamW, materialized, offload_parameters
 from offload.bench.cli import main
@@ -156,21 +157,52 @@ def test_a_host_cache_is_planned_as_the_optimizer_keeps_it(nvme, closing):
 
 
 def test_the_command_prints_the_plan_says_what_does_not_fit_and_emits_a_config(tmp_path, capsys):
-    """`offload-bench plan` prints where state lives, bytes per step, the step time and drive writes from given
-    bandwidths; a host memory too small is named with what to change; --emit-config writes a config that
-    loads; --json holds the same figures."""
+    """`offload-bench plan` prints where state lives, the pools, bytes per step, the step time and drive writes
+    from given bandwidths; a host memory too small is named with what to change, and exits 1; --emit-config
+    writes a config that loads and --json the same figures, each said with its file."""
     out_cfg, out_json = tmp_path / "planned.json", tmp_path / "plan.json"
     assert main(["plan", "--params", "1B", "--dtype", "bf16", "--path", str(tmp_path / "nvme"), "--read-gib-s",
                  "1.5", "--write-gib-s", "2", "--emit-config", str(out_cfg), "--json", str(out_json)]) == 0
     text = capsys.readouterr().out
     assert "optimizer state: 11.18 GiB" in text and "disk-bound step:" in text and "TB per day" in text
-    assert "fits: yes" in text
+    assert "pools: optimizer 4 x 64.00 MiB" in text and "fits: yes" in text
+    assert f"wrote {out_cfg}: the configuration planned for (aio, offload_optimizer;" in text
+    assert f"wrote {out_json}" in text
     assert load_config(str(out_cfg)).offload_optimizer.nvme_path == (str(tmp_path / "nvme"),)
+    assert load_config(str(out_cfg)).given == {"aio", "offload_optimizer"}  # no weights planned: none emitted
     doc = json.loads(out_json.read_text())
     assert doc["write_bytes"] > 11 << 30 and doc["problems"] == []
-    assert main(["plan", "--params", "1B", "--offload-params", "--host-memory", "1GiB"]) == 0
+    assert main(["plan", "--params", "1B", "--offload-params", "--host-memory", "1GiB"]) == 1
     text = capsys.readouterr().out
     assert "fits: NO" in text and "max_in_cpu" in text
+
+
+def test_a_config_s_offload_param_plans_the_weights_on_nvme_and_a_sweep_s_settings_are_emitted(tmp_path, capsys):
+    """A config whose offload_param has device nvme plans the weights on NVMe without --offload-params (the seed's
+    70B config among them); a sweep result gives the plan its bandwidths and its best aio settings, which
+    --emit-config writes along with the offload_param block planned."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "s")},
+        "offload_param": {"device": "nvme", "nvme_path": str(tmp_path / "w"), "max_in_cpu": 0}}}))
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"config": {"backend": "auto"}, "best": {
+        "block_size": 262144, "queue_depth": 16, "threads": 2, "read_gib_s": 3.0, "write_gib_s": 2.0}}))
+    out = tmp_path / "planned.json"
+    assert main(["plan", "--params", "100M", "--config", str(cfg), "--sweep", str(sweep), "--emit-config",
+                 str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "weights" in text.split("NVMe:")[1].splitlines()[0]  # on NVMe, from the config's offload_param
+    assert "pools: optimizer" in text and "; weights 5 x" in text
+    assert "aio from" in text and "block_size 262144, queue_depth 16, thread_count 2" in text
+    assert "at 3.00 GiB/s read, 2.00 GiB/s write" in text
+    emitted = load_config(str(out))
+    assert (emitted.aio.block_size, emitted.aio.queue_depth, emitted.aio.thread_count) == (256 << 10, 16, 2)
+    assert emitted.offload_param.max_in_cpu == 0 and "offload_param" in emitted.given
+    assert emitted.offload_param.nvme_path == (str(tmp_path / "s"), str(tmp_path / "w"))
+    seed = main(["plan", "--params", "70B", "--config", os.path.join(REPO, "configs", "ds_config_70b.json"),
+                 "--path", str(tmp_path)])
+    assert "weights 128.52 GiB" in capsys.readouterr().out and seed in (0, 1)  # its max_in_cpu keeps 1e9 in memory
 
 
 def test_a_hugging_face_config_is_planned_on_meta_with_tied_weights_once(tmp_path):

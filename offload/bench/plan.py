@@ -27,7 +27,7 @@ from ..state import Layout, pool_buffer_size
 from ..store import auto_cache_bytes
 from ..units import ALIGNMENT, format_size, round_up
 from . import report
-from .cli import EXIT_OK, UsageError, add_config_option, count_arg, size_arg
+from .cli import EXIT_FAILURE, EXIT_OK, UsageError, add_config_option, count_arg, size_arg
 
 __all__ = ["MODES", "Plan", "model_params", "modes", "plan", "register"]
 
@@ -58,6 +58,7 @@ class Plan:
     free_nvme_bytes: dict  # per path
     available_host_bytes: int
     wear_threshold_bytes: int = 0  # bytes a day from which the writes matter: one drive write a day of the paths
+    pools: dict = dataclasses.field(default_factory=dict)  # "optimizer", "weights" -> (buffers, bytes each)
 
     @property
     def nvme_bytes(self) -> int:
@@ -206,7 +207,19 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
                 optimizer_nvme_bytes=nvme_state, weights_nvme_bytes=weights_nvme, grads_nvme_bytes=grads_nvme,
                 host_bytes=host, gpu_bytes=gpu, read_bytes=read, write_bytes=write, read_gib_s=read_gib_s,
                 write_gib_s=write_gib_s, free_nvme_bytes=free, available_host_bytes=available_host_bytes,
-                wear_threshold_bytes=wear_threshold([_existing(p) for p in nvme_paths]))
+                wear_threshold_bytes=wear_threshold([_existing(p) for p in nvme_paths]),
+                pools=_pools(config, unit_bytes, host))
+
+
+def _pools(config: Config, unit_bytes: int, host: dict) -> dict:
+    """Each pool the plan holds: ``name -> (buffers, bytes each)``."""
+    out = {}
+    if "optimizer pool" in host:
+        out["optimizer"] = (config.offload_optimizer.buffer_count, unit_bytes)
+    if "parameter pool" in host:
+        count = config.offload_param.buffer_count
+        out["weights"] = (count, host["parameter pool"] // count)
+    return out
 
 
 # The ways to store and update the state, from the most exact to the leanest: what `plan` compares.
@@ -317,35 +330,39 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     add_config_option(p)
     p.add_argument("--path", dest="paths", action="append", default=[], metavar="DIR",
                    help="an nvme_path (repeat for several drives; default: the config's)")
-    p.add_argument("--offload-params", action="store_true", help="weights and grads on NVMe too (offload_parameters)")
+    p.add_argument("--offload-params", action="store_true", help="weights and grads on NVMe too (offload_parameters; "
+                   "the default when --config has an offload_param block with device nvme)")
     p.add_argument("--gpu", action="store_true", help="the model trains on a GPU (weights and grads in its memory)")
     p.add_argument("--amsgrad", action="store_true", help="AMSGrad (one more moment)")
     p.add_argument("--read-gib-s", type=float, metavar="X", help="drive read bandwidth, GiB/s (all paths together)")
     p.add_argument("--write-gib-s", type=float, metavar="X", help="drive write bandwidth, GiB/s")
-    p.add_argument("--sweep", metavar="FILE", help="an `offload-bench sweep --json` result: its best bandwidths")
+    p.add_argument("--sweep", metavar="FILE", help="an `offload-bench sweep --json` result: its best point's "
+                   "bandwidths and aio settings (block size, queue depth, threads) are planned with and emitted")
     p.add_argument("--host-memory", type=size_arg, metavar="SIZE", help="host memory to plan for (default: "
                    "what is available now)")
-    p.add_argument("--emit-config", metavar="FILE", help="write the configuration planned for as JSON")
+    p.add_argument("--emit-config", metavar="FILE", help="write the configuration planned for as JSON (the "
+                   "blocks planned: aio, offload_optimizer and, with weights offloaded, offload_param)")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.set_defaults(run=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """``offload-bench plan``: exit 0 when the plan fits, 1 when it does not (after saying what to change)."""
     config = args.config
-    paths = args.paths or list(config.offload_optimizer.nvme_paths)
+    offload_params = args.offload_params or ("offload_param" in config.given and config.offload_param.device == "nvme")
+    paths = args.paths or list(dict.fromkeys(config.offload_optimizer.nvme_paths
+                                              + (config.offload_param.nvme_paths if offload_params else ())))
     read, write = args.read_gib_s, args.write_gib_s
     if args.sweep:
-        try:
-            with open(args.sweep, encoding="utf-8") as f:
-                best = json.load(f)["best"]
-            read, write = read or float(best["read_gib_s"]), write or float(best["write_gib_s"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise UsageError(f"--sweep {args.sweep}: not an offload-bench sweep --json result ({err})") from None
+        best, aio = _sweep_best(args.sweep)
+        read, write = read or float(best["read_gib_s"]), write or float(best["write_gib_s"])
+        config = config.replace(aio=aio)
+        print(f"aio from {args.sweep} (the sweep's best point): " + ", ".join(f"{k} {v}" for k, v in aio.items()))
     for name, value in (("--read-gib-s", read), ("--write-gib-s", write)):
         if value is not None and not value > 0:
             raise UsageError(f"{name} must be a positive number of GiB/s, got {value}")
     params = model_params(hf_config=args.hf_config, count=args.params, dtype=args.dtype)
-    result = plan(params, config, offload_params=args.offload_params, on_gpu=args.gpu, amsgrad=args.amsgrad,
+    result = plan(params, config, offload_params=offload_params, on_gpu=args.gpu, amsgrad=args.amsgrad,
                   nvme_paths=paths, read_gib_s=read, write_gib_s=write, available_host_bytes=args.host_memory)
     print(render(result))
     print(render_modes(modes(params, config, offload_params=args.offload_params, on_gpu=args.gpu,
@@ -353,12 +370,34 @@ def run_plan(args: argparse.Namespace) -> int:
                              available_host_bytes=args.host_memory)))
     if args.json:
         report.write_json(args.json, result.to_dict())
+        print(f"wrote {args.json}")
     if args.emit_config:
-        doc = config_to_dict(config, only=None)
-        if paths:
-            doc["offload_optimizer"]["nvme_path"] = doc["offload_param"]["nvme_path"] = paths
+        blocks = ("aio", "offload_optimizer") + (("offload_param",) if offload_params else ())
+        doc = config_to_dict(config, only=blocks)
+        for block in blocks[1:]:
+            if paths:
+                doc[block]["nvme_path"] = paths
         report.write_json(args.emit_config, doc)
-    return EXIT_OK
+        print(f"wrote {args.emit_config}: the configuration planned for ({', '.join(blocks)}"
+              + (f"; nvme_path {', '.join(paths)}" if paths else "; no nvme_path: add yours") + ")")
+    return EXIT_OK if not result.problems() else EXIT_FAILURE
+
+
+def _sweep_best(path: str) -> tuple[dict, dict]:
+    """An ``offload-bench sweep --json`` result's best point, and the aio settings it measured there."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        best = doc["best"]
+        aio = {"block_size": int(best["block_size"]), "queue_depth": int(best["queue_depth"]),
+               "thread_count": int(best["threads"])}
+        backend = (doc.get("config") or {}).get("backend", "auto")
+        if backend != "auto":  # the sweep was pinned to a backend: its figures are that backend's
+            aio["backend"] = backend
+        float(best["read_gib_s"]), float(best["write_gib_s"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UsageError(f"--sweep {path}: not an offload-bench sweep --json result ({err})") from None
+    return best, aio
 
 
 def render(p: Plan) -> str:
@@ -376,6 +415,10 @@ def render(p: Plan) -> str:
     host = sorted(p.host_bytes.items(), key=lambda kv: -kv[1])
     lines.append(f"host memory: {size(p.host_total)} of {size(p.available_host_bytes)} available ("
                  + ", ".join(f"{k} {size(v)}" for k, v in host) + ")")
+    pools = [f"{name} {n} x {size(each)}" for name, (n, each) in p.pools.items()]
+    lines.append(f"pools: {'; '.join(pools) if pools else 'none'} (defaults, at most: optimizer 4 x 64 MiB, less "
+                 "for less state; weights 5 x 1e8 elements, each buffer no larger than the largest weight or grad "
+                 "on NVMe, none when nothing is)")
     if p.gpu_bytes:
         lines.append(f"GPU memory: about {size(p.gpu_bytes)} for weights and grads, plus activations")
     lines.append(f"per step: {size(p.read_bytes)} read, {size(p.write_bytes)} written")
@@ -390,6 +433,6 @@ def render(p: Plan) -> str:
     else:
         lines.append("disk-bound step: give --read-gib-s/--write-gib-s or --sweep (offload-bench sweep --json)")
     problems = p.problems()
-    lines.append("fits: yes" if not problems else "fits: NO")
+    lines.append("fits: yes" if not problems else "fits: NO (exit code 1)")
     lines.extend(f"  - {problem}" for problem in problems)
     return "\n".join(lines)
