@@ -72,9 +72,10 @@ def test_sweep_ranks_a_grid_and_emits_a_config_the_loader_reads_back(tmp_path):
     """A 2x2 sweep reports every point, its best is the top mean, and --emit-config loads back unchanged."""
     out, cfg = tmp_path / "sweep.json", tmp_path / "aio.json"
     p = bench("sweep", "--path", str(tmp_path), "--size", "8MiB", "--runs", "1", "--block-sizes", "64KiB,256KiB",
-              "--queue-depths", "4,16", "--threads", "1", "--json", str(out), "--emit-config", str(cfg))
+              "--queue-depths", "4,16", "--threads", "1", "--json", str(out), "--emit-config", str(cfg),
+              env={"OFFLOAD_PROGRESS": "1"})
     assert p.returncode == 0, p.stderr
-    assert "4/4" in p.stderr, "the progress bar reaches the end"
+    assert "8/8" in p.stderr, "the progress bar (a write and a read per point) reaches the end"
     doc = json.loads(out.read_text())
     points = {(r["block_size"], r["queue_depth"], r["threads"]) for r in doc["results"]}
     assert points == {(b, q, 1) for b in (64 << 10, 256 << 10) for q in (4, 16)}
@@ -782,3 +783,21 @@ def test_every_command_line_in_pyproject_answers_version(capsys):
             getattr(importlib.import_module(module), func)(["--version"])
         assert exit_.value.code == 0, name
         assert capsys.readouterr().out.strip() == f"{name} (nvme-offload) {__version__}"
+
+
+@pytest.mark.parametrize("command, label", [
+    (["io", "--size", "4MiB", "--block-size", "64KiB", "--runs", "2"], "io: write and read passes"),
+    (["adam", "--params", "300K", "--steps", "3", "--no-fio", "--no-torch"], "adam: our steps"),
+    (["checkpoint", "--params", "300K", "--repeat", "2", "--no-fio", "--no-torch"], "checkpoint: saves"),
+    (["params", "--layers", "1", "--hidden", "64", "--steps", "3", "--no-fio"], "params: offloaded steps"),
+], ids=["io", "adam", "checkpoint", "params"])
+def test_each_benchmark_shows_a_progress_bar_where_asked(tmp_path, capsys, monkeypatch, command, label):
+    """With OFFLOAD_PROGRESS=1 (as into a log; on a terminal it is the default) a benchmark draws a tqdm bar on
+    stderr, labelled with what it counts, up to its end; with OFFLOAD_PROGRESS=0 nothing."""
+    monkeypatch.setenv("OFFLOAD_PROGRESS", "1")
+    code, _, err = bench_in_process(capsys, *command, "--path", str(tmp_path / "a"))
+    assert code == 0, err
+    assert label in err and "100%" in err, err[-2000:]
+    monkeypatch.setenv("OFFLOAD_PROGRESS", "0")
+    code, _, err = bench_in_process(capsys, *command, "--path", str(tmp_path / "b"))
+    assert code == 0 and label not in err

@@ -13,6 +13,7 @@ import torch
 
 from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
+from ..progress import progress
 from ..state import resolve_pin
 from ..units import format_size, parse_size
 from . import overlap, report
@@ -78,10 +79,12 @@ def cache_arg(text: str):
         raise argparse.ArgumentTypeError(f"{err}; or write auto") from None
 
 
-def _time_steps(opt, steps: int) -> list[float]:
+def _time_steps(opt, steps: int, bar=None) -> list[float]:
     times = []
     device = opt.param_groups[0]["params"][0].device
     for _ in range(steps):
+        if bar is not None:
+            bar.update(1)
         t = time.perf_counter()
         opt.step()
         if isinstance(opt, OffloadedAdamW):
@@ -186,9 +189,11 @@ def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device:
     reset_gpu_peak(device)
     opt = OffloadedAdamW(params, lr=1e-3, config=cfg)
     base = None
+    bar = progress(args.steps + 1 + (2 if base_cfg is not None else 0), "adam: our steps")
     try:
         # Memory: ours alone, the first step and one steady step (not timed: it runs alone).
-        ours = _Measured(first=_time_steps(opt, 1)[0], base_rss=base_rss)
+        ours = _Measured(first=_time_steps(opt, 1, bar)[0], base_rss=base_rss)
+        bar.update(1)
         _timed_step(opt, [], [])
         ours.peak = report.memory_bytes("VmHWM")
         ours.gpu_peak = gpu_peak(device)
@@ -198,10 +203,11 @@ def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device:
         ours.backend = opt.swap_space.backend if opt.swap_space is not None else "none (state in memory)"
         if base_cfg is not None:
             base = OffloadedAdamW(params, lr=1e-3, config=base_cfg)
-            _time_steps(base, 2)
+            _time_steps(base, 2, bar)
         _interleave(opt, base, ours, args.steps - 1, checksum_cost=args.checksum_cost,
-                    checksum=cfg.offload_optimizer.checksum)
+                    checksum=cfg.offload_optimizer.checksum, bar=bar)
     finally:
+        bar.close()
         opt.close()
         if base is not None:
             base.close()
@@ -210,11 +216,12 @@ def _measure_ours(args: argparse.Namespace, params: list, cfg, base_cfg, device:
     return ours
 
 
-def _interleave(opt, base, ours: _Measured, steps: int, *, checksum_cost: bool, checksum: bool) -> None:
+def _interleave(opt, base, ours: _Measured, steps: int, *, checksum_cost: bool, checksum: bool, bar) -> None:
     """Time ours and the baseline in turn, step by step, so the disk's drift hits both alike, and in the
     order ours-base, base-ours, ... so neither always runs while the other's writes are still being
     flushed below the file system."""
     for i in range(steps):
+        bar.update(1)
         # With --checksum-cost: one optimizer, one swap file, checksums on and off in turn (two
         # optimizers on two files would measure where their files lie on the disk).
         # A step "on" right after the two "off" has no digests to check its reads against: not timed.
@@ -236,7 +243,8 @@ def _measure_torch(params: list, steps: int, device: torch.device) -> dict:
     reset_peak_rss()  # VmHWM := VmRSS
     reset_gpu_peak(device)
     ref = torch.optim.AdamW(params, lr=1e-3, fused=True)
-    times = _time_steps(ref, steps)
+    with progress(steps, "adam: torch AdamW steps") as bar:
+        times = _time_steps(ref, steps, bar)
     out = {"median": statistics.median(times[1:]), "peak": report.memory_bytes("VmHWM"), "gpu_peak": gpu_peak(device)}
     del ref
     gc.collect()

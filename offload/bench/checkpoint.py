@@ -16,6 +16,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from ..adam import OffloadedAdamW
+from ..progress import tracked
 from ..units import GIB, format_size
 from . import report
 from .cli import (
@@ -155,13 +156,13 @@ def _run(args, cfg, paths, scratch) -> int:
             p.grad = None
         gc.collect()
         saves, loads = [], []
-        for _ in range(args.repeat):
+        for _ in tracked(range(args.repeat), "checkpoint: saves"):
             t = time.perf_counter()
             ckpt.save_checkpoint(opt, target)
             saves.append(time.perf_counter() - t)
         manifest = ckpt.read_manifest(target)
         state_bytes = sum(f["bytes"] for f in manifest["files"].values())
-        for _ in range(args.repeat):
+        for _ in tracked(range(args.repeat), "checkpoint: loads"):
             t = time.perf_counter()
             ckpt.load_checkpoint(opt, target)
             loads.append(time.perf_counter() - t)
@@ -295,9 +296,9 @@ def _run_loop(args, cfg, paths, scratch) -> int:
 
     try:
         iteration()  # creates the state
-        plain = [iteration() for _ in range(n * args.repeat)]
+        plain = [iteration() for _ in tracked(range(n * args.repeat), "checkpoint: iterations without a save")]
         during, window, snapshots, method = [], [], [], None
-        for k in range(args.repeat):
+        for k in tracked(range(args.repeat), "checkpoint: iterations with an asynchronous save"):
             t = time.perf_counter()
             compute()
             opt.step()
@@ -315,12 +316,12 @@ def _run_loop(args, cfg, paths, scratch) -> int:
             handle.wait()
             method = ckpt.read_manifest(handle.directory)["snapshot"]["method"]
         alone = []  # the save from the call to its commit, with no training beside it
-        for k in range(args.repeat):
+        for k in tracked(range(args.repeat), "checkpoint: asynchronous saves alone"):
             c = time.perf_counter()
             ckpt.save_checkpoint(opt, os.path.join(scratch, f"async-{k % 2}"), blocking=False).wait()
             alone.append(time.perf_counter() - c)
         blocking = []
-        for k in range(args.repeat):
+        for k in tracked(range(args.repeat), "checkpoint: iterations with a blocking save"):
             t = time.perf_counter()
             compute()
             opt.step()

@@ -10,6 +10,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..progress import tracked
 from ..units import GIB
 
 INSTALL_HINT = (
@@ -172,7 +173,8 @@ def write_read_gib_s(paths: Sequence[str], size: int, block_size: int, queue_dep
     try:
         fio = Fio(paths, max(block_size, size), block_size, queue_depth, threads)
         try:
-            return fio.run("write").gib_s, fio.run("read").gib_s
+            rates = [fio.run(op).gib_s for op in tracked(("write", "read"), "fio: write and read")]
+            return rates[0], rates[1]
         finally:
             fio.cleanup()
     except FioError as err:

@@ -16,6 +16,7 @@ import torch
 from ..aio import gds_status
 from ..buffers import BufferPool
 from ..config import AioConfig
+from ..progress import tracked
 from ..space import SwapSpace
 from ..units import GIB
 from . import report
@@ -90,7 +91,7 @@ def run_gds(args: argparse.Namespace) -> int:
                 machine["kvikio"] = tune_kvikio(kvikio, point.queue_depth * point.threads * len(paths), [src, dst],
                                                 passes[KVIKIO].undo)
                 print(f"kvikio: {machine['kvikio']}")
-                for r in range(args.runs):
+                for r in tracked(range(args.runs), "io --gds: runs"):
                     for path in ((OURS, KVIKIO) if r % 2 == 0 else (KVIKIO, OURS)):
                         for op in ("write", "read"):
                             seconds = getattr(passes[path], op)()

@@ -12,6 +12,7 @@ import torch
 
 from .. import copies
 from ..buffers import BufferPool
+from ..progress import tracked
 from . import report
 from .cli import BenchFailure, add_config_option, check_output_file, positive_int_arg, short_size, size_arg
 
@@ -123,7 +124,7 @@ def run_gpu(args: argparse.Namespace) -> int:
         _check_round_trip(pinned, gpu)
         ncopies = max(1, -(-args.size // pinned.buffer_size))
         runs: dict[str, list[float]] = {name: [] for name, _, _ in MEASURES}
-        for _ in range(args.rounds):
+        for _ in tracked(range(args.rounds), "gpu: rounds of copies"):
             for name, direction, pin in MEASURES:
                 pool = pinned if pin else pageable
                 moved, seconds = _copies(pool, gpu, direction, ncopies)

@@ -18,6 +18,7 @@ from ..aio import Engine, open_file
 from ..buffers import BufferPool, HostBuffer
 from ..config import AioConfig
 from ..pipeline import Pipeline
+from ..progress import progress
 from ..space import Extent, SwapSpace
 from ..units import ALIGNMENT, GIB, MIB, round_up
 from . import report
@@ -231,9 +232,15 @@ class PointResult:
         return (self.write.median + self.read.median) / 2
 
 
+def passes(runs: int, fio: str | None) -> int:
+    """How many passes :func:`measure` makes at one point (each a write or a read, ours or fio's)."""
+    return runs * 2 * (2 if fio else 1)
+
+
 def measure(paths: Sequence[str], point: Point, plan_: Plan, pool: BufferPool, data: Data, *, runs: int,
-            backend: str, verify: bool, fio: str | None) -> PointResult:
-    """Write then read ``plan_.size`` bytes ``runs`` times at one point, and fio alongside if asked.
+            backend: str, verify: bool, fio: str | None, bar=None) -> PointResult:
+    """Write then read ``plan_.size`` bytes ``runs`` times at one point, and fio alongside if asked; ``bar`` (a
+    progress bar) advances by one per pass (:func:`passes`).
 
     Ours and fio take turns operation by operation (our write, fio's write, our read, fio's read),
     and swap who goes first from run to run, so a drift in the drive's speed (the host's cache
@@ -267,6 +274,8 @@ def measure(paths: Sequence[str], point: Point, plan_: Plan, pool: BufferPool, d
                         steps.append(lambda result=result: result.fio_runs.append(_fio(runner, result.op)))
                     for step in steps if r % 2 == 0 else reversed(steps):
                         step()
+                        if bar is not None:
+                            bar.update(1)
         finally:
             if runner is not None:
                 runner.cleanup()
@@ -421,10 +430,11 @@ def run_io(args: argparse.Namespace) -> int:
         params[1:1] = [("aio", f"block size {short_size(point.block_size)}, queue depth {point.queue_depth}, "
                                f"{point.threads} thread(s) per path")]
         report.print_header("io", machine, params)
-        with BufferPool(plan_.buffer_count, plan_.chunk) as pool:
+        with BufferPool(plan_.buffer_count, plan_.chunk) as pool, \
+                progress(passes(args.runs, fio), "io: write and read passes") as bar:
             data = Data(pool, plan_.chunk)
             res = measure(paths, point, plan_, pool, data, runs=args.runs, backend=args.backend,
-                          verify=args.verify, fio=fio)
+                          verify=args.verify, fio=fio, bar=bar)
     _print_io(res, args.verify)
     results = [res.write.to_json(), res.read.to_json()]
     config = config_doc(args, paths, plan_, {"block_size": point.block_size, "queue_depth": point.queue_depth,

@@ -13,6 +13,7 @@ import torch
 
 from ..adam import OffloadedAdamW
 from ..params import offload_parameters, offloaded, restore_parameters
+from ..progress import tracked
 from ..units import format_size
 from . import report
 from .cli import config_given, positive_int_arg
@@ -152,7 +153,7 @@ class _Runs:
         pool = runs["plain"][1].state_store.pool  # None with device "cpu": then I/O as io_only moves it
         beside_shape = {"buffers": len(pool), "piece": pool.buffer_size} if pool is not None else {}
         gpu_peaks: dict[str, int] = {}
-        for _ in range(args.rounds):
+        for _ in tracked(range(args.rounds), "overlap: rounds"):
             for name in runs:
                 before = _gpu_mark(self.device)
                 times[name].append(_iterate(*runs[name], x, args.steps) / args.steps)

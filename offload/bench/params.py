@@ -13,6 +13,7 @@ import torch
 from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..params import offload_parameters, offloaded, restore_parameters
+from ..progress import tracked
 from ..state import resolve_pin
 from ..units import format_size
 from . import overlap, report
@@ -125,7 +126,8 @@ def run_params(args: argparse.Namespace) -> int:
         ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         _train_step(model, ref_opt, x)
         reset_gpu_peak(device)
-        compute = [_train_step(model, ref_opt, x) for _ in range(args.steps - 1)]
+        compute = [_train_step(model, ref_opt, x)
+                   for _ in tracked(range(args.steps - 1), "params: steps in memory (torch AdamW)")]
         compute_s = statistics.median(compute)
         torch_gpu_peak = gpu_peak(device)
         del ref_opt, model
@@ -137,7 +139,7 @@ def run_params(args: argparse.Namespace) -> int:
         store = offloaded(model).store
         opt = OffloadedAdamW(model.parameters(), lr=1e-4, config=cfg)
         try:
-            first = _train_step(model, opt, x)
+            first = _train_step(model, opt, x)  # records the order, creates the state
             r0, w0 = store.bytes_read, store.bytes_written
             gr0, gw0 = store.grad_bytes_read, store.grad_bytes_written
             or0, ow0 = opt.io_bytes()
@@ -146,7 +148,8 @@ def run_params(args: argparse.Namespace) -> int:
             reset_peak_rss()
             reset_gpu_peak(device)
             meter = Meter(sum(p.numel() for p in model.parameters()), counters_of(opt, store))
-            times = [_train_step(model, opt, x, meter) for _ in range(args.steps - 1)]
+            times = [_train_step(model, opt, x, meter)
+                     for _ in tracked(range(args.steps - 1), "params: offloaded steps")]
             ledger = meter.ledger()
             peak = report.memory_bytes("VmHWM")
             our_gpu_peak = gpu_peak(device)

@@ -1,4 +1,4 @@
-"""What ``offload-bench`` shows: the header, tables, a progress bar, the JSON file and the plots."""
+"""What ``offload-bench`` shows: the header, tables, the JSON file and the plots (progress: ``offload.progress``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import platform
 import socket
 import sys
-import time
 from typing import Any, Optional, Sequence, TextIO
 
 from .._proc import status_bytes
@@ -153,37 +152,6 @@ def fmt_gib(x: float | None) -> str:
 
 def fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}x"
-
-
-# -- progress ------------------------------------------------------------------------------------
-
-
-class Progress:
-    """A progress bar on stderr: redrawn in place on a terminal, one line per step otherwise."""
-
-    def __init__(self, total: int, out: TextIO | None = None, width: int = 30):
-        self.total = max(1, total)
-        self.out = out or sys.stderr
-        self.width = width
-        self.start = time.monotonic()
-        self.tty = bool(getattr(self.out, "isatty", lambda: False)())
-
-    def update(self, done: int, label: str = "") -> None:
-        filled = int(self.width * done / self.total)
-        bar = "#" * filled + "." * (self.width - filled)
-        elapsed = time.monotonic() - self.start
-        eta = f", ~{elapsed / done * (self.total - done):.0f}s left" if 0 < done < self.total else ""
-        text = f"[{bar}] {done}/{self.total} {label} ({elapsed:.0f}s{eta})"
-        if self.tty:
-            self.out.write("\r\x1b[2K" + text)
-        else:
-            self.out.write(text + "\n")
-        self.out.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.out.write("\n")
-            self.out.flush()
 
 
 # -- files -----------------------------------------------------------------------------------------

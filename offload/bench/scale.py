@@ -19,6 +19,7 @@ from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..params import empty_parameters, offload_parameters, offloaded, resident
 from ..pretrained import SafetensorsCheckpoint, offload_pretrained, save_pretrained
+from ..progress import tracked
 from ..units import GIB, format_size
 from . import report
 from .cli import BenchFailure, add_path_option, bench_paths, count_arg, positive_int_arg
@@ -255,7 +256,7 @@ class _Fio:
 
 def _train(model, opt, store, args, g, times: list, moved: list) -> None:
     """``args.steps`` steps; each one's time and (bytes read, bytes written) go to ``times`` and ``moved``."""
-    for _ in range(args.steps):
+    for _ in tracked(range(args.steps), "scale: steps"):
         ids = torch.randint(0, args.vocab, (1, args.seq), generator=g)
         before = (store.bytes_read + store.grad_bytes_read + opt.io_bytes()[0],
                   store.bytes_written + store.grad_bytes_written + opt.io_bytes()[1])

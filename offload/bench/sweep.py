@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 from ..buffers import BufferPool
 from ..config import AioConfig, config_to_dict
+from ..progress import progress
 from ..units import MIB
 from . import report
 from .cli import bench_paths, block_size_arg, list_arg, positive_int_arg, short_size
@@ -20,6 +21,7 @@ from .io import (
     check_pass_args,
     config_doc,
     measure,
+    passes,
     plot_title,
     setup_run,
 )
@@ -58,17 +60,13 @@ def run_sweep(args: argparse.Namespace) -> int:
                                 f"threads {','.join(map(str, args.threads))} ({len(points)} points)")]
         report.print_header("sweep", machine, params)
         done: list[PointResult] = []
-        progress = report.Progress(len(points))
-        with BufferPool(plan_.buffer_count, plan_.chunk) as pool:
+        with BufferPool(plan_.buffer_count, plan_.chunk) as pool, \
+                progress(len(points) * passes(args.runs, fio), "sweep: passes over the grid", delay=0) as bar:
             data = Data(pool, plan_.chunk)
-            try:
-                for k, point in enumerate(points):
-                    progress.update(k, point.label())
-                    done.append(measure(paths, point, plan_, pool, data, runs=args.runs, backend=args.backend,
-                                        verify=args.verify, fio=fio))
-                progress.update(len(points), "done")
-            finally:
-                progress.close()
+            for point in points:
+                bar.set_postfix_str(point.label(), refresh=False)
+                done.append(measure(paths, point, plan_, pool, data, runs=args.runs, backend=args.backend,
+                                    verify=args.verify, fio=fio, bar=bar))
     ranked = sorted(done, key=lambda r: r.mean, reverse=True)
     best = ranked[0]
     _print_sweep(ranked)

@@ -225,13 +225,14 @@ def _cpu_copy(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def scan_params(manifest: Manifest, engine: Engine, buffers: Sequence,
-                sink: Optional[Callable[[TensorEntry, int, torch.Tensor], None]] = None) -> None:
+                sink: Optional[Callable[[TensorEntry, int, torch.Tensor], None]] = None,
+                label: Optional[str] = None) -> None:
     """Read params.bin once, checking every parameter's checksum and the file's; ``sink(entry, start,
     bytes)`` gets each parameter's bytes as they pass (verified only once the last unit is in)."""
     model_section(manifest)
     read_verified(engine, manifest.sized_path(PARAMS_DATA), tensor_spans(manifest), buffers,
                   manifest.files[PARAMS_DATA].xxh3_64,
-                  sink=None if sink is None else lambda span, start, data: sink(span.key, start, data))
+                  sink=None if sink is None else lambda span, start, data: sink(span.key, start, data), label=label)
 
 
 def _tool_pool(manifest: Manifest):
@@ -257,7 +258,7 @@ def verify_model(manifest: Manifest, aio: AioConfig) -> None:
     """Check model.pt (:func:`model_memory`), params.bin's checksum and every parameter's in it."""
     model_memory(manifest)
     with _tool_pool(manifest) as pool, Engine(aio) as engine:
-        scan_params(manifest, engine, list(pool))
+        scan_params(manifest, engine, list(pool), label=f"verifying {PARAMS_DATA}")
 
 
 def state_dict(manifest: Manifest, aio: AioConfig) -> OrderedDict:
@@ -278,7 +279,7 @@ def state_dict(manifest: Manifest, aio: AioConfig) -> OrderedDict:
         flat[e.name][start:start + data.numel()].copy_(data)
 
     with _tool_pool(manifest) as pool, Engine(aio) as engine:
-        scan_params(manifest, engine, list(pool), sink)
+        scan_params(manifest, engine, list(pool), sink, label=f"exporting {PARAMS_DATA}")
     return out
 
 

@@ -3,7 +3,6 @@ checked reader of their ranges."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -15,6 +14,7 @@ from ..buffers import BufferPool
 from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
 from ..pipeline import Pipeline
+from ..progress import progress
 from ..units import ALIGNMENT, round_up
 from .format import DATA
 from .manifest import Unit
@@ -49,11 +49,8 @@ DONE = CompletedFuture()
 
 def progress_bar(total: int, what: str, enabled: Optional[bool] = None, *, delay: float = 1.0) -> tqdm:
     """A progress bar of ``total`` bytes on stderr, shown once the work has lasted ``delay`` seconds;
-    ``enabled`` None shows it only where stderr is a terminal."""
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    return tqdm(total=total, desc=what, unit="B", unit_scale=True, unit_divisor=1024, delay=delay, leave=False,
-                disable=not enabled, dynamic_ncols=True, file=sys.stderr)
+    ``enabled`` None: as :func:`offload.progress.shown` decides (a terminal, or ``OFFLOAD_PROGRESS``)."""
+    return progress(total, what, nbytes=True, enabled=enabled, delay=delay)
 
 
 def stream(items: Sequence, buffers: Sequence, *, read: Optional[Callable] = None,
@@ -187,13 +184,14 @@ class Span:
 
 def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Sequence, whole: Optional[str], *,
                   sink: Optional[Callable[[Span, int, Any], None]] = None,
-                  write: Optional[Callable[[Span, Any], Any]] = None) -> None:
+                  write: Optional[Callable[[Span, Any], Any]] = None, label: Optional[str] = None) -> None:
     """Read ``spans`` of the data file ``path`` through ``buffers`` (in parts where a span is longer than
     a buffer), check each span's checksum and then ``whole``, the file's (its spans must cover it; None:
     the file has none of its own, and the spans' checksums, which the manifest's checks make cover the
     file, are all there is). ``sink(span, start, bytes)`` gets a span's bytes (its first ``nbytes``) as
     they pass, checked only once its last part is in; with ``write(span, buffer)`` (spans no longer than
-    a buffer) each span is written on, once checked.
+    a buffer) each span is written on, once checked. ``label``: a progress bar of the bytes read, so labelled
+    (where :mod:`offload.progress` shows bars), for a read that is the whole of what a caller does.
 
     Raises:
         ChecksumError: a span's checksum, or the file's, differs (the first named).
@@ -202,7 +200,8 @@ def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Seq
     parts = [(s, off, min(size, s.length - off)) for s in spans for off in range(0, s.length, size)]
     hashes = {id(s): s.hasher() for s in spans}
     file_hash = xxhash.xxh3_64() if whole is not None else None
-    with engine.open(path, "r", no_links=True) as f:
+    with engine.open(path, "r", no_links=True) as f, \
+            progress(sum(n for _, _, n in parts), label or "", nbytes=True, enabled=None if label else False) as bar:
         def read(part, buf):
             s, off, n = part
             return engine.read_async(f, buf, s.offset + off, n)
@@ -219,6 +218,7 @@ def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Seq
                                     f"{s.xxh3_64}; the checkpoint is corrupt, load an older one")
             if sink is not None:
                 sink(s, off, real)
+            bar.update(n)
             return write is not None
 
         stream(parts, list(buffers), read=read, process=process,

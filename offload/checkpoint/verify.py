@@ -100,7 +100,8 @@ def job_shard(directory: str, world: int, rank: int) -> tuple[str, str | None]:
 def verify_data(manifest: Manifest, engine: Engine, buffers: Sequence) -> None:
     """Read state.bin once and check every unit's checksum and the file's (units larger than the buffers
     in parts)."""
-    read_verified(engine, manifest.sized_path(DATA), unit_spans(manifest), buffers, manifest.files[DATA].xxh3_64)
+    read_verified(engine, manifest.sized_path(DATA), unit_spans(manifest), buffers, manifest.files[DATA].xxh3_64,
+                  label=f"verifying {DATA}")
 
 
 def verify_checkpoint(directory: str | os.PathLike, *, local: bool = False) -> dict:
@@ -276,7 +277,8 @@ def _export_state_dict(directory: str, include_master: bool) -> dict:
                     state[e.index][key].view(-1)[c.start:c.start + c.numel].copy_(e.values(c, key, buf))
 
     with tool_pool([u.length for u in manifest.units], cap=None) as pool, Engine(aio_of(manifest)) as engine:
-        read_verified(engine, path, unit_spans(manifest), list(pool), manifest.files[DATA].xxh3_64, sink=sink)
+        read_verified(engine, path, unit_spans(manifest), list(pool), manifest.files[DATA].xxh3_64, sink=sink,
+                      label=f"exporting {DATA}")
     return {"state": state, "param_groups": [dict(g) for g in memory["param_groups"]]}
 
 

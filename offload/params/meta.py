@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from ..progress import tracked
 from .holds import release_each
 
 __all__ = ["Init", "empty_parameters", "initialise", "replace_meta"]
@@ -115,7 +116,10 @@ def initialise(model: nn.Module, store, fresh: list[nn.Parameter], init: Init,
     # An initialiser that says it sets every element (a load) spares the zeroing, a pass over new memory.
     zero = not getattr(init, "sets_every_element", False)
     initialised_modules: set[int] = set()
-    for module in _children_first(model) if init is not False else ():
+    modules = list(_children_first(model)) if init is not False else []
+    # A load (an initialiser that sets every element) counts its own bytes; this counts modules otherwise.
+    counted = modules if zero else []
+    for module in tracked(counted, "initialising weights on NVMe, by module") if counted else modules:
         own = [p for p in module._parameters.values() if p is not None and id(p) in waiting]
         fn = _initialiser(module, init)
         if not own or fn is None:

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..params import empty_parameters, named_tensors, offload_parameters, store_of
+from ..progress import progress as progress_bar
 from .files import Entry, SafetensorsCheckpoint
 
 __all__ = ["Plan", "fill_modules", "load_safetensors", "match", "offload_pretrained"]
@@ -102,8 +103,13 @@ def copy_into(ckpt: SafetensorsCheckpoint, entry: Entry, dest: torch.Tensor) -> 
             ckpt.read_into(entry.name, dest[start:stop], start, stop)
 
 
+def _bytes_to_load(plan: Plan) -> int:
+    """The checkpoint's bytes ``plan`` reads (a tied tensor's once)."""
+    return sum(e.nbytes for e in {id(e): e for e in plan.entries.values()}.values())
+
+
 def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool = True,
-                     drop_behind: Optional[bool] = None) -> Plan:
+                     drop_behind: Optional[bool] = None, progress: Optional[bool] = None) -> Plan:
     """Load a safetensors checkpoint into ``model``, one tensor at a time.
 
     ``path`` is a ``.safetensors`` file or a directory with ``model.safetensors`` or shards listed in
@@ -124,6 +130,8 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
         drop_behind: drop the checkpoint's pages from the page cache once copied (a load larger than memory
             does not push the rest of the cache out); None: unless other ranks of a job may run on this
             machine (they may read the same shards). See :class:`SafetensorsCheckpoint`.
+        progress: a progress bar (bytes read) on stderr for a load that lasts; None: where stderr is a
+            terminal (see :mod:`offload.progress`).
 
     Returns:
         The :class:`Plan`: what was loaded, and the names missing or unexpected.
@@ -138,23 +146,26 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
     with SafetensorsCheckpoint(path, drop_behind=drop_behind) as ckpt:
         plan = match(model, ckpt, strict=strict)
         done: dict[int, tuple] = {}  # id(tensor) -> (tensor, its store or None)
-        for t, names in _named(model).values():
-            entry = next((plan.entries[n] for n in names if n in plan.entries), None)
-            if entry is None:
-                continue
-            store = store_of(t)
-            done[id(t)] = (t, store)
-            if store is None:
-                copy_into(ckpt, entry, t)
-                continue
-            store.fetch(t, read=False)
-            try:
-                copy_into(ckpt, entry, t)
-            except BaseException as err:
-                store.error = err  # its extent keeps the old bytes, others have new ones
-                store.release(t)
-                raise
-            store.release(t, dirty=True)
+        with progress_bar(_bytes_to_load(plan), f"loading {os.path.basename(os.fspath(path))}", nbytes=True,
+                          enabled=progress) as bar:
+            for t, names in _named(model).values():
+                entry = next((plan.entries[n] for n in names if n in plan.entries), None)
+                if entry is None:
+                    continue
+                bar.update(entry.nbytes)
+                store = store_of(t)
+                done[id(t)] = (t, store)
+                if store is None:
+                    copy_into(ckpt, entry, t)
+                    continue
+                store.fetch(t, read=False)
+                try:
+                    copy_into(ckpt, entry, t)
+                except BaseException as err:
+                    store.error = err  # its extent keeps the old bytes, others have new ones
+                    store.release(t)
+                    raise
+                store.release(t, dirty=True)
         stores = {id(s): s for _, s in done.values() if s is not None}
         for s in stores.values():
             s.loaded([t for t, owner in done.values() if owner is s])
@@ -162,11 +173,12 @@ def load_safetensors(model: nn.Module, path: str | os.PathLike, *, strict: bool 
 
 
 def fill_modules(model: nn.Module, ckpt: SafetensorsCheckpoint, plan: Plan,
-                 fallback: Optional[Callable[[nn.Module], None]] = None) -> Callable[[nn.Module], None]:
+                 fallback: Optional[Callable[[nn.Module], None]] = None, bar=None) -> Callable[[nn.Module], None]:
     """An ``init`` for :func:`offload.offload_parameters` that fills each module's parameters from ``ckpt``
     as they are materialised from the meta device, so each is written to the swap space once, with its
     pretrained values. Parameters the checkpoint lacks get ``fallback(module)`` (run first) or zeros.
-    ``plan`` comes from :func:`match` on the same model, before it was offloaded."""
+    ``plan`` comes from :func:`match` on the same model, before it was offloaded; ``bar`` (a progress bar)
+    counts the bytes read."""
     prefixes: dict[int, str] = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
         prefixes.setdefault(id(module), prefix + "." if prefix else "")
@@ -182,6 +194,8 @@ def fill_modules(model: nn.Module, ckpt: SafetensorsCheckpoint, plan: Plan,
             if entry is not None:
                 copy_into(ckpt, entry, p)
                 done.add(id(p))
+                if bar is not None:
+                    bar.update(entry.nbytes)
 
     init.sets_every_element = not plan.missing  # every parameter comes whole from the checkpoint
     return init
@@ -189,7 +203,8 @@ def fill_modules(model: nn.Module, ckpt: SafetensorsCheckpoint, plan: Plan,
 
 def offload_pretrained(build: Callable[[], nn.Module], path: str | os.PathLike, nvme_path=None, config=None, *,
                        strict: bool = True, init_missing: Optional[Callable[[nn.Module], Callable]] = None,
-                       drop_behind: Optional[bool] = None, **offload_kwargs) -> nn.Module:
+                       drop_behind: Optional[bool] = None, progress: Optional[bool] = None,
+                       **offload_kwargs) -> nn.Module:
     """Build a model with its parameters on meta, then offload it with the weights of a safetensors checkpoint.
 
     ``build()`` runs under :func:`offload.params.empty_parameters` (parameters on meta, buffers real); the
@@ -205,7 +220,7 @@ def offload_pretrained(build: Callable[[], nn.Module], path: str | os.PathLike, 
         strict: refuse a checkpoint whose names differ from the model's.
         init_missing: ``init_missing(model)`` gives the per-module initialiser for tensors the checkpoint
             lacks (with ``strict=False``); default zeros.
-        drop_behind: as for :func:`load_safetensors`.
+        drop_behind, progress: as for :func:`load_safetensors`.
 
     Raises:
         CheckpointError: the checkpoint is missing, corrupt, or does not fit; no swap file was made.
@@ -216,7 +231,11 @@ def offload_pretrained(build: Callable[[], nn.Module], path: str | os.PathLike, 
         plan = match(model, ckpt, strict=strict)
         buffers = [(n, b) for n, b in model.named_buffers() if n in plan.entries]
         fallback = init_missing(model) if plan.missing and init_missing is not None else None
-        offload_parameters(model, nvme_path, config, init=fill_modules(model, ckpt, plan, fallback), **offload_kwargs)
-        for name, b in buffers:
-            copy_into(ckpt, plan.entries[name], b)
+        with progress_bar(_bytes_to_load(plan), f"loading {os.path.basename(os.fspath(path))}", nbytes=True,
+                          enabled=progress) as bar:
+            offload_parameters(model, nvme_path, config, init=fill_modules(model, ckpt, plan, fallback, bar),
+                               **offload_kwargs)
+            for name, b in buffers:
+                copy_into(ckpt, plan.entries[name], b)
+                bar.update(plan.entries[name].nbytes)
     return model
