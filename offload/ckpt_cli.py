@@ -12,6 +12,7 @@ Examples::
     offload-ckpt export /ckpt/step-0000001000 adamw.pt       # torch.optim.AdamW.load_state_dict(torch.load(...))
     offload-ckpt export /ckpt/step-0000001000 --model-out model.pt   # model.load_state_dict(torch.load(...))
     offload-ckpt export /ckpt/step-0000001000 --hf out/ --config base/  # AutoModel...from_pretrained("out/")
+    offload-ckpt export /ckpt/step-0000001000 --fp32 fp32/ --config base/  # the fp32 masters by name
     offload-ckpt import adamw.pt /ckpt/imported --like /ckpt/step-0000001000
     offload-ckpt mirror /ckpt/step-0000001000 /mnt/remote/ckpt/step-0000001000
 """
@@ -21,22 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from typing import Sequence
-
-import torch
-import xxhash
 
 from . import checkpoint
 from ._version import __version__
 from .checkpoint.commit import reading
-from .checkpoint.format import JOB_FORMAT, MODEL_MEMORY, PARAMS_DATA
+from .checkpoint.format import JOB_FORMAT
 from .checkpoint.manifest import read as read_either
-from .checkpoint.manifest import read_process
 from .checkpoint.ownership import is_our_format
-from .pretrained import write_checkpoint
-from .pretrained.save import Tensor
+from .export import export_fp32, export_hf
 
 PROG = "offload-ckpt"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -65,12 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", metavar="DIR",
                    help="write the model's weights as a Hugging Face checkpoint (sharded safetensors), one "
                         "tensor in memory at a time; DIR must be new or empty")
+    p.add_argument("--fp32", metavar="DIR",
+                   help="write the optimizer's fp32 master weights by parameter name as a Hugging Face checkpoint "
+                        "(DeepSpeed's zero_to_fp32); the checkpoint must have been saved with model=")
     p.add_argument("--config", metavar="HF_DIR",
-                   help="with --hf: a Hugging Face model directory whose config.json (and generation_config.json) "
-                        "go with the weights, so that from_pretrained loads DIR as it is")
-    p.add_argument("--max-shard-size", default="5GB", help="with --hf: bytes per shard at most (default 5GB)")
+                   help="with --hf or --fp32: a Hugging Face model directory whose config.json (and "
+                        "generation_config.json) go with the weights, its dtype set to theirs, so that "
+                        "from_pretrained loads DIR as it is")
+    p.add_argument("--max-shard-size", default="5GB", help="with --hf or --fp32: bytes per shard at most "
+                   "(default 5GB)")
     p.add_argument("--overwrite", action="store_true",
-                   help="with --hf: replace a Hugging Face checkpoint at DIR (never a directory with other files)")
+                   help="with --hf or --fp32: replace a Hugging Face checkpoint at DIR (never a directory with other "
+                        "files)")
 
     p = sub.add_parser("import", help="write a torch optimizer state_dict file as a checkpoint")
     p.set_defaults(run=_import)
@@ -113,9 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _export(args) -> int:
-    if args.out is None and args.model_out is None and args.hf is None:
-        print(f"{PROG} export: error: give OUT.pt (the optimizer), --model-out MODEL.pt or --hf DIR (the model)",
-              file=sys.stderr)
+    if args.out is None and args.model_out is None and args.hf is None and args.fp32 is None:
+        print(f"{PROG} export: error: give OUT.pt (the optimizer), --model-out MODEL.pt, --hf DIR (the model) or "
+              "--fp32 DIR (the fp32 masters)", file=sys.stderr)
+        return EXIT_USAGE
+    if args.hf is not None and args.fp32 is not None and os.path.abspath(args.hf) == os.path.abspath(args.fp32):
+        print(f"{PROG} export: error: --hf and --fp32 name the same directory; give each its own", file=sys.stderr)
         return EXIT_USAGE
     with reading(args.checkpoint):  # no save replaces it while it is read
         if args.out is not None:
@@ -124,8 +128,14 @@ def _export(args) -> int:
         if args.model_out is not None:
             checkpoint.export_model_checkpoint(args.checkpoint, args.model_out)
             print(f"wrote {args.model_out}")
-        if args.hf is not None:
-            print(f"wrote {_export_hf(args.checkpoint, args.hf, args.config, args.max_shard_size, args.overwrite)}")
+        for out, export in ((args.hf, export_hf), (args.fp32, export_fp32)):
+            if out is not None:
+                written = export(args.checkpoint, out, config=args.config, max_shard_size=args.max_shard_size,
+                                 overwrite=args.overwrite)
+                print(f"wrote {written}")
+                if args.config is None:
+                    print(f"{PROG} export: note: no --config, so {out} has no config.json; from_pretrained needs one",
+                          file=sys.stderr)
     return EXIT_OK
 
 
@@ -195,56 +205,6 @@ def _list(args) -> int:
             continue
         print(f"{name}: step {m.get('step')}, {m.get('created')}" + _shards_here(path, m, ", {}"))
     return EXIT_OK
-
-
-_SLICE = 64 << 20  # bytes of a weight read from params.bin at once by the --hf export
-
-
-def _export_hf(directory: str, out: str, config: str | None, max_shard_size: str, overwrite: bool) -> str:
-    """A checkpoint's model as a Hugging Face checkpoint: verified first, then each offloaded weight read from
-    params.bin alone (its checksum checked again), the others from model.pt mapped, not read whole."""
-    checkpoint.verify_checkpoint(directory)
-    manifest = read_process(directory)
-    section = manifest.model
-    if section is None:
-        raise checkpoint.CheckpointError(f"checkpoint {directory} holds no model weights; save it with model=")
-    params = manifest.path(PARAMS_DATA) if any(e.where == PARAMS_DATA for e in section.tensors) else None
-    memory = torch.load(manifest.path(MODEL_MEMORY), mmap=True, weights_only=True, map_location="cpu")
-
-    def writer(e):
-        def write(f) -> None:
-            if e.where != PARAMS_DATA:
-                f.write(memory[e.name].contiguous().reshape(-1).view(torch.uint8).numpy().data)
-                return
-            # In slices: one pread returns at most about 2 GiB, and a tensor need not be in memory whole.
-            digest = xxhash.xxh3_64()
-            with open(params, "rb") as src:
-                for start in range(0, e.length, _SLICE):
-                    data = os.pread(src.fileno(), min(_SLICE, e.length - start), e.offset + start)
-                    if not data:
-                        break
-                    digest.update(data)
-                    f.write(data)
-            if digest.hexdigest() != e.xxh3_64:
-                raise checkpoint.ChecksumError(f"{params}: {e.name!r} changed since it was verified")
-        return write
-
-    tensors = [Tensor(e.name, tuple(e.shape), getattr(torch, e.dtype), writer(e))
-               for e in section.tensors if e.same_as is None]
-
-    def extra(tmp: str) -> None:
-        for name in ("config.json", "generation_config.json"):
-            if config is not None and os.path.isfile(os.path.join(config, name)):
-                shutil.copyfile(os.path.join(config, name), os.path.join(tmp, name))
-
-    if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
-        raise checkpoint.CheckpointError(f"--config {config}: no config.json there; give the model's Hugging Face "
-                                         "directory")
-    written = write_checkpoint(out, tensors, max_shard_size=max_shard_size, extra=extra, overwrite=overwrite)
-    if config is None:
-        print(f"{PROG} export: note: no --config, so {out} has no config.json; from_pretrained needs one",
-              file=sys.stderr)
-    return written
 
 
 def _shards_here(path: str, manifest: dict, form: str) -> str:

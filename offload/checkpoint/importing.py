@@ -61,7 +61,7 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
             data = write_data(staged, target.cfg.aio, list(pool), units, read=None, fill=laid.fill,
                               nbytes_of=lambda u: u.nbytes)
         entries, memory_state, steps = laid.entries()
-        taken = Plan(units, entries, torch_groups(groups, renumber), memory_state, steps)
+        taken = Plan(units, entries, torch_groups(groups, renumber), memory_state, steps, {})
         return write_small_files(staged, taken, data, kind="imported", extra=extra,
                                  config=config_to_dict(target.cfg, only=None), unit_bytes=target.unit_bytes,
                                  threshold=target.threshold)

@@ -235,6 +235,9 @@ class TensorEntry(Entry):
     offset: Optional[int] = json_field(count, None)
     length: Optional[int] = json_field(count, None)
     xxh3_64: Optional[str] = json_field(string, None)
+    # The optimizer's index of this parameter (its ``params`` entry), when saved beside the optimizer's state:
+    # what names the state, so the fp32 masters can be exported by parameter name.
+    param: Optional[int] = json_field(count, None)
 
     def check(self, name: str) -> None:
         if self.same_as is not None:

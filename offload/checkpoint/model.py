@@ -151,9 +151,10 @@ class _Unit:
 # saved and loaded are docs/checkpoint.md's "Format", "Saving the model" and "Loading checks first": in
 # short, nothing is fetched to save, and a load checks every checksum in a first read of params.bin before
 # a second one changes anything, then overwrites every in-memory copy so that no stale one survives.
-def save_model(model: nn.Module, staged: Staged) -> tuple[ModelSection, dict]:
+def save_model(model: nn.Module, staged: Staged, index_of: Optional[dict] = None) -> tuple[ModelSection, dict]:
     """Write params.bin and model.pt into ``staged``; returns the manifest's model section and the two
-    files' entries (as ``write_file`` returns them)."""
+    files' entries (as ``write_file`` returns them). ``index_of``: ``id(param) ->`` the optimizer's index of it,
+    recorded with each parameter it holds."""
     first: dict[int, str] = {}
     entries, offloaded, memory = [], [], {}
     for name, t, kind in named_tensors(model):
@@ -163,7 +164,8 @@ def save_model(model: nn.Module, staged: Staged) -> tuple[ModelSection, dict]:
         first[id(t)] = name
         store = store_of(t) if kind == "param" else None
         where = MODEL_MEMORY if store is None else PARAMS_DATA
-        entries.append(TensorEntry(name, None, kind, tuple(t.shape), dtype_name(t.dtype), where))
+        index = (index_of or {}).get(id(t)) if kind == "param" else None
+        entries.append(TensorEntry(name, None, kind, tuple(t.shape), dtype_name(t.dtype), where, param=index))
         if store is None:
             memory[name] = _cpu_copy(t, name)
         else:

@@ -162,10 +162,10 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
             if blocking:
                 with progress_bar(state.total, "save", show) as bar:
                     data = state.run(store.buffers, bar)
-                model_part = save_model(model, staged) if model is not None else None
+                model_part = save_model(model, staged, taken.index) if model is not None else None
                 finish(data)
             else:
-                model_part = save_model(model, staged) if model is not None else None
+                model_part = save_model(model, staged, taken.index) if model is not None else None
                 state.guard_on()  # from here the next step hands the units over; waiting on the handle hurries it
                 handle = SaveHandle(staged.directory, hurry=state.hurry)
 

@@ -61,6 +61,7 @@ class Plan:
     groups: list
     memory_state: dict
     steps: dict
+    index: dict  # id(param) -> its index in the groups (what names the state in a model's section)
 
 
 def cpu_state(state: dict) -> dict:
@@ -102,7 +103,7 @@ def plan(opt) -> Plan:
         else:
             entries.append(ParamEntry(i, "none", False, tuple(p.shape), dtype_name(p.dtype), p.numel()))
     groups = copy.deepcopy(torch_groups(opt.param_groups, index))  # hyperparameters may change in place
-    return Plan(units, entries, groups, memory_state, steps)
+    return Plan(units, entries, groups, memory_state, steps, {id(p): i for p, i in index.items()})
 
 
 # -- state.bin: the units as they were at the call ------------------------------------------------

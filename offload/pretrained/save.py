@@ -23,11 +23,12 @@ from ..errors import CheckpointError, StateError
 from ..modes import dir_mode, file_mode
 from ..params import store_of
 from ..pipeline import Pipeline
+from ..progress import progress as progress_bar
 from ..units import parse_size
 from .files import INDEX, SINGLE, dtype_name
 from .load import _named
 
-__all__ = ["Tensor", "save_into", "save_pretrained", "write_checkpoint"]
+__all__ = ["Tensor", "save_into", "save_pretrained", "saved_dtype", "write_checkpoint", "write_dtype"]
 
 _DEFAULT_SHARD = "5GB"  # Hugging Face's default max_shard_size
 # What a Hugging Face save puts in a directory: an existing one holding only these may be replaced.
@@ -103,7 +104,8 @@ def _refuse(directory: str, overwrite: bool) -> None:
 
 def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
                      max_shard_size: int | str = _DEFAULT_SHARD, extra: Optional[Callable[[str], None]] = None,
-                     overwrite: bool = False, aio: Optional[AioConfig] = None) -> str:
+                     overwrite: bool = False, aio: Optional[AioConfig] = None,
+                     progress: Optional[bool] = None) -> str:
     """Write ``tensors`` as a Hugging Face safetensors checkpoint in ``directory``, atomically.
 
     Everything goes to a fresh directory beside ``directory``; each file is fsynced, then one rename
@@ -118,6 +120,8 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         extra: ``extra(tmp_dir)`` writes more files (config.json) into the new directory before the commit.
         overwrite: replace an existing Hugging Face checkpoint (only its own kinds of files) at ``directory``.
         aio: the engine settings the shards are written with (``o_direct`` among them); the defaults if None.
+        progress: a progress bar on stderr (bytes written) for a save that lasts; None: where stderr is a
+            terminal (see :mod:`offload.progress`).
 
     Returns:
         ``directory``, absolute.
@@ -142,7 +146,8 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         weight_map = {}
         # Direct I/O where the file system has it (see AppendFile), every shard through the same three buffers.
-        with Engine(aio) as engine, BufferPool(3, 8 << 20) as buffers:
+        with Engine(aio) as engine, BufferPool(3, 8 << 20) as buffers, \
+                progress_bar(sum(s.nbytes for s in shards), f"saving {base}", nbytes=True, enabled=progress) as bar:
             for name, shard in zip(names, shards):
                 header = _header(shard.tensors)
                 size = len(header) + shard.nbytes  # reserved: a disk too full for this shard shows at once
@@ -154,6 +159,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
                         if f.tell() - start != t.nbytes:
                             raise CheckpointError(f"{t.name!r} wrote {f.tell() - start} bytes, not {t.nbytes}")
                         weight_map[t.name] = name
+                        bar.update(t.nbytes)
         if n > 1:
             with create_private(os.path.join(tmp, INDEX), text=True) as f:
                 json.dump({"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}, f,
@@ -242,7 +248,7 @@ def model_tensors(model: nn.Module) -> list[Tensor]:
 
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int | str = _DEFAULT_SHARD,
-                    overwrite: bool = False) -> str:
+                    overwrite: bool = False, progress: Optional[bool] = None) -> str:
     """Save ``model`` as a directory ``transformers``' ``from_pretrained`` loads as it is.
 
     Weights go to safetensors shards of at most ``max_shard_size`` (with ``model.safetensors.index.json``
@@ -258,6 +264,10 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
         directory: a new or empty directory (or, with ``overwrite``, a Hugging Face checkpoint to replace).
         max_shard_size: bytes per shard at most (``"5GB"``, Hugging Face's default, or an int).
         overwrite: replace a Hugging Face checkpoint already at ``directory``.
+        progress: a progress bar on stderr; None: where stderr is a terminal.
+
+    The config.json written says the dtype the weights are saved in (``dtype``, and ``torch_dtype`` where the
+    config has that older key), so ``from_pretrained`` loads them as saved, not as the config said before.
 
     Returns:
         ``directory``, absolute.
@@ -270,16 +280,51 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
     if not isinstance(model, nn.Module):
         raise TypeError(f"save_pretrained expects a torch.nn.Module, got {type(model).__name__}")
 
+    tensors = model_tensors(model)
+
     def extra(tmp: str) -> None:
         for attr in ("config", "generation_config"):
             obj = getattr(model, attr, None)
             if obj is not None and callable(getattr(obj, "save_pretrained", None)):
                 obj.save_pretrained(tmp)
+        write_dtype(os.path.join(tmp, "config.json"), saved_dtype(tensors))
 
     # The shards are written with the aio settings the model's weights were offloaded with (o_direct among them).
     stores = [s for s in (store_of(p) for p in model.parameters()) if s is not None]
-    return write_checkpoint(directory, model_tensors(model), max_shard_size=max_shard_size, extra=extra,
-                            overwrite=overwrite, aio=stores[0].config.aio if stores else None)
+    return write_checkpoint(directory, tensors, max_shard_size=max_shard_size, extra=extra,
+                            overwrite=overwrite, aio=stores[0].config.aio if stores else None, progress=progress)
+
+
+def saved_dtype(tensors: Iterable[Tensor]) -> Optional[torch.dtype]:
+    """The floating-point dtype most of ``tensors``' floating elements have (what a config's ``dtype`` says of a
+    checkpoint), or None without floating tensors."""
+    count: dict = {}
+    for t in tensors:
+        if t.dtype.is_floating_point:
+            count[t.dtype] = count.get(t.dtype, 0) + t.nbytes // t.dtype.itemsize
+    return max(count, key=count.get) if count else None
+
+
+# NOTE: transformers loads a checkpoint in the dtype its config.json names (``dtype``; ``torch_dtype`` before
+# transformers 4.56) when asked for "auto", and model code reads it too. A config copied or saved from the model
+# as it was built says what it was built as: bf16 weights exported with an fp32 config load as fp32. So the
+# dtype the shards hold is written into the config, under each key it has.
+def write_dtype(config_json: str, dtype: Optional[torch.dtype]) -> None:
+    """Set ``dtype`` (and ``torch_dtype``, where present) in the config.json at ``config_json`` to ``dtype``'s
+    name; nothing without a file or a dtype. The file keeps its other keys and their order."""
+    if dtype is None or not os.path.isfile(config_json):
+        return
+    with open(config_json, encoding="utf-8") as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict):
+        return
+    name = str(dtype).removeprefix("torch.")
+    doc["dtype"] = name
+    if "torch_dtype" in doc:
+        doc["torch_dtype"] = name
+    with open(config_json, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=2, sort_keys=False)
+        f.write("\n")
 
 
 def _hf_weights(name: str) -> bool:
