@@ -2,8 +2,11 @@
 interleaved in one run, per iteration (forward, backward, step, zero_grad).
 
 Each run is a process of its own (``python -m offload.bench.peer``), so its peak RSS is its own. DeepSpeed runs
-where a Python that imports it is given (``--peer-python``; ``../shared/peers/setup.sh``-style venvs are found
-at ``~/.peer-venv``) and is never a dependency: without it only our variants are timed, and the report says so.
+where a Python that imports it is given (``--peer-python``; the venv ``scripts/deepspeed-venv.sh`` makes is found
+at ``~/.peer-venv``) and is never a dependency: without it, or with ``--no-deepspeed``, only our variants are timed,
+and the report says so. DeepSpeed's ops are built (JIT, minutes the first time) before the first round, with a
+progress bar, in a build directory of ours held by a lock, so that a build killed half way leaves no stale lock of
+torch's behind to block the next run.
 Ours runs plain, and with its extras, each labelled: a host cache sized so our peak RSS matches DeepSpeed's
 (measured in the same run), ``overlap_backward``, bf16 state for bf16 models, and without checksums (in every
 round, beside ours: the cost of the default integrity check, as the median of the rounds' on/off ratios). The same
@@ -14,6 +17,8 @@ A second table splits each variant's iteration into forward, backward, step and 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import glob
 import json
 import os
 import shutil
@@ -21,8 +26,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Optional
 
+from ..progress import progress
 from ..units import format_size
 from . import report
 from .cli import EXIT_OK, BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
@@ -50,7 +57,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--iterations", type=positive_int_arg(3, 100), default=6, metavar="N",
                    help="iterations per run; the first is left out of the medians (default 6)")
     p.add_argument("--peer-python", metavar="PYTHON", help="a Python that imports deepspeed (default: "
-                   "~/.peer-venv/bin/python if present, else this one if it imports deepspeed)")
+                   "~/.peer-venv/bin/python if present, else this one if it imports deepspeed; "
+                   "scripts/deepspeed-venv.sh makes one)")
+    p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed out, even where it is installed: "
+                   "ours and torch's in-memory AdamW only")
     p.add_argument("--no-extras", action="store_true", help="ours plain only (no host cache, no bf16 state)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the model computes, for every variant; cuda needs a GPU (default cpu)")
@@ -73,7 +83,8 @@ def _peer_python(given: Optional[str]) -> tuple[Optional[str], str]:
             return py, done.stdout.strip().splitlines()[-1]
         if given:
             raise UsageError(f"--peer-python {given} cannot import deepspeed: {done.stderr.strip()[-300:]}")
-    return None, "DeepSpeed is not importable here (give --peer-python, e.g. a venv from ../shared/peers/setup.sh)"
+    return None, ("DeepSpeed is not importable here (give --peer-python, e.g. the venv scripts/deepspeed-venv.sh "
+                  "makes)")
 
 
 UNCHECKED = "ours, checksums off"
@@ -91,7 +102,7 @@ def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, stat
     cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16 + ["--overlap"] * overlap
     cmd += ["--no-master"] * (not master) + (["--max-grad-norm", str(clip)] if clip is not None else [])
     cmd += ["--device", args.device]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
+    env = dict(_peer_env(), PYTHONPATH=os.pathsep.join(filter(None, [_repo_root(), os.environ.get("PYTHONPATH")])))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     finally:
@@ -129,7 +140,16 @@ def _repo_root() -> str:
 def run_compare(args: argparse.Namespace) -> int:
     """``offload-bench compare``: every variant once per round, in alternating order, then the medians."""
     require_cuda(args.device)
-    peer, why = _peer_python(args.peer_python)
+    if args.no_deepspeed:
+        peer, why = None, "left out (--no-deepspeed)"
+    else:
+        peer, why = _peer_python(args.peer_python)
+        if peer is not None:
+            failed = build_ops(peer)
+            if failed:
+                print(f"note: DeepSpeed's ops did not build: {failed}\nDeepSpeed is left out of this comparison; "
+                      "ours goes on.")
+                peer, why = None, f"{why}, but its ops did not build: {failed}"
     with bench_paths(args.paths) as paths:
         root = paths[0]
         n = max(1, args.params // (WIDTH * WIDTH)) * WIDTH * WIDTH  # whole Linear(2048, 2048) layers
@@ -181,11 +201,16 @@ def _rounds(args: argparse.Namespace, peer: Optional[str], root: str) -> tuple[d
         variants.append((TORCH, {}))
     runs: dict[str, list] = {}
     failed = None
+    bar = progress(None, "compare: runs, each a process")  # the extras join after the first round
     for r in range(args.rounds):
+        bar.total = bar.n + len(variants) * (args.rounds - r)
+        bar.refresh()
         for name, kw in variants if r % 2 == 0 else variants[::-1]:
+            bar.set_postfix_str(f"round {r + 1}: {name}")
             system = {DEEPSPEED: DEEPSPEED, TORCH: "torch"}.get(name, "ours")
             try:
                 result = _run(peer if system == DEEPSPEED else sys.executable, system, root, args, **kw)
+                bar.update(1)
             except BenchFailure as err:
                 if system != DEEPSPEED:
                     raise
@@ -198,6 +223,7 @@ def _rounds(args: argparse.Namespace, peer: Optional[str], root: str) -> tuple[d
             variants = [v for v in variants if v[0] != DEEPSPEED]
         if r == 0 and not args.no_extras:
             variants += _extras(args, runs)
+    bar.close()
     return runs, failed
 
 
@@ -265,3 +291,62 @@ def _ledger_row(ledger: Optional[Ledger]) -> list:
 
 def _median(results, key) -> Optional[float]:
     return statistics.median(x[key] for x in results) if results else None
+
+
+# -- DeepSpeed's ops, built once, in a directory of ours ----------------------------------------------------
+
+# NOTE: DeepSpeed compiles its CPU Adam and aio ops the first time they load, with torch's cpp_extension, which
+# holds a file named "lock" in the op's build directory while it builds and waits forever ("Waiting for lock")
+# for one it finds: a build killed half way blocks every later run until the file is removed by hand. The ops are
+# built here before the first round, as a step of their own with a progress bar, in TORCH_EXTENSIONS_DIR of our
+# own (the runs use the same), under an flock of ours on that directory. Whoever holds the flock is the only
+# builder there, so a "lock" file found while holding it was left by a build that died: it is removed, named.
+_OPS = ("CPUAdamBuilder", "AsyncIOBuilder")
+_BUILD = "from deepspeed.ops.op_builder import {ops}\nfor b in ({ops},):\n    b().load()"
+
+
+def extensions_dir() -> str:
+    """Where DeepSpeed's ops are built for compare (``$XDG_CACHE_HOME`` or ~/.cache, nvme-offload's part)."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(cache, "nvme-offload", "torch_extensions")
+
+
+def _peer_env() -> dict:
+    return dict(os.environ, TORCH_EXTENSIONS_DIR=extensions_dir())
+
+
+def build_ops(python: str, *, timeout: float = 3600) -> Optional[str]:
+    """Build DeepSpeed's CPU Adam and aio ops with ``python`` (nothing to do once built), showing progress; the
+    last lines of the build's error where it failed, else None."""
+    directory = extensions_dir()
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, ".offload-bench.lock"), "a") as held:
+        try:
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for another offload-bench compare building DeepSpeed's ops in {directory} ...", flush=True)
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        for stale in glob.glob(os.path.join(directory, "*", "lock")):
+            os.unlink(stale)
+            print(f"removed {stale}, left by a build of DeepSpeed's ops that did not finish")
+        code = _BUILD.format(ops=", ".join(_OPS))
+        with tempfile.TemporaryFile("w+") as log, \
+                progress(None, "building DeepSpeed's ops (minutes, the first time only)") as bar:
+            proc = subprocess.Popen([python, "-c", code], stdout=log, stderr=subprocess.STDOUT, text=True,
+                                    env=_peer_env())
+            start = time.monotonic()
+            try:
+                while proc.poll() is None:
+                    if time.monotonic() - start > timeout:
+                        raise BenchFailure(f"building DeepSpeed's ops took more than {timeout:.0f} s")
+                    time.sleep(0.5)
+                    bar.refresh()  # the elapsed time moves
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            log.seek(0)
+            output = log.read()
+        if proc.returncode == 0:
+            return None
+        return " / ".join(output.strip().splitlines()[-3:])[-500:] or f"exit status {proc.returncode}"
