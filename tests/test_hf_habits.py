@@ -4,6 +4,8 @@ masters by name (what DeepSpeed's zero_to_fp32 gives)."""
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
 import torch
@@ -156,3 +158,136 @@ def test_loads_saves_and_exports_show_progress_where_asked(gpt2_dir, nvme, closi
     assert ckpt_main(["export", str(tmp_path / "ckpt"), "--hf", str(tmp_path / "out"), "--config", str(gpt2_dir)]) == 0
     err = capsys.readouterr().err
     assert "saving out" in err and "100%" in err
+
+
+@pytest.fixture
+def hub_cache(gpt2_dir, tmp_path, monkeypatch):
+    """A local Hugging Face hub cache holding "acme/tiny-gpt2" (refs/main -> a snapshot of gpt2_dir), set as
+    huggingface_hub's cache; HF_HUB_OFFLINE unset."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-gpt2"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    shutil.copytree(gpt2_dir, repo / "snapshots" / "0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return cache
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to reach the network fails the test at once."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"the network was used: {args[:2]}")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def test_a_hub_id_in_the_local_cache_loads_with_no_network(gpt2_dir, hub_cache, no_network, nvme, closing):
+    """from_pretrained("org/name") resolves the id through huggingface_hub's local cache and loads the cached
+    snapshot without touching the network (HF_HUB_OFFLINE unset): the weights equal those of its directory."""
+    from offload.integrations.transformers import from_pretrained
+
+    model = closing(from_pretrained("acme/tiny-gpt2", nvme_path=nvme, torch_dtype=torch.bfloat16))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(gpt2_dir, dtype=torch.bfloat16)
+    with materialized(model):
+        got = model.state_dict()
+        for name, value in ref.state_dict().items():
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], value), name
+
+
+def test_a_hub_id_not_cached_is_a_clear_error_offline_and_one_download_attempt_online(hub_cache, nvme, monkeypatch):
+    """Not in the cache: with HF_HUB_OFFLINE set, an error at once naming the id, the cache and how to fetch it;
+    online, exactly one download attempt (no retries), its failure one error naming the id. No swap file either
+    way."""
+    import time
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from offload import CheckpointError
+    from offload.integrations.transformers import from_pretrained
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    t = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"acme/absent is neither a directory here nor in the local Hugging "
+                                              r"Face cache .*HF_HUB_OFFLINE is set.*hf download acme/absent"):
+        from_pretrained("acme/absent", nvme_path=nvme)
+    assert time.monotonic() - t < 5
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    calls = []
+    real = huggingface_hub.snapshot_download
+
+    def download(repo, **kw):
+        calls.append(kw.get("local_files_only", False))
+        if kw.get("local_files_only"):
+            return real(repo, **kw)
+        raise ConnectionError("Failed to resolve 'huggingface.co'")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    with pytest.raises(CheckpointError, match=r"could not be downloaded \(ConnectionError: Failed to resolve"):
+        from_pretrained("acme/absent", nvme_path=nvme)
+    assert calls == [True, False]  # the cache, then one attempt
+    assert not os.path.exists(nvme)
+
+
+@pytest.mark.parametrize("given, message", [
+    ("/no/such/model", r"no such directory: /no/such/model; give the directory holding config.json"),
+    ("./no-such-model", r"no such directory: ./no-such-model"),
+])
+def test_a_missing_directory_is_named_before_transformers_is_asked(given, message, nvme):
+    """A path that does not exist is "no such directory", not transformers' "Repo id must be in the form"."""
+    from offload import CheckpointError
+    from offload.integrations.transformers import from_pretrained
+
+    with pytest.raises(CheckpointError, match=message):
+        from_pretrained(given, nvme_path=nvme)
+
+
+def test_a_directory_without_config_json_is_refused(tmp_path, nvme):
+    """A directory that holds no config.json is refused, naming it."""
+    from offload import CheckpointError
+    from offload.integrations.transformers import from_pretrained
+
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(CheckpointError, match=r"weights has no config.json"):
+        from_pretrained(tmp_path / "weights", nvme_path=nvme)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"device_map": "auto"}, r"device_map=\.\.\.\) is not supported here: .*pass device=\"cuda:0\""),
+    ({"max_memory": {0: "10GiB"}}, r"max_memory.*set max_in_cpu="),
+    ({"load_in_8bit": True}, r"quantized weights are not supported"),
+    ({"offload_folder": "/x"}, r"pass nvme_path= instead"),
+    ({"low_cpu_mem_usage": False}, r"one tensor at a time"),
+    ({"max_in_cpus": 0}, r"from_pretrained\(\) got an unexpected keyword argument 'max_in_cpus'; .*max_in_cpu"),
+    ({"dtype": torch.float16, "torch_dtype": torch.bfloat16}, r"the same setting .*give one"),
+    ({"dtype": "int8"}, r"not a floating-point torch dtype"),
+])
+def test_transformers_keywords_with_no_meaning_here_are_refused_saying_what_to_do(gpt2_dir, nvme, kw, message):
+    """device_map, max_memory, quantization and the like are refused with a sentence naming what to use instead;
+    an unknown keyword names from_pretrained, not a function the user did not call; no swap file is made."""
+    from offload.integrations.transformers import from_pretrained
+
+    with pytest.raises(TypeError, match=message):
+        from_pretrained(gpt2_dir, nvme_path=nvme, **kw)
+    assert not os.path.exists(nvme)
+
+
+@pytest.mark.parametrize("kw, expected", [({"torch_dtype": torch.bfloat16}, torch.bfloat16),
+                                          ({"dtype": "float16"}, torch.float16), ({"dtype": "auto"}, torch.float32),
+                                          ({"low_cpu_mem_usage": True}, torch.float32)])
+def test_dtype_torch_dtype_auto_and_harmless_keywords_are_taken(gpt2_dir, nvme, closing, kw, expected):
+    """torch_dtype (transformers' older name), a dtype by name, "auto" (config.json's) and low_cpu_mem_usage=True
+    load as transformers would."""
+    from offload.integrations.transformers import from_pretrained
+
+    model = closing(from_pretrained(gpt2_dir, nvme_path=nvme, **kw))
+    assert {p.dtype for p in model.parameters()} == {expected}

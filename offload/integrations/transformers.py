@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from ..params import clip_grad_norm_
-from ..pretrained import offload_pretrained, save_pretrained
+from ..pretrained import model_directory, offload_pretrained, save_pretrained
 from ..pretrained.save import save_into
 from . import OFFLOAD_DIR
 from ._common import has_offloaded_grads, has_offloaded_weights, offloaded_optimizer, unwrap_model
@@ -153,8 +153,45 @@ def _refuse_overlap(optimizer, args) -> None:
             "per-device batch), or build the optimizer without overlap_backward.")
 
 
+# What transformers' from_pretrained takes that has no meaning here, each with what to do instead.
+_REFUSED = {
+    "device_map": "weights live on NVMe and each module's are fetched to the model's one device for its forward; "
+                  "pass device=\"cuda:0\" (or leave it for the CPU). Across GPUs, shard with FSDP2 and offload the "
+                  "optimizer state (OffloadedAdamW), or one process per GPU with DDP",
+    "max_memory": "host memory for weights is the parameter pool and max_in_cpu (elements kept in host memory): set "
+                  "max_in_cpu= and max_grad_in_cpu= instead (0: everything on NVMe)",
+    "offload_folder": "weights are offloaded to nvme_path: pass nvme_path= instead",
+    "offload_state_dict": "weights always stream from the checkpoint one tensor at a time",
+    "offload_buffers": "buffers stay in memory (they are small); weights go to nvme_path",
+    "load_in_8bit": "quantized weights are not supported: pass dtype=torch.bfloat16 for half the bytes of fp32",
+    "load_in_4bit": "quantized weights are not supported: pass dtype=torch.bfloat16 for half the bytes of fp32",
+    "quantization_config": "quantized weights are not supported: pass dtype=torch.bfloat16 for half the bytes of fp32",
+    "tp_plan": "tensor parallelism is not supported with weights on NVMe: shard with FSDP2 and offload the optimizer "
+               "state (OffloadedAdamW)",
+    "tp_size": "tensor parallelism is not supported with weights on NVMe: shard with FSDP2 and offload the optimizer "
+               "state (OffloadedAdamW)",
+    "device_mesh": "tensor parallelism is not supported with weights on NVMe: shard with FSDP2 and offload the "
+                   "optimizer state (OffloadedAdamW)",
+    "gguf_file": "only safetensors checkpoints are read: convert the GGUF file with transformers first",
+    "from_tf": "only safetensors checkpoints are read: save the model with transformers' save_pretrained first",
+    "from_flax": "only safetensors checkpoints are read: save the model with transformers' save_pretrained first",
+    "variant": "only the default weight files are read: save the variant without it, or give its directory",
+    "output_loading_info": "what was loaded, missing or unexpected is checked strictly (strict=False loads what "
+                           "matches); there is no separate report",
+}
+# Accepted for compatibility, when they ask for what is done anyway.
+_SAME_AS_OURS = {"low_cpu_mem_usage": (True, "weights are always loaded one tensor at a time: low_cpu_mem_usage "
+                                             "cannot be False"),
+                 "use_safetensors": (True, "only safetensors checkpoints are read: use_safetensors cannot be False")}
+_OFFLOAD_KEYWORDS = ("max_in_cpu", "max_grad_in_cpu", "prefetch", "buffer_count", "buffer_size", "pin_memory",
+                     "offload_grads", "device", "drop_behind")
+
+
 def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, model_class=None, dtype=None,
-                    strict: bool = True, **offload_kwargs):
+                    torch_dtype=None, strict: bool = True, revision: Optional[str] = None,
+                    cache_dir: Optional[str] = None, token=None, local_files_only: Optional[bool] = None,
+                    subfolder: str = "", trust_remote_code: bool = False, attn_implementation: Optional[str] = None,
+                    progress: Optional[bool] = None, **kwargs):
     """Build a Hugging Face model from ``path``'s config.json with its weights straight on NVMe, and load its
     safetensors weights, in one call; host memory stays the pools and one module whatever the model's size.
 
@@ -166,34 +203,87 @@ def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, mod
 
     Args:
         path: a directory holding config.json and ``model.safetensors`` or shards with
-            ``model.safetensors.index.json`` (what ``save_pretrained`` writes; nothing is downloaded).
+            ``model.safetensors.index.json`` (what ``save_pretrained`` writes), or a Hugging Face hub id
+            (``"gpt2"``, ``"org/name"``): one in the local hub cache loads with no network at all; one that is not
+            is downloaded once (JSON and safetensors files only), unless ``HF_HUB_OFFLINE`` (or
+            ``local_files_only``) forbids it, where it is an error saying how to fetch it.
         nvme_path, config: as for :func:`offload.offload_parameters` (``offload_param`` settings).
         model_class: the ``transformers`` class to build (default ``AutoModelForCausalLM``).
-        dtype: the weights' dtype (default: config.json's ``dtype``, else float32).
+        dtype: the weights' dtype: a ``torch.dtype``, its name (``"bfloat16"``) or ``"auto"`` (default: config.json's
+            ``dtype``, else float32). ``torch_dtype`` is transformers' older name for it.
         strict: refuse a checkpoint whose names differ from the model's; with False, tensors it lacks get
             the model's own ``_init_weights``.
-        offload_kwargs: more keywords for :func:`offload.offload_parameters` (``max_in_cpu=0``, ...), and
-            ``drop_behind`` for :func:`offload.pretrained.offload_pretrained`.
+        revision, cache_dir, token, local_files_only, subfolder: where a hub id is found, as in transformers.
+        trust_remote_code, attn_implementation: passed to transformers (the config and the model's build).
+        progress: a progress bar of the bytes loaded (None: where stderr is a terminal).
+        kwargs: keywords of :func:`offload.offload_parameters` (``max_in_cpu=0``, ``max_grad_in_cpu=0``,
+            ``device="cuda"``, ...), and ``drop_behind`` of :func:`offload.pretrained.offload_pretrained`.
+            transformers' placement and quantization keywords (``device_map``, ``max_memory``, ``load_in_8bit``,
+            ...) are refused, each with what to do instead.
 
     Raises:
-        CheckpointError: the checkpoint is missing, corrupt, or does not fit the config (named); no swap
-            file was made.
+        CheckpointError: no such directory or cached hub id, no config.json, or a checkpoint that is missing,
+            corrupt, or does not fit the config (named); no swap file was made.
+        TypeError: a keyword this function does not take, or one of transformers' it refuses.
     """
+    _check_keywords(kwargs)
+    dtype = _dtype_argument(dtype, torch_dtype)
     try:
         import transformers
     except ImportError as err:
         raise ImportError("from_pretrained needs transformers: pip install 'nvme-offload[integrations]'") from err
-    hf_config = transformers.AutoConfig.from_pretrained(os.fspath(path))
-    if dtype is None:
-        dtype = getattr(hf_config, "dtype", None) or torch.float32
+    directory = model_directory(path, revision=revision, cache_dir=cache_dir, token=token,
+                                local_files_only=local_files_only, subfolder=subfolder)
+    hf_config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    if dtype is None or dtype == "auto":
+        dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
-    model = offload_pretrained(lambda: cls.from_config(hf_config, dtype=dtype), path, nvme_path, config,
-                               strict=strict, init_missing=lambda m: m._init_weights, **offload_kwargs)
+    build = {"dtype": dtype, "trust_remote_code": trust_remote_code} if cls is transformers.AutoModelForCausalLM \
+        else {"dtype": dtype}
+    if attn_implementation is not None:
+        build["attn_implementation"] = attn_implementation
+    model = offload_pretrained(lambda: cls.from_config(hf_config, **build), directory, nvme_path, config,
+                               strict=strict, init_missing=lambda m: m._init_weights, progress=progress, **kwargs)
     if getattr(model, "generation_config", None) is not None and \
-            os.path.isfile(os.path.join(os.fspath(path), "generation_config.json")):
-        model.generation_config = transformers.GenerationConfig.from_pretrained(os.fspath(path))
+            os.path.isfile(os.path.join(directory, "generation_config.json")):
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     return model.eval()
+
+
+def _check_keywords(kwargs: dict) -> None:
+    """Refuse what from_pretrained does not take, naming it from_pretrained's (not offload_parameters')."""
+    for key, value in kwargs.items():
+        if key in _REFUSED:
+            raise TypeError(f"from_pretrained(..., {key}=...) is not supported here: {_REFUSED[key]}.")
+        if key in _SAME_AS_OURS:
+            wanted, why = _SAME_AS_OURS[key]
+            if value != wanted:
+                raise TypeError(f"from_pretrained(..., {key}={value!r}): {why}.")
+            continue
+        if key not in _OFFLOAD_KEYWORDS:
+            raise TypeError(f"from_pretrained() got an unexpected keyword argument {key!r}; besides its own it takes "
+                            f"offload_parameters' {', '.join(_OFFLOAD_KEYWORDS)}")
+    for key in _SAME_AS_OURS:
+        kwargs.pop(key, None)
+
+
+def _dtype_argument(dtype, torch_dtype):
+    """``dtype`` or its older name ``torch_dtype`` (not both, unless the same) as a torch dtype, "auto" or None."""
+    if torch_dtype is not None:
+        if dtype is not None and dtype != torch_dtype:
+            raise TypeError(f"from_pretrained got dtype={dtype!r} and torch_dtype={torch_dtype!r}: they are the same "
+                            "setting (torch_dtype is transformers' older name); give one")
+        dtype = torch_dtype
+    if isinstance(dtype, str) and dtype != "auto":
+        named = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(named, torch.dtype) or not named.is_floating_point:
+            raise TypeError(f"dtype={dtype!r} is not a floating-point torch dtype; give torch.bfloat16, "
+                            "\"bfloat16\", \"float16\", \"float32\" or \"auto\"")
+        dtype = named
+    if dtype is not None and dtype != "auto" and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype={dtype!r} is not a floating-point torch dtype")
+    return dtype
 
 
 _NEEDED = ("save_model", "_save", "_save_optimizer_and_scheduler", "_load_from_checkpoint",

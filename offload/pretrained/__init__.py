@@ -6,8 +6,9 @@ model from its config is in :mod:`offload.integrations.transformers`.
 """
 
 from .files import SafetensorsCheckpoint
+from .hub import model_directory
 from .load import Plan, load_safetensors, offload_pretrained
 from .save import save_pretrained, write_checkpoint
 
-__all__ = ["Plan", "SafetensorsCheckpoint", "load_safetensors", "offload_pretrained", "save_pretrained",
-           "write_checkpoint"]
+__all__ = ["Plan", "SafetensorsCheckpoint", "load_safetensors", "model_directory", "offload_pretrained",
+           "save_pretrained", "write_checkpoint"]
