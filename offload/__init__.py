@@ -8,7 +8,16 @@ from ._version import __version__
 from .adam import OffloadedAdam, OffloadedAdamW
 from .checkpoint import load_checkpoint, load_parameters, save_checkpoint, save_parameters
 from .config import AioConfig, Config, load_config
-from .errors import CheckpointError, ChecksumError, ConfigError, OffloadError, PoolTooSmallError, StateError
+from .errors import (
+    CheckpointError,
+    ChecksumError,
+    ConfigError,
+    ConfigWarning,
+    OffloadError,
+    PoolTooSmallError,
+    StateError,
+)
+from .initialize import OffloadEngine, initialize
 from .params import clip_grad_norm_, materialized, offload_parameters, offloaded, restore_parameters
 
 __all__ = [
@@ -17,6 +26,8 @@ __all__ = [
     "ChecksumError",
     "Config",
     "ConfigError",
+    "ConfigWarning",
+    "OffloadEngine",
     "OffloadError",
     "OffloadedAdam",
     "OffloadedAdamW",
@@ -24,6 +35,7 @@ __all__ = [
     "StateError",
     "__version__",
     "clip_grad_norm_",
+    "initialize",
     "load_checkpoint",
     "load_config",
     "load_parameters",

@@ -15,6 +15,10 @@ class ConfigError(OffloadError, ValueError):
     """A configuration value or key is wrong; the message names every problem found."""
 
 
+class ConfigWarning(UserWarning):
+    """A configuration holds keys that the component reading it does not use (named in the message)."""
+
+
 class StateError(OffloadError, RuntimeError):
     """Offloaded state cannot be used: a step failed part-way, or state was lost or corrupted.
 

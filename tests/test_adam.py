@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers import SMALL, assert_same, first_os_error, make_params
 
-from offload import ConfigError, OffloadedAdam, OffloadedAdamW, StateError
+from offload import ConfigError, ConfigWarning, OffloadedAdam, OffloadedAdamW, StateError
 from offload._proc import reset_peak_rss, status_bytes
 
 MiB = 1 << 20
@@ -450,7 +450,7 @@ def test_pipeline_settings_do_not_change_results(nvme, closing, pipeline_read, p
 
 def test_config_from_deepspeed_file_and_keyword_overrides(nvme, closing, tmp_path):
     """A DeepSpeed config drives the optimizer (a .hjson one with comments, as DeepSpeed reads them); keyword
-    arguments override it."""
+    arguments override it; the keys the optimizer does not use are named in a ConfigWarning."""
     cfg = tmp_path / "ds_config.hjson"
     cfg.write_text("""{
       // DeepSpeed reads comments
@@ -459,7 +459,8 @@ def test_config_from_deepspeed_file_and_keyword_overrides(nvme, closing, tmp_pat
       "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "NVME",
                             "buffer_count": 5, "pin_memory": false}}
     }""".replace("NVME", nvme))
-    ours = closing(OffloadedAdamW(make_params(), config=str(cfg), buffer_count=3, buffer_size=256 * 1024))
+    with pytest.warns(ConfigWarning, match=r"train_batch_size; zero_optimization.stage"):
+        ours = closing(OffloadedAdamW(make_params(), config=str(cfg), buffer_count=3, buffer_size=256 * 1024))
     assert ours.config.aio.block_size == 262144
     assert ours.config.offload_optimizer.buffer_count == 3
     assert ours.host_pool_bytes == 3 * 256 * 1024

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Optional
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ConfigWarning, user_stacklevel
 from .blocks import (
     CLASSES,
     RULES,
@@ -17,10 +18,11 @@ from .blocks import (
     block_to_dict,
     read_block,
 )
+from .deepspeed import hints_for, unused_keys, unused_message
 from .files import read_document
 from .rules import ALIASES, BLOCKS, IGNORED, did_you_mean, raise_if, show
 
-__all__ = ["config_to_dict", "load_config", "offload_config"]
+__all__ = ["config_from_document", "config_to_dict", "load_config", "offload_config"]
 
 _CONTAINERS = (*BLOCKS, "zero_optimization")
 
@@ -33,9 +35,11 @@ def load_config(source: Config | AioConfig | Mapping | str | os.PathLike | None 
     * our own: ``{"aio": {...}, "offload_optimizer": {...}, "offload_param": {...}}``, any block optional;
     * a bare ``aio`` block: ``{"block_size": "256KiB", "queue_depth": 16}``;
     * a whole DeepSpeed ``ds_config.json``: ``aio`` at the top level or inside ``zero_optimization``,
-      and ``zero_optimization.offload_optimizer`` / ``.offload_param``. Keys we do not use
-      (``train_batch_size``, ``fp16``, ``optimizer``, ``zero_optimization.stage``, ...) are ignored. A block
-      given in two places must be identical in both. A missing or ``null`` block means its defaults.
+      and ``zero_optimization.offload_optimizer`` / ``.offload_param``. Keys of other parts of a DeepSpeed
+      config (``train_batch_size``, ``fp16``, ``optimizer``, ``zero_optimization.stage``, ...) are not read here
+      (``offload.initialize`` honours them; the optimizer and ``offload_parameters`` name them in a
+      ``ConfigWarning``). A block given in two places must be identical in both. A missing or ``null`` block
+      means its defaults.
 
     Files are UTF-8 and strict JSON, unless their name ends in ``.hjson``: those are read with hjson, as
     DeepSpeed reads every config (``//``, ``/* */`` and ``#`` comments, trailing commas, members separated by
@@ -107,6 +111,11 @@ def offload_config(source, block: str, *, user: str, what: str, otherwise: str, 
         cfg = Config(**{block: source})
     elif isinstance(source, Mapping) and source and set(source) <= {*RULES[block], *IGNORED[block]}:
         cfg = Config(**{block: dict(source)})
+    elif isinstance(source, (str, os.PathLike, Mapping)):
+        origin = os.fspath(source) if not isinstance(source, Mapping) else None
+        doc = read_document(origin) if origin is not None else source
+        cfg = _from_document(doc, origin=origin)
+        _warn_unused(doc, block, user, origin)
     else:
         cfg = load_config(source)
     changes = {k: v for k, v in overrides.items() if v is not None}
@@ -127,6 +136,16 @@ def offload_config(source, block: str, *, user: str, what: str, otherwise: str, 
     if b.device == "nvme" and not b.nvme_path:
         raise ConfigError(f"nvme_path is required: pass nvme_path=... or set {block}.nvme_path")
     return cfg
+
+
+def _warn_unused(doc: Mapping, block: str, user: str, origin: Optional[str]) -> None:
+    """One ConfigWarning naming every key of ``doc`` that ``user`` (which reads ``aio`` and ``block``) does not
+    use, each with what reads it or what to do; nothing when every key is used."""
+    unused = unused_keys(doc, ("aio", block))
+    if unused:
+        hints = hints_for("optimizer" if block == "offload_optimizer" else "params")
+        message = unused_message(user, origin or "the config given", unused, hints)
+        warnings.warn(message, ConfigWarning, stacklevel=user_stacklevel())
 
 
 def config_to_dict(
@@ -160,6 +179,12 @@ def config_to_dict(
     if unknown:
         raise ValueError(f"unknown block(s) {unknown} in only=; choose from {list(BLOCKS)}")
     return {name: block_to_dict(getattr(config, name)) for name in names}
+
+
+def config_from_document(doc: Mapping, origin: str | None = None) -> Config:
+    """The offload blocks of a document already read (:func:`offload.config.files.read_document`), as
+    :func:`load_config` reads them; ``origin``: its file, for messages."""
+    return _from_document(doc, origin)
 
 
 def _from_document(doc: Mapping, origin: str | None) -> Config:
