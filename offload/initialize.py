@@ -98,6 +98,7 @@ def initialize(model: Optional[nn.Module] = None, config=None, *, model_paramete
     if lr_scheduler is not None and training.scheduler is not None:
         raise ConfigError(f"{origin or 'the config'} has a \"scheduler\" block and lr_scheduler= was given too; "
                           "keep one")
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     _cast(model, training.precision)
     weights_offloaded = "offload_param" in cfg.given and cfg.offload_param.device == "nvme"
     opt = sched = None
@@ -118,6 +119,8 @@ def initialize(model: Optional[nn.Module] = None, config=None, *, model_paramete
             opt.close()
         if offloaded(model) is not None:
             restore_parameters(model)
+        if training.precision is not None and len(dtypes) == 1:
+            model.to(dtypes.pop())  # as it came
         raise
     if unused or notes:
         message = unused_message("offload.initialize", origin or "the config given", unused, hints_for("initialize"),
@@ -266,8 +269,7 @@ class OffloadEngine(nn.Module):
                  clip: float = 0.0, loss_scale: Optional[LossScale] = None, weights_offloaded: bool = False):
         super().__init__()
         self.module = module
-        # Not submodules or attributes torch tracks: the optimizer and schedule are not part of the model.
-        self.__dict__.update(optimizer=optimizer, lr_scheduler=lr_scheduler, loss_scale=loss_scale)
+        self.optimizer, self.lr_scheduler, self.loss_scale = optimizer, lr_scheduler, loss_scale
         self.gradient_accumulation_steps = accumulation
         self._clip = clip  # a given optimizer without max_grad_norm: the engine clips
         self._weights_offloaded = weights_offloaded

@@ -392,3 +392,17 @@ def test_engine_checkpoints_resume_weights_state_schedule_and_client_state(tmp_p
     finally:
         first.close()
         second.close()
+
+
+def test_a_failure_after_the_cast_leaves_the_model_as_it_came(tmp_path):
+    """A setup that fails once the model is cast (here: a file where the swap directory should be) closes what it
+    built and gives the model back in its own dtype, its weights in memory."""
+    (tmp_path / "not-a-dir").write_text("x")
+    cfg = ds_config(tmp_path, "WarmupLR")
+    cfg["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(tmp_path / "not-a-dir")
+    cfg.pop("steps_per_print")
+    cfg["zero_optimization"].pop("stage")
+    model = tiny_model()
+    with pytest.raises(NotADirectoryError):
+        offload.initialize(model, config=cfg)
+    assert {p.dtype for p in model.parameters()} == {torch.float32} and offloaded(model) is None
