@@ -18,11 +18,13 @@ except ImportError as err:  # pragma: no cover - depends on the installation
     ) from err
 
 BUILT_VERSION = ffi.string(lib.ofl_version()).decode()
-if BUILT_VERSION != __version__ or kernels_ffi.string(kernels_lib.ofl_kernels_version()).decode() != __version__:
-    raise ImportError(
-        f"nvme-offload's native engine is a stale build (built for {BUILT_VERSION}, package is "
-        f"{__version__}). Rebuild it with `pip install -e .` (or `make install`)."
-    )
+_KERNELS_VERSION = kernels_ffi.string(kernels_lib.ofl_kernels_version()).decode()
+for _name, _built in (("engine", BUILT_VERSION), ("kernels", _KERNELS_VERSION)):
+    if _built != __version__:
+        raise ImportError(
+            f"nvme-offload's native {_name} is a stale build (built for {_built}, package is "
+            f"{__version__}). Rebuild it with `pip install -e .` (or `make install`)."
+        )
 
 HAVE_IO_URING = bool(lib.ofl_have_io_uring())
 HAVE_XXHASH = bool(lib.ofl_have_xxhash())  # request digests computed on the engine's threads

@@ -69,7 +69,8 @@ def test_the_kernel_equals_torchaos_8bit_adam_bit_for_bit_chunk_by_chunk(monkeyp
 @pytest.mark.parametrize("case", ["amsgrad", "fp32 moments", "bf16 grads", "fp16 grads", "maximize", "adam"])
 def test_the_kernel_equals_its_torch_reference_bit_for_bit(case):
     """Every option the kernel has (amsgrad, which torchao's 8-bit Adam cannot run; fp32 moments; half grads;
-    maximize; Adam's coupled decay) gives the reference's bits, over steps and chunks with a short last block."""
+    maximize; Adam's coupled decay) gives the reference's bits, over steps, on a tensor whose last block is
+    short."""
     torch.manual_seed(1)
     n = 3 * 4096 + 100
     amsgrad = case == "amsgrad"
@@ -178,11 +179,12 @@ def test_the_kernels_table_finds_the_reference_code_at_every_step_of_both_books(
         assert torch.equal(mine, ref.long())
 
 
-def test_rounding_draws_the_same_stream_across_a_multiple_of_two_to_the_32_elements():
-    """Elements whose index crosses 2**32 (a parameter of more than 4G elements) round with the stream the
-    torch-ops reference draws, on either side and across, in the kernel's vector and scalar paths alike."""
+@pytest.mark.parametrize("first", [(1 << 32) - 37, (1 << 32) + 5], ids=["across 2**32", "above 2**32"])
+def test_rounding_draws_the_same_stream_around_a_multiple_of_two_to_the_32_elements(first):
+    """Elements whose index crosses or lies beyond 2**32 (a parameter of more than 4G elements) round with the
+    stream the torch-ops reference draws: the kernel's scalar path across the boundary, its vector path (upper
+    32 bits of the index set) above it."""
     key = lowbit.stream_key(3, 1, 2)
-    first = (1 << 32) - 37
     x = torch.randn(100) * 3
     native = lowbit.round_bf16(x, first=first, key=key)
     bits = x.view(torch.int32).long() & 0xFFFFFFFF

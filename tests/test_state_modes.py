@@ -16,10 +16,10 @@ from offload.checkpoint import export_state_dict
 
 
 def make_model(dtype=torch.float32, seed=0):
-    """Weights in and out of 8-bit eligibility: whole blocks of >= 4096 elements, 4608 not in whole blocks
-    (fp32 moments, as torchao), small biases (state in memory)."""
+    """Weights in and out of 8-bit eligibility: whole blocks of >= 4096 elements, 4800 not in whole blocks
+    (offloaded with fp32 moments, as torchao keeps them), small biases (state in memory)."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 96), nn.ReLU(), nn.Linear(96, 48, bias=False))
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 96), nn.ReLU(), nn.Linear(96, 50, bias=False))
     return model.to(dtype)
 
 
@@ -49,6 +49,8 @@ def test_int8_state_trains_as_torchaos_8bit_adam_bit_for_bit(monkeypatch, closin
     ref_cls = torchao_optim.AdamW8bit if cls is OffloadedAdamW else torchao_optim.Adam8bit
     ref = ref_cls(groups(ref_model), lr=1e-3, weight_decay=0.05)
     assert len(opt.state_store.layout.units) > 3  # the 256x64 weight spans units
+    slots = opt.state_store.layout.slots
+    assert not slots[ours_model[4].weight].quantized and slots[ours_model[0].weight].quantized
     train(ours_model, opt, 4, skip=ours_model[2].weight)
     train(ref_model, ref, 4, skip=ref_model[2].weight)
     assert_same(list(ours_model.parameters()), list(ref_model.parameters()))
@@ -128,7 +130,7 @@ def test_a_run_resumed_from_a_state_dict_or_a_checkpoint_equals_the_uninterrupte
 
 def test_without_a_master_the_weights_are_rounded_stochastically_by_the_seed(closing, nvme):
     """bf16 weights without a master: a second run with the same seed gives the same bits, another seed other
-    bits; the state holds no master, and the mean update is the fp32 one (unbiased rounding)."""
+    bits; the state holds no master."""
     runs = {}
     for seed in (5, 5, 6):
         model = make_model(torch.bfloat16)
@@ -167,6 +169,38 @@ def test_a_grad_scaler_unscales_grads_itself_for_int8_state(closing, nvme):
     assert_same(list(a.parameters()), list(b.parameters()))
 
 
+def test_a_loss_scale_handed_to_step_is_unscaled_first_with_int8_state(closing, nvme):
+    """The GradScaler protocol that offload.initialize drives for fp16 (grad_scale and found_inf set on the
+    optimizer): torchao's formula takes no scale, so the grads are unscaled first, and the step equals the
+    one on unscaled grads (a scale left in would make the moments 65536 times too large)."""
+    a, b = make_model(), make_model()
+    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, state_dtype="int8"))
+    ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme, state_dtype="int8"))
+    assert oa.takes_grad_scale and not oa._step_supports_amp_scaling
+    torch.manual_seed(1)
+    for _ in range(2):
+        x = torch.randn(16, 64)
+        (a(x).pow(2).mean() * 65536).backward()
+        oa.grad_scale, oa.found_inf = torch.tensor(65536.0), torch.zeros(())
+        oa.step()
+        del oa.grad_scale, oa.found_inf
+        b(x).pow(2).mean().backward()
+        ob.step()
+        oa.zero_grad()
+        ob.zero_grad()
+    assert_same(list(a.parameters()), list(b.parameters()))
+
+
+def test_int8_state_refuses_fp64_parameters_and_says_what_stays_in_memory(nvme, closing):
+    """fp64 weights cannot take torchao's fp32 formula: refused with what to do; parameters that 8-bit state
+    would quantize but small_param_threshold keeps in memory (fp32 moments) are named in a warning."""
+    with pytest.raises(ValueError, match="fp64"):
+        OffloadedAdamW([nn.Parameter(torch.zeros(8192, dtype=torch.float64))], nvme_path=nvme, state_dtype="int8")
+    with pytest.warns(UserWarning, match="small_param_threshold"):
+        closing(OffloadedAdamW([nn.Parameter(torch.zeros(8192))], nvme_path=nvme, state_dtype="int8",
+                               small_param_threshold=10000))
+
+
 def test_an_int8_checkpoint_exports_the_state_dict_dequantized(closing, nvme, tmp_path):
     """offload-ckpt's export of an int8 checkpoint is the optimizer's state_dict: fp32 moments in torch's
     layout, no absmax keys."""
@@ -179,14 +213,15 @@ def test_an_int8_checkpoint_exports_the_state_dict_dequantized(closing, nvme, tm
     assert not any(k.endswith(codes.ABSMAX) for st in exported["state"].values() for k in st)
 
 
-def test_state_saved_in_one_dtype_loads_into_another_as_its_state_dict_would(closing, nvme, tmp_path):
-    """A checkpoint of fp32 state loaded into an int8 optimizer (and back) holds what loading its state
-    dict there gives: the values converted, not refused."""
+@pytest.mark.parametrize("saved, loaded", [("fp32", "int8"), ("fp32", "bf16"), ("int8", "fp32")])
+def test_state_saved_in_one_dtype_loads_into_another_as_its_state_dict_would(closing, nvme, tmp_path, saved, loaded):
+    """A checkpoint of fp32 state loaded into an int8 or bf16 optimizer, and one of int8 state into an fp32 one,
+    holds what loading its state dict there gives: the values converted, not refused."""
     model = make_model(torch.bfloat16)
-    opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme))
+    opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme, state_dtype=saved))
     train(model, opt, 2)
     opt.save_checkpoint(tmp_path / "ck")
-    for kind in ("int8", "bf16"):
+    for kind in (loaded,):
         via_ck = closing(OffloadedAdamW(make_model(torch.bfloat16).parameters(), nvme_path=nvme, state_dtype=kind,
                                         buffer_size=16384))
         via_ck.load_checkpoint(tmp_path / "ck")

@@ -8,10 +8,12 @@ from typing import Callable
 
 import torch
 
-from ..distributed import is_dtensor
+from .. import codes
+from ..distributed import is_dtensor, local
 
 __all__ = [
     "check_dtensor_options", "check_master_weights", "check_max_grad_norm", "check_params", "check_seed",
+    "check_state_dtype",
     "check_torch_options", "no_duplicate_warning", "params_with_grads",
 ]
 
@@ -43,6 +45,33 @@ def check_seed(seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 64:
         raise ValueError(f"seed must be an int from 0 to 2**64 - 1, got {seed!r}")
     return seed
+
+
+def check_state_dtype(groups: list[dict], state_dtype: str, small_param_threshold: int) -> None:
+    """What 8-bit state cannot hold, refused; what it leaves as it was, said.
+
+    Raises:
+        ValueError: ``state_dtype`` is "int8" and a parameter is fp64 (the 8-bit formula computes in fp32).
+    """
+    if state_dtype != "int8":
+        return
+    kept = []
+    for gi, group in enumerate(groups):
+        for i, p in enumerate(group["params"]):
+            if p.dtype == torch.float64:
+                raise ValueError(
+                    f'state_dtype="int8" computes the update in fp32 (torchao\'s formula), and parameter {i} of group '
+                    f"{gi} (shape {tuple(p.shape)}) is fp64: its weights would lose their precision. Keep fp64 "
+                    'parameters in an optimizer with state_dtype "fp32", or convert them to fp32.')
+            n = local(p).numel()
+            if codes.eligible(n) and n < small_param_threshold and p.requires_grad:
+                kept.append(f"parameter {i} of group {gi} ({n} elements)")
+    if kept:
+        warnings.warn(
+            f'state_dtype="int8": {", ".join(kept[:3])}{" and more" if len(kept) > 3 else ""} stay in memory with '
+            f"fp32 moments (small_param_threshold={small_param_threshold}), so they are not 8-bit as torchao's "
+            f"would be; set small_param_threshold to {codes.MIN_NUMEL} or less to have them quantized and "
+            "offloaded.", stacklevel=3)
 
 
 def check_master_weights(groups: list[dict], master_weights: bool) -> None:

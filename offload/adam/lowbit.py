@@ -7,6 +7,8 @@ a CPU), which equals it bit for bit. Which one runs is the caller's choice by de
 
 from __future__ import annotations
 
+import platform
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -229,18 +231,21 @@ def step_chunk(c: Constants, param: torch.Tensor, grad: torch.Tensor, state: dic
         reference_step(c, param, grad, state, first=first, key=key)
 
 
-# torch's vectorized lerp uses a fused multiply-add wherever its CPU kernels do (AVX2, AVX-512, NEON); the
-# kernel does the same so that the two agree on this machine.
-_FUSED = torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+# torch's vectorized lerp uses a fused multiply-add wherever its CPU kernels do (AVX2, AVX-512; NEON, which
+# aarch64 builds vectorize with even at the DEFAULT capability); the kernel does the same so that the two
+# agree on this machine.
+_FUSED = torch.backends.cpu.get_cpu_capability() != "DEFAULT" or platform.machine() in ("aarch64", "arm64")
 _SLICE = 1 << 20  # elements per native pass: a multiple of codes.BLOCK
 _BOOKS: list = []
+_BOOKS_LOCK = threading.Lock()  # the overlap worker and step() may ask first at once
 
 
 def _books() -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """Per book (signed, unsigned): its values, and its step table (``steps_signed`` in offload_kernels.h)."""
-    if not _BOOKS:
-        _BOOKS.extend((codes.book(signed), _steps(signed)) for signed in (True, False))
-    return _BOOKS[0], _BOOKS[1]
+    with _BOOKS_LOCK:
+        if not _BOOKS:
+            _BOOKS.append(tuple((codes.book(signed), _steps(signed)) for signed in (True, False)))
+        return _BOOKS[0]
 
 
 # NOTE: a code is a non-decreasing function of the value it encodes, so of its bits made sortable; it steps up
@@ -287,5 +292,5 @@ def _ptr(kind: str, t: torch.Tensor):
 
 
 def _check(rc: int) -> None:
-    if rc != 0:
-        raise ValueError(f"the native optimizer kernel refused its arguments (error {rc})")
+    if rc != 0:  # never the user's input: a chunk the library laid out wrongly
+        raise RuntimeError(f"the native optimizer kernel refused its arguments (error {rc})")

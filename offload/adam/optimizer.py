@@ -20,6 +20,7 @@ from .checks import (
     check_max_grad_norm,
     check_params,
     check_seed,
+    check_state_dtype,
     check_torch_options,
     no_duplicate_warning,
     params_with_grads,
@@ -63,10 +64,15 @@ class OffloadedAdam(torch.optim.Adam):
             ``offload_optimizer`` settings of ``config`` (see :class:`offload.config.OptimizerOffloadConfig`):
             ``device="cpu"`` keeps all state in host memory; ``host_cache`` keeps that many bytes of it (or
             ``"auto"``) resident between steps; ``state_dtype="bf16"`` stores the moments in bf16,
-            ``"int8"`` as 8-bit codes (torchao's AdamW8bit, bit for bit); ``master_weights=False`` keeps bf16
-            parameters without an fp32 master, rounding their updates stochastically.
-        seed: the seed of that rounding's random stream (a run resumed with the same seed draws what the
-            uninterrupted run drew).
+            ``"int8"`` as 8-bit codes (torchao's AdamW8bit formula, bit for bit with its eager path);
+            ``master_weights=False`` keeps bf16 parameters without an fp32 master, rounding their updates
+            stochastically.
+        overlap_backward: update each unit inside backward once its grads are final (docs/overlap.md);
+            ``"auto"`` from the third iteration, for weights on NVMe, once two iterations showed it exact.
+        max_grad_norm: clip the grads to this total norm (torch's ``clip_grad_norm_``, bit for bit) as part
+            of the step.
+        seed: the seed of the stochastic rounding's random stream (a run resumed with the same seed draws
+            what the uninterrupted run drew).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``, tensor parallelism): each rank keeps and updates
     the state of its local shards, and ``state_dict()`` gives DTensors as torch's optimizers do.
@@ -111,7 +117,7 @@ class OffloadedAdam(torch.optim.Adam):
         master_weights: Optional[bool] = None,
         seed: int = 0,
         checksum: Optional[bool] = None,
-        overlap_backward: Optional[bool] = None,
+        overlap_backward: Optional[bool | str] = None,
         max_grad_norm: Optional[float] = None,
     ):
         check_torch_options(capturable=capturable, differentiable=differentiable)
@@ -137,6 +143,7 @@ class OffloadedAdam(torch.optim.Adam):
         check_params(self.param_groups)
         oc = self.config.offload_optimizer
         check_master_weights(self.param_groups, oc.master_weights)
+        check_state_dtype(self.param_groups, oc.state_dtype, oc.small_param_threshold)
         self._math = Math(int8=oc.state_dtype == "int8", seed=check_seed(seed))
         self._note_positions()
         check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
@@ -197,6 +204,13 @@ class OffloadedAdam(torch.optim.Adam):
     @_step_supports_amp_scaling.setter
     def _step_supports_amp_scaling(self, value) -> None:
         pass  # torch's Adam sets it in __init__; here it follows the kernels in use
+
+    @property
+    def takes_grad_scale(self) -> bool:
+        """Whether step() honours a loss scale handed to it as ``grad_scale``/``found_inf`` (the GradScaler
+        protocol): with torch's fused kernel it divides by it, with 8-bit state the grads are unscaled first."""
+        return self._math.int8 or all(kernel_flags(g, p.device)["fused"] for g in self.param_groups
+                                      for p in g["params"])
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None):
@@ -301,7 +315,9 @@ class OffloadedAdam(torch.optim.Adam):
         if hasattr(self, "state_store"):
             try:
                 check_params(self.param_groups)
-                check_master_weights(self.param_groups[-1:], self.config.offload_optimizer.master_weights)
+                oc = self.config.offload_optimizer
+                check_master_weights(self.param_groups[-1:], oc.master_weights)
+                check_state_dtype(self.param_groups[-1:], oc.state_dtype, oc.small_param_threshold)
                 self.state_store.place(self.param_groups[-1:], trainable_only=True)
             except BaseException:
                 self.param_groups.pop()
@@ -460,7 +476,7 @@ class OffloadedAdam(torch.optim.Adam):
         norm becomes ``last_grad_norm`` (norms taken during backward with overlap_backward)."""
         scaling, norm = step_scaling(params, scale, max_grad_norm=self.max_grad_norm,
                                      norms_taken=self._overlap.norms,
-                                     grad_of=self._access.grad)
+                                     grad_of=self._access.grad, kernel_takes_scale=not self._math.int8)
         if norm is not None:
             self.last_grad_norm = norm
         return scaling

@@ -14,7 +14,7 @@ __all__ = ["step_scaling"]
 
 def step_scaling(params: list, scale: Optional[torch.Tensor], *, max_grad_norm: Optional[float],
                  norms_taken: Callable[[], dict], grad_of: Callable[[torch.Tensor], torch.Tensor],
-                 ) -> tuple[GradScaling, Optional[torch.Tensor]]:
+                 kernel_takes_scale: bool = True) -> tuple[GradScaling, Optional[torch.Tensor]]:
     """What this step does to ``params``' grads, and their total norm when clipping (else None).
 
     With max_grad_norm, the total norm of the grads (torch's clip_grad_norm_, bit for bit) gives the factor
@@ -29,8 +29,12 @@ def step_scaling(params: list, scale: Optional[torch.Tensor], *, max_grad_norm: 
         norms_taken: ``{id(param): norm}`` of the grads whose norms were taken during backward
             (overlap_backward, where there is no GradScaler).
         grad_of: a parameter's grad, wherever it is held.
+        kernel_takes_scale: whether the update's kernel divides by a scale itself (torch's fused Adam); else
+            (torchao's formula, 8-bit state) the grads are unscaled first, as ``scaler.unscale_`` does.
     """
     if max_grad_norm is None or not params:
+        if scale is not None and not kernel_takes_scale:
+            return GradScaling(unscale=scale.double().reciprocal().float()), None
         return GradScaling(kernel_scale=scale), None
     unscaling = GradScaling(unscale=None if scale is None else scale.double().reciprocal().float())
     taken = norms_taken()

@@ -78,7 +78,10 @@ class Math:
 
     def key(self, p: torch.Tensor, step: float) -> tuple[int, int]:
         """The stream that rounds ``p``'s weights as its update makes its step count ``step``."""
-        return lowbit.stream_key(self.seed, self.position.get(id(p), 0), int(step))
+        if id(p) not in self.position:
+            raise RuntimeError("a parameter without a position in the optimizer is updated: its groups changed "
+                               "behind add_param_group()")
+        return lowbit.stream_key(self.seed, self.position[id(p)], int(step))
 
 
 TORCH_MATH = Math()
