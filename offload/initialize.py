@@ -23,6 +23,7 @@ Every other key is named in one :class:`~offload.errors.ConfigWarning`; none is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any, Callable, Optional
@@ -101,6 +102,10 @@ def initialize(model: Optional[nn.Module] = None, config=None, *, model_paramete
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     _cast(model, training.precision)
     weights_offloaded = "offload_param" in cfg.given and cfg.offload_param.device == "nvme"
+    if weights_offloaded and not _sets_overlap(doc):
+        # The engine drives the loop (no_step() for the micro-batches that accumulate, the schedule after the
+        # optimizer): "auto" updates inside backward once two iterations showed it exact (docs/overlap.md).
+        cfg = cfg.replace(offload_optimizer={"overlap_backward": "auto"})
     opt = sched = None
     try:
         if weights_offloaded:
@@ -110,7 +115,7 @@ def initialize(model: Optional[nn.Module] = None, config=None, *, model_paramete
         loader = _loader(training_data, training, collate_fn)
         clip = training.gradient_clipping if opt.max_grad_norm is None else 0.0
         scale = LossScale(**training.fp16) if training.precision == "fp16" else None
-        if scale is not None and not opt._step_supports_amp_scaling:
+        if scale is not None and not opt.takes_grad_scale:
             raise ConfigError("fp16 needs the optimizer's fused kernel (fused=None or True) to take the loss scale")
         engine = OffloadEngine(model, opt, sched, accumulation=training.accumulation, clip=clip, loss_scale=scale,
                                weights_offloaded=weights_offloaded)
@@ -127,6 +132,14 @@ def initialize(model: Optional[nn.Module] = None, config=None, *, model_paramete
                                  suggest_initialize=False) if unused else ""
         warnings.warn(" ".join(filter(None, [message, *notes])), ConfigWarning, stacklevel=user_stacklevel())
     return engine, opt, loader, sched
+
+
+def _sets_overlap(doc) -> bool:
+    """Whether the config document says overlap_backward itself (in either place the optimizer block may be)."""
+    if not isinstance(doc, dict):
+        return True  # a Config object: its values stand
+    blocks = [doc.get("offload_optimizer"), (doc.get("zero_optimization") or {}).get("offload_optimizer")]
+    return any(isinstance(b, dict) and "overlap_backward" in b for b in blocks)
 
 
 def _config_source(config, config_params, args) -> tuple[Any, Optional[str]]:
@@ -289,7 +302,9 @@ class OffloadEngine(nn.Module):
             scaled = loss.float() / self.gradient_accumulation_steps
         if self.loss_scale is not None:
             scaled = scaled.float() * self.loss_scale.cur_scale
-        scaled.backward(retain_graph=retain_graph)
+        # Micro-batches before the boundary only accumulate: an update inside backward waits for the last one.
+        with self.optimizer.no_step() if not self.is_gradient_accumulation_boundary() else contextlib.nullcontext():
+            scaled.backward(retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:

@@ -51,6 +51,7 @@ class BackwardOverlap:
                  mark_failed: Callable[[BaseException], None], access: ParamAccess, armed: bool = True,
                  hyper: Callable[[], list] = list):
         self.armed = armed
+        self.armed_at: Optional[int] = None  # with "auto", the steps seen when it armed
         self.hyper = hyper
         self.learning = None if armed else Learning(hyper)
         self._params: list = []  # every parameter watched, to watch again once armed
@@ -77,6 +78,13 @@ class BackwardOverlap:
         for p, handle in zip(params, self.access.watch(params, self._watcher, strict=self.armed)):
             self._handles[id(p)] = handle
 
+    @property
+    def described(self) -> str:
+        """How the setting reads in a message: the user may have asked for "auto" and not know it armed."""
+        if self.armed_at is None:
+            return "overlap_backward=True"
+        return f'overlap_backward="auto" (updating inside backward since step {self.armed_at + 1})'
+
     def note_step(self, *, clean: bool) -> None:
         """A step ended; ``clean``: nothing in it kept its updates from running inside backward (no closure,
         no GradScaler, no max_grad_norm, weights on NVMe). Unarmed, this is what :class:`Learning` weighs."""
@@ -84,6 +92,7 @@ class BackwardOverlap:
             return
         if self.learning.step(clean=clean):
             self.armed = True
+            self.armed_at = self.learning.steps
             self.learning = None
             # Watched again, now through the stores' hand-off: weights offloaded since are taken too.
             _remove_hooks(self._handles)
@@ -122,7 +131,7 @@ class BackwardOverlap:
         if run.begun and run.hyper != self.hyper():  # updates that begin from here on use the new ones
             err = StateError(
                 "the optimizer's hyperparameters (a learning rate, say) changed between backward and step(), but "
-                "with overlap_backward the update ran during backward with those it had then. Change them before "
+                f"with {self.described} the update ran during backward with those it had then. Change them before "
                 "the forward pass (an LR scheduler's step() after the optimizer's, as torch expects), or build the "
                 "optimizer with overlap_backward=False; restore the state (load_checkpoint) before going on.")
             run.abort(err)
@@ -130,7 +139,7 @@ class BackwardOverlap:
         if run.grads_changed():
             err = StateError(
                 "gradients changed between backward and step() (clip_grad_norm_, a GradScaler's "
-                "unscale_, or another in-place change), but with overlap_backward=True the update uses the "
+                f"unscale_, or another in-place change), but with {self.described} the update uses the "
                 "gradients as backward left them and has already run for most of them. Clip with the "
                 "optimizer's max_grad_norm=, use a GradScaler only without overlap_backward, or leave the "
                 "gradients as backward makes them; restore the state (load_checkpoint) before going on.")
@@ -156,7 +165,7 @@ class BackwardOverlap:
             return
         run.cancelled = True
         run.abort(StateError(
-            f"a backward was interrupted (or failed, or was not followed by step()) with overlap_backward=True, and "
+            f"a backward was interrupted (or failed, or was not followed by step()) with {self.described}, and "
             f"{what} ended the update it had started: that update had already changed part of the optimizer state "
             "with the backward's gradients, so the state is neither that before nor that after a step. Restore it "
             "with load_checkpoint() or load_state_dict() before stepping again."))
@@ -174,7 +183,7 @@ class BackwardOverlap:
             StateError: such a step is running.
         """
         if self.running:
-            raise StateError(f"{what} was called between backward and step() with overlap_backward=True, while "
+            raise StateError(f"{what} was called between backward and step() with {self.described}, while "
                              "the update that backward started is still running: call step() first.")
 
     def end_for_load(self, what: str) -> None:
@@ -196,7 +205,7 @@ class BackwardOverlap:
         if not self.armed:
             return  # "auto" still watching: the step is an ordinary one (and not a clean one to learn from)
         if closure is not None:
-            raise ValueError("step(closure) cannot be used with overlap_backward=True: the update runs during "
+            raise ValueError(f"step(closure) cannot be used with {self.described}: the update runs during "
                              "backward; call loss.backward() yourself, then step()")
         if scaler:
             self.refuse_scaler()
@@ -209,7 +218,7 @@ class BackwardOverlap:
             StateError: always.
         """
         err = StateError(
-            "a GradScaler cannot be used with overlap_backward=True: the update ran during backward on the "
+            f"a GradScaler cannot be used with {self.described}: the update ran during backward on the "
             "scaled gradients, before the scaler could unscale them or skip an inf step. Restore the state "
             "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
             "overlap_backward.")
@@ -238,7 +247,7 @@ class BackwardOverlap:
             return
         err = StateError(
             "an offloaded gradient was read with torch (a GradScaler's unscale_, torch's clip_grad_norm_ or other "
-            "math) between backward and step() with overlap_backward=True, but the update ran during backward on "
+            f"math) between backward and step() with {self.described}, but the update ran during backward on "
             "the gradients as backward left them. Restore the state (load_checkpoint), then clip with the "
             "optimizer's max_grad_norm=, and use a GradScaler only without overlap_backward.")
         self.abandon(err)
@@ -328,6 +337,7 @@ class Learning:
 
     def __init__(self, hyper: Callable[[], list] = list):
         self.hyper = hyper
+        self.steps = 0
         self.clean_steps = 0
         self._at_backward = None  # the hyperparameters when this step's first gradient became final
         self._fired: set = set()
@@ -347,6 +357,7 @@ class Learning:
 
     def step(self, *, clean: bool) -> bool:
         """A step ended; returns whether updates may run inside backward from the next backward."""
+        self.steps += 1
         reads, self._reads = self._reads, grad_reads()
         unchanged = all(p.grad is g and torch.equal(_sample(g).view(torch.int32), s.view(torch.int32))
                         for p, g, s in self._seen)
@@ -404,7 +415,7 @@ class _Run:
             raise self.error
         if id(p) in self.fired:
             err = StateError(
-                "a backward ran again before step() with overlap_backward=True (gradient accumulation, or a "
+                f"a backward ran again before step() with {self.owner.described} (gradient accumulation, or a "
                 "backward that failed or was not followed by step()): the optimizer updates state as soon as a "
                 "backward makes the grads final, so the earlier backward's update has already run. Put the "
                 "micro-batches that must not step inside `with optimizer.no_step():` (as with DDP's no_sync), "

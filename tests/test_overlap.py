@@ -626,23 +626,23 @@ def test_no_overlap_answers_every_call_the_optimizer_makes_on_its_overlap():
     assert missing == {"NoOverlap": [], "BackwardOverlap": []}
 
 
-# -- overlap_backward="auto": the default -----------------------------------------------------------------
+# -- overlap_backward="auto" ---------------------------------------------------------------------------------
 
 
 def _auto_pair(nvme, closing, **opt_kw):
-    """Two equal models with weights on NVMe: one optimizer by default ("auto"), one without overlap."""
+    """Two equal models with weights on NVMe: one optimizer with overlap_backward="auto", one without overlap."""
     torch.manual_seed(0)
     a, b = Net(), Net()
     b.load_state_dict(a.state_dict())
     for m, path in ((a, "-pa"), (b, "-pb")):
         closing(offload_parameters(m, nvme_path=nvme + path, **TINY))
-    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", **OPT, **opt_kw))
+    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", overlap_backward="auto", **OPT, **opt_kw))
     ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", overlap_backward=False, **OPT, **opt_kw))
     return a, b, oa, ob
 
 
 def test_auto_updates_inside_backward_after_two_clean_iterations_and_stays_bit_for_bit(nvme, closing):
-    """By default, weights on NVMe are updated inside backward from the third iteration on: from then no
+    """With "auto", weights on NVMe are updated inside backward from the third iteration on: from then no
     gradient goes to NVMe, and the weights equal those of the optimizer that never overlaps, bit for bit."""
     a, b, oa, ob = _auto_pair(nvme, closing)
     grads_out = []
@@ -670,7 +670,7 @@ def test_auto_never_updates_inside_backward_for_a_loop_where_it_would_not_be_exa
         torch.manual_seed(0)
         a, b = Net(), Net()
         b.load_state_dict(a.state_dict())
-        oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", **OPT))
+        oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", overlap_backward="auto", **OPT))
         ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", overlap_backward=False, **OPT))
     else:
         a, b, oa, ob = _auto_pair(nvme, closing, **({"max_grad_norm": 1.0} if loop == "max_grad_norm" else {}))
@@ -700,7 +700,7 @@ def test_auto_never_updates_inside_backward_for_a_loop_where_it_would_not_be_exa
 
 def test_once_armed_auto_refuses_accumulation_without_no_step_as_overlap_does(nvme, closing):
     """After "auto" has armed, a second backward before step() is refused with the StateError of
-    overlap_backward=True, naming no_step(): never a silently wrong update."""
+    overlap_backward=True, naming no_step() and saying that "auto" had armed: never a silently wrong update."""
     a, _, oa, _ = _auto_pair(nvme, closing)
     for s in range(3):
         loss_of(a, s).backward()
@@ -708,8 +708,9 @@ def test_once_armed_auto_refuses_accumulation_without_no_step_as_overlap_does(nv
         oa.zero_grad()
     assert oa._overlap.armed
     loss_of(a, 3).backward()
-    with pytest.raises(StateError, match="no_step"):
+    with pytest.raises(StateError, match='no_step') as err:
         loss_of(a, 4).backward()
+    assert '"auto" (updating inside backward since step 3)' in str(err.value)
 
 
 def test_a_learning_rate_changed_between_backward_and_step_is_refused_when_updates_ran_inside(nvme, closing):
@@ -723,6 +724,8 @@ def test_a_learning_rate_changed_between_backward_and_step_is_refused_when_updat
     oa.param_groups[0]["lr"] = 0.5
     with pytest.raises(StateError, match="hyperparameters"):
         oa.step()
+    with pytest.raises(StateError, match="cannot step"):
+        oa.step()
 
 
 def test_auto_never_updates_inside_backward_when_ordinary_grads_change_before_step(nvme, closing):
@@ -733,7 +736,7 @@ def test_auto_never_updates_inside_backward_when_ordinary_grads_change_before_st
     b.load_state_dict(a.state_dict())
     for m, path in ((a, "-pa"), (b, "-pb")):
         closing(offload_parameters(m, nvme_path=nvme + path, offload_grads=False, **TINY))
-    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", **OPT))
+    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", overlap_backward="auto", **OPT))
     ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", overlap_backward=False, **OPT))
     for s in range(5):
         for m, o in ((a, oa), (b, ob)):

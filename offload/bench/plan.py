@@ -165,9 +165,9 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
     units still in pool buffers from the last step (the pool as a cache: ``buffer_count - 1``). Offloaded
     weights are read for forward and for backward (and those without an fp32 master, fp32 ones or bf16 ones
     with ``master_weights`` off, once more by the step) and written once; offloaded grads are written in
-    backward and read by the optimizer. With ``overlap_backward`` (``"auto"`` counted as on: once armed, in the
-    steady state) the update takes each weight as backward leaves it, resident, with its grad in memory: no grad
-    round trip and no read by the step (so long as
+    backward and read by the optimizer. With ``overlap_backward=True`` (``"auto"`` is planned as off: it turns on
+    only for a loop that allows it) the update takes each weight as backward leaves it, resident, with its grad in
+    memory: no grad round trip and no read by the step (so long as
     what waits for its update stays within twice the optimizer pool or 256 MiB, as it does when the update
     keeps up with backward; and not with ``max_grad_norm``, whose updates wait for every grad).
     """
@@ -191,7 +191,7 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
         # optimizer, unless the update runs inside backward.
         read += 2 * weights_nvme
         write += weights_nvme
-        if not oc.overlap_backward:
+        if oc.overlap_backward is not True:  # "auto" updates inside backward only for a loop that allows it
             read += unmastered + grads_nvme
             write += grads_nvme
     elif on_gpu:
@@ -222,20 +222,21 @@ def _pools(config: Config, unit_bytes: int, host: dict) -> dict:
     return out
 
 
-# The ways to store and update the state, from the most exact to the leanest: what `plan` compares.
+# The ways to store and update the state, from the most exact to the leanest: what `plan` compares. Every
+# row sets all three keys, so none inherits the config's (the rest of the config stands).
 MODES = (
-    ("fp32 state (torch's results)", {}),
-    ("bf16 state", {"state_dtype": "bf16"}),
-    ("int8 state", {"state_dtype": "int8"}),
-    ("int8 state, update inside backward", {"state_dtype": "int8", "overlap_backward": True}),
+    ("fp32 state (torch's results)", {"state_dtype": "fp32", "master_weights": True, "overlap_backward": False}),
+    ("bf16 state", {"state_dtype": "bf16", "master_weights": True, "overlap_backward": False}),
+    ("int8 state", {"state_dtype": "int8", "master_weights": True, "overlap_backward": False}),
+    ("int8 state, update inside backward", {"state_dtype": "int8", "master_weights": True,
+                                            "overlap_backward": True}),
     ("int8 state, no master, inside backward", {"state_dtype": "int8", "master_weights": False,
                                                  "overlap_backward": True}),
 )
 
 
 def modes(params: Sequence[torch.Tensor], config: Config, **kwargs) -> list[tuple[str, Plan]]:
-    """:func:`plan` of ``params`` for each of :data:`MODES` (those without a master only for bf16 weights),
-    the rest of ``config`` as given."""
+    """:func:`plan` of ``params`` for each of :data:`MODES` (those without a master only for bf16 weights)."""
     out = []
     for label, changes in MODES:
         if changes.get("master_weights") is False and not any(p.dtype == torch.bfloat16 for p in params):
@@ -365,7 +366,7 @@ def run_plan(args: argparse.Namespace) -> int:
     result = plan(params, config, offload_params=offload_params, on_gpu=args.gpu, amsgrad=args.amsgrad,
                   nvme_paths=paths, read_gib_s=read, write_gib_s=write, available_host_bytes=args.host_memory)
     print(render(result))
-    print(render_modes(modes(params, config, offload_params=args.offload_params, on_gpu=args.gpu,
+    print(render_modes(modes(params, config, offload_params=offload_params, on_gpu=args.gpu,
                              amsgrad=args.amsgrad, nvme_paths=paths, read_gib_s=read, write_gib_s=write,
                              available_host_bytes=args.host_memory)))
     if args.json:

@@ -141,12 +141,12 @@ class OptimizerOffloadConfig:
                              "engine's threads as requests complete (measure its cost with ``offload-bench adam "
                              "--checksum-cost``).")
     overlap_backward: bool | str = setting(
-        "auto", PIN, "read and update state during backward, as each unit's grads become final, so an iteration "
+        False, PIN, "read and update state during backward, as each unit's grads become final, so an iteration "
         "costs about max(compute, I/O), and weights on NVMe are updated while backward holds them (no grad round "
-        'trip, no second read); ``"auto"``: once two iterations have shown it exact (one backward per step, '
-        "nothing changing the grads or hyperparameters between backward and step, no GradScaler, no "
-        "max_grad_norm) for a model whose weights are on NVMe; accumulation then needs ``no_step()``.",
-        shown="auto")
+        "trip, no second read); accumulation then needs ``no_step()``, and the grads and hyperparameters must not "
+        'change between backward and step. ``"auto"``: from the third iteration, once two have shown that for a '
+        "model whose weights are on NVMe (later departures are refused). ``offload.initialize`` turns it on where "
+        "its engine drives the loop.")
 
     def __post_init__(self) -> None:
         _validate(self, "offload_optimizer")
