@@ -9,16 +9,17 @@ again against its own checksum as it passes.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Callable, Optional
 
 import torch
 import xxhash
 
+from .aio import create_private
 from .checkpoint import ChecksumError, verify_checkpoint
 from .checkpoint.commit import reading
 from .checkpoint.format import DATA, MEMORY, MODEL_MEMORY, PARAMS_DATA
 from .checkpoint.manifest import read_process
+from .config.files import read_config_bytes
 from .errors import CheckpointError
 from .pretrained import write_checkpoint
 from .pretrained.save import Tensor, saved_dtype, write_dtype
@@ -111,7 +112,7 @@ def export_fp32(directory: str | os.PathLike, out: str | os.PathLike, *, config:
 def _verified(directory: str, config: Optional[str]):
     """The checkpoint's manifest, every checksum verified; a ``config`` directory without config.json refused
     first."""
-    if config is not None and not os.path.isfile(os.path.join(config, "config.json")):
+    if config is not None and not os.path.lexists(os.path.join(config, "config.json")):
         raise CheckpointError(f"--config {config}: no config.json there; give the model's Hugging Face directory")
     verify_checkpoint(directory)
     return read_process(directory)
@@ -119,12 +120,17 @@ def _verified(directory: str, config: Optional[str]):
 
 def _configs(config: Optional[str], tensors: list) -> Callable[[str], None]:
     """What goes beside the weights: ``config``'s config.json (its dtype the weights') and generation_config.json."""
+    copied = {}  # read now: regular files of a config's size only (a FIFO there would hang the copy)
+    for name in _HF_CONFIGS if config is not None else ():
+        if os.path.lexists(os.path.join(config, name)):
+            copied[name] = read_config_bytes(os.path.join(config, name))
+
     def extra(tmp: str) -> None:
         if config is None:
             return
-        for name in _HF_CONFIGS:
-            if os.path.isfile(os.path.join(config, name)):
-                shutil.copyfile(os.path.join(config, name), os.path.join(tmp, name))
+        for name, data in copied.items():
+            with create_private(os.path.join(tmp, name)) as f:
+                f.write(data)
         write_dtype(os.path.join(tmp, "config.json"), saved_dtype(tensors))
     return extra
 

@@ -16,6 +16,7 @@ from ..aio import Engine, create_private
 from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
 from ..modes import dir_mode
+from ..regular import NotRegularFile, TooLarge, open_regular, read_regular
 
 # A checkpoint is a directory of these files; what each holds is docs/checkpoint.md's "Format".
 FORMAT = "nvme-offload-checkpoint"
@@ -78,6 +79,9 @@ def io_error(err: OSError, path: str, doing: str) -> OSError:
 # the file-system operations of the commit rule. Saves and loads take one (``storage=``); the default
 # does what it says, and the fault tests hand in one that fails where they want.
 _COPY_CHUNK = 64 << 20
+# The small files (memory.pt, extra.pt, model.pt) are read whole, up to their manifest's size; a file larger
+# than that is refused before it is read (a bigger one may be read up to this many bytes).
+_SMALL_LIMIT = 1 << 20
 # What copy_file_range says where it cannot copy between these two files: the copy falls back to reads
 # and writes.
 _NO_COPY_RANGE = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP,
@@ -133,10 +137,12 @@ class Storage:
         """Copy ``src`` to the new file ``dst`` and fsync it (``copy_file_range``, else reads and writes),
         counting the bytes on the progress bar ``bar``."""
         try:
-            fin = open(src, "rb")
+            fin = os.fdopen(open_regular(src, follow=False), "rb")
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {os.path.dirname(src)} is missing {os.path.basename(src)}, which "
                                   "its manifest lists") from None
+        except NotRegularFile as err:
+            raise not_regular(err, src) from None
         with fin:
             try:
                 # A copy never lets more people read it than its original does.
@@ -254,12 +260,23 @@ def write_file(obj: Any, path: str, fsync: Callable[[int, str], None], *, within
 # -- reading ------------------------------------------------------------------------------------------
 
 
+def not_regular(err: OSError, path: str) -> CheckpointError:
+    """The error for a checkpoint file ``path`` that is not a regular file (``err``, from :mod:`offload.regular`)."""
+    return CheckpointError(f"{path} is {err.strerror}: a checkpoint's files are regular files its save wrote, so "
+                           "this one was replaced or tampered with; nothing was read from it. Load another checkpoint")
+
+
 def read_checked(path: str, entry) -> bytes:
     """The bytes of the checkpoint file ``path``, checked against its ``manifest.FileEntry`` (size and
-    xxh3_64: ChecksumError where either differs)."""
+    xxh3_64: ChecksumError where either differs). A FIFO or a device is a CheckpointError, never read;
+    no more than the manifest's size (and one byte) is read."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular(path, limit=max(entry.bytes, _SMALL_LIMIT), size=entry.bytes)
+    except (NotRegularFile, TooLarge) as err:
+        if isinstance(err, TooLarge):
+            raise ChecksumError(f"{path}: {err.strerror}, the manifest says {entry.bytes} bytes (replaced or "
+                                "corrupt); load an older checkpoint") from None
+        raise not_regular(err, path) from None
     except OSError as err:
         raise io_error(err, path, "cannot read") from err
     found = xxhash.xxh3_64(data).hexdigest()

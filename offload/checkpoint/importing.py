@@ -12,6 +12,7 @@ import torch
 from .. import codes
 from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
+from ..regular import NotRegularFile, open_regular
 from ..state import Layout, exported_keys, set_chunk_values, step_tensor
 from .commit import Staged, reading, write_atomically
 from .format import dtype_name, dtype_of
@@ -72,7 +73,13 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
 def _read_state_dict(state_dict: dict | str | os.PathLike) -> dict:
     """The state dict (loaded, when a path), checked to be an optimizer's."""
     if isinstance(state_dict, (str, os.PathLike)):
-        state_dict = torch.load(os.fspath(state_dict), map_location="cpu", weights_only=True)
+        path = os.fspath(state_dict)
+        try:
+            f = os.fdopen(open_regular(path), "rb")  # a FIFO or a device is never read
+        except NotRegularFile as err:
+            raise CheckpointError(f"{path} is {err.strerror}; give the file torch.save wrote") from None
+        with f:
+            state_dict = torch.load(f, map_location="cpu", weights_only=True)
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise CheckpointError("expected an optimizer state dict with 'state' and 'param_groups'")
     return state_dict

@@ -23,7 +23,8 @@ from .. import codes
 from .._version import __version__
 from ..config.rules import MAX_BLOCK_SIZE
 from ..errors import CheckpointError, ChecksumError
-from ..units import ALIGNMENT
+from ..regular import NotRegularFile, TooLarge, read_regular
+from ..units import ALIGNMENT, MIB
 from .fields import (
     RULES,
     Entry,
@@ -447,12 +448,17 @@ class JobManifest(Entry):
 
 # -- from disk ---------------------------------------------------------------------------------------
 
+# The most bytes a manifest may hold: about 600 bytes per parameter, so over 400,000 parameters. A larger
+# file is not one a save wrote (a planted one would take the memory of every reader).
+MANIFEST_LIMIT = 256 * MIB
+
+
 def raw_manifest(directory: str, name: str = MANIFEST) -> Any:
-    """The JSON in ``directory/name``, unchecked; None if there is none or it does not parse."""
+    """The JSON in ``directory/name``, unchecked; None if there is none, it does not parse, or it is not a
+    regular file of a manifest's size (a FIFO or a device is never read)."""
     try:
-        with open(os.path.join(directory, name), "rb") as f:
-            return json.loads(f.read())
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError):
+        return json.loads(read_regular(os.path.join(directory, name), limit=MANIFEST_LIMIT))
+    except (FileNotFoundError, NotADirectoryError, NotRegularFile, TooLarge, ValueError):
         return None
 
 
@@ -502,11 +508,14 @@ def read(directory: str) -> Manifest | JobManifest:
         raise FileNotFoundError(_errno.ENOENT, "no checkpoint directory", directory)
     path = os.path.join(directory, _manifest_name(directory))
     try:
-        with open(path, "rb") as f:
-            text = f.read()
+        text = read_regular(path, limit=MANIFEST_LIMIT)
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save commits by "
                               f"writing its {MANIFEST} last, so no save of ours finished here") from None
+    except (NotRegularFile, TooLarge) as err:
+        raise CheckpointError(f"{path} is {err.strerror}: a checkpoint's manifest is a regular file its save "
+                              "wrote, so this is not one of our checkpoints (or it was tampered with); load "
+                              "another one") from None
     except OSError as err:
         raise io_error(err, path, "cannot read") from err
     try:

@@ -13,11 +13,15 @@ from typing import Any
 import hjson
 
 from ..errors import ConfigError
+from ..regular import NotRegularFile, TooLarge, read_regular
 from .rules import raise_if, show
 
-__all__ = ["HJSON_SUFFIX", "read_document"]
+__all__ = ["CONFIG_LIMIT", "HJSON_SUFFIX", "read_config_bytes", "read_document"]
 
 HJSON_SUFFIX = ".hjson"  # files read as hjson; every other file is strict JSON
+# The most bytes a configuration file holds (ds_config.json, a sweep's result, a Hugging Face config.json):
+# anything larger is not one, and is refused before it is read.
+CONFIG_LIMIT = 64 << 20
 
 _SHOWN_LINE = 100  # characters of the offending line quoted in a syntax error
 
@@ -41,8 +45,7 @@ def read_document(path: str) -> dict:
             top level.
         OSError: the file cannot be read.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_config_bytes(path)
     text = _decode(data, path)
     hjson_file = str(path).lower().endswith(HJSON_SUFFIX)
     try:
@@ -98,6 +101,20 @@ def _hjson_hint(text: str) -> str:
     return (f" (this is strict JSON; the file would read as hjson, which DeepSpeed also accepts, with its comments, "
             f"trailing commas and unquoted strings: fix the JSON, or rename the file to *{HJSON_SUFFIX} to have "
             "it read as hjson)")
+
+
+def read_config_bytes(path: str) -> bytes:
+    """The bytes of the configuration file ``path``: a regular file of at most :data:`CONFIG_LIMIT` bytes (a
+    FIFO, a device or a link to one is never read).
+
+    Raises:
+        ConfigError: not a regular file, or too large; the message names it.
+        OSError: it cannot be opened or read.
+    """
+    try:
+        return read_regular(path, limit=CONFIG_LIMIT)
+    except (NotRegularFile, TooLarge) as err:
+        raise ConfigError(f"{path} is {err.strerror}; give a JSON configuration file") from None
 
 
 class _Object(dict):

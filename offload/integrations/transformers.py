@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 import torch
 
+from ..config.files import read_config_bytes
+from ..errors import CheckpointError, ConfigError
 from ..params import clip_grad_norm_
 from ..pretrained import model_directory, offload_pretrained, save_pretrained
 from ..pretrained.save import save_into
@@ -234,6 +236,12 @@ def from_pretrained(path: str | os.PathLike, nvme_path=None, config=None, *, mod
         raise ImportError("from_pretrained needs transformers: pip install 'nvme-offload[integrations]'") from err
     directory = model_directory(path, revision=revision, cache_dir=cache_dir, token=token,
                                 local_files_only=local_files_only, subfolder=subfolder)
+    for name in ("config.json", "generation_config.json"):  # transformers opens them by name: checked first
+        if os.path.lexists(os.path.join(directory, name)):
+            try:
+                read_config_bytes(os.path.join(directory, name))
+            except ConfigError as err:
+                raise CheckpointError(str(err)) from None
     hf_config = transformers.AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     if dtype is None or dtype == "auto":
         dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32

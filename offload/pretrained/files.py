@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
+from ..config.files import CONFIG_LIMIT
 from ..errors import CheckpointError
+from ..regular import NotRegularFile, TooLarge, open_regular, read_regular
 
 __all__ = ["DTYPES", "INDEX", "SINGLE", "Entry", "SafetensorsCheckpoint", "dtype_name"]
 
@@ -49,12 +52,39 @@ class Entry:
     nbytes: int = 0
 
 
+def not_regular(err: OSError, what: str) -> CheckpointError:
+    """The error for a checkpoint's file that is not a regular file (``err``, from :mod:`offload.regular`)."""
+    return CheckpointError(f"{err.filename} is {err.strerror}: {what} is a regular file, so this checkpoint was "
+                           "tampered with or is not one; nothing was read from it")
+
+
+# NOTE: the safetensors package opens a file by its name. Each shard is opened here first, checked to be a
+# regular file on the descriptor itself, and handed over as /proc/self/fd/N: what safetensors opens is the
+# file that was checked, never a FIFO (which would block the open for ever) or a device swapped in by name.
+@contextlib.contextmanager
+def regular_shard(file: str) -> Iterator[str]:
+    """A name under which ``file``, checked to be a regular file, is opened (valid inside the block).
+
+    Raises:
+        CheckpointError: ``file`` is not a regular file.
+        OSError: it cannot be opened (``FileNotFoundError``, ...).
+    """
+    try:
+        fd = open_regular(file)
+    except NotRegularFile as err:
+        raise not_regular(err, "a safetensors shard") from None
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
 def _data_ranges(file: str) -> dict[str, tuple[int, int]]:
     """``{name: (offset, nbytes)}`` of each tensor's bytes in the safetensors ``file``, from its header (read
     after ``safe_open`` has checked it: an 8-byte little-endian length, then that much JSON; offsets count
     from the header's end). Only used to drop pages from the page cache: a range that does not fit the
     file is left out."""
-    with open(file, "rb") as f:
+    with os.fdopen(open_regular(file), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n)) if 8 + n <= size else {}
@@ -138,7 +168,8 @@ class SafetensorsCheckpoint:
         try:
             for file in self.files:
                 try:
-                    handle = safe_open(file, framework="pt")
+                    with regular_shard(file) as opened:
+                        handle = safe_open(opened, framework="pt")
                     names = list(handle.keys())
                     found = {}
                     for name in names:
@@ -193,13 +224,16 @@ class SafetensorsCheckpoint:
 
         e = self.entries[name]
         try:
-            handle = safe_open(e.file, framework="pt")
+            with regular_shard(e.file) as opened:
+                handle = safe_open(opened, framework="pt")
             try:
                 if not e.shape:
                     return handle.get_tensor(name)
                 return handle.get_slice(name)[start:stop if stop is not None else e.shape[0]]
             finally:
                 del handle  # unmapped: its pages leave the RSS
+        except CheckpointError:
+            raise
         except Exception as err:
             raise CheckpointError(f"{e.file}: cannot read {name!r} ({err}); the file is corrupt or was changed "
                                   "while loading: download or save it again") from err
@@ -235,20 +269,24 @@ class SafetensorsCheckpoint:
     # -- internals ----------------------------------------------------------------------------
 
     def _files(self, path: str) -> list[str]:
-        if os.path.isfile(path):
-            return [path]
+        if os.path.lexists(path) and not os.path.isdir(path):
+            return [path]  # a file: checked to be a regular one as it is opened
         if not os.path.isdir(path):
             raise CheckpointError(f"{path}: no such file or directory; give a .safetensors file or a directory "
                                   f"holding {SINGLE} or {INDEX}")
         index = os.path.join(path, INDEX)
-        if os.path.isfile(index):
+        if os.path.lexists(index):
             self._index_path = index
             try:
-                with open(index) as f:
-                    self._index = json.load(f)
+                self._index = json.loads(read_regular(index, limit=CONFIG_LIMIT))
                 weight_map = self._index["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise TypeError("weight_map is not an object")
+            except (NotRegularFile, TooLarge) as err:
+                raise not_regular(err, "a safetensors index") from None
+            except OSError as err:
+                raise CheckpointError(f"{index}: cannot be read ({err.strerror}); copy or download the checkpoint "
+                                      "again") from None
             except (ValueError, KeyError, TypeError) as err:
                 raise CheckpointError(f"{index}: not a safetensors index ({err}); save the checkpoint again") from err
             if not all(isinstance(s, str) for s in weight_map.values()):
@@ -259,14 +297,14 @@ class SafetensorsCheckpoint:
             if outside:
                 raise CheckpointError(f"{index} names shards that are not files beside it ({outside[:4]}); a "
                                       "checkpoint's shards are read from its own directory only")
-            missing = [s for s in shards if not os.path.isfile(os.path.join(path, s))]
+            missing = [s for s in shards if not os.path.lexists(os.path.join(path, s))]
             if missing:
                 raise CheckpointError(
                     f"{index} lists {len(shards)} shards, {len(missing)} missing from {path}: "
                     f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}; copy or download them too")
             return [os.path.join(path, s) for s in shards]
         single = os.path.join(path, SINGLE)
-        if os.path.isfile(single):
+        if os.path.lexists(single):
             return [single]
         raise CheckpointError(f"{path} holds neither {SINGLE} nor {INDEX}: not a safetensors checkpoint")
 
