@@ -8,7 +8,17 @@ a new file front to back through it.
 from .append import AppendFile
 from .engine import HAVE_IO_URING, HAVE_XXHASH, Engine
 from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
-from .files import AioFile, create_private, fsync_path, open_file, reserve, unlink_if_same, wrap_fd
+from .files import (
+    AioFile,
+    check_replaceable,
+    create_private,
+    fsync_path,
+    open_file,
+    replace_file,
+    reserve,
+    unlink_if_same,
+    wrap_fd,
+)
 from .futures import (
     READ,
     WRITE,
@@ -25,7 +35,9 @@ from .gds import gds_status, warn_use_gds
 
 __all__ = [
     "AppendFile",
+    "check_replaceable",
     "create_private",
+    "replace_file",
     "reserve",
     "fsync_path",
     "HAVE_IO_URING",

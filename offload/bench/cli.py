@@ -14,6 +14,7 @@ import traceback
 from typing import Callable, Iterator, Sequence
 
 from .._version import __version__
+from ..aio import check_replaceable
 from ..config import load_config
 from ..errors import OffloadError
 from ..units import ALIGNMENT, format_size, parse_count, parse_size, round_up
@@ -168,6 +169,10 @@ def check_output_file(option: str, path: str | None, suffixes: Sequence[str] = (
         raise UsageError(f"{option} {path}: directory {parent} does not exist")
     if os.path.isdir(path):
         raise UsageError(f"{option} {path} is a directory; give a file name")
+    try:
+        check_replaceable(path)
+    except FileExistsError as err:
+        raise UsageError(f"{option} {path}: {err.strerror}") from None
     if suffixes and not path.lower().endswith(tuple(suffixes)):
         raise UsageError(f"{option} {path}: the file name must end with one of {', '.join(suffixes)}")
 
@@ -264,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.suppress(ValueError):  # not in the main thread (embedded use): keep the default
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        for option in ("json", "emit_config"):  # outputs: refused now, not after a long run
+            check_output_file(f"--{option.replace('_', '-')}", getattr(args, option, None))
         return int(args.run(args) or 0)
     except UsageError as err:
         print(f"{PROG} {args.command}: error: {err}", file=sys.stderr)

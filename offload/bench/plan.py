@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 from typing import Optional, Sequence
 
 import psutil
@@ -21,6 +22,7 @@ import torch
 
 from ..adam.wear import wear_threshold
 from ..config import Config, config_to_dict
+from ..config.files import read_config_bytes
 from ..params import smallest_within
 from ..params.placement import pool_buffer_bytes
 from ..state import Layout, pool_buffer_size
@@ -132,6 +134,9 @@ def model_params(*, hf_config: Optional[str] = None, count: Optional[int] = None
     if (hf_config is None) == (count is None):
         raise UsageError("give a model: --hf-config config.json or --params N (one of the two)")
     torch_dtype = _DTYPES[dtype]
+    if count is not None and count > _MOST_PARAMS:
+        raise UsageError(f"--params {count:.3g}: a plan is for at most {_MOST_PARAMS / 1e12:g}T parameters (more than "
+                         "any model trained so far); give the model's size, e.g. 7B or 1.5T")
     if count is not None:
         whole, rest = divmod(count, _TENSOR_ELEMENTS)
         sizes = [_TENSOR_ELEMENTS] * whole + ([rest] if rest else [])
@@ -143,16 +148,51 @@ def model_params(*, hf_config: Optional[str] = None, count: Optional[int] = None
                          "--params N instead") from None
     path = os.path.join(hf_config, "config.json") if os.path.isdir(hf_config) else hf_config
     try:
-        cfg = transformers.AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as err:
-        raise UsageError(f"{path} is not a Hugging Face model config ({err})") from None
-    with torch.device("meta"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(cfg)
-        except ValueError:  # not a causal language model: its base model
-            model = transformers.AutoModel.from_config(cfg)
-    model.to(torch_dtype)
+        doc = json.loads(read_config_bytes(path))
+        _check_sizes(doc, path)
+        cfg = transformers.CONFIG_MAPPING[doc["model_type"]].from_dict(doc)
+    except UsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - transformers' own validation errors are Exceptions: a user's file
+        raise UsageError(f"{path} is not a Hugging Face model config ({type(err).__name__}: {err})") from None
+    try:
+        with torch.device("meta"):
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(cfg)
+            except ValueError:  # not a causal language model: its base model
+                model = transformers.AutoModel.from_config(cfg)
+        model.to(torch_dtype)
+    except Exception as err:  # noqa: BLE001 - a config transformers takes but cannot build: the user's mistake
+        raise UsageError(f"{path}: transformers cannot build this model ({type(err).__name__}: {err}); check its "
+                         "sizes") from None
     return [p for p in model.parameters() if p.requires_grad]
+
+
+# Config keys that count or size something (layers, heads, experts, widths): whole numbers, within bounds. A
+# model is built module by module on the meta device, so the counts of repeated modules bound the time it takes.
+_SIZE_KEY = re.compile(r"^(num_|n_)|(_size|_dim|_layers?|_heads|_experts|_embeddings)$")
+_REPEATS = re.compile(r"layers?$|experts$")
+_MOST_SIZE = 1 << 31
+_MOST_REPEATS = 1024
+_MOST_PARAMS = 2 * 10**12
+
+
+def _check_sizes(doc, path: str, where: str = "") -> None:
+    """Refuse a config whose sizes cannot be a model's (negative, fractional, text, absurdly large), naming the
+    key, before transformers builds anything from it."""
+    if not isinstance(doc, dict):
+        raise UsageError(f"{path} is not a Hugging Face model config (not a JSON object)")
+    if not where and not isinstance(doc.get("model_type"), str):
+        raise UsageError(f"{path} is not a Hugging Face model config (no model_type)")
+    for key, value in doc.items():
+        if isinstance(value, dict) and not where:
+            _check_sizes(value, path, f"{key}.")  # a sub-model's config (text_config, ...)
+            continue
+        if not isinstance(key, str) or not _SIZE_KEY.search(key) or value is None or isinstance(value, (bool, list)):
+            continue
+        most = _MOST_REPEATS if _REPEATS.search(key) else _MOST_SIZE
+        if not isinstance(value, int) or not 0 <= value <= most:
+            raise UsageError(f"{path}: {where}{key} is {value!r}; it must be a whole number from 0 to {most}")
 
 
 def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool = False, on_gpu: bool = False,
@@ -387,8 +427,7 @@ def run_plan(args: argparse.Namespace) -> int:
 def _sweep_best(path: str) -> tuple[dict, dict]:
     """An ``offload-bench sweep --json`` result's best point, and the aio settings it measured there."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        doc = json.loads(read_config_bytes(path))  # a regular file of a config's size: never a FIFO or /dev/zero
         best = doc["best"]
         aio = {"block_size": int(best["block_size"]), "queue_depth": int(best["queue_depth"]),
                "thread_count": int(best["threads"])}

@@ -10,6 +10,7 @@ import sys
 from typing import Any, Optional, Sequence, TextIO
 
 from .._proc import status_bytes
+from ..aio import replace_file
 from ..units import GIB, format_size
 from .cli import BenchFailure, short_size
 
@@ -158,12 +159,10 @@ def fmt_ratio(x: float | None) -> str:
 
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
-    """Write ``doc`` atomically (a temporary file renamed over ``path``)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write ``doc`` atomically in place of ``path``, a regular file or nothing (see
+    :func:`offload.aio.replace_file`: a device or a link given as the output is refused, never replaced)."""
+    text = (json.dumps(doc, indent=2) + "\n").encode()
+    replace_file(path, lambda f: f.write(text), private=False)
 
 
 def require_matplotlib() -> None:

@@ -7,13 +7,15 @@ import threading
 import time
 from typing import Callable
 
+import psutil
 import torch
 from torch import nn
 
 from ..buffers import BufferPool
 from ..pipeline import Pipeline
 from ..space import SwapSpace
-from ..units import round_up
+from ..units import format_size, round_up
+from .cli import BenchFailure
 
 IO_PIECE = 8 << 20  # request size of io_only
 
@@ -23,7 +25,16 @@ TENSOR_ELEMENTS = 4 << 20
 
 def synthetic_params(n: int, dtype: torch.dtype = torch.float32, *, tensor_elements: int = TENSOR_ELEMENTS,
                      device: torch.device | str = "cpu") -> list[torch.nn.Parameter]:
-    """``n`` parameters in tensors of ``tensor_elements`` on ``device``, each with a random grad (seeded)."""
+    """``n`` parameters in tensors of ``tensor_elements`` on ``device``, each with a random grad (seeded).
+
+    Raises:
+        BenchFailure: they (and their grads) would not fit in the host memory available now.
+    """
+    need = 2 * n * torch.empty(0, dtype=dtype).element_size()
+    available = psutil.virtual_memory().available
+    if torch.device(device).type == "cpu" and need > available:
+        raise BenchFailure(f"{n:,} parameters and their grads need {format_size(need)} of host memory, "
+                           f"{format_size(available)} is available; give a smaller --params")
     g = torch.Generator().manual_seed(0)
     sizes = [tensor_elements] * (n // tensor_elements) + ([n % tensor_elements] if n % tensor_elements else [])
     params = []

@@ -236,25 +236,31 @@ def write_file(obj: Any, path: str, fsync: Callable[[int, str], None], *, within
     path)``: :class:`Serialized` bytes as they are, a :class:`JSON` value as JSON, else ``torch.save(obj)``
     (plain bytes too: a user's ``extra=b"..."`` is an object like any other). Returns the file's size and
     xxh3_64; an OSError names ``path``."""
-    w = None
+    with create_private(path, within=within) as f:
+        w = write_into(obj, f, path)
+        fsync(f.fileno(), path)
+    return {"bytes": w.nbytes, "xxh3_64": w.hash.hexdigest()}
+
+
+def write_into(obj: Any, f, path: str) -> _HashingWriter:
+    """Write ``obj`` (as :func:`write_file` does) into the open file ``f`` of ``path``, flushed; returns what
+    hashed it (its ``nbytes`` and ``hash``). An OSError names ``path``."""
+    w = _HashingWriter(f)
     try:
-        with create_private(path, within=within) as f:
-            w = _HashingWriter(f)
-            if isinstance(obj, Serialized):
-                w.write(obj)
-            elif isinstance(obj, JSON):
-                w.write((json.dumps(obj.value, indent=1, sort_keys=True) + "\n").encode())
-            else:
-                torch.save(obj, w)
-            w.flush()
-            fsync(f.fileno(), path)
+        if isinstance(obj, Serialized):
+            w.write(obj)
+        elif isinstance(obj, JSON):
+            w.write((json.dumps(obj.value, indent=1, sort_keys=True) + "\n").encode())
+        else:
+            torch.save(obj, w)
+        w.flush()
     except OSError as err:
         raise io_error(err, path, "cannot write") from err
     except RuntimeError:
-        if w is None or w.error is None:
+        if w.error is None:
             raise
         raise io_error(w.error, path, "cannot write") from w.error
-    return {"bytes": w.nbytes, "xxh3_64": w.hash.hexdigest()}
+    return w
 
 
 # -- reading ------------------------------------------------------------------------------------------

@@ -4,19 +4,17 @@ export to torch's layouts (what ``offload-ckpt export`` runs)."""
 from __future__ import annotations
 
 import os
-import secrets
 from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
 
-from ..aio import Engine
+from ..aio import Engine, replace_file
 from ..errors import CheckpointError, ChecksumError
 from ..state import step_tensor
 from .commit import reading
 from .format import (
     DATA,
-    DEFAULT_STORAGE,
     EXTRA,
     FORMAT,
     JOB_FORMAT,
@@ -24,7 +22,7 @@ from .format import (
     MODEL_MEMORY,
     PARAMS_DATA,
     read_checked,
-    write_file,
+    write_into,
 )
 from .manifest import JobManifest, Manifest, read, read_process
 from .model import state_dict, verify_model
@@ -311,14 +309,7 @@ def export_model_checkpoint(directory: str | os.PathLike, out: str | os.PathLike
 
 
 def _save_file(obj: Any, out: str | os.PathLike) -> None:
-    """``torch.save(obj, out)``, fsynced, under a temporary name until complete."""
+    """``torch.save(obj, out)``, fsynced, under a fresh name beside ``out`` until complete, then renamed over it
+    (``out`` must be a regular file or nothing: :func:`offload.aio.replace_file`)."""
     out = os.path.abspath(os.fspath(out))
-    tmp = f"{out}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        write_file(obj, tmp, DEFAULT_STORAGE.fsync)
-        os.replace(tmp, out)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    DEFAULT_STORAGE.fsync_dir(os.path.dirname(out))
+    replace_file(out, lambda f: write_into(obj, f, out))
