@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from helpers import run_code
+from helpers import run_code, run_python
 
 # Waits for the forked child with a deadline and prints how it ended; defines `wait_child(pid)`.
 _WAIT_CHILD = """
@@ -159,3 +159,52 @@ def test_child_of_a_process_with_an_offloaded_optimizer_refuses_to_step_and_exit
         "child-step True", "child-exit 0", "files-intact True", "parent-steps True", "removed []"], \
         done.stdout + done.stderr
     assert os.listdir(nvme) == []
+
+
+_CHILD_MAKES_ITS_OWN = """
+import multiprocessing as mp, os, sys
+import torch
+from offload import OffloadedAdamW, offload_parameters
+
+def child(path):
+    torch.set_num_threads(1)  # torch's CPU thread pool does not survive a fork (as for DataLoader workers)
+    model = torch.nn.Linear(64, 64)
+    offload_parameters(model, os.path.join(path, "weights"), max_in_cpu=0, buffer_count=2, buffer_size=4096)
+    opt = OffloadedAdamW(model.parameters(), nvme_path=os.path.join(path, "state"), buffer_size=1 << 16)
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    print("child made", sorted(os.listdir(os.path.join(path, "state"))) != [], flush=True)
+
+if __name__ == "__main__":
+    path = sys.argv[1]
+    os.makedirs(path)
+    for sub in ("weights", "state"):
+        os.makedirs(os.path.join(path, sub))
+    mine = OffloadedAdamW([torch.nn.Parameter(torch.zeros(100_000))], nvme_path=os.path.join(path, "state"))
+    ours = sorted(os.listdir(os.path.join(path, "state")))
+    for method in sys.argv[2:]:
+        p = mp.get_context(method).Process(target=child, args=(path,))
+        p.start()
+        p.join(60)
+        left = sorted(os.listdir(os.path.join(path, "state"))) + sorted(os.listdir(os.path.join(path, "weights")))
+        print(method, p.exitcode, left == ours, flush=True)
+    mine.close()
+    print("parent removed", os.listdir(os.path.join(path, "state")) == [], flush=True)
+"""
+
+
+def test_a_child_that_builds_its_own_optimizer_removes_its_swap_files_when_it_returns(tmp_path):
+    """A multiprocessing child (fork and forkserver children end with os._exit, skipping atexit) that builds its
+    own offloaded model and optimizer and returns leaves no swap file behind, and the parent's stay until it
+    closes them."""
+    import multiprocessing
+
+    methods = [m for m in ("fork", "forkserver", "spawn") if m in multiprocessing.get_all_start_methods()]
+    script = tmp_path / "child_makes_its_own.py"
+    script.write_text(_CHILD_MAKES_ITS_OWN)
+    done = run_python(str(script), str(tmp_path / "swap"), *methods, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert [line for line in lines if not line.startswith("child made")] == \
+        [f"{m} 0 True" for m in methods] + ["parent removed True"], done.stdout + done.stderr
+    assert lines.count("child made True") == len(methods), done.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing.util
 import os
 import threading
 import weakref
@@ -93,6 +94,12 @@ class SwapSpace:
             self._finalizer()
             raise
         reset_after_fork(self)
+        # NOTE: a child of multiprocessing's fork or forkserver methods ends with os._exit, after running
+        # multiprocessing's own finalizers but not atexit's (where weakref.finalize runs): a space it made would
+        # stay on disk. Registered there too, it is closed, and its files deleted, when such a child returns.
+        # The finalizer runs once whoever calls it first; in a child forked after this space was made, closing
+        # deletes nothing (the parent owns the files), and multiprocessing forgets the parent's finalizers.
+        multiprocessing.util.Finalize(self, self._finalizer, exitpriority=10)
 
     def _open(self, aio, stripe_unit, buffers, name, o_direct) -> None:
         """Create the swap files and their engines, check the stripe unit, start the books empty, and warn of
