@@ -1,14 +1,15 @@
-"""Processes: liveness of a pid, resetting objects in a child after ``os.fork``, the C heap's free pages, and
-this process's memory figures."""
+"""Processes: liveness of a pid, resetting objects in a child after ``os.fork``, the C heap's free pages,
+this process's memory figures, and who holds a lock on a file."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
 import weakref
 
-__all__ = ["heap_freed", "pid_alive", "reset_after_fork", "reset_peak_rss", "status_bytes"]
+__all__ = ["heap_freed", "lock_holders", "pid_alive", "reset_after_fork", "reset_peak_rss", "status_bytes"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -110,3 +111,38 @@ def reset_peak_rss() -> None:
     where the kernel does not allow it."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
+
+
+def lock_holders(fd: int) -> list[str]:
+    """The processes holding a lock (flock or fcntl) on the file open on ``fd``, each as ``"process PID
+    (COMMAND, user NAME)"``, from Linux's /proc/locks; [] where it cannot be read."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    pids = []
+    for line in lines:
+        parts = line.split()
+        if "->" in parts or len(parts) < 6 or parts[5] != key:
+            continue  # a waiter, or another file
+        with contextlib.suppress(ValueError):
+            pids.append(int(parts[4]))
+    return [_describe(pid) for pid in dict.fromkeys(pids)]
+
+
+def _describe(pid: int) -> str:
+    """``"process PID (COMMAND, user NAME)"`` for ``pid``, as far as /proc tells."""
+    command = user = "?"
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/comm") as f:
+        command = f.read().strip()
+    with contextlib.suppress(OSError, ValueError, StopIteration, IndexError):
+        with open(f"/proc/{pid}/status") as f:
+            user = next(line for line in f if line.startswith("Uid:")).split()[1]
+        import pwd
+
+        with contextlib.suppress(KeyError):
+            user = pwd.getpwuid(int(user)).pw_name
+    return f"process {pid} ({command}, user {user})"

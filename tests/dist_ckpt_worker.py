@@ -12,7 +12,8 @@ says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions"
   {"do": "keep_save", "root": d, "keep_last": n} Retention(d, keep_last=n).save(opt, step, model=..., ...)
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
   {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt
-  {"do": "listdir", "dir": d}                    the names in d, sorted (the log's "result")
+  {"do": "listdir", "dir": d}                    the names in d, sorted (the log's "result"); a checkpoint's lock
+                                                 file, there while another rank reads or saves it, left out
   {"do": "mkdir", "dir": d}                      os.makedirs(d, exist_ok=True)
   {"do": "barrier"}                              torch.distributed.barrier()
   {"do": "verify", "dir": d}                     verify_checkpoint(d); the result is its step (the job manifest's)
@@ -211,7 +212,7 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
             elif action["do"] == "barrier":
                 dist.barrier()
             elif action["do"] == "listdir":
-                entry["result"] = sorted(os.listdir(action["dir"]))
+                entry["result"] = sorted(n for n in os.listdir(action["dir"]) if n != ".nvme-offload.lock")
             elif action["do"] == "mkdir":
                 os.makedirs(action["dir"], exist_ok=True)
             elif action["do"] == "dump":

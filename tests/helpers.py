@@ -99,11 +99,11 @@ def run_code(code: str, *argv: str, **kw) -> subprocess.CompletedProcess:
     return run_python("-c", textwrap.dedent(code), *argv, **kw)
 
 
-# ``python -c HOLD DIR``: takes DIR's flock exclusively (as a save holds a checkpoint's parent), prints
+# ``python -c HOLD DIR``: takes checkpoint directory DIR's lock exclusively (as a save holds it), prints
 # "locked", and holds it until a line arrives on stdin (or the process is killed).
 HOLD = """
 import fcntl, os, sys
-fd = os.open(sys.argv[1], os.O_RDONLY)
+fd = os.open(os.path.join(sys.argv[1], ".nvme-offload.lock"), os.O_RDONLY | os.O_CREAT, 0o600)
 fcntl.flock(fd, fcntl.LOCK_EX)
 print("locked", flush=True)
 sys.stdin.readline()

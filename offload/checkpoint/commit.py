@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import errno as _errno
 import fcntl
+import math
 import os
 import secrets
+import stat
 import threading
 import time
 import traceback
@@ -17,60 +19,171 @@ import weakref
 from dataclasses import replace
 from typing import Callable, Iterator
 
+from .._proc import lock_holders
 from ..errors import CheckpointError
-from .format import DEFAULT_STORAGE, JSON, MANIFEST, Storage, write_file
+from ..regular import kind_of
+from .format import DEFAULT_STORAGE, JSON, LOCK_FILE, MANIFEST, Storage, write_file
 from .manifest import JobManifest, Manifest, digest
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
 
 # -- the directory's lock ------------------------------------------------------------------------
 
 _NO_LOCKS = (_errno.ENOLCK, _errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EINVAL, _errno.ENOSYS)
+_CANNOT_MAKE = (_errno.EACCES, _errno.EPERM, _errno.EROFS)  # a reader of a directory it may not write
 _READING = threading.local()  # the directories (st_dev, st_ino) this thread is inside reading() of
+# How long a lock that others can open is waited for before the error naming who holds it (a private one,
+# which only this user's processes can hold, is waited for as long as their save takes).
+SHARED_LOCK_TIMEOUT_S = 60.0
 
 
-# NOTE: saves hold the checkpoint directory's flock exclusively from their first file to the deletion
-# of the previous generation, readers hold it shared, so a load never has a file deleted under it and
-# two saves of one directory never interleave. A thread that saves into a directory it is reading
-# would wait for itself: that is refused instead.
-def lock_directory(path: str, *, exclusive: bool, timeout: float | None = None) -> int | None:
-    """Take directory ``path``'s flock; returns the descriptor that holds it (close it to let go), or
-    None for a reader where the directory is missing or the file system has no flock."""
+# NOTE: saves hold a checkpoint directory's lock exclusively from their first file to the deletion of the
+# previous generation, readers hold it shared, so a load never has a file deleted under it and two saves of
+# one directory never interleave. The lock is a flock on a file of ours in the directory (LOCK_FILE), created
+# 0600 whatever OFFLOAD_FILE_MODE says: a flock needs an open descriptor, so only processes that may open
+# the file can hold it, and nobody else can stop this user's saves by locking a directory they may read (a
+# flock on the directory itself, as it was, could be taken by anyone who can list it). Where the file is not
+# private (another user's, in a directory others write) the lock is waited for SHARED_LOCK_TIMEOUT_S at most,
+# then refused naming who holds it. A lock file deleted or replaced while waited for (a checkpoint pruned) is
+# opened again. A thread that saves into a directory it is reading would wait for itself: refused instead.
+class DirectoryLock:
+    """A checkpoint directory's lock, held (from :func:`lock_directory`) until :meth:`release`."""
+
+    def __init__(self, fd: int, lock: str):
+        self.fd = fd
+        self.lock = lock
+
+    def release(self) -> None:
+        """Let the lock go. Where nobody else holds it now, the lock file is deleted first (a process waiting
+        for it opens it again), so a directory keeps no file of ours between saves and reads."""
+        fd, self.fd = self.fd, -1
+        if fd < 0:
+            return
+        try:
+            # Converting a shared lock to an exclusive one may let another process in between: then that
+            # process holds it, and the file stays.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if _still_named(self.lock, fd):
+                os.unlink(self.lock)
+        except OSError:
+            pass  # held by another, or not ours to delete (a reader of another user's directory): it stays
+        finally:
+            os.close(fd)
+
+
+def lock_directory(path: str, *, exclusive: bool, timeout: float | None = None) -> DirectoryLock | None:
+    """Take directory ``path``'s lock; returns it (:meth:`DirectoryLock.release` lets it go), or None for a
+    reader where the directory is missing, the lock file cannot be made (a directory it may not write), or
+    the file system has no flock."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+        st = os.stat(path)
     except OSError:
         if exclusive:
             raise
         return None
-    try:
-        st = os.fstat(fd)
-        if exclusive and (st.st_dev, st.st_ino) in getattr(_READING, "dirs", ()):
-            raise CheckpointError(f"cannot save into {path} while this thread is reading it (inside reading()); "
-                                  "finish reading first")
-        op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.005
-        while True:
-            try:
-                fcntl.flock(fd, op | (fcntl.LOCK_NB if deadline is not None else 0))
-                return fd
-            except BlockingIOError:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CheckpointError(
-                        f"a save into {path} is in progress (another process or thread holds its lock); waited "
-                        f"{timeout:g} s for it to finish. Load again once it is done, or load another checkpoint"
-                    ) from None
-                time.sleep(min(delay, left))
-                delay = min(2 * delay, 0.25)
-            except OSError as err:
-                if exclusive or err.errno not in _NO_LOCKS:
-                    raise
+    if exclusive and (st.st_dev, st.st_ino) in getattr(_READING, "dirs", ()):
+        raise CheckpointError(f"cannot save into {path} while this thread is reading it (inside reading()); "
+                              "finish reading first")
+    lock = os.path.join(path, LOCK_FILE)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        fd = _open_lock(lock, exclusive)
+        if fd is None:
+            return None
+        try:
+            private = _private(fd)
+            limit = deadline if private else min(deadline or math.inf, time.monotonic() + SHARED_LOCK_TIMEOUT_S)
+            if not _flock(fd, exclusive, limit, path, lock, private, timeout):
                 os.close(fd)
-                return None
-    except BaseException:
-        with contextlib.suppress(OSError):
+                return None  # no flock on this file system
+            if _still_named(lock, fd):
+                return DirectoryLock(fd, lock)
+        except BaseException:
             os.close(fd)
-        raise
+            raise
+        os.close(fd)  # deleted or replaced while we waited: the lock is the file now there
+
+
+def _open_lock(lock: str, exclusive: bool) -> int | None:
+    """The lock file open (created 0600 if missing); None for a reader that may not create it."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        return os.open(lock, flags | os.O_CREAT, 0o600)
+    except OSError as err:
+        if err.errno in _CANNOT_MAKE:
+            try:
+                return os.open(lock, flags)  # there, but not ours to create: use it if it may be opened
+            except OSError:
+                if exclusive:
+                    raise
+                return None
+        if err.errno in (_errno.ELOOP, _errno.ENXIO) or (err.errno == _errno.EISDIR):
+            raise CheckpointError(f"{lock} is not a regular file (a link or a special file was put where a "
+                                  "checkpoint's lock file goes); remove it") from None
+        if exclusive or err.errno not in (_errno.ENOENT, _errno.ENOTDIR):
+            raise
+        return None
+
+
+def _private(fd: int) -> bool:
+    """Whether only this user's processes can open the lock file on ``fd`` (made so if it is ours)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"a checkpoint's lock file is {kind_of(st.st_mode)}; remove it")
+    if st.st_uid != os.geteuid():
+        return False
+    if st.st_mode & 0o077:
+        try:
+            os.fchmod(fd, 0o600)
+        except OSError:
+            return False
+    return True
+
+
+def _flock(fd: int, exclusive: bool, deadline: float | None, path: str, lock: str, private: bool,
+           timeout: float | None) -> bool:
+    """flock ``fd`` (waiting until ``deadline`` at most); False where the file system has no flock. Raises
+    CheckpointError at the deadline, naming who holds the lock."""
+    op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+    delay = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, op | (fcntl.LOCK_NB if deadline is not None else 0))
+            return True
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _held(path, lock, fd, exclusive, private, timeout) from None
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 0.25)
+        except OSError as err:
+            if exclusive or err.errno not in _NO_LOCKS:
+                raise
+            return False
+
+
+def _held(path: str, lock: str, fd: int, exclusive: bool, private: bool, timeout: float | None) -> CheckpointError:
+    holders = lock_holders(fd)
+    who = ", ".join(holders) if holders else "another process"
+    if not private:
+        return CheckpointError(
+            f"{lock}, the lock of checkpoint directory {path}, can be opened by other users, and {who} has held it "
+            f"for {SHARED_LOCK_TIMEOUT_S:g} s: not waiting longer for it. Make the directory and the lock file your "
+            "own (or remove the lock file when no save runs), or save into a directory of your own")
+    if exclusive:
+        return CheckpointError(f"checkpoint directory {path} is in use by {who}; waited {timeout:g} s")
+    return CheckpointError(
+        f"a save into {path} is in progress ({who} holds its lock); waited {timeout:g} s for it to finish. Load "
+        "again once it is done, or load another checkpoint")
+
+
+def _still_named(lock: str, fd: int) -> bool:
+    """Whether ``lock`` still names the file open on ``fd`` (not deleted or replaced while its lock was waited
+    for)."""
+    try:
+        a, b = os.fstat(fd), os.lstat(lock)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 @contextlib.contextmanager
@@ -99,19 +212,23 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
             extra = load_checkpoint(opt, ckpt_dir)
     """
     given = os.path.abspath(os.fspath(directory))
-    fd = lock_directory(os.path.realpath(given), exclusive=False, timeout=timeout)
+    held = lock_directory(os.path.realpath(given), exclusive=False, timeout=timeout)
     key = None
-    if fd is not None:
-        st = os.fstat(fd)
+    if held is not None:
+        try:
+            st = os.stat(os.path.realpath(given))
+        except BaseException:
+            held.release()
+            raise
         key = (st.st_dev, st.st_ino)
         dirs = _READING.__dict__.setdefault("dirs", [])
         dirs.append(key)
     try:
         yield given
     finally:
-        if fd is not None:
+        if held is not None:
             _READING.dirs.remove(key)
-            os.close(fd)
+            held.release()
 
 
 # -- writing and committing ------------------------------------------------------------------------
@@ -160,7 +277,7 @@ class Staged:
         self.written: dict[str, str] = {}  # name in the format -> name on disk
         self.manifest: Manifest | None = None  # as committed
         self.within = 0o777  # the manifest's mode at most (a copy's: its original's)
-        self._fd: int | None = None
+        self._lock: DirectoryLock | None = None
         if shard_of is not None:
             self.directory = self.target = os.path.join(shard_of, os.fspath(directory))
             self.made = storage.make_dirs(self.target)
@@ -171,7 +288,7 @@ class Staged:
         self.target = os.path.realpath(self.directory)
         check_target(self.target, self.directory)  # refused before anything is written
         self.made = storage.make_dirs(self.target)
-        self._fd = lock_directory(self.target, exclusive=True)
+        self._lock = lock_directory(self.target, exclusive=True)
         try:
             check_target(self.target, self.directory)  # again, now that no other save runs here
             self.previous = our_manifest(self.target)
@@ -190,7 +307,7 @@ class Staged:
         files = {n: replace(e, file=self.written[n]) for n, e in manifest.files.items()}
         staged = self.path(MANIFEST)
         self.manifest = write_manifest(staged, replace(manifest, files=files), self.storage, within=self.within)
-        if self._fd is not None:
+        if self._lock is not None:
             commit_manifest(self.target, staged, self.manifest, self.previous, self.storage,
                             lambda: setattr(self, "committed", True))
 
@@ -204,13 +321,15 @@ class Staged:
                     self.storage.unlink(os.path.join(self.target, name))
             if self.made:
                 with contextlib.suppress(OSError):
+                    if self._lock is not None and os.listdir(self.target) == [LOCK_FILE]:
+                        os.unlink(self._lock.lock)  # held: a process waiting for it opens it again
                     os.rmdir(self.target)  # only if still empty: it was made for this save
 
     def close(self) -> None:
         """Let the directory's lock go (a save that has not committed is aborted first by its caller)."""
-        if self._fd is not None:
-            os.close(self._fd)  # closing the last descriptor of the open file lets its flock go
-            self._fd = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
 
 def write_atomically(directory: str | os.PathLike, write: Callable[[Staged], Manifest],

@@ -31,6 +31,8 @@ MEMORY = "memory.pt"
 EXTRA = "extra.pt"
 PARAMS_DATA = "params.bin"
 MODEL_MEMORY = "model.pt"
+# The lock of a checkpoint directory (saves take it exclusively, readers shared): a file of ours in it, 0600.
+LOCK_FILE = ".nvme-offload.lock"
 FILE_NAMES = (DATA, MEMORY, EXTRA, PARAMS_DATA, MODEL_MEMORY)
 # A checkpoint of a torch.distributed job: one shard directory per rank (each an ordinary checkpoint of
 # the rank's own state) and a job manifest (MANIFEST, of format JOB_FORMAT) naming them all.
@@ -236,9 +238,12 @@ def write_file(obj: Any, path: str, fsync: Callable[[int, str], None], *, within
     path)``: :class:`Serialized` bytes as they are, a :class:`JSON` value as JSON, else ``torch.save(obj)``
     (plain bytes too: a user's ``extra=b"..."`` is an object like any other). Returns the file's size and
     xxh3_64; an OSError names ``path``."""
-    with create_private(path, within=within) as f:
-        w = write_into(obj, f, path)
-        fsync(f.fileno(), path)
+    try:
+        with create_private(path, within=within) as f:
+            w = write_into(obj, f, path)
+            fsync(f.fileno(), path)
+    except OSError as err:  # the file's close (a flush) fails too, after write_into named the path
+        raise io_error(err, path, "cannot write") from err
     return {"bytes": w.nbytes, "xxh3_64": w.hash.hexdigest()}
 
 

@@ -211,7 +211,7 @@ def _ranks_here(target: str, statuses: list) -> list:
 def _commit_job(target: str, given: str, generation: str, manifest: JobManifest, storage: Storage) -> None:
     """Commit a job's checkpoint in directory ``target``: under its lock, the job manifest under a fresh
     name, fsynced, then one rename onto manifest.json; then delete the previous checkpoint's files."""
-    fd = lock_directory(target, exclusive=True)
+    held = lock_directory(target, exclusive=True)
     try:
         check_target(target, given)
         previous = our_manifest(target)
@@ -220,7 +220,7 @@ def _commit_job(target: str, given: str, generation: str, manifest: JobManifest,
         commit_manifest(target, staged, manifest, previous, storage)
         sweep(target, manifest, unlink=storage.unlink)  # and what saves that died left here
     finally:
-        os.close(fd)
+        held.release()
 
 
 def _job_manifest(generation: str, statuses: list) -> JobManifest:

@@ -12,7 +12,7 @@ import warnings
 from typing import Callable
 
 from ..errors import CheckpointError
-from .format import FORMAT, JOB_FORMAT, MANIFEST
+from .format import FORMAT, JOB_FORMAT, LOCK_FILE, MANIFEST
 from .manifest import SHARD_NAME, JobManifest, Manifest, parse, raw_manifest
 
 _WHAT_TO_DO = "save into a new directory, or remove this one yourself if nothing in it is needed"
@@ -68,7 +68,7 @@ def _leftovers_only(path: str) -> bool:
     shard directories of only those)."""
     for n in os.listdir(path):
         p = os.path.join(path, n)
-        if _GENERATION_FILE.match(n) and stat.S_ISREG(os.lstat(p).st_mode):
+        if (_GENERATION_FILE.match(n) or n == LOCK_FILE) and stat.S_ISREG(os.lstat(p).st_mode):
             continue
         if SHARD_NAME.match(n) and stat.S_ISDIR(os.lstat(p).st_mode) and _leftovers_only(p):
             continue
@@ -80,7 +80,7 @@ def checkpoint_problem(path: str) -> str | None:
     """None if directory ``path`` holds a checkpoint of ours whose manifest's checksum holds (so a save
     may write its next generation there and retention may delete it); else why not."""
     if not os.path.lexists(os.path.join(path, MANIFEST)):
-        return f"is not an nvme-offload checkpoint (no {MANIFEST}; it holds {_listing(os.listdir(path))})"
+        return f"is not an nvme-offload checkpoint (no {MANIFEST}; it holds {_listing(_user_names(path))})"
     if not is_our_format(path):
         return f"has a {MANIFEST} that is not an nvme-offload checkpoint's"
     try:
@@ -174,13 +174,35 @@ def remove_checkpoint(path: str) -> bool:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(path, MANIFEST))
     delete_named(path, named, {})
+    return _remove_directory(path, warn=True)
+
+
+def _user_names(path: str) -> list[str]:
+    """What directory ``path`` holds, but its lock file."""
+    return [n for n in os.listdir(path) if n != LOCK_FILE]
+
+
+def _remove_directory(path: str, *, warn: bool) -> bool:
+    """Remove checkpoint directory ``path`` once only its lock file is left (deleted first: the caller holds
+    the lock, and a process waiting for it opens it again, finding no directory); True if it is gone. A user's
+    file keeps it in place (with a warning, if ``warn``)."""
+    if _user_names(path):
+        if warn:
+            warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
+                          f"{_listing(_user_names(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
+        return False
+    lock = os.path.join(path, LOCK_FILE)
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISREG(os.lstat(lock).st_mode):
+            os.unlink(lock)
     try:
         os.rmdir(path)
     except OSError as err:
         if err.errno not in (_errno.ENOTEMPTY, _errno.EEXIST):
             raise
-        warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
-                      f"{_listing(os.listdir(path))}, which are not ours to delete", RuntimeWarning, stacklevel=2)
+        if warn:
+            warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
+                          f"{_listing(os.listdir(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
         return False
     return True
 
@@ -192,10 +214,9 @@ def remove_leftovers(path: str) -> bool:
         return False
     sweep(path, None)
     try:
-        os.rmdir(path)
+        return _remove_directory(path, warn=False)
     except OSError:
         return False
-    return True
 
 
 def used_elsewhere(path: str) -> int | None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Optional
 from ..aio import create_private
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import SaveHandle, lock_directory
+from .commit import DirectoryLock, SaveHandle, lock_directory
 from .format import DEFAULT_STORAGE, JOB_FORMAT
 from .job import gather, job_world
 from .load import load_checkpoint
@@ -179,7 +179,7 @@ class Retention:
             try:
                 remove_leftovers(path)
             finally:
-                os.close(fd)
+                fd.release()
 
     def _remove(self, path: str) -> bool:
         """Delete checkpoint ``path`` unless it is in use: read or written (its lock) or held open by
@@ -195,7 +195,7 @@ class Retention:
                 return False
             return remove_checkpoint(path)
         finally:
-            os.close(fd)
+            fd.release()
 
     def load_latest(self, optimizer, *, model=None, alone: bool = False) -> tuple[Optional[str], Any]:
         """Load the newest checkpoint that loads, from this level or else from the mirror level; returns
@@ -261,8 +261,8 @@ class Retention:
         return None
 
 
-def _lock_now(path: str) -> Optional[int]:
-    """Directory ``path``'s lock, taken exclusively if nobody holds it now (its descriptor), else None."""
+def _lock_now(path: str) -> Optional[DirectoryLock]:
+    """Directory ``path``'s lock, taken exclusively if nobody holds it now, else None."""
     try:
         return lock_directory(path, exclusive=True, timeout=0)
     except (CheckpointError, OSError):
