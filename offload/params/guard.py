@@ -43,6 +43,13 @@ _DTYPES = {_T.double: torch.float64, _T.float: torch.float32, _T.half: torch.flo
 _MOVES = frozenset([_T.to, _T.cuda, _T.cpu, _T.type, *_DTYPES])
 _SET_DATA = _T.data.__set__
 _ATEN = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+# set_() makes its first argument share a storage: of an offloaded weight it is refused (the store owns it),
+# onto one that argument becomes a view of the weight.
+_SET = frozenset([_T.set_, torch.ops.aten.set_, *(getattr(torch.ops.aten.set_, o) for o in
+                                                   torch.ops.aten.set_.overloads())])
+# Exports of the weight's memory by address to another library (DLPack): what it reads is out of the guard's
+# sight, so they are refused; a copy is exported instead by the caller.
+_EXPORTS = frozenset([_T.__dlpack__])
 
 
 def _run(func, args, kwargs):
@@ -147,7 +154,31 @@ def _guard(func, args, kwargs):
         return _move(func, args, kwargs)
     if func == _SET_DATA and args and type(args[0]) in (OffloadedParameter, OffloadedGrad):
         return _set_data(args[0], args[1] if len(args) > 1 else kwargs.get("value"))
+    if func in _SET:
+        return _set(func, args, kwargs)
+    if func in _EXPORTS and args and _source(args[0]) is not None:
+        raise RuntimeError(
+            f"{_what(args[0])} is offloaded to NVMe: exporting its memory through DLPack would hand another library "
+            "an address the parameter guard cannot watch, whose bytes go when the weight is released. Export a "
+            "copy, taken while the weight is resident: torch.from_dlpack(w.detach().clone())")
     return _checked(func, args, kwargs)
+
+
+def _set(func, args, kwargs):
+    """``t.set_(source, ...)``: refused on an offloaded parameter or gradient placeholder; a plain ``t`` set onto
+    an offloaded weight's memory becomes an ``OffloadedView`` of it (refused once the weight is released)."""
+    target = args[0] if args else kwargs.get("self")
+    if type(target) in (OffloadedParameter, OffloadedGrad):
+        raise RuntimeError(
+            f"set_() on {_what(target)}, which is offloaded to NVMe, would take it away from its store. Change its "
+            "values in place inside `with offload.params.materialized(model, modified=True):`, or restore_parameters"
+            "(model) first")
+    values = [*args[1:], *kwargs.values()]
+    out = _checked(func, args, kwargs)
+    sources = _memory_of_weights(values)
+    if sources and type(target) is _T and not torch.compiler.is_compiling():
+        _mark_views(target, sources, [])
+    return out
 
 
 def _zero(func, args, kwargs):
@@ -253,11 +284,20 @@ def _checked(func, args, kwargs):
                 _tell_refused(bad)
             raise RuntimeError(_message(bad, func))
     out = _run(func, args, kwargs)
-    if not isinstance(func, _ATEN) and not torch.compiler.is_compiling():  # aten ops: compiled graphs running
+    if _marks(func):
         sources = _memory_of_weights(values)
         if sources:
             _mark_views(out, sources, values)
     return out
+
+
+def _marks(func) -> bool:
+    """Whether views among ``func``'s results are marked: not while a graph is traced, and, for an aten op, not
+    under a dispatch mode (a compiled graph running: its modes refuse tensors of classes they do not know);
+    aten ops a user calls directly give marked views like any other call."""
+    if torch.compiler.is_compiling():
+        return False
+    return not isinstance(func, _ATEN) or torch._C._len_torch_dispatch_stack() == 0
 
 
 def _memory_of_weights(values: list) -> list:

@@ -22,6 +22,7 @@ from .checkpointing import Checkpointing
 from .gradstore import GradStore
 from .guard import OffloadedParameter
 from .handoff import Handoff
+from .mapped import MappedMemory, Region, regions
 from .placement import HostCache, pool_buffer_bytes, reserve, smallest_within
 from .transfer import BufferLender, NoPool, TensorIO
 
@@ -41,6 +42,7 @@ class _Record(Stored):
     dirty: bool = False
     loads: int = 0  # times new weights were put in place from outside (load_parameters, load_safetensors)
     prefetched: dict = field(default_factory=dict)  # block index -> (PoolBuffer, read future)
+    region: Optional[Region] = None  # a CPU weight's pages (see offload.params.mapped), else resized to free
     cls: type = None  # the parameter's class before offload, restored on undo
     name: str = "?"
 
@@ -117,6 +119,7 @@ class ParamStore(Checkpointing):
             else NoPool(size)
         self.pinned = self.pool[0].pinned if len(self.pool) else bool(pin)  # the host memory made beside it
         self._host_cache = self.space = self.grads = None
+        self._memory = MappedMemory()
         try:
             self._open(name)
             self._take_in(params, cached, {id(p) for p in fresh})
@@ -195,7 +198,7 @@ class ParamStore(Checkpointing):
             rec.users -= 1
             if rec.users == 0:
                 self._evict(rec)
-                freed = 0 if self._on_device else rec.nbytes
+                freed = 0 if self._on_device or rec.region is not None else rec.nbytes
         if freed:
             heap_freed(freed)  # freed weights must not pile up in the C heap (offload._proc); outside the lock
 
@@ -327,6 +330,7 @@ class ParamStore(Checkpointing):
                 self.space.close()
             if self._host_cache is not None:
                 self._host_cache.close()
+            self._memory.close()
             if self.grads is not None:
                 self.grads.close()
             self.pool.close()
@@ -354,27 +358,64 @@ class ParamStore(Checkpointing):
         # From here on a use of the released parameter raises instead of reading freed memory.
         p._nvme_name = rec.name
         p.__class__ = OffloadedParameter
+        self._map(rec)
         self._shrink(rec)
 
-    def _grow(self, rec: _Record) -> None:
-        rec.param.untyped_storage().resize_(rec.nbytes)
-        rec.resident = True
-        rec.param._nvme_resident = True
-        self.resident_bytes += rec.nbytes
-        self.resident_bytes_max = max(self.resident_bytes_max, self.resident_bytes)
-
-    def _shrink(self, rec: _Record) -> None:
-        if not rec.param.untyped_storage().resizable():
-            # NumPy (tensor.numpy()) or another foreign owner shares the bytes: freeing them would leave it
+    def _map(self, rec: _Record) -> None:
+        """Put a CPU weight's storage on pages of its own (see :mod:`offload.params.mapped`), its bytes written
+        already (or none yet: a fresh one): the storage object stays, every alias of it too."""
+        if self._on_device or rec.host is not None or rec.nbytes == 0:
+            return  # a device's memory is freed by shrinking the storage, as before
+        st = rec.param.untyped_storage()
+        mine = regions.get(rec.param)
+        if mine is not None and mine.storage.data_ptr() == st.data_ptr() and st.nbytes() == rec.nbytes:
+            rec.region = mine  # offloaded before (and restored since): its pages are already its own
+            return
+        if not st.resizable():
+            # NumPy (tensor.numpy()) or another foreign owner shares the bytes: moving them would leave it
             # pointing at freed memory, so torch forbids it. The weights stay resident (and written back).
             raise RuntimeError(
                 f"the weights of {rec.name} cannot be released to NVMe: their memory is shared with a NumPy array "
                 "or another non-resizable view (for instance from param.detach().numpy()). Take copies instead "
                 "(param.detach().clone().numpy()); to go on with this model, restore_parameters(model) and "
                 "offload_parameters again.")
+        region = self._memory.region(rec.nbytes)
+        if region is None:
+            return
+        st._swap_data_ptr_(region.storage)  # region.storage now holds the old memory, freed with it
+        region.storage = st
+        rec.region = regions[rec.param] = region
+
+    def _check_storage(self, rec: _Record) -> None:
+        """Refuse a CPU weight whose storage is no longer its pages: ``set_()`` on the parameter itself, which
+        torch does not let the guard see, gave it another one (the store would move bytes to and from memory
+        the weight does not use)."""
+        if rec.region is not None and rec.param.untyped_storage().data_ptr() != rec.region.storage.data_ptr():
+            err = StateError(f"parameter {rec.name} was given another storage (set_() on it, which the guard "
+                             "cannot see), so its offloaded weights no longer are its values. Change an offloaded "
+                             "weight in place inside `with offload.params.materialized(model, modified=True):`; "
+                             "restore_parameters(model) and offload again to go on")
+            self.error = err
+            raise err
+
+    def _grow(self, rec: _Record) -> None:
+        self._check_storage(rec)
+        if rec.region is None:
+            rec.param.untyped_storage().resize_(rec.nbytes)
+        # (A CPU weight's pages are there, reading zeros: the fetch writes its bytes into them.)
+        rec.resident = True
+        rec.param._nvme_resident = True
+        self.resident_bytes += rec.nbytes
+        self.resident_bytes_max = max(self.resident_bytes_max, self.resident_bytes)
+
+    def _shrink(self, rec: _Record) -> None:
+        self._check_storage(rec)
         rec.resident = False
         rec.param._nvme_resident = False
-        rec.param.untyped_storage().resize_(0)
+        if rec.region is not None:
+            rec.region.drop()
+        else:
+            rec.param.untyped_storage().resize_(0)
         self.resident_bytes -= rec.nbytes
 
     def _evict(self, rec: _Record) -> None:
