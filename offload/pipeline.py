@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
 
 from .aio import wait_quietly
 from .errors import PoolTooSmallError
+from .interrupts import safe_point
 
 __all__ = ["BufferRing", "BufferSource", "Pipeline"]
 
@@ -166,6 +167,7 @@ class Pipeline:
         n, next_read = len(items), 0
         try:
             for i in range(n):
+                safe_point()  # a Ctrl-C held off stops the run here, where every buffer is accounted for
                 while next_read < n:
                     costly = lends(items[next_read])
                     if next_read > i and costly:

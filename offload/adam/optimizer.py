@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -11,6 +12,7 @@ from ..checkpoint import load_checkpoint, save_checkpoint, wait_for_saves
 from ..config import offload_config
 from ..distributed import is_dtensor
 from ..errors import StateError
+from ..interrupts import deferred, deferring
 from ..overlap import BackwardOverlap, NoOverlap
 from ..params import ParamAccess, store_of
 from ..state import ParamSlot, StateStore, check_state_dict
@@ -139,7 +141,7 @@ class OffloadedAdam(torch.optim.Adam):
         check_max_grad_norm(max_grad_norm)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[torch.Tensor] = None
-        self._scaling = NO_SCALING  # what step() does to the grads, for its updates
+        self._scaling_now = [NO_SCALING]  # what step() does to the grads, for its updates (one item, shared)
         check_params(self.param_groups)
         oc = self.config.offload_optimizer
         check_master_weights(self.param_groups, oc.master_weights)
@@ -176,9 +178,15 @@ class OffloadedAdam(torch.optim.Adam):
         mode = self.config.offload_optimizer.overlap_backward
         if mode is False or (mode == "auto" and (self.max_grad_norm is not None or _sharded(self.param_groups))):
             return NoOverlap()  # "auto" never updates inside backward when clipping waits, nor for DTensors
-        overlap = BackwardOverlap(self._step_offloaded, self._overlap_slots, self.state_store.units_of,
+        # NOTE: the worker a backward starts holds what the update needs, never the optimizer itself: dropped
+        # without close() or step() (after an interrupted backward), the optimizer is collected, and that
+        # ends the step in progress, so the worker does not wait for ever holding the pool and swap files.
+        parts = _UpdateParts(self.state_store, self._access, self.state, self._weights, self.param_groups,
+                             self._scaling_now, self._math)
+        overlap = BackwardOverlap(parts.run_step, parts.slots_now, self.state_store.units_of,
                                   clip=self.max_grad_norm is not None, mark_failed=self.state_store.mark_failed,
-                                  access=self._access, armed=mode is True, hyper=self._hyperparameters)
+                                  access=self._access, armed=mode is True, hyper=parts.hyperparameters)
+        weakref.finalize(self, overlap.abandon, StateError("the optimizer was dropped during backward"))
         overlap.hook(p for g in self.param_groups for p in g["params"])
         return overlap
 
@@ -216,6 +224,9 @@ class OffloadedAdam(torch.optim.Adam):
     def step(self, closure: Optional[Callable[[], Any]] = None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
 
+        A Ctrl-C during the step is held until the step has finished (its state stays whole), then raised; a
+        second one stops it at its next unit (the state must then be restored).
+
         Raises:
             StateError: an earlier step failed part-way; restore state with ``load_state_dict``.
             OSError: reading or writing state failed (the optimizer then refuses further steps).
@@ -225,17 +236,18 @@ class OffloadedAdam(torch.optim.Adam):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # From a GradScaler (see _step_supports_amp_scaling): an inf or nan in the grads skips the step
-        # (torch's fused kernel leaves every tensor as it was, step counts included), else the kernels
-        # divide the grads by the scale.
-        found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and bool(found_inf.sum() > 0):
-            return loss
-        in_memory, offloaded, with_grad = params_with_grads(self.param_groups, self.state_store.is_small)
-        self._update(in_memory, offloaded, with_grad, scale=getattr(self, "grad_scale", None))
-        self._wear.step(self.state_store.bytes_written)
-        self._overlap.note_step(clean=closure is None and getattr(self, "grad_scale", None) is None
-                                and any(store_of(p) is not None for _, p in offloaded))
+        with deferred(urgent=False):
+            # From a GradScaler (see _step_supports_amp_scaling): an inf or nan in the grads skips the step
+            # (torch's fused kernel leaves every tensor as it was, step counts included), else the kernels
+            # divide the grads by the scale.
+            found_inf = getattr(self, "found_inf", None)
+            if found_inf is not None and bool(found_inf.sum() > 0):
+                return loss
+            in_memory, offloaded, with_grad = params_with_grads(self.param_groups, self.state_store.is_small)
+            self._update(in_memory, offloaded, with_grad, scale=getattr(self, "grad_scale", None))
+            self._wear.step(self.state_store.bytes_written)
+            self._overlap.note_step(clean=closure is None and getattr(self, "grad_scale", None) is None
+                                    and any(store_of(p) is not None for _, p in offloaded))
         return loss
 
     def _check_can_step(self, closure: Optional[Callable]) -> None:
@@ -293,6 +305,7 @@ class OffloadedAdam(torch.optim.Adam):
         """
         return self._overlap.no_step()
 
+    @deferring
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch's; gradients held in a parameter grad store are dropped (or marked zero) too. With
         overlap_backward, a step a backward started and no step() finished (an interrupted backward) ends
@@ -301,6 +314,7 @@ class OffloadedAdam(torch.optim.Adam):
         super().zero_grad(set_to_none)
         self._access.forget_grads(p for g in self.param_groups for p in g["params"])
 
+    @deferring
     def add_param_group(self, param_group: dict) -> None:
         """Add a parameter group (as torch); its state gets space on the swap files at once.
 
@@ -325,6 +339,7 @@ class OffloadedAdam(torch.optim.Adam):
             self._note_positions()
             self._overlap.hook(self.param_groups[-1]["params"])
 
+    @deferring
     def state_dict(self) -> dict:
         """The state in torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``.
 
@@ -341,6 +356,7 @@ class OffloadedAdam(torch.optim.Adam):
         self.state_store.check_usable("export the state")
         return add_offloaded_state(super().state_dict(), self.param_groups, self.state_store, self.state)
 
+    @deferring
     def load_state_dict(self, state_dict: dict) -> None:
         """Load state saved by this class or by ``torch.optim.Adam``/``AdamW``; clears a failed step.
 
@@ -390,14 +406,22 @@ class OffloadedAdam(torch.optim.Adam):
 
     def close(self) -> None:
         """Wait for a save in flight, then delete the swap files and free the pools. The optimizer cannot
-        step afterwards."""
+        step afterwards. A Ctrl-C while the save is waited for stops the wait (close again); once the
+        resources are being let go it is held until they all are."""
+        error = None
         try:
             wait_for_saves(self)
-        finally:
+        except KeyboardInterrupt:
+            raise  # nothing is let go yet: close() again waits again
+        except BaseException as err:  # noqa: BLE001 - raised below, once everything is let go
+            error = err
+        with deferred(urgent=False):
             self._overlap.abandon(StateError("the optimizer was closed during backward"))
             self._overlap.remove()
             self.state_store.close()
             self._access.close()
+        if error is not None:
+            raise error
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -448,6 +472,14 @@ class OffloadedAdam(torch.optim.Adam):
 
     # -- the step ----------------------------------------------------------------------------
 
+    @property
+    def _scaling(self):
+        return self._scaling_now[0]
+
+    @_scaling.setter
+    def _scaling(self, value) -> None:
+        self._scaling_now[0] = value
+
     def _step_offloaded(self, slots: list[ParamSlot], gate: Optional[Callable] = None,
                         order: Optional[list] = None) -> set:
         """Update the units of ``slots`` with this step's grad scaling (:func:`update_offloaded`): what step()
@@ -459,17 +491,6 @@ class OffloadedAdam(torch.optim.Adam):
         """Each parameter's index over the groups (``state_dict``'s), which keys its rounding stream."""
         self._math.position.clear()
         self._math.position.update({id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])})
-
-    def _hyperparameters(self) -> list:
-        """The groups' hyperparameters now (for the update inside backward: those it ran with)."""
-        return [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k not in ("params", "param_names")}
-                for g in self.param_groups]
-
-    def _overlap_slots(self) -> list:
-        self._weights.check()  # before backward starts any update
-        store = self.state_store
-        return [store.slot(p) for g in self.param_groups for p in g["params"]
-                if p.requires_grad and store.slot(p) is not None]
 
     def _grad_scaling(self, params: list, scale: Optional[torch.Tensor]):
         """What this step does to ``params``' grads (:func:`step_scaling`); with max_grad_norm, their total
@@ -497,3 +518,26 @@ class OffloadedAdamW(OffloadedAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class _UpdateParts:
+    """What a step needs of its optimizer (its state store, access, state, weight watch, groups, this step's grad
+    scaling and the update's math), without the optimizer: the overlap worker runs with these alone."""
+
+    def __init__(self, store, access, state, weights, groups, scaling_now: list, math):
+        self.store, self.access, self.state, self.weights, self.groups = store, access, state, weights, groups
+        self.scaling_now, self.math = scaling_now, math
+
+    def run_step(self, slots: list, gate: Optional[Callable] = None, order: Optional[list] = None) -> set:
+        return update_offloaded(self.store, self.access, self.state, slots, scaling=lambda: self.scaling_now[0],
+                                gate=gate, order=order, math=self.math)
+
+    def slots_now(self) -> list:
+        self.weights.check()  # before backward starts any update
+        return [self.store.slot(p) for g in self.groups for p in g["params"]
+                if p.requires_grad and self.store.slot(p) is not None]
+
+    def hyperparameters(self) -> list:
+        """The groups' hyperparameters now (for the update inside backward: those it ran with)."""
+        return [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k not in ("params", "param_names")}
+                for g in self.groups]

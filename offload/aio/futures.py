@@ -151,18 +151,19 @@ class Future:
         self._lock = threading.Lock()
 
     def done(self) -> bool:
-        """True if the request has completed (successfully or not). Never blocks."""
+        """True if the request has completed (successfully or not). Does not wait for it (at most for another
+        thread that took it over at this very moment to finish it)."""
         if self._request is None:
             return True
         self._engine._check_same_process()
-        if not self._lock.acquire(blocking=False):
+        if self._lock.locked():
             return False  # another thread is finishing it right now
-        try:
+        # NOTE: a with block, not acquire() then try: a KeyboardInterrupt between those two lines would leave
+        # the lock held and every later wait() of this request hanging.
+        with self._lock:
             if self._request is None:
                 return True
             return bool(lib.ofl_request_done(self._engine._handle, self._request))
-        finally:
-            self._lock.release()
 
     def wait(self) -> int:
         """Block until the request completes; return the bytes moved.

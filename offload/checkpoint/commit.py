@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 from .._proc import lock_holders
 from ..errors import CheckpointError
+from ..interrupts import holding, safe_point
 from ..regular import kind_of
 from .format import DEFAULT_STORAGE, JSON, LOCK_FILE, MANIFEST, Storage, write_file
 from .manifest import JobManifest, Manifest, digest
@@ -145,14 +146,16 @@ def _flock(fd: int, exclusive: bool, deadline: float | None, path: str, lock: st
     CheckpointError at the deadline, naming who holds the lock."""
     op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     delay = 0.005
+    poll = deadline is not None or holding()  # a Ctrl-C held off must still end the wait: poll for it
     while True:
         try:
-            fcntl.flock(fd, op | (fcntl.LOCK_NB if deadline is not None else 0))
+            fcntl.flock(fd, op | (fcntl.LOCK_NB if poll else 0))
             return True
         except BlockingIOError:
-            left = deadline - time.monotonic()
+            left = math.inf if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 raise _held(path, lock, fd, exclusive, private, timeout) from None
+            safe_point()
             time.sleep(min(delay, left))
             delay = min(2 * delay, 0.25)
         except OSError as err:
@@ -444,7 +447,7 @@ def wait_for_save(owner, *, report: bool, timeout: float | None = None) -> None:
     if handle is None:
         return
     handle._hurry()
-    if not handle._done.wait(timeout):
+    if not _wait(handle._done, timeout):
         raise TimeoutError(f"the save to {handle.directory} is still in progress after {timeout:g} s")
     unseen = handle._error is not None and not handle._observed
     with _IN_FLIGHT_LOCK:
@@ -456,3 +459,15 @@ def wait_for_save(owner, *, report: bool, timeout: float | None = None) -> None:
         done = "was committed, but its copy to the mirror failed" if handle.committed else "failed"
         raise CheckpointError(f"the previous asynchronous save to {handle.directory} {done}: {err}. Nothing "
                               "of it was lost silently; save again (this save did not start)") from err
+
+
+def _wait(event: threading.Event, timeout: float | None) -> bool:
+    """``event.wait(timeout)``, polling for a Ctrl-C held off (:func:`offload.interrupts.holding`)."""
+    if not holding():
+        return event.wait(timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not event.wait(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))):
+        safe_point()
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+    return True

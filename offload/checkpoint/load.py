@@ -13,6 +13,7 @@ from .. import codes
 from ..aio import Engine
 from ..distributed import like, local, rank_info
 from ..errors import CheckpointError, ChecksumError
+from ..interrupts import deferring
 from ..params import ParamAccess
 from ..state import (
     HALF_DTYPES,
@@ -38,6 +39,7 @@ from .verify import job_shard, verify_data
 # shapes, dtypes and param groups against the optimizer before touching it. When the optimizer
 # packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
 # space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
+@deferring
 def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
                     progress: Optional[bool] = None, alone: bool = False,
                     storage: Optional[Storage] = None) -> Any:

@@ -14,6 +14,7 @@ from torch import nn
 from ..aio import Engine
 from ..config import AioConfig, config_to_dict
 from ..errors import CheckpointError, ChecksumError, StateError
+from ..interrupts import deferring
 from ..params import named_tensors, store_of
 from ..space import Extent
 from ..units import ALIGNMENT, round_up
@@ -25,6 +26,7 @@ from .stream import DONE, read_verified, stream, tensor_spans, tool_pool, write_
 __all__ = ["load_parameters", "save_parameters"]
 
 
+@deferring
 def save_parameters(model: nn.Module, directory) -> str:
     """Save ``model``'s weights to the checkpoint directory ``directory``, atomically, streaming.
 
@@ -55,6 +57,7 @@ def save_parameters(model: nn.Module, directory) -> str:
     return write_atomically(directory, write)
 
 
+@deferring
 def load_parameters(model: nn.Module, directory) -> None:
     """Load weights saved by :func:`save_parameters` (or with ``save_checkpoint(..., model=)``) into ``model``.
 

@@ -13,6 +13,7 @@ from torch import nn
 from ..buffers import BufferPool
 from ..config import config_to_dict
 from ..errors import CheckpointError
+from ..interrupts import deferring
 from .commit import SaveHandle, Staged, in_background, reading, wait_for_save, write_atomically
 from .format import DEFAULT_STORAGE, MANIFEST, Storage, torch_bytes
 from .job import job_world, save_job
@@ -27,6 +28,7 @@ __all__ = ["mirror_checkpoint", "save_checkpoint", "wait_for_saves"]
 SNAPSHOTS = ("auto", "stream", "reflink")
 
 
+@deferring
 def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
                     extra: Any = None, blocking: bool = True, snapshot: str = "auto",
                     progress: Optional[bool] = None, alone: bool = False,
@@ -238,6 +240,7 @@ def _finish_in_background(handle: SaveHandle, staged: Staged, state: StateCopy, 
 # -- the copy to a second level ----------------------------------------------------------------------
 
 
+@deferring
 def mirror_checkpoint(source: str | os.PathLike, destination: str | os.PathLike, *,
                       progress: Optional[bool] = None, storage: Optional[Storage] = None) -> str:
     """Copy the checkpoint ``source`` to ``destination`` (another drive, a network mount), atomically, and

@@ -8,6 +8,7 @@ import errno as _errno
 import fcntl
 import os
 import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -109,6 +110,7 @@ def plan(opt) -> Plan:
 # -- state.bin: the units as they were at the call ------------------------------------------------
 
 _PENDING, _READING, _CAPTURING, _IN_FILE = range(4)
+_REAP_S = 0.5  # how long a wait for a capture goes before it looks whether the capturing call still runs
 
 
 # How long an asynchronous save waits for a step to start and hand it the units: RIDE_STEPS step intervals,
@@ -166,7 +168,8 @@ class StateCopy:
         self.why_not: Optional[str] = None
         self.mu = threading.Condition()
         self.failure: Optional[BaseException] = None
-        self.guards = 0  # guard calls under way
+        # Per unit being captured, the guard call capturing it: (its thread's id, a token of that call).
+        self.capturing: dict = {}
         self.closed = False
         self.riding = False  # the walk waits for the steps to capture pending units (asynchronous saves)
         self.rides: list = [False] * n  # per unit, whether the walk waits for it (its bytes are on disk)
@@ -306,43 +309,81 @@ class StateCopy:
         finally:
             self.spares_ready.set()
 
+    # NOTE: a guard call that marks a unit as being captured must complete it (its bytes in the file, or the save
+    # failed) whatever happens, or the walk, a step waiting for that unit and close() would wait for ever. Signals
+    # are held off during a step (offload.interrupts), but any exception can still cut the call between two
+    # lines, its clean-up included. So the unit records which call captures it, in one statement, and whoever
+    # waits for a capture looks, when the wait grows long, whether that call is still running (its thread's
+    # frames, sys._current_frames): a capture whose call is gone is ended as a failure of the save.
     def _guard(self, unit, buf) -> None:
         i = self.index.get(id(unit))
         if i is None:
             return  # no state at the call: not in this checkpoint
-        with self.mu:
-            was = self.state[i]
-            if was != _PENDING or self.closed or self.failure is not None:
-                take = False
-            else:
-                self.state[i], take = _CAPTURING, True
-                self.guards += 1
-                self.mu.notify_all()  # a walk waiting for this unit stops waiting
-        if was == _READING:
-            self.issued[i].wait()
-            # The save's read of this unit has its bytes: the step may go on.
-            wait_quietly([f for f in (self.reads[i],) if f is not None])
-            return
-        if not take:
-            return
+        token = object()
         try:
-            self._capture(i, unit, buf)
+            with self.mu:
+                was = self.state[i]
+                if was == _PENDING and not self.closed and self.failure is None:
+                    self.state[i], self.capturing[i] = _CAPTURING, (threading.get_ident(), token)
+                    self.mu.notify_all()  # a walk waiting for this unit stops waiting
+            if was == _READING:
+                self._wait_issued(i)
+                # The save's read of this unit has its bytes: the step may go on.
+                wait_quietly([f for f in (self.reads[i],) if f is not None])
+                return
+            if self.capturing.get(i, (None, None))[1] is token:
+                self._capture(i, unit, buf)
         except BaseException as err:  # noqa: BLE001 - the save fails, training goes on
             failure = err
             if not isinstance(err, Exception):  # a KeyboardInterrupt (or exit) in the step: the step's too
                 failure = CheckpointError(f"the save was interrupted ({type(err).__name__}) in the step that was "
                                           "handing it the state")
                 failure.__cause__ = err
-            with self.mu:
-                self.failure = self.failure or failure
+            self._fail(failure)
             if failure is not err:
                 raise
         finally:
+            self._captured(i, token)
+
+    def _captured(self, i: int, token) -> None:
+        """The capture of unit ``i`` by the guard call of ``token`` is over (a no-op if that call captures
+        nothing): a unit not in the file by then fails the save."""
+        with self.mu:
+            if self.capturing.get(i, (None, None))[1] is not token:
+                return
+            if self.state[i] != _IN_FILE:
+                self.failure = self.failure or CheckpointError(
+                    f"the save did not get unit {i} from the step that was capturing it (the step was interrupted)")
             self.issued[i].set()
-            with self.mu:
-                self.guards -= 1
+            del self.capturing[i]  # last: until here a reaper that finds the call gone ends the capture itself
+            self.mu.notify_all()
+
+    def _fail(self, failure: BaseException) -> None:
+        with self.mu:
+            self.failure = self.failure or failure
+            self.mu.notify_all()
+
+    def _reap(self) -> None:
+        """Under ``mu``: end the captures whose guard call is no longer running (cut by an exception before it
+        could end them itself)."""
+        frames = sys._current_frames()
+        for i, (ident, token) in list(self.capturing.items()):
+            frame = frames.get(ident)
+            while frame is not None and not (frame.f_code is _GUARD_CODE and frame.f_locals.get("token") is token):
+                frame = frame.f_back
+            if frame is None:
+                if self.state[i] != _IN_FILE:
+                    self.failure = self.failure or CheckpointError(
+                        f"the save did not get unit {i} from the step that was capturing it (the step was cut short)")
+                self.issued[i].set()
+                del self.capturing[i]
                 self.mu.notify_all()
 
+    def _wait_issued(self, i: int) -> None:
+        """Wait until unit ``i`` is read or in the file; a capture whose guard call is gone ends the wait."""
+        while not self.issued[i].wait(_REAP_S):
+            with self.mu:
+                self._reap()
     def _capture(self, i: int, unit, buf) -> None:
         n, length = unit.nbytes, self.lengths[i]
         self.spares_ready.wait()
@@ -393,7 +434,7 @@ class StateCopy:
                     self.reads[i] = fut
                     self.issued[i].set()
                 return fut
-            self.issued[i].wait()
+            self._wait_issued(i)
             with self.mu:
                 if self.failure is not None:
                     raise self.failure
@@ -435,8 +476,9 @@ class StateCopy:
             if self._remove_guard is not None:
                 self._remove_guard()
                 self._remove_guard = None
-            while self.guards:
-                self.mu.wait()
+            while self.capturing:
+                if not self.mu.wait(_REAP_S):
+                    self._reap()
         wait_quietly([f for f in self.written if f is not None])
         self.data.close()
         if self.spares is not None:
@@ -459,3 +501,6 @@ def write_small_files(staged: Staged, plan: Plan, data: tuple, *, kind: str, ext
         files[EXTRA] = write_file(extra, staged.path(EXTRA), staged.storage.fsync)
     return Manifest.new(kind, files=files, params=plan.entries, param_groups=plan.groups, config=config,
                         buffer_size=unit_bytes, threshold=threshold, units=tuple(units))
+
+
+_GUARD_CODE = StateCopy._guard.__code__

@@ -11,6 +11,7 @@ from ..buffers import BufferPool
 from ..copies import DONE, Ticket
 from ..distributed import detached
 from ..errors import StateError
+from ..interrupts import deferring
 from ..units import round_up
 from .holds import release_each, resident
 from .registry import store_of
@@ -265,6 +266,7 @@ class UnitPass:
 
 
 def _direct(watcher, strict: bool = True):
+    @deferring
     def hook(p: torch.Tensor) -> None:
         if strict and store_of(p) is not None:
             raise StateError(

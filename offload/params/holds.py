@@ -7,6 +7,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..interrupts import deferred
 from .registry import store_of
 
 __all__ = ["release_each", "resident"]
@@ -20,14 +21,16 @@ def resident(params: Iterable[torch.Tensor], *, dirty: bool = False) -> Iterator
     """
     held = []
     try:
-        for p in params:
-            store = store_of(p)
-            if store is not None:
-                store.fetch(p)
-                held.append((store, p))
+        with deferred():  # a Ctrl-C stops the fetches between two of them, each counted to be released
+            for p in params:
+                store = store_of(p)
+                if store is not None:
+                    store.fetch(p)
+                    held.append((store, p))
         yield
     finally:
-        release_each(held, lambda item: item[0].release(item[1], dirty=dirty))
+        with deferred(urgent=False):
+            release_each(held, lambda item: item[0].release(item[1], dirty=dirty))
 
 
 def release_each(items: Iterable, release: Callable) -> None:

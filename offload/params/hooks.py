@@ -9,6 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ConfigError
+from ..interrupts import deferring
 from .holds import release_each, resident
 from .store import ParamStore
 
@@ -158,6 +159,7 @@ class Scheduler:
 
     # -- order and prefetch -------------------------------------------------------------------
 
+    @deferring
     def _on_root_call(self, module, args) -> None:
         if self.store.offload_grads and _inside_ddp(self.root):
             raise ConfigError(DDP_GRADS)
@@ -193,6 +195,7 @@ class Scheduler:
     # -- forward ------------------------------------------------------------------------------
 
     def _pre_forward(self, index: int):
+        @deferring
         def hook(module, args):
             self._event((index, FORWARD))
             # What this call fetched, for its post-hook, which also runs when a fetch here fails.
@@ -204,6 +207,7 @@ class Scheduler:
         return hook
 
     def _post_forward(self, index: int):
+        @deferring
         def hook(module, args, output):
             stack = self._calls.get(index)
             for p in stack.pop() if stack else ():
@@ -219,6 +223,7 @@ class Scheduler:
     # -- backward -----------------------------------------------------------------------------
 
     def _before_backward(self, index: int, fired: list):
+        @deferring
         def hook(grad):
             if fired[0]:
                 return None
@@ -235,11 +240,13 @@ class Scheduler:
         return hook
 
     def _grad_pre_hook(self, p: torch.Tensor):
+        @deferring
         def hook(grad):
             self.store.grads.begin(p)
             return None
         return hook
 
+    @deferring
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         handoff = self.store.handoff
         if handoff.offer(p, held=p in self._held):
@@ -256,6 +263,7 @@ class Scheduler:
                 self.store.release(p)
         handoff.final(p)  # after the gradient is where the optimizer will look for it
 
+    @deferring
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._release_held()
@@ -281,11 +289,13 @@ class Scheduler:
                         destination[prefix + name] = destination[prefix + name].clone()
         return save_to_state_dict
 
+    @deferring
     def _load_pre_hook(self, module, state_dict, prefix, *args) -> None:
         for p in own_params(module):
             if p in self.store.records:
                 self.store.fetch(p)
 
+    @deferring
     def _load_post_hook(self, module, incompatible_keys) -> None:
         for p in own_params(module):
             if p in self.store.records:
