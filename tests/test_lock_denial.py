@@ -14,11 +14,11 @@ import torch
 from helpers import SMALL, THREE_SIZES, make_params, train
 from test_special_files import deadline
 
-from offload import OffloadedAdamW
+from offload import OffloadedAdamW, locks
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
-from offload.checkpoint.format import LOCK_FILE
 from offload.ckpt_cli import main as ckpt_main
+from offload.locks import LOCK_FILE
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another user (nobody)")
 
@@ -100,7 +100,7 @@ def test_a_lock_file_others_can_open_is_waited_for_a_bounded_time_and_its_holder
     """In a directory others may write, another user's world-readable lock file (so the lock cannot be
     private) held by them: a save waits the bounded time for it and then raises a CheckpointError naming the
     holding process and its user, instead of waiting for ever; once they let go, the save goes on."""
-    monkeypatch.setattr(commit, "SHARED_LOCK_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(locks, "SHARED_LOCK_TIMEOUT_S", 0.5)
     params = [torch.nn.Parameter(torch.zeros(100))]
     opt = OffloadedAdamW(params, nvme_path=str(tmp_path / "swap"))
     target = tmp_path / "shared"

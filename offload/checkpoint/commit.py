@@ -6,12 +6,8 @@ lock alone, readers (``reading``) share it."""
 from __future__ import annotations
 
 import contextlib
-import errno as _errno
-import fcntl
-import math
 import os
 import secrets
-import stat
 import threading
 import time
 import traceback
@@ -19,174 +15,31 @@ import weakref
 from dataclasses import replace
 from typing import Callable, Iterator
 
-from .._proc import lock_holders
 from ..errors import CheckpointError
 from ..interrupts import holding, safe_point
-from ..regular import kind_of
-from .format import DEFAULT_STORAGE, JSON, LOCK_FILE, MANIFEST, Storage, write_file
+from ..locks import LOCK_FILE, DirectoryLock
+from ..locks import lock_directory as _lock_directory
+from .format import DEFAULT_STORAGE, JSON, MANIFEST, Storage, write_file
 from .manifest import JobManifest, Manifest, digest
 from .ownership import check_target, delete_named, fresh_name, named_files, our_manifest, sweep
 
 # -- the directory's lock ------------------------------------------------------------------------
 
-_NO_LOCKS = (_errno.ENOLCK, _errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EINVAL, _errno.ENOSYS)
-_CANNOT_MAKE = (_errno.EACCES, _errno.EPERM, _errno.EROFS)  # a reader of a directory it may not write
 _READING = threading.local()  # the directories (st_dev, st_ino) this thread is inside reading() of
-# How long a lock that others can open is waited for before the error naming who holds it (a private one,
-# which only this user's processes can hold, is waited for as long as their save takes).
-SHARED_LOCK_TIMEOUT_S = 60.0
-
-
-# NOTE: saves hold a checkpoint directory's lock exclusively from their first file to the deletion of the
-# previous generation, readers hold it shared, so a load never has a file deleted under it and two saves of
-# one directory never interleave. The lock is a flock on a file of ours in the directory (LOCK_FILE), created
-# 0600 whatever OFFLOAD_FILE_MODE says: a flock needs an open descriptor, so only processes that may open
-# the file can hold it, and nobody else can stop this user's saves by locking a directory they may read (a
-# flock on the directory itself, as it was, could be taken by anyone who can list it). Where the file is not
-# private (another user's, in a directory others write) the lock is waited for SHARED_LOCK_TIMEOUT_S at most,
-# then refused naming who holds it. A lock file deleted or replaced while waited for (a checkpoint pruned) is
-# opened again. A thread that saves into a directory it is reading would wait for itself: refused instead.
-class DirectoryLock:
-    """A checkpoint directory's lock, held (from :func:`lock_directory`) until :meth:`release`."""
-
-    def __init__(self, fd: int, lock: str):
-        self.fd = fd
-        self.lock = lock
-
-    def release(self) -> None:
-        """Let the lock go. Where nobody else holds it now, the lock file is deleted first (a process waiting
-        for it opens it again), so a directory keeps no file of ours between saves and reads."""
-        fd, self.fd = self.fd, -1
-        if fd < 0:
-            return
-        try:
-            # Converting a shared lock to an exclusive one may let another process in between: then that
-            # process holds it, and the file stays.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if _still_named(self.lock, fd):
-                os.unlink(self.lock)
-        except OSError:
-            pass  # held by another, or not ours to delete (a reader of another user's directory): it stays
-        finally:
-            os.close(fd)
 
 
 def lock_directory(path: str, *, exclusive: bool, timeout: float | None = None) -> DirectoryLock | None:
-    """Take directory ``path``'s lock; returns it (:meth:`DirectoryLock.release` lets it go), or None for a
-    reader where the directory is missing, the lock file cannot be made (a directory it may not write), or
-    the file system has no flock."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        if exclusive:
-            raise
-        return None
-    if exclusive and (st.st_dev, st.st_ino) in getattr(_READING, "dirs", ()):
-        raise CheckpointError(f"cannot save into {path} while this thread is reading it (inside reading()); "
-                              "finish reading first")
-    lock = os.path.join(path, LOCK_FILE)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        fd = _open_lock(lock, exclusive)
-        if fd is None:
-            return None
-        try:
-            private = _private(fd)
-            limit = deadline if private else min(deadline or math.inf, time.monotonic() + SHARED_LOCK_TIMEOUT_S)
-            if not _flock(fd, exclusive, limit, path, lock, private, timeout):
-                os.close(fd)
-                return None  # no flock on this file system
-            if _still_named(lock, fd):
-                return DirectoryLock(fd, lock)
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)  # deleted or replaced while we waited: the lock is the file now there
-
-
-def _open_lock(lock: str, exclusive: bool) -> int | None:
-    """The lock file open (created 0600 if missing); None for a reader that may not create it."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        return os.open(lock, flags | os.O_CREAT, 0o600)
-    except OSError as err:
-        if err.errno in _CANNOT_MAKE:
-            try:
-                return os.open(lock, flags)  # there, but not ours to create: use it if it may be opened
-            except OSError:
-                if exclusive:
-                    raise
-                return None
-        if err.errno in (_errno.ELOOP, _errno.ENXIO) or (err.errno == _errno.EISDIR):
-            raise CheckpointError(f"{lock} is not a regular file (a link or a special file was put where a "
-                                  "checkpoint's lock file goes); remove it") from None
-        if exclusive or err.errno not in (_errno.ENOENT, _errno.ENOTDIR):
-            raise
-        return None
-
-
-def _private(fd: int) -> bool:
-    """Whether only this user's processes can open the lock file on ``fd`` (made so if it is ours)."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        raise CheckpointError(f"a checkpoint's lock file is {kind_of(st.st_mode)}; remove it")
-    if st.st_uid != os.geteuid():
-        return False
-    if st.st_mode & 0o077:
-        try:
-            os.fchmod(fd, 0o600)
-        except OSError:
-            return False
-    return True
-
-
-def _flock(fd: int, exclusive: bool, deadline: float | None, path: str, lock: str, private: bool,
-           timeout: float | None) -> bool:
-    """flock ``fd`` (waiting until ``deadline`` at most); False where the file system has no flock. Raises
-    CheckpointError at the deadline, naming who holds the lock."""
-    op = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-    delay = 0.005
-    poll = deadline is not None or holding()  # a Ctrl-C held off must still end the wait: poll for it
-    while True:
-        try:
-            fcntl.flock(fd, op | (fcntl.LOCK_NB if poll else 0))
-            return True
-        except BlockingIOError:
-            left = math.inf if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise _held(path, lock, fd, exclusive, private, timeout) from None
-            safe_point()
-            time.sleep(min(delay, left))
-            delay = min(2 * delay, 0.25)
-        except OSError as err:
-            if exclusive or err.errno not in _NO_LOCKS:
-                raise
-            return False
-
-
-def _held(path: str, lock: str, fd: int, exclusive: bool, private: bool, timeout: float | None) -> CheckpointError:
-    holders = lock_holders(fd)
-    who = ", ".join(holders) if holders else "another process"
-    if not private:
-        return CheckpointError(
-            f"{lock}, the lock of checkpoint directory {path}, can be opened by other users, and {who} has held it "
-            f"for {SHARED_LOCK_TIMEOUT_S:g} s: not waiting longer for it. Make the directory and the lock file your "
-            "own (or remove the lock file when no save runs), or save into a directory of your own")
+    """Checkpoint directory ``path``'s lock (:func:`offload.locks.lock_directory`). A thread that saves into a
+    directory it is reading would wait for itself: refused instead."""
     if exclusive:
-        return CheckpointError(f"checkpoint directory {path} is in use by {who}; waited {timeout:g} s")
-    return CheckpointError(
-        f"a save into {path} is in progress ({who} holds its lock); waited {timeout:g} s for it to finish. Load "
-        "again once it is done, or load another checkpoint")
-
-
-def _still_named(lock: str, fd: int) -> bool:
-    """Whether ``lock`` still names the file open on ``fd`` (not deleted or replaced while its lock was waited
-    for)."""
-    try:
-        a, b = os.fstat(fd), os.lstat(lock)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is not None and (st.st_dev, st.st_ino) in getattr(_READING, "dirs", ()):
+            raise CheckpointError(f"cannot save into {path} while this thread is reading it (inside reading()); "
+                                  "finish reading first")
+    return _lock_directory(path, exclusive=exclusive, timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -31,8 +31,6 @@ MEMORY = "memory.pt"
 EXTRA = "extra.pt"
 PARAMS_DATA = "params.bin"
 MODEL_MEMORY = "model.pt"
-# The lock of a checkpoint directory (saves take it exclusively, readers shared): a file of ours in it, 0600.
-LOCK_FILE = ".nvme-offload.lock"
 FILE_NAMES = (DATA, MEMORY, EXTRA, PARAMS_DATA, MODEL_MEMORY)
 # A checkpoint of a torch.distributed job: one shard directory per rank (each an ordinary checkpoint of
 # the rank's own state) and a job manifest (MANIFEST, of format JOB_FORMAT) naming them all.

@@ -12,7 +12,8 @@ import warnings
 from typing import Callable
 
 from ..errors import CheckpointError
-from .format import FORMAT, JOB_FORMAT, LOCK_FILE, MANIFEST
+from ..locks import LOCK_FILE
+from .format import FORMAT, JOB_FORMAT, MANIFEST
 from .manifest import SHARD_NAME, JobManifest, Manifest, parse, raw_manifest
 
 _WHAT_TO_DO = "save into a new directory, or remove this one yourself if nothing in it is needed"
