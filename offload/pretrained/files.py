@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Iterator, Optional
 
 import torch
+import xxhash
 
 from ..config.files import CONFIG_LIMIT
 from ..errors import CheckpointError
@@ -50,6 +51,67 @@ class Entry:
     dtype: torch.dtype
     offset: Optional[int] = None  # None: unknown (dropped from the page cache only with its whole file)
     nbytes: int = 0
+
+
+# The record a save of this library leaves in the entry point of a checkpoint (model.safetensors' header
+# metadata, as a JSON string, or the index's metadata): its generation, its files, and the xxh3_64 of its config
+# files. offload.pretrained.save writes it and reads it to know what it may replace; a load checks the config
+# files against it.
+RECORD = "nvme_offload"
+RECORD_FORMAT = "nvme-offload-hf-save"
+_RECORD_LIMIT = 64 << 20  # the most bytes of a header or index read for it
+
+
+def is_record(value) -> bool:
+    """Whether ``value`` is a save's record, well formed (its names bare file names)."""
+    return (isinstance(value, dict) and value.get("format") == RECORD_FORMAT and isinstance(value.get("files"), list)
+            and all(isinstance(n, str) and os.path.basename(n) == n and n not in ("", ".", "..")
+                    for n in value["files"]) and isinstance(value.get("config", {}), dict)
+            and isinstance(value.get("generation"), str))
+
+
+def read_record(directory: str) -> Optional[dict]:
+    """The record of the save of ours that loaders find in ``directory`` (in model.safetensors' header, which
+    they read first, else in the index), or None: no entry point, or one no save of ours wrote."""
+    single, index = os.path.join(directory, SINGLE), os.path.join(directory, INDEX)
+    try:
+        if os.path.lexists(single):
+            fd = open_regular(single)
+            try:
+                head = os.pread(fd, 8, 0)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                if n > _RECORD_LIMIT:
+                    return None
+                header = json.loads(os.pread(fd, n, 8))
+            finally:
+                os.close(fd)
+            raw = header.get("__metadata__", {}).get(RECORD) if isinstance(header, dict) else None
+            value = json.loads(raw) if isinstance(raw, str) else None
+        elif os.path.lexists(index):
+            doc = json.loads(read_regular(index, limit=_RECORD_LIMIT))
+            value = doc.get("metadata", {}).get(RECORD) if isinstance(doc, dict) else None
+        else:
+            return None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if is_record(value) else None
+
+
+def _check_config(directory: str) -> None:
+    """Refuse a directory whose config files are not those its weights were saved with, where a save of ours
+    recorded them: a save into it cut short between the two (it moves config files in before its weights)."""
+    record = read_record(directory)
+    for name, digest in (record or {}).get("config", {}).items():
+        path = os.path.join(directory, name)
+        try:
+            found = xxhash.xxh3_64(read_regular(path, limit=_RECORD_LIMIT)).hexdigest()
+        except (OSError, ValueError):
+            found = None
+        if found != digest:
+            raise CheckpointError(
+                f"{path} is not the {name} the weights in {directory} were saved with (a save into the directory "
+                "was cut short before its weights were in place): it holds parts of two saves. Save the model "
+                "there again")
 
 
 def not_regular(err: OSError, what: str) -> CheckpointError:
@@ -164,6 +226,8 @@ class SafetensorsCheckpoint:
         self._unread: dict[str, set] = {}  # file -> names of its tensors not read to their end yet
         self._touched: set[str] = set()  # files read_into has read from
         self.files = self._files(path)
+        if os.path.isdir(path):
+            _check_config(path)
         self.entries: dict[str, Entry] = {}
         try:
             for file in self.files:
@@ -274,6 +338,9 @@ class SafetensorsCheckpoint:
         if not os.path.isdir(path):
             raise CheckpointError(f"{path}: no such file or directory; give a .safetensors file or a directory "
                                   f"holding {SINGLE} or {INDEX}")
+        single = os.path.join(path, SINGLE)
+        if os.path.lexists(single):
+            return [single]  # read first, as transformers does: a save's commit relies on it
         index = os.path.join(path, INDEX)
         if os.path.lexists(index):
             self._index_path = index
@@ -303,9 +370,6 @@ class SafetensorsCheckpoint:
                     f"{index} lists {len(shards)} shards, {len(missing)} missing from {path}: "
                     f"{', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}; copy or download them too")
             return [os.path.join(path, s) for s in shards]
-        single = os.path.join(path, SINGLE)
-        if os.path.lexists(single):
-            return [single]
         raise CheckpointError(f"{path} holds neither {SINGLE} nor {INDEX}: not a safetensors checkpoint")
 
     def _check_index(self) -> None:

@@ -3,36 +3,38 @@ one tensor at a time and committed by one rename."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import secrets
-import shutil
 import stat
 import struct
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
 import torch
+import xxhash
 from torch import nn
 
 from ..aio import AppendFile, Engine, create_private, fsync_path
 from ..buffers import BufferPool
 from ..config import AioConfig
 from ..errors import CheckpointError, StateError
+from ..locks import LOCK_FILE, lock_directory
 from ..modes import dir_mode, file_mode
 from ..params import store_of
 from ..pipeline import Pipeline
 from ..progress import progress as progress_bar
+from ..regular import read_regular
 from ..units import parse_size
-from .files import INDEX, SINGLE, dtype_name
+from .files import INDEX, RECORD, RECORD_FORMAT, SINGLE, dtype_name, is_record, read_record
 from .load import _named
 
 __all__ = ["Tensor", "save_into", "save_pretrained", "saved_dtype", "write_checkpoint", "write_dtype"]
 
 _DEFAULT_SHARD = "5GB"  # Hugging Face's default max_shard_size
-# What a Hugging Face save puts in a directory: an existing one holding only these may be replaced.
-_HF_FILES = ("config.json", "generation_config.json", INDEX, SINGLE)
 
 
 @dataclass
@@ -70,10 +72,13 @@ def _shards(tensors: list[Tensor], max_shard_size: int) -> list[_Shard]:
     return shards
 
 
-def _header(tensors: list[Tensor]) -> bytes:
+def _header(tensors: list[Tensor], record: Optional[dict] = None) -> bytes:
     """The safetensors header (its 8-byte length first): the tensors back to back in the given order,
-    padded with spaces to a multiple of 8 bytes as the format's writers do."""
+    padded with spaces to a multiple of 8 bytes as the format's writers do; ``record`` (a save's, see
+    ``RECORD``) in its metadata, as a JSON string (the format's metadata holds strings)."""
     meta: dict = {"__metadata__": {"format": "pt"}}
+    if record is not None:
+        meta["__metadata__"][RECORD] = json.dumps(record, sort_keys=True)
     offset = 0
     for t in tensors:
         meta[t.name] = {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
@@ -84,42 +89,201 @@ def _header(tensors: list[Tensor]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-def _refuse(directory: str, overwrite: bool) -> None:
-    """Refuse a target that holds anything, unless ``overwrite`` and all it holds is a Hugging Face save."""
-    if not os.path.lexists(directory):
-        return
-    if not os.path.isdir(directory) or os.path.islink(directory):
-        raise CheckpointError(f"{directory} exists and is not a directory; choose another path for the checkpoint")
-    names = os.listdir(directory)
+# NOTE: a Hugging Face save writes into its directory, which may hold other files (a training run's output:
+# tokenizer, arguments) and a save of ours before it. What it may delete or replace is only what a save of
+# ours wrote, as that save recorded it: the record (RECORD: its generation, its files, the checksums of its
+# config files) lives inside the file loaders start from, the save's entry point (model.safetensors' header
+# metadata, or the index's metadata), so a committed save and its record change in one rename. Never a file a
+# name pattern merely matches, never a directory. The steps, under the directory's lock:
+#   1. sweep what a save cut short left (below), then read the record of the save in place (the previous one);
+#   2. write every file into a staging directory inside the target (.nvme-offload-save.<generation>, 0700)
+#      with its marker (what will move in, the entry point, the previous files that become obsolete), fsync;
+#   3. move the shards in (fresh names where the usual ones are taken: nothing reads them yet), then the
+#      config files (a replaced one keeps a hard link in the staging directory until the commit), fsync;
+#   4. commit: rename the entry point in (a new index behind an old model.safetensors commits when that file,
+#      which loaders read first, is deleted), fsync;
+#   5. delete the previous save's files the new one does not have, then the staging directory.
+# A crash before 4 leaves the previous save loadable (and config files of the new one beside its weights,
+# which the record's checksums tell: our loader refuses that mix until a save completes); after 4 the new
+# one. The next save sweeps a staging directory proven ours by its marker: it finishes a committed save's
+# deletions, or undoes an uncommitted one (its moved files deleted, replaced config files restored).
+STAGING = ".nvme-offload-save."
+MARKER = "save.json"
+_LIMIT = 64 << 20  # the most bytes a header, an index or a marker may hold
+
+
+def _hexdigest(path: str) -> str:
+    return xxhash.xxh3_64(read_regular(path, limit=_LIMIT)).hexdigest()
+
+
+def _entry_record(path: str) -> Optional[dict]:
+    """The record in the entry point file ``path`` itself (an index, or a single file), or None."""
+    d, name = os.path.split(path)
+    if name == INDEX:
+        try:
+            doc = json.loads(read_regular(path, limit=_LIMIT))
+            value = doc.get("metadata", {}).get(RECORD)
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if is_record(value) else None
+    return read_record(d) if name == SINGLE else None
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink(path: str) -> None:
+    """Delete ``path`` if it is a regular file (never a directory, a link's target or anything else)."""
+    if _regular(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _remove_staging(stage: str) -> None:
+    """Delete a staging directory of ours: its regular files, its marker last (while anything else is in it, the
+    marker proves it ours to the next save), then it (left if anything else is in it)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for name in sorted(os.listdir(stage), key=lambda n: n == MARKER):
+            _unlink(os.path.join(stage, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(stage)
+
+
+def _marker(stage: str) -> Optional[dict]:
+    """The marker of staging directory ``stage`` if it is ours (a directory of this user, holding the marker
+    of its own generation), else None."""
+    try:
+        st = os.lstat(stage)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        doc = json.loads(read_regular(os.path.join(stage, MARKER), limit=_LIMIT))
+    except (OSError, ValueError):
+        return None
+    generation = os.path.basename(stage)[len(STAGING):]
+    names = [*doc.get("moved", []), *doc.get("obsolete", []), doc.get("entry") or SINGLE] if isinstance(doc, dict) \
+        else []
+    if (not isinstance(doc, dict) or doc.get("generation") != generation
+            or not all(isinstance(n, str) and os.path.basename(n) == n and n not in ("", ".", "..") for n in names)
+            or not isinstance(doc.get("backups", {}), dict)):
+        return None
+    return doc
+
+
+def _barely_begun(stage: str) -> bool:
+    """Whether ``stage`` is a staging directory of this user holding nothing but (part of) its first marker: a
+    save that died as it began, which moved nothing in."""
+    try:
+        st = os.lstat(stage)
+        names = os.listdir(stage)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and set(names) <= {MARKER, MARKER + ".new"}
+            and all(_regular(os.path.join(stage, n)) for n in names))
+
+
+def _sweep(directory: str) -> None:
+    """Finish or undo what saves cut short left in ``directory`` (see the note above); under its lock."""
+    for name in os.listdir(directory):
+        if not name.startswith(STAGING):
+            continue
+        stage = os.path.join(directory, name)
+        doc = _marker(stage)
+        if doc is None:
+            if _barely_begun(stage):
+                _remove_staging(stage)  # died before it wrote its marker: nothing of it moved in
+            continue  # else not provably ours: left as it is
+        record = read_record(directory)
+        if record is not None and record["generation"] == doc["generation"]:
+            for n in doc.get("obsolete", []):  # committed: what its cleanup had not deleted yet
+                if n not in record["files"]:
+                    _unlink(os.path.join(directory, n))
+        else:  # never committed: the previous save stays, as it was
+            for n, backup in doc.get("backups", {}).items():
+                if _regular(os.path.join(stage, backup)):
+                    os.replace(os.path.join(stage, backup), os.path.join(directory, n))
+            entry = os.path.join(directory, doc.get("entry") or SINGLE)
+            found = _entry_record(entry) if doc.get("entry") and _regular(entry) else None
+            if found is not None and found["generation"] == doc["generation"]:
+                _unlink(entry)  # an index moved in behind a model.safetensors that still wins
+            for n in doc.get("moved", []):
+                _unlink(os.path.join(directory, n))
+        fsync_path(directory)
+        _remove_staging(stage)
+        fsync_path(directory)
+
+
+def _make_dir(path: str) -> bool:
+    """Create directory ``path`` and its missing parents (0700, see :mod:`offload.modes`), each new name made
+    durable; returns whether ``path`` was made."""
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for new in reversed(missing):
+        try:
+            os.mkdir(new, dir_mode())
+        except FileExistsError:
+            if not os.path.isdir(new):
+                raise
+        fsync_path(os.path.dirname(new))
+    return bool(missing)
+
+
+def _listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    return ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+
+
+def _check_target(directory: str, previous: Optional[dict], overwrite: bool, into: bool, writes: set) -> None:
+    """Refuse a target that holds what this save may not replace (see :func:`write_checkpoint`)."""
+    names = {n for n in os.listdir(directory) if n != LOCK_FILE and not n.startswith(STAGING)}
     if not names:
         return
-    foreign = [n for n in names if not (n in _HF_FILES or (n.startswith("model-") and n.endswith(".safetensors")))]
-    if not overwrite:
+    ours = set(previous["files"]) if previous is not None else set()
+    if not (overwrite or into):
         raise CheckpointError(f"{directory} exists and is not empty; choose a new directory, or pass overwrite=True "
-                              "(--overwrite) to replace a Hugging Face checkpoint there")
-    if foreign:
-        raise CheckpointError(f"{directory} holds files a Hugging Face save does not write ({', '.join(foreign[:4])}"
-                              f"{', ...' if len(foreign) > 4 else ''}); not replacing it: choose another directory")
+                              "(--overwrite) to replace a Hugging Face checkpoint this library saved there")
+    theirs = names - ours if not into else {n for n in writes & names if n not in ours}
+    if theirs:
+        raise CheckpointError(
+            f"{directory} holds {_listing(theirs)}, which no save of this library wrote there (its record, in "
+            f"{SINGLE} or {INDEX}, does not list them); not replacing or deleting them: choose another directory, "
+            "or remove them yourself")
 
 
 def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
                      max_shard_size: int | str = _DEFAULT_SHARD, extra: Optional[Callable[[str], None]] = None,
-                     overwrite: bool = False, aio: Optional[AioConfig] = None,
+                     overwrite: bool = False, aio: Optional[AioConfig] = None, into: bool = False,
                      progress: Optional[bool] = None) -> str:
-    """Write ``tensors`` as a Hugging Face safetensors checkpoint in ``directory``, atomically.
+    """Write ``tensors`` as a Hugging Face safetensors checkpoint in ``directory``, committed as a whole.
 
-    Everything goes to a fresh directory beside ``directory``; each file is fsynced, then one rename
-    puts it in place. Tensors are written one at a time by their ``write``.
+    Every file is written and fsynced in a staging directory inside ``directory``, then moved in; one rename
+    (of ``model.safetensors`` or of the index) commits the save, and only then are the previous save's files
+    it replaces deleted (see the note above ``RECORD``). A crash at any point leaves the previous save or
+    this one, never a mix that loads; the next save clears what was left. Tensors are written one at a
+    time by their ``write``.
 
     Args:
-        directory: the checkpoint directory: new, empty, or (``overwrite``) a Hugging Face checkpoint.
+        directory: the checkpoint directory: new or empty; with ``overwrite``, one that holds a save of this
+            library and nothing else; with ``into``, one that may hold other files too (never touched).
         tensors: what to save, in order.
         max_shard_size: bytes per shard at most (``"5GB"``, ``"500MiB"`` or an int); one shard is
             ``model.safetensors``, several are ``model-0000i-of-0000n.safetensors`` with
             ``model.safetensors.index.json``.
-        extra: ``extra(tmp_dir)`` writes more files (config.json) into the new directory before the commit.
-        overwrite: replace an existing Hugging Face checkpoint (only its own kinds of files) at ``directory``.
+        extra: ``extra(tmp_dir)`` writes more files (config.json) for the save before the commit.
+        overwrite: replace a save of this library at ``directory``.
         aio: the engine settings the shards are written with (``o_direct`` among them); the defaults if None.
+        into: save into a directory holding other files (a training run's output): only the files a previous
+            save of ours recorded are replaced or deleted, and a file of the name this save writes that it did
+            not record is refused.
         progress: a progress bar on stderr (bytes written) for a save that lasts; None: where stderr is a
             terminal (see :mod:`offload.progress`).
 
@@ -127,32 +291,104 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         ``directory``, absolute.
 
     Raises:
-        CheckpointError: ``directory`` is not new or empty (and not replaceable).
-        OSError: writing failed; ``directory`` is left as it was and the new files are removed.
+        CheckpointError: ``directory`` holds what this save may not replace (named).
+        OSError: writing failed; ``directory`` holds the previous save as it was.
     """
     directory = os.path.abspath(os.fspath(directory))
     limit = parse_size(max_shard_size)
     if limit <= 0:
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
-    _refuse(directory, overwrite)
-    parent, base = os.path.split(directory)
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{base}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    os.mkdir(tmp, dir_mode())  # the user's weights: the owner's alone, as every checkpoint of ours (offload.modes)
-    old = None
+    if os.path.lexists(directory) and (not os.path.isdir(directory) or os.path.islink(directory)):
+        raise CheckpointError(f"{directory} exists and is not a directory; choose another path for the checkpoint")
+    made = _make_dir(directory)
     try:
-        shards = _shards(list(tensors), limit)
+        held = lock_directory(directory, exclusive=True)
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(directory)
+        raise
+    try:
+        _sweep(directory)
+        previous = read_record(directory)
+        _check_target(directory, previous, overwrite, into, set())
+        _Save(directory, previous, limit, aio, overwrite, into, made, progress).run(list(tensors), extra)
+    finally:
+        held.release()
+    return directory
+
+
+class _Save:
+    """One save into ``directory`` (see :func:`write_checkpoint`)."""
+
+    def __init__(self, directory: str, previous: Optional[dict], limit: int, aio, overwrite: bool, into: bool,
+                 made: bool, progress: Optional[bool] = None):
+        self.directory, self.previous, self.limit, self.aio = directory, previous, limit, aio
+        self.overwrite, self.into, self.made, self.progress = overwrite, into, made, progress
+        self.generation = secrets.token_hex(8)
+        self.stage = os.path.join(directory, STAGING + self.generation)
+        self.moved: list[str] = []  # what was moved into the directory (deleted again if the save fails)
+        self.backups: dict[str, str] = {}  # config file -> the hard link that keeps the one it replaced
+        self.committed = False
+        self.shard_names: list[str] = []
+        self.obsolete: list[str] = []
+        self.config: list[str] = []
+        self.entry: Optional[str] = None  # SINGLE or INDEX, once known
+        self.adding: list[str] = []  # config files the directory does not have yet
+        self.replacing: list[str] = []  # config files it has, with other bytes
+
+    def run(self, tensors: list, extra) -> None:
+        os.mkdir(self.stage, dir_mode())
+        try:
+            self._mark(entry=None)  # from here the staging directory is provably ours
+            fsync_path(self.directory)
+            self._write(tensors, extra)
+            self._move_in()
+            self._commit()
+        except BaseException:
+            if not self.committed:
+                self._undo()
+            raise
+        try:
+            self._clean_up()
+        except OSError as err:  # committed: what is left is swept by the next save
+            warnings.warn(f"saved {self.directory}, but could not delete what it replaced: {err}", RuntimeWarning,
+                          stacklevel=4)
+
+    def _write(self, tensors: list, extra) -> None:
+        if extra is not None:
+            extra(self.stage)
+        self.config = sorted(n for n in os.listdir(self.stage)
+                             if n not in (MARKER, MARKER + ".new") and _regular(os.path.join(self.stage, n)))
+        for name in self.config:
+            path = os.path.join(self.stage, name)
+            # What extra() wrote (config.json): narrowed to the mode, never widened past the umask.
+            os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) & file_mode())
+            fsync_path(path)
+        shards = _shards(tensors, self.limit)
         n = len(shards)
         names = [SINGLE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        if n > 1 and any(os.path.lexists(os.path.join(self.directory, s)) for s in names):
+            names = [f"model-{self.generation}-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.entry = SINGLE if n == 1 else INDEX
+        self.shard_names = [] if n == 1 else names
+        writes = {self.entry, *self.shard_names, *self.config}
+        _check_target(self.directory, self.previous, self.overwrite, self.into, writes)
+        clash = [s for s in self.shard_names if os.path.lexists(os.path.join(self.directory, s))]
+        if clash:
+            raise CheckpointError(f"{self.directory} holds {_listing(clash)} already; save again")
+        record = {"format": RECORD_FORMAT, "generation": self.generation, "files": sorted(writes),
+                  "config": {c: _hexdigest(os.path.join(self.stage, c)) for c in self.config}}
         weight_map = {}
         # Direct I/O where the file system has it (see AppendFile), every shard through the same three buffers.
-        with Engine(aio) as engine, BufferPool(3, 8 << 20) as buffers, \
-                progress_bar(sum(s.nbytes for s in shards), f"saving {base}", nbytes=True, enabled=progress) as bar:
+        with Engine(self.aio) as engine, BufferPool(3, 8 << 20) as buffers, \
+                progress_bar(sum(s.nbytes for s in shards), f"saving {os.path.basename(self.directory)}",
+                             nbytes=True, enabled=self.progress) as bar:
             for name, shard in zip(names, shards):
-                header = _header(shard.tensors)
+                header = _header(shard.tensors, record if n == 1 else None)
                 size = len(header) + shard.nbytes  # reserved: a disk too full for this shard shows at once
-                with AppendFile(os.path.join(tmp, name), engine, buffers=buffers, size=size) as f:  # fsynced at close
-                    f.write(header)
+                with AppendFile(os.path.join(self.stage, name), engine, buffers=buffers, size=size) as f:
+                    f.write(header)  # fsynced at close
                     for t in shard.tensors:
                         start = f.tell()
                         t.write(f)
@@ -161,34 +397,92 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
                         weight_map[t.name] = name
                         bar.update(t.nbytes)
         if n > 1:
-            with create_private(os.path.join(tmp, INDEX), text=True) as f:
-                json.dump({"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}, f,
-                          indent=2, sort_keys=True)
+            with create_private(os.path.join(self.stage, INDEX), text=True) as f:
+                json.dump({"metadata": {"total_size": sum(s.nbytes for s in shards), RECORD: record},
+                           "weight_map": weight_map}, f, indent=2, sort_keys=True)
                 f.write("\n")
-        if extra is not None:
-            extra(tmp)
-        for name in os.listdir(tmp):
-            if not os.path.islink(os.path.join(tmp, name)):
-                # What extra() wrote too (config.json): narrowed to the mode, never widened past the umask.
-                path = os.path.join(tmp, name)
-                os.chmod(path, stat.S_IMODE(os.lstat(path).st_mode) & file_mode())
-            fsync_path(os.path.join(tmp, name))
-        fsync_path(tmp)
-        _refuse(directory, overwrite)  # again: something may have appeared meanwhile
-        if os.path.isdir(directory) and os.listdir(directory):
-            old = os.path.join(parent, f".{base}.old-{os.getpid()}-{secrets.token_hex(4)}")
-            os.rename(directory, old)
-        os.replace(tmp, directory)  # an empty directory is replaced by the rename itself
-        fsync_path(parent)
-    except BaseException:
-        if old is not None and not os.path.exists(directory):
-            os.rename(old, directory)
-            old = None
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return directory
+                f.flush()
+                os.fsync(f.fileno())
+        previous_files = set(self.previous["files"]) if self.previous is not None else set()
+        self.obsolete = sorted(previous_files - writes)
+        # Config files: new ones move in (and go again if the save dies), replaced ones keep the file they replace
+        # (a hard link, put back if it dies), the same bytes stay as they are.
+        self.replacing, self.adding = [], []
+        for name in self.config:
+            old = os.path.join(self.directory, name)
+            if not _regular(old):
+                self.adding.append(name)
+            elif read_regular(old, limit=_LIMIT) != read_regular(os.path.join(self.stage, name), limit=_LIMIT):
+                self.replacing.append(name)
+        self._mark(entry=self.entry)
+
+    def _mark(self, *, entry: Optional[str]) -> None:
+        """Write the staging directory's marker (what moves in, the entry point, what becomes obsolete), fsynced,
+        in place of the one before (a fresh file renamed over it)."""
+        new = os.path.join(self.stage, MARKER + ".new")
+        doc = {"generation": self.generation, "entry": entry,
+               "moved": [*self.shard_names, *self.adding] if entry else [], "obsolete": self.obsolete if entry else [],
+               "backups": {c: c + ".replaced" for c in self.replacing} if entry else {}}
+        with create_private(new, text=True) as f:
+            json.dump(doc, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(new, os.path.join(self.stage, MARKER))
+        fsync_path(self.stage)
+
+    def _move_in(self) -> None:
+        d, stage = self.directory, self.stage
+        for name in self.shard_names:  # nothing reads these names yet
+            os.rename(os.path.join(stage, name), os.path.join(d, name))
+            self.moved.append(name)
+        for name in self.adding:
+            os.rename(os.path.join(stage, name), os.path.join(d, name))
+            self.moved.append(name)
+        for name in self.replacing:
+            os.link(os.path.join(d, name), os.path.join(stage, name + ".replaced"))
+            fsync_path(stage)
+            self.backups[name] = name + ".replaced"
+            os.rename(os.path.join(stage, name), os.path.join(d, name))
+        fsync_path(d)
+
+    def _commit(self) -> None:
+        d, stage = self.directory, self.stage
+        os.rename(os.path.join(stage, self.entry), os.path.join(d, self.entry))
+        if self.entry == SINGLE:
+            self.committed = True  # loaders read model.safetensors first
+        elif _regular(os.path.join(d, SINGLE)):
+            fsync_path(d)  # the index is there for good before the file that still wins goes
+            os.unlink(os.path.join(d, SINGLE))  # the previous save's (its record lists it)
+            self.committed = True
+        else:
+            self.committed = True
+        fsync_path(d)
+
+    def _clean_up(self) -> None:
+        for name in self.obsolete:
+            if name != self.entry:
+                _unlink(os.path.join(self.directory, name))
+        fsync_path(self.directory)
+        _remove_staging(self.stage)
+        fsync_path(self.directory)
+
+    def _undo(self) -> None:
+        """Put the previous save back as it was (best effort: what stays is swept by the next save)."""
+        with contextlib.suppress(OSError):
+            for name, backup in self.backups.items():
+                os.replace(os.path.join(self.stage, backup), os.path.join(self.directory, name))
+            entry = os.path.join(self.directory, self.entry or SINGLE)
+            found = _entry_record(entry) if self.entry and _regular(entry) else None
+            if found is not None and found["generation"] == self.generation:
+                _unlink(entry)
+            for name in self.moved:
+                _unlink(os.path.join(self.directory, name))
+            fsync_path(self.directory)
+            _remove_staging(self.stage)
+            fsync_path(self.directory)
+            if self.made and os.listdir(self.directory) in ([], [LOCK_FILE]):
+                _unlink(os.path.join(self.directory, LOCK_FILE))
+                os.rmdir(self.directory)  # made for this save
 
 
 def _write_tensor(f, t: torch.Tensor) -> None:
@@ -248,7 +542,7 @@ def model_tensors(model: nn.Module) -> list[Tensor]:
 
 
 def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int | str = _DEFAULT_SHARD,
-                    overwrite: bool = False, progress: Optional[bool] = None) -> str:
+                    overwrite: bool = False, into: bool = False, progress: Optional[bool] = None) -> str:
     """Save ``model`` as a directory ``transformers``' ``from_pretrained`` loads as it is.
 
     Weights go to safetensors shards of at most ``max_shard_size`` (with ``model.safetensors.index.json``
@@ -256,14 +550,15 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
     through its store's pool, each block's checksum verified, so memory holds the pool (and at most one
     weight that is not offloaded), whatever the model's size. A Hugging Face model's
     ``config`` (and ``generation_config``) are saved beside them. Tied weights are saved once, under their
-    first ``state_dict`` name. The directory is written beside ``directory`` and renamed into place when
-    complete (see :func:`write_checkpoint`).
+    first ``state_dict`` name. The save is committed as a whole: a crash leaves the previous save or this
+    one (see :func:`write_checkpoint`).
 
     Args:
         model: the model, offloaded with :func:`offload.offload_parameters` or not.
-        directory: a new or empty directory (or, with ``overwrite``, a Hugging Face checkpoint to replace).
+        directory: a new or empty directory (or, with ``overwrite``, a save of this library to replace).
         max_shard_size: bytes per shard at most (``"5GB"``, Hugging Face's default, or an int).
-        overwrite: replace a Hugging Face checkpoint already at ``directory``.
+        overwrite: replace a save of this library already at ``directory``.
+        into: save into a directory that holds other files too (see :func:`save_into`).
         progress: a progress bar on stderr; None: where stderr is a terminal.
 
     The config.json written says the dtype the weights are saved in (``dtype``, and ``torch_dtype`` where the
@@ -273,7 +568,7 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
         ``directory``, absolute.
 
     Raises:
-        CheckpointError: ``directory`` exists and is not empty (or holds other files).
+        CheckpointError: ``directory`` holds what this save may not replace (named).
         StateError: offloaded weights were lost (a failed load or write-back), or changed on disk.
         OSError: writing failed; nothing at ``directory`` changed.
     """
@@ -292,7 +587,21 @@ def save_pretrained(model: nn.Module, directory: str | os.PathLike, *, max_shard
     # The shards are written with the aio settings the model's weights were offloaded with (o_direct among them).
     stores = [s for s in (store_of(p) for p in model.parameters()) if s is not None]
     return write_checkpoint(directory, tensors, max_shard_size=max_shard_size, extra=extra,
-                            overwrite=overwrite, aio=stores[0].config.aio if stores else None, progress=progress)
+                            overwrite=overwrite, aio=stores[0].config.aio if stores else None, into=into,
+                            progress=progress)
+
+
+def save_into(model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int | str = _DEFAULT_SHARD) -> str:
+    """:func:`save_pretrained` into a directory that may hold other files (a training run's output, as
+    ``Trainer.save_model`` writes it), committed as a whole (see :func:`write_checkpoint`): only the files a
+    previous save of this library recorded there are replaced or deleted; a file of a name this save writes
+    (config.json, model.safetensors, ...) that no save of ours wrote is refused, and every other file is left
+    as it is.
+
+    Returns:
+        ``directory``, absolute.
+    """
+    return save_pretrained(model, directory, max_shard_size=max_shard_size, into=True)
 
 
 def saved_dtype(tensors: Iterable[Tensor]) -> Optional[torch.dtype]:
@@ -325,36 +634,3 @@ def write_dtype(config_json: str, dtype: Optional[torch.dtype]) -> None:
     with open(config_json, "w", encoding="utf-8") as f:
         json.dump(doc, f, indent=2, sort_keys=False)
         f.write("\n")
-
-
-def _hf_weights(name: str) -> bool:
-    return name in (SINGLE, INDEX) or (name.startswith("model-") and name.endswith(".safetensors"))
-
-
-def save_into(model: nn.Module, directory: str | os.PathLike, *, max_shard_size: int | str = _DEFAULT_SHARD) -> str:
-    """:func:`save_pretrained` into a directory that may hold other files (a training run's output, as
-    ``Trainer.save_model`` writes it): the checkpoint is written complete beside it, then each of its files
-    is renamed in (replacing the same name), and weight files of an earlier save that the new one does not
-    have (shards of another count) are removed. Files a Hugging Face save does not write are never touched.
-
-    Returns:
-        ``directory``, absolute.
-    """
-    directory = os.path.abspath(os.fspath(directory))
-    if not os.path.isdir(directory) or not os.listdir(directory):
-        return save_pretrained(model, directory, max_shard_size=max_shard_size)
-    parent, base = os.path.split(directory)
-    tmp = save_pretrained(model, os.path.join(parent, f".{base}.new-{os.getpid()}-{secrets.token_hex(4)}"),
-                          max_shard_size=max_shard_size)
-    try:
-        written = os.listdir(tmp)
-        # Shards before the index and config that name them; stale weights after the new ones are in.
-        for name in sorted(written, key=lambda n: (not n.endswith(".safetensors"), n)):
-            os.replace(os.path.join(tmp, name), os.path.join(directory, name))
-        for name in os.listdir(directory):
-            if _hf_weights(name) and name not in written:
-                os.unlink(os.path.join(directory, name))
-        fsync_path(directory)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return directory

@@ -1,0 +1,193 @@
+"""Hugging Face saves touch only what a save of ours wrote: save_into and overwrite=True delete or replace only
+the files a previous save recorded (never a user's file named like a shard, never a directory), a save into a
+directory commits as a whole, and a process that dies between any two of its file-system changes leaves the
+previous save or the new one, never a mix that loads; the next save clears what it left."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from offload import CheckpointError
+from offload.pretrained import SafetensorsCheckpoint, save_pretrained
+from offload.pretrained.save import STAGING, save_into
+
+STAGE_PREFIX = STAGING
+
+
+class _Config:
+    """A config object as Hugging Face models carry one: its save_pretrained writes config.json."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def save_pretrained(self, directory) -> None:
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({"model_type": "toy", "version": self.version}, f)
+
+
+def model_of(seed: int, layers: int = 3, config: int | None = None) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Sequential(*[nn.Linear(32, 32) for _ in range(layers)])
+    if config is not None:
+        m.config = _Config(config)
+    return m
+
+
+def weights_in(directory) -> dict:
+    with SafetensorsCheckpoint(directory) as ckpt:
+        return {name: ckpt.read(name).clone() for name in ckpt.entries}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def user_files(d) -> None:
+    """A user's files in ``d`` that Hugging Face saves once matched by name: a file and a directory named like
+    shards, and a note."""
+    (d / "model-final.safetensors").write_bytes(b"the user's own weights")
+    (d / "model-notes.safetensors").mkdir()
+    (d / "model-notes.safetensors" / "todo.txt").write_text("keep me")
+    (d / "notes.txt").write_text("mine")
+
+
+def assert_user_files(d) -> None:
+    assert (d / "model-final.safetensors").read_bytes() == b"the user's own weights"
+    assert (d / "model-notes.safetensors" / "todo.txt").read_text() == "keep me"
+    assert (d / "notes.txt").read_text() == "mine"
+
+
+def state(m) -> dict:
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def test_save_into_replaces_and_deletes_only_what_a_save_of_ours_recorded(tmp_path):
+    """save_into a run's directory holding a user's model-final.safetensors, a directory named
+    model-notes.safetensors and a note, three times (sharded, sharded differently, one file): each save loads
+    bit for bit, the files of the save it replaced are gone (no stale shard), and the user's files and
+    directory are untouched (they were deleted as stale shards before)."""
+    d = tmp_path / "run"
+    d.mkdir()
+    user_files(d)
+    for seed, shard in ((1, "3KB"), (2, "6KB"), (3, "5GB")):
+        m = model_of(seed, config=seed)
+        save_into(m, d, max_shard_size=shard)
+        assert same(weights_in(d), state(m))
+        assert_user_files(d)
+        ours = [n for n in os.listdir(d) if n.endswith(".safetensors") and n not in ("model-final.safetensors",
+                                                                                     "model-notes.safetensors")]
+        index = d / "model.safetensors.index.json"
+        expected = {"model.safetensors"} if not index.exists() else set(json.loads(index.read_text())["weight_map"]
+                                                                           .values())
+        assert set(ours) == expected, (ours, expected)
+        assert json.loads((d / "config.json").read_text())["version"] == seed
+        assert not [n for n in os.listdir(d) if n.startswith(STAGE_PREFIX) or n.startswith(".nvme-offload")]
+
+
+def test_overwrite_replaces_only_a_save_of_ours_never_a_directory_or_a_file_it_did_not_write(tmp_path):
+    """overwrite=True over a directory holding a save of ours and a user's directory named like a shard (or a
+    config.json of someone else's) is refused naming them, and deletes nothing; over a save of ours alone it
+    replaces it."""
+    out = tmp_path / "out"
+    save_pretrained(model_of(1), out, max_shard_size="3KB")
+    (out / "model-notes.safetensors").mkdir()
+    (out / "model-notes.safetensors" / "todo.txt").write_text("keep me")
+    before = sorted(os.listdir(out))
+    with pytest.raises(CheckpointError, match=r"model-notes\.safetensors.*no save of this library wrote"):
+        save_pretrained(model_of(2), out, overwrite=True)
+    assert sorted(os.listdir(out)) == before
+    assert (out / "model-notes.safetensors" / "todo.txt").read_text() == "keep me"
+    other = tmp_path / "downloaded"
+    model_of(3).to(torch.float32)
+    other.mkdir()
+    (other / "config.json").write_text('{"from": "the hub"}')
+    with pytest.raises(CheckpointError, match=r"config\.json.*no save of this library wrote"):
+        save_into(model_of(3, config=1), other)
+    assert (other / "config.json").read_text() == '{"from": "the hub"}'
+    (out / "model-notes.safetensors" / "todo.txt").unlink()
+    (out / "model-notes.safetensors").rmdir()
+    m = model_of(4)
+    save_pretrained(m, out, overwrite=True)
+    assert same(weights_in(out), state(m)) and sorted(os.listdir(out)) == ["model.safetensors"]
+
+
+class Died(BaseException):
+    """The process died here (raised where the simulated death happens)."""
+
+
+@contextlib.contextmanager
+def dies_at(k: int, counter: list):
+    """The process dies at its ``k``-th change of a name (rename, replace, link, unlink, mkdir, rmdir; k from 1):
+    that call and every later one change nothing, as after a SIGKILL, and Died unwinds the stack. ``counter``
+    gets the number of changes made (all of them where k is never reached)."""
+    names = ("rename", "replace", "link", "unlink", "mkdir", "rmdir")
+    real = {n: getattr(os, n) for n in names}
+    dead = [False]
+
+    def wrap(name):
+        def call(*args, **kwargs):
+            if dead[0]:
+                return None
+            counter[0] += 1
+            if counter[0] == k:
+                dead[0] = True
+                raise Died(f"died at change {k}: os.{name}{args}")
+            return real[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(os, n, wrap(n))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(os, n, real[n])
+
+
+@pytest.mark.parametrize("before, after", [("3KB", "6KB"), ("6KB", "6KB"), ("5GB", "3KB"), ("3KB", "5GB"),
+                                           (None, "3KB"), (None, "5GB")],
+                         ids=["shards-to-shards", "same-count", "single-to-shards", "shards-to-single",
+                              "first-sharded", "first-single"])
+def test_a_save_into_killed_between_any_two_changes_leaves_the_old_or_the_new_never_a_mix(tmp_path, before, after):
+    """save_into over a previous save (or into a run's directory with none yet), the process dying at each of its
+    file-system changes in turn (renames included, every one): what loads afterwards is the previous save or
+    the new one, whole; config.json of the new save beside the old weights is refused as parts of two saves,
+    never loaded; with no save before, nothing loads until one completes. The user's files are untouched, and
+    the next save clears what the dead one left (no staging directory stays)."""
+    old, new = model_of(1, config=1), model_of(2, config=2)
+    total = [0]
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if before is not None:
+        save_into(old, probe, max_shard_size=before)
+    with dies_at(10**9, total):
+        save_into(new, probe, max_shard_size=after)
+    outcomes = set()
+    for k in range(1, total[0] + 1):
+        d = tmp_path / f"run{k}"
+        d.mkdir()
+        user_files(d)
+        if before is not None:
+            save_into(old, d, max_shard_size=before)
+        with pytest.raises(Died), dies_at(k, [0]):
+            save_into(new, d, max_shard_size=after)
+        try:
+            found = weights_in(d)
+        except CheckpointError as err:
+            assert "parts of two saves" in str(err) or (before is None and "holds neither" in str(err)), err
+            outcomes.add("refused")
+        else:
+            assert same(found, state(old)) or same(found, state(new)), f"a mix after dying at change {k}"
+            outcomes.add("old" if same(found, state(old)) else "new")
+        assert_user_files(d)
+        save_into(new, d, max_shard_size=after)  # the next save clears what is left
+        assert same(weights_in(d), state(new))
+        assert not [n for n in os.listdir(d) if n.startswith(STAGE_PREFIX) or n == ".nvme-offload.lock"]
+        assert_user_files(d)
+    assert "new" in outcomes and ("old" in outcomes or before is None), outcomes
