@@ -151,3 +151,26 @@ def test_a_benchmark_asked_for_more_parameters_than_memory_holds_says_so(tmp_pat
     with deadline(60):
         code, err = bench(capsys, "adam", "--params", "100T", "--no-fio", "--no-torch", "--path", str(tmp_path / "s"))
     assert code == 1 and "of host memory" in err and "give a smaller --params" in err, err
+
+
+def test_a_process_killed_while_it_writes_an_output_leaves_nothing_beside_it(tmp_path):
+    """An output being written when its process is killed (SIGKILL: no clean-up runs) leaves the previous file as
+    it was and no temporary copy beside it: the file is unnamed (O_TMPFILE) until it is complete."""
+    from helpers import run_code
+
+    out = tmp_path / "export.pt"
+    out.write_bytes(b"previous")
+    code = """
+import os, signal, sys
+from offload.aio import replace_file
+
+def write(f):
+    f.write(b"x" * (1 << 20))
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+replace_file(sys.argv[1], write)
+"""
+    done = run_code(code, str(out))
+    assert done.returncode == -9, done.stdout + done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["export.pt"] and out.read_bytes() == b"previous"

@@ -174,27 +174,66 @@ def replace_file(path: str | os.PathLike, write, *, private: bool = True) -> Non
     path = os.path.abspath(os.fspath(path))
     check_replaceable(path)
     parent, base = os.path.split(path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(16):
-        tmp = os.path.join(parent, f".{base}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp, flags, file_mode() if private else 0o666)
-            break
-        except FileExistsError:
-            continue
-    else:
-        raise FileExistsError(_errno.EEXIST, "no free temporary name beside it", path)
+    mode = file_mode() if private else 0o666
+    tmp = None
+    try:
+        # Unnamed while it is written (O_TMPFILE): a crash then leaves nothing behind; named only for the
+        # moment between its link and its rename. A file system without it gets a named file from the start.
+        fd = os.open(parent, os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, mode)
+    except OSError as err:
+        if err.errno not in (_errno.EOPNOTSUPP, _errno.EISDIR, _errno.EINVAL, _errno.ENOENT):
+            raise
+        fd, tmp = _fresh(parent, base, mode)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+            if tmp is None:
+                for _ in range(16):
+                    name = os.path.join(parent, f".{base}.{secrets.token_hex(6)}.tmp")
+                    try:
+                        _link_open_file(f.fileno(), name)
+                        tmp = name
+                        break
+                    except FileExistsError:
+                        continue
+                else:
+                    raise FileExistsError(_errno.EEXIST, "no free temporary name beside it", path)
         check_replaceable(path)
         os.rename(tmp, path)
     except BaseException:
-        unlink_if_same_name(tmp)
+        if tmp is not None:
+            unlink_if_same_name(tmp)
         raise
     fsync_path(parent)
+
+
+_AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
+
+
+def _link_open_file(fd: int, name: str) -> None:
+    """Give the file open on ``fd`` (an O_TMPFILE one) the name ``name``: linkat(2) of /proc/self/fd/N with
+    AT_SYMLINK_FOLLOW, as open(2) documents (os.link does not follow that link)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.linkat(_AT_FDCWD, f"/proc/self/fd/{fd}".encode(), _AT_FDCWD, os.fsencode(name), _AT_SYMLINK_FOLLOW) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), name)
+
+
+def _fresh(parent: str, base: str, mode: int) -> tuple[int, str]:
+    """A new file beside ``base`` in ``parent`` under a fresh hidden name, created exclusively without following a
+    link: its descriptor and path."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(16):
+        tmp = os.path.join(parent, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, mode), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(_errno.EEXIST, "no free temporary name beside it", os.path.join(parent, base))
 
 
 def unlink_if_same_name(path: str) -> None:
