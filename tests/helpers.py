@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -298,3 +299,39 @@ def locks_held(path) -> list[str]:
     where = f" {os.getpid()} {os.major(dev):02x}:{os.minor(dev):02x}:"
     with open("/proc/locks") as f:
         return [line.strip() for line in f if where in line]
+
+
+# -- a process that dies between two changes of names ---------------------------------------------------
+
+
+class Died(BaseException):
+    """The process died here (raised where the simulated death happens)."""
+
+
+@contextlib.contextmanager
+def dies_at(k: int, counter: list):
+    """The process dies at its ``k``-th change of a name (rename, replace, link, unlink, mkdir, rmdir; k from 1):
+    that call and every later one change nothing, as after a SIGKILL, and Died unwinds the stack. ``counter``
+    gets the number of changes made (all of them where k is never reached)."""
+    names = ("rename", "replace", "link", "unlink", "mkdir", "rmdir")
+    real = {n: getattr(os, n) for n in names}
+    dead = [False]
+
+    def wrap(name):
+        def call(*args, **kwargs):
+            if dead[0]:
+                return None
+            counter[0] += 1
+            if counter[0] == k:
+                dead[0] = True
+                raise Died(f"died at change {k}: os.{name}{args}")
+            return real[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(os, n, wrap(n))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(os, n, real[n])

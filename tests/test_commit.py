@@ -8,6 +8,7 @@ import copy
 import errno
 import json
 import os
+import pathlib
 
 import pytest
 from helpers import FOUR_SIZES, SMALL, assert_same_state, make_params, train
@@ -145,3 +146,104 @@ def test_a_save_inside_reading_the_same_directory_is_refused_not_deadlocked(tmp_
             ckpt.verify_checkpoint(tmp_path / "c")  # readers share the lock, nested too
     finally:
         opt.close()
+
+
+def _state_after(path, nvme) -> dict:
+    opt = OffloadedAdamW(make_params(FOUR_SIZES, seed=1), lr=1e-2, nvme_path=nvme, **SMALL)
+    try:
+        ckpt.load_checkpoint(opt, path)
+        return copy.deepcopy(opt.state_dict())
+    finally:
+        opt.close()
+
+
+def _which(state: dict, candidates: dict) -> list:
+    found = []
+    for name, want in candidates.items():
+        try:
+            assert_same_state(state, want)
+        except AssertionError:
+            continue
+        found.append(name)
+    return found
+
+
+@pytest.mark.parametrize("path", ["import", "mirror", "retention-milestone"])
+def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_new(tmp_path, path):
+    """An import, a mirror and a Retention save (a milestone, pruning the step before) over what an earlier one
+    left, the process dying at each of their changes of names in turn (renames, unlinks, mkdirs): what loads is
+    the old state or the new one, whole, a user's file is intact, and the next run of the same path completes
+    and leaves nothing of the dead one (no file of a generation no manifest names)."""
+    from helpers import Died, dies_at
+
+    params = make_params(FOUR_SIZES)
+    opt = OffloadedAdamW(params, lr=1e-2, nvme_path=str(tmp_path / "swap"), **SMALL)
+    states = {}
+    try:
+        train(opt, params, range(1))
+        ckpt.save_checkpoint(opt, tmp_path / "c1")
+        states["old"] = copy.deepcopy(opt.state_dict())
+        torch_path = tmp_path / "old.pt"
+        ckpt.export_checkpoint(tmp_path / "c1", torch_path)
+        train(opt, params, range(1, 2))
+        ckpt.save_checkpoint(opt, tmp_path / "c2")
+        states["new"] = copy.deepcopy(opt.state_dict())
+        ckpt.export_checkpoint(tmp_path / "c2", tmp_path / "new.pt")
+    finally:
+        opt.close()
+    root = tmp_path / "runs"
+
+    def target(k):
+        return root / f"k{k}" / ("step-0000000002" if path == "retention-milestone" else "t")
+
+    saver = OffloadedAdamW(make_params(FOUR_SIZES, seed=1), lr=1e-2, nvme_path=str(tmp_path / "s2"), **SMALL)
+
+    def prepare(k):
+        os.makedirs(root / f"k{k}", exist_ok=True)
+        (root / f"k{k}" / "notes.txt").write_text("mine")
+        if path == "import":
+            ckpt.import_state_dict(torch_path, target(k), like=tmp_path / "c1")
+        elif path == "mirror":
+            ckpt.mirror_checkpoint(tmp_path / "c1", target(k))
+        else:
+            ckpt.load_checkpoint(saver, tmp_path / "c1")
+            ckpt.Retention(root / f"k{k}", keep_last=1).save(saver, 1)
+            ckpt.load_checkpoint(saver, tmp_path / "c2")
+
+    def run(k):
+        if path == "import":
+            ckpt.import_state_dict(tmp_path / "new.pt", target(k), like=tmp_path / "c1")
+        elif path == "mirror":
+            ckpt.mirror_checkpoint(tmp_path / "c2", target(k))
+        else:
+            ckpt.Retention(root / f"k{k}", keep_last=1).save(saver, 2, milestone=True)
+
+    total = [0]
+    prepare(0)
+    with dies_at(10**9, total):
+        run(0)
+    seen = set()
+    for k in range(1, total[0] + 1):
+        prepare(k)
+        with pytest.raises(Died), dies_at(k, [0]):
+            run(k)
+        where = target(k)
+        if path == "retention-milestone":
+            latest = ckpt.Retention(root / f"k{k}", keep_last=1).latest()
+            where = pathlib.Path(latest) if latest is not None else where
+        if (where / MANIFEST).exists():
+            found = _which(_state_after(where, str(tmp_path / "load")), states)
+            assert found in (["old"], ["new"]), (k, found)
+            seen.add(found[0])
+        else:
+            seen.add("none")
+        assert (root / f"k{k}" / "notes.txt").read_text() == "mine"
+        run(k)  # the next one completes and clears what the dead one left
+        done = target(k)
+        assert _which(_state_after(done, str(tmp_path / "load")), states) == ["new"]
+        assert ours_only(done) == [], (k, ours_only(done))
+        if path == "retention-milestone":
+            assert (root / f"k{k}" / "step-0000000002.keep").is_file()
+            assert sorted(os.listdir(root / f"k{k}")) == ["notes.txt", "step-0000000002", "step-0000000002.keep"]
+    saver.close()
+    assert "new" in seen, seen

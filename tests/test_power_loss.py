@@ -214,10 +214,12 @@ def test_a_mirror_cut_at_every_sync_leaves_the_previous_or_the_new_copy(disk, tr
     cut_at_every_sync(disk, lambda: ckpt.mirror_checkpoint(tmp_path / "c2", copy_to), check)
 
 
-def test_retention_cut_at_every_sync_of_a_save_and_prune_keeps_a_loadable_latest(disk, trained, tmp_path):
-    """Retention(keep_last=1) saving step 3 and pruning step 2, the power lost after each sync: the latest
-    checkpoint it finds loads bit for bit to step 2's or step 3's state (step 3's once the save returned),
-    a milestone is never lost, and nothing else under the root is."""
+@pytest.mark.parametrize("milestone", [False, True], ids=["save-and-prune", "milestone"])
+def test_retention_cut_at_every_sync_of_a_save_and_prune_keeps_a_loadable_latest(disk, trained, tmp_path, milestone):
+    """Retention(keep_last=1) saving step 3 (marked a milestone, or not) and pruning step 2, the power lost after
+    each sync: the latest checkpoint it finds loads bit for bit to step 2's or step 3's state (step 3's once the
+    save returned), a milestone is never lost (a marked one is there whole), and nothing else under the root
+    is."""
     opt, step, states = trained
     root = disk.path("root")
     keep = ckpt.Retention(root, keep_last=1)
@@ -236,10 +238,12 @@ def test_retention_cut_at_every_sync_of_a_save_and_prune_keeps_a_loadable_latest
         want = ["s3"] if completed else None
         assert found in (["s2"], ["s3"]) and (want is None or found == want), (latest, found)
         assert matches(state_of(keep.path_for(1), str(tmp_path / "load")), states) == ["s1"]
+        if os.path.exists(keep.path_for(3) + ".keep"):  # marked: the checkpoint is there, whole
+            assert matches(state_of(keep.path_for(3), str(tmp_path / "load")), states) == ["s3"]
         with open(os.path.join(root, "README"), "rb") as f:
             assert f.read() == b"runs of the model\n"
 
-    cut_at_every_sync(disk, lambda: keep.save(opt, 3), check)
+    cut_at_every_sync(disk, lambda: keep.save(opt, 3, milestone=milestone), check)
 
 
 def same(a, b) -> bool:
@@ -382,3 +386,111 @@ def test_a_job_save_cut_at_every_sync_leaves_the_previous_or_the_new_checkpoint(
     assert all({".powerloss", "job", "notes.txt"} <= set(log[-1]["result"]) <= made | {".powerloss", "job", "notes.txt"}
                for log in logs), explain
     assert over_n - 1 >= 10 and new_n - 1 >= 10, f"the saves made only {over_n - 1} and {new_n - 1} syncs"
+
+
+# -- the other save paths: weights alone, import, Hugging Face saves --------------------------------------
+
+
+def test_save_parameters_and_import_cut_at_every_sync_leave_the_previous_or_the_new(disk, trained, tmp_path):
+    """save_parameters (weights alone) and import_state_dict, each over what it wrote before on the disk, the power
+    lost after each sync: the weights load to the previous or the new values (the new once it returned), the
+    imported state to the previous or the new state, and a user's file beside them is intact."""
+    opt, step, states = trained
+    durable_file(disk.path("notes.txt"), b"mine\n")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    ckpt.save_parameters(model, disk.path("weights"))
+    with torch.no_grad():
+        model.weight.add_(1)
+    new = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def check_weights(completed):
+        back = torch.nn.Linear(16, 16)
+        ckpt.load_parameters(back, disk.path("weights"))
+        got = back.state_dict()
+        found = [name for name, want in (("old", old), ("new", new)) if all(torch.equal(got[k], want[k]) for k in want)]
+        assert found in (["old"], ["new"]) and (not completed or found == ["new"]), found
+        assert open(disk.path("notes.txt"), "rb").read() == b"mine\n"
+
+    assert cut_at_every_sync(disk, lambda: ckpt.save_parameters(model, disk.path("weights")), check_weights) >= 3
+
+    step(1)
+    ckpt.save_checkpoint(opt, tmp_path / "c1")
+    ckpt.export_checkpoint(tmp_path / "c1", tmp_path / "s1.pt")
+    step(2)
+    ckpt.save_checkpoint(opt, tmp_path / "c2")
+    ckpt.export_checkpoint(tmp_path / "c2", tmp_path / "s2.pt")
+    ckpt.import_state_dict(tmp_path / "s1.pt", disk.path("imported"), like=tmp_path / "c1")
+
+    def check_import(completed):
+        found = matches(state_of(disk.path("imported"), str(tmp_path / "load")), states)
+        assert found in (["s1"], ["s2"]) and (not completed or found == ["s2"]), found
+        assert open(disk.path("notes.txt"), "rb").read() == b"mine\n"
+
+    cut_at_every_sync(disk, lambda: ckpt.import_state_dict(tmp_path / "s2.pt", disk.path("imported"),
+                                                            like=tmp_path / "c1"), check_import)
+
+
+def test_hugging_face_saves_cut_at_every_sync_leave_the_previous_or_the_new(disk):
+    """save_into (over a save of ours, in a run's directory holding a user's file) and save_pretrained into a
+    new directory, the power lost after each sync: the previous save or the new one loads whole (the new one once
+    it returned), config.json of the new save beside the old weights is refused as parts of two saves, a new
+    directory holds no save or the whole one, the user's file is intact, and the next save leaves nothing of
+    the dead ones."""
+    import json as _json
+
+    from offload.pretrained import SafetensorsCheckpoint, save_pretrained
+    from offload.pretrained.save import STAGING, save_into
+
+    class Config:
+        def __init__(self, version):
+            self.version = version
+
+        def save_pretrained(self, directory):
+            with open(os.path.join(directory, "config.json"), "w") as f:
+                _json.dump({"version": self.version}, f)
+
+    def model_of(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+        m.config = Config(seed)
+        return m
+
+    def weights(d):
+        with SafetensorsCheckpoint(d) as c:
+            return {n: c.read(n).clone() for n in c.entries}
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    old, new = model_of(1), model_of(2)
+    run = disk.path("run")
+    os.makedirs(run)
+    durable_file(os.path.join(run, "notes.txt"), b"mine\n")
+    fd = os.open(disk.root, os.O_RDONLY)  # the run's directory itself, durable as a user's would be
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    save_into(old, run, max_shard_size="3KB")
+
+    def check(completed, d, before):
+        try:
+            found = weights(d)
+        except ckpt.CheckpointError as err:
+            assert "parts of two saves" in str(err) or (before is None and ("holds neither" in str(err)
+                                                                              or "no such file" in str(err))), err
+            assert not completed
+            return
+        assert any(same(found, m.state_dict()) for m in ([new] if before is None else [old, new]))
+        assert not completed or same(found, new.state_dict())
+
+    syncs = cut_at_every_sync(disk, lambda: save_into(new, run, max_shard_size="6KB"), lambda c: check(c, run, old))
+    assert syncs >= 8, syncs
+    assert open(os.path.join(run, "notes.txt"), "rb").read() == b"mine\n"
+    assert not [n for n in os.listdir(run) if n.startswith(STAGING)]
+    export = disk.path("export")
+    cut_at_every_sync(disk, lambda: save_pretrained(new, export, max_shard_size="3KB", overwrite=True),
+                      lambda c: check(c, export, None))
+    assert not [n for n in os.listdir(export) if n.startswith(STAGING)]

@@ -5,12 +5,12 @@ previous save or the new one, never a mix that loads; the next save clears what 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
 import pytest
 import torch
+from helpers import Died, dies_at
 from torch import nn
 
 from offload import CheckpointError
@@ -115,39 +115,6 @@ def test_overwrite_replaces_only_a_save_of_ours_never_a_directory_or_a_file_it_d
     m = model_of(4)
     save_pretrained(m, out, overwrite=True)
     assert same(weights_in(out), state(m)) and sorted(os.listdir(out)) == ["model.safetensors"]
-
-
-class Died(BaseException):
-    """The process died here (raised where the simulated death happens)."""
-
-
-@contextlib.contextmanager
-def dies_at(k: int, counter: list):
-    """The process dies at its ``k``-th change of a name (rename, replace, link, unlink, mkdir, rmdir; k from 1):
-    that call and every later one change nothing, as after a SIGKILL, and Died unwinds the stack. ``counter``
-    gets the number of changes made (all of them where k is never reached)."""
-    names = ("rename", "replace", "link", "unlink", "mkdir", "rmdir")
-    real = {n: getattr(os, n) for n in names}
-    dead = [False]
-
-    def wrap(name):
-        def call(*args, **kwargs):
-            if dead[0]:
-                return None
-            counter[0] += 1
-            if counter[0] == k:
-                dead[0] = True
-                raise Died(f"died at change {k}: os.{name}{args}")
-            return real[name](*args, **kwargs)
-        return call
-
-    for n in names:
-        setattr(os, n, wrap(n))
-    try:
-        yield
-    finally:
-        for n in names:
-            setattr(os, n, real[n])
 
 
 @pytest.mark.parametrize("before, after", [("3KB", "6KB"), ("6KB", "6KB"), ("5GB", "3KB"), ("3KB", "5GB"),
