@@ -93,8 +93,9 @@ def _download(huggingface_hub, repo: str, revision: Optional[str], where: str, k
 
 
 def _checked(directory: str, named: str) -> str:
-    """``directory`` if it holds config.json, else a CheckpointError naming ``named``."""
-    if not os.path.isfile(os.path.join(directory, "config.json")):
+    """``directory`` if it holds config.json, else a CheckpointError naming ``named``. A config.json that is
+    there but not a regular file (a FIFO, a device) is the reader's to refuse, by what it is."""
+    if not os.path.lexists(os.path.join(directory, "config.json")):
         raise CheckpointError(f"{named} has no config.json: it is not a Hugging Face model directory (give the "
                               "directory save_pretrained wrote, or the subfolder= holding the model)")
     return directory
