@@ -224,6 +224,7 @@ def used_elsewhere(path: str) -> int | None:
     """The id of another process with a file under directory ``path`` open (or it as its working
     directory), or None. Linux's /proc; processes this one may not look into are not seen."""
     prefix = os.path.realpath(path) + os.sep
+    lock = prefix + LOCK_FILE  # open only to take the lock, which decides by itself
     me = os.getpid()
     try:
         pids = [int(n) for n in os.listdir("/proc") if n.isdigit()]
@@ -242,6 +243,6 @@ def used_elsewhere(path: str) -> int | None:
                 target = os.readlink(link)
             except OSError:
                 continue
-            if (target + os.sep).startswith(prefix):
+            if (target + os.sep).startswith(prefix) and target != lock:
                 return pid
     return None

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import stat
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
@@ -190,6 +191,11 @@ class Retention:
             return False
         try:
             pid = used_elsewhere(path)
+            for _ in range(_USE_RETRIES):  # another rank pruning the same directory reads a manifest briefly
+                if pid is None:
+                    break
+                time.sleep(_USE_WAIT)
+                pid = used_elsewhere(path)
             if pid is not None:
                 log.info("not deleting %s now: process %d has a file of it open", path, pid)
                 return False
@@ -259,6 +265,9 @@ class Retention:
             self._remember(path)
             return path
         return None
+
+
+_USE_RETRIES, _USE_WAIT = 5, 0.1  # a file of a checkpoint open elsewhere for under half a second is not a use
 
 
 def _lock_now(path: str) -> Optional[DirectoryLock]:
