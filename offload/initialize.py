@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .adam import OffloadedAdam, OffloadedAdamW
+from .aio import replace_file
 from .config import Config
 from .config.deepspeed import Training, document, hints_for, read_training, unused_message
 from .config.loader import config_from_document
@@ -378,10 +379,9 @@ class OffloadEngine(nn.Module):
                  "client_state": client_state or {}}
         self.optimizer.save_checkpoint(path, model=self.module, extra=extra)
         if save_latest:
-            latest = os.path.join(os.fspath(save_dir), _LATEST)
-            with open(latest + ".tmp", "w", encoding="utf-8") as f:
-                f.write(str(tag))
-            os.replace(latest + ".tmp", latest)
+            # As DeepSpeed's: a file naming the tag, replaced whole (a link planted there is refused, not followed).
+            replace_file(os.path.join(os.fspath(save_dir), _LATEST), lambda f: f.write(str(tag).encode()),
+                         private=False)
         return path
 
     def load_checkpoint(self, load_dir, tag: Optional[str] = None) -> tuple[Optional[str], dict]:

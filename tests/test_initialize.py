@@ -406,3 +406,28 @@ def test_a_failure_after_the_cast_leaves_the_model_as_it_came(tmp_path):
     with pytest.raises(NotADirectoryError):
         offload.initialize(model, config=cfg)
     assert {p.dtype for p in model.parameters()} == {torch.float32} and offloaded(model) is None
+
+
+def test_engine_latest_file_never_writes_through_a_planted_link(tmp_path):
+    """A link planted at ``save_dir/latest`` (or at the old fixed temporary name beside it) is never followed: the
+    user's file it points at keeps its bytes, and the save says what is in the way."""
+    cfg = ds_config(tmp_path, "WarmupCosineLR", accumulation=1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest.tmp").symlink_to(victim)
+    with pytest.warns(ConfigWarning):
+        engine, _, _, _ = offload.initialize(tiny_model(), config=cfg)
+    try:
+        engine.backward(loss_fn(engine(batch(0, torch.bfloat16))))
+        engine.step()
+        engine.save_checkpoint(ckpt)
+        assert (ckpt / "latest").read_text() == "global_step1" and victim.read_text() == "precious"
+        os.unlink(ckpt / "latest")
+        (ckpt / "latest").symlink_to(victim)
+        with pytest.raises(FileExistsError, match="symbolic link"):
+            engine.save_checkpoint(ckpt)
+        assert victim.read_text() == "precious" and os.path.islink(ckpt / "latest")
+    finally:
+        engine.close()
