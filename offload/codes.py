@@ -18,7 +18,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ABSMAX", "BLOCK", "MIN_NUMEL", "blocks", "book", "dequantize", "elements", "eligible", "encode", "quantize"]
+__all__ = ["ABSMAX", "BLOCK", "MIN_NUMEL", "blocks", "book", "dequantize", "elements", "eligible", "encode", "quantize",
+           "signed_for"]
 
 BLOCK = 256
 # Parameters with fewer elements keep fp32 moments (as bitsandbytes' and torchao's do): their state is small,
@@ -38,6 +39,12 @@ def blocks(numel: int) -> int:
 
 
 ABSMAX = "_absmax"  # the suffix of the state key holding a moment's absmax ("exp_avg_absmax")
+
+
+def signed_for(key: str) -> bool:
+    """Whether state ``key`` is coded with the signed book: the first moment is; the second (and its maximum,
+    with amsgrad) never negative, uses the unsigned one."""
+    return key == "exp_avg"
 
 
 def elements(key: str, numel: int) -> int:

@@ -116,14 +116,14 @@ def reference_step(c: Constants, param: torch.Tensor, grad: torch.Tensor, state:
 def _load(state: dict, key: str) -> torch.Tensor:
     t = state[key]
     if t.dtype == torch.uint8:
-        return codes.dequantize(t, state[key + "_absmax"], signed=key == "exp_avg")
+        return codes.dequantize(t, state[key + "_absmax"], signed=codes.signed_for(key))
     return t.float()
 
 
 def _store(state: dict, key: str, values: torch.Tensor) -> None:
     t = state[key]
     if t.dtype == torch.uint8:
-        q, absmax = codes.quantize(values, signed=key == "exp_avg")
+        q, absmax = codes.quantize(values, signed=codes.signed_for(key))
         t.copy_(q)
         state[key + "_absmax"].copy_(absmax)
     else:

@@ -219,7 +219,7 @@ class ParamEntry(Entry):
         if dtype != torch.uint8:
             return raw
         absmax = self.values(c, key + codes.ABSMAX, unit)
-        return codes.dequantize(raw, absmax, signed=key == "exp_avg")
+        return codes.dequantize(raw, absmax, signed=codes.signed_for(key))
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ def chunk_values(c: Chunk, buf, key: str) -> torch.Tensor:
     view = c.slice(buf, key)
     if view.dtype != torch.uint8:
         return view
-    return codes.dequantize(view, c.slice(buf, key + codes.ABSMAX), signed=key == "exp_avg")
+    return codes.dequantize(view, c.slice(buf, key + codes.ABSMAX), signed=codes.signed_for(key))
 
 
 def set_chunk_values(c: Chunk, buf, key: str, values: Optional[torch.Tensor]) -> None:
@@ -45,6 +45,6 @@ def set_chunk_values(c: Chunk, buf, key: str, values: Optional[torch.Tensor]) ->
         view.zero_()
         absmax.zero_()
         return
-    q, scale = codes.encode(values.to(torch.float32), signed=key == "exp_avg")
+    q, scale = codes.encode(values.to(torch.float32), signed=codes.signed_for(key))
     view.copy_(q)
     absmax.copy_(scale)
