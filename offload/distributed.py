@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "PLACEHOLDERS",
     "RankInfo",
+    "check_grad_layout",
     "expand_placeholders",
     "is_dtensor",
     "like",
@@ -113,6 +114,31 @@ def local(t):
         return t
     shard = t._local_tensor
     return shard.detach() if shard.requires_grad else shard
+
+
+# NOTE: the update of a DTensor parameter runs on its local shard with its gradient's local shard, which is
+# right only when the gradient is laid out as the parameter. FSDP2's reduce-scatter and tensor parallelism's
+# sharded layers leave it so; a replicated parameter used on sharded activations (SequenceParallel's norms)
+# gets a partial sum instead, each rank holding only its addend: updated from that, the replicas would drift
+# apart. Refused, never silently wrong.
+def check_grad_layout(p) -> None:
+    """``p``'s gradient, when both are DTensors, is laid out as ``p`` (same mesh, same placements).
+
+    Raises:
+        RuntimeError: it is laid out otherwise, naming both layouts and what to do.
+    """
+    g = p.grad
+    if not (is_dtensor(p) and is_dtensor(g)):
+        return
+    same_mesh = g.device_mesh is p.device_mesh or g.device_mesh == p.device_mesh
+    if same_mesh and tuple(g.placements) == tuple(p.placements):
+        return
+    raise RuntimeError(
+        f"a DTensor parameter of shape {tuple(p.shape)} is laid out as {tuple(p.placements)} but its gradient as "
+        f"{tuple(g.placements)} (a partial sum: SequenceParallel leaves its norms' gradients so). The optimizer "
+        "updates each rank's local shard with its gradient's local shard, so the gradient must be laid out as the "
+        "parameter: reduce it first (p.grad = p.grad.redistribute(p.device_mesh, p.placements), before step(), "
+        "without overlap_backward), or keep such parameters in a torch optimizer.")
 
 
 def detached(t) -> torch.Tensor:

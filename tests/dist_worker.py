@@ -142,6 +142,42 @@ def fsdp2_int8(out: str) -> dict:
         opt.close()
 
 
+def tensor_parallel(out: str) -> dict:
+    """Tensor parallelism: a column-wise then a row-wise Linear; with a LayerNorm under SequenceParallel, whose
+    replicated weights get partial-sum gradients, refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def tp(norm: bool = False) -> nn.Module:
+        torch.manual_seed(0)
+        layers = [nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)] + ([nn.LayerNorm(64)] if norm else [])
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel(**({"output_layouts": Shard(0)} if norm else {}))}
+        if norm:
+            plan["3"] = SequenceParallel(sequence_dim=0)
+        return parallelize_module(nn.Sequential(*layers), mesh, plan)
+
+    result = {}
+    m = tp(norm=True)
+    opt = OffloadedAdamW(m.parameters(), **LR, nvme_path=swap_dir(out, "tp_partial"))
+    try:
+        m(batch(0)).square().mean().backward()
+        opt.step()
+        result["partial"] = "stepped"
+    except RuntimeError as err:
+        result["partial"] = str(err)
+    finally:
+        opt.close()
+    return result
+
+
 def dcp_resume(out: str) -> dict:
     """Saved with dcp after 2 steps (from ours, and from torch's AdamW), loaded into a new OffloadedAdamW that
     runs 2 more: compared with 4 uninterrupted steps of the optimizer that saved."""
@@ -351,8 +387,9 @@ def zero_redundancy(out: str) -> dict:
         opt.optim.close()
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, fsdp2_int8, dcp_resume, streamed_checkpoint, reservation,
-                                      placement, ddp_offload_parameters, zero_redundancy)}
+SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, fsdp2_int8, tensor_parallel, dcp_resume,
+                                      streamed_checkpoint, reservation, placement, ddp_offload_parameters,
+                                      zero_redundancy)}
 
 
 def rank_main(out: str, names: list[str], rank: int, world: int) -> None:

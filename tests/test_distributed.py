@@ -20,8 +20,8 @@ from helpers import REPO, python_env
 from offload.distributed import RankInfo, expand_placeholders, is_dtensor, like, local, rank_info, shard_like
 
 WORLD = 2
-SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "dcp_resume", "streamed_checkpoint", "reservation",
-             "placement", "ddp_offload_parameters", "zero_redundancy")
+SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "tensor_parallel", "dcp_resume", "streamed_checkpoint",
+             "reservation", "placement", "ddp_offload_parameters", "zero_redundancy")
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -77,6 +77,15 @@ def test_fsdp2_with_int8_state_is_bitwise_torchaos_8bit_adamw(job):
     for r, res in enumerate(outcome(job, "fsdp2_int8")):
         assert res["differences"] == [], f"rank {r}"
         assert res["quantized"] >= 1
+
+
+def test_what_dtensor_parameters_cannot_do_is_refused_with_what_to_do(job):
+    """A gradient laid out unlike its parameter (SequenceParallel's partial sums on replicated weights) is
+    refused by step(), naming both layouts and the redistribute that fixes it: updated from its own addend,
+    each rank's replica would drift apart."""
+    for res in outcome(job, "tensor_parallel"):
+        assert "(Partial(sum),)" in res["partial"] and "(Replicate(),)" in res["partial"]
+        assert "redistribute" in res["partial"]
 
 
 def test_dcp_save_and_load_resume_bit_for_bit(job):

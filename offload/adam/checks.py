@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from .. import codes
-from ..distributed import is_dtensor, local
+from ..distributed import check_grad_layout, is_dtensor, local
 
 __all__ = [
     "check_dtensor_options", "check_master_weights", "check_max_grad_norm", "check_params", "check_seed",
@@ -124,6 +124,7 @@ def check_grad(p: torch.Tensor) -> None:
         raise RuntimeError("OffloadedAdam does not support sparse gradients; consider torch.optim.SparseAdam")
     if p.grad.is_complex():
         raise RuntimeError("complex gradients are not supported by OffloadedAdam")
+    check_grad_layout(p)
 
 
 def params_with_grads(groups: list[dict], is_small: Callable[[torch.Tensor], bool]) -> tuple[list, list, list]:
