@@ -1,9 +1,10 @@
-"""Scale-out on torch.distributed (CPU, gloo, 2 ranks): FSDP2 parity and DCP resume, per-rank reservation and
-placement, DDP with offloaded parameters, ZeRO's partitions offloaded.
+"""Scale-out on torch.distributed (CPU, gloo, 2 ranks; 4 for FSDP2's clipping): FSDP2 parity, max_grad_norm with
+DTensor parameters (FSDP2, tensor parallelism), DCP resume, per-rank reservation and placement, DDP with offloaded
+parameters, ZeRO's partitions offloaded.
 
-The two ranks are forked once for the module (tests/dist_worker.py, with torchrun's variables) and run
-every scenario in turn; each test reads its own scenario's outcome on both ranks. Pure helpers of
-offload.distributed are tested in-process.
+The ranks are forked once per job (tests/dist_worker.py, with torchrun's variables), two for most of the module
+and four for SCENARIOS_4, and run every scenario in turn; each test reads its own scenario's outcome on every
+rank. Pure helpers of offload.distributed are tested in-process.
 """
 
 from __future__ import annotations
@@ -20,28 +21,39 @@ from helpers import REPO, python_env
 from offload.distributed import RankInfo, expand_placeholders, is_dtensor, like, local, rank_info, shard_like
 
 WORLD = 2
-SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "tensor_parallel", "dcp_resume", "streamed_checkpoint",
-             "reservation", "placement", "ddp_offload_parameters", "zero_redundancy")
+SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "fsdp2_clip", "tensor_parallel", "dcp_resume",
+             "streamed_checkpoint", "reservation", "placement", "ddp_offload_parameters", "zero_redundancy")
+SCENARIOS_4 = ("fsdp2_clip_4",)  # on 4 ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
 
 
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """The outcome of every scenario on every rank: ``{scenario: [rank 0's record, rank 1's record]}``."""
-    out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "dist_worker.py"), str(out), ",".join(SCENARIOS),
-                           str(WORLD)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(),
+def run_job(out, scenarios: tuple, world: int):
+    """Fork ``world`` ranks that run ``scenarios`` in turn: ``({scenario: [each rank's record]}, swap files left)``."""
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "dist_worker.py"), str(out), ",".join(scenarios),
+                           str(world)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(),
                           cwd=out, timeout=300)
     records = {}
-    for name in SCENARIOS:
+    for name in scenarios:
         records[name] = []
-        for r in range(WORLD):
+        for r in range(world):
             path = out / f"{name}.rank{r}.json"
             records[name].append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": proc.stdout})
     swaps = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files if f.endswith(".swap")]
-    yield records, swaps
+    return records, swaps
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The outcome of every scenario on every rank: ``{scenario: [rank 0's record, rank 1's record]}``."""
+    yield run_job(tmp_path_factory.mktemp("dist"), SCENARIOS, WORLD)
+
+
+@pytest.fixture(scope="module")
+def job4(tmp_path_factory):
+    """The outcome of SCENARIOS_4 on each of 4 ranks."""
+    yield run_job(tmp_path_factory.mktemp("dist4"), SCENARIOS_4, 4)
 
 
 def outcome(job, name: str) -> list[dict]:
@@ -79,13 +91,45 @@ def test_fsdp2_with_int8_state_is_bitwise_torchaos_8bit_adamw(job):
         assert res["quantized"] >= 1
 
 
+def assert_as_torch(runs: dict, names: tuple, rank: int) -> None:
+    """Each run of ``names`` ended with torch's weights and state bit for bit; its total norms (last_grad_norm
+    after each step) are those torch's clip_grad_norm_ returned (whole tensors), with some step clipped."""
+    for name in names:
+        res = runs[name]
+        assert res["differences"] == [], f"rank {rank}, {name}"
+        assert res["norms"] == res["torch_norms"], f"rank {rank}, {name}"
+        if name.endswith("clip"):
+            assert res["clipped"] >= 1 and len(res["norms"]) >= 3, f"rank {rank}, {name}"
+
+
+def test_fsdp2_max_grad_norm_is_bitwise_torch_clip_then_adamw(job, job4):
+    """max_grad_norm with FSDP2's DTensor parameters takes the norm across ranks as torch's clip_grad_norm_
+    does (the local shards' norms, one all-reduce): weights, state and last_grad_norm bit for bit those of
+    torch's clip then fused AdamW, fp32 on 2 ranks, bf16 mixed precision on 4 (the last layer's 3 rows leave
+    one of them an empty shard); no swap file of the 4 ranks is left behind."""
+    for r, runs in enumerate(outcome(job, "fsdp2_clip")):
+        assert_as_torch(runs, ("fp32_clip",), r)
+    for r, runs in enumerate(outcome(job4, "fsdp2_clip_4")):
+        assert_as_torch(runs, ("bf16_clip",), r)
+    assert job4[1] == [], "a swap file of the 4 ranks was left behind"
+
+
+def test_tensor_parallel_clip_is_bitwise_torch(job):
+    """Under tensor parallelism (column-wise, then row-wise with a replicated bias) max_grad_norm is bit for bit
+    torch's clip_grad_norm_ then fused AdamW."""
+    for r, res in enumerate(outcome(job, "tensor_parallel")):
+        assert_as_torch(res, ("tp_clip",), r)
+
+
 def test_what_dtensor_parameters_cannot_do_is_refused_with_what_to_do(job):
     """A gradient laid out unlike its parameter (SequenceParallel's partial sums on replicated weights) is
     refused by step(), naming both layouts and the redistribute that fixes it: updated from its own addend,
-    each rank's replica would drift apart."""
+    each rank's replica would drift apart. max_grad_norm over DTensor and plain parameters together is refused
+    when the optimizer is built, as torch's clip refuses it."""
     for res in outcome(job, "tensor_parallel"):
         assert "(Partial(sum),)" in res["partial"] and "(Replicate(),)" in res["partial"]
         assert "redistribute" in res["partial"]
+        assert "mixed torch.Tensor and DTensor" in res["mixed"] and "every parameter a DTensor" in res["mixed"]
 
 
 def test_dcp_save_and_load_resume_bit_for_bit(job):

@@ -143,15 +143,21 @@ def params_with_grads(groups: list[dict], is_small: Callable[[torch.Tensor], boo
 
 
 def check_dtensor_options(groups: list, *, max_grad_norm, overlap_backward: bool) -> None:
-    """What does not work with DTensor parameters yet, refused before anything is reserved."""
-    if not any(is_dtensor(p) for g in groups for p in g["params"]):
-        return
-    if max_grad_norm is not None:
+    """What does not work with DTensor parameters, refused before anything is reserved.
+
+    Raises:
+        ValueError: ``max_grad_norm`` over both DTensor and plain parameters, or ``overlap_backward``.
+    """
+    trainable = [p for g in groups for p in g["params"] if p.requires_grad]
+    sharded = sum(1 for p in trainable if is_dtensor(p))
+    if max_grad_norm is not None and 0 < sharded < len(trainable):
         raise ValueError(
-            "max_grad_norm cannot be used with DTensor parameters (FSDP2, tensor parallelism): the norm must be "
-            "taken across ranks. Clip with torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before "
-            "step() instead, and leave max_grad_norm unset.")
-    if overlap_backward:
+            f"max_grad_norm with {sharded} DTensor parameters and {len(trainable) - sharded} plain ones: the total "
+            "norm is taken across ranks from the DTensors' local norms, and a plain tensor's norm cannot join them "
+            "(torch.nn.utils.clip_grad_norm_ refuses the same mix: 'mixed torch.Tensor and DTensor'). Make every "
+            "parameter a DTensor (fully_shard the modules that hold the plain ones, or distribute_tensor them "
+            "with Replicate placements), or give the plain ones an optimizer of their own.")
+    if overlap_backward and any(is_dtensor(p) for g in groups for p in g["params"]):
         raise ValueError(
             "overlap_backward=True cannot be used with DTensor parameters (FSDP2, tensor parallelism): their "
             "gradients arrive after the reduce-scatter, not when backward reaches them. Leave overlap_backward "

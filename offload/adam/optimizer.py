@@ -77,7 +77,8 @@ class OffloadedAdam(torch.optim.Adam):
             what the uninterrupted run drew).
 
     Parameters may be DTensors (FSDP2's ``fully_shard``, tensor parallelism): each rank keeps and updates
-    the state of its local shards, and ``state_dict()`` gives DTensors as torch's optimizers do.
+    the state of its local shards, and ``state_dict()`` gives DTensors as torch's optimizers do. Their
+    ``max_grad_norm`` is the norm across ranks (``step()`` is then a collective; docs/distributed.md).
 
     Host memory for offloaded state is the pool, ``buffer_count * buffer_size`` bytes, plus the host
     cache, whatever the model size. Disk space for all state is reserved when the optimizer is built,
@@ -332,6 +333,8 @@ class OffloadedAdam(torch.optim.Adam):
                 oc = self.config.offload_optimizer
                 check_master_weights(self.param_groups[-1:], oc.master_weights)
                 check_state_dtype(self.param_groups[-1:], oc.state_dtype, oc.small_param_threshold)
+                check_dtensor_options(self.param_groups, max_grad_norm=self.max_grad_norm,
+                                      overlap_backward=oc.overlap_backward is True)
                 self.state_store.place(self.param_groups[-1:], trainable_only=True)
             except BaseException:
                 self.param_groups.pop()
