@@ -11,7 +11,7 @@ import torch
 
 from . import copies
 from .clipping import grad_norm
-from .distributed import rank_info
+from .distributed import check_grad_layout, local, rank_info
 from .errors import StateError
 from .params import ParamAccess, grad_reads, store_of
 
@@ -26,7 +26,10 @@ __all__ = ["BackwardOverlap", "Learning", "NoOverlap"]
 # So reads and writes of state overlap backward's compute, and an iteration costs about
 # max(compute, I/O) instead of their sum. With clipping, updates also wait for the global norm, which is
 # known at step(): then only the reads overlap backward. The math is unchanged, so results are bit for
-# bit those of the same optimizer without overlap.
+# bit those of the same optimizer without overlap. Under FSDP2 the hooks are its hand-over: FSDP2 calls a
+# sharded parameter's post-accumulate-grad hooks once its reduce-scatter has put the sharded gradient in
+# place (on its reduce-scatter stream, which produced() then marks), so each rank updates its shard as
+# its gradient arrives; the norms taken then are DTensors' local ones, made whole at step().
 class BackwardOverlap:
     """Hooks and the step in progress of an optimizer built with ``overlap_backward=True``.
 
@@ -422,6 +425,11 @@ class _Run:
                 "and restore the state (load_checkpoint) before going on.")
             self.abort(err)
             raise err
+        try:
+            check_grad_layout(p)  # a DTensor's: its local shard is what the update reads
+        except RuntimeError as err:
+            self.abort(err)
+            raise
         self.fired.add(id(p))
         store = store_of(p)
         in_store = store is not None and store.holds_grad(p)  # p.grad is then a placeholder
@@ -566,5 +574,5 @@ def _sample(g: torch.Tensor) -> torch.Tensor:
     """Up to eight elements spread over ``g``, copied."""
     if g.layout != torch.strided:
         return torch.empty(0)  # a sparse gradient: refused by step() with its own error
-    flat = g.detach().reshape(-1)
+    flat = local(g).detach().reshape(-1)  # a DTensor's local shard: no communication
     return flat[:: max(1, flat.numel() // 8)][:8].float().clone()

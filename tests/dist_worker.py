@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -55,15 +56,21 @@ def batch(step: int, *, per_rank: bool = False) -> torch.Tensor:
 
 
 def train(m: nn.Module, opt, steps, *, per_rank: bool = False, drop_grad_at: int | None = None,
-          clip: float | None = None) -> list[float]:
+          clip: float | None = None, probe=None, micro: int = 1) -> list[float]:
     """``steps`` (a range) of training; at step ``drop_grad_at`` the middle layer's bias has no grad. ``clip``:
-    torch's clip_grad_norm_ before each step. Returns the total norms torch's clip returned (whole tensors),
-    else the optimizer's ``last_grad_norm`` after each step."""
+    torch's clip_grad_norm_ before each step; ``probe()`` is called between backward and step(); ``micro``
+    micro-batches per step, FSDP2 reduce-scattering only the last's (set_requires_gradient_sync). Returns the
+    total norms torch's clip returned (whole tensors), else the optimizer's ``last_grad_norm`` after each step."""
     norms = []
     for step in steps:
-        m(batch(step, per_rank=per_rank)).float().square().mean().backward()
+        for i in range(micro):
+            if micro > 1:
+                m.set_requires_gradient_sync(i == micro - 1)
+            m(batch(step + 100 * i, per_rank=per_rank)).float().square().mean().backward()
         if step == drop_grad_at:
             m[2].bias.grad = None
+        if probe is not None:
+            probe()
         if clip is not None:
             total = torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             norms.append(total.full_tensor() if is_dtensor(total) else total)
@@ -152,25 +159,59 @@ def fsdp2_int8(out: str) -> dict:
         opt.close()
 
 
+def overlap_probe(opt, params: list, *, clip: bool):
+    """What backward left of the step under way, checked between backward and step(): FSDP2 (or autograd)
+    fired every parameter's hook; without clipping every offloaded unit gets updated with no step() (waited
+    for, as the worker runs on), with clipping none is (they wait for the global norm) and the norms of
+    the local shards were taken as they arrived. Returns the probe and the list of what it found wrong."""
+    seen: list[str] = []
+
+    def probe() -> None:
+        run = opt._overlap._run
+        if run is None:
+            seen.append("no update under way after backward")
+            return
+        with_grad = [p for p in params if p.grad is not None]
+        if len(run.fired) != len(with_grad):
+            seen.append(f"{len(run.fired)} hooks fired for {len(with_grad)} grads")
+        if clip:
+            time.sleep(0.02)
+            if run.begun:
+                seen.append(f"{run.begun} units updated before the norm was known")
+            if len(run.norms) != len(with_grad):
+                seen.append(f"{len(run.norms)} norms taken for {len(with_grad)} grads")
+        else:
+            deadline = time.monotonic() + 10
+            while run.begun < len(run.order) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if run.begun != len(run.order):
+                seen.append(f"{run.begun} of {len(run.order)} units updated during backward")
+    return probe, seen
+
+
 def against_torch(out: str, runs, *, max_norm: float, steps: int) -> dict:
-    """Each of ``runs`` (name, make, clip) of OffloadedAdamW on ``make()`` against torch's fused AdamW on
-    another, preceded by torch's clip_grad_norm_(max_norm) where ``clip``: the differences (weights, state),
-    both sides' total norms, the steps that clipped."""
+    """Each of ``runs`` (name, make, overlap_backward, clip[, micro-batches]) of OffloadedAdamW on ``make()``
+    against torch's fused AdamW on another, preceded by torch's clip_grad_norm_(max_norm) where ``clip``: the
+    differences (weights, state), both sides' total norms, what the probe found during backward, the steps that
+    clipped."""
     refs, result = {}, {}
-    for name, make, clip in runs:
-        key = (make, clip)
+    for name, make, overlap, clip, *more in runs:
+        micro = more[0] if more else 1
+        key = (make, clip, micro)
         if key not in refs:
             ref = make()
             ref_opt = torch.optim.AdamW(ref.parameters(), **LR, fused=True)
-            refs[key] = (ref, ref_opt, train(ref, ref_opt, range(steps), clip=max_norm if clip else None))
+            refs[key] = (ref, ref_opt, train(ref, ref_opt, range(steps), clip=max_norm if clip else None, micro=micro))
         ours = make()
         opt = OffloadedAdamW(ours.parameters(), **LR, **OFFLOAD, nvme_path=swap_dir(out, name),
-                             max_grad_norm=max_norm if clip else None)
+                             overlap_backward=overlap, max_grad_norm=max_norm if clip else None)
         try:
-            norms = train(ours, opt, range(steps))
+            probe, seen = overlap_probe(opt, list(ours.parameters()), clip=clip) if overlap else (None, [])
+            norms = train(ours, opt, range(steps), probe=probe, micro=micro)
             ref, ref_opt, ref_norms = refs[key]
             result[name] = {"differences": differences(ref, ours, ref_opt, opt), "norms": norms,
-                            "torch_norms": ref_norms, "clipped": sum(1 for n in ref_norms if n > max_norm),
+                            "torch_norms": ref_norms, "backward": seen,
+                            "clipped": sum(1 for n in ref_norms if n > max_norm),
                             "offloaded": sum(1 for p in ours.parameters() if opt.state_store.slot(p) is not None)}
         finally:
             opt.close()
@@ -185,21 +226,31 @@ def fsdp2_bf16_mp() -> nn.Module:
     return sharded(MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
 
-def fsdp2_clip(out: str) -> dict:
-    """max_grad_norm under FSDP2 against FSDP2 + torch's clip_grad_norm_ + fused AdamW, 4 steps, fp32. The total
-    norm starts near 0.42 and falls: most steps clip, not all."""
-    return against_torch(out, [("fp32_clip", fsdp2_fp32, True)], max_norm=0.2, steps=STEPS)
+# Each combination of precision (fp32, bf16 mixed precision) and option (the clip alone, overlap alone, both)
+# runs on 2 ranks or on 4; runs meant to end alike share torch's reference.
+def fsdp2_clip_overlap(out: str) -> dict:
+    """max_grad_norm and overlap_backward under FSDP2 against FSDP2 + torch's clip_grad_norm_ + fused AdamW, 4
+    steps: the clip alone and with overlap in fp32; overlap alone in bf16 mixed precision, with two
+    micro-batches a step, FSDP2 accumulating the first unsharded (no hook fires for it). The total norm starts
+    near 0.42 and falls: most steps clip, not all."""
+    return against_torch(out, [("fp32_clip", fsdp2_fp32, False, True), ("fp32_overlap_clip", fsdp2_fp32, True, True),
+                               ("bf16_overlap_accumulate", fsdp2_bf16_mp, True, False, 2)],
+                         max_norm=0.2, steps=STEPS)
 
 
-def fsdp2_clip_4(out: str) -> dict:
-    """:func:`fsdp2_clip` on 4 ranks, 3 steps, in bf16 mixed precision."""
-    return against_torch(out, [("bf16_clip", fsdp2_bf16_mp, True)], max_norm=0.2, steps=3)
+def fsdp2_clip_overlap_4(out: str) -> dict:
+    """The other combinations of :func:`fsdp2_clip_overlap`, run on 4 ranks, 3 steps: the clip alone and with
+    overlap in bf16 mixed precision, overlap alone in fp32."""
+    return against_torch(out, [("bf16_clip", fsdp2_bf16_mp, False, True),
+                               ("bf16_overlap_clip", fsdp2_bf16_mp, True, True),
+                               ("fp32_overlap", fsdp2_fp32, True, False)], max_norm=0.2, steps=3)
 
 
 def tensor_parallel(out: str) -> dict:
-    """Tensor parallelism: a column-wise then a row-wise Linear (its bias replicated), max_grad_norm against
-    torch's clip and fused AdamW; with a LayerNorm under SequenceParallel, whose replicated weights get
-    partial-sum gradients, refused; max_grad_norm over DTensor and plain parameters refused."""
+    """Tensor parallelism: a column-wise then a row-wise Linear (its bias replicated), max_grad_norm and
+    overlap_backward against torch's clip and fused AdamW; with a LayerNorm under SequenceParallel, whose
+    replicated weights get partial-sum gradients, refused (by step(), or by backward with overlap_backward);
+    max_grad_norm over DTensor and plain parameters refused."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
@@ -220,17 +271,19 @@ def tensor_parallel(out: str) -> dict:
         return parallelize_module(nn.Sequential(*layers), mesh, plan)
 
     # The total norm is near 0.15: some steps clip, some do not.
-    result = against_torch(out, [("tp_clip", tp, True)], max_norm=0.14, steps=STEPS)
-    m = tp(norm=True)
-    opt = OffloadedAdamW(m.parameters(), **LR, nvme_path=swap_dir(out, "tp_partial"))
-    try:
-        m(batch(0)).square().mean().backward()
-        opt.step()
-        result["partial"] = "stepped"
-    except RuntimeError as err:
-        result["partial"] = str(err)
-    finally:
-        opt.close()
+    result = against_torch(out, [("tp_clip", tp, False, True), ("tp_overlap", tp, True, False),
+                                 ("tp_overlap_clip", tp, True, True)], max_norm=0.14, steps=STEPS)
+    for overlap in (False, True):
+        m = tp(norm=True)
+        opt = OffloadedAdamW(m.parameters(), **LR, nvme_path=swap_dir(out, "tp_partial"), overlap_backward=overlap)
+        try:
+            m(batch(0)).square().mean().backward()
+            opt.step()
+            result[f"partial_overlap_{overlap}"] = "stepped"
+        except RuntimeError as err:
+            result[f"partial_overlap_{overlap}"] = str(err)
+        finally:
+            opt.close()
     try:
         OffloadedAdamW([*tp().parameters(), nn.Parameter(torch.zeros(3))], nvme_path=swap_dir(out, "tp_mixed"),
                        max_grad_norm=1.0)
@@ -449,9 +502,9 @@ def zero_redundancy(out: str) -> dict:
         opt.optim.close()
 
 
-SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, fsdp2_int8, fsdp2_clip, fsdp2_clip_4, tensor_parallel,
-                                      dcp_resume, streamed_checkpoint, reservation, placement, ddp_offload_parameters,
-                                      zero_redundancy)}
+SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, fsdp2_int8, fsdp2_clip_overlap, fsdp2_clip_overlap_4,
+                                      tensor_parallel, dcp_resume, streamed_checkpoint, reservation, placement,
+                                      ddp_offload_parameters, zero_redundancy)}
 
 
 def rank_main(out: str, names: list[str], rank: int, world: int) -> None:

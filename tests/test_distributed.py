@@ -1,6 +1,6 @@
-"""Scale-out on torch.distributed (CPU, gloo, 2 ranks; 4 for FSDP2's clipping): FSDP2 parity, max_grad_norm with
-DTensor parameters (FSDP2, tensor parallelism), DCP resume, per-rank reservation and placement, DDP with offloaded
-parameters, ZeRO's partitions offloaded.
+"""Scale-out on torch.distributed (CPU, gloo, 2 ranks; 4 for clipping and overlap under FSDP2): FSDP2 parity,
+max_grad_norm and overlap_backward with DTensor parameters (FSDP2, tensor parallelism), DCP resume, per-rank
+reservation and placement, DDP with offloaded parameters, ZeRO's partitions offloaded.
 
 The ranks are forked once per job (tests/dist_worker.py, with torchrun's variables), two for most of the module
 and four for SCENARIOS_4, and run every scenario in turn; each test reads its own scenario's outcome on every
@@ -21,9 +21,9 @@ from helpers import REPO, python_env
 from offload.distributed import RankInfo, expand_placeholders, is_dtensor, like, local, rank_info, shard_like
 
 WORLD = 2
-SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "fsdp2_clip", "tensor_parallel", "dcp_resume",
+SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "fsdp2_clip_overlap", "tensor_parallel", "dcp_resume",
              "streamed_checkpoint", "reservation", "placement", "ddp_offload_parameters", "zero_redundancy")
-SCENARIOS_4 = ("fsdp2_clip_4",)  # on 4 ranks
+SCENARIOS_4 = ("fsdp2_clip_overlap_4",)  # on 4 ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -93,11 +93,13 @@ def test_fsdp2_with_int8_state_is_bitwise_torchaos_8bit_adamw(job):
 
 def assert_as_torch(runs: dict, names: tuple, rank: int) -> None:
     """Each run of ``names`` ended with torch's weights and state bit for bit; its total norms (last_grad_norm
-    after each step) are those torch's clip_grad_norm_ returned (whole tensors), with some step clipped."""
+    after each step) are those torch's clip_grad_norm_ returned (whole tensors), with some step clipped; with
+    overlap_backward, backward fired every hook and ran the updates it could (see dist_worker.overlap_probe)."""
     for name in names:
         res = runs[name]
         assert res["differences"] == [], f"rank {rank}, {name}"
         assert res["norms"] == res["torch_norms"], f"rank {rank}, {name}"
+        assert res["backward"] == [], f"rank {rank}, {name}"
         if name.endswith("clip"):
             assert res["clipped"] >= 1 and len(res["norms"]) >= 3, f"rank {rank}, {name}"
 
@@ -107,28 +109,39 @@ def test_fsdp2_max_grad_norm_is_bitwise_torch_clip_then_adamw(job, job4):
     does (the local shards' norms, one all-reduce): weights, state and last_grad_norm bit for bit those of
     torch's clip then fused AdamW, fp32 on 2 ranks, bf16 mixed precision on 4 (the last layer's 3 rows leave
     one of them an empty shard); no swap file of the 4 ranks is left behind."""
-    for r, runs in enumerate(outcome(job, "fsdp2_clip")):
+    for r, runs in enumerate(outcome(job, "fsdp2_clip_overlap")):
         assert_as_torch(runs, ("fp32_clip",), r)
-    for r, runs in enumerate(outcome(job4, "fsdp2_clip_4")):
+    for r, runs in enumerate(outcome(job4, "fsdp2_clip_overlap_4")):
         assert_as_torch(runs, ("bf16_clip",), r)
     assert job4[1] == [], "a swap file of the 4 ranks was left behind"
 
 
-def test_tensor_parallel_clip_is_bitwise_torch(job):
-    """Under tensor parallelism (column-wise, then row-wise with a replicated bias) max_grad_norm is bit for bit
-    torch's clip_grad_norm_ then fused AdamW."""
-    for r, res in enumerate(outcome(job, "tensor_parallel")):
-        assert_as_torch(res, ("tp_clip",), r)
+def test_fsdp2_overlap_backward_updates_each_shard_after_its_reduce_scatter(job, job4):
+    """overlap_backward under FSDP2: the hooks FSDP2 fires after its reduce-scatter start each shard's update
+    inside backward (with max_grad_norm the norms are taken there and the updates wait for the global norm);
+    bit for bit FSDP2 + torch's (clip and) fused AdamW, fp32 and bf16 mixed precision, on 2 and 4 ranks.
+    Micro-batches FSDP2 accumulates unsharded (set_requires_gradient_sync(False)) fire no hook: the update runs
+    in the last one's backward."""
+    for r, runs in enumerate(outcome(job, "fsdp2_clip_overlap")):
+        assert_as_torch(runs, ("fp32_overlap_clip", "bf16_overlap_accumulate"), r)
+    for r, runs in enumerate(outcome(job4, "fsdp2_clip_overlap_4")):
+        assert_as_torch(runs, ("bf16_overlap_clip", "fp32_overlap"), r)
+
+
+def test_tensor_parallel_clip_and_overlap_are_bitwise_torch(job):
+    """Under tensor parallelism (column-wise, then row-wise with a replicated bias) max_grad_norm and
+    overlap_backward are bit for bit torch's clip_grad_norm_ and fused AdamW."""
+    for r, runs in enumerate(outcome(job, "tensor_parallel")):
+        assert_as_torch(runs, ("tp_clip", "tp_overlap", "tp_overlap_clip"), r)
 
 
 def test_what_dtensor_parameters_cannot_do_is_refused_with_what_to_do(job):
-    """A gradient laid out unlike its parameter (SequenceParallel's partial sums on replicated weights) is
-    refused by step(), naming both layouts and the redistribute that fixes it: updated from its own addend,
-    each rank's replica would drift apart. max_grad_norm over DTensor and plain parameters together is refused
-    when the optimizer is built, as torch's clip refuses it."""
+    """A gradient laid out unlike its parameter (SequenceParallel's partial sums) is refused by step(), or by
+    backward with overlap_backward, naming both layouts and the redistribute that fixes it; max_grad_norm over
+    DTensor and plain parameters together is refused when the optimizer is built, as torch's clip refuses it."""
     for res in outcome(job, "tensor_parallel"):
-        assert "(Partial(sum),)" in res["partial"] and "(Replicate(),)" in res["partial"]
-        assert "redistribute" in res["partial"]
+        for key in ("partial_overlap_False", "partial_overlap_True"):
+            assert "(Partial(sum),)" in res[key] and "(Replicate(),)" in res[key] and "redistribute" in res[key]
         assert "mixed torch.Tensor and DTensor" in res["mixed"] and "every parameter a DTensor" in res["mixed"]
 
 

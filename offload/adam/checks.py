@@ -142,11 +142,11 @@ def params_with_grads(groups: list[dict], is_small: Callable[[torch.Tensor], boo
     return in_memory, offloaded, with_grad
 
 
-def check_dtensor_options(groups: list, *, max_grad_norm, overlap_backward: bool) -> None:
+def check_dtensor_options(groups: list, *, max_grad_norm) -> None:
     """What does not work with DTensor parameters, refused before anything is reserved.
 
     Raises:
-        ValueError: ``max_grad_norm`` over both DTensor and plain parameters, or ``overlap_backward``.
+        ValueError: ``max_grad_norm`` over both DTensor and plain parameters.
     """
     trainable = [p for g in groups for p in g["params"] if p.requires_grad]
     sharded = sum(1 for p in trainable if is_dtensor(p))
@@ -157,8 +157,3 @@ def check_dtensor_options(groups: list, *, max_grad_norm, overlap_backward: bool
             "(torch.nn.utils.clip_grad_norm_ refuses the same mix: 'mixed torch.Tensor and DTensor'). Make every "
             "parameter a DTensor (fully_shard the modules that hold the plain ones, or distribute_tensor them "
             "with Replicate placements), or give the plain ones an optimizer of their own.")
-    if overlap_backward and any(is_dtensor(p) for g in groups for p in g["params"]):
-        raise ValueError(
-            "overlap_backward=True cannot be used with DTensor parameters (FSDP2, tensor parallelism): their "
-            "gradients arrive after the reduce-scatter, not when backward reaches them. Leave overlap_backward "
-            "off; the step then runs after backward.")

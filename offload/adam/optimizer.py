@@ -78,7 +78,9 @@ class OffloadedAdam(torch.optim.Adam):
 
     Parameters may be DTensors (FSDP2's ``fully_shard``, tensor parallelism): each rank keeps and updates
     the state of its local shards, and ``state_dict()`` gives DTensors as torch's optimizers do. Their
-    ``max_grad_norm`` is the norm across ranks (``step()`` is then a collective; docs/distributed.md).
+    ``max_grad_norm`` is the norm across ranks (``step()`` is then a collective), and with
+    ``overlap_backward`` a shard is updated once FSDP2's reduce-scatter has delivered its gradient
+    (docs/distributed.md).
 
     Host memory for offloaded state is the pool, ``buffer_count * buffer_size`` bytes, plus the host
     cache, whatever the model size. Disk space for all state is reserved when the optimizer is built,
@@ -149,8 +151,7 @@ class OffloadedAdam(torch.optim.Adam):
         check_state_dtype(self.param_groups, oc.state_dtype, oc.small_param_threshold)
         self._math = Math(int8=oc.state_dtype == "int8", seed=check_seed(seed))
         self._note_positions()
-        check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm,
-                               overlap_backward=self.config.offload_optimizer.overlap_backward is True)
+        check_dtensor_options(self.param_groups, max_grad_norm=max_grad_norm)
         self.state_store = StateStore(self.state, self.param_groups, self.config)
         # Says once per process, after a minute of steps, what the writes mean for the swap files' drives.
         self._wear = WearMeter(self.state_store.space.paths if self.state_store.space is not None else ())
@@ -333,8 +334,7 @@ class OffloadedAdam(torch.optim.Adam):
                 oc = self.config.offload_optimizer
                 check_master_weights(self.param_groups[-1:], oc.master_weights)
                 check_state_dtype(self.param_groups[-1:], oc.state_dtype, oc.small_param_threshold)
-                check_dtensor_options(self.param_groups, max_grad_norm=self.max_grad_norm,
-                                      overlap_backward=oc.overlap_backward is True)
+                check_dtensor_options(self.param_groups, max_grad_norm=self.max_grad_norm)
                 self.state_store.place(self.param_groups[-1:], trainable_only=True)
             except BaseException:
                 self.param_groups.pop()
