@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,6 +14,7 @@ import torch
 __all__ = [
     "PLACEHOLDERS",
     "RankInfo",
+    "built_by_zero_redundancy",
     "check_grad_layout",
     "expand_placeholders",
     "is_dtensor",
@@ -172,3 +174,18 @@ def shard_like(value, ref):
     from torch.distributed.tensor import distribute_tensor
 
     return distribute_tensor(value.to(local(ref).device), ref.device_mesh, ref.placements, src_data_rank=None)
+
+
+def built_by_zero_redundancy() -> bool:
+    """Whether the optimizer being built is one that ``torch.distributed.optim.ZeroRedundancyOptimizer`` makes for
+    this rank's partition of the parameters (it builds ``optimizer_class(partition, **defaults)`` itself)."""
+    try:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+    except ImportError:  # pragma: no cover - every build this project supports has it
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), ZeroRedundancyOptimizer):
+            return True
+        frame = frame.f_back
+    return False

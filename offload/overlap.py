@@ -145,7 +145,7 @@ class BackwardOverlap:
                 f"unscale_, or another in-place change), but with {self.described} the update uses the "
                 "gradients as backward left them and has already run for most of them. Clip with the "
                 "optimizer's max_grad_norm=, use a GradScaler only without overlap_backward, or leave the "
-                "gradients as backward makes them; restore the state (load_checkpoint) before going on.")
+                f"gradients as backward makes them; restore the state (load_checkpoint) before going on.{_in_a_job()}")
             run.abort(err)
             raise err
         updated = run.finish()
@@ -576,3 +576,12 @@ def _sample(g: torch.Tensor) -> torch.Tensor:
         return torch.empty(0)  # a sparse gradient: refused by step() with its own error
     flat = local(g).detach().reshape(-1)  # a DTensor's local shard: no communication
     return flat[:: max(1, flat.numel() // 8)][:8].float().clone()
+
+
+def _in_a_job() -> str:
+    """What to add to the message about grads changed after backward in a job: DDP is the likely cause."""
+    if not rank_info().distributed:
+        return ""
+    return (" In a job of several ranks, DistributedDataParallel all-reduces the gradients after backward made them "
+            "final, so it cannot be used with overlap_backward: shard the model with FSDP2's fully_shard instead "
+            "(its reduce-scatter comes before the update), or keep overlap_backward=False.")

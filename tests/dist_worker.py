@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from offload import OffloadedAdamW, offload_parameters, restore_parameters
 from offload.distributed import is_dtensor, local
-from offload.errors import ConfigError
+from offload.errors import ConfigError, StateError
 
 LR = dict(lr=1e-2, weight_decay=0.1)
 # State in units of 16 KiB: the 64x64 shard of the first layer spans several units. The last layer's weight
@@ -464,6 +464,16 @@ def ddp_offload_parameters(out: str) -> dict:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, mine)
         result["ranks_agree"] = all(g == gathered[0] for g in gathered)
+        # overlap_backward under DDP: its all-reduce changes the grads after the update began; step() says so.
+        plain = DDP(model())
+        late = OffloadedAdamW(plain.parameters(), **LR, **OFFLOAD, nvme_path=path, overlap_backward=True)
+        try:
+            plain(batch(0, per_rank=True)).square().mean().backward()
+            late.step()
+        except StateError as err:
+            result["ddp_overlap"] = str(err)
+        finally:
+            late.close()
         return result
     finally:
         if opt is not None:
@@ -476,6 +486,12 @@ def zero_redundancy(out: str) -> dict:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     ref, ours = model(), model()
+    try:  # a partition's norm is not the model's: refused before anything is made
+        ZeroRedundancyOptimizer(ours.parameters(), optimizer_class=OffloadedAdamW, **LR, **OFFLOAD,
+                                nvme_path=swap_dir(out, "zero"), max_grad_norm=1.0)
+        clip_refused = ""
+    except ValueError as err:
+        clip_refused = str(err)
     ref_opt = ZeroRedundancyOptimizer(ref.parameters(), optimizer_class=torch.optim.AdamW, **LR, fused=True)
     opt = ZeroRedundancyOptimizer(ours.parameters(), optimizer_class=OffloadedAdamW, **LR, **OFFLOAD,
                                   nvme_path=swap_dir(out, "zero"))
@@ -487,7 +503,7 @@ def zero_redundancy(out: str) -> dict:
         offloaded = [p for p in mine if opt.optim.state_store.slot(p) is not None]
         result = {
             "same": all(same(p.detach(), q.detach()) for p, q in zip(ref.parameters(), ours.parameters())),
-            "mine": len(mine), "all": len(list(ours.parameters())),
+            "mine": len(mine), "all": len(list(ours.parameters())), "clip_refused": clip_refused,
             "state_bytes": opt.optim.offloaded_state_bytes,
             "expected": sum(2 * ((p.numel() * 4 + 63) // 64 * 64) for p in offloaded),
         }

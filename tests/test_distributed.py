@@ -206,18 +206,22 @@ def test_ddp_with_offloaded_gradients_is_refused_with_what_to_do(job):
 
 def test_ddp_wrapped_then_offloaded_is_bitwise_ddp_with_torch_adamw(job):
     """DDP, then offload_parameters(ddp.module, offload_grads=False), trained with OffloadedAdamW on different
-    data per rank, ends bit for bit where DDP + torch's fused AdamW does, the same on both ranks."""
+    data per rank, ends bit for bit where DDP + torch's fused AdamW does, the same on both ranks; with
+    overlap_backward, step() refuses what DDP's late all-reduce did and says that DDP is why."""
     for res in outcome(job, "ddp_offload_parameters"):
         assert res["same"] and res["ranks_agree"]
+        assert "DistributedDataParallel all-reduces" in res["ddp_overlap"]  # overlap_backward under DDP, told why
 
 
 def test_zero_redundancy_optimizer_offloads_each_ranks_partition(job):
     """ZeroRedundancyOptimizer(optimizer_class=OffloadedAdamW) steps bit for bit as with torch's fused AdamW;
-    each rank offloads only its partition's state, and the consolidated state dict equals torch's."""
+    each rank offloads only its partition's state, and the consolidated state dict equals torch's;
+    max_grad_norm, which would clip a partition by its own norm, is refused there."""
     ranks = outcome(job, "zero_redundancy")
     assert sum(res["mine"] for res in ranks) == ranks[0]["all"]
     for res in ranks:
         assert res["same"] and res["state_bytes"] == res["expected"]
+        assert "max_grad_norm under ZeroRedundancyOptimizer" in res["clip_refused"]
     assert ranks[0]["state_same"]
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from .. import codes
-from ..distributed import check_grad_layout, is_dtensor, local
+from ..distributed import built_by_zero_redundancy, check_grad_layout, is_dtensor, local
 
 __all__ = [
     "check_dtensor_options", "check_master_weights", "check_max_grad_norm", "check_params", "check_seed",
@@ -146,8 +146,15 @@ def check_dtensor_options(groups: list, *, max_grad_norm) -> None:
     """What does not work with DTensor parameters, refused before anything is reserved.
 
     Raises:
-        ValueError: ``max_grad_norm`` over both DTensor and plain parameters.
+        ValueError: ``max_grad_norm`` over both DTensor and plain parameters, or on one rank's partition
+            (ZeroRedundancyOptimizer), where it would clip by that partition's norm alone.
     """
+    if max_grad_norm is not None and built_by_zero_redundancy():
+        raise ValueError(
+            "max_grad_norm under ZeroRedundancyOptimizer: each rank's optimizer holds only its partition of the "
+            "parameters, so it would clip them by the norm of that partition, not the model's. Clip with "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm) before step() instead, and leave "
+            "max_grad_norm unset.")
     trainable = [p for g in groups for p in g["params"] if p.requires_grad]
     sharded = sum(1 for p in trainable if is_dtensor(p))
     if max_grad_norm is not None and 0 < sharded < len(trainable):
