@@ -349,10 +349,24 @@ def load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig] = 
             s.loaded([t for _, t, _ in jobs if store_of(t) is s])
 
 
-def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buffers: list, stores: list) -> None:
-    """Second pass: every tensor's new bytes into the extents and the in-memory copies."""
-    path = manifest.path(PARAMS_DATA)
-    unit_bytes = _unit_size(buffers, stores)
+def _targets(t: torch.Tensor, store, after: list) -> tuple[Optional[Extent], list]:
+    """Where tensor ``t``'s new bytes go: its extent in ``store`` and its in-memory copies, or (not offloaded)
+    its own memory, through a contiguous CPU copy (recorded in ``after``) where it is not that itself."""
+    if store is not None:
+        return store.load_targets(t)
+    with torch._C.DisableTorchFunctionSubclass():
+        dest = t.detach()
+        if not (dest.is_contiguous() and dest.device.type == "cpu"):
+            tmp = torch.empty(dest.shape, dtype=dest.dtype)
+            after.append((dest, tmp))
+            dest = tmp
+    return None, [_flat_bytes(dest)]
+
+
+def _load_units(jobs: list, memory: dict, unit_bytes: int) -> tuple[list, list, list]:
+    """The second pass's work: the :class:`_Unit` of each ``unit_bytes`` of a tensor that params.bin or
+    model.pt fills on a swap space or through a buffer, ``(tensor, source)`` copied memory to memory, and
+    ``(tensor, copy)`` of tensors filled through a contiguous copy."""
     units, direct, after = [], [], []
     for name, t, e in jobs:
         store = store_of(t)
@@ -361,20 +375,19 @@ def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buf
             direct.append((t, src))  # memory to memory
             continue
         nbytes = t.numel() * t.element_size()
-        if store is not None:
-            extent, copies = store.load_targets(t)
-        else:
-            with torch._C.DisableTorchFunctionSubclass():
-                dest = t.detach()
-                if not (dest.is_contiguous() and dest.device.type == "cpu"):
-                    tmp = torch.empty(dest.shape, dtype=dest.dtype)
-                    after.append((dest, tmp))
-                    dest = tmp
-            extent, copies = None, [_flat_bytes(dest)]
+        extent, copies = _targets(t, store, after)
         memory_bytes = _flat_bytes(src.contiguous()) if src is not None else None
         for start in range(0, nbytes, unit_bytes):
             units.append(_Unit(name, start, min(unit_bytes, nbytes - start), extent, store, memory_bytes,
                                tuple(copies), entry=e if src is None else None, param=t))
+    return units, direct, after
+
+
+def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buffers: list, stores: list) -> None:
+    """Second pass: every tensor's new bytes into the extents and the in-memory copies."""
+    path = manifest.path(PARAMS_DATA)
+    unit_bytes = _unit_size(buffers, stores)
+    units, direct, after = _load_units(jobs, memory, unit_bytes)
 
     for store in {id(u.store): u.store for u in units if u.store is not None}.values():
         store.rewriting([u.param for u in units if u.store is store])
