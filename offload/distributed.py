@@ -3,16 +3,19 @@ DTensor parameters seen through their local shards."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 __all__ = [
     "PLACEHOLDERS",
+    "Box",
     "RankInfo",
     "built_by_zero_redundancy",
     "check_grad_layout",
@@ -20,6 +23,7 @@ __all__ = [
     "is_dtensor",
     "like",
     "local",
+    "local_box",
     "rank_info",
     "shard_like",
 ]
@@ -189,3 +193,86 @@ def built_by_zero_redundancy() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# -- where a rank's part of a tensor lies in the whole ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Box:
+    """A rank's local shard as a part of the full tensor: ``shape`` elements along each dimension from
+    ``offsets`` (what DTensor's ``Shard`` and ``Replicate`` placements make, and a plain tensor whole).
+    Its elements, in the local tensor's flat order, are the full tensor's in row-major order."""
+
+    offsets: tuple
+    shape: tuple
+
+    @classmethod
+    def whole(cls, shape) -> Box:
+        """The whole tensor of ``shape``."""
+        return cls((0,) * len(shape), tuple(shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def within(self, shape) -> bool:
+        """Whether this box lies inside a tensor of ``shape``."""
+        return len(self.offsets) == len(self.shape) == len(shape) and all(
+            o + n <= s for o, n, s in zip(self.offsets, self.shape, shape))
+
+    def intersect(self, other: Box) -> Optional[Box]:
+        """The elements both boxes hold, or None where they share none."""
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a + n, b + m) for a, n, b, m in zip(self.offsets, self.shape, other.offsets, other.shape))
+        if any(h <= low for low, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+
+    def runs(self, src: Box, dst: Box) -> Iterator[tuple[int, int, int]]:
+        """This box (inside both ``src`` and ``dst``) as runs of elements contiguous in both local tensors:
+        ``(first element in src's flat order, first in dst's, count)``, in row-major order."""
+        if self.numel == 0:
+            return
+        if not self.shape:
+            yield 0, 0, 1
+            return
+        d = len(self.shape) - 1  # the dimensions after d are whole in src and dst: one run covers them
+        while d > 0 and self.shape[d] == src.shape[d] == dst.shape[d]:
+            d -= 1
+        run = math.prod(self.shape[d:])
+        strides = [_strides(src.shape), _strides(dst.shape)]
+        for index in itertools.product(*(range(n) for n in self.shape[:d])):
+            at = tuple(self.offsets[j] + i for j, i in enumerate(index)) + (self.offsets[d],)
+            yield tuple(sum((a - b.offsets[j]) * st[j] for j, a in enumerate(at))
+                        for b, st in zip((src, dst), strides)) + (run,)
+
+    def flat_ranges(self, shape) -> list[tuple[int, int]]:
+        """This box's elements as ranges ``[start, stop)`` of the flat order of the full tensor of ``shape``."""
+        full = Box.whole(shape)
+        return [(a, a + n) for a, _, n in self.runs(full, full)]
+
+
+def _strides(shape) -> list[int]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return out[::-1]
+
+
+def local_box(t) -> Optional[Box]:
+    """Where ``t``'s local shard lies in the full tensor: the whole of a plain tensor; a DTensor's part
+    under ``Shard`` and ``Replicate`` placements (FSDP2, tensor parallelism: each rank's elements are a
+    box); None for other layouts (``_StridedShard``, ``Partial``), whose elements are not one box."""
+    if not is_dtensor(t):
+        return Box.whole(t.shape)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not all(type(p) in (Shard, Replicate) for p in t.placements):
+        return None
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape) != tuple(local(t).shape):
+        return None
+    return Box(tuple(offsets), tuple(shape))

@@ -332,7 +332,10 @@ def test_verify_refuses_a_model_tensor_that_model_pt_does_not_hold_as_recorded(t
     verify_checkpoint refuses it, as a load into the model would."""
     directory = tmp_path / "c"
     shutil.copytree(saved, directory)
-    _edit(directory, lambda m: m["model"]["tensors"][0].__setitem__("shape", [2, 16]))
+    def reshape(m):
+        m["model"]["tensors"][0]["shape"] = [2, 16]
+        m["model"]["tensors"][0]["local"] = {"shape": [2, 16], "offsets": [0, 0]}  # the part held: all of it
+    _edit(directory, reshape)
     with pytest.raises(ckpt.CheckpointError, match=r"model\.pt does not hold 'weight' as the manifest records"):
         ckpt.verify_checkpoint(directory)
 

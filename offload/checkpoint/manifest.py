@@ -22,6 +22,7 @@ import xxhash
 from .. import codes
 from .._version import __version__
 from ..config.rules import MAX_BLOCK_SIZE
+from ..distributed import Box, local, local_box
 from ..errors import CheckpointError, ChecksumError
 from ..regular import NotRegularFile, TooLarge, read_regular
 from ..units import ALIGNMENT, MIB
@@ -163,6 +164,39 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class LocalPart(Entry):
+    """The part of a tensor the rank that saved it held (its local shard, in the flat element order of
+    that shard): ``shape`` elements along each dimension of the full tensor from ``offsets``, or where
+    ``offsets`` is null a layout that is no such box (a DTensor placed otherwise than by ``Shard`` and
+    ``Replicate``). A plain tensor's is the whole of it."""
+
+    shape: tuple = json_field(list_of(count), required=True)
+    offsets: Optional[tuple] = json_field(maybe(list_of(count)), None, required=True, null=True)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> LocalPart:
+        """The part of ``t`` this rank holds (its local shard if a DTensor)."""
+        box = local_box(t)
+        return cls(tuple(local(t).shape), None) if box is None else cls(box.shape, box.offsets)
+
+    @property
+    def box(self) -> Optional[Box]:
+        """As a :class:`offload.distributed.Box`, or None where it is none."""
+        return None if self.offsets is None else Box(tuple(self.offsets), tuple(self.shape))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def check_within(self, shape: Optional[tuple], name: str) -> None:
+        """Refuse a part that does not lie inside a tensor of ``shape`` (None: unknown)."""
+        if shape is None:
+            return
+        if len(self.shape) != len(shape) or (self.offsets is not None and not self.box.within(shape)):
+            fail(name, f"a part of a tensor of shape {list(shape)}", self.to_json())
+
+
+@dataclass(frozen=True)
 class ParamEntry(Entry):
     """A parameter of the optimizer (by its index in the param groups) and where its state is: ``swap``
     (state.bin, by ``chunks``), ``memory`` (memory.pt) or ``none``."""
@@ -178,15 +212,19 @@ class ParamEntry(Entry):
     key_dtypes: Optional[tuple] = json_field(list_of(dtype_value), None)
     chunks: tuple = json_field(list_of(Chunk.parse), ())
     step: Optional[float] = json_field(number, None)
+    # The part of the parameter the saving rank held, whose elements the chunks and memory.pt's state
+    # hold; absent in checkpoints saved before it was recorded (then the part the loading rank holds).
+    local: Optional[LocalPart] = json_field(LocalPart.parse, None)
 
     @classmethod
     def offloaded(cls, index: int, shape, dtype, slot, keys, chunks, *, initialized: bool = True,
-                  step: Optional[float] = None) -> ParamEntry:
+                  step: Optional[float] = None, local: Optional[LocalPart] = None) -> ParamEntry:
         """The entry of a parameter whose state ``keys`` (of ``slot``'s, a ``state.layout`` slot) lie in
         state.bin in ``chunks``."""
         dtypes = tuple(dtype_name(slot.dtype_of(k)) for k in keys)
         return cls(index, "swap", initialized, tuple(shape), dtype_name(dtype), math.prod(shape), tuple(keys),
-                   dtype_name(slot.dtype), dtypes if len(set(slot.dtypes)) > 1 else None, tuple(chunks), step)
+                   dtype_name(slot.dtype), dtypes if len(set(slot.dtypes)) > 1 else None, tuple(chunks), step,
+                   local)
 
     def check(self, name: str) -> None:
         if self.shape is not None and self.numel is not None and math.prod(self.shape) != self.numel:
@@ -195,11 +233,14 @@ class ParamEntry(Entry):
             fail(f"{name}.key_dtypes", f"a list of {len(self.keys)} (one per key)", list(self.key_dtypes))
         if self.keys and self.key_dtypes is None:
             self.require(name, "state_dtype")
+        if self.local is not None:
+            self.local.check_within(self.shape, f"{name}.local")
+        held = self.local.numel if self.local is not None else self.numel
         for i, c in enumerate(self.chunks):
             if c.slices is not None and len(c.slices) != len(self.keys):
                 fail(f"{name}.chunks[{i}][5]", f"a list of {len(self.keys)} (one per key)", list(c.slices))
-            if self.numel is not None and c.start + c.numel > self.numel:
-                fail(f"{name}.chunks[{i}]", f"elements within the parameter's {self.numel}", c.to_json())
+            if held is not None and c.start + c.numel > held:
+                fail(f"{name}.chunks[{i}]", f"elements within the {held} of the parameter saved here", c.to_json())
 
     def state_dtypes(self) -> list:
         """The torch dtype of each state key, in ``keys`` order."""
@@ -239,6 +280,8 @@ class TensorEntry(Entry):
     # The optimizer's index of this parameter (its ``params`` entry), when saved beside the optimizer's state:
     # what names the state, so the fp32 masters can be exported by parameter name.
     param: Optional[int] = json_field(count, None)
+    # The part of the tensor the saving rank held (ParamEntry.local): what model.pt holds of a DTensor.
+    local: Optional[LocalPart] = json_field(LocalPart.parse, None)
 
     def check(self, name: str) -> None:
         if self.same_as is not None:
@@ -248,6 +291,11 @@ class TensorEntry(Entry):
                           "own", getattr(self, extra))
             return
         self.require(name, "kind", "shape", "dtype", "where")
+        if self.local is not None:
+            self.local.check_within(self.shape, f"{name}.local")
+            if self.where == PARAMS_DATA and self.local.box != Box.whole(self.shape):
+                fail(f"{name}.local", f"the whole tensor (its bytes in {PARAMS_DATA} are all of it)",
+                     self.local.to_json())
         if self.where == PARAMS_DATA:
             self.require(name, "offset", "length", "xxh3_64")
             if self.offset % ALIGNMENT:

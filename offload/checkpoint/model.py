@@ -20,7 +20,7 @@ from ..space import Extent
 from ..units import ALIGNMENT, round_up
 from .commit import Staged, reading, write_atomically
 from .format import DEFAULT_STORAGE, MODEL_MEMORY, PARAMS_DATA, Storage, dtype_name, dtype_of, read_torch, write_file
-from .manifest import Manifest, ModelSection, TensorEntry, read_process
+from .manifest import LocalPart, Manifest, ModelSection, TensorEntry, read_process
 from .stream import DONE, read_verified, stream, tensor_spans, tool_pool, write_data
 
 __all__ = ["load_parameters", "save_parameters"]
@@ -168,7 +168,8 @@ def save_model(model: nn.Module, staged: Staged, index_of: Optional[dict] = None
         store = store_of(t) if kind == "param" else None
         where = MODEL_MEMORY if store is None else PARAMS_DATA
         index = (index_of or {}).get(id(t)) if kind == "param" else None
-        entries.append(TensorEntry(name, None, kind, tuple(t.shape), dtype_name(t.dtype), where, param=index))
+        entries.append(TensorEntry(name, None, kind, tuple(t.shape), dtype_name(t.dtype), where, param=index,
+                                   local=LocalPart.of(t)))
         if store is None:
             memory[name] = _cpu_copy(t, name)
         else:

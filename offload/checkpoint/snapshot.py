@@ -25,7 +25,7 @@ from ..pipeline import BufferRing
 from ..units import format_size
 from .commit import Staged
 from .format import DATA, EXTRA, MEMORY, dtype_name, io_error, write_file
-from .manifest import Manifest, ParamEntry, Unit, chunk_table
+from .manifest import LocalPart, Manifest, ParamEntry, Unit, chunk_table
 from .stream import DataFile, packed, stream
 
 # -- cloning extents (reflink) -------------------------------------------------------------------------
@@ -89,20 +89,21 @@ def plan(opt) -> Plan:
     for i, p in enumerate(params):
         slot = slots.get(p)
         st = opt.state.get(p, {})
+        part = LocalPart.of(p)  # a DTensor's state is its local shard's: where that lies in the whole
         if slot is not None and (slot.initialized or i in chunks_of):
             step = None
             if slot.initialized:
                 steps[i] = st["step"].detach().to("cpu", copy=True)
                 step = float(steps[i])
             entries.append(ParamEntry.offloaded(i, p.shape, p.dtype, slot, slot.keys, chunks_of.get(i, ()),
-                                                initialized=slot.initialized, step=step))
+                                                initialized=slot.initialized, step=step, local=part))
         elif slot is None and len(st) > 0:
             memory_state[i] = cpu_state(st)
             entries.append(ParamEntry(i, "memory", True, tuple(p.shape), dtype_name(p.dtype), p.numel(),
                                       tuple(sorted(k for k in st if k != "step")), dtype_name(p.dtype),
-                                      step=float(memory_state[i].get("step", 0.0))))
+                                      step=float(memory_state[i].get("step", 0.0)), local=part))
         else:
-            entries.append(ParamEntry(i, "none", False, tuple(p.shape), dtype_name(p.dtype), p.numel()))
+            entries.append(ParamEntry(i, "none", False, tuple(p.shape), dtype_name(p.dtype), p.numel(), local=part))
     groups = copy.deepcopy(torch_groups(opt.param_groups, index))  # hyperparameters may change in place
     return Plan(units, entries, groups, memory_state, steps, {id(p): i for p, i in index.items()})
 
