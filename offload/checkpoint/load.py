@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -20,7 +22,6 @@ from ..state import (
     check_param_state,
     exported_keys,
     in_memory_state,
-    local_entry,
     match_groups,
     set_chunk_values,
     step_tensor,
@@ -29,16 +30,18 @@ from ..units import ALIGNMENT
 from .commit import reading, wait_for_save
 from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank
-from .manifest import Manifest, ParamEntry, read_process
+from .manifest import JobManifest, Manifest, ParamEntry, read
 from .model import load_model, model_section
+from .reshard import Piece, Resharded, SavedState, Source, model_tensors, plan, same_layout, sources_here
 from .stream import progress_bar, read_verified, stream, unit_spans
-from .verify import job_shard, verify_data
+from .verify import shard_manifest, verify_data
 
 
 # NOTE: loading checks the manifest, the sizes and every unit's checksum as the bytes pass, and the
 # shapes, dtypes and param groups against the optimizer before touching it. When the optimizer
-# packs state like the checkpoint (same buffer_size and parameters), units stream back to the swap
-# space as they are; otherwise each parameter's element ranges are re-chunked into the new units.
+# packs state like the checkpoint (same buffer_size and parameters, each rank its own part), units
+# stream back to the swap space as they are; otherwise each parameter's element ranges are re-chunked
+# into the new units, from whichever shards hold them.
 @deferring
 def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
                     progress: Optional[bool] = None, alone: bool = False,
@@ -57,6 +60,14 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
     swap space through its pool (a resident or cached copy is overwritten too) and the model's
     other tensors are copied in. Offloaded gradients are cleared.
 
+    A job's checkpoint loads on any number of ranks, and in one process: where this rank holds other
+    parts of the parameters than the rank that saved a shard (another number of ranks, or FSDP2's
+    DTensors where a process saved whole tensors), it reads its local shard of each parameter, in the
+    flat order of the full tensor, from the shards that hold those elements, and gets what
+    ``torch.distributed.checkpoint`` would give ``load_state_dict``, bit for bit. A tensor that is
+    not a DTensor is taken whole from the lowest-ranked shard here (replicated, as under DDP), as are
+    the param groups and ``extra``.
+
     A save of this optimizer still going on in the background is waited for first.
 
     Args:
@@ -65,16 +76,17 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         model: the model whose weights to load too.
         progress: a progress bar on stderr for a long load; None: where stderr is a terminal.
         alone: where torch.distributed runs a job of several ranks, the load is the job's: every
-            rank calls it, loads its own shard of a job's checkpoint (or the whole of a process's
-            checkpoint), and either all load or all raise. ``alone=True`` loads into this process by
-            itself, as outside a job (a process's checkpoint, or one shard ``directory/rank-<n>``).
+            rank calls it, loads its part of the checkpoint (its own shard of a job's saved on as
+            many ranks, or the whole of a process's checkpoint), and either all load or all raise.
+            ``alone=True`` loads into this process by itself, as outside a job.
         storage: the file-system and engine calls the load makes (:class:`Storage`); the default does
             what they say. Tests pass one that fails where they want it to.
 
     Raises:
         CheckpointError: the checkpoint does not fit this optimizer or ``model`` (the message names
-            the first mismatch: parameter index or name, expected and found) or is incomplete;
-            nothing was changed.
+            the first mismatch: parameter index or name, expected and found) or is incomplete (in
+            another layout: elements this rank holds are in no shard here, the range named); nothing
+            was changed.
         ChecksumError: a file is corrupt. If the data file's corruption is found while streaming,
             the optimizer refuses to step until a good checkpoint is loaded.
         OSError: reading or writing failed (same consequence).
@@ -88,46 +100,119 @@ def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
         return _load_job(optimizer, directory, model, progress, storage or DEFAULT_STORAGE)
     # Held for the whole load: a save of the same directory by another process waits until it ends.
     with reading(directory) as directory:
-        return _apply(optimizer, model, progress, _check(optimizer, directory, model), storage or DEFAULT_STORAGE)
+        checked, _ = _check(optimizer, directory, model)
+        return _apply(optimizer, model, progress, checked, storage or DEFAULT_STORAGE)
 
 
-def _check(optimizer, directory: str, model: nn.Module | None) -> tuple:
-    """Everything a load checks before it changes anything; returns what :func:`_apply` needs."""
-    manifest = read_process(directory)
+@dataclass
+class _Checked:
+    """What a load found and checked before it changes anything (what :func:`_apply` needs).
+
+    Attributes:
+        manifest: the checkpoint whose param groups and ``extra`` are loaded (and whose units, when the
+            parameters are laid out as when saved): a process's, this rank's shard, or the first shard
+            here of a checkpoint saved in another layout.
+        memory: its memory.pt.
+        extra: its ``extra``.
+        params: the optimizer's parameters by the checkpoint's indices.
+        saved: per index, the parameter's saved state as this rank loads it (None: none saved).
+        resharded: where the parameters were laid out otherwise when saved: the plan of what each
+            rank reads from which shard.
+    """
+
+    manifest: Manifest
+    memory: dict
+    extra: Any
+    params: list
+    saved: dict
+    resharded: Optional[Resharded] = None
+
+
+# NOTE: a checkpoint is loaded as it was saved where this rank holds the part of every parameter (and model
+# tensor) that the saving rank did: a process's checkpoint, or this rank's own shard of a job's saved on
+# as many ranks. Otherwise (a job's checkpoint on another number of ranks or alone, a process's under
+# FSDP2, a layout changed) each rank reads its parts from every shard that holds some of their elements
+# (offload.checkpoint.reshard), as torch.distributed.checkpoint would give them to load_state_dict.
+def _check(optimizer, directory: str, model: nn.Module | None, *, world: int = 1,
+           rank: int = 0) -> tuple[_Checked, Optional[str]]:
+    """Everything a load into rank ``rank`` of a job of ``world`` ranks checks before it changes anything;
+    returns what :func:`_apply` needs and, for a job's checkpoint, the job's id."""
+    found = read(directory)
+    if isinstance(found, JobManifest):
+        if found.world_size == world:
+            checked = _check_as_saved(optimizer, Source(shard_manifest(found, rank), rank), model)
+            if checked is not None:
+                return checked, found.job
+        sources, missing = sources_here(found)
+        return _check_resharded(optimizer, found.root, sources, missing, model), found.job
+    source = Source(found)
+    checked = _check_as_saved(optimizer, source, model)
+    return checked or _check_resharded(optimizer, directory, [source], [], model), None
+
+
+def _check_source(optimizer, source: Source, model: nn.Module | None) -> tuple[Manifest, dict, Any, list]:
+    """The checks of the checkpoint ``source`` against the optimizer (and ``model``): its files, groups and
+    parameters; returns its manifest, memory.pt, extra and the optimizer's parameters by its indices."""
+    manifest = source.manifest
     if manifest.optimizer is None:
-        raise CheckpointError(f"checkpoint {directory} holds model weights only (offload.params.save_parameters), "
+        raise CheckpointError(f"checkpoint {manifest.root} holds model weights only (offload.params.save_parameters), "
                               "no optimizer state; load it with offload.params.load_parameters(model, ...)")
     if model is not None:
         model_section(manifest)  # before anything is read: a checkpoint without the model
     manifest.sized_path(DATA)
-    memory = manifest.memory()
+    memory = source.memory()
     extra = read_torch(manifest.path(EXTRA), manifest.files[EXTRA]) if EXTRA in manifest.files else None
-    params = _match(optimizer, manifest, memory)
-    return manifest, memory, extra, params
+    return manifest, memory, extra, _match(optimizer, manifest, memory)
 
 
-def _apply(optimizer, model: nn.Module | None, progress: Optional[bool], checked: tuple,
+def _check_as_saved(optimizer, source: Source, model: nn.Module | None) -> Optional[_Checked]:
+    """The checks of a load of ``source`` as it was saved, or None where this rank holds other parts of the
+    parameters than the rank that saved it."""
+    manifest, memory, extra, params = _check_source(optimizer, source, model)
+    if not same_layout(manifest, params, model):
+        return None
+    saved = {}
+    for e in manifest.params:
+        if e.initialized and e.where != "none":
+            whole = Piece(source, e, 0, 0, local(params[e.index]).numel())
+            saved[e.index] = SavedState.of((whole,), source, e)
+    return _Checked(manifest, memory, extra, params, saved)
+
+
+def _check_resharded(optimizer, root: str, sources: list, missing: list, model: nn.Module | None) -> _Checked:
+    """The checks of a load from ``sources`` (the shards here; ``missing``: those that are not) of a
+    checkpoint saved by ranks that held other parts of the parameters."""
+    for s in sources:
+        s.manifest.sized_path(DATA)
+    manifest, memory, extra, params = _check_source(optimizer, sources[0], model) if sources else (None,) * 4
+    amsgrad = {id(p): bool(g["amsgrad"]) for g in optimizer.param_groups for p in g["params"]}
+    resharded = plan(root, sources, missing, params, {i: amsgrad[id(p)] for i, p in enumerate(params or ())}, model)
+    return _Checked(manifest, memory, extra, params, resharded.state, resharded)
+
+
+def _apply(optimizer, model: nn.Module | None, progress: Optional[bool], checked: _Checked,
            storage: Storage) -> Any:
     """The load's part that changes the optimizer (and ``model``), once :func:`_check` has passed."""
     store = optimizer.state_store
-    manifest, memory, extra, params = checked
     if model is not None:
         # Weights first: a checkpoint without fp32 masters seeds them from the weights at load.
         # On failure part-way its state is intact, but the weights it updates are half loaded.
-        load_model(model, manifest, optimizer.config.aio, on_partial=store.failed, storage=storage)
+        tensors = model_tensors(checked.resharded, model) if checked.resharded is not None else None
+        load_model(model, checked.manifest, optimizer.config.aio, on_partial=store.failed, storage=storage,
+                   memory=tensors)
 
     try:
-        _load_into(optimizer, manifest, memory, params, progress, storage)
+        _load_into(optimizer, checked, progress, storage)
     except BaseException as err:
         for slot in store.layout.slots.values():
             slot.initialized = False
         store.failed(err)
         raise
-    return extra
+    return checked.extra
 
 
 # NOTE: the ranks of a job load together: each checks everything it can without changing anything (the
-# job manifest, its world size, its own shard and that shard against its optimizer), then they exchange
+# job manifest, the shards it reads and those against its optimizer), then they exchange
 # the outcome, and only if every rank passed does any rank change its state: either all load or all
 # raise. A failure while streaming (a unit that fails its checksum, an I/O error) is exchanged too: the
 # ranks that loaded then refuse to step, as the one that failed does, until a load succeeds.
@@ -135,10 +220,10 @@ def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
     """:func:`load_checkpoint` on every rank of a job (see the NOTE above)."""
     given = os.path.abspath(os.fspath(directory))
     with contextlib.ExitStack() as stack:
-        def check() -> tuple[tuple, dict]:
+        def check() -> tuple[_Checked, dict]:
             stack.enter_context(reading(given))
-            shard, job = job_shard(given, job_world(), rank_info().rank)
-            return _check(optimizer, shard, model), {"job": job}
+            checked, job = _check(optimizer, given, model, world=job_world(), rank=rank_info().rank)
+            return checked, {"job": job}
 
         checked, own, statuses = on_every_rank(f"loading {given}", check)
         failed = failures(statuses)
@@ -187,43 +272,35 @@ def _match(opt, manifest: Manifest, memory: dict) -> list:
     return params
 
 
-def _load_into(opt, manifest: Manifest, memory: dict, params: list, progress: Optional[bool],
-               storage: Storage) -> None:
+def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storage) -> None:
     store = opt.state_store
     store.drain(quiet=True)  # the last step's writes land first; their state is overwritten now
     store.rewriting_all()  # all of the state is replaced: a swap file cut behind our back is whole again
-    store.place_late(opt.param_groups, (params[e.index] for e in manifest.params if e.initialized))
-    path = manifest.path(DATA)
-    small_from_swap: list = []
+    store.place_late(opt.param_groups, (checked.params[i] for i, s in checked.saved.items() if s is not None))
     with storage.engine(opt.config.aio) as engine:
-        plan = _same_packing(store, manifest, params)
+        plan = None if checked.resharded is not None else _same_packing(store, checked.manifest, checked.params)
         if plan is not None:
+            manifest = checked.manifest
             with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
                 def write(span, buf):
                     bar.update(span.length)
                     return store.write_unit(plan[span.key], buf)
 
-                read_verified(engine, path, unit_spans(manifest), store.buffers, manifest.files[DATA].xxh3_64,
-                              write=write)
-        else:
-            verify_data(manifest, engine, store.buffers)
-            with engine.open(path, "r", no_links=True) as f:
-                small_from_swap = _rechunk(store, manifest, memory, params, engine, f, store.buffers)
+                read_verified(engine, manifest.path(DATA), unit_spans(manifest), store.buffers,
+                              manifest.files[DATA].xxh3_64, write=write)
+        with contextlib.ExitStack() as files:
+            refill = _Refill(store, checked, engine, files, verified=plan is not None)
+            if plan is None:
+                refill.run()
+            small = {i: refill.small(i) for i, s in checked.saved.items()
+                     if s is not None and store.is_small(checked.params[i])}
 
     # The data is in place: now the in-memory side, which cannot fail half way.
-    small, offloaded = {}, {}
-    for e in manifest.params:
-        if not e.initialized:
-            continue
-        p = params[e.index]
-        step = memory["steps"][e.index] if e.where == "swap" else memory["state"][e.index].get("step", 0.0)
-        if store.is_small(p):
-            # As load_state_dict takes it: a DTensor parameter's state as this rank's part of it.
-            source = memory["state"][e.index] if e.where == "memory" else small_from_swap[e.index]
-            small[p] = local_entry({**source, "step": step}, p)
-        else:
-            offloaded[p] = step
-    restore_in_memory(opt, memory["param_groups"], small, offloaded)
+    offloaded = {checked.params[i]: s.step for i, s in checked.saved.items()
+                 if s is not None and i not in small}
+    restore_in_memory(opt, checked.memory["param_groups"],
+                      {checked.params[i]: {**state, "step": checked.saved[i].step} for i, state in small.items()},
+                      offloaded)
     for p in offloaded:
         store.layout.slots[p].initialized = True
     store.restored()
@@ -289,107 +366,167 @@ def _same_packing(store, manifest: Manifest, params: list) -> Optional[dict]:
 
 
 class RangeReader:
-    """Copies byte ranges of a checkpoint's data file into tensors through one staging buffer."""
+    """Copies byte ranges of checkpoints' data files into tensors through one staging buffer, cut into a
+    window per file (``files`` of them at most), so that reading from several files in turn does not read
+    a window of each again every time."""
 
-    def __init__(self, engine: Engine, file, buffer, file_bytes: int):
-        self.engine, self.file, self.buffer, self.file_bytes = engine, file, buffer, file_bytes
-        self.start, self.end = 0, 0  # the window of the file the buffer holds
+    def __init__(self, engine: Engine, buffer, files: int = 1):
+        self.engine, self.buffer = engine, buffer
+        count = max(1, min(files, buffer.nbytes // ALIGNMENT))
+        self.size = buffer.nbytes // count // ALIGNMENT * ALIGNMENT
+        self.windows = [[None, 0, 0] for _ in range(count)]  # per window: the file, and the bytes it holds
+        self.window_of: dict = {}  # id(file) -> its window
 
-    def copy(self, dest: torch.Tensor, offset: int) -> None:
-        """Fill the 1-D tensor ``dest`` from the file's bytes at ``offset``."""
+    def copy(self, dest: torch.Tensor, file, file_bytes: int, offset: int) -> None:
+        """Fill the 1-D tensor ``dest`` from ``file``'s bytes (``file_bytes`` of them) at ``offset``."""
+        k = self.window_of.setdefault(id(file), len(self.window_of) % len(self.windows))
+        window, base = self.windows[k], k * self.size
         itemsize = dest.element_size()
         done, total = 0, dest.numel() * itemsize
         while done < total:
             pos = offset + done
-            if not (self.start <= pos < self.end):
-                self.start = pos // ALIGNMENT * ALIGNMENT
-                length = min(self.buffer.nbytes, self.file_bytes - self.start)
-                got = self.engine.read(self.file, self.buffer, self.start, length)
-                self.end = self.start + got
+            if window[0] is not file or not (window[1] <= pos < window[2]):
+                start = pos // ALIGNMENT * ALIGNMENT
+                got = self.engine.read(file, self.buffer, start, min(self.size, file_bytes - start), buffer_offset=base)
+                window[:] = [file, start, start + got]
                 if got < itemsize:
-                    raise ChecksumError(f"{self.file.path}: ends at byte {self.end}, data expected at {pos}")
-            take = min(total - done, self.end - pos)
+                    raise ChecksumError(f"{file.path}: ends at byte {window[2]}, data expected at {pos}")
+            take = min(total - done, window[2] - pos)
             n = take // itemsize
-            dest[done // itemsize: done // itemsize + n].copy_(self.buffer.view(dest.dtype, pos - self.start, n))
+            dest[done // itemsize: done // itemsize + n].copy_(self.buffer.view(dest.dtype, base + pos - window[1], n))
             done += n * itemsize
 
 
-def _rechunk(store, manifest: Manifest, memory: dict, params: list, engine: Engine, f, buffers: list) -> dict:
-    """Fill the optimizer's units from the checkpoint by parameter element ranges; returns ``{index: {key:
-    tensor}}`` for parameters small here whose state the checkpoint holds on disk."""
-    reader = RangeReader(engine, f, buffers[0], manifest.files[DATA].bytes)
-    index = {p: i for i, p in enumerate(params)}
+def _saved_dtype(e: ParamEntry, key: str) -> Optional[torch.dtype]:
+    """The dtype state ``key`` is saved in, on disk by entry ``e`` (None where it is not)."""
+    return e.state_dtypes()[e.keys.index(key)] if e.where == "swap" and key in e.keys else None
 
-    def copy_from_disk(dest: torch.Tensor, e: ParamEntry, key: str, lo: int, hi: int) -> None:
-        """``dest`` filled with elements [lo, hi) of state ``key`` as saved (an absmax counts blocks)."""
+
+# NOTE: the optimizer's units are filled by element ranges: each chunk's elements [lo, hi) of a key come from
+# the pieces of its parameter's saved state (SavedState.within), from state.bin (read in ranges through one
+# staging buffer, each data file verified whole first) or memory.pt. Stored alike, the bytes are copied as
+# they are (8-bit codes and their absmax too, only where a rank loads its own shard: same elements, same
+# blocks); otherwise as values, converted as load_state_dict converts what state_dict() gave: 8-bit codes
+# dequantized, then encoded again where the state is 8-bit here. A master copy the checkpoint lacks is
+# seeded from the weights.
+class _Refill:
+    """Fills the optimizer's units from ``checked.saved``, and gives the state of parameters small here."""
+
+    def __init__(self, store, checked: _Checked, engine: Engine, files: contextlib.ExitStack, *, verified: bool):
+        self.store, self.checked, self.engine = store, checked, engine
+        self.exact = checked.resharded is None  # the saving rank's elements are this rank's
+        self.index = {p: i for i, p in enumerate(checked.params)}
+        self.files: dict = {}
+        sources = {id(x.source): x.source for s in checked.saved.values() if s is not None for x in s.pieces
+                   if x.entry.where == "swap"}
+        self.reader = RangeReader(engine, store.buffers[0], files=len(sources))
+        for source in sources.values():
+            if not verified:
+                verify_data(source.manifest, engine, store.buffers)
+            self.files[id(source)] = files.enter_context(engine.open(source.manifest.path(DATA), "r", no_links=True))
+
+    def read(self, dest: torch.Tensor, x: Piece, key: str, lo: int, hi: int) -> None:
+        """``dest`` filled with elements [lo, hi) of state ``key`` as ``x``'s shard saved them (an absmax
+        counts blocks)."""
+        e, manifest = x.entry, x.source.manifest
         k = e.keys.index(key)
-        saved = e.state_dtypes()[k]
+        itemsize = e.state_dtypes()[k].itemsize
         for c in e.chunks:
             first, n = codes.elements(key, c.start), codes.elements(key, c.numel)
             a, b = max(lo, first), min(hi, first + n)
             if a < b:
-                at = manifest.units[c.unit].offset + c.key_offset(k) + (a - first) * saved.itemsize
-                reader.copy(dest[a - lo: b - lo], at)
+                at = manifest.units[c.unit].offset + c.key_offset(k) + (a - first) * itemsize
+                self.reader.copy(dest[a - lo: b - lo], self.files[id(x.source)], manifest.files[DATA].bytes, at)
 
-    def values_from_disk(e: ParamEntry, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of state ``key`` as values: 8-bit codes dequantized (``lo`` starts a block)."""
-        saved = e.state_dtypes()[e.keys.index(key)]
-        raw = torch.empty(hi - lo, dtype=saved)
-        copy_from_disk(raw, e, key, lo, hi)
+    def values(self, x: Piece, key: str) -> Optional[torch.Tensor]:
+        """``x``'s elements of state ``key`` as values (8-bit codes dequantized), or None where its shard
+        saved no ``key``."""
+        saved = _saved_dtype(x.entry, key)
+        if saved is None:
+            return x.saved(key)
+        lo, hi = x.old, x.old + x.n
         if saved != torch.uint8:
+            raw = torch.empty(hi - lo, dtype=saved)
+            self.read(raw, x, key, lo, hi)
             return raw
-        absmax = torch.empty(codes.blocks(hi - lo), dtype=torch.float32)
-        copy_from_disk(absmax, e, key + codes.ABSMAX, lo // codes.BLOCK, lo // codes.BLOCK + absmax.numel())
-        return codes.dequantize(raw, absmax, signed=key == "exp_avg")
+        first = lo // codes.BLOCK * codes.BLOCK  # codes are dequantized by whole blocks of the saving rank's
+        raw = torch.empty(hi - first, dtype=torch.uint8)
+        self.read(raw, x, key, first, hi)
+        absmax = torch.empty(codes.blocks(hi - first), dtype=torch.float32)
+        self.read(absmax, x, key + codes.ABSMAX, first // codes.BLOCK, first // codes.BLOCK + absmax.numel())
+        return codes.dequantize(raw, absmax, signed=codes.signed_for(key))[lo - first:]
 
-    def fill_key(c, buf, e: ParamEntry, key: str) -> None:
-        """State ``key`` of chunk ``c`` from the checkpoint: its bytes as they are where it is stored alike, else
-        its values converted (another state_dtype)."""
+    def _as_saved(self, x: Piece, key: str, dtype: torch.dtype) -> bool:
+        """Whether ``x``'s elements of ``key`` are copied as the bytes its shard saved."""
+        return _saved_dtype(x.entry, key) == dtype and (dtype != torch.uint8 or (self.exact and x.old == x.new))
+
+    def fill_key(self, c, buf, state: SavedState, key: str, weights) -> None:
+        """State ``key`` of chunk ``c`` from its pieces."""
         lo, hi = c.start, c.start + c.numel
-        if c.slot.dtype_of(key) == e.state_dtypes()[e.keys.index(key)]:
-            copy_from_disk(c.slice(buf, key), e, key, lo, hi)
-            if c.slot.dtype_of(key) == torch.uint8:
+        parts = state.within(lo, hi)
+        dtype = c.slot.dtype_of(key)
+        if not all(self._as_saved(x, key, dtype) for x in parts):
+            flat_weights = functools.cache(lambda: weights.weights(c))  # fetched once, where a master is not saved
+            set_chunk_values(c, buf, key, self.assemble(parts, key, lo, hi, flat_weights))
+            return
+        for x in parts:
+            self.read(c.slice(buf, key)[x.new - lo: x.new - lo + x.n], x, key, x.old, x.old + x.n)
+            if dtype == torch.uint8:  # the same elements: the same blocks, and their absmax
                 absmax = key + codes.ABSMAX
-                copy_from_disk(c.slice(buf, absmax), e, absmax, codes.elements(absmax, lo),
-                               codes.elements(absmax, lo) + codes.elements(absmax, c.numel))
-        else:
-            set_chunk_values(c, buf, key, values_from_disk(e, key, lo, hi))
+                self.read(c.slice(buf, absmax), x, absmax, codes.elements(absmax, lo),
+                          codes.elements(absmax, lo) + codes.elements(absmax, c.numel))
 
-    def wanted(p) -> Optional[ParamEntry]:
-        e = manifest.params[index[p]]
-        return e if e.initialized else None
+    def assemble(self, parts: list, key: str, lo: int, hi: int, weights) -> Optional[torch.Tensor]:
+        """Elements [lo, hi) of state ``key`` as values from ``parts``; a master copy not saved is taken from
+        ``weights()`` (the elements' flat weights); None where ``key`` is not saved and no weights are given."""
+        found = []
+        for x in parts:
+            v = self.values(x, key)
+            if v is None:
+                if key != "master":
+                    raise CheckpointError(f"parameter {x.entry.index}: state {key!r} is not in the checkpoint")
+                if weights is None:
+                    return None
+                v = weights()[x.new - lo: x.new - lo + x.n]
+            found.append((x, v))
+        if len(found) == 1 and found[0][0].n == hi - lo:
+            return found[0][1]
+        dtypes = [v.dtype for _, v in found] or [torch.float32]  # (no elements: a local shard of none)
+        out = torch.empty(hi - lo, dtype=functools.reduce(torch.promote_types, dtypes))
+        for x, v in found:
+            out[x.new - lo: x.new - lo + x.n].copy_(v)
+        return out
 
-    todo = [u for u in store.layout.units if any(wanted(c.slot.param) for c in u.chunks)]
-    active = {id(c.slot) for u in todo for c in u.chunks if wanted(c.slot.param)}
-
-    def fill(unit, buf, weights) -> bool:
+    def fill(self, unit, buf, weights) -> bool:
         for c in unit.chunks:
-            e = wanted(c.slot.param)
-            if e is None:
-                continue
-            lo, hi = c.start, c.start + c.numel
-            for key in exported_keys(c.slot):
-                if e.where == "swap" and key in e.keys:
-                    fill_key(c, buf, e, key)
-                elif e.where == "memory" and key in memory["state"][e.index]:
-                    set_chunk_values(c, buf, key, memory["state"][e.index][key].detach().reshape(-1)[lo:hi])
-                elif key == "master":
-                    set_chunk_values(c, buf, key, weights.weights(c))
-                else:
-                    raise CheckpointError(f"parameter {e.index}: state {key!r} is not in the checkpoint")
+            state = self.checked.saved.get(self.index[c.slot.param])
+            if state is not None:
+                for key in exported_keys(c.slot):
+                    self.fill_key(c, buf, state, key, weights)
         weights.done(unit)
         return True
 
-    # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
-    # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
-    with ParamAccess().units(todo, active, write_back=False) as weights:
-        stream(todo, buffers[1:], process=lambda unit, buf: fill(unit, buf, weights), write=store.write_unit)
+    def run(self) -> None:
+        """Every unit holding a parameter with saved state, filled and written."""
+        saved = self.checked.saved
+        wanted = [u for u in self.store.layout.units
+                  if any(saved.get(self.index[c.slot.param]) is not None for c in u.chunks)]
+        active = {id(c.slot) for u in wanted for c in u.chunks if saved.get(self.index[c.slot.param]) is not None}
+        # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
+        # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
+        with ParamAccess().units(wanted, active, write_back=False) as weights:
+            stream(wanted, self.store.buffers[1:], process=lambda unit, buf: self.fill(unit, buf, weights),
+                   write=self.store.write_unit)
 
-    out = {}
-    for p in params:
-        e = wanted(p)
-        if e is None or e.where != "swap" or not store.is_small(p):
-            continue
-        tensors = {key: values_from_disk(e, key, 0, p.numel()).float().view(p.shape) for key in e.value_keys()}
-        out[e.index] = tensors
-    return out
+    def small(self, index: int) -> dict:
+        """The state of parameter ``index``, small here, as this rank's part of it (a master copy not saved
+        is left out: it is seeded from the weights)."""
+        state, p = self.checked.saved[index], self.checked.params[index]
+        shape = local(p).shape
+        out = {}
+        for key in state.keys:
+            v = self.assemble(state.pieces, key, 0, shape.numel(), None)
+            if v is None:
+                continue
+            out[key] = v.reshape(shape)
+        return out

@@ -480,18 +480,14 @@ class JobManifest(Entry):
             if s.rank != i:
                 fail(f"shards[{i}].rank", f"{i} (its place in the list)", s.rank)
 
-    def refusal(self, world: int) -> str:
-        """Why this job's checkpoint does not load into a job of ``world`` ranks, and how to convert it."""
-        here = "this process runs alone" if world == 1 else f"this job has {world} ranks"
+    def refusal(self) -> str:
+        """Why this job's checkpoint is not read as one process's (by the tools, export, a mirror), and what
+        to do instead."""
         shard = os.path.join(self.root, self.shards[0].name)
-        saved = self.world_size
-        return (f"checkpoint {self.root} was saved by a job of {saved} ranks (one shard per rank) and {here}; a "
-                f"job's checkpoint loads only into a job of the same size. Load it on every rank of a job of {saved} "
-                "ranks (each rank finds its own shard). To go on with another number of ranks: where every rank "
-                f"holds the whole state (DDP), load one rank's shard on every rank, load_checkpoint(opt, {shard!r}); "
-                f"where the state is sharded (FSDP2), convert through torch.distributed.checkpoint: on {saved} ranks "
-                "load this checkpoint and dcp.save({'optim': get_optimizer_state_dict(model, opt)}, ...), then on "
-                "the new ranks dcp.load it and set_optimizer_state_dict(model, opt, ...), which reshards")
+        return (f"checkpoint {self.root} was saved by a job of {self.world_size} ranks, one shard per rank, in "
+                f"{self.root}/rank-<n>: read or export a rank's shard ({shard!r}). load_checkpoint loads the "
+                "whole checkpoint, on any number of ranks or in one process (each rank reads its part of the "
+                "parameters from the shards that hold it)")
 
 
 # -- from disk ---------------------------------------------------------------------------------------
@@ -578,5 +574,5 @@ def read_process(directory: str) -> Manifest:
     to load it, for a job's)."""
     manifest = read(directory)
     if isinstance(manifest, JobManifest):
-        raise CheckpointError(manifest.refusal(1))
+        raise CheckpointError(manifest.refusal())
     return manifest

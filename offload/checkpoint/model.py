@@ -323,12 +323,14 @@ def _match(model: nn.Module, manifest: Manifest) -> list[tuple[str, torch.Tensor
 
 def load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig] = None, *,
                on_partial: Optional[Callable[[BaseException], None]] = None,
-               storage: Storage = DEFAULT_STORAGE) -> None:
+               storage: Storage = DEFAULT_STORAGE, memory: Optional[dict] = None) -> None:
     """Load the checkpoint's model section into ``model``: check everything, then stream (with an
     engine of ``storage``); raises as :func:`load_parameters` says, calling ``on_partial(err)`` first
-    where streaming failed after the first bytes changed."""
+    where streaming failed after the first bytes changed. ``memory``: model.pt's tensors to load (read
+    and checked by the caller, some of them this rank's parts gathered from several shards), instead of
+    the checkpoint's own."""
     jobs = _match(model, manifest)
-    memory = model_memory(manifest)
+    memory = model_memory(manifest) if memory is None else memory
     manifest.sized_path(PARAMS_DATA)
     stores = _stores_of(t for _, t, _ in jobs)
     if aio is None:

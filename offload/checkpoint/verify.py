@@ -82,19 +82,6 @@ def shard_manifest(job: JobManifest, rank: int) -> Manifest:
     return shard
 
 
-def job_shard(directory: str, world: int, rank: int) -> tuple[str, str | None]:
-    """Where rank ``rank`` of a job of ``world`` ranks loads from in checkpoint ``directory``: its shard
-    and the job's id for a job's checkpoint, the directory itself (and None) for a process's, which every
-    rank loads whole (replicated state, as under DDP). CheckpointError where the job had another size
-    (the message says how to convert), or as :func:`shard_manifest` says."""
-    manifest = read(directory)
-    if isinstance(manifest, Manifest):
-        return directory, None
-    if manifest.world_size != world:
-        raise CheckpointError(manifest.refusal(world))
-    return shard_manifest(manifest, rank).root, manifest.job
-
-
 def verify_data(manifest: Manifest, engine: Engine, buffers: Sequence) -> None:
     """Read state.bin once and check every unit's checksum and the file's (units larger than the buffers
     in parts)."""
