@@ -3,7 +3,9 @@
 Usage: dist_ckpt_worker.py JOBS_JSON, JOBS: {"world": n, "timeout": seconds, "jobs": [SPEC, ...]}. The jobs
 run one after the other; each job's ranks are processes forked from this one (torch is imported once), and
 their exit codes go to ROOT/out/returncodes.json (minus the signal for a rank killed by one, as subprocess
-says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions": [...]}; each action is one of
+says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions": [...]}, and optionally "world"
+(this job's number of ranks) and "model": "fsdp2" (the FSDP2 model below instead of the DDP one) with
+"state_dtype"; each action is one of
   {"do": "train", "steps": n}                    n steps (data drawn from the step and the rank)
   {"do": "save", "dir": d, "fault": {...}}       save_checkpoint(opt, d, model=..., extra={"step": ...}); "blocking"
                                                  and "alone" as for save_checkpoint; "extra": {rank: {...}} adds
@@ -11,7 +13,13 @@ says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions"
   {"do": "load", "dir": d}                       load_checkpoint(opt, d, model=...), the step from its extra
   {"do": "keep_save", "root": d, "keep_last": n} Retention(d, keep_last=n).save(opt, step, model=..., ...)
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
-  {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt
+  {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt (a
+                                                 DTensor as its local shard)
+  {"do": "dcp_save", "dir": d}                   torch.distributed.checkpoint.save of the model's and the
+                                                 optimizer's state dicts (get_model_state_dict, ...)
+  {"do": "dcp_load", "dir": d, "step": n}        what dcp_save saved, loaded (set_optimizer_state_dict, ...)
+  {"do": "fresh"}                                a new model and optimizer, as the job started with
+  {"do": "rmtree", "dir": d}                     shutil.rmtree(d)
   {"do": "listdir", "dir": d}                    the names in d, sorted (the log's "result"); a checkpoint's lock
                                                  file, there while another rank reads or saves it, left out
   {"do": "mkdir", "dir": d}                      os.makedirs(d, exist_ok=True)
@@ -32,13 +40,19 @@ A fault {"rank": r, "after_units": k, "kind": "raise" | "kill"} makes rank r rai
 itself, once k units of its shard's state.bin have been written. What each action did (ok, or the error's
 type and message) goes to ROOT/out/rank<r>.json after each action, so a killed rank leaves what it had.
 The model: a DDP-wrapped MLP (the same on every rank) and a parameter of the rank's own (different on each
-rank), both in one optimizer whose swap space is ROOT/nvme-rank<r>.
+rank), both in one optimizer whose swap space is ROOT/nvme-rank<r>. With "model": "fsdp2", three layers
+sharded by FSDP2 (fully_shard), whose parts fall on 2 and 4 ranks so that a checkpoint of one resumed on the
+other meets every case: rows split unevenly, 8-bit state (state_dtype "int8") where a rank's part is whole
+blocks of at least 4096 elements and fp32 elsewhere, a part whose blocks start inside another's, a bias small
+(state in memory) on 4 ranks and offloaded on 2, a bf16 layer with fp32 master weights, and a layer of 3 rows,
+none of them on the fourth of 4 ranks.
 """
 
 import datetime
 import errno
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -48,6 +62,7 @@ import torch.distributed as dist
 from helpers import locks_held
 from ranks import fork_ranks
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 import offload.checkpoint.job as job_module
@@ -55,6 +70,7 @@ import offload.checkpoint.manifest as manifest_module
 import offload.checkpoint.snapshot as snapshot_module
 from offload import OffloadedAdamW
 from offload.checkpoint import Retention, Storage, load_checkpoint, save_checkpoint, verify_checkpoint
+from offload.distributed import local
 
 
 class FixedClock:
@@ -74,6 +90,87 @@ class Holder(nn.Module):
         torch.manual_seed(seed)
         self.net = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
         self.own = nn.Parameter(torch.randn(3000, generator=torch.Generator().manual_seed(seed * 100 + rank)))
+
+
+class Sharded(nn.Module):
+    """The FSDP2 model (see above): every layer sharded by rows, the third in bf16."""
+
+    def __init__(self, seed: int, shard: bool = True):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b = nn.Linear(32, 320), nn.Linear(320, 33)  # 320 x 32 and 33 x 320 (9, 9, 9, 6 rows on 4)
+        self.c = nn.Linear(33, 64).to(torch.bfloat16)
+        self.d = nn.Linear(64, 3)  # 3 rows: none on the fourth of 4 ranks
+        if shard:
+            for layer in (self.a, self.b, self.c, self.d):
+                fully_shard(layer)
+            fully_shard(self)
+
+    def forward(self, x):
+        return self.d(self.c(self.b(self.a(x).tanh()).tanh().to(torch.bfloat16)).float())
+
+
+def sharded_optimizer(model: nn.Module, nvme: str, state_dtype: str) -> OffloadedAdamW:
+    """The FSDP2 model's optimizer: units of 16 KiB, state of parts under 12 elements in memory."""
+    return OffloadedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, nvme_path=nvme, buffer_size=16 * 1024,
+                          buffer_count=3, small_param_threshold=12, state_dtype=state_dtype)
+
+
+class Job:
+    """One rank's model and optimizer, and its training step."""
+
+    def __init__(self, spec: dict, rank: int):
+        self.spec, self.rank = spec, rank
+        nvme = os.path.join(spec["root"], f"nvme-rank{rank}")
+        seed = spec.get("seed", 0)
+        if spec.get("model") == "fsdp2":
+            self.holder = self.net = Sharded(seed)
+            self.opt = sharded_optimizer(self.holder, nvme, spec.get("state_dtype", "fp32"))
+            return
+        self.holder = Holder(rank, seed)
+        self.net = DistributedDataParallel(self.holder.net)
+        self.opt = OffloadedAdamW([{"params": list(self.holder.net.parameters())},
+                                   {"params": [self.holder.own], "lr": 2e-2}],
+                                  lr=1e-2, nvme_path=nvme, buffer_size=16 * 1024, buffer_count=3,
+                                  small_param_threshold=64)
+
+    def train(self, step: int) -> None:
+        g = torch.Generator().manual_seed(1000 * step + self.rank)
+        if self.spec.get("model") == "fsdp2":
+            self.net(torch.randn(4, 32, generator=g)).square().mean().backward()
+        else:
+            x = torch.randn(8, 32, generator=g)
+            own = self.holder.own
+            (self.net(x).square().mean() + (own * torch.randn(3000, generator=g)).sum().tanh()).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def dump(self, step: int) -> dict:
+        """Weights and optimizer state, a DTensor as this rank's local shard."""
+        state = self.opt.state_dict()
+        state["state"] = {i: {k: local(v) for k, v in e.items()} for i, e in state["state"].items()}
+        return {"step": step, "model": {k: local(v) for k, v in self.holder.state_dict().items()}, "opt": state}
+
+    def dcp_save(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        dcp.save({"model": get_model_state_dict(self.holder), "optim": get_optimizer_state_dict(self.holder, self.opt)},
+                 checkpoint_id=directory)
+
+    def dcp_load(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        state = {"model": get_model_state_dict(self.holder), "optim": get_optimizer_state_dict(self.holder, self.opt)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(self.holder, state["model"])
+        set_optimizer_state_dict(self.holder, self.opt, state["optim"])
 
 
 def inject(fault: dict, rank: int):
@@ -161,15 +258,12 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
     root = spec["root"]
     out = os.path.join(root, "out")
     os.makedirs(out, exist_ok=True)
-    holder = Holder(rank, spec.get("seed", 0))
-    ddp = DistributedDataParallel(holder.net)
-    opt = OffloadedAdamW([{"params": list(holder.net.parameters())}, {"params": [holder.own], "lr": 2e-2}],
-                         lr=1e-2, nvme_path=os.path.join(root, f"nvme-rank{rank}"), buffer_size=16 * 1024,
-                         buffer_count=3, small_param_threshold=64)
+    job = Job(spec, rank)
+    holder, opt = job.holder, job.opt
     step, log = 0, []
 
     def run(action: dict, k: int | None = None) -> None:
-        nonlocal step
+        nonlocal step, job, holder, opt
         if k is not None:
             action = with_round(action, k)
         entry = {"do": action["do"], **({} if k is None else {"round": k})}
@@ -181,12 +275,7 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
         try:
             if action["do"] == "train":
                 for _ in range(action["steps"]):
-                    g = torch.Generator().manual_seed(1000 * step + rank)
-                    x = torch.randn(8, 32, generator=g)
-                    loss = ddp(x).square().mean() + (holder.own * torch.randn(3000, generator=g)).sum().tanh()
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
+                    job.train(step)
                     step += 1
             elif action["do"] == "save":
                 undo = inject(action.get("fault"), rank)
@@ -216,8 +305,18 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
             elif action["do"] == "mkdir":
                 os.makedirs(action["dir"], exist_ok=True)
             elif action["do"] == "dump":
-                torch.save({"step": step, "model": holder.state_dict(), "opt": opt.state_dict()},
-                           os.path.join(out, f"rank{rank}-{action['tag']}.pt"))
+                torch.save(job.dump(step), os.path.join(out, f"rank{rank}-{action['tag']}.pt"))
+            elif action["do"] == "dcp_save":
+                job.dcp_save(action["dir"])
+            elif action["do"] == "dcp_load":
+                job.dcp_load(action["dir"])
+                step = action["step"]
+            elif action["do"] == "fresh":
+                opt.close()
+                job = Job(spec, rank)
+                holder, opt, step = job.holder, job.opt, 0
+            elif action["do"] == "rmtree":
+                shutil.rmtree(action["dir"])
             elif action["do"] == "verify":
                 entry["result"] = verify_checkpoint(action["dir"]).get("step")
             elif action["do"] == "cat":
@@ -262,8 +361,13 @@ def rank_main(spec: dict, rank: int, world: int) -> None:
 def main() -> None:
     jobs = json.loads(sys.argv[1])
     world = jobs["world"]
+    if any(spec.get("model") == "fsdp2" for spec in jobs["jobs"]):
+        # What fully_shard and DCP import on first use (2 s), imported once here rather than in every rank.
+        import torch._dynamo  # noqa: F401
+        import torch.distributed.checkpoint.state_dict  # noqa: F401
     for spec in jobs["jobs"]:
-        codes = fork_ranks(world, lambda rank, spec=spec: rank_main(spec, rank, world), jobs.get("timeout", 120))
+        n = spec.get("world", world)
+        codes = fork_ranks(n, lambda rank, spec=spec, n=n: rank_main(spec, rank, n), jobs.get("timeout", 120))
         os.makedirs(os.path.join(spec["root"], "out"), exist_ok=True)
         with open(os.path.join(spec["root"], "out", "returncodes.json"), "w") as f:
             json.dump(codes, f)

@@ -1,9 +1,11 @@
 """Checkpoints of a torch.distributed job (gloo, 2 ranks on CPU, each rank a process of
-tests/dist_ckpt_worker.py): every rank's shard plus one job manifest, committed for the whole job."""
+tests/dist_ckpt_worker.py): every rank's shard plus one job manifest, committed for the whole job; and
+FSDP2 jobs' checkpoints resumed on another number of ranks (4 and 2), equal to torch's DCP round trip."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -37,6 +39,7 @@ class Job:
     returncodes: list
     logs: list  # per rank: what each action did
     output: str
+    world: int = WORLD
 
     def dump(self, rank: int, tag: str) -> dict:
         return torch.load(os.path.join(self.root, "out", f"rank{rank}-{tag}.pt"), weights_only=True)
@@ -46,15 +49,16 @@ class Job:
                           enumerate(zip(self.returncodes, self.logs))) + "\n--- output:\n" + self.output[-5000:]
 
 
-def run_jobs(tmp: str, jobs: dict, *, timeout: float = 240) -> dict:
-    """Run jobs of WORLD gloo ranks one after the other (``{name: (actions, seed)}``); what each rank of
-    each did, by name. One process imports torch once and forks every job's ranks."""
+def run_jobs(tmp: str, jobs: dict, *, timeout: float = 240, **spec) -> dict:
+    """Run jobs of gloo ranks one after the other (``{name: (actions, seed)}``, or ``(actions, seed, world)``
+    for a job of other than WORLD ranks; ``spec``: more of every job's spec, see dist_ckpt_worker.py); what
+    each rank of each did, by name. One process imports torch once and forks every job's ranks."""
     specs = []
-    for name, (actions, seed) in jobs.items():
+    for name, (actions, seed, *world) in jobs.items():
         root = os.path.join(tmp, name)
         os.makedirs(root)
         specs.append({"init": f"file://{root}/store", "root": root, "actions": actions, "seed": seed,
-                      "timeout": 30})
+                      "timeout": 30, "world": world[0] if world else WORLD, **spec})
     done = subprocess.run([sys.executable, WORKER, json.dumps({"world": WORLD, "timeout": 90, "jobs": specs})],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(),
                           timeout=timeout)
@@ -63,7 +67,8 @@ def run_jobs(tmp: str, jobs: dict, *, timeout: float = 240) -> dict:
         return json.load(open(path)) if os.path.exists(path) else default
 
     return {name: Job(spec["root"], read(spec["root"], "returncodes.json", None),
-                      [read(spec["root"], f"rank{r}.json", []) for r in range(WORLD)], done.stdout)
+                      [read(spec["root"], f"rank{r}.json", []) for r in range(spec["world"])], done.stdout,
+                      spec["world"])
             for name, spec in zip(jobs, specs)}
 
 
@@ -85,7 +90,7 @@ def assert_same(a, b, where: str = "") -> None:
 
 def assert_ok(job: Job, actions: int | None = None) -> None:
     """Every rank of ``job`` exited well, and its first ``actions`` actions (default all) succeeded."""
-    assert job.returncodes == [0] * WORLD, job.explain()
+    assert job.returncodes == [0] * job.world, job.explain()
     assert all(len(log) >= (actions or 1) and all(e["ok"] for e in log[:actions]) for log in job.logs), job.explain()
 
 
@@ -448,3 +453,127 @@ def test_commit_into_an_empty_directory_that_fails_after_its_rename_leaves_the_c
         assert "injected fault after the commit" in log[39]["error"] or "on rank 0" in log[39]["error"], job.explain()
         assert log[41]["result"] == ["a", "empty"], job.explain()
         assert log[42]["result"] == ["manifest.json", "rank-00000", "rank-00001"], job.explain()
+
+
+# -- resuming on another number of ranks -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """FSDP2 jobs (dist_ckpt_worker.py's model, 8-bit state) saved on 4 ranks and on 2, each through
+    save_checkpoint and through DCP, each loaded on the other number of ranks both ways, dumped, and
+    trained one step more. "four" trains 2 steps and saves (also a copy whose rank-00003 shard is then
+    deleted); "two" loads those into fresh optimizers, trains a run of its own and saves it, then tries
+    the copy; "four-again" loads that run."""
+    tmp = str(tmp_path_factory.mktemp("reshard"))
+
+    def resumed(ours: str, theirs: str) -> list:
+        return [{"do": "load", "dir": ours}, {"do": "dump", "tag": "ours"}, {"do": "train", "steps": 1},
+                {"do": "dump", "tag": "ours-next"}, {"do": "fresh"}, {"do": "dcp_load", "dir": theirs, "step": 2},
+                {"do": "dump", "tag": "dcp"}, {"do": "train", "steps": 1}, {"do": "dump", "tag": "dcp-next"}]
+
+    c = functools.partial(os.path.join, tmp)
+    jobs = run_jobs(tmp, {
+        "four": ([{"do": "train", "steps": 2}, {"do": "save", "dir": c("ours4")}, {"do": "dcp_save", "dir": c("dcp4")},
+                  {"do": "save", "dir": c("lost")}, {"do": "barrier"},
+                  {"do": "rmtree", "dir": c("lost", "rank-00003"), "ranks": [0]}], 0, 4),
+        "two": ([*resumed(c("ours4"), c("dcp4")),
+                 {"do": "fresh"}, {"do": "train", "steps": 2}, {"do": "save", "dir": c("ours2")},
+                 {"do": "dcp_save", "dir": c("dcp2")},
+                 {"do": "load", "dir": c("ours4")}, {"do": "dump", "tag": "before-lost"},
+                 {"do": "load", "dir": c("lost")}, {"do": "dump", "tag": "after-lost"}], 1, 2),
+        "four-again": (resumed(c("ours2"), c("dcp2")), 1, 4),
+    }, model="fsdp2", state_dtype="int8")
+    return tmp, jobs
+
+
+def test_fsdp2_checkpoint_of_4_ranks_resumes_on_2_as_through_dcp(resharded):
+    """A 4-rank FSDP2 job's checkpoint loaded on 2 ranks gives every rank the weights and optimizer state
+    (moments, 8-bit codes, fp32 masters, steps) that the same state saved and loaded through DCP gives,
+    bit for bit, and one more step stays equal."""
+    _, jobs = resharded
+    job = jobs["two"]
+    assert_ok(job, 15)
+    for r in range(2):
+        assert_same(job.dump(r, "ours"), job.dump(r, "dcp"), f"rank {r}")
+        assert_same(job.dump(r, "ours-next"), job.dump(r, "dcp-next"), f"rank {r}, a step later")
+
+
+def test_fsdp2_checkpoint_of_2_ranks_resumes_on_4_as_through_dcp(resharded):
+    """The same from 2 ranks to 4: each new rank reads its rows from the shard(s) holding them."""
+    _, jobs = resharded
+    job = jobs["four-again"]
+    assert_ok(job)
+    for r in range(4):
+        assert_same(job.dump(r, "ours"), job.dump(r, "dcp"), f"rank {r}")
+        assert_same(job.dump(r, "ours-next"), job.dump(r, "dcp-next"), f"rank {r}, a step later")
+
+
+def test_resharded_checkpoints_hold_every_case_of_the_model(resharded):
+    """What the model is built to exercise holds in the checkpoints: on 2 ranks, the first layer's 8-bit
+    state (whole blocks), the second layer's fp32 on rank 0 and 8-bit on rank 1 (whose rows start inside a
+    block of the 4-rank layout), its bias offloaded; on 4 ranks, fp32 moments throughout and that bias in
+    memory; bf16 weights with fp32 masters on both; and a last layer none of whose rows is on the fourth of
+    4 ranks."""
+    tmp, _ = resharded
+    two = [read_manifest(os.path.join(tmp, "ours2", f"rank-{r:05d}"))["params"] for r in range(2)]
+    four = [read_manifest(os.path.join(tmp, "ours4", f"rank-{r:05d}"))["params"] for r in range(4)]
+    moments = lambda p: (p.get("key_dtypes") or [p["state_dtype"]])[0]  # noqa: E731
+    assert [moments(ps[0]) for ps in two] == ["uint8", "uint8"]
+    assert [moments(ps[2]) for ps in two] == ["float32", "uint8"]
+    assert [ps[2]["local"] for ps in two] == [{"shape": [17, 320], "offsets": [0, 0]},
+                                              {"shape": [16, 320], "offsets": [17, 0]}]
+    assert {moments(p) for ps in four for p in ps if p["where"] == "swap"} == {"float32"}
+    assert [ps[3]["where"] for ps in two] == ["swap", "swap"] and {ps[3]["where"] for ps in four} == {"memory"}
+    assert all("master" in ps[4]["keys"] for ps in two + four)
+    assert [ps[6]["local"]["shape"] for ps in four] == [[1, 64], [1, 64], [1, 64], [0, 64]]
+
+
+def test_shards_that_do_not_cover_a_parameter_are_refused_naming_the_range(resharded):
+    """A 4-rank checkpoint whose rank-00003 shard is gone, loaded on 2 ranks: rank 1, which holds rows 160
+    to 320 of the first layer, finds the last 80 of them in no shard and says which elements, in the full
+    tensor's flat order, and which shard is missing; every rank raises, and none changed its state (nothing
+    loaded as zeros)."""
+    _, jobs = resharded
+    job = jobs["two"]
+    assert job.returncodes == [0, 0], job.explain()
+    for r, log in enumerate(job.logs):
+        failed = log[15]
+        assert failed["do"] == "load" and not failed["ok"] and failed["type"] == "CheckpointError", job.explain()
+        assert "elements [7680, 10240) of parameter 0 (shape [320, 32])" in failed["error"], job.explain()
+        assert "the shard(s) rank-00003 of the job are not here" in failed["error"], job.explain()
+        if r == 0:
+            assert "rank 1 cannot load" in failed["error"] and "nothing was loaded on any rank" in failed["error"]
+        assert_same(job.dump(r, "after-lost"), job.dump(r, "before-lost"), f"rank {r}")
+
+
+def test_fsdp2_checkpoint_loads_whole_into_one_process_as_through_dcp(resharded, tmp_path):
+    """The 2-rank job's checkpoint loaded by a process alone into the model unsharded: every tensor whole,
+    gathered from both shards, as DCP's checkpoint of the same state loads into it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    tmp, _ = resharded
+    worker = _worker_module()
+    dumps = []
+    for name, load in (("ours", lambda m, o: load_checkpoint(o, os.path.join(tmp, "ours2"), model=m)),
+                       ("dcp", None)):
+        model = worker.Sharded(1, shard=False)
+        opt = worker.sharded_optimizer(model, str(tmp_path / name), "int8")
+        try:
+            if load is not None:
+                load(model, opt)
+            else:
+                state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+                dcp.load(state, checkpoint_id=os.path.join(tmp, "dcp2"), no_dist=True)
+                set_model_state_dict(model, state["model"])
+                set_optimizer_state_dict(model, opt, state["optim"])
+            dumps.append({"model": model.state_dict(), "opt": opt.state_dict()})
+        finally:
+            opt.close()
+    assert_same(dumps[0], dumps[1])
