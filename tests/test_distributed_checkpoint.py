@@ -8,7 +8,9 @@ import dataclasses
 import functools
 import importlib.util
 import json
+import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -28,6 +30,7 @@ from offload.checkpoint import (
 )
 from offload.checkpoint.verify import read_job_manifest
 from offload.ckpt_cli import main as ckpt_main
+from offload.distributed import Box
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_ckpt_worker.py")
 WORLD = 2
@@ -577,3 +580,31 @@ def test_fsdp2_checkpoint_loads_whole_into_one_process_as_through_dcp(resharded,
         finally:
             opt.close()
     assert_same(dumps[0], dumps[1])
+
+
+def test_box_runs_copy_the_elements_two_parts_share_as_indexing_does():
+    """Random parts of random tensors of up to 3 dimensions (split along any dimension, as tensor parallelism
+    splits them, not only rows): the runs of an intersection copy, from one part's flat elements into the
+    other's, exactly the elements both hold, and its flat ranges are its elements' indices in the full tensor."""
+    rng = random.Random(0)
+
+    def part(shape):
+        spans = [sorted(rng.randint(0, n) for _ in range(2)) for n in shape]
+        return Box(tuple(a for a, _ in spans), tuple(b - a for a, b in spans))
+
+    def held(full, box):
+        return full[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.shape))]
+
+    for _ in range(500):
+        shape = tuple(rng.randint(1, 5) for _ in range(rng.randint(0, 3)))
+        full = torch.arange(math.prod(shape)).reshape(shape)
+        a, b = part(shape), part(shape)
+        src, dst = held(full, a).reshape(-1), torch.full((b.numel,), -1)
+        both = a.intersect(b)
+        for old, new, n in (both.runs(a, b) if both is not None else ()):
+            dst[new:new + n] = src[old:old + n]
+        shared = set(src.tolist())
+        assert dst.tolist() == [x if x in shared else -1 for x in held(full, b).reshape(-1).tolist()], (shape, a, b)
+        if both is not None:
+            flat = [x for lo, hi in both.flat_ranges(shape) for x in range(lo, hi)]
+            assert flat == held(full, both).reshape(-1).tolist(), (shape, both)
