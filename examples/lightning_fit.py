@@ -11,7 +11,7 @@ import shutil
 import sys
 import tempfile
 
-import lightning as L
+import lightning
 import torch
 from torch import nn
 
@@ -24,7 +24,7 @@ swap = os.path.join(root, "swap")
 os.makedirs(swap, exist_ok=True)
 
 
-class Regression(L.LightningModule):
+class Regression(lightning.LightningModule):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
@@ -44,10 +44,11 @@ def fit(output_dir, resume=None):
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(32, 64, generator=g), torch.randn(32, 1, generator=g))
     module = Regression()
-    trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False,
-                        callbacks=[L.pytorch.callbacks.ModelCheckpoint(dirpath=output_dir, save_top_k=-1),
-                                   OffloadCheckpoint()])
+    trainer = lightning.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                                enable_model_summary=False,
+                                callbacks=[lightning.pytorch.callbacks.ModelCheckpoint(dirpath=output_dir,
+                                                                                       save_top_k=-1),
+                                           OffloadCheckpoint()])
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16), ckpt_path=resume)
     with materialized(module.net):
         weights = [p.detach().clone() for p in module.net.parameters()]

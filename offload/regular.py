@@ -8,7 +8,7 @@ import os
 import stat
 from typing import Optional
 
-__all__ = ["KIND_NAMES", "NotRegularFile", "TooLarge", "kind_of", "open_regular", "read_regular"]
+__all__ = ["KIND_NAMES", "FileTooLargeError", "NotRegularFileError", "kind_of", "open_regular", "read_regular"]
 
 # What stat's file types are called in messages.
 KIND_NAMES = (
@@ -27,13 +27,13 @@ def kind_of(mode: int) -> str:
                 else "a special file")
 
 
-class NotRegularFile(OSError):
+class NotRegularFileError(OSError):
     """A name that had to lead to a regular file leads to something else (a FIFO, a device, a socket, a
     directory, or a link where links are refused). An ``OSError`` with the path: the callers say what the
     file was for."""
 
 
-class TooLarge(OSError):
+class FileTooLargeError(OSError):
     """A file read whole is larger than it may be for what it is (a manifest, a config)."""
 
 
@@ -49,7 +49,7 @@ def open_regular(path: str | os.PathLike, *, follow: bool = True) -> int:
         path: the file; a symbolic link is followed unless ``follow`` is False (then it is refused).
 
     Raises:
-        NotRegularFile: ``path`` is not a regular file (the message says what it is).
+        NotRegularFileError: ``path`` is not a regular file (the message says what it is).
         OSError: from ``open(2)`` (``FileNotFoundError``, ``PermissionError``, ...).
     """
     path = os.fspath(path)
@@ -58,14 +58,14 @@ def open_regular(path: str | os.PathLike, *, follow: bool = True) -> int:
         fd = os.open(path, flags)
     except OSError as err:
         if err.errno == _errno.ELOOP and not follow:
-            raise NotRegularFile(_errno.ELOOP, "a symbolic link, not a regular file", path) from None
+            raise NotRegularFileError(_errno.ELOOP, "a symbolic link, not a regular file", path) from None
         if err.errno in (_errno.ENXIO, _errno.EOPNOTSUPP):  # a socket, or a FIFO on some file systems
-            raise NotRegularFile(err.errno, "a socket, not a regular file", path) from None
+            raise NotRegularFileError(err.errno, "a socket, not a regular file", path) from None
         raise
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
-            raise NotRegularFile(_errno.EINVAL, f"{kind_of(mode)}, not a regular file", path)
+            raise NotRegularFileError(_errno.EINVAL, f"{kind_of(mode)}, not a regular file", path)
     except BaseException:
         os.close(fd)
         raise
@@ -83,8 +83,8 @@ def read_regular(path: str | os.PathLike, *, limit: int, follow: bool = True, si
             another size is returned as read up to ``size + 1`` bytes, for the caller's check to refuse.
 
     Raises:
-        NotRegularFile: not a regular file.
-        TooLarge: more than ``limit`` bytes.
+        NotRegularFileError: not a regular file.
+        FileTooLargeError: more than ``limit`` bytes.
         OSError: it cannot be opened or read.
     """
     fd = open_regular(path, follow=follow)
@@ -92,8 +92,8 @@ def read_regular(path: str | os.PathLike, *, limit: int, follow: bool = True, si
         have = os.fstat(fd).st_size
         want = limit if size is None else min(limit, size)
         if have > limit:
-            raise TooLarge(_errno.EFBIG, f"{have} bytes, more than the {limit} a file of its kind holds",
-                           os.fspath(path))
+            raise FileTooLargeError(_errno.EFBIG, f"{have} bytes, more than the {limit} a file of its kind holds",
+                                    os.fspath(path))
         # A file that grows while it is read is cut at one byte past what it may hold: its size is then wrong.
         out = bytearray()
         while len(out) <= want:

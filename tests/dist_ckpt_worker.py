@@ -73,15 +73,17 @@ from offload.checkpoint import Retention, Storage, load_checkpoint, save_checkpo
 from offload.distributed import local
 
 
+class _FixedDatetime(datetime.datetime):
+    @classmethod
+    def now(cls, tz=None):
+        return datetime.datetime(2026, 1, 1, tzinfo=tz)
+
+
 class FixedClock:
     """Stands in for the datetime module in offload.checkpoint.manifest: now() is always the same second."""
 
     timezone = datetime.timezone
-
-    class datetime(datetime.datetime):
-        @classmethod
-        def now(cls, tz=None):
-            return datetime.datetime(2026, 1, 1, tzinfo=tz)
+    datetime = _FixedDatetime
 
 
 class Holder(nn.Module):

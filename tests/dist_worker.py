@@ -416,7 +416,7 @@ def placement(out: str) -> dict:
 
 
 def ddp_offload_parameters(out: str) -> dict:
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.nn.parallel import DistributedDataParallel
 
     from offload.params import materialized
 
@@ -432,24 +432,24 @@ def ddp_offload_parameters(out: str) -> dict:
     try:
         # Offloaded, then wrapped: DDP's constructor reads the weights.
         try:
-            DDP(offload(model()))
+            DistributedDataParallel(offload(model()))
         except RuntimeError as err:
             result["wrapped_after"] = str(err)
         # Wrapped, then offloaded with offloaded gradients: refused at the first forward, before any gradient.
-        d = DDP(model())
+        d = DistributedDataParallel(model())
         offload(d.module)
         try:
             d(batch(0))
         except ConfigError as err:
             result["grads_at_forward"] = str(err)
         try:
-            offload(DDP(model()))
+            offload(DistributedDataParallel(model()))
         except ConfigError as err:
             result["grads_at_wrap"] = str(err)
         # Wrapped, then offloaded with ordinary gradients: bit for bit DDP + torch's AdamW.
-        ref = DDP(model())
+        ref = DistributedDataParallel(model())
         ref_opt = torch.optim.AdamW(ref.parameters(), **LR, fused=True)
-        ours = DDP(model())
+        ours = DistributedDataParallel(model())
         offload(ours.module, offload_grads=False)
         opt = OffloadedAdamW(ours.parameters(), **LR, **OFFLOAD, nvme_path=path)
         for step in range(3):

@@ -146,11 +146,11 @@ def run_transformers(root: str) -> dict:
 
 
 def run_lightning(root: str) -> dict:
-    import lightning as L
+    import lightning
 
     from offload.integrations.lightning import OffloadCheckpoint
 
-    class Module(L.LightningModule):
+    class Module(lightning.LightningModule):
         def __init__(self):
             super().__init__()
             self.net = offloaded_stack(root)
@@ -162,7 +162,7 @@ def run_lightning(root: str) -> dict:
             self.opt = new_optimizer(self.parameters(), root)
             return self.opt
 
-    class Measure(L.Callback):
+    class Measure(lightning.Callback):
         """After OffloadCheckpoint's setup (it comes later in the list): windows around the load steps."""
 
         def setup(self, trainer, pl_module, stage):
@@ -176,15 +176,15 @@ def run_lightning(root: str) -> dict:
                 return fn(*args, **kwargs)
         return call
 
-    class Trainer(L.Trainer):
+    class Trainer(lightning.Trainer):
         def save_checkpoint(self, *args, **kwargs):
             with window("save"):
                 super().save_checkpoint(*args, **kwargs)
 
     def fit(resume=None):
         module = Module()
-        every = L.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "out"), every_n_train_steps=1,
-                                                    save_top_k=-1)
+        every = lightning.pytorch.callbacks.ModelCheckpoint(dirpath=os.path.join(root, "out"),
+                                                            every_n_train_steps=1, save_top_k=-1)
         trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                           enable_model_summary=False, callbacks=[every, OffloadCheckpoint(), Measure()])
         # One batch an epoch: Lightning resumes a run cut mid-epoch at the epoch's start (the loader keeps

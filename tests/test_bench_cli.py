@@ -565,7 +565,7 @@ def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, ca
     import argparse
 
     from offload.bench import compare
-    from offload.bench.cli import BenchFailure
+    from offload.bench.cli import BenchError
 
     args = argparse.Namespace(params=4_000_000, iterations=3, params_nvme=False, bf16=False, device="cpu")
     reported = tmp_path / "reported"
@@ -579,7 +579,7 @@ def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, ca
     result = compare._run(str(reported), compare.DEEPSPEED, str(tmp_path), args)
     assert result == dict(json.loads(report), exit_after_report=134)
     assert "exited with 134 after reporting" in capsys.readouterr().out
-    with pytest.raises(BenchFailure, match="exit 139.*Segmentation fault"):
+    with pytest.raises(BenchError, match="exit 139.*Segmentation fault"):
         compare._run(str(silent), compare.DEEPSPEED, str(tmp_path), args)
     assert sorted(os.listdir(tmp_path)) == ["reported", "silent"]  # each run's scratch directory removed
 

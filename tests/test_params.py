@@ -16,6 +16,7 @@ from torch import nn
 
 from offload import ConfigError, OffloadedAdamW, offload_parameters, restore_parameters
 from offload.params import clip_grad_norm_, load_grad, materialized, offloaded, store_of
+from offload.units import MIB
 
 
 def make_pair(seed=0, dtype=torch.float32, **kw):
@@ -244,18 +245,17 @@ def test_heap_freed_trims_once_per_bound_of_frees_and_gives_pages_back(monkeypat
 
     if _proc._malloc_trim is None or _proc._mallinfo2 is None:
         pytest.skip("needs glibc's malloc_trim and mallinfo2")
-    MiB = 1 << 20
-    trims, free = [], [1000 * MiB]
+    trims, free = [], [1000 * MIB]
     real_trim, real_info = _proc._malloc_trim, _proc._mallinfo2
     monkeypatch.setattr(_proc, "_malloc_trim", lambda pad: trims.append(pad))
     monkeypatch.setattr(_proc, "_mallinfo2", lambda: types.SimpleNamespace(fordblks=free[0]))
     monkeypatch.setattr(_proc, "_freed", 0)
     for _ in range(10):
-        _proc.heap_freed(100 * MiB, every=256 * MiB)
+        _proc.heap_freed(100 * MIB, every=256 * MIB)
     assert len(trims) == 3  # at 300, 600 and 900 MiB reported
-    free[0] = 200 * MiB  # little free: nothing to give back
+    free[0] = 200 * MIB  # little free: nothing to give back
     for _ in range(10):
-        _proc.heap_freed(100 * MiB, every=256 * MiB)
+        _proc.heap_freed(100 * MIB, every=256 * MIB)
     assert len(trims) == 3
 
     monkeypatch.setattr(_proc, "_malloc_trim", real_trim)
@@ -847,7 +847,6 @@ def test_the_weights_pool_follows_what_is_on_nvme(tmp_path):
     """The parameter pool holds buffer_count buffers no larger than the largest weight or gradient on NVMe (whole
     MiB), at most buffer_size elements each; a model kept in host memory (DeepSpeed's default max_in_cpu) has no
     pool at all, where it used to take 5 x 1e8 elements whatever the model."""
-    MiB = 1 << 20
 
     def pool_of(model, **kw):
         offload_parameters(model, nvme_path=str(tmp_path / "w"), **kw)
@@ -858,9 +857,9 @@ def test_the_weights_pool_follows_what_is_on_nvme(tmp_path):
             restore_parameters(model)
 
     assert pool_of(nn.Linear(64, 64)) == (0, 0)  # within max_in_cpu: nothing on NVMe, no pool
-    assert pool_of(nn.Linear(64, 64), max_in_cpu=0) == (5, 5 * MiB)  # 16 KiB weight: 1 MiB buffers
+    assert pool_of(nn.Linear(64, 64), max_in_cpu=0) == (5, 5 * MIB)  # 16 KiB weight: 1 MiB buffers
     big = nn.Sequential(nn.Linear(1024, 3000), nn.Linear(3000, 8))  # a 3072000-element fp32 weight: 11.7 MiB
-    assert pool_of(big, max_in_cpu=0) == (5, 5 * 12 * MiB)
-    assert pool_of(big, max_in_cpu=0, buffer_size=1 << 20, buffer_count=3) == (3, 3 * 4 * MiB)  # buffer_size caps it
+    assert pool_of(big, max_in_cpu=0) == (5, 5 * 12 * MIB)
+    assert pool_of(big, max_in_cpu=0, buffer_size=1 << 20, buffer_count=3) == (3, 3 * 4 * MIB)  # buffer_size caps it
     # The small tensors kept in memory (max_in_cpu), the big weight and its grad on NVMe: the big one sizes it.
-    assert pool_of(big, max_in_cpu=30_000, max_grad_in_cpu=0) == (5, 5 * 12 * MiB)
+    assert pool_of(big, max_in_cpu=30_000, max_grad_in_cpu=0) == (5, 5 * 12 * MIB)

@@ -21,7 +21,7 @@ from offload.checkpoint.manifest import read
 from offload.ckpt_cli import main as ckpt_main
 from offload.config import load_config
 from offload.errors import CheckpointError, ConfigError
-from offload.regular import NotRegularFile, TooLarge, read_regular
+from offload.regular import FileTooLargeError, NotRegularFileError, read_regular
 
 KINDS = ["fifo", "dev-zero"]
 _DEADLINE_S = 20
@@ -32,11 +32,11 @@ def deadline(seconds: float = _DEADLINE_S):
     """Fail (instead of hanging the run) when the block takes longer than ``seconds``: a blocking open of a
     FIFO is interrupted by the alarm."""
 
-    class Hung(Exception):
+    class HungError(Exception):
         pass
 
     def ring(signum, frame):
-        raise Hung(f"still running after {seconds} s: it hangs")
+        raise HungError(f"still running after {seconds} s: it hangs")
 
     old = signal.signal(signal.SIGALRM, ring)
     signal.setitimer(signal.ITIMER_REAL, seconds)
@@ -64,11 +64,11 @@ def test_read_regular_refuses_special_files_and_files_over_their_bound(tmp_path,
     and a regular file larger than the bound given before reading it."""
     special = tmp_path / "x"
     plant(special, kind)
-    with deadline(), pytest.raises(NotRegularFile, match="FIFO|character device"):
+    with deadline(), pytest.raises(NotRegularFileError, match="FIFO|character device"):
         read_regular(special, limit=1 << 20)
     big = tmp_path / "big"
     big.write_bytes(b"x" * 4097)
-    with pytest.raises(TooLarge, match="4097 bytes, more than the 4096"):
+    with pytest.raises(FileTooLargeError, match="4097 bytes, more than the 4096"):
         read_regular(big, limit=4096)
     assert read_regular(big, limit=4097) == b"x" * 4097
 

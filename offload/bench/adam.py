@@ -18,7 +18,7 @@ from ..state import resolve_pin
 from ..units import format_size, parse_size
 from . import overlap, report
 from .cli import (
-    BenchFailure,
+    BenchError,
     add_config_option,
     add_path_option,
     bench_paths,
@@ -114,7 +114,7 @@ def run_adam(args: argparse.Namespace) -> int:
                                 weights_offloaded=False)
         return 0
     if args.batch is not None or args.hidden is not None:
-        raise BenchFailure("--batch and --hidden go with --overlap")
+        raise BenchError("--batch and --hidden go with --overlap")
     with bench_paths(args.paths) as paths:
         main_cfg = args.config.replace(offload_optimizer={
             "nvme_path": list(paths), "device": args.offload_device, "host_cache": args.host_cache,

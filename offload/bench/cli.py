@@ -40,7 +40,7 @@ class UsageError(Exception):
     """A bad argument found after parsing (exit code 2); the message names it and what to do."""
 
 
-class BenchFailure(Exception):
+class BenchError(Exception):
     """A run that could not be completed for a reason that is not an OSError (exit code 1)."""
 
 
@@ -223,12 +223,12 @@ def bench_paths(paths: Sequence[str] | None) -> Iterator[list[str]]:
 
 
 def check_free_space(paths: Sequence[str], per_path: int, what: str) -> None:
-    """Raise :class:`BenchFailure` if a path has less than ``per_path`` bytes free."""
+    """Raise :class:`BenchError` if a path has less than ``per_path`` bytes free."""
     for p in paths:
         st = os.statvfs(p)
         free = st.f_bavail * st.f_frsize
         if free < per_path:
-            raise BenchFailure(
+            raise BenchError(
                 f"{p} has {format_size(free)} free but {what} needs {format_size(per_path)} there; "
                 "use a smaller --size or another --path"
             )
@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\n{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (OSError, BenchFailure, OffloadError) as err:
+    except (OSError, BenchError, OffloadError) as err:
         if args.debug:
             traceback.print_exc()
         print(f"{PROG}: error: {err}", file=sys.stderr)

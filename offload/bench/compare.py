@@ -32,7 +32,7 @@ from typing import Optional
 from ..progress import progress
 from ..units import format_size
 from . import report
-from .cli import EXIT_OK, BenchFailure, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
+from .cli import EXIT_OK, BenchError, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
 from .gpu import require_cuda
 from .ledger import KINDS, Ledger
 from .peer import WIDTH
@@ -109,7 +109,7 @@ def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, stat
         shutil.rmtree(directory, ignore_errors=True)
     result = _report(done.stdout)
     if result is None:
-        raise BenchFailure(f"the {system} run failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
+        raise BenchError(f"the {system} run failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
     if done.returncode != 0:
         # It measured and reported, then died on the way out (DeepSpeed's aio threads at interpreter exit can
         # abort: "terminate called without an active exception"): its figures stand, the exit is recorded.
@@ -211,7 +211,7 @@ def _rounds(args: argparse.Namespace, peer: Optional[str], root: str) -> tuple[d
             try:
                 result = _run(peer if system == DEEPSPEED else sys.executable, system, root, args, **kw)
                 bar.update(1)
-            except BenchFailure as err:
+            except BenchError as err:
                 if system != DEEPSPEED:
                     raise
                 failed = str(err).splitlines()[-1][-300:]
@@ -338,7 +338,7 @@ def build_ops(python: str, *, timeout: float = 3600) -> Optional[str]:
             try:
                 while proc.poll() is None:
                     if time.monotonic() - start > timeout:
-                        raise BenchFailure(f"building DeepSpeed's ops took more than {timeout:.0f} s")
+                        raise BenchError(f"building DeepSpeed's ops took more than {timeout:.0f} s")
                     time.sleep(0.5)
                     bar.refresh()  # the elapsed time moves
             finally:

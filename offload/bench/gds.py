@@ -20,27 +20,27 @@ from ..progress import tracked
 from ..space import SwapSpace
 from ..units import GIB
 from . import report
-from .cli import BenchFailure, UsageError, bench_paths, short_size
+from .cli import BenchError, UsageError, bench_paths, short_size
 from .io import Point, VerifyError, _pipeline, check_pass_args, config_doc, setup_run
 
 OURS, KVIKIO = "engine + pinned pool + GPU copy", "kvikio CuFile"
 
 
 def load_kvikio() -> tuple[Any, bool, str]:
-    """``(kvikio module, GDS usable, reason)``; raises :class:`BenchFailure` where kvikio cannot run at all.
+    """``(kvikio module, GDS usable, reason)``; raises :class:`BenchError` where kvikio cannot run at all.
 
     kvikio runs where it imports and a GPU is present; whether its transfers are GPUDirect (and why not)
     is :func:`offload.aio.gds_status`'s answer.
     """
     ok, reason = gds_status()
     if importlib.util.find_spec("kvikio") is None or not torch.cuda.is_available():
-        raise BenchFailure(f"--gds: GPUDirect Storage cannot be measured here: {reason}. "
-                           "Run without --gds to measure the engine alone")
+        raise BenchError(f"--gds: GPUDirect Storage cannot be measured here: {reason}. "
+                         "Run without --gds to measure the engine alone")
     try:
         kvikio = importlib.import_module("kvikio")
     except Exception as err:  # a wheel for another CUDA, a missing libcufile
-        raise BenchFailure(f"--gds: kvikio cannot be imported ({type(err).__name__}: {err}); "
-                           "run without --gds to measure the engine alone") from err
+        raise BenchError(f"--gds: kvikio cannot be imported ({type(err).__name__}: {err}); "
+                         "run without --gds to measure the engine alone") from err
     return kvikio, ok, reason
 
 
@@ -155,7 +155,7 @@ class _KvikioPasses:
             self._sync()  # on the drive, as our engine's O_DIRECT writes are, not in the page cache
         seconds = time.perf_counter() - t
         if done != self.size:
-            raise BenchFailure(f"kvikio {op[1:]} moved {done} bytes of {self.size}")
+            raise BenchError(f"kvikio {op[1:]} moved {done} bytes of {self.size}")
         return seconds
 
     def write(self) -> float:

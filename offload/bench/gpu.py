@@ -14,7 +14,7 @@ from .. import copies
 from ..buffers import BufferPool
 from ..progress import tracked
 from . import report
-from .cli import BenchFailure, add_config_option, check_output_file, positive_int_arg, short_size, size_arg
+from .cli import BenchError, add_config_option, check_output_file, positive_int_arg, short_size, size_arg
 
 GB = 1e9  # copy rates in GB/s (10^9 bytes), as CUDA's bandwidth tests give them
 
@@ -23,10 +23,10 @@ GB = 1e9  # copy rates in GB/s (10^9 bytes), as CUDA's bandwidth tests give them
 
 
 def require_cuda(device: torch.device | str, what: str = "--device cuda") -> None:
-    """Raise :class:`BenchFailure` when ``device`` is a CUDA device and torch sees none."""
+    """Raise :class:`BenchError` when ``device`` is a CUDA device and torch sees none."""
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a build without CUDA"
-        raise BenchFailure(f"{what} needs a CUDA device, and torch sees none (torch {torch.__version__}, {build})")
+        raise BenchError(f"{what} needs a CUDA device, and torch sees none (torch {torch.__version__}, {build})")
 
 
 def synchronize(device: torch.device) -> None:
@@ -118,8 +118,8 @@ def run_gpu(args: argparse.Namespace) -> int:
     pageable = BufferPool(count, size, pin_memory=False)
     try:
         if not all(b.pinned for b in pinned):
-            raise BenchFailure("cudaHostRegister refused the pool (see the warning above); nothing pinned "
-                               "to measure")
+            raise BenchError("cudaHostRegister refused the pool (see the warning above); nothing pinned "
+                             "to measure")
         gpu = torch.empty(count * pinned.buffer_size, dtype=torch.uint8, device=device)
         _check_round_trip(pinned, gpu)
         ncopies = max(1, -(-args.size // pinned.buffer_size))
@@ -190,7 +190,7 @@ def _check_round_trip(pool: BufferPool, gpu: torch.Tensor) -> None:
     sent = copies.into_device(gpu[:n], a)
     copies.waited([sent, copies.to_host(b, gpu[:n])])
     if not torch.equal(a, b):
-        raise BenchFailure("a buffer copied to the GPU and back differs from what was sent")
+        raise BenchError("a buffer copied to the GPU and back differs from what was sent")
 
 
 __all__ = ["GB", "fmt_gb", "gpu_peak", "pinned_text", "pool_pinned", "register", "require_cuda",

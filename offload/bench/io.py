@@ -23,7 +23,7 @@ from ..space import Extent, SwapSpace
 from ..units import ALIGNMENT, GIB, MIB, round_up
 from . import report
 from .cli import (
-    BenchFailure,
+    BenchError,
     UsageError,
     add_path_option,
     bench_paths,
@@ -43,7 +43,7 @@ STAMP_EVERY = ALIGNMENT  # one stamp per 4 KiB block: the smallest unit a mispla
 _STAMP_STRIDE = STAMP_EVERY // 8  # in int64 elements
 
 
-class VerifyError(BenchFailure):
+class VerifyError(BenchError):
     """Bytes read back differ from the bytes written."""
 
 
@@ -290,7 +290,7 @@ def _fio(runner: Fio, op: str) -> float:
     try:
         return runner.run(op).gib_s
     except FioError as err:
-        raise BenchFailure(str(err)) from err
+        raise BenchError(str(err)) from err
 
 
 # -- command line ----------------------------------------------------------------------------------------
@@ -349,7 +349,7 @@ def check_pass_args(args: argparse.Namespace, block_sizes: Sequence[int]) -> str
         try:
             return find_fio()
         except FioError as err:
-            raise BenchFailure(str(err)) from None
+            raise BenchError(str(err)) from None
     return None
 
 

@@ -17,7 +17,7 @@ from ..progress import tracked
 from ..state import resolve_pin
 from ..units import format_size
 from . import overlap, report
-from .cli import BenchFailure, add_config_option, add_path_option, bench_paths, config_given, positive_int_arg
+from .cli import BenchError, add_config_option, add_path_option, bench_paths, config_given, positive_int_arg
 from .fio import write_read_gib_s
 from .gpu import gpu_peak, pinned_text, pool_pinned, require_cuda, reset_gpu_peak, synchronize
 from .ledger import Meter, counters_of, render
@@ -95,7 +95,7 @@ def run_params(args: argparse.Namespace) -> int:
                                 weights_offloaded=True)
         return 0
     if args.batch == "auto":
-        raise BenchFailure("--batch auto goes with --overlap")
+        raise BenchError("--batch auto goes with --overlap")
     args.batch = args.batch or 16
     with bench_paths(args.paths) as paths:
         # Every weight goes through the disk, and with grad offload every grad (max_grad_in_cpu 0: else

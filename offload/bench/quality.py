@@ -24,7 +24,7 @@ import torch
 
 from ..units import format_size
 from . import report
-from .cli import EXIT_OK, BenchFailure, UsageError, add_path_option, bench_paths, positive_int_arg
+from .cli import EXIT_OK, BenchError, UsageError, add_path_option, bench_paths, positive_int_arg
 
 __all__ = ["MODES", "corpus", "register", "run_quality"]
 
@@ -169,7 +169,7 @@ def run_quality(args: argparse.Namespace) -> int:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise BenchFailure("offload-bench quality trains transformers' LlamaForCausalLM: pip install transformers") \
+        raise BenchError("offload-bench quality trains transformers' LlamaForCausalLM: pip install transformers") \
             from None
     names = list(MODES) if not args.modes else [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in names if m not in MODES]
@@ -221,7 +221,7 @@ def _plot(runs: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise BenchFailure("--png needs matplotlib (pip install matplotlib)") from None
+        raise BenchError("--png needs matplotlib (pip install matplotlib)") from None
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(16, 4.5))
     ref = dict(runs[REFERENCE]["held_out"])
     for run in runs.values():

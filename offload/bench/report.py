@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, TextIO
 from .._proc import status_bytes
 from ..aio import replace_file
 from ..units import GIB, format_size
-from .cli import BenchFailure, short_size
+from .cli import BenchError, short_size
 
 PLOT_INSTALL_HINT = (
     "--plot needs matplotlib, which is not installed: pip install 'nvme-offload[plot]' "
@@ -90,12 +90,12 @@ def memory_bytes(key: str) -> int:
     """A memory figure of this process in bytes (``VmRSS``, ``VmHWM``: see :func:`offload._proc.status_bytes`).
 
     Raises:
-        BenchFailure: the kernel does not report it (memory cannot be measured here).
+        BenchError: the kernel does not report it (memory cannot be measured here).
     """
     try:
         return status_bytes(key)
     except LookupError as err:
-        raise BenchFailure(f"{err}; peak memory cannot be measured here") from None
+        raise BenchError(f"{err}; peak memory cannot be measured here") from None
 
 
 def print_header(title: str, machine: dict[str, Any], params: Sequence[tuple[str, str]],
@@ -166,11 +166,11 @@ def write_json(path: str, doc: dict[str, Any]) -> None:
 
 
 def require_matplotlib() -> None:
-    """Raise :class:`BenchFailure` with install instructions if matplotlib is missing."""
+    """Raise :class:`BenchError` with install instructions if matplotlib is missing."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise BenchFailure(PLOT_INSTALL_HINT) from None
+        raise BenchError(PLOT_INSTALL_HINT) from None
 
 
 def _pyplot():

@@ -22,7 +22,7 @@ from ..pretrained import SafetensorsCheckpoint, offload_pretrained, save_pretrai
 from ..progress import tracked
 from ..units import GIB, format_size
 from . import report
-from .cli import BenchFailure, add_path_option, bench_paths, count_arg, positive_int_arg
+from .cli import BenchError, add_path_option, bench_paths, count_arg, positive_int_arg
 from .fio import write_read_gib_s
 
 VOCAB = 32000
@@ -105,7 +105,7 @@ def run_scale(args: argparse.Namespace) -> int:
     try:
         import transformers
     except ImportError as err:
-        raise BenchFailure("offload-bench scale needs transformers: pip install 'nvme-offload[integrations]'") from err
+        raise BenchError("offload-bench scale needs transformers: pip install 'nvme-offload[integrations]'") from err
     layers, inter, heads = _shape(args.params, args.hidden, args.vocab)
     hf_config = transformers.LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=inter, num_hidden_layers=layers,
@@ -287,10 +287,10 @@ def _check_export(model, directory: str, transformers, weight_bytes: int) -> str
                     break
         del back, loaded  # the whole model: gone before anything else runs
         if missing is not None:
-            raise BenchFailure(f"the export, loaded by from_pretrained, has no {missing!r}")
+            raise BenchError(f"the export, loaded by from_pretrained, has no {missing!r}")
         if differs is not None:
-            raise BenchFailure(f"the export's {differs!r}, loaded by from_pretrained, differs from the offloaded "
-                               "weight")
+            raise BenchError(f"the export's {differs!r}, loaded by from_pretrained, differs from the offloaded "
+                             "weight")
         return "loaded by from_pretrained"
     with SafetensorsCheckpoint(directory) as ckpt:
         for name, p in model.named_parameters():
@@ -298,5 +298,5 @@ def _check_export(model, directory: str, transformers, weight_bytes: int) -> str
                 continue  # a tied name
             with resident([p]):
                 if not torch.equal(ckpt.read(name), p.detach()):
-                    raise BenchFailure(f"the export's {name!r} differs from the offloaded weight")
+                    raise BenchError(f"the export's {name!r} differs from the offloaded weight")
     return "read tensor by tensor (too little memory for from_pretrained)"

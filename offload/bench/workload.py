@@ -15,7 +15,7 @@ from ..buffers import BufferPool
 from ..pipeline import Pipeline
 from ..space import SwapSpace
 from ..units import format_size, round_up
-from .cli import BenchFailure
+from .cli import BenchError
 
 IO_PIECE = 8 << 20  # request size of io_only
 
@@ -28,13 +28,13 @@ def synthetic_params(n: int, dtype: torch.dtype = torch.float32, *, tensor_eleme
     """``n`` parameters in tensors of ``tensor_elements`` on ``device``, each with a random grad (seeded).
 
     Raises:
-        BenchFailure: they (and their grads) would not fit in the host memory available now.
+        BenchError: they (and their grads) would not fit in the host memory available now.
     """
     need = 2 * n * torch.empty(0, dtype=dtype).element_size()
     available = psutil.virtual_memory().available
     if torch.device(device).type == "cpu" and need > available:
-        raise BenchFailure(f"{n:,} parameters and their grads need {format_size(need)} of host memory, "
-                           f"{format_size(available)} is available; give a smaller --params")
+        raise BenchError(f"{n:,} parameters and their grads need {format_size(need)} of host memory, "
+                         f"{format_size(available)} is available; give a smaller --params")
     g = torch.Generator().manual_seed(0)
     sizes = [tensor_elements] * (n // tensor_elements) + ([n % tensor_elements] if n % tensor_elements else [])
     params = []

@@ -16,7 +16,7 @@ from ..aio import Engine, create_private
 from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
 from ..modes import dir_mode
-from ..regular import NotRegularFile, TooLarge, open_regular, read_regular
+from ..regular import FileTooLargeError, NotRegularFileError, open_regular, read_regular
 
 # A checkpoint is a directory of these files; what each holds is docs/checkpoint.md's "Format".
 FORMAT = "nvme-offload-checkpoint"
@@ -141,7 +141,7 @@ class Storage:
         except FileNotFoundError:
             raise CheckpointError(f"checkpoint {os.path.dirname(src)} is missing {os.path.basename(src)}, which "
                                   "its manifest lists") from None
-        except NotRegularFile as err:
+        except NotRegularFileError as err:
             raise not_regular(err, src) from None
         with fin:
             try:
@@ -281,8 +281,8 @@ def read_checked(path: str, entry) -> bytes:
     no more than the manifest's size (and one byte) is read."""
     try:
         data = read_regular(path, limit=max(entry.bytes, _SMALL_LIMIT), size=entry.bytes)
-    except (NotRegularFile, TooLarge) as err:
-        if isinstance(err, TooLarge):
+    except (NotRegularFileError, FileTooLargeError) as err:
+        if isinstance(err, FileTooLargeError):
             raise ChecksumError(f"{path}: {err.strerror}, the manifest says {entry.bytes} bytes (replaced or "
                                 "corrupt); load an older checkpoint") from None
         raise not_regular(err, path) from None

@@ -12,7 +12,7 @@ import torch
 from .. import codes
 from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
-from ..regular import NotRegularFile, open_regular
+from ..regular import NotRegularFileError, open_regular
 from ..state import Layout, exported_keys, set_chunk_values, step_tensor
 from .commit import Staged, reading, write_atomically
 from .format import dtype_name, dtype_of
@@ -76,7 +76,7 @@ def _read_state_dict(state_dict: dict | str | os.PathLike) -> dict:
         path = os.fspath(state_dict)
         try:
             f = os.fdopen(open_regular(path), "rb")  # a FIFO or a device is never read
-        except NotRegularFile as err:
+        except NotRegularFileError as err:
             raise CheckpointError(f"{path} is {err.strerror}; give the file torch.save wrote") from None
         with f:
             state_dict = torch.load(f, map_location="cpu", weights_only=True)

@@ -24,7 +24,7 @@ from .._version import __version__
 from ..config.rules import MAX_BLOCK_SIZE
 from ..distributed import Box, local, local_box
 from ..errors import CheckpointError, ChecksumError
-from ..regular import NotRegularFile, TooLarge, read_regular
+from ..regular import FileTooLargeError, NotRegularFileError, read_regular
 from ..units import ALIGNMENT, MIB
 from .fields import (
     RULES,
@@ -502,7 +502,7 @@ def raw_manifest(directory: str, name: str = MANIFEST) -> Any:
     regular file of a manifest's size (a FIFO or a device is never read)."""
     try:
         return json.loads(read_regular(os.path.join(directory, name), limit=MANIFEST_LIMIT))
-    except (FileNotFoundError, NotADirectoryError, NotRegularFile, TooLarge, ValueError):
+    except (FileNotFoundError, NotADirectoryError, NotRegularFileError, FileTooLargeError, ValueError):
         return None
 
 
@@ -556,7 +556,7 @@ def read(directory: str) -> Manifest | JobManifest:
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a complete checkpoint (no {MANIFEST}); a save commits by "
                               f"writing its {MANIFEST} last, so no save of ours finished here") from None
-    except (NotRegularFile, TooLarge) as err:
+    except (NotRegularFileError, FileTooLargeError) as err:
         raise CheckpointError(f"{path} is {err.strerror}: a checkpoint's manifest is a regular file its save "
                               "wrote, so this is not one of our checkpoints (or it was tampered with); load "
                               "another one") from None

@@ -13,7 +13,7 @@ from typing import Any
 import hjson
 
 from ..errors import ConfigError
-from ..regular import NotRegularFile, TooLarge, read_regular
+from ..regular import FileTooLargeError, NotRegularFileError, read_regular
 from .rules import raise_if, show
 
 __all__ = ["CONFIG_LIMIT", "HJSON_SUFFIX", "read_config_bytes", "read_document"]
@@ -55,7 +55,7 @@ def read_document(path: str) -> dict:
         if not hjson_file and not text.strip():
             message = "the file holds no JSON value (it is empty); write {} for all defaults"
         raise ConfigError(_syntax_error(path, text, err.lineno, err.colno, message)) from None
-    except _NumberOutOfRange as err:
+    except _NumberOutOfRangeError as err:
         where = text.find(err.literal)
         line, column = _line_and_column(text, max(where, 0))
         raise ConfigError(_syntax_error(path, text, line, column, f"the number {_clip(err.literal)} is out of "
@@ -113,7 +113,7 @@ def read_config_bytes(path: str) -> bytes:
     """
     try:
         return read_regular(path, limit=CONFIG_LIMIT)
-    except (NotRegularFile, TooLarge) as err:
+    except (NotRegularFileError, FileTooLargeError) as err:
         raise ConfigError(f"{path} is {err.strerror}; give a JSON configuration file") from None
 
 
@@ -133,7 +133,7 @@ class _Object(dict):
         return obj
 
 
-class _NumberOutOfRange(Exception):
+class _NumberOutOfRangeError(Exception):
     def __init__(self, literal: str):
         super().__init__(literal)
         self.literal = literal
@@ -142,7 +142,7 @@ class _NumberOutOfRange(Exception):
 def _float(literal: str) -> float:
     value = float(literal)
     if value in (float("inf"), float("-inf")):
-        raise _NumberOutOfRange(literal)
+        raise _NumberOutOfRangeError(literal)
     return value
 
 
@@ -162,7 +162,7 @@ def _int(literal: str) -> int:
     try:
         return int(literal)
     except ValueError:  # more digits than Python converts (4300 by default)
-        raise _NumberOutOfRange(literal) from None
+        raise _NumberOutOfRangeError(literal) from None
 
 
 def _decode(data: bytes, path: str) -> str:

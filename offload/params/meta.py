@@ -126,7 +126,7 @@ def initialise(model: nn.Module, store, fresh: list[nn.Parameter], init: Init,
             continue
         rng = _rng_state(module)
         try:
-            with _holding(store, own, set(waiting), zero):
+            with _Holding(store, own, set(waiting), zero):
                 fn()
             done = own
         except torch.OutOfMemoryError:
@@ -137,14 +137,14 @@ def initialise(model: nn.Module, store, fresh: list[nn.Parameter], init: Init,
             # of the subtree's new parameters stays zero, and is theirs now.
             _set_rng_state(rng)
             done = list({id(p): p for p in module.parameters()}.values())
-            with _holding(store, done, set(waiting)):
+            with _Holding(store, done, set(waiting)):
                 fn()
         initialised_modules.add(id(module))
         waiting.difference_update(id(p) for p in done)
     # The swap space holds whatever was there before (the file's seal, for one): write zeros.
     for p in fresh:
         if id(p) in waiting:
-            with _holding(store, [p], waiting):
+            with _Holding(store, [p], waiting):
                 pass
     _tell_uninitialised(model, waiting, meta_buffers, init, initialised_modules)
 
@@ -160,7 +160,7 @@ def _initialiser(module: nn.Module, init: Init) -> Optional[Callable[[], None]]:
     return None
 
 
-class _holding:
+class _Holding:
     """Hold ``params`` resident for the block and write them back after it: those still ``waiting`` for
     their first values are fetched without reading (and zeroed, with ``zero``), the others read."""
 

@@ -14,7 +14,7 @@ import xxhash
 
 from ..config.files import CONFIG_LIMIT
 from ..errors import CheckpointError
-from ..regular import NotRegularFile, TooLarge, open_regular, read_regular
+from ..regular import FileTooLargeError, NotRegularFileError, open_regular, read_regular
 
 __all__ = ["DTYPES", "INDEX", "SINGLE", "Entry", "SafetensorsCheckpoint", "dtype_name"]
 
@@ -133,7 +133,7 @@ def regular_shard(file: str) -> Iterator[str]:
     """
     try:
         fd = open_regular(file)
-    except NotRegularFile as err:
+    except NotRegularFileError as err:
         raise not_regular(err, "a safetensors shard") from None
     try:
         yield f"/proc/self/fd/{fd}"
@@ -349,7 +349,7 @@ class SafetensorsCheckpoint:
                 weight_map = self._index["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise TypeError("weight_map is not an object")
-            except (NotRegularFile, TooLarge) as err:
+            except (NotRegularFileError, FileTooLargeError) as err:
                 raise not_regular(err, "a safetensors index") from None
             except OSError as err:
                 raise CheckpointError(f"{index}: cannot be read ({err.strerror}); copy or download the checkpoint "
