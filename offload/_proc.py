@@ -43,7 +43,7 @@ def _after_fork_in_child() -> None:
     for obj in list(_registered):
         try:
             obj._after_fork_in_child()
-        except Exception:  # noqa: BLE001 - a failing reset must not kill the child; its object stays unusable
+        except Exception:  # a failing reset must not kill the child; its object stays unusable
             pass
 
 

@@ -528,7 +528,7 @@ class _Run:
                         self.done = copies.produced(self.params)
                     raise
                 self.done = copies.produced(self.params)
-        except BaseException as err:  # noqa: BLE001 - reported by the next hook and by step()
+        except BaseException as err:  # reported by the next hook and by step()
             self.error = self.error or err
             if self.begun or not self.cancelled:
                 self.owner._mark_failed(self.error)

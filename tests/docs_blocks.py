@@ -308,7 +308,7 @@ def _run_one(block: Block, tmp: str, shared: dict) -> dict:
                 if not walkthrough:
                     _cleanup(namespace)
         return {"id": block.id, "ok": True, "seconds": round(time.monotonic() - started, 1)}
-    except BaseException:  # noqa: BLE001 - reported per block
+    except BaseException:  # reported per block
         return {"id": block.id, "ok": False, "error": traceback.format_exc()[-4000:]}
     finally:
         os.chdir(tmp)

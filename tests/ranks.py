@@ -22,7 +22,7 @@ def fork_ranks(world: int, rank_main: Callable[[int], None], timeout: float) -> 
             try:
                 rank_main(rank)
                 code = 0
-            except BaseException:  # noqa: BLE001 - printed for the test's report
+            except BaseException:  # printed for the test's report
                 traceback.print_exc()
             finally:
                 sys.stdout.flush()

@@ -442,7 +442,7 @@ def test_reads_inside_a_save_of_the_same_thread_do_not_wait_for_it(tmp_path):
 
         try:
             commit.write_atomically(tmp_path / "b", write)
-        except BaseException as err:  # noqa: BLE001 - reported below
+        except BaseException as err:  # reported below
             result["error"] = err
 
     worker = threading.Thread(target=save_b_reading_a, daemon=True)

@@ -609,7 +609,7 @@ def test_o_direct_required_leaves_no_file_it_created_and_keeps_one_it_did_not(no
                 fh.write(b"kept")
             with pytest.raises(OSError, match="refuses O_DIRECT"):
                 e.open(path, mode, o_direct=True)
-            assert open(path, "rb").read() == b"kept"  # noqa: SIM115
+            assert open(path, "rb").read() == b"kept"
 
 
 # -- fixed buffers ----------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def _within_deadline(fn, *args, seconds: float = 120.0, **kw):
     def run():
         try:
             out["value"] = fn(*args, **kw)
-        except BaseException as err:  # noqa: BLE001 - re-raised on the test's thread
+        except BaseException as err:  # re-raised on the test's thread
             out["error"] = err
 
     t = threading.Thread(target=run, daemon=True)

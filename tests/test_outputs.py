@@ -136,7 +136,7 @@ def test_plan_inputs_are_bounded_and_a_mistake_is_a_message(tmp_path, capsys, ar
            "num_attention_heads": 1, "vocab_size": 10}
     if "=" in args[-1]:
         key, value = args.pop().split("=")
-        doc[key] = eval(value)  # noqa: S307 - the test's own literals
+        doc[key] = eval(value)  # the test's own literals
     (hf / "config.json").write_text(json.dumps(doc))
     argv = [a.format(fifo=fifo, zero=zero, hf=hf) for a in args]
     with deadline(60):

@@ -152,7 +152,7 @@ def test_alloc_beyond_capacity_grows_the_files(tmp_path):
 def _raw_logical_bytes(files: list[str], unit: int, offset: int, nbytes: int) -> bytes:
     """Reassemble logical bytes from the raw swap files with the RAID0 mapping, independently of SwapSpace."""
     out = bytearray()
-    raw = [open(f, "rb").read() for f in files]  # noqa: SIM115 - small files, read once
+    raw = [open(f, "rb").read() for f in files]  # small files, read once
     n = len(files)
     pos = offset
     while pos < offset + nbytes:
@@ -196,7 +196,7 @@ def test_two_paths_each_get_their_share(tmp_path):
         for s in range(4):
             buf.numpy()[s * UNIT:(s + 1) * UNIT] = s + 1
         space.write(ext, buf).wait()
-        a, b = (open(f, "rb").read() for f in space.files)  # noqa: SIM115
+        a, b = (open(f, "rb").read() for f in space.files)
         assert a[:UNIT] == bytes([1]) * UNIT and a[UNIT:2 * UNIT] == bytes([3]) * UNIT
         assert b[:UNIT] == bytes([2]) * UNIT and b[UNIT:2 * UNIT] == bytes([4]) * UNIT
         assert space.stats()["requests"] == 2  # one vectored request per path

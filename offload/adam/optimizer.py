@@ -416,7 +416,7 @@ class OffloadedAdam(torch.optim.Adam):
             wait_for_saves(self)
         except KeyboardInterrupt:
             raise  # nothing is let go yet: close() again waits again
-        except BaseException as err:  # noqa: BLE001 - raised below, once everything is let go
+        except BaseException as err:  # raised below, once everything is let go
             error = err
         with deferred(urgent=False):
             self._overlap.abandon(StateError("the optimizer was closed during backward"))

@@ -301,7 +301,7 @@ def wait_quietly(futures) -> None:
     for fut in futures:
         try:
             fut.wait()
-        except Exception:  # noqa: BLE001 - the first error is already on its way up
+        except Exception:  # the first error is already on its way up
             pass
 
 
@@ -319,7 +319,7 @@ class FutureGroup:
         for f in self._futures:
             try:
                 total += f.wait()
-            except Exception as err:  # noqa: BLE001 - every member lands before the first error leaves
+            except Exception as err:  # every member lands before the first error leaves
                 first = first or err
         if first is not None:
             raise first

@@ -153,7 +153,7 @@ def model_params(*, hf_config: Optional[str] = None, count: Optional[int] = None
         cfg = transformers.CONFIG_MAPPING[doc["model_type"]].from_dict(doc)
     except UsageError:
         raise
-    except Exception as err:  # noqa: BLE001 - transformers' own validation errors are Exceptions: a user's file
+    except Exception as err:  # transformers' own validation errors are Exceptions: a user's file
         raise UsageError(f"{path} is not a Hugging Face model config ({type(err).__name__}: {err})") from None
     try:
         with torch.device("meta"):
@@ -162,7 +162,7 @@ def model_params(*, hf_config: Optional[str] = None, count: Optional[int] = None
             except ValueError:  # not a causal language model: its base model
                 model = transformers.AutoModel.from_config(cfg)
         model.to(torch_dtype)
-    except Exception as err:  # noqa: BLE001 - a config transformers takes but cannot build: the user's mistake
+    except Exception as err:  # a config transformers takes but cannot build: the user's mistake
         raise UsageError(f"{path}: transformers cannot build this model ({type(err).__name__}: {err}); check its "
                          "sizes") from None
     return [p for p in model.parameters() if p.requires_grad]

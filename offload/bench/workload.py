@@ -106,7 +106,7 @@ def compute_beside_io(paths, aio, work: Callable[[], float], *, buffers: int = 4
             try:
                 while not done.is_set():
                     _run_ops(sp, pool, extent, mixed)
-            except BaseException as err:  # noqa: BLE001 - raised on the caller's thread below
+            except BaseException as err:  # raised on the caller's thread below
                 failed.append(err)
 
         mover = threading.Thread(target=move, name="offload-bench-io")

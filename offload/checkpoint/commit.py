@@ -277,7 +277,7 @@ def in_background(owner, handle: SaveHandle, work: Callable[[], None], name: str
         error = None
         try:
             work()
-        except BaseException as err:  # noqa: BLE001 - surfaces on the handle and at the next save
+        except BaseException as err:  # surfaces on the handle and at the next save
             error = err
             # The frames of the save hold the optimizer's store; the error is kept, not what they held.
             traceback.clear_frames(err.__traceback__)

@@ -65,7 +65,7 @@ def gather(obj: Any, doing: str) -> list:
     out: list = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(out, obj, group=_group())
-    except Exception as err:  # noqa: BLE001 - gloo raises RuntimeError or DistBackendError
+    except Exception as err:  # gloo raises RuntimeError or DistBackendError
         raise CheckpointError(f"{doing}: not every rank of the job answered (a rank died, or did not get this "
                               f"far within the process group's timeout of {_timeout(dist.group.WORLD)}): "
                               f"{err}") from err
@@ -85,7 +85,7 @@ def on_every_rank(doing: str, step: Callable[[], tuple[Any, dict]]) -> tuple[Any
     try:
         result, told = step()
         status.update(told, ok=True)
-    except Exception as err:  # noqa: BLE001 - told to the other ranks, then raised
+    except Exception as err:  # told to the other ranks, then raised
         own = err
         status["error"] = f"{type(err).__name__}: {err}"
     try:
@@ -181,7 +181,7 @@ def save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Cal
         # rank must not make it report a committed save as failed while the others report success.
         try:
             then(given)
-        except Exception as err:  # noqa: BLE001 - reported, the save stands
+        except Exception as err:  # reported, the save stands
             warnings.warn(f"the job's checkpoint {given} is committed on every rank, but what follows the save "
                           f"failed on rank {rank}: {type(err).__name__}: {err}", RuntimeWarning, stacklevel=3)
     return given

@@ -228,7 +228,7 @@ class Retention:
             for path in [p for p in copies if job or os.path.isdir(p)]:
                 try:
                     return path, load_checkpoint(optimizer, path, model=model, alone=alone)
-                except Exception as err:  # noqa: BLE001 - a job's load raises on every rank alike; all go on
+                except Exception as err:  # a job's load raises on every rank alike; all go on
                     if not (job or isinstance(err, (CheckpointError, OSError))):
                         raise
                     # A corruption found while streaming has overwritten part of the state: the next

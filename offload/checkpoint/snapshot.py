@@ -334,7 +334,7 @@ class StateCopy:
                 return
             if self.capturing.get(i, (None, None))[1] is token:
                 self._capture(i, unit, buf)
-        except BaseException as err:  # noqa: BLE001 - the save fails, training goes on
+        except BaseException as err:  # the save fails, training goes on
             failure = err
             if not isinstance(err, Exception):  # a KeyboardInterrupt (or exit) in the step: the step's too
                 failure = CheckpointError(f"the save was interrupted ({type(err).__name__}) in the step that was "

@@ -40,7 +40,7 @@ def aio_of(manifest) -> AioConfig:
     """The engine settings a checkpoint was saved with (the defaults where this version cannot read them)."""
     try:
         return load_config({"aio": manifest.config["aio"]}).aio
-    except Exception:  # noqa: BLE001 - a config this version cannot read: the defaults do
+    except Exception:  # a config this version cannot read: the defaults do
         return AioConfig()
 
 

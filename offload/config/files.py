@@ -96,7 +96,7 @@ def _hjson_hint(text: str) -> str:
     strings, or a missing comma that hjson reads past)."""
     try:
         hjson.loads(text)
-    except Exception:  # noqa: BLE001 - not hjson either: the JSON error is the whole story
+    except Exception:  # not hjson either: the JSON error is the whole story
         return ""
     return (f" (this is strict JSON; the file would read as hjson, which DeepSpeed also accepts, with its comments, "
             f"trailing commas and unquoted strings: fix the JSON, or rename the file to *{HJSON_SUFFIX} to have "

@@ -65,7 +65,7 @@ def waited(tickets: Iterable[Optional[Ticket]]) -> None:
             continue
         try:
             t.wait()
-        except BaseException as err:  # noqa: BLE001 - the first is raised once every copy is waited for
+        except BaseException as err:  # the first is raised once every copy is waited for
             first = first or err
     if first is not None:
         raise first

@@ -75,7 +75,7 @@ class EmulatedStream:
             if fn is not None:
                 try:
                     fn()
-                except BaseException as err:  # noqa: BLE001 - reported by check()
+                except BaseException as err:  # reported by check()
                     self.owner.violations.append(f"{self.name}: {err!r}")
             event._flag.set()
 

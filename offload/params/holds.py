@@ -40,7 +40,7 @@ def release_each(items: Iterable, release: Callable) -> None:
     for item in items:
         try:
             release(item)
-        except BaseException as err:  # noqa: BLE001 - re-raised below, once every item was tried
+        except BaseException as err:  # re-raised below, once every item was tried
             first = first or err
     if first is not None:
         raise first

@@ -83,7 +83,7 @@ def _download(huggingface_hub, repo: str, revision: Optional[str], where: str, k
     any failure is one error naming the id, with how to go on without the network."""
     try:
         return huggingface_hub.snapshot_download(repo, etag_timeout=10, **kw)
-    except Exception as err:  # noqa: BLE001 - network, auth, missing repo: all end the same way here
+    except Exception as err:  # network, auth, missing repo: all end the same way here
         raise CheckpointError(
             f"{repo}{_at(revision)} is neither a directory here nor in the local Hugging Face cache ({where}), and "
             "could not be downloaded "

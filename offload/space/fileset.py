@@ -171,7 +171,7 @@ class FileSet:
         for engine in self.engines:
             try:
                 engine.close()
-            except Exception as err:  # noqa: BLE001 - keep releasing the rest, report the first
+            except Exception as err:  # keep releasing the rest, report the first
                 first = first or err
         return first
 
