@@ -92,6 +92,7 @@ class HostBuffer:
 
     @property
     def closed(self) -> bool:
+        """Whether the buffer is closed (its memory given back)."""
         return self._tensor is None
 
     def __enter__(self) -> HostBuffer:
@@ -176,6 +177,7 @@ class BufferPool:
         return self.buffers[i]
 
     def close(self) -> None:
+        """Close every buffer of the pool."""
         for b in self.buffers:
             b.close()
 

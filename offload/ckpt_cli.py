@@ -38,6 +38,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``offload-ckpt`` argument parser, with every subcommand."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Inspect, verify, export, import and mirror nvme-offload checkpoints (optimizer state, model "

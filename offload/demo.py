@@ -34,6 +34,7 @@ class TinyLM(torch.nn.Module):
         self.register_buffer("mask", torch.nn.Transformer.generate_square_subsequent_mask(context))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The logits of the next token at each position of ``tokens`` (batch, positions), attending causally."""
         n = tokens.shape[1]
         x = self.embed(tokens) + self.pos[:n]
         return self.head(self.blocks(x, mask=self.mask[:n, :n], is_causal=True))
@@ -49,6 +50,7 @@ def _batches(steps: int, batch: int, context: int, vocab: int):
 
 
 def main(argv=None) -> int:
+    """Train the demo model beside torch's AdamW and print both losses; returns the exit code."""
     parser = argparse.ArgumentParser(prog="python -m offload.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--path", help="directory for the swap files (default: a scratch directory, removed after)")
     parser.add_argument("--steps", type=int, default=30)

@@ -258,9 +258,11 @@ class LossScale:
         self.cur_iter += 1
 
     def state_dict(self) -> dict:
+        """The loss scale's counters, for a checkpoint."""
         return dict(self.__dict__)
 
     def load_state_dict(self, state: dict) -> None:
+        """Take back the counters of :meth:`state_dict`."""
         self.__dict__.update(state)
 
 
@@ -290,6 +292,7 @@ class OffloadEngine(nn.Module):
         self.global_steps = self.micro_steps = self.skipped_steps = 0
 
     def forward(self, *args, **kwargs):
+        """The model's forward."""
         return self.module(*args, **kwargs)
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -353,6 +356,7 @@ class OffloadEngine(nn.Module):
         return False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the optimizer's grads (as torch's ``zero_grad``)."""
         self.optimizer.zero_grad(set_to_none)
 
     def get_lr(self) -> list[float]:

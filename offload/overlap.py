@@ -113,6 +113,7 @@ class BackwardOverlap:
 
     @property
     def running(self) -> bool:
+        """Whether a step that a backward started is running (until step() finishes it)."""
         return self._run is not None
 
     def norms(self) -> dict:
@@ -174,6 +175,7 @@ class BackwardOverlap:
             "with load_checkpoint() or load_state_dict() before stepping again."))
 
     def remove(self) -> None:
+        """Take the hooks off the parameters."""
         _remove_hooks(self._handles)
 
     # -- what the optimizer refuses, or ends, while a step that backward started runs ------------
@@ -287,40 +289,43 @@ class NoOverlap:
     running = False
 
     def hook(self, params) -> None:
-        pass
+        """Nothing to watch: updates run in step() only."""
 
     def no_step(self) -> contextlib.AbstractContextManager:
+        """Backward never steps: an empty block."""
         return contextlib.nullcontext()
 
     def norms(self) -> dict:
+        """No gradient norms are taken during backward."""
         return {}
 
     def finish(self) -> set:
+        """No step is in progress: nothing was updated."""
         return set()
 
     def abandon(self, err: BaseException) -> None:
-        pass
+        """No step is in progress: nothing to stop."""
 
     def cancel(self, what: str) -> None:
-        pass
+        """No step is in progress: nothing to end."""
 
     def remove(self) -> None:
-        pass
+        """No hooks to take off."""
 
     def refuse_while_running(self, what: str) -> None:
-        pass
+        """Never running: nothing to refuse."""
 
     def end_for_load(self, what: str) -> None:
-        pass
+        """Never running: nothing to end."""
 
     def refuse_unsupported(self, *, closure: Optional[Callable], scaler: bool) -> None:
-        pass
+        """step() honours closures and GradScalers without overlap: nothing to refuse."""
 
     def refuse_scaler(self) -> None:
-        pass  # never running: nothing to refuse
+        """Never running: nothing to refuse."""
 
     def note_step(self, *, clean: bool) -> None:
-        pass
+        """Nothing to learn: overlap is off."""
 
 
 # NOTE: an update inside backward is exact only when the backward that makes a gradient final is the last
@@ -349,6 +354,8 @@ class Learning:
         self._reads = grad_reads()
 
     def final(self, p: torch.Tensor) -> None:
+        """``p``'s gradient became final: noted, with the hyperparameters at a step's first one, a second
+        backward before step() (accumulation), and a sample of an ordinary gradient to compare at step()."""
         if id(p) in self._fired:
             self._twice = True  # a second backward before step(): accumulation
         if not self._fired:

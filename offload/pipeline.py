@@ -25,9 +25,11 @@ class BufferSource(Protocol):
     ones), which then does not count towards the pipeline's lookahead.
     """
 
-    def take(self, wait: bool, item: Any = None) -> Any: ...
+    def take(self, wait: bool, item: Any = None) -> Any:
+        """A buffer for ``item``; with ``wait`` False only one that is idle now, else None."""
 
-    def give(self, buffer: Any, pending: Any = None) -> None: ...
+    def give(self, buffer: Any, pending: Any = None) -> None:
+        """Give ``buffer`` back; ``pending``: a future still using it (a write), or None."""
 
 
 class BufferRing:
@@ -58,6 +60,8 @@ class BufferRing:
         return [b for b, _ in self._free]
 
     def take(self, wait: bool, item: Any = None) -> Any:
+        """A buffer for ``item``: the one holding its bytes where ``prefer`` finds one, else the oldest idle one;
+        where none is idle, the oldest once its write has landed (with ``wait``), or None."""
         if self._prefer is not None and item is not None:
             for i, (buffer, pending) in enumerate(self._free):
                 if self._prefer(item, buffer):
@@ -79,6 +83,7 @@ class BufferRing:
         return buffer
 
     def give(self, buffer: Any, pending: Any = None) -> None:
+        """Put ``buffer`` at the end of the ring; ``pending``: a write still reading it, or None."""
         self._free.append((buffer, pending))
 
 

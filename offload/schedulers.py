@@ -56,6 +56,7 @@ class WarmupLR(LRScheduler):
         return self.last_epoch - 1
 
     def get_lr(self) -> list[float]:
+        """Each group's rate after the optimizer's last step (``warmup_min_lr`` before the first)."""
         if self.last_batch_iteration < 0:
             return list(self.min_lrs)
         gamma = self._get_gamma()
@@ -135,6 +136,7 @@ class WarmupCosineLR(LRScheduler):
         return self.last_epoch - 1
 
     def get_lr_ratio(self) -> float:
+        """The ratio to the groups' initial rates after the optimizer's last step: the warmup's, then the cosine's."""
         if self.last_batch_iteration < self.warmup_num_steps:
             if self.warmup_type == "log":
                 ratio = self.inverse_log_warm_up * math.log(self.last_batch_iteration + 1)
@@ -149,6 +151,7 @@ class WarmupCosineLR(LRScheduler):
         return max(0.0, self.cos_min_ratio + ratio_delta * ratio)
 
     def get_lr(self) -> list[float]:
+        """Each group's rate after the optimizer's last step (the first group's is 0 before the first)."""
         if self.last_batch_iteration < 0:
             return [0.0] + [group["lr"] for group in self.optimizer.param_groups[1:]]
         lr_ratio = self.get_lr_ratio()

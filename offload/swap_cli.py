@@ -29,6 +29,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``offload-swap`` argument parser (``list``, ``clean``)."""
     parser = argparse.ArgumentParser(
         prog=PROG, description="List or remove stale nvme-offload swap files (those no live process holds).")
     parser.add_argument("--version", action="version", version=f"%(prog)s (nvme-offload) {__version__}")

@@ -279,6 +279,7 @@ class Engine:
 
     @property
     def closed(self) -> bool:
+        """Whether the engine is closed: no request may be submitted to it."""
         return self._handle is None
 
     def close(self) -> None:

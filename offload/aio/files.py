@@ -81,12 +81,14 @@ class AioFile:
             self._close_fd()
 
     def fileno(self) -> int:
+        """The file descriptor (``ValueError`` once the file is closed)."""
         if self.closed:
             raise ValueError(f"I/O operation on closed file {self.path}")
         return self.fd
 
     @property
     def closed(self) -> bool:
+        """Whether the file is closed, or closing once its last requests have finished."""
         return self.fd < 0 or self._closing
 
     def close(self) -> None:

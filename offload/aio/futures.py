@@ -243,12 +243,15 @@ class CompletedFuture:
         self._result = result
 
     def wait(self) -> int:
+        """The result it was made with: there is no I/O to wait for."""
         return self._result
 
     def done(self) -> bool:
+        """True: nothing is in flight."""
         return True
 
     def digest(self) -> None:
+        """None: no bytes moved, so there is no checksum of them."""
         return None
 
 
@@ -266,6 +269,7 @@ class CheckedRead:
         self._checked: Optional[tuple] = None  # (bytes read, the mismatch or None) once compared
 
     def done(self) -> bool:
+        """Whether the read has finished (its bytes are compared at :meth:`wait`)."""
         return self._read.done()
 
     def wait(self) -> int:
@@ -284,6 +288,7 @@ class CheckedRead:
         return n
 
     def digest(self):
+        """The read's digest of the bytes it read."""
         return self._read.digest()
 
 
@@ -312,9 +317,11 @@ class FutureGroup:
         self._futures = list(futures)
 
     def done(self) -> bool:
+        """Whether every member has finished."""
         return all(f.done() for f in self._futures)
 
     def wait(self) -> int:
+        """Wait for every member, then raise the first error; returns the bytes they moved together."""
         total, first = 0, None
         for f in self._futures:
             try:

@@ -152,6 +152,7 @@ def config_given(args: argparse.Namespace) -> bool:
 
 
 def add_path_option(parser: argparse.ArgumentParser) -> None:
+    """Add ``--path DIR...`` to ``parser``: the directories of the swap files, one per drive."""
     parser.add_argument(
         "--path", metavar="DIR", action="extend", nargs="+", dest="paths", default=None,
         help="directory for the swap file; give several (one per drive) to stripe over them. "
@@ -238,6 +239,7 @@ def check_free_space(paths: Sequence[str], per_path: int, what: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``offload-bench`` argument parser, with every subcommand."""
     parser = argparse.ArgumentParser(
         prog=PROG,
         description="Measure how fast the swap space moves data on your drives, "

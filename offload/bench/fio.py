@@ -36,6 +36,7 @@ class FioResult:
 
     @property
     def gib_s(self) -> float:
+        """Throughput in GiB/s."""
         return self.nbytes / self.seconds / GIB
 
 
@@ -52,6 +53,7 @@ def find_fio() -> str:
 
 
 def fio_version(fio: str) -> str:
+    """What ``fio --version`` prints (``"unknown"`` where it prints nothing)."""
     out = subprocess.run([fio, "--version"], capture_output=True, text=True, check=False)
     return out.stdout.strip() or "unknown"
 
@@ -96,6 +98,7 @@ class Fio:
         self._prefix = f"offload-bench-fio-{os.getpid()}"
 
     def command(self, op: str) -> list[str]:
+        """The fio command line of one ``op`` pass (``--rw``: write, read, ...) over every path at once."""
         cmd = [
             self.fio, "--output-format=json", f"--rw={op}", f"--bs={self.block_size}",
             f"--iodepth={self.queue_depth}", f"--numjobs={self.threads}", f"--size={self.job_size}",

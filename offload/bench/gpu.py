@@ -36,6 +36,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def reset_gpu_peak(device: torch.device) -> None:
+    """Restart ``torch.cuda.max_memory_allocated`` of ``device`` (nothing off the GPU)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -58,6 +59,7 @@ def pinned_text(pinned: bool | None, setting: Any) -> str:
 
 
 def fmt_gb(x: float | None) -> str:
+    """GB with one decimal, or ``n/a``."""
     return "n/a" if x is None else f"{x:.1f}"
 
 

@@ -59,6 +59,7 @@ class Point:
     threads: int
 
     def label(self) -> str:
+        """The point as the report names it: block size, queue depth, threads."""
         return f"bs {short_size(self.block_size)} qd {self.queue_depth} threads {self.threads}"
 
 
@@ -72,11 +73,13 @@ class Plan:
 
     @property
     def lengths(self) -> list[int]:
+        """The requests' lengths: ``chunk`` bytes each, the last one shorter where ``size`` is not a multiple."""
         n, last = divmod(self.size, self.chunk)
         return [self.chunk] * n + ([last] if last else [])
 
     @property
     def pool_bytes(self) -> int:
+        """Host memory of the pool."""
         return self.chunk * self.buffer_count
 
 
@@ -118,6 +121,7 @@ class Data:
             np.copyto(a[: self.chunk], self.reference)
 
     def new_pass(self) -> None:
+        """Start a write pass: its stamps differ from every earlier pass's."""
         self.tag += 1
 
     def _stamps(self, index: int, nbytes: int) -> np.ndarray:
@@ -219,6 +223,7 @@ class OpResult:
 
 @dataclass
 class PointResult:
+    """What one point measured (its write and read results) and the engine's settings it ran with."""
     point: Point
     write: OpResult
     read: OpResult
@@ -229,6 +234,7 @@ class PointResult:
 
     @property
     def mean(self) -> float:
+        """The mean of the write and read medians, in GiB/s."""
         return (self.write.median + self.read.median) / 2
 
 

@@ -50,13 +50,16 @@ class Ledger:
 
     @property
     def total(self) -> float:
+        """Bytes per parameter per iteration, every kind together."""
         return sum(self.kinds.values())
 
     def to_dict(self) -> dict:
+        """The ledger as a report's JSON holds it."""
         return {"bytes_per_param_iteration": dict(self.kinds), "total": self.total, "disk": self.disk}
 
     @classmethod
     def from_dict(cls, doc: dict, params: int) -> Ledger:
+        """The ledger of :meth:`to_dict`'s ``doc``, for a run of ``params`` parameters."""
         return cls(params, dict(doc.get("bytes_per_param_iteration", {})), doc.get("disk"))
 
 

@@ -157,6 +157,7 @@ def _loop(phases, dtype, n: int, counters, device: str, params: int) -> dict:
 
 
 def main(argv=None) -> int:
+    """Run one system's measurement (see the module) and print its JSON line; returns the exit code."""
     p = argparse.ArgumentParser(prog="python -m offload.bench.peer", description=__doc__.splitlines()[0])
     p.add_argument("system", choices=("ours", "deepspeed", "torch"))
     p.add_argument("nvme")

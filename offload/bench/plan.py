@@ -64,10 +64,12 @@ class Plan:
 
     @property
     def nvme_bytes(self) -> int:
+        """Swap space the run reserves: the optimizer's, the weights' and the grads'."""
         return self.optimizer_nvme_bytes + self.weights_nvme_bytes + self.grads_nvme_bytes
 
     @property
     def host_total(self) -> int:
+        """Host memory the run holds, every entry of ``host_bytes`` together."""
         return sum(self.host_bytes.values())
 
     @property
@@ -100,6 +102,7 @@ class Plan:
         return out
 
     def to_dict(self) -> dict:
+        """The plan as ``--json`` writes it, with the figures derived from it and its problems."""
         doc = dataclasses.asdict(self)
         doc.update(nvme_bytes=self.nvme_bytes, host_total=self.host_total, step_seconds=self.step_seconds,
                    written_per_day=self.written_per_day, problems=self.problems())

@@ -148,10 +148,12 @@ def disk_bound(read: int, written: int, fio_read: float | None, fio_write: float
 
 
 def fmt_gib(x: float | None) -> str:
+    """GiB/s with three decimals, or ``-``."""
     return "-" if x is None else f"{x:.3f}"
 
 
 def fmt_ratio(x: float | None) -> str:
+    """A ratio with three decimals and an ``x``, or ``-``."""
     return "-" if x is None else f"{x:.3f}x"
 
 

@@ -85,6 +85,7 @@ def json_field(check: Callable[[Any, str], Any], default: Any = None, *, require
 
 
 def to_json_value(value: Any) -> Any:
+    """``value`` as JSON holds it: an entry by its ``to_json``, lists, tuples and dicts element by element."""
     if hasattr(value, "to_json"):
         return value.to_json()
     if isinstance(value, (list, tuple)):

@@ -92,15 +92,19 @@ class Storage:
     """The file-system and engine calls of a save, a load or a mirror. Subclass it to inject faults."""
 
     def engine(self, aio: AioConfig) -> Engine:
+        """The engine that moves a data file's bytes, built with ``aio``."""
         return Engine(aio)
 
     def rename(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst`` (``os.rename``)."""
         os.rename(src, dst)
 
     def unlink(self, path: str) -> None:
+        """Remove the file ``path`` (``os.unlink``)."""
         os.unlink(path)
 
     def fsync(self, fd: int, path: str) -> None:
+        """Make the file ``fd`` durable; an error names ``path``."""
         try:
             os.fsync(fd)
         except OSError as err:
@@ -127,6 +131,7 @@ class Storage:
         return bool(missing)
 
     def fsync_dir(self, path: str) -> None:
+        """Make the entries of directory ``path`` durable (an fsync of the directory)."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             self.fsync(fd, path)

@@ -125,6 +125,8 @@ class Unit(Entry):
     pieces: Optional[int] = json_field(piece_size, None)
 
     def check(self, name: str) -> None:
+        """Refuse a range not aligned to the direct-I/O alignment, more state bytes than the range holds, or a
+        piece size without the checksum it is the size of."""
         if self.offset % ALIGNMENT or self.length % ALIGNMENT:
             fail(name, f"a range aligned to {ALIGNMENT} bytes", self.to_json())
         if self.nbytes is not None and self.nbytes > self.length:
@@ -149,6 +151,7 @@ class Chunk:
 
     @classmethod
     def parse(cls, value: Any, name: str) -> Chunk:
+        """Read a chunk from its JSON list ``value`` (field ``name``), checking every number."""
         if not isinstance(value, list) or len(value) not in (5, 6):
             fail(name, "a list of 5 numbers (and the keys' offsets)", value)
         numbers = [count(v, f"{name}[{i}]") for i, v in enumerate(value[:5])]
@@ -159,6 +162,7 @@ class Chunk:
         return self.offset + (self.slices[k] if self.slices is not None else k * self.stride)
 
     def to_json(self) -> list:
+        """The chunk as the manifest's JSON holds it: ``[unit, start, numel, offset, stride]`` (and ``slices``)."""
         row = [self.unit, self.start, self.numel, self.offset, self.stride]
         return row + [list(self.slices)] if self.slices is not None else row
 
@@ -227,6 +231,8 @@ class ParamEntry(Entry):
                    local)
 
     def check(self, name: str) -> None:
+        """Refuse a ``numel`` that is not the product of the shape, and a list of dtypes or of slice offsets
+        that does not hold one per state key."""
         if self.shape is not None and self.numel is not None and math.prod(self.shape) != self.numel:
             fail(f"{name}.numel", f"the product of its shape {list(self.shape)}", self.numel)
         if self.key_dtypes is not None and len(self.key_dtypes) != len(self.keys):
@@ -284,6 +290,8 @@ class TensorEntry(Entry):
     local: Optional[LocalPart] = json_field(LocalPart.parse, None)
 
     def check(self, name: str) -> None:
+        """Refuse bytes of its own in a tied tensor, and a tensor without its kind, shape, dtype and place (or,
+        in params.bin, without an aligned range as long as its shape and dtype make it)."""
         if self.same_as is not None:
             for extra in ("where", "offset", "length", "xxh3_64"):
                 if getattr(self, extra) is not None:
@@ -313,6 +321,7 @@ class ModelSection(Entry):
     offloaded_bytes: Optional[int] = json_field(count, None)
 
     def check(self, name: str) -> None:
+        """Refuse a name listed twice, and a tied tensor whose ``same_as`` names no tensor with bytes of its own."""
         names = {t.name: t for t in self.tensors}
         if len(names) != len(self.tensors):
             fail(f"{name}.tensors", "a list of distinct names", [t.name for t in self.tensors])
@@ -454,6 +463,7 @@ class Shard(Entry):
     step: Optional[float] = json_field(number, None)
 
     def check(self, name: str) -> None:
+        """Refuse a shard whose directory is not its rank's."""
         if self.name != shard_name(self.rank):
             fail(f"{name}.name", f"{shard_name(self.rank)!r} (its rank's directory)", self.name)
 
@@ -473,6 +483,7 @@ class JobManifest(Entry):
     root: str = field(default="", compare=False)
 
     def check(self, name: str) -> None:
+        """Refuse a list of shards that is not one per rank, in rank order."""
         if len(self.shards) != self.world_size:
             raise CheckpointError(f"manifest field shards lists {len(self.shards)} shards for a world_size of "
                                   f"{self.world_size}")

@@ -84,6 +84,7 @@ class Retention:
         self._verified: dict[str, str] = {}  # path -> manifest checksum of the checkpoint verified there
 
     def path_for(self, step: int) -> str:
+        """The directory of ``step``'s checkpoint at this level (``step-`` and ten digits)."""
         return os.path.join(self.root, f"step-{int(step):010d}")
 
     def checkpoints(self) -> list[str]:
@@ -107,6 +108,7 @@ class Retention:
         return found[-1] if found else None
 
     def is_milestone(self, path: str) -> bool:
+        """Whether the checkpoint at ``path`` is kept for good: a milestone's step, or a ``.keep`` file beside it."""
         m = self._NAME.match(os.path.basename(path))
         return os.path.exists(path + ".keep") or (m is not None and bool(self._is_milestone(int(m[1]))))
 

@@ -114,6 +114,7 @@ class DataFile:
             reserve(self.file.fd, a, b - a, self.path)  # where the file system can
 
     def close(self) -> None:
+        """Close the file, then the engine."""
         if self.file is not None:
             self.file.close()
             self.file = None

@@ -31,9 +31,11 @@ class Ticket:
         self._parts = tuple(parts)
 
     def done(self) -> bool:
+        """Whether every copy has completed (never waits)."""
         return all(p.query() for p in self._parts)
 
     def wait(self) -> None:
+        """Wait until every copy has completed."""
         for p in self._parts:
             p.synchronize()
 
@@ -47,10 +49,12 @@ class Ticket:
 
     @staticmethod
     def all(tickets: Iterable[Ticket]) -> Ticket:
+        """One ticket for all of ``tickets``: done when each of them is."""
         return Ticket(p for t in tickets for p in t._parts)
 
     @property
     def parts(self) -> tuple:
+        """The events it stands for (CUDA events, or the emulator's)."""
         return self._parts
 
 

@@ -50,10 +50,12 @@ class CudaCopies:
 
     @staticmethod
     def crosses(device: torch.device) -> bool:
+        """Whether ``device`` is reached by copies: a CUDA device."""
         return device.type == "cuda"
 
     @staticmethod
     def device_of(t: torch.Tensor) -> torch.device:
+        """``t``'s device, as this backend names devices."""
         return t.device
 
     def _stream(self, device: torch.device, direction: str):
@@ -67,6 +69,9 @@ class CudaCopies:
         return stream
 
     def h2d(self, dst: Optional[torch.Tensor], src: torch.Tensor, device: torch.device):
+        """Copy ``src`` (host memory) into ``dst`` on ``device`` (a new tensor where ``dst`` is None) on the
+        device's copy stream, ordered before later work on its current stream; returns the tensor and the
+        ticket that says when ``src`` may be reused."""
         if device.type != "cuda":
             out = src.to(device, copy=True) if dst is None else dst.copy_(src)
             return out, Ticket()
@@ -83,6 +88,8 @@ class CudaCopies:
         return dst, Ticket([done])
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> Ticket:
+        """Copy ``src`` (on ``device``) into ``dst`` (host memory) after the work issued on its current stream;
+        ``dst`` holds the bytes once the ticket is done."""
         if device.type != "cuda":
             dst.copy_(src)
             return Ticket()
@@ -95,6 +102,7 @@ class CudaCopies:
 
     @contextlib.contextmanager
     def own_stream(self, device: torch.device) -> Iterator[None]:
+        """Make ``device``, and its worker stream, current for the block."""
         # The device first: torch.cuda.stream alone would switch devices and, on the way out, make the
         # thread's old device current again, creating a context there (device 0 in a worker thread).
         with torch.cuda.device(device), torch.cuda.stream(self._stream(device, "worker")):
@@ -102,14 +110,17 @@ class CudaCopies:
 
     @staticmethod
     def read_here(t: torch.Tensor) -> None:
+        """Keep ``t``'s memory from other work until what its device's current stream has queued has run."""
         t.record_stream(torch.cuda.current_stream(t.device))
 
     @staticmethod
     def mark(device: torch.device):
+        """A ticket done once the work issued so far on ``device``'s current stream has run."""
         return Ticket([_Recorded(torch.cuda.current_stream(device), device)])
 
     @staticmethod
     def after(ticket: Ticket) -> None:
+        """Make the current streams of ``ticket``'s devices wait for its events before the work issued from here."""
         for part in ticket.parts:
             if isinstance(part, _Recorded):
                 torch.cuda.current_stream(part.device).wait_event(part.event)

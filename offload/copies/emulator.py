@@ -56,6 +56,7 @@ class EmulatedStream:
         return event
 
     def close(self) -> None:
+        """Stop the thread once the work queued so far has run."""
         self._queue.put(None)
         self._thread.join()
 
@@ -175,6 +176,7 @@ class EmulatedCopies:
             raise AssertionError("asynchronous copies out of order:\n  " + "\n  ".join(self.violations))
 
     def close(self) -> None:
+        """Stop every stream, once the work queued on them has run (a second call does nothing)."""
         if self._closed:
             return
         self._closed = True
@@ -185,12 +187,16 @@ class EmulatedCopies:
 
     @staticmethod
     def crosses(device: torch.device) -> bool:
+        """Whether ``device`` takes the path of copies: the CPU, which stands in for devices here."""
         return device.type == "cpu"
 
     def device_of(self, t: torch.Tensor) -> int:
+        """The emulated device of ``t``'s memory (0 unless a copy to another device made it)."""
         return self._placed.get(t.untyped_storage()._cdata, 0)
 
     def h2d(self, dst: Optional[torch.Tensor], src: torch.Tensor, device: int):
+        """Copy ``src`` into ``dst`` (a new tensor where ``dst`` is None) on ``device`` at once, and check, ``delay``
+        later on the copy stream, that ``src`` did not change before the copy completed."""
         before = src.detach().clone()
         if dst is None:
             out = torch.empty_like(src, memory_format=torch.contiguous_format)
@@ -219,6 +225,8 @@ class EmulatedCopies:
         return out, Ticket([event])
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, device: int) -> Ticket:
+        """Copy ``src`` into ``dst`` ``delay`` late on the copy stream, after the current stream's work; ``dst``
+        holds garbage from the copy's start until it completes, so a read too early is caught."""
         before = src.detach().clone()
         need = src.storage_offset() * src.element_size() + src.numel() * src.element_size()
         storage = src.untyped_storage()
@@ -248,12 +256,14 @@ class EmulatedCopies:
         """Emulated device work runs on the host at once: it has read ``t`` by now."""
 
     def mark(self, device: int) -> Ticket:
+        """A ticket done once the work queued so far on ``device``'s current stream has run."""
         self.log.append(("mark", device))
         return Ticket([self._current_stream(device).enqueue()])
 
     @staticmethod
     def after(ticket: Ticket) -> None:
-        # Emulated device work runs on the host at once: it may start only when the ticket is done.
+        """Wait for ``ticket`` here: emulated device work runs on the host at once, so it may start only when the
+        ticket is done."""
         ticket.wait()
 
     # -- internals -----------------------------------------------------------------------------------

@@ -53,10 +53,13 @@ class OffloadTrainerMixin:
     """
 
     def train(self, *args, **kwargs):
+        """Trainer's ``train``, after refusing what an optimizer with ``overlap_backward`` cannot honour."""
         _refuse_overlap(self.optimizer, self.args)
         return super().train(*args, **kwargs)
 
     def create_optimizer(self, *args, **kwargs):
+        """Trainer's optimizer, refused where it has ``overlap_backward`` and the arguments ask what it cannot
+        honour."""
         opt = super().create_optimizer(*args, **kwargs)
         _refuse_overlap(opt, self.args)
         return opt
@@ -64,6 +67,8 @@ class OffloadTrainerMixin:
     # -- saving ---------------------------------------------------------------------------------
 
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """A checkpoint's save of offloaded weights streams them to ``OFFLOAD_DIR`` (with the optimizer's state,
+        or alone with ``save_only_model``); any other save is Trainer's."""
         if not (_internal_call and has_offloaded_weights(self.model)):
             return super().save_model(output_dir, _internal_call)
         # A checkpoint's weights go with the optimizer's state (below), or alone with save_only_model.

@@ -35,6 +35,7 @@ class GradRead:
         self._ready = False
 
     def wait(self) -> torch.Tensor:
+        """The gradient's elements once read, with the pending clip factors applied (once)."""
         if not self._ready:
             self._future.wait()
             if self._zero:
@@ -45,6 +46,7 @@ class GradRead:
         return self._view
 
     def done(self) -> bool:
+        """Whether the read has landed."""
         return self._future.done()
 
     def wait_quietly(self) -> None:
@@ -115,6 +117,7 @@ class GradStore:
         return g is not None and param.grad is g.placeholder
 
     def placeholder(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """``param.grad``'s placeholder while its gradient is stored here, else None."""
         g = self.grads.get(param)
         return g.placeholder if g is not None else None
 

@@ -231,18 +231,22 @@ class ParamStore(Checkpointing):
 
     @property
     def grad_bytes_read(self) -> int:
+        """Bytes of gradients read from the swap space so far."""
         return self.grads.bytes_read
 
     @property
     def grad_bytes_written(self) -> int:
+        """Bytes of gradients written to the swap space so far."""
         return self.grads.bytes_written
 
     @property
     def grad_resident_bytes(self) -> int:
+        """Bytes of gradients in host memory on their way to the swap space now."""
         return self.grads.resident_bytes
 
     @property
     def grad_resident_bytes_max(self) -> int:
+        """The most :attr:`grad_resident_bytes` has been since :meth:`reset_grad_peak`."""
         return self.grads.resident_bytes_max
 
     def reset_grad_peak(self) -> None:
@@ -267,9 +271,11 @@ class ParamStore(Checkpointing):
     # -- introspection ------------------------------------------------------------------------
 
     def is_resident(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s weights are in memory now."""
         return self.records[param].resident
 
     def users(self, param: torch.Tensor) -> int:
+        """How many fetches of ``param`` are not released yet."""
         return self.records[param].users
 
     def reset_peak(self) -> None:
@@ -293,6 +299,7 @@ class ParamStore(Checkpointing):
 
     @property
     def host_cache_bytes(self) -> int:
+        """Host memory of the host cache's copies of device parameters."""
         return sum(r.host.numel() for r in self.records.values() if r.host is not None)
 
     # -- lifetime -------------------------------------------------------------------------------

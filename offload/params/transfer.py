@@ -37,7 +37,7 @@ class NoPool:
         return iter(())
 
     def close(self) -> None:
-        pass
+        """Nothing to close."""
 
 
 @dataclass(eq=False)
@@ -49,6 +49,7 @@ class PoolBuffer:
     copying: Ticket = DONE  # the last copy out of this buffer to a device
 
     def idle(self) -> bool:
+        """Whether nothing uses the buffer now: its write landed and its copy to a device completed."""
         return (self.pending is None or self.pending.done()) and self.copying.done()
 
     def wait_idle(self) -> None:
@@ -98,6 +99,7 @@ class BufferLender:
         return pbuf
 
     def give(self, pbuf: PoolBuffer, pending=None) -> None:
+        """Give ``pbuf`` back; ``pending``: a write still reading it, or None."""
         pbuf.pending = pending
         self.free.append(pbuf)
 

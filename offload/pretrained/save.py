@@ -48,6 +48,7 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
         n = self.dtype.itemsize
         for d in self.shape:
             n *= d

@@ -29,6 +29,7 @@ class Extent:
 
     @property
     def end(self) -> int:
+        """The offset just past the extent."""
         return self.offset + self.nbytes
 
 

@@ -402,6 +402,7 @@ class SwapSpace:
 
     @property
     def closed(self) -> bool:
+        """Whether the swap space is closed (its files deleted)."""
         return not self._finalizer.alive
 
     def close(self) -> None:

@@ -113,6 +113,7 @@ class ParamSlot:
         return self.dtypes[0]
 
     def dtype_of(self, key: str) -> torch.dtype:
+        """The dtype of state key ``key``."""
         return self.dtypes[self.keys.index(key)]
 
     @property
@@ -220,4 +221,5 @@ class Layout:
 
     @property
     def state_bytes(self) -> int:
+        """Bytes of state in all the units together."""
         return sum(u.nbytes for u in self.units)

@@ -233,10 +233,12 @@ class StateStore:
 
     @property
     def bytes_read(self) -> int:
+        """Bytes of state read from the swap space so far."""
         return self.bytes.bytes_read
 
     @property
     def bytes_written(self) -> int:
+        """Bytes of state written to the swap space so far."""
         return self.bytes.bytes_written
 
     # -- moving units ---------------------------------------------------------------------------
@@ -406,6 +408,7 @@ class StateStore:
 
     @property
     def closed(self) -> bool:
+        """Whether the store is closed (its pool, tier and swap space let go)."""
         return not self._finalizer.alive
 
     def drain(self, *, quiet: bool = False) -> None:

@@ -80,6 +80,7 @@ class ByteStore:
 
     @property
     def usable(self) -> bool:
+        """Whether the store is not failed: no error marked since the last restore."""
         return self.error is None
 
     @contextlib.contextmanager

@@ -74,6 +74,7 @@ class HostTier:
         return self.homes.get(id(unit))
 
     def resident(self, unit) -> bool:
+        """Whether ``unit`` is resident (it has a home buffer)."""
         return id(unit) in self.homes
 
     @property
@@ -109,6 +110,7 @@ class HostTier:
         return id(buf) in self._lived_in
 
     def close(self) -> None:
+        """Close the buffers this tier made; no unit is resident afterwards."""
         for b in self.buffers:
             b.close()
         self.buffers, self.homes = [], {}
@@ -143,6 +145,7 @@ class TierSource:
         return not self.tier.resident(item)
 
     def take(self, wait: bool, item: Any = None) -> Any:
+        """A resident unit's home, else a buffer of the ring (which the unit keeps where it is to settle in)."""
         home = self.tier.home(item)
         if home is not None:
             return home
@@ -154,6 +157,7 @@ class TierSource:
         return buf
 
     def give(self, buf: Any, pending: Any = None) -> None:
+        """Give a buffer back to the ring, unless it is a unit's home."""
         if self.tier.lived_in(buf):
             return  # a resident unit's home, or a unit that just settled in there
         self.ring.give(buf, pending)  # a pool buffer, or an evicted unit's former home
