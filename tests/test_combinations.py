@@ -236,8 +236,9 @@ class Reference:
                 if p.grad is not None:
                     m.grad = p.grad.float()
         if self.scaler:
-            if self.cfg.clip:
+            if self.cfg.clip or self.cfg.unscale_first:  # as Run.step: unscale_ multiplies, the kernel divides
                 self.scaler.unscale_(self.opt)
+            if self.cfg.clip:
                 self.norm = torch.nn.utils.clip_grad_norm_(masters, self.cfg.clip)
             self.scaler.step(self.opt)
             self.scaler.update()
