@@ -158,63 +158,98 @@ class Pipeline:
             Whatever ``read``, ``process``, ``write`` or a future raises (an ``OSError`` naming the file
             and offset for I/O), after every request in flight has finished.
         """
-        if source is None:
-            if not drain and self._buffers is not None:
-                raise ValueError("drain=False needs a BufferSource that outlives the run (it keeps the writes "
-                                 "pending)")
-            source = BufferRing(self._buffers) if self._buffers is not None else self._source
-            if source is None:
-                raise ValueError("this pipeline has no buffers of its own: pass a source to run()")
-        reads: deque = deque()  # (item, buffer, read future or None), in item order
+        source = self._source_for(source, drain)
+        ahead = _ReadAhead(items, source, read, self.lookahead)
         writes: list = []
-        lends = getattr(source, "lends", lambda item: True)
-        lent: deque = deque()  # whether each entry of reads holds a shared buffer
-        n, next_read = len(items), 0
         try:
-            for i in range(n):
+            for i in range(len(items)):
                 safe_point()  # a Ctrl-C held off stops the run here, where every buffer is accounted for
-                while next_read < n:
-                    costly = lends(items[next_read])
-                    if next_read > i and costly:
-                        # Items ahead of the current one (reads[0]) that hold a shared buffer: at most
-                        # lookahead of them, one more while the current one has a buffer of its own.
-                        current = lent[0]
-                        if sum(lent) - current >= self.lookahead + (not current and self.lookahead > 0):
-                            break
-                    buf = source.take(wait=not reads, item=items[next_read])
-                    if buf is None:
-                        break
-                    try:
-                        fut = read(items[next_read], buf) if read is not None else None
-                    except BaseException:
-                        source.give(buf)
-                        raise
-                    reads.append((items[next_read], buf, fut))
-                    lent.append(costly)
-                    next_read += 1
-                item, buf, fut = reads.popleft()
-                lent.popleft()
-                try:
-                    if fut is not None:
-                        self.bytes_read += fut.wait()
-                    wfut = write(item, buf) if process(item, buf) and write is not None else None
-                except BaseException:
-                    source.give(buf)
-                    raise
-                if wfut is not None and not self.write_behind:
-                    try:
-                        self.bytes_written += wfut.wait()
-                    finally:
-                        source.give(buf)
-                    continue
-                if wfut is not None:
-                    writes.append(wfut)
-                source.give(buf, wfut)
+                ahead.issue(i)
+                item, buf, fut = ahead.pop()
+                self._process(item, buf, fut, process, write, source, writes)
             for w in writes if drain else ():
                 self.bytes_written += w.wait()
         except BaseException:
-            wait_quietly(fut for _, _, fut in reads if fut is not None)
+            wait_quietly(fut for _, _, fut in ahead.reads if fut is not None)
             wait_quietly(writes)
-            for _, buf, _ in reads:
+            for _, buf, _ in ahead.reads:
                 source.give(buf)
             raise
+
+    def _source_for(self, source: Optional[BufferSource], drain: bool) -> BufferSource:
+        """The source of a run's buffers: ``source``, else the pipeline's own."""
+        if source is not None:
+            return source
+        if not drain and self._buffers is not None:
+            raise ValueError("drain=False needs a BufferSource that outlives the run (it keeps the writes "
+                             "pending)")
+        source = BufferRing(self._buffers) if self._buffers is not None else self._source
+        if source is None:
+            raise ValueError("this pipeline has no buffers of its own: pass a source to run()")
+        return source
+
+    def _process(self, item: Any, buf: Any, fut: Any, process: Callable[[Any, Any], bool],
+                 write: Optional[Callable[[Any, Any], Any]], source: BufferSource, writes: list) -> None:
+        """Wait for ``item``'s read (``fut``), process it, and write it if asked: the write is waited for at
+        once, or, with ``write_behind``, added to ``writes`` and left landing. ``buf`` goes back to
+        ``source`` (pending on that write)."""
+        try:
+            if fut is not None:
+                self.bytes_read += fut.wait()
+            wfut = write(item, buf) if process(item, buf) and write is not None else None
+        except BaseException:
+            source.give(buf)
+            raise
+        if wfut is not None and not self.write_behind:
+            try:
+                self.bytes_written += wfut.wait()
+            finally:
+                source.give(buf)
+            return
+        if wfut is not None:
+            writes.append(wfut)
+        source.give(buf, wfut)
+
+
+class _ReadAhead:
+    """The reads a run has issued, from the item it processes next on: ``reads`` holds ``(item, buffer, read
+    future or None)`` in item order."""
+
+    def __init__(self, items: Sequence, source: BufferSource, read: Optional[Callable[[Any, Any], Any]],
+                 lookahead: int):
+        self.items, self.source, self.read, self.lookahead = items, source, read, lookahead
+        self.lends = getattr(source, "lends", lambda item: True)
+        self.reads: deque = deque()
+        self.lent: deque = deque()  # whether each entry of reads holds a shared buffer
+        self.next = 0  # the first item not read yet
+
+    def issue(self, i: int) -> None:
+        """Issue the reads of the items from the next one not read, as far as the lookahead beyond item ``i``
+        allows and buffers are idle; the read of item ``i`` itself waits for a buffer if it must."""
+        items = self.items
+        while self.next < len(items):
+            costly = self.lends(items[self.next])
+            if self.next > i and costly and self._full():
+                break
+            buf = self.source.take(wait=not self.reads, item=items[self.next])
+            if buf is None:
+                break
+            try:
+                fut = self.read(items[self.next], buf) if self.read is not None else None
+            except BaseException:
+                self.source.give(buf)
+                raise
+            self.reads.append((items[self.next], buf, fut))
+            self.lent.append(costly)
+            self.next += 1
+
+    def _full(self) -> bool:
+        """Whether the items ahead of the current one (reads[0]) that hold a shared buffer are as many as may
+        be: lookahead of them, one more while the current one has a buffer of its own."""
+        current = self.lent[0]
+        return sum(self.lent) - current >= self.lookahead + (not current and self.lookahead > 0)
+
+    def pop(self) -> tuple:
+        """The current item's ``(item, buffer, read future or None)``, taken out."""
+        self.lent.popleft()
+        return self.reads.popleft()

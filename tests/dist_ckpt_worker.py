@@ -253,111 +253,146 @@ def with_round(value, k: int):
     return value
 
 
-def rank_main(spec: dict, rank: int, world: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=spec.get("timeout", 60)))
-    root = spec["root"]
-    out = os.path.join(root, "out")
-    os.makedirs(out, exist_ok=True)
-    job = Job(spec, rank)
-    holder, opt = job.holder, job.opt
-    step, log = 0, []
+class Rank:
+    """One rank of a job: its model, its optimizer and its step, and the log of the actions it ran (see the
+    module's docstring); ``do_<name>`` runs the action named ``name``."""
 
-    def run(action: dict, k: int | None = None) -> None:
-        nonlocal step, job, holder, opt
+    def __init__(self, spec: dict, rank: int, world: int):
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+        dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=spec.get("timeout", 60)))
+        self.rank, self.world = rank, world
+        root = spec["root"]
+        self.out = os.path.join(root, "out")
+        os.makedirs(self.out, exist_ok=True)
+        self.spec = spec
+        self.job = Job(spec, rank)
+        self.step, self.log = 0, []
+
+    @property
+    def holder(self) -> nn.Module:
+        return self.job.holder
+
+    @property
+    def opt(self) -> OffloadedAdamW:
+        return self.job.opt
+
+    def run(self, action: dict, k: int | None = None) -> None:
         if k is not None:
             action = with_round(action, k)
         entry = {"do": action["do"], **({} if k is None else {"round": k})}
-        if rank not in action.get("ranks", range(world)):
+        if self.rank not in action.get("ranks", range(self.world)):
             return
         for key in ("dir", "root"):
             if key in action:
-                action[key] = action[key].format(rank=rank)
+                action[key] = action[key].format(rank=self.rank)
         try:
-            if action["do"] == "train":
-                for _ in range(action["steps"]):
-                    job.train(step)
-                    step += 1
-            elif action["do"] == "save":
-                undo = inject(action.get("fault"), rank)
-                extra = {"step": step, **action.get("extra", {}).get(str(rank), {})}
-                if action.get("fixed_clock"):  # every shard manifest says the same second
-                    manifest_module.datetime = FixedClock
-                try:
-                    entry["result"] = save_checkpoint(opt, action["dir"], model=holder, extra=extra,
-                                                      snapshot="stream", blocking=action.get("blocking", True),
-                                                      alone=action.get("alone", False),
-                                                      storage=storage_for(action.get("fault"), rank))
-                finally:
-                    undo()
-                    manifest_module.datetime = datetime
-            elif action["do"] == "load":
-                step = load_checkpoint(opt, action["dir"], model=holder, alone=action.get("alone", False))["step"]
-            elif action["do"] == "keep_save":
-                keep = Retention(action["root"], keep_last=action["keep_last"])
-                entry["result"] = keep.save(opt, step, model=holder, extra={"step": step})
-            elif action["do"] == "keep_load":
-                entry["result"], extra = Retention(action["root"]).load_latest(opt, model=holder)
-                step = extra["step"]
-            elif action["do"] == "barrier":
-                dist.barrier()
-            elif action["do"] == "listdir":
-                entry["result"] = sorted(n for n in os.listdir(action["dir"]) if n != ".nvme-offload.lock")
-            elif action["do"] == "mkdir":
-                os.makedirs(action["dir"], exist_ok=True)
-            elif action["do"] == "dump":
-                torch.save(job.dump(step), os.path.join(out, f"rank{rank}-{action['tag']}.pt"))
-            elif action["do"] == "dcp_save":
-                job.dcp_save(action["dir"])
-            elif action["do"] == "dcp_load":
-                job.dcp_load(action["dir"])
-                step = action["step"]
-            elif action["do"] == "fresh":
-                opt.close()
-                job = Job(spec, rank)
-                holder, opt, step = job.holder, job.opt, 0
-            elif action["do"] == "rmtree":
-                shutil.rmtree(action["dir"])
-            elif action["do"] == "verify":
-                entry["result"] = verify_checkpoint(action["dir"]).get("step")
-            elif action["do"] == "cat":
-                with open(action["file"]) as f:
-                    entry["result"] = f.read()
-            elif action["do"] == "no_locks":
-                held = locks_held(action["dir"])
-                if held:
-                    raise RuntimeError(f"this rank still holds flocks on {action['dir']}'s file system: {held}")
-            elif action["do"] == "powerloss":
-                with open(action["control"]) as f:
-                    entry["result"] = json.loads(f.read())
-                if action.get("cmd"):
-                    with open(action["control"], "w") as f:
-                        f.write(action["cmd"])
-            elif action["do"] == "repeat":
-                for r in range(action["max"]):
-                    first = len(log)
-                    for inner in action["actions"]:
-                        run(inner, r)
-                    done = [e for e in log[first:] if e["do"] in ("save", "powerloss")]
-                    powered = all(e["ok"] and not (e["do"] == "powerloss" and e["result"]["stopped"]) for e in done)
-                    everywhere: list = [None] * world
-                    dist.all_gather_object(everywhere, powered)
-                    if all(everywhere):
-                        break
-                entry["result"] = r + 1
+            getattr(self, f"do_{action['do']}", lambda action, entry: None)(action, entry)
             entry["ok"] = True
         except Exception as err:  # recorded for the test to judge
             entry.update(ok=False, type=type(err).__name__, error=str(err))
-        log.append(entry)
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(log, f)
+        self.log.append(entry)
+        with open(os.path.join(self.out, f"rank{self.rank}.json"), "w") as f:
+            json.dump(self.log, f)
         if not entry["ok"] and action.get("required"):
             raise Stopped(f"{entry}")
 
+    def do_train(self, action: dict, entry: dict) -> None:
+        for _ in range(action["steps"]):
+            self.job.train(self.step)
+            self.step += 1
+
+    def do_save(self, action: dict, entry: dict) -> None:
+        undo = inject(action.get("fault"), self.rank)
+        extra = {"step": self.step, **action.get("extra", {}).get(str(self.rank), {})}
+        if action.get("fixed_clock"):  # every shard manifest says the same second
+            manifest_module.datetime = FixedClock
+        try:
+            entry["result"] = save_checkpoint(self.opt, action["dir"], model=self.holder, extra=extra,
+                                              snapshot="stream", blocking=action.get("blocking", True),
+                                              alone=action.get("alone", False),
+                                              storage=storage_for(action.get("fault"), self.rank))
+        finally:
+            undo()
+            manifest_module.datetime = datetime
+
+    def do_load(self, action: dict, entry: dict) -> None:
+        self.step = load_checkpoint(self.opt, action["dir"], model=self.holder,
+                                    alone=action.get("alone", False))["step"]
+
+    def do_keep_save(self, action: dict, entry: dict) -> None:
+        keep = Retention(action["root"], keep_last=action["keep_last"])
+        entry["result"] = keep.save(self.opt, self.step, model=self.holder, extra={"step": self.step})
+
+    def do_keep_load(self, action: dict, entry: dict) -> None:
+        entry["result"], extra = Retention(action["root"]).load_latest(self.opt, model=self.holder)
+        self.step = extra["step"]
+
+    def do_barrier(self, action: dict, entry: dict) -> None:
+        dist.barrier()
+
+    def do_listdir(self, action: dict, entry: dict) -> None:
+        entry["result"] = sorted(n for n in os.listdir(action["dir"]) if n != ".nvme-offload.lock")
+
+    def do_mkdir(self, action: dict, entry: dict) -> None:
+        os.makedirs(action["dir"], exist_ok=True)
+
+    def do_dump(self, action: dict, entry: dict) -> None:
+        torch.save(self.job.dump(self.step), os.path.join(self.out, f"rank{self.rank}-{action['tag']}.pt"))
+
+    def do_dcp_save(self, action: dict, entry: dict) -> None:
+        self.job.dcp_save(action["dir"])
+
+    def do_dcp_load(self, action: dict, entry: dict) -> None:
+        self.job.dcp_load(action["dir"])
+        self.step = action["step"]
+
+    def do_fresh(self, action: dict, entry: dict) -> None:
+        self.opt.close()
+        self.job = Job(self.spec, self.rank)
+        self.step = 0
+
+    def do_rmtree(self, action: dict, entry: dict) -> None:
+        shutil.rmtree(action["dir"])
+
+    def do_verify(self, action: dict, entry: dict) -> None:
+        entry["result"] = verify_checkpoint(action["dir"]).get("step")
+
+    def do_cat(self, action: dict, entry: dict) -> None:
+        with open(action["file"]) as f:
+            entry["result"] = f.read()
+
+    def do_no_locks(self, action: dict, entry: dict) -> None:
+        held = locks_held(action["dir"])
+        if held:
+            raise RuntimeError(f"this rank still holds flocks on {action['dir']}'s file system: {held}")
+
+    def do_powerloss(self, action: dict, entry: dict) -> None:
+        with open(action["control"]) as f:
+            entry["result"] = json.loads(f.read())
+        if action.get("cmd"):
+            with open(action["control"], "w") as f:
+                f.write(action["cmd"])
+
+    def do_repeat(self, action: dict, entry: dict) -> None:
+        for r in range(action["max"]):
+            first = len(self.log)
+            for inner in action["actions"]:
+                self.run(inner, r)
+            done = [e for e in self.log[first:] if e["do"] in ("save", "powerloss")]
+            powered = all(e["ok"] and not (e["do"] == "powerloss" and e["result"]["stopped"]) for e in done)
+            everywhere: list = [None] * self.world
+            dist.all_gather_object(everywhere, powered)
+            if all(everywhere):
+                break
+        entry["result"] = r + 1
+
+
+def rank_main(spec: dict, rank: int, world: int) -> None:
+    me = Rank(spec, rank, world)
     for action in spec["actions"]:
-        run(action)
-    opt.close()
+        me.run(action)
+    me.opt.close()
 
 
 def main() -> None:

@@ -379,6 +379,96 @@ def refusal(run: Run, ref: Reference, cfg: Config, root) -> None:
     assert_same_state(run, ref, "restored after the refusal")
 
 
+class Program:
+    """Runs a program's operations on the library's side and torch's reference side by side, comparing them
+    after each."""
+
+    def __init__(self, run: Run, ref: Reference, root):
+        self.run, self.ref, self.root = run, ref, root
+        self.saved = None  # (how, what, the reference's snapshot) of the last save, while it can be loaded
+        self.pending: list = []  # asynchronous saves not waited for yet
+        self.seed = 0
+        self.saves = 0
+
+    def do(self, op, when: str) -> None:
+        if isinstance(op, Iteration):
+            self.iteration(op, when)
+        elif isinstance(op, Save):
+            self.save(op)
+        elif isinstance(op, Restore):
+            self.restore(when)
+        elif isinstance(op, AddGroup):
+            self.add_group()
+
+    def iteration(self, op: Iteration, when: str) -> None:
+        run, ref, cfg = self.run, self.ref, self.run.cfg
+        run.model.used = ref.model.used = op.used
+        for m in range(op.micro):
+            self.seed += 1
+            overflow = op.overflow and m == op.micro - 1 and cfg.scale is not None
+            run.backward(self.seed, overflow, accumulate=m < op.micro - 1)
+            ref.backward(self.seed, overflow)
+        run.step(op.set_to_none)
+        ref.step(op.set_to_none)
+        assert_same_weights(run, ref, when)
+        if cfg.clip and ref.norm is not None and not overflow:
+            assert torch.equal(run.opt.last_grad_norm, ref.norm), f"{when}: grad norm"
+        if run.scaler:
+            assert run.scaler.get_scale() == ref.scaler.get_scale(), f"{when}: scale"
+        if op.check_state:
+            assert_same_state(run, ref, when)
+
+    def save(self, op: Save) -> None:
+        run, mine = self.run, self.run.model
+        self.saves += 1
+        snap = self.ref.snapshot()
+        if op.how == "state_dict":
+            with materialized(mine):
+                weights = {k: v.clone() for k, v in mine.state_dict().items()}
+            # A copy, as with torch: a state_dict holds the live tensors of state kept in memory.
+            self.saved = (op.how, (copy.deepcopy(run.opt.state_dict()), weights), snap)
+        else:
+            where = self.root / f"ckpt-{self.saves}"
+            handle = run.opt.save_checkpoint(where, model=mine, blocking=op.how == "checkpoint")
+            if op.how == "async":
+                self.pending.append(handle)
+            self.saved = (op.how, where, snap)
+
+    def restore(self, when: str) -> None:
+        if self.saved is None:
+            return
+        run, ref, mine = self.run, self.ref, self.run.model
+        how, what, snap = self.saved
+        self.wait_saves()
+        if how == "state_dict":
+            run.opt.load_state_dict(copy.deepcopy(what[0]))
+            mine.load_state_dict(what[1])
+        else:
+            run.opt.load_checkpoint(what, model=mine)
+        ref.restore(snap)
+        # Loading weights clears an offloaded model's grads (docs/params.md); drop them on both sides.
+        run.opt.zero_grad()
+        ref.opt.zero_grad()
+        ref.model.zero_grad()
+        if run.scaler:  # the scaler's state is the caller's to save; both continue from the saved one
+            for scaler in (run.scaler, ref.scaler):
+                scaler.load_state_dict(snap["scaler"])
+        assert_same_weights(run, ref, when)
+        assert_same_state(run, ref, when)
+
+    def add_group(self) -> None:
+        if self.run.model.extra_on:
+            return
+        self.run.add_group()
+        self.ref.add_group()
+        self.ref.narrow = narrow_masters(self.run, self.ref)
+        self.saved = None  # a state saved before has a group less: torch refuses to load it too
+
+    def wait_saves(self) -> None:
+        while self.pending:
+            self.pending.pop().wait()
+
+
 @settings(settings.get_profile(PROFILE))
 @given(cfg=configs(), program=programs)
 def test_every_combination_trains_bit_for_bit_as_torch(nvme, tmp_path, cfg, program):
@@ -389,7 +479,6 @@ def test_every_combination_trains_bit_for_bit_as_torch(nvme, tmp_path, cfg, prog
     note(f"{cfg}")
     root = tmp_path / f"run-{len(os.listdir(tmp_path)) if tmp_path.exists() else 0}"
     root.mkdir(parents=True)
-    saves = 0
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, root, True)
         mine, theirs = twins(cfg)
@@ -399,70 +488,10 @@ def test_every_combination_trains_bit_for_bit_as_torch(nvme, tmp_path, cfg, prog
         if cfg.refused():
             refusal(run, ref, cfg, root)
             return
-        saved, pending = None, []
-        seed = 0
+        driven = Program(run, ref, root)
         for n, op in enumerate(program):
-            when = f"op {n} ({op})"
-            if isinstance(op, Iteration):
-                mine.used = theirs.used = op.used
-                for m in range(op.micro):
-                    seed += 1
-                    overflow = op.overflow and m == op.micro - 1 and cfg.scale is not None
-                    run.backward(seed, overflow, accumulate=m < op.micro - 1)
-                    ref.backward(seed, overflow)
-                run.step(op.set_to_none)
-                ref.step(op.set_to_none)
-                assert_same_weights(run, ref, when)
-                if cfg.clip and ref.norm is not None and not overflow:
-                    assert torch.equal(run.opt.last_grad_norm, ref.norm), f"{when}: grad norm"
-                if run.scaler:
-                    assert run.scaler.get_scale() == ref.scaler.get_scale(), f"{when}: scale"
-                if op.check_state:
-                    assert_same_state(run, ref, when)
-            elif isinstance(op, Save):
-                saves += 1
-                snap = ref.snapshot()
-                if op.how == "state_dict":
-                    with materialized(mine):
-                        weights = {k: v.clone() for k, v in mine.state_dict().items()}
-                    # A copy, as with torch: a state_dict holds the live tensors of state kept in memory.
-                    saved = (op.how, (copy.deepcopy(run.opt.state_dict()), weights), snap)
-                else:
-                    where = root / f"ckpt-{saves}"
-                    handle = run.opt.save_checkpoint(where, model=mine, blocking=op.how == "checkpoint")
-                    if op.how == "async":
-                        pending.append(handle)
-                    saved = (op.how, where, snap)
-            elif isinstance(op, Restore):
-                if saved is None:
-                    continue
-                how, what, snap = saved
-                while pending:
-                    pending.pop().wait()
-                if how == "state_dict":
-                    run.opt.load_state_dict(copy.deepcopy(what[0]))
-                    mine.load_state_dict(what[1])
-                else:
-                    run.opt.load_checkpoint(what, model=mine)
-                ref.restore(snap)
-                # Loading weights clears an offloaded model's grads (docs/params.md); drop them on both sides.
-                run.opt.zero_grad()
-                ref.opt.zero_grad()
-                ref.model.zero_grad()
-                if run.scaler:  # the scaler's state is the caller's to save; both continue from the saved one
-                    for scaler in (run.scaler, ref.scaler):
-                        scaler.load_state_dict(snap["scaler"])
-                assert_same_weights(run, ref, when)
-                assert_same_state(run, ref, when)
-            elif isinstance(op, AddGroup):
-                if mine.extra_on:
-                    continue
-                run.add_group()
-                ref.add_group()
-                ref.narrow = narrow_masters(run, ref)
-                saved = None  # a state saved before has a group less: torch refuses to load it too
-        while pending:
-            pending.pop().wait()
+            driven.do(op, f"op {n} ({op})")
+        driven.wait_saves()
         assert_same_weights(run, ref, "at the end")
         assert_same_state(run, ref, "at the end")
     leftovers = [f for f in os.listdir(nvme) if f.endswith(".swap")] if os.path.exists(nvme) else []

@@ -184,41 +184,55 @@ def _optimizer(block, values: dict, problems: list) -> None:
     if not isinstance(params, Mapping):
         problems.append(("optimizer.params", f"must be an object, got {show(params)}"))
         return
-    known = {"lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode", "torch_adam",
-             "fused"}
     for key, value in params.items():
-        path = f"optimizer.params.{key}"
-        if key == "max_grad_norm":
-            problems.append((path, "is not an optimizer parameter (as in DeepSpeed): use the top-level "
-                                   "\"gradient_clipping\""))
-        elif key not in known:
-            problems.append((path, f"unknown parameter of Adam{did_you_mean(key, known)}"))
-        elif isinstance(value, str) and value.strip().lower() == "auto":
-            problems.append((path, '"auto" is filled in by the Hugging Face Trainer\'s DeepSpeed integration; '
-                                   "write the value"))
-        elif key in ("lr", "eps", "weight_decay"):
-            if not _number(value) or value < 0:
-                problems.append((path, f"must be a number, at least 0, got {show(value)}"))
-            else:
-                values[key] = float(value)
-        elif key == "betas":
-            if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(_number(b) and 0 <= b < 1
-                                                                             for b in value)):
-                problems.append((path, f"must be a list of two numbers in [0, 1), got {show(value)}"))
-            else:
-                values["betas"] = (float(value[0]), float(value[1]))
-        elif not isinstance(value, bool):
-            problems.append((path, f"must be true or false, got {show(value)}"))
-        elif key == "bias_correction" and not value:
-            problems.append((path, "false is not supported: Adam's update here is torch's, which always corrects "
-                                   "its moments' bias"))
-        elif key == "amsgrad":
-            values["amsgrad"] = value
-        elif key == "adam_w_mode":
-            values["decoupled"] = value
+        _adam_param(key, value, values, problems)
     # DeepSpeed: "AdamW" is always decoupled; "Adam" too unless adam_w_mode is false (ADAM_W_MODE_DEFAULT True).
     if kind.lower() == "adamw":
         values["decoupled"] = True
+
+
+_ADAM_PARAMS = frozenset({"lr", "betas", "eps", "weight_decay", "amsgrad", "bias_correction", "adam_w_mode",
+                          "torch_adam", "fused"})
+
+
+def _adam_param(key: str, value, values: dict, problems: list) -> None:
+    """Check ``optimizer.params.<key>``; a value the optimizer takes goes to ``values`` (``torch_adam`` and
+    ``fused``, DeepSpeed's choices of kernel, are checked and otherwise ignored)."""
+    path = f"optimizer.params.{key}"
+    if key == "max_grad_norm":
+        problems.append((path, "is not an optimizer parameter (as in DeepSpeed): use the top-level "
+                               "\"gradient_clipping\""))
+    elif key not in _ADAM_PARAMS:
+        problems.append((path, f"unknown parameter of Adam{did_you_mean(key, _ADAM_PARAMS)}"))
+    elif isinstance(value, str) and value.strip().lower() == "auto":
+        problems.append((path, '"auto" is filled in by the Hugging Face Trainer\'s DeepSpeed integration; '
+                               "write the value"))
+    elif key in ("lr", "eps", "weight_decay"):
+        if not _number(value) or value < 0:
+            problems.append((path, f"must be a number, at least 0, got {show(value)}"))
+        else:
+            values[key] = float(value)
+    elif key == "betas":
+        if not (isinstance(value, (list, tuple)) and len(value) == 2 and all(_number(b) and 0 <= b < 1
+                                                                         for b in value)):
+            problems.append((path, f"must be a list of two numbers in [0, 1), got {show(value)}"))
+        else:
+            values["betas"] = (float(value[0]), float(value[1]))
+    else:
+        _adam_switch(key, value, path, values, problems)
+
+
+def _adam_switch(key: str, value, path: str, values: dict, problems: list) -> None:
+    """Check one of ``optimizer.params``' true-or-false keys."""
+    if not isinstance(value, bool):
+        problems.append((path, f"must be true or false, got {show(value)}"))
+    elif key == "bias_correction" and not value:
+        problems.append((path, "false is not supported: Adam's update here is torch's, which always corrects "
+                               "its moments' bias"))
+    elif key == "amsgrad":
+        values["amsgrad"] = value
+    elif key == "adam_w_mode":
+        values["decoupled"] = value
 
 
 def _scheduler(block, values: dict, problems: list) -> None:
@@ -246,34 +260,39 @@ def _scheduler(block, values: dict, problems: list) -> None:
             if value != -1:
                 problems.append((path, "only -1 (a new run): a resumed run restores its schedule from the "
                                        "engine's checkpoint (engine.load_checkpoint)"))
-            continue
-        if key not in allowed:
+        elif key not in allowed:
             problems.append((path, f"unknown parameter of {kind}{did_you_mean(key, allowed)}"))
-        elif key == "warmup_type":
-            if value not in ("log", "linear"):
-                problems.append((path, f'must be "log" or "linear", got {show(value)}'))
-            else:
-                out[key] = value
-        elif key in ("warmup_num_steps", "total_num_steps"):
-            if isinstance(value, float) and value.is_integer():
-                value = int(value)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                problems.append((path, f"must be a whole number of steps, got {show(value)}"))
-            else:
-                out[key] = value
-        elif key in ("warmup_min_lr", "warmup_max_lr") and isinstance(value, (list, tuple)):
-            if not all(_number(v) and v >= 0 for v in value):
-                problems.append((path, f"must be a number (or one per parameter group), got {show(value)}"))
-            else:
-                out[key] = [float(v) for v in value]
-        elif not _number(value) or value < 0:
-            problems.append((path, f"must be a number, at least 0, got {show(value)}"))
         else:
-            out[key] = float(value)
+            _schedule_param(key, value, path, out, problems)
     for key, default in allowed.items():
         if default is None and key not in out:
             problems.append((f"scheduler.params.{key}", f"is required by {kind}"))
     values["scheduler"], values["scheduler_params"] = kind, out
+
+
+def _schedule_param(key: str, value, path: str, out: dict, problems: list) -> None:
+    """Check ``scheduler.params.<key>``, one the schedule takes; a valid value goes to ``out``."""
+    if key == "warmup_type":
+        if value not in ("log", "linear"):
+            problems.append((path, f'must be "log" or "linear", got {show(value)}'))
+        else:
+            out[key] = value
+    elif key in ("warmup_num_steps", "total_num_steps"):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.append((path, f"must be a whole number of steps, got {show(value)}"))
+        else:
+            out[key] = value
+    elif key in ("warmup_min_lr", "warmup_max_lr") and isinstance(value, (list, tuple)):
+        if not all(_number(v) and v >= 0 for v in value):
+            problems.append((path, f"must be a number (or one per parameter group), got {show(value)}"))
+        else:
+            out[key] = [float(v) for v in value]
+    elif not _number(value) or value < 0:
+        problems.append((path, f"must be a number, at least 0, got {show(value)}"))
+    else:
+        out[key] = float(value)
 
 
 def _precision(doc: Mapping, values: dict, problems: list) -> None:

@@ -112,6 +112,56 @@ def _confined(info: Any, path: str) -> dict:
     return {**info, "dirs": out}
 
 
+def _save_streamed(trainer, checkpoint: dict, path: str) -> None:
+    """Save the offloaded optimizers' state and the offloaded weights of ``trainer`` in directories beside
+    ``path`` (see :class:`OffloadCheckpoint`), and name them in ``checkpoint`` under :data:`KEY`."""
+    module = trainer.lightning_module
+    model = module if has_offloaded_weights(module) else None
+    states = checkpoint.get("optimizer_states", [])
+    ours = [offloaded_optimizer(o) for o, s in zip(trainer.optimizers, states) if s == _STREAMED]
+    if not ours and model is None:
+        return
+    dirs = _dirs(path, max(len(ours), 1))
+    for i, (opt, directory) in enumerate(zip(ours, dirs)):
+        opt.save_checkpoint(directory, model=model if i == 0 else None, alone=True)
+    if not ours:
+        from ..checkpoint import save_parameters
+
+        save_parameters(model, dirs[0])
+    checkpoint[KEY] = {"dirs": [os.path.basename(d) for d in dirs], "model": model is not None,
+                       "fingerprints": [fingerprint(d) for d in dirs]}
+
+
+def _write_whole(checkpoint: dict, path: str) -> None:
+    """``torch.save`` ``checkpoint`` to ``path`` as one durable replacement: a temporary file beside it,
+    fsynced, renamed over it."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    # A name nobody can guess, created exclusively: a link planted beside the .ckpt is never
+    # followed, and only the file made here is ever deleted.
+    temp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
+    f = open(temp, "xb")
+    try:
+        with f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        os.unlink(temp)
+        raise
+
+
+def _check_streamed(checkpoint: dict, path: str) -> None:
+    """Confine the directories ``checkpoint`` (loaded from ``path``) names under :data:`KEY` to beside the
+    file (a link's target, if a link), and check each is the one its save wrote."""
+    info = checkpoint.get(KEY)
+    if info is None:
+        return
+    info = checkpoint[KEY] = _confined(info, path)
+    for directory, expected in zip(info["dirs"], info["fingerprints"]):
+        check_fingerprint(directory, expected, path)
+
+
 def _classes() -> dict:
     """``OffloadCheckpointIO`` and ``OffloadCheckpoint``, built on first use (Lightning imported then)."""
     if _built:
@@ -140,46 +190,16 @@ def _classes() -> dict:
 
         def save_checkpoint(self, checkpoint: dict, path, storage_options: Optional[Any] = None) -> None:
             path = os.fspath(path)
-            module = self.trainer.lightning_module
-            model = module if has_offloaded_weights(module) else None
-            states = checkpoint.get("optimizer_states", [])
-            ours = [offloaded_optimizer(o) for o, s in zip(self.trainer.optimizers, states) if s == _STREAMED]
-            if ours or model is not None:
-                dirs = _dirs(path, max(len(ours), 1))
-                for i, (opt, directory) in enumerate(zip(ours, dirs)):
-                    opt.save_checkpoint(directory, model=model if i == 0 else None, alone=True)
-                if not ours:
-                    from ..checkpoint import save_parameters
-
-                    save_parameters(model, dirs[0])
-                checkpoint[KEY] = {"dirs": [os.path.basename(d) for d in dirs], "model": model is not None,
-                                   "fingerprints": [fingerprint(d) for d in dirs]}
+            _save_streamed(self.trainer, checkpoint, path)
+            # Lightning's own write serialises the whole dict into memory first.
             if type(self.inner) is TorchCheckpointIO and storage_options is None and "://" not in path:
-                # Lightning's own write serialises the whole dict into memory first.
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-                # A name nobody can guess, created exclusively: a link planted beside the .ckpt is never
-                # followed, and only the file made here is ever deleted.
-                temp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
-                f = open(temp, "xb")
-                try:
-                    with f:
-                        torch.save(checkpoint, f)
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(temp, path)
-                except BaseException:
-                    os.unlink(temp)
-                    raise
+                _write_whole(checkpoint, path)
             else:
                 self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
         def load_checkpoint(self, path, map_location=None, weights_only=None) -> dict:
             checkpoint = self.inner.load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-            info = checkpoint.get(KEY)
-            if info is not None:  # the directories lie beside the file (a link's target, if a link)
-                info = checkpoint[KEY] = _confined(info, os.fspath(path))
-                for directory, expected in zip(info["dirs"], info["fingerprints"]):
-                    check_fingerprint(directory, expected, os.fspath(path))
+            _check_streamed(checkpoint, os.fspath(path))
             return checkpoint
 
         def remove_checkpoint(self, path) -> None:
