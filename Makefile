@@ -1,6 +1,6 @@
 # Two commands set everything up on a fresh Debian/Ubuntu machine:
 #   make demo   installs what is missing, then trains a small model with OffloadedAdamW
-#   make test   installs what is missing, then runs the whole suite (ruff and the layer contract included)
+#   make test   installs what is missing, then runs the whole suite (ruff, the layer contract and mypy included)
 PYTHON ?= python3
 SCRATCH ?= $(shell $(PYTHON) -c 'import tempfile; print(tempfile.gettempdir())')/nvme-offload-demo
 STAMP := build/.installed
@@ -20,6 +20,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -c 'import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))'
+	$(PYTHON) -m mypy
 
 test: lint
 	$(PYTHON) -m pytest -q
@@ -28,4 +29,4 @@ bench: $(STAMP)
 	$(PYTHON) -m offload.bench io --size 1GiB --fio
 
 clean:
-	rm -rf build dist *.egg-info offload/_engine.c offload/_kernels.c offload/*.so offload/*.o .pytest_cache .ruff_cache
+	rm -rf build dist *.egg-info offload/_engine.c offload/_kernels.c offload/*.so offload/*.o .pytest_cache .ruff_cache .mypy_cache

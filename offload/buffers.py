@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import mmap
 import warnings
-from typing import Iterator
+from typing import Iterator, Optional
 
 import psutil
 import torch
@@ -36,10 +36,10 @@ class HostBuffer:
         self.nbytes = round_up(nbytes, PAGE_SIZE)
         self.index = index
         try:
-            self._mmap = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._mmap: Optional[mmap.mmap] = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         except OSError as err:
             raise OSError(err.errno, f"{err.strerror}: cannot map a host buffer of {_size(self.nbytes)}") from err
-        self._tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self._tensor: Optional[torch.Tensor] = torch.frombuffer(self._mmap, dtype=torch.uint8)
         # Fault the pages in now so the first step does not pay for it.
         self._tensor.zero_()
         self.address = self._tensor.data_ptr()

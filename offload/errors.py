@@ -12,7 +12,13 @@ class OffloadError(Exception):
 
 
 class ConfigError(OffloadError, ValueError):
-    """A configuration value or key is wrong; the message names every problem found."""
+    """A configuration value or key is wrong; the message names every problem found.
+
+    Attributes:
+        problems: ``(JSON path, message)`` of each problem, where the configuration's rules found them.
+    """
+
+    problems: list[tuple[str, str]]
 
 
 class ConfigWarning(UserWarning):

@@ -8,15 +8,15 @@ import functools
 import signal
 import sys
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 __all__ = ["deferred", "deferring", "holding", "safe_point"]
 
 
 class _Held(threading.local):
-    def __init__(self):
+    def __init__(self) -> None:
         self.depth = 0
-        self.previous = None  # the SIGINT handler in place before the outermost deferred()
+        self.previous: Optional[Callable] = None  # the SIGINT handler in place before the outermost deferred()
         self.pending: list = []  # (signum, frame) of each SIGINT held off
         self.urgent = False  # the innermost deferred() lets a safe point deliver the first one
 
@@ -95,7 +95,7 @@ def _deliver(handler, event) -> None:
     handler(signum, frame)
 
 
-def deferring(fn: Callable = None, *, urgent: bool = True):
+def deferring(fn: Optional[Callable] = None, *, urgent: bool = True):
     """``fn`` run inside :func:`deferred` (a decorator, with or without ``urgent=``)."""
 
     def wrap(f: Callable) -> Callable:

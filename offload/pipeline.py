@@ -99,7 +99,7 @@ class Pipeline:
     """Moves items through host buffers: ``read(item) || process(item) || write(item)`` overlapped.
 
     Args:
-        buffers: the buffers to move bytes through: a sequence of host buffers, or a
+        buffers: the buffers to move bytes through: a list (or tuple) of host buffers, or a
             :class:`BufferSource` that lends them (the parameter store shares its pool with prefetches),
             or ``None`` when every run brings its own source.
         lookahead: how many items beyond the one being processed may have reads in flight; ``None``
@@ -110,10 +110,10 @@ class Pipeline:
         bytes_read, bytes_written: bytes moved by every run so far (the futures' results).
     """
 
-    def __init__(self, buffers: Sequence | BufferSource | None, *, lookahead: Optional[int] = None,
+    def __init__(self, buffers: list | tuple | BufferSource | None, *, lookahead: Optional[int] = None,
                  write_behind: bool = True):
         self._buffers: Optional[list] = None
-        self._source = None
+        self._source: Optional[BufferSource] = None
         default = None
         if isinstance(buffers, (list, tuple)):
             if not buffers:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sized
 from typing import Iterable, Iterator, Optional, TypeVar
 
 from tqdm import tqdm
@@ -61,7 +62,7 @@ def progress(total: Optional[float] = None, desc: str = "", *, unit: str = "it",
 def tracked(items: Iterable[T], desc: str, *, total: Optional[int] = None, enabled: Optional[bool] = None,
             delay: float = DELAY_S) -> Iterator[T]:
     """``items`` with a bar counting them (:func:`progress`); ``total`` defaults to ``len(items)``."""
-    if total is None and hasattr(items, "__len__"):
+    if total is None and isinstance(items, Sized):
         total = len(items)
     with progress(total, desc, enabled=enabled, delay=delay) as bar:
         for item in items:

@@ -146,7 +146,6 @@ class AppendFile:
         self._flying.append((self._buf, self._engine.write_async(self._file, self._buf, self._base, nbytes)))
         self._base += self._fill
         self._fill = 0
-        self._buf = None
         if not self._free:
             buf, fut = self._flying.popleft()
             fut.wait()

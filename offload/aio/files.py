@@ -404,6 +404,7 @@ def reserve(fd: int, offset: int, length: int, path: str) -> bool:
                 os.posix_fallocate(fd, offset, length)
                 return True
             except OSError as err:
+                assert err.errno is not None  # the C call's errno
                 code = err.errno
         elif call(fd, 0, offset, length) == 0:
             return True

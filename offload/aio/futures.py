@@ -25,7 +25,7 @@ class Segment(NamedTuple):
 
     file: AioFile
     file_offset: int
-    buffer: object  # HostBuffer, or any object exposing a contiguous buffer
+    buffer: Any  # HostBuffer, or any object exposing a contiguous buffer
     buffer_offset: int
     nbytes: int
 
@@ -101,7 +101,7 @@ def segments_digest(segments: Sequence[Segment], block_size: int) -> int:
     return digest.intdigest()
 
 
-def _io_error(err: int, op: int, path: str, offset: int) -> OSError:
+def _io_error(err: int, op: int, path: Optional[str], offset: int) -> OSError:
     return OSError(err, f"{os.strerror(err)} ({_OP_NAMES[op]} at offset {offset})", path)
 
 
@@ -144,7 +144,7 @@ class Future:
         if digest and not HAVE_XXHASH and op == WRITE:
             # No digests on the engine's threads: take the bytes' digest now, before they can change.
             self._digest = segments_digest(segments, engine.config.block_size)
-        self._result: int | None = None
+        self._result = 0  # the bytes moved, once finished
         self._error: OSError | None = None
         # Whoever finishes the request frees it in C: a second waiter (another thread, or the
         # engine closing) must wait for the first rather than free it twice.

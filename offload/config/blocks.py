@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..units import format_size
 from .rules import (
@@ -229,6 +229,13 @@ class Config:
     offload_param: ParamOffloadConfig = field(default_factory=ParamOffloadConfig)
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
 
+    if TYPE_CHECKING:
+        # What the generated __init__ takes: __post_init__ reads a block given as a mapping.
+        def __init__(self, aio: AioConfig | Mapping[str, Any] = ...,
+                     offload_optimizer: OptimizerOffloadConfig | Mapping[str, Any] = ...,
+                     offload_param: ParamOffloadConfig | Mapping[str, Any] = ..., given: frozenset = ...) -> None:
+            ...
+
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
         blocks = {}
@@ -349,7 +356,7 @@ def _shown(f: dataclasses.Field) -> str:
     if f.metadata["shown"]:
         return f.metadata["shown"]
     value = f.default
-    if value is None:
+    if value is None or value is dataclasses.MISSING:
         return ""
     if isinstance(value, bool):
         return str(value).lower()

@@ -24,7 +24,7 @@ OPTIMIZERS = ("adam", "adamw")
 SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 # Each schedule's parameters (DeepSpeed's names and defaults); last_batch_iteration: -1 only (a resume restores
 # the schedule from a checkpoint instead).
-SCHEDULE_PARAMS = {
+SCHEDULE_PARAMS: dict[str, dict[str, Any]] = {
     "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
     "WarmupDecayLR": {"total_num_steps": None, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
                       "warmup_num_steps": 1000, "warmup_type": "log"},
@@ -32,7 +32,7 @@ SCHEDULE_PARAMS = {
                        "cos_min_ratio": 0.0001, "warmup_type": "log"},
 }
 # DeepSpeed's optimizer defaults (DeepSpeedCPUAdam, FusedAdam): what a missing key means.
-OPTIMIZER_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+OPTIMIZER_DEFAULTS: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
 # fp16 block: DeepSpeed's keys and defaults (runtime/constants.py).
 FP16_DEFAULTS = {"enabled": False, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                  "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1}

@@ -108,12 +108,15 @@ def offload_config(source, block: str, *, user: str, what: str, otherwise: str, 
     """
     cls = CLASSES[block]
     if isinstance(source, cls):
-        cfg = Config(**{block: source})
+        cfg = _with_block(block, source)
     elif isinstance(source, Mapping) and source and set(source) <= {*RULES[block], *IGNORED[block]}:
-        cfg = Config(**{block: dict(source)})
+        cfg = _with_block(block, dict(source))
     elif isinstance(source, (str, os.PathLike, Mapping)):
-        origin = os.fspath(source) if not isinstance(source, Mapping) else None
-        doc = read_document(origin) if origin is not None else source
+        if isinstance(source, Mapping):
+            origin, doc = None, source
+        else:
+            origin = os.fspath(source)
+            doc = read_document(origin)
         cfg = _from_document(doc, origin=origin)
         _warn_unused(doc, block, user, origin)
     else:
@@ -169,7 +172,7 @@ def config_to_dict(
     """
     for name, cls in CLASSES.items():
         if isinstance(config, cls):
-            config = Config(**{name: config})
+            config = _with_block(name, config)
             if only == ("aio",):
                 only = (name,)
     if not isinstance(config, Config):
@@ -185,6 +188,12 @@ def config_from_document(doc: Mapping, origin: str | None = None) -> Config:
     """The offload blocks of a document already read (:func:`offload.config.files.read_document`), as
     :func:`load_config` reads them; ``origin``: its file, for messages."""
     return _from_document(doc, origin)
+
+
+def _with_block(block: str, value: Any) -> Config:
+    """A Config with ``block`` given (an instance of its class, or a mapping of its keys), the others default."""
+    given: dict[str, Any] = {block: value}  # which block is known only at run time
+    return Config(**given)
 
 
 def _from_document(doc: Mapping, origin: str | None) -> Config:

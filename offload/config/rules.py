@@ -82,7 +82,6 @@ _BOOL_AUTO = "write true or false"
 _DEVICE_AUTO = 'name the device: "nvme", or "cpu" for state in host memory'
 _PATH_AUTO = "give a directory on the NVMe drive, or a list of directories, one per drive"
 _DEVICES = ("nvme", "cpu", "none")
-_COUNT = dict(hi=INT64_MAX, why_hi=_INT64)
 
 # The rules keys share; each key's own is declared with its field (offload.config.blocks).
 BOOL = Rule("bool", auto=_BOOL_AUTO)
@@ -91,8 +90,8 @@ PATHS = Rule("paths", auto=_PATH_AUTO)
 BUFFER_COUNT = Rule("int", lo=2, hi=MAX_BUFFERS, why_hi=_BUFFERS)
 BYTES = Rule("bytes", lo=ALIGNMENT, hi=MAX_BYTES, why_hi=_INT64_BYTES, multiple=ALIGNMENT)
 BLOCK_BYTES = Rule("bytes", lo=ALIGNMENT, hi=MAX_BLOCK_SIZE, multiple=ALIGNMENT)
-COUNT = Rule("count", lo=0, **_COUNT)
-POSITIVE_COUNT = Rule("count", lo=1, **_COUNT)
+COUNT = Rule("count", lo=0, hi=INT64_MAX, why_hi=_INT64)
+POSITIVE_COUNT = Rule("count", lo=1, hi=INT64_MAX, why_hi=_INT64)
 PIN = Rule("pin", auto="value")
 
 # DeepSpeed renamed thread_count to intra_op_parallelism (2025) without an alias; both mean the same.
@@ -201,11 +200,13 @@ def _check_number(rule: Rule, value: Any) -> tuple[Any, str | None]:
         if low:
             return None, f"must be at least {rule.lo}, got {shown}"
         if high:
+            assert rule.hi is not None  # high: above it
             hi = format_size(rule.hi) if kind == "bytes" else str(rule.hi)
             return None, f"must be at most {hi} ({rule.why_hi}), got {shown}"
     elif low and rule.hi is None:
         return None, f"must be at least {rule.lo}, got {shown}"
     elif low or high:
+        assert rule.hi is not None  # low without a high bound was the branch above
         hi = _bytes_text(rule.hi) if kind == "bytes" else str(rule.hi)
         return None, f"must be between {rule.lo} and {hi}, got {shown}"
     if rule.multiple and value % rule.multiple:

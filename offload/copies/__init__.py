@@ -163,7 +163,7 @@ def on_each_device(tensors: Iterable[Optional[torch.Tensor]]) -> list:
     """One of ``tensors`` per device reached by copies: all that :func:`produced` and :func:`own_streams` look
     at, for a caller that passes the same tensors again and again."""
     b = _backend()
-    one = {}
+    one: dict[str, torch.Tensor] = {}
     for t in tensors:
         if t is not None and b.crosses(t.device):
             one.setdefault(repr(b.device_of(t)), t)

@@ -44,7 +44,7 @@ class _Recorded:
 class CudaCopies:
     """The backend of :mod:`offload.copies` for CUDA devices (CPU tensors are copied at once)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._streams: dict = {}
         self._lock = threading.Lock()
 

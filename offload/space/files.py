@@ -109,7 +109,9 @@ def seal(f: AioFile, data_bytes: int, guard: int) -> None:
     Raises:
         OSError: the write failed or was short, naming the file.
     """
-    token = _PATTERN.match(os.path.basename(f.path))["rand"].encode()
+    named = _PATTERN.match(os.path.basename(f.path))
+    assert named is not None  # a swap file of ours
+    token = named["rand"].encode()
     with mmap.mmap(-1, guard) as block:  # page-aligned, as direct I/O needs
         block[guard - _SEAL.size:] = _SEAL.pack(_MAGIC, data_bytes, guard, token)
         try:
@@ -173,11 +175,12 @@ def _scan(path) -> tuple[list[str], list[str]]:
     except (FileNotFoundError, NotADirectoryError):
         return [], []
     host = _host()
-    stale, unproven = [], []
+    stale: list[str] = []
+    unproven: list[str] = []
     for fname in names:
         m = _PATTERN.match(fname)
         creating = m is None
-        if creating:
+        if m is None:
             m = _NEW_PATTERN.match(fname)
             if m is None:
                 continue

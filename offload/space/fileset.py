@@ -55,7 +55,7 @@ class FileSet:
         returned. per_file: bytes of address space each file holds (a guard block follows them).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.engines: list[Engine] = []
         self.files: list[AioFile] = []
         self.names: list[str] = []
@@ -116,6 +116,7 @@ class FileSet:
                 raise OSError(err.errno, no_space_message(need, what), failed) from err
             if err.errno == errno.EOPNOTSUPP:
                 raise  # says what to do, naming the file
+            assert err.errno is not None  # fallocate's errno
             raise OSError(err.errno, f"cannot preallocate the swap file ({os.strerror(err.errno)})", failed) from err
         self.per_file = per_file
 
@@ -144,6 +145,7 @@ class FileSet:
                 except OSError as err:
                     if err.errno == errno.EOPNOTSUPP:
                         raise
+                    assert err.errno is not None  # fallocate's errno
                     raise OSError(err.errno, f"cannot preallocate the swap file again ({os.strerror(err.errno)})",
                                   f.path) from err
                 if self.per_file:

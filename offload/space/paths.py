@@ -44,11 +44,11 @@ def check_paths(paths: PathsLike) -> list[str]:
         given = [expand_placeholders(os.fsdecode(p)) for p in paths]
     except TypeError as err:
         raise ValueError(f"paths must be a directory or a list of directories, got {paths!r}") from err
-    paths = [os.path.abspath(p) for p in given]
-    if not paths:
+    dirs = [os.path.abspath(p) for p in given]
+    if not dirs:
         raise ValueError("paths is empty: give at least one directory (one per drive)")
     seen: dict[tuple[int, int], str] = {}
-    for p, raw in zip(paths, given):
+    for p, raw in zip(dirs, given):
         if not os.path.exists(p):
             parent = os.path.dirname(p)
             if not os.path.isdir(parent):
@@ -80,7 +80,7 @@ def check_paths(paths: PathsLike) -> list[str]:
             raise ValueError(f"paths lists the same directory twice ({seen[key]!r} and {p!r}); give each "
                              "directory once (one per drive)")
         seen[key] = p
-    return paths
+    return dirs
 
 
 def no_space_message(need: Mapping[str, int], what: str) -> str:

@@ -193,6 +193,7 @@ class SwapSpace:
                 if extent is None:
                     plan.grow(plan.capacity_for(n))
                     extent = plan.alloc(n)
+                    assert extent is not None  # grown to hold it
                 extents.append(extent)
             npaths = len(self.paths)
             per_file = round_up(plan.capacity, npaths * self.stripe_unit) // npaths
@@ -290,7 +291,7 @@ class SwapSpace:
         ``(swap file path, offset in that file, offset within the extent, length)`` per stripe piece
         (to clone an extent's bytes with the file system instead of copying them)."""
         length = extent.nbytes if nbytes is None else min(extent.nbytes, nbytes)
-        out = []
+        out: list[tuple[str, int, int, int]] = []
         for segs in self._segments(extent.offset, length, b"", 0):
             out.extend((s.file.path, s.file_offset, s.buffer_offset, s.nbytes) for s in segs)
         return sorted(out, key=lambda r: r[2])

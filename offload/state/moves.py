@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from ..buffers import BufferPool
-from ..pipeline import BufferRing, Pipeline
-from ..store import ByteStore, TierSource
+from ..pipeline import BufferRing, BufferSource, Pipeline
+from ..store import ByteStore, HostTier, TierSource
 from .layout import Layout, Unit
 
 __all__ = ["After", "Fate", "UnitMover"]
@@ -52,16 +52,18 @@ class UnitMover:
     """Moves units through the pool (and the host tier) in passes: :meth:`step`, :meth:`export`, :meth:`restore`.
 
     Args:
-        bytes: the byte store (reads, writes, failures, the host tier ``bytes.tier``).
+        bytes: the byte store (reads, writes, failures).
         pool: the pool (``None`` with ``device: "cpu"``: every unit is resident).
+        tier: the host tier of resident units, or ``None``; the owner sets :attr:`tier` when it makes one later.
         layout: the layout (every unit, for the tier's room).
         lookahead, write_behind: the pipeline's.
         describe: ``describe(unit)`` names a unit in messages.
     """
 
     def __init__(self, bytes: ByteStore, pool: Optional[BufferPool], layout: Layout, *, lookahead: int,
-                 write_behind: bool, describe: Callable[[Unit], str]):
+                 write_behind: bool, describe: Callable[[Unit], str], tier: Optional[HostTier] = None):
         self.bytes = bytes
+        self.tier = tier
         self.describe = describe
         self.pool = pool
         self.layout = layout
@@ -76,7 +78,7 @@ class UnitMover:
 
     # -- the three passes ---------------------------------------------------------------------
 
-    def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], bool],
+    def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
              before_write: Callable[[Unit], None]) -> None:
         """Update ``units`` in order: ``update(unit, buffer)``, then ``before_write(unit)`` before a unit's write
         (to wait for device copies into its buffer). The tiers are settled (see :meth:`fates`); the last
@@ -85,19 +87,13 @@ class UnitMover:
 
     def export(self, units: Sequence[Unit], copy_out: Callable[[Unit, Any], None]) -> None:
         """Read ``units`` and give each to ``copy_out(unit, buffer)``; nothing is written or frozen."""
-        def update(unit: Unit, buf) -> bool:
-            copy_out(unit, buf)
-            return False
-        self._pass(units, self.fates(units, changes=False), update, changes=False)
+        self._pass(units, self.fates(units, changes=False), copy_out, changes=False)
 
     def restore(self, units: Sequence[Unit], copy_in: Callable[[Unit, Any], None],
                 keeps_state: Callable[[Unit], bool]) -> None:
         """Overwrite ``units`` with ``copy_in(unit, buffer)``; a unit is read first only if
         ``keeps_state(unit)`` (it also holds state that is not replaced)."""
-        def update(unit: Unit, buf) -> bool:
-            copy_in(unit, buf)
-            return True
-        self._pass(units, self.fates(units, exists=keeps_state), update)
+        self._pass(units, self.fates(units, exists=keeps_state), copy_in)
 
     # -- each unit's fate ---------------------------------------------------------------------
 
@@ -112,10 +108,10 @@ class UnitMover:
         evicted, and a unit read into a pool buffer that is among them settles in that buffer. Every other
         unit is written back if the pass changes it.
         """
-        tier = self.bytes.tier
+        tier = self.tier
         if exists is None:
             exists = _has_state if step else _always
-        stay = self._to_stay(units) if step and tier is not None else set()
+        stay = self._to_stay(units, tier) if step and tier is not None else set()
         out = {}
         for u in units:
             home = tier is not None and tier.resident(u)
@@ -129,10 +125,9 @@ class UnitMover:
             out[id(u)] = Fate(home=home, read=not home and exists(u), after=after)
         return out
 
-    def _to_stay(self, units: Sequence[Unit]) -> set:
-        """Ids of the units of a step to be resident after it: as many of the last visited as the tier has
+    def _to_stay(self, units: Sequence[Unit], tier: HostTier) -> set:
+        """Ids of the units of a step to be resident after it: as many of the last visited as ``tier`` has
         room for, besides resident units the step does not visit."""
-        tier = self.bytes.tier
         if tier.capacity is None:
             return {id(u) for u in units}
         visiting = {id(u) for u in units}
@@ -142,7 +137,7 @@ class UnitMover:
 
     # -- the pass -----------------------------------------------------------------------------
 
-    def _pass(self, units: Sequence[Unit], fates: dict, update: Callable[[Unit, Any], bool], *,
+    def _pass(self, units: Sequence[Unit], fates: dict, update: Callable[[Unit, Any], None], *,
               before_write: Optional[Callable[[Unit], None]] = None, changes: bool = True,
               drain: bool = True) -> None:
         """Stream ``units`` through the pool, each as ``fates`` decided.
@@ -152,15 +147,16 @@ class UnitMover:
                 pass left landing; the store is then failed.
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
-        store, tier = self.bytes, self.bytes.tier
+        store, tier = self.bytes, self.tier
         store.collect_landed()
         # Units kept in host memory (resident, or still in a pool buffer) are written without being read
         # first: a write past a cut in a truncated file would leave holes that read back as zeros.
         store.check_intact()
-        source = self.ring
+        source: Optional[BufferSource] = self.ring
+        tiered: Optional[TierSource] = None  # the source over the pool and the tier, where there is a tier
         if tier is not None:
             settling = {i for i, f in fates.items() if f.after is After.SETTLES}
-            source = TierSource(self.ring, len(self.pool) if self.pool is not None else 0, tier, settling)
+            source = tiered = TierSource(self.ring, len(self.pool) if self.pool is not None else 0, tier, settling)
 
         def read(unit: Unit, buf):
             fate = fates[id(unit)]
@@ -182,17 +178,19 @@ class UnitMover:
                 self._holding.pop(id(buf), None)  # the update may have changed the buffer part-way
                 raise
             if fate.after is After.SETTLES:
+                assert tier is not None and tiered is not None, "a unit settles only in a tier"
                 self._holding.pop(id(buf), None)
                 tier.keep(unit, buf)
-                source.settled()
+                tiered.settled()
             return fate.after in (After.EVICTED, After.WRITTEN)
 
         def write(unit: Unit, buf):
             if before_write is not None:
                 before_write(unit)
             if fates[id(unit)].after is After.EVICTED:
+                assert tier is not None and tiered is not None, "only a tier's units are evicted"
                 tier.leave(unit)
-                source.evicted()
+                tiered.evicted()
             fut = self.write(unit, buf, landing=not drain)
             self._holding[id(buf)] = unit
             return fut

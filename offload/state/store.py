@@ -75,7 +75,9 @@ class StateStore:
         self.threshold = oc.small_param_threshold
         self.in_memory = oc.device == "cpu"
         self.pin_memory = resolve_pin(oc.pin_memory, (p for g in param_groups for p in g["params"]))
-        self.pool = self.space = self.tier = None
+        self.pool: Optional[BufferPool] = None
+        self.space: Optional[SwapSpace] = None
+        self.tier: Optional[HostTier] = None
         self._reverse = False  # the next step's visiting order
         size = self._pool_buffer_size(oc)
         try:
@@ -84,6 +86,7 @@ class StateStore:
             else:
                 self.pool = BufferPool(oc.buffer_count, size, pin_memory=self.pin_memory,
                                        keys=("offload_optimizer.buffer_count", "offload_optimizer.buffer_size"))
+                assert oc.nvme_path is not None  # the configuration's rule for device "nvme"
                 self.space = SwapSpace(oc.nvme_path, 0, aio=config.aio, buffers=self.pool, name=name)
         except BaseException:
             _close(self.space, self.pool, self.tier)
@@ -98,13 +101,12 @@ class StateStore:
         self.bytes = ByteStore(self.space, unit_bytes, checksum=oc.checksum, mismatch_fails=True, remedy=(
             "Training on it would be silently wrong; restore the state with load_checkpoint() (or "
             "load_state_dict()) before stepping again."))
-        self.bytes.tier = self.tier
         # With B buffers: one holds the unit being updated, one (or more) the writes still landing,
         # and the rest the reads ahead (B - 2 of them, at least 1).
         lookahead = max(1, oc.buffer_count - 1) if oc.pipeline_read else 0
         self.layout = Layout(unit_bytes, oc.state_dtype, master=oc.master_weights)
         self.moves = UnitMover(self.bytes, self.pool, self.layout, lookahead=lookahead,
-                               write_behind=oc.pipeline_write, describe=self._describe)
+                               write_behind=oc.pipeline_write, describe=self._describe, tier=self.tier)
         self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
     def _pool_buffer_size(self, oc) -> int:
@@ -135,12 +137,13 @@ class StateStore:
         if self.in_memory or self.tier is not None:
             return
         budget = oc.host_cache
-        if budget == "auto":
+        if isinstance(budget, str):  # "auto"
             # What the tier would hold for all of the state: a buffer of the pool's size per unit.
+            assert self.pool is not None  # on NVMe there is a pool
             budget = auto_cache_bytes(pools=self.pool.nbytes, state=len(self.layout.units) * self.layout.unit_bytes)
         count = budget // self.layout.unit_bytes
         if count > 0:
-            self.tier = self.bytes.tier = HostTier(count, self.layout.unit_bytes, pin_memory=self.pin_memory)
+            self.tier = self.moves.tier = HostTier(count, self.layout.unit_bytes, pin_memory=self.pin_memory)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _close, self.space, self.pool, self.tier)
 
@@ -173,9 +176,11 @@ class StateStore:
                 raise ConfigError(
                     f'offload_optimizer.device is "cpu": the state needs {format_size(need)} of host memory and '
                     f'{format_size(available)} is available; set device to "nvme" (with a host_cache) instead')
+            assert self.tier is not None  # made with the store for device "cpu"
             for unit in units:
                 self.tier.settle_in(unit)
         else:
+            assert self.space is not None  # made with the store for device "nvme"
             for unit, extent in zip(units, self.space.alloc_many([u.nbytes for u in units])):
                 unit.extent = extent
         self.layout.commit(units)

@@ -84,13 +84,19 @@ class ByteStore:
         return self.error is None
 
     @contextlib.contextmanager
-    def failing_on(self, *errors: type):
+    def failing_on(self, *errors: type[BaseException]):
         """Mark the store failed when the block raises one of ``errors``, then re-raise it."""
         try:
             yield
         except errors as err:
             self.mark_failed(err)
             raise
+
+    @property
+    def _swap(self) -> SwapSpace:
+        """The swap space, which every move of bytes needs (a store without one keeps them in host memory)."""
+        assert self.space is not None, "bytes moved by a store without a swap space"
+        return self.space
 
     # -- blocks ------------------------------------------------------------------------------------
 
@@ -102,9 +108,10 @@ class ByteStore:
         """Block ``k`` of ``stored``: its part of the extent (rounded up to the alignment) and its bytes."""
         start = k * self.block_bytes
         n = min(self.block_bytes, stored.nbytes - start)
+        assert stored.extent is not None, "a block of something kept in host memory"
         if k == 0 and n == stored.nbytes:
             return stored.extent, n
-        return self.space.sub(stored.extent, start, n), n
+        return self._swap.sub(stored.extent, start, n), n
 
     # -- moving blocks -----------------------------------------------------------------------------
 
@@ -117,7 +124,7 @@ class ByteStore:
         # was waited for once) must not become what a second wait compares with.
         source = stored.digests[k] if self.checksum and stored.digests is not None \
             and k < len(stored.digests) else None
-        fut = self.space.read(ext, buffer, nbytes=n, digest=source is not None)
+        fut = self._swap.read(ext, buffer, nbytes=n, digest=source is not None)
         self.bytes_read += ext.nbytes
         if source is None:
             return fut
@@ -127,7 +134,8 @@ class ByteStore:
     def read_range(self, stored: Stored, start: int, nbytes: int, buffer, *, buffer_offset: int = 0):
         """Start reading bytes ``[start, start + nbytes)`` (aligned) of ``stored`` into ``buffer`` at
         ``buffer_offset``. Not checked: a checksum covers whole blocks. Call :meth:`land` first."""
-        fut = self.space.read(self.space.sub(stored.extent, start, nbytes), buffer, buffer_offset=buffer_offset,
+        assert stored.extent is not None, "a range of something kept in host memory"
+        fut = self._swap.read(self._swap.sub(stored.extent, start, nbytes), buffer, buffer_offset=buffer_offset,
                               nbytes=nbytes)
         self.bytes_read += nbytes
         return fut
@@ -139,8 +147,8 @@ class ByteStore:
         ``landing``: the caller returns before it lands (see :meth:`collect_landed` and :meth:`drain`)."""
         ext, n = self.block(stored, k)
         keep = self.checksum and stored.digests is not None
-        _zero(buffer, n, round_up(n, self.space.alignment))
-        fut = self.space.write(ext, buffer, nbytes=n, digest=keep)
+        _zero(buffer, n, round_up(n, self._swap.alignment))
+        fut = self._swap.write(ext, buffer, nbytes=n, digest=keep)
         self.bytes_written += ext.nbytes
         stored.writes.append(fut)
         if stored.digests is not None:
@@ -264,7 +272,7 @@ class ByteStore:
 
     def _mismatch(self, stored: Stored, k: int, found, want, what: Callable[[], str]) -> StateError:
         ext, n = self.block(stored, k)
-        path, offset = self.space.locate(ext.offset)
+        path, offset = self._swap.locate(ext.offset)
         err = StateError(
             f"{what()}: {n} bytes at byte {k * self.block_bytes} of it (offset {offset} of {path}) have xxh3_64 "
             f"{hex_digest(found)} on disk, its last write had {hex_digest(want)}; the swap file was changed behind "

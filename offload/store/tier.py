@@ -160,6 +160,7 @@ class TierSource:
         """Give a buffer back to the ring, unless it is a unit's home."""
         if self.tier.lived_in(buf):
             return  # a resident unit's home, or a unit that just settled in there
+        assert self.ring is not None, "without a pool every buffer is a unit's home"
         self.ring.give(buf, pending)  # a pool buffer, or an evicted unit's former home
 
     def settled(self) -> None:
@@ -167,6 +168,7 @@ class TierSource:
         of this run have brought it more than it had)."""
         self._circulating -= 1
         if self._circulating < self._size:
+            assert self.ring is not None, "a unit settles in a pool buffer"
             self.ring.give(self.tier.new_buffer())
             self._circulating += 1
 
