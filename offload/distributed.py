@@ -214,6 +214,7 @@ class Box:
 
     @property
     def numel(self) -> int:
+        """Elements in the box."""
         return math.prod(self.shape)
 
     def within(self, shape) -> bool:

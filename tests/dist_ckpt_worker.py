@@ -400,7 +400,7 @@ def main() -> None:
     world = jobs["world"]
     if any(spec.get("model") == "fsdp2" for spec in jobs["jobs"]):
         # What fully_shard and DCP import on first use (2 s), imported once here rather than in every rank.
-        import torch._dynamo  # noqa: F401
+        import torch._dynamo
         import torch.distributed.checkpoint.state_dict  # noqa: F401
     for spec in jobs["jobs"]:
         n = spec.get("world", world)

@@ -465,7 +465,7 @@ def ddp_offload_parameters(out: str) -> dict:
         dist.all_gather_object(gathered, mine)
         result["ranks_agree"] = all(g == gathered[0] for g in gathered)
         # overlap_backward under DDP: its all-reduce changes the grads after the update began; step() says so.
-        plain = DDP(model())
+        plain = DistributedDataParallel(model())
         late = OffloadedAdamW(plain.parameters(), **LR, **OFFLOAD, nvme_path=path, overlap_backward=True)
         try:
             plain(batch(0, per_rank=True)).square().mean().backward()

@@ -190,6 +190,7 @@ class LocalPart(Entry):
 
     @property
     def numel(self) -> int:
+        """Elements in the part."""
         return math.prod(self.shape)
 
     def check_within(self, shape: Optional[tuple], name: str) -> None:
