@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 from types import MethodType
 from typing import Any, Optional
 
 import torch
 
+from ..aio import replace_file
 from ..errors import CheckpointError
 from ._common import check_fingerprint, fingerprint, has_offloaded_weights, offloaded_optimizer
 
@@ -133,22 +133,11 @@ def _save_streamed(trainer, checkpoint: dict, path: str) -> None:
 
 
 def _write_whole(checkpoint: dict, path: str) -> None:
-    """``torch.save`` ``checkpoint`` to ``path`` as one durable replacement: a temporary file beside it,
-    fsynced, renamed over it."""
+    """``torch.save`` ``checkpoint`` to ``path`` as one durable replacement (:func:`offload.aio.replace_file`:
+    written unnamed, fsynced, renamed over ``path`` only if that is a regular file or nothing, the directory
+    fsynced after; Lightning's own write leaves the directory unsynced)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    # A name nobody can guess, created exclusively: a link planted beside the .ckpt is never
-    # followed, and only the file made here is ever deleted.
-    temp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(8)}"
-    f = open(temp, "xb")
-    try:
-        with f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        os.unlink(temp)
-        raise
+    replace_file(path, lambda f: torch.save(checkpoint, f), private=False)
 
 
 def _check_streamed(checkpoint: dict, path: str) -> None:
