@@ -61,10 +61,14 @@ def deferred(*, urgent: bool = True) -> Iterator[None]:
         _held.depth -= 1
         _held.urgent = was_urgent
         if outer:
-            signal.signal(signal.SIGINT, _held.previous)
+            handler = _held.previous
+            if signal.getsignal(signal.SIGINT) is _hold:
+                signal.signal(signal.SIGINT, handler)
+            else:  # the block installed a handler of its own (the user's code, called back): it stays, and gets it
+                handler = signal.getsignal(signal.SIGINT)
             pending, _held.pending = _held.pending, []
-            if pending:
-                _deliver(_held.previous, pending[0])
+            if pending and callable(handler):
+                _deliver(handler, pending[0])
 
 
 def holding() -> bool:

@@ -294,3 +294,23 @@ def test_an_optimizer_dropped_during_backward_is_collected_and_its_worker_ends(t
         assert not [f for f in os.listdir(tmp_path / f"s{n}") if f.endswith(".swap")]
         for p in model.parameters():
             p.grad = None
+
+
+def test_a_handler_installed_inside_a_held_block_stays_and_gets_the_held_ctrl_c():
+    """SIGINT handlers the user installs while the library holds Ctrl-C off (from a callback, say) are not
+    replaced by the one before the block when it ends, and receive the Ctrl-C held in it."""
+    from offload.interrupts import deferred
+
+    before = signal.getsignal(signal.SIGINT)
+    got = []
+
+    def mine(signum, frame):
+        got.append(signum)
+
+    try:
+        with deferred():
+            signal.signal(signal.SIGINT, mine)
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is mine and got == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, before)
