@@ -99,8 +99,9 @@ def _source(value: Any):
 
 
 # NOTE: a view of a resident parameter (``w[0]``, ``w.t()``, ``w.view(...)``, ``w.detach()``, ``w.data``,
-# ``torch.split(w, ...)``) shares its storage, which the store frees at the release: read afterwards, it
-# would crash the process. Every such result of a call given an offloaded parameter (or a view of one)
+# ``torch.split(w, ...)``) shares its storage, whose bytes the store gives back at the release: read afterwards,
+# it would read zeros (a CPU weight, on pages of its own: params/mapped.py) or freed memory (a GPU weight, or
+# where no mapping could be made). Every such result of a call given an offloaded parameter (or a view of one)
 # becomes an ``OffloadedView``, refused by the same guard once its parameter is released. Views torch
 # makes inside its kernels and autograd (``F.linear``'s transposed weight) never reach Python and stay
 # plain; they are read only while the parameter is resident.
@@ -128,9 +129,10 @@ def _mark_views(out, sources: list, args: list) -> None:
             o._nvme_name = p.__dict__.get("_nvme_name", "?")
 
 
-# NOTE: a released parameter's storage is resized to zero bytes (autograd's saved views share it, so
-# the memory really is freed and a fetch regrows the same storage). Its shape still says otherwise, so
-# any kernel that reads it would read freed memory and crash the process. Offloaded parameters
+# NOTE: a released parameter's storage gives its memory back (a CPU weight's pages are dropped, its addresses
+# kept: params/mapped.py; elsewhere the storage is resized to zero bytes); autograd's saved views share it, and a
+# fetch refills the same storage. Its shape still says otherwise, so a kernel that read it would compute on
+# zeros, or read freed memory and crash the process. Offloaded parameters
 # therefore have their class switched (``p.__class__ = OffloadedParameter``, undone on restore), whose
 # ``__torch_function__`` refuses every torch call that has a released parameter among its arguments,
 # with an error saying what to do, and lets everything else through unchanged (results are plain
