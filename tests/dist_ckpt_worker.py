@@ -206,6 +206,8 @@ def inject(fault: dict, rank: int):
             if done[0] >= fault["after_units"]:
                 if fault["kind"] == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
+                if fault["kind"] == "interrupt":  # a Ctrl-C delivered at the loop's safe point
+                    raise KeyboardInterrupt
                 raise OSError(errno.EIO, "injected fault in the shard's save", "state.bin")
             done[0] += 1
             return process(i, buf)
@@ -289,7 +291,7 @@ class Rank:
         try:
             getattr(self, f"do_{action['do']}", lambda action, entry: None)(action, entry)
             entry["ok"] = True
-        except Exception as err:  # recorded for the test to judge
+        except (Exception, KeyboardInterrupt) as err:  # recorded for the test to judge
             entry.update(ok=False, type=type(err).__name__, error=str(err))
         self.log.append(entry)
         with open(os.path.join(self.out, f"rank{self.rank}.json"), "w") as f:

@@ -102,6 +102,7 @@ def step_dir(base: str, step: int) -> str:
 
 
 RAISE = {"rank": 1, "after_units": 2, "kind": "raise"}
+INTERRUPT = {"rank": 1, "after_units": 2, "kind": "interrupt"}
 KILL = {"rank": 1, "after_units": 2, "kind": "kill"}
 LATE = {"rank": 1, "kind": "late"}
 
@@ -135,7 +136,7 @@ def runs(tmp_path_factory):
             {"do": "save", "dir": os.path.join(raised, "a")},
             {"do": "train", "steps": 1},
             {"do": "save", "dir": os.path.join(raised, "a"), "fault": RAISE},
-            {"do": "save", "dir": os.path.join(raised, "b"), "fault": RAISE},
+            {"do": "save", "dir": os.path.join(raised, "b"), "fault": INTERRUPT},
             {"do": "listdir", "dir": raised},
             {"do": "load", "dir": os.path.join(raised, "a")},
             {"do": "dump", "tag": "raised"},
@@ -242,16 +243,17 @@ def test_job_checkpoint_layout_has_one_manifest_listing_every_shard(runs):
 
 
 def test_rank_raising_during_save_commits_nothing_and_previous_loads_everywhere(runs):
-    """A rank whose shard fails mid-write makes every rank raise; the checkpoint it would have replaced is
-    untouched and loads on all ranks, a new directory is not created, and nothing staged is left."""
+    """A rank whose shard fails mid-write (an error, or a Ctrl-C) makes every rank raise, none left waiting;
+    the checkpoint it would have replaced is untouched and loads on all ranks, a new directory is not created,
+    and nothing staged is left."""
     tmp, jobs = runs
     job = jobs["first"]
     assert job.returncodes == [0, 0], job.explain()
     for r, log in enumerate(job.logs):
         assert [e["ok"] for e in log[8:15]] == [True, True, False, False, True, True, True], job.explain()
-        for failed in (log[10], log[11]):
+        for failed, kind in ((log[10], "OSError"), (log[11], "KeyboardInterrupt")):
             if r == 1:
-                assert failed["type"] == "OSError" and "injected fault" in failed["error"]
+                assert failed["type"] == kind and (kind != "OSError" or "injected fault" in failed["error"])
             else:
                 assert failed["type"] == "CheckpointError" and "failed on rank 1" in failed["error"]
                 assert "nothing was committed on any rank" in failed["error"]

@@ -72,11 +72,13 @@ def gather(obj: Any, doing: str) -> list:
     return out
 
 
-def on_every_rank(doing: str, step: Callable[[], tuple[Any, dict]]) -> tuple[Any, Optional[Exception], list]:
+def on_every_rank(doing: str, step: Callable[[], tuple[Any, dict]]) -> tuple[Any, Optional[BaseException], list]:
     """Run ``step()`` on this rank and tell every rank how it went (a collective: every rank calls it).
 
     ``step`` returns a result and what to tell the other ranks. Returns the result, this rank's error (None
     when it succeeded) and every rank's status: ``{"rank", "ok"}`` with what its step told, or ``"error"``.
+    A Ctrl-C (KeyboardInterrupt) on this rank is told as a failure too, so that every rank stops together;
+    the caller raises it once the ranks have agreed.
 
     Raises:
         CheckpointError: a rank did not answer (this rank's own error, if any, is raised instead, chained).
@@ -85,7 +87,9 @@ def on_every_rank(doing: str, step: Callable[[], tuple[Any, dict]]) -> tuple[Any
     try:
         result, told = step()
         status.update(told, ok=True)
-    except Exception as err:  # told to the other ranks, then raised
+    except BaseException as err:  # told to the other ranks, then raised (a Ctrl-C too: the others wait on it)
+        if not isinstance(err, Exception | KeyboardInterrupt):
+            raise  # SystemExit and the like: this process is going
         own = err
         status["error"] = f"{type(err).__name__}: {err}"
     try:

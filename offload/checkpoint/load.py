@@ -246,7 +246,7 @@ def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
             err = own or CheckpointError(f"rank {failed[0]['rank']} failed to load its shard of {given} "
                                          f"({failed[0]['error']}); this rank loaded its own, but the job's state is "
                                          "not whole: no rank steps until a load succeeds on every rank")
-            if own is None:
+            if not isinstance(own, Exception):  # another rank's failure, or a Ctrl-C here: the state is not whole
                 optimizer.state_store.failed(err)
             raise err
         return extra
