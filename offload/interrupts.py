@@ -61,11 +61,12 @@ def deferred(*, urgent: bool = True) -> Iterator[None]:
         _held.depth -= 1
         _held.urgent = was_urgent
         if outer:
+            now = signal.getsignal(signal.SIGINT)
             handler = _held.previous
-            if signal.getsignal(signal.SIGINT) is _hold:
+            if now is _hold:
                 signal.signal(signal.SIGINT, handler)
             else:  # the block installed a handler of its own (the user's code, called back): it stays, and gets it
-                handler = signal.getsignal(signal.SIGINT)
+                handler = now if callable(now) else None
             pending, _held.pending = _held.pending, []
             if pending and callable(handler):
                 _deliver(handler, pending[0])
