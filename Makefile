@@ -22,8 +22,12 @@ lint: $(STAMP)
 	$(PYTHON) -c 'import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports(no_cache=True))'
 	$(PYTHON) -m mypy
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (its module fixtures
+# run once); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(STAMP)
 	$(PYTHON) -m offload.bench io --size 1GiB --fio
