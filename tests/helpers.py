@@ -335,3 +335,29 @@ def dies_at(k: int, counter: list):
     finally:
         for n in names:
             setattr(os, n, real[n])
+
+
+@contextlib.contextmanager
+def interrupted_after(k: int, counter: list, exc: type = KeyboardInterrupt):
+    """``exc`` (a Ctrl-C) raised right after the ``k``-th change of a name (rename, replace, link, unlink, mkdir,
+    rmdir; k from 1), that change made: unlike :func:`dies_at` the process lives on, and every later change is
+    made (the unwinding code's own). ``counter`` gets the number of changes made."""
+    names = ("rename", "replace", "link", "unlink", "mkdir", "rmdir")
+    real = {n: getattr(os, n) for n in names}
+
+    def wrap(name):
+        def call(*args, **kwargs):
+            result = real[name](*args, **kwargs)
+            counter[0] += 1
+            if counter[0] == k:
+                raise exc(f"interrupted after change {k}: os.{name}{args}")
+            return result
+        return call
+
+    for n in names:
+        setattr(os, n, wrap(n))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(os, n, real[n])

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 import torch
-from helpers import Died, dies_at
+from helpers import Died, dies_at, interrupted_after
 from torch import nn
 
 from offload import CheckpointError
@@ -158,3 +159,72 @@ def test_a_save_into_killed_between_any_two_changes_leaves_the_old_or_the_new_ne
         assert not [n for n in os.listdir(d) if n.startswith(STAGE_PREFIX) or n == ".nvme-offload.lock"]
         assert_user_files(d)
     assert "new" in outcomes and ("old" in outcomes or before is None), outcomes
+
+
+@pytest.mark.parametrize("before, after", [("3KB", "6KB"), ("5GB", "3KB"), ("3KB", "5GB"), ("5GB", "5GB"),
+                                           (None, "3KB")],
+                         ids=["shards-to-shards", "single-to-shards", "shards-to-single", "single-to-single",
+                              "first-sharded"])
+def test_a_save_into_interrupted_after_any_change_leaves_the_old_or_the_new(tmp_path, before, after):
+    """save_into over a previous save, a KeyboardInterrupt raised right after each of its file-system changes in
+    turn (the commit's rename among them), the process living on: the save raises it, and what loads is the
+    previous save or the new one, whole, never nothing (an interrupt right after the commit once undid the new
+    save whose rename had already replaced the old one). No staging directory is left unless the next save
+    sweeps it, and the user's files are untouched."""
+    old, new = model_of(1, config=1), model_of(2, config=2)
+    total = [0]
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    if before is not None:
+        save_into(old, probe, max_shard_size=before)
+    with interrupted_after(10**9, total):
+        save_into(new, probe, max_shard_size=after)
+    outcomes = set()
+    for k in range(1, total[0] + 1):
+        d = tmp_path / f"run{k}"
+        d.mkdir()
+        user_files(d)
+        if before is not None:
+            save_into(old, d, max_shard_size=before)
+        with pytest.raises(KeyboardInterrupt), interrupted_after(k, [0]):
+            save_into(new, d, max_shard_size=after)
+        try:
+            found = weights_in(d)
+        except CheckpointError as err:
+            assert before is None and "holds neither" in str(err), f"after change {k}: {err}"
+            outcomes.add("none")
+        else:
+            assert same(found, state(old)) or same(found, state(new)), f"a mix after change {k}"
+            outcomes.add("old" if same(found, state(old)) else "new")
+        assert_user_files(d)
+        save_into(new, d, max_shard_size=after)  # the next save clears what is left
+        assert same(weights_in(d), state(new))
+        assert not [n for n in os.listdir(d) if n.startswith(STAGE_PREFIX)]
+        assert_user_files(d)
+    assert "new" in outcomes and ("old" in outcomes or before is None), outcomes
+
+
+def test_a_ctrl_c_while_a_save_moves_in_is_delivered_after_its_commit(tmp_path, monkeypatch):
+    """A SIGINT arriving as the first shard moves into the directory is held off until the save has committed:
+    the new save loads whole, its staging directory is gone, and KeyboardInterrupt is raised after."""
+    d = tmp_path / "run"
+    d.mkdir()
+    save_into(model_of(1, config=1), d, max_shard_size="3KB")
+    new = model_of(2, config=2)
+    real = os.rename
+    sent = []
+
+    def rename(src, dst, *args, **kwargs):
+        real(src, dst, *args, **kwargs)
+        if not sent and os.path.dirname(os.fspath(dst)) == str(d) and os.fspath(dst).endswith(".safetensors"):
+            sent.append(dst)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        save_into(new, d, max_shard_size="6KB")
+    monkeypatch.undo()
+    assert sent
+    assert same(weights_in(d), state(new))
+    assert not [n for n in os.listdir(d) if n.startswith(STAGE_PREFIX)]
+

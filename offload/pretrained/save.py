@@ -22,6 +22,7 @@ from ..aio import AppendFile, Engine, create_private, fsync_path
 from ..buffers import BufferPool
 from ..config import AioConfig
 from ..errors import CheckpointError, StateError
+from ..interrupts import deferred
 from ..locks import LOCK_FILE, lock_directory
 from ..modes import dir_mode, file_mode
 from ..params import store_of
@@ -102,12 +103,13 @@ def _header(tensors: list[Tensor], record: Optional[dict] = None) -> bytes:
 #   3. move the shards in (fresh names where the usual ones are taken: nothing reads them yet), then the
 #      config files (a replaced one keeps a hard link in the staging directory until the commit), fsync;
 #   4. commit: rename the entry point in (a new index behind an old model.safetensors commits when that file,
-#      which loaders read first, is deleted), fsync;
+#      which loaders read first, is deleted), fsync; a Ctrl-C during 3 and 4 is held off until 4 is done;
 #   5. delete the previous save's files the new one does not have, then the staging directory.
 # A crash before 4 leaves the previous save loadable (and config files of the new one beside its weights,
 # which the record's checksums tell: our loader refuses that mix until a save completes); after 4 the new
 # one. The next save sweeps a staging directory proven ours by its marker: it finishes a committed save's
-# deletions, or undoes an uncommitted one (its moved files deleted, replaced config files restored).
+# deletions, or undoes an uncommitted one (its moved files deleted, replaced config files restored). A save
+# cut by an exception settles itself by the same rule (_settle), committed or not as the disk says.
 STAGING = ".nvme-offload-save."
 MARKER = "save.json"
 _LIMIT = 64 << 20  # the most bytes a header, an index or a marker may hold
@@ -187,35 +189,59 @@ def _barely_begun(stage: str) -> bool:
             and all(_regular(os.path.join(stage, n)) for n in names))
 
 
+def _finish(directory: str, stage: str, obsolete: Iterable[str], files: Iterable[str]) -> None:
+    """A committed save's last step: delete the previous save's files it made obsolete (never one of its own,
+    ``files``), then its staging directory."""
+    keep = set(files)
+    for n in obsolete:
+        if n not in keep:
+            _unlink(os.path.join(directory, n))
+    fsync_path(directory)
+    _remove_staging(stage)
+    fsync_path(directory)
+
+
+def _roll_back(directory: str, stage: str, doc: dict) -> None:
+    """Undo a save that never committed (its marker ``doc``): the config files it replaced put back, the files
+    it moved in deleted, then its staging directory; the previous save stays as it was."""
+    for n, backup in doc.get("backups", {}).items():
+        if _regular(os.path.join(stage, backup)):
+            os.replace(os.path.join(stage, backup), os.path.join(directory, n))
+    if doc.get("entry") == INDEX and os.path.lexists(os.path.join(directory, SINGLE)):
+        # An index moved in behind a model.safetensors that still wins (a model.safetensors of this save would
+        # have committed it, so it is never deleted here).
+        found = _entry_record(os.path.join(directory, INDEX)) if _regular(os.path.join(directory, INDEX)) else None
+        if found is not None and found["generation"] == doc["generation"]:
+            _unlink(os.path.join(directory, INDEX))
+    for n in doc.get("moved", []):
+        _unlink(os.path.join(directory, n))
+    fsync_path(directory)
+    _remove_staging(stage)
+    fsync_path(directory)
+
+
+def _settle(directory: str, stage: str) -> None:
+    """Finish or undo the save that staging directory ``stage`` belongs to, as the disk says: committed when the
+    record loaders find in ``directory`` is of the stage's generation (its rename, or the deletion of the
+    model.safetensors in front of its index, happened), else never. The one rule for a save cut short, whether
+    the next save sweeps it or the save itself unwinds from an exception. A stage not provably ours is left."""
+    doc = _marker(stage)
+    if doc is None:
+        if _barely_begun(stage):
+            _remove_staging(stage)  # died before it wrote its marker: nothing of it moved in
+        return
+    record = read_record(directory)
+    if record is not None and record["generation"] == doc["generation"]:
+        _finish(directory, stage, doc.get("obsolete", []), record["files"])
+    else:
+        _roll_back(directory, stage, doc)
+
+
 def _sweep(directory: str) -> None:
     """Finish or undo what saves cut short left in ``directory`` (see the note above); under its lock."""
     for name in os.listdir(directory):
-        if not name.startswith(STAGING):
-            continue
-        stage = os.path.join(directory, name)
-        doc = _marker(stage)
-        if doc is None:
-            if _barely_begun(stage):
-                _remove_staging(stage)  # died before it wrote its marker: nothing of it moved in
-            continue  # else not provably ours: left as it is
-        record = read_record(directory)
-        if record is not None and record["generation"] == doc["generation"]:
-            for n in doc.get("obsolete", []):  # committed: what its cleanup had not deleted yet
-                if n not in record["files"]:
-                    _unlink(os.path.join(directory, n))
-        else:  # never committed: the previous save stays, as it was
-            for n, backup in doc.get("backups", {}).items():
-                if _regular(os.path.join(stage, backup)):
-                    os.replace(os.path.join(stage, backup), os.path.join(directory, n))
-            entry = os.path.join(directory, doc.get("entry") or SINGLE)
-            found = _entry_record(entry) if doc.get("entry") and _regular(entry) else None
-            if found is not None and found["generation"] == doc["generation"]:
-                _unlink(entry)  # an index moved in behind a model.safetensors that still wins
-            for n in doc.get("moved", []):
-                _unlink(os.path.join(directory, n))
-        fsync_path(directory)
-        _remove_staging(stage)
-        fsync_path(directory)
+        if name.startswith(STAGING):
+            _settle(directory, os.path.join(directory, name))
 
 
 def _make_dir(path: str) -> bool:
@@ -328,11 +354,10 @@ class _Save:
         self.overwrite, self.into, self.made, self.progress = overwrite, into, made, progress
         self.generation = secrets.token_hex(8)
         self.stage = os.path.join(directory, STAGING + self.generation)
-        self.moved: list[str] = []  # what was moved into the directory (deleted again if the save fails)
-        self.backups: dict[str, str] = {}  # config file -> the hard link that keeps the one it replaced
         self.committed = False
         self.shard_names: list[str] = []
         self.obsolete: list[str] = []
+        self.files: list[str] = []  # what the save writes, as its record lists it
         self.config: list[str] = []
         self.entry: Optional[str] = None  # SINGLE or INDEX, once known
         self.adding: list[str] = []  # config files the directory does not have yet
@@ -344,14 +369,15 @@ class _Save:
             self._mark(entry=None)  # from here the staging directory is provably ours
             fsync_path(self.directory)
             self._write(tensors, extra)
-            self._move_in()
-            self._commit()
+            # A Ctrl-C from here to the commit is delivered once the commit is done (nothing in it is a safe point).
+            with deferred():
+                self._move_in()
+                self._commit()
         except BaseException:
-            if not self.committed:
-                self._undo()
+            self._unwind()
             raise
         try:
-            self._clean_up()
+            _finish(self.directory, self.stage, self.obsolete, self.files)
         except OSError as err:  # committed: what is left is swept by the next save
             warnings.warn(f"saved {self.directory}, but could not delete what it replaced: {err}", RuntimeWarning,
                           stacklevel=4)
@@ -378,7 +404,8 @@ class _Save:
         clash = [s for s in self.shard_names if os.path.lexists(os.path.join(self.directory, s))]
         if clash:
             raise CheckpointError(f"{self.directory} holds {_listing(clash)} already; save again")
-        record = {"format": RECORD_FORMAT, "generation": self.generation, "files": sorted(writes),
+        self.files = sorted(writes)
+        record = {"format": RECORD_FORMAT, "generation": self.generation, "files": self.files,
                   "config": {c: _hexdigest(os.path.join(self.stage, c)) for c in self.config}}
         weight_map = {}
         # Direct I/O where the file system has it (see AppendFile), every shard through the same three buffers.
@@ -433,16 +460,11 @@ class _Save:
 
     def _move_in(self) -> None:
         d, stage = self.directory, self.stage
-        for name in self.shard_names:  # nothing reads these names yet
+        for name in [*self.shard_names, *self.adding]:  # nothing reads these names yet
             os.rename(os.path.join(stage, name), os.path.join(d, name))
-            self.moved.append(name)
-        for name in self.adding:
-            os.rename(os.path.join(stage, name), os.path.join(d, name))
-            self.moved.append(name)
         for name in self.replacing:
             os.link(os.path.join(d, name), os.path.join(stage, name + ".replaced"))
             fsync_path(stage)
-            self.backups[name] = name + ".replaced"
             os.rename(os.path.join(stage, name), os.path.join(d, name))
         fsync_path(d)
 
@@ -459,31 +481,18 @@ class _Save:
             self.committed = True
         fsync_path(d)
 
-    def _clean_up(self) -> None:
-        for name in self.obsolete:
-            if name != self.entry:
-                _unlink(os.path.join(self.directory, name))
-        fsync_path(self.directory)
-        _remove_staging(self.stage)
-        fsync_path(self.directory)
-
-    def _undo(self) -> None:
-        """Put the previous save back as it was (best effort: what stays is swept by the next save)."""
+    def _unwind(self) -> None:
+        """After an exception: settle the save as the disk has it (see :func:`_settle`), so that one cut right after
+        its commit is finished, not undone (the previous save is gone by then); best effort, what stays is
+        swept by the next save."""
         with contextlib.suppress(OSError):
-            for name, backup in self.backups.items():
-                os.replace(os.path.join(self.stage, backup), os.path.join(self.directory, name))
-            entry = os.path.join(self.directory, self.entry or SINGLE)
-            found = _entry_record(entry) if self.entry and _regular(entry) else None
-            if found is not None and found["generation"] == self.generation:
-                _unlink(entry)
-            for name in self.moved:
-                _unlink(os.path.join(self.directory, name))
-            fsync_path(self.directory)
-            _remove_staging(self.stage)
-            fsync_path(self.directory)
+            if self.committed:
+                _finish(self.directory, self.stage, self.obsolete, self.files)
+            else:
+                _settle(self.directory, self.stage)
             if self.made and os.listdir(self.directory) in ([], [LOCK_FILE]):
                 _unlink(os.path.join(self.directory, LOCK_FILE))
-                os.rmdir(self.directory)  # made for this save
+                os.rmdir(self.directory)  # made for this save, which left nothing
 
 
 def _write_tensor(f, t: torch.Tensor) -> None:
