@@ -228,3 +228,22 @@ def test_a_ctrl_c_while_a_save_moves_in_is_delivered_after_its_commit(tmp_path, 
     assert same(weights_in(d), state(new))
     assert not [n for n in os.listdir(d) if n.startswith(STAGE_PREFIX)]
 
+
+def test_save_into_refuses_a_model_safetensors_no_save_of_ours_wrote(tmp_path):
+    """save_into a directory holding a user's own model.safetensors (and a tokenizer.json), sharded: the index
+    it commits would make the user's file obsolete, so it is refused before anything is written, naming the
+    file; nothing in the directory changes. Once moved away, the save goes through."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "run"
+    d.mkdir()
+    save_file({"w": torch.ones(4)}, str(d / "model.safetensors"))
+    (d / "tokenizer.json").write_text("{}")
+    before = {n: (d / n).read_bytes() for n in os.listdir(d)}
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*no save of this library wrote"):
+        save_into(model_of(1, config=1), d, max_shard_size="3KB")
+    assert {n: (d / n).read_bytes() for n in os.listdir(d) if n != ".nvme-offload.lock"} == before
+    os.rename(d / "model.safetensors", tmp_path / "mine.safetensors")
+    m = model_of(1, config=1)
+    save_into(m, d, max_shard_size="3KB")
+    assert same(weights_in(d), state(m)) and (d / "tokenizer.json").read_text() == "{}"

@@ -103,7 +103,8 @@ def _header(tensors: list[Tensor], record: Optional[dict] = None) -> bytes:
 #   3. move the shards in (fresh names where the usual ones are taken: nothing reads them yet), then the
 #      config files (a replaced one keeps a hard link in the staging directory until the commit), fsync;
 #   4. commit: rename the entry point in (a new index behind an old model.safetensors commits when that file,
-#      which loaders read first, is deleted), fsync; a Ctrl-C during 3 and 4 is held off until 4 is done;
+#      which loaders read first, is deleted: so a save into a directory refuses a model.safetensors its
+#      previous record does not list), fsync; a Ctrl-C during 3 and 4 is held off until 4 is done;
 #   5. delete the previous save's files the new one does not have, then the staging directory.
 # A crash before 4 leaves the previous save loadable (and config files of the new one beside its weights,
 # which the record's checksums tell: our loader refuses that mix until a save completes); after 4 the new
@@ -278,12 +279,15 @@ def _check_target(directory: str, previous: Optional[dict], overwrite: bool, int
     if not (overwrite or into):
         raise CheckpointError(f"{directory} exists and is not empty; choose a new directory, or pass overwrite=True "
                               "(--overwrite) to replace a Hugging Face checkpoint this library saved there")
-    theirs = names - ours if not into else {n for n in writes & names if n not in ours}
+    # Into a directory: what this save replaces, and a model.safetensors its index would delete (loaders read
+    # that file first), must be ours.
+    replaced = writes | ({SINGLE} if INDEX in writes else set())
+    theirs = names - ours if not into else {n for n in replaced & names if n not in ours}
     if theirs:
         raise CheckpointError(
             f"{directory} holds {_listing(theirs)}, which no save of this library wrote there (its record, in "
-            f"{SINGLE} or {INDEX}, does not list them); not replacing or deleting them: choose another directory, "
-            "or remove them yourself")
+            f"{SINGLE} or {INDEX}, does not list them); not replacing or deleting them: move them out of the "
+            "directory, or save to another one")
 
 
 def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
@@ -309,8 +313,8 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         overwrite: replace a save of this library at ``directory``.
         aio: the engine settings the shards are written with (``o_direct`` among them); the defaults if None.
         into: save into a directory holding other files (a training run's output): only the files a previous
-            save of ours recorded are replaced or deleted, and a file of the name this save writes that it did
-            not record is refused.
+            save of ours recorded are replaced or deleted, and a file of the name this save writes (or a
+            ``model.safetensors`` its index would replace) that it did not record is refused.
         progress: a progress bar on stderr (bytes written) for a save that lasts; None: where stderr is a
             terminal (see :mod:`offload.progress`).
 
@@ -475,7 +479,7 @@ class _Save:
             self.committed = True  # loaders read model.safetensors first
         elif _regular(os.path.join(d, SINGLE)):
             fsync_path(d)  # the index is there for good before the file that still wins goes
-            os.unlink(os.path.join(d, SINGLE))  # the previous save's (its record lists it)
+            os.unlink(os.path.join(d, SINGLE))  # the previous save's (_check_target made sure its record lists it)
             self.committed = True
         else:
             self.committed = True
@@ -605,8 +609,8 @@ def save_into(model: nn.Module, directory: str | os.PathLike, *, max_shard_size:
     """:func:`save_pretrained` into a directory that may hold other files (a training run's output, as
     ``Trainer.save_model`` writes it), committed as a whole (see :func:`write_checkpoint`): only the files a
     previous save of this library recorded there are replaced or deleted; a file of a name this save writes
-    (config.json, model.safetensors, ...) that no save of ours wrote is refused, and every other file is left
-    as it is.
+    (config.json, model.safetensors, ...), or a ``model.safetensors`` a sharded save's index would replace, that
+    no save of ours wrote is refused before anything is written, and every other file is left as it is.
 
     Returns:
         ``directory``, absolute.
