@@ -10,7 +10,8 @@ says). SPEC: {"init": a file:// store, "root": a directory, "seed": n, "actions"
   {"do": "save", "dir": d, "fault": {...}}       save_checkpoint(opt, d, model=..., extra={"step": ...}); "blocking"
                                                  and "alone" as for save_checkpoint; "extra": {rank: {...}} adds
                                                  to that rank's extra; "fixed_clock": shards all say one second
-  {"do": "load", "dir": d}                       load_checkpoint(opt, d, model=...), the step from its extra
+  {"do": "load", "dir": d}                       load_checkpoint(opt, d, model=...), the step from its extra;
+                                                 "weights": false loads the optimizer's state only
   {"do": "keep_save", "root": d, "keep_last": n} Retention(d, keep_last=n).save(opt, step, model=..., ...)
   {"do": "keep_load", "root": d}                 Retention(d).load_latest(opt, model=...)
   {"do": "dump", "tag": t}                       weights and optimizer state to ROOT/out/rank<r>-<t>.pt (a
@@ -319,7 +320,7 @@ class Rank:
             manifest_module.datetime = datetime
 
     def do_load(self, action: dict, entry: dict) -> None:
-        self.step = load_checkpoint(self.opt, action["dir"], model=self.holder,
+        self.step = load_checkpoint(self.opt, action["dir"], model=self.holder if action.get("weights", True) else None,
                                     alone=action.get("alone", False))["step"]
 
     def do_keep_save(self, action: dict, entry: dict) -> None:

@@ -610,3 +610,82 @@ def test_box_runs_copy_the_elements_two_parts_share_as_indexing_does():
         if both is not None:
             flat = [x for lo, hi in both.flat_ranges(shape) for x in range(lo, hi)]
             assert flat == held(full, both).reshape(-1).tolist(), (shape, both)
+
+
+# -- checkpoints saved before the parts each rank held were recorded ---------------------------------
+
+
+def _without_parts(directory: str) -> None:
+    """Rewrite checkpoint ``directory`` as a version that did not record ``local`` wrote it: the field gone from
+    every parameter and model tensor of its manifest (of each shard's, for a job's), every checksum made valid."""
+    from offload.checkpoint.manifest import digest
+
+    def strip(path: str) -> str:
+        with open(path) as f:
+            manifest = json.load(f)
+        for entry in manifest["params"] + manifest.get("model", {}).get("tensors", []):
+            entry.pop("local", None)
+        manifest["manifest_xxh3_64"] = digest(manifest)
+        with open(path, "w") as f:
+            json.dump(manifest, f)
+        return manifest["manifest_xxh3_64"]
+
+    path = os.path.join(directory, "manifest.json")
+    with open(path) as f:
+        top = json.load(f)
+    if "shards" not in top:
+        strip(path)
+        return
+    for shard in top["shards"]:
+        name = shard.get("manifest", "manifest.json")
+        shard["manifest_xxh3_64"] = strip(os.path.join(directory, shard["name"], name))
+    top["manifest_xxh3_64"] = digest(top)
+    with open(path, "w") as f:
+        json.dump(top, f)
+
+
+def test_checkpoints_without_recorded_parts_load_under_fsdp2_as_through_dcp_or_are_refused(resharded, tmp_path):
+    """Checkpoints of a version that did not record each rank's part: a process's (whole tensors) loaded by a
+    2-rank FSDP2 job gives every rank its own rows of the optimizer's state (with and without the model's
+    weights), as DCP's checkpoint of the same state does; the 2-rank job's own loads on 2 ranks as before;
+    loaded where the parts differ (a process alone), it is refused with what to do, never read as whole."""
+    from offload.checkpoint import save_checkpoint
+
+    tmp, _ = resharded
+    worker = _worker_module()
+    model = worker.Sharded(1, shard=False)
+    opt = worker.sharded_optimizer(model, str(tmp_path / "nvme"), "int8")
+    process, job_copy = str(tmp_path / "process"), str(tmp_path / "job")
+    try:
+        load_checkpoint(opt, os.path.join(tmp, "ours2"), model=model)
+        save_checkpoint(opt, process, model=model, extra={"step": 2})
+    finally:
+        opt.close()
+    import shutil
+
+    shutil.copytree(os.path.join(tmp, "ours2"), job_copy)
+    _without_parts(process)
+    _without_parts(job_copy)
+    assert not any("local" in p for p in read_manifest(process)["params"])
+
+    model = worker.Sharded(1, shard=False)
+    opt = worker.sharded_optimizer(model, str(tmp_path / "nvme-alone"), "int8")
+    try:
+        with pytest.raises(CheckpointError, match="does not record which part of .* save it again with this version"):
+            load_checkpoint(opt, job_copy, model=model)
+    finally:
+        opt.close()
+
+    job = run_jobs(str(tmp_path), {"old": (
+        [{"do": "load", "dir": process, "weights": False}, {"do": "dump", "tag": "state"}, {"do": "fresh"},
+         {"do": "load", "dir": process}, {"do": "dump", "tag": "process"}, {"do": "fresh"},
+         {"do": "load", "dir": job_copy}, {"do": "dump", "tag": "job"}, {"do": "fresh"},
+         {"do": "dcp_load", "dir": os.path.join(tmp, "dcp2"), "step": 2}, {"do": "dump", "tag": "dcp"}], 1)},
+        model="fsdp2", state_dtype="int8")["old"]
+    assert_ok(job, 2)
+    for r in range(WORLD):
+        assert_same(job.dump(r, "state")["opt"], job.dump(r, "dcp")["opt"], f"rank {r}, the process's state alone")
+    assert_ok(job)
+    for r in range(WORLD):
+        assert_same(job.dump(r, "process"), job.dump(r, "dcp"), f"rank {r}, the process's checkpoint")
+        assert_same(job.dump(r, "job"), job.dump(r, "dcp"), f"rank {r}, the job's")

@@ -32,7 +32,17 @@ from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank
 from .manifest import JobManifest, Manifest, ParamEntry, read
 from .model import load_model, model_section
-from .reshard import Piece, Resharded, SavedState, Source, model_tensors, plan, same_layout, sources_here
+from .reshard import (
+    Piece,
+    Resharded,
+    SavedState,
+    Source,
+    model_tensors,
+    plan,
+    same_layout,
+    sources_here,
+    with_parts,
+)
 from .stream import progress_bar, read_verified, stream, unit_spans
 from .verify import shard_manifest, verify_data
 
@@ -169,7 +179,7 @@ def _check_as_saved(optimizer, source: Source, model: nn.Module | None) -> Optio
     """The checks of a load of ``source`` as it was saved, or None where this rank holds other parts of the
     parameters than the rank that saved it."""
     manifest, memory, extra, params = _check_source(optimizer, source, model)
-    if not same_layout(manifest, params, model):
+    if not same_layout(source, params, model):
         return None
     saved = {}
     for e in manifest.params:
@@ -184,6 +194,7 @@ def _check_resharded(optimizer, root: str, sources: list, missing: list, model: 
     checkpoint saved by ranks that held other parts of the parameters."""
     for s in sources:
         s.manifest.sized_path(DATA)
+    sources = [with_parts(s) for s in sources]
     manifest, memory, extra, params = _check_source(optimizer, sources[0], model) if sources else (None,) * 4
     amsgrad = {id(p): bool(g["amsgrad"]) for g in optimizer.param_groups for p in g["params"]}
     resharded = plan(root, sources, missing, params, {i: amsgrad[id(p)] for i, p in enumerate(params or ())}, model)

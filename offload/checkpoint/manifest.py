@@ -218,7 +218,8 @@ class ParamEntry(Entry):
     chunks: tuple = json_field(list_of(Chunk.parse), ())
     step: Optional[float] = json_field(number, None)
     # The part of the parameter the saving rank held, whose elements the chunks and memory.pt's state
-    # hold; absent in checkpoints saved before it was recorded (then the part the loading rank holds).
+    # hold; absent in checkpoints saved before it was recorded (reshard.with_parts: then the whole where the
+    # rank held all of it, else unknown).
     local: Optional[LocalPart] = json_field(LocalPart.parse, None)
 
     @classmethod

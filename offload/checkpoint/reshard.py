@@ -6,8 +6,9 @@ flat order), the saved shards that hold those elements, and which of their eleme
 from __future__ import annotations
 
 import itertools
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,7 +19,7 @@ from ..errors import CheckpointError
 from ..params import named_tensors
 from ..state import check_param_state
 from .format import MODEL_MEMORY, dtype_of
-from .manifest import JobManifest, LocalPart, Manifest
+from .manifest import JobManifest, LocalPart, Manifest, TensorEntry
 from .model import model_memory, model_section
 from .verify import shard_manifest
 
@@ -128,17 +129,27 @@ def sources_here(job: JobManifest) -> tuple[list[Source], list[str]]:
     return here, missing
 
 
-def same_layout(manifest: Manifest, params: list, model: Optional[nn.Module]) -> bool:
-    """Whether every part of a parameter (and of a model tensor) that ``manifest`` recorded is the part this
-    rank holds (parts not recorded count as the same: checkpoints from before they were)."""
+def same_layout(source: Source, params: list, model: Optional[nn.Module]) -> bool:
+    """Whether every part of a parameter (and of a model tensor) that ``source`` saved is the part this rank
+    holds. A part not recorded (checkpoints from before it was) counts as the same where the saving rank held
+    as many elements as this rank holds (or none): the same ranks in the same layout, as such checkpoints
+    always loaded."""
+    manifest = source.manifest
     for e in manifest.params:
-        if e.local is not None and not _holds(e.local, params[e.index]):
+        p = params[e.index]
+        if e.local is None and held(source, e) not in (None, local(p).numel()):
+            return False
+        if e.local is not None and not _holds(e.local, p):
             return False
     if model is not None and manifest.model is not None:
         saved = {t.name: t for t in manifest.model.tensors}
         for name, t, _ in named_tensors(model):
             e = saved.get(name)
-            if e is not None and e.local is not None and not _holds(e.local, t):
+            if e is None or e.same_as is not None:
+                continue
+            if e.local is None and held(source, e) != local(t).numel():
+                return False
+            if e.local is not None and not _holds(e.local, t):
                 return False
     return True
 
@@ -146,6 +157,46 @@ def same_layout(manifest: Manifest, params: list, model: Optional[nn.Module]) ->
 def _holds(part: LocalPart, t: torch.Tensor) -> bool:
     """Whether ``part`` is the part of ``t`` this rank holds."""
     return part.box is not None and part.box == local_box(t)
+
+
+# NOTE: versions before parts were recorded wrote no ``local``. What the rank saved still shows how many
+# elements it held; where that is all of the tensor (a process's checkpoint, DDP's replicated parameters, a
+# DTensor whole on its rank) the part is the whole, and the checkpoint reshards like any other. A part of
+# fewer elements stays unknown: it loads only into the layout that saved it (same_layout), and is refused
+# anywhere else (_saved_box) rather than taken for elements it may not be.
+def held(source: Source, entry) -> Optional[int]:
+    """How many elements of the tensor of ``entry`` (a parameter's or a model tensor's) ``source`` saved,
+    from what it saved; None for a parameter without saved state."""
+    if isinstance(entry, TensorEntry):
+        if entry.where != MODEL_MEMORY:
+            return math.prod(entry.shape)  # params.bin: whole tensors only
+        value = source.model().get(entry.name)
+        return local(value).numel() if torch.is_tensor(value) else None
+    if not entry.initialized or entry.where == "none":
+        return None
+    if entry.where == "swap":
+        return max((c.start + c.numel for c in entry.chunks), default=0)
+    values = [v for k, v in source.memory()["state"][entry.index].items() if k != "step" and torch.is_tensor(v)]
+    return local(values[0]).numel() if values else None
+
+
+def with_parts(source: Source) -> Source:
+    """``source`` with the part of each tensor its rank held filled in where its manifest does not record it
+    and the rank held the whole tensor (or, for a parameter, saved no state for it); see the NOTE above."""
+    manifest = source.manifest
+
+    def whole(e):
+        if e.local is not None or e.shape is None or getattr(e, "same_as", None) is not None:
+            return e
+        if held(source, e) not in (None, math.prod(e.shape)):
+            return e
+        return replace(e, local=LocalPart(tuple(e.shape), (0,) * len(e.shape)))
+
+    params = tuple(whole(e) for e in manifest.params)
+    model = manifest.model
+    if model is not None:
+        model = replace(model, tensors=tuple(whole(t) for t in model.tensors))
+    return replace(source, manifest=replace(manifest, params=params, model=model))
 
 
 # -- the plan: each tensor's pieces ----------------------------------------------------------------
