@@ -247,3 +247,18 @@ def test_save_into_refuses_a_model_safetensors_no_save_of_ours_wrote(tmp_path):
     m = model_of(1, config=1)
     save_into(m, d, max_shard_size="3KB")
     assert same(weights_in(d), state(m)) and (d / "tokenizer.json").read_text() == "{}"
+
+
+def test_a_config_edited_after_the_save_loads_with_a_warning(tmp_path):
+    """config.json edited by hand after a save (use_cache, say) is not taken for a save cut short: with no staging
+    directory left, the weights load and a warning names the file; a cut-short save's is still refused."""
+    d = tmp_path / "m"
+    save_pretrained(model_of(1, config=1), d)
+    saved = weights_in(d)
+    doc = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**doc, "use_cache": False}))
+    with pytest.warns(RuntimeWarning, match="edited since"):
+        assert same(weights_in(d), saved)
+    (d / (STAGE_PREFIX + "0123")).mkdir()  # what a save cut short between its config and its weights leaves
+    with pytest.raises(CheckpointError, match="parts of two saves"):
+        weights_in(d)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -97,9 +98,13 @@ def read_record(directory: str) -> Optional[dict]:
     return value if is_record(value) else None
 
 
+STAGING = ".nvme-offload-save."  # the prefix of a save's staging directory inside its target (save.py)
+
+
 def _check_config(directory: str) -> None:
     """Refuse a directory whose config files are not those its weights were saved with, where a save of ours
-    recorded them: a save into it cut short between the two (it moves config files in before its weights)."""
+    recorded them and left its staging directory: a save into it cut short between the two (it moves config
+    files in before its weights). Without one, the file was edited since the save: said, and used as it is."""
     record = read_record(directory)
     for name, digest in (record or {}).get("config", {}).items():
         path = os.path.join(directory, name)
@@ -107,11 +112,16 @@ def _check_config(directory: str) -> None:
             found = xxhash.xxh3_64(read_regular(path, limit=_RECORD_LIMIT)).hexdigest()
         except (OSError, ValueError):
             found = None
-        if found != digest:
-            raise CheckpointError(
-                f"{path} is not the {name} the weights in {directory} were saved with (a save into the directory "
-                "was cut short before its weights were in place): it holds parts of two saves. Save the model "
-                "there again")
+        if found == digest:
+            continue
+        if found is not None and not any(n.startswith(STAGING) for n in os.listdir(directory)):
+            warnings.warn(f"{path} is not the {name} the weights were saved with (edited since?); it is used as it "
+                          "is", RuntimeWarning, stacklevel=4)
+            continue
+        raise CheckpointError(
+            f"{path} is not the {name} the weights in {directory} were saved with (a save into the directory "
+            "was cut short before its weights were in place): it holds parts of two saves. Save the model "
+            "there again")
 
 
 def not_regular(err: OSError, what: str) -> CheckpointError:

@@ -30,7 +30,7 @@ from ..pipeline import Pipeline
 from ..progress import progress as progress_bar
 from ..regular import read_regular
 from ..units import parse_size
-from .files import INDEX, RECORD, RECORD_FORMAT, SINGLE, dtype_name, is_record, read_record
+from .files import INDEX, RECORD, RECORD_FORMAT, SINGLE, STAGING, dtype_name, is_record, read_record
 from .load import _named
 
 __all__ = ["Tensor", "save_into", "save_pretrained", "saved_dtype", "write_checkpoint", "write_dtype"]
@@ -111,7 +111,6 @@ def _header(tensors: list[Tensor], record: Optional[dict] = None) -> bytes:
 # one. The next save sweeps a staging directory proven ours by its marker: it finishes a committed save's
 # deletions, or undoes an uncommitted one (its moved files deleted, replaced config files restored). A save
 # cut by an exception settles itself by the same rule (_settle), committed or not as the disk says.
-STAGING = ".nvme-offload-save."
 MARKER = "save.json"
 _LIMIT = 64 << 20  # the most bytes a header, an index or a marker may hold
 
