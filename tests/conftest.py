@@ -16,6 +16,12 @@ import subprocess
 import pytest
 import torch
 
+# Two test workers (make test) share the cores: one torch thread each, in them and in what they start, instead of
+# two each spinning against the other's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 from offload import copies, restore_parameters
 from offload._native import HAVE_IO_URING
 from offload.aio import Engine
