@@ -285,8 +285,8 @@ def _check_target(directory: str, previous: Optional[dict], overwrite: bool, int
     if theirs:
         raise CheckpointError(
             f"{directory} holds {_listing(theirs)}, which no save of this library wrote there (its record, in "
-            f"{SINGLE} or {INDEX}, does not list them); not replacing or deleting them: move them out of the "
-            "directory, or save to another one")
+            f"{SINGLE} or {INDEX}, does not list them; saves of versions before the record are not known either); "
+            "not replacing or deleting them: move them out of the directory, or save to another one")
 
 
 def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
