@@ -15,7 +15,7 @@ $(STAMP): scripts/install-deps.sh pyproject.toml setup.py offload/_build.py offl
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PYTHON) -m offload.demo --path $(SCRATCH)
+	$(PYTHON) -m offload.tools.demo --path $(SCRATCH)
 
 lint: $(STAMP)
 	$(PYTHON) -m ruff check .
@@ -30,7 +30,7 @@ test: lint
 	$(PYTHON) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(STAMP)
-	$(PYTHON) -m offload.bench io --size 1GiB --fio
+	$(PYTHON) -m offload.tools io --size 1GiB --fio
 
 clean:
 	rm -rf build dist *.egg-info offload/_engine.c offload/_kernels.c offload/*.so offload/*.o .pytest_cache .ruff_cache .mypy_cache

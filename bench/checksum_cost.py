@@ -23,8 +23,8 @@ import time
 import torch
 
 from offload import OffloadedAdamW
-from offload.bench.peer import BATCH, WIDTH, linear_stack
-from offload.units import parse_count, parse_size
+from offload.sizes import parse_count, parse_size
+from offload.tools.peer import BATCH, WIDTH, linear_stack
 
 
 def main(argv=None) -> int:

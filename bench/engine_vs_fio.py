@@ -25,7 +25,7 @@ import time
 from offload.aio import Engine
 from offload.buffers import BufferPool
 from offload.pipeline import Pipeline
-from offload.units import GIB, parse_size
+from offload.sizes import GIB, parse_size
 
 
 def ours(engine, pool, f, op: str, size: int) -> float:

@@ -65,9 +65,9 @@ def child(args: argparse.Namespace) -> None:
     import torch  # noqa: F401 - imported before the clock starts
 
     from offload import offload_parameters
-    from offload.bench.scale import PARAM_OFFLOAD, close_offloaded
     from offload.params import offloaded
     from offload.pretrained import load_safetensors, offload_pretrained
+    from offload.tools.scale import PARAM_OFFLOAD, close_offloaded
 
     profile = None
     if args.profile:
@@ -143,9 +143,9 @@ def main(argv=None) -> int:
         child(args)
         return 0
     sys.path.insert(0, HERE)
-    from offload.bench import report
-    from offload.bench.fio import write_read_gib_s
-    from offload.units import GIB, parse_size
+    from offload.sizes import GIB, parse_size
+    from offload.tools import report
+    from offload.tools.fio import write_read_gib_s
 
     layers = max(1, parse_size(args.size) // (2 * SIDE * SIDE))
     nbytes = layers * 2 * SIDE * SIDE

@@ -13,7 +13,7 @@ from torch import nn
 
 from offload import OffloadedAdamW, offload_parameters, restore_parameters
 from offload.params import clip_grad_norm_, materialized, offloaded
-from offload.units import format_size
+from offload.sizes import format_size
 
 root = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="offload-example-")
 swap, ckpt = os.path.join(root, "swap"), os.path.join(root, "ckpt", "step-3")

@@ -73,7 +73,7 @@ if __name__ == "__main__":
     child.wait()
     print(f"killed the run after its checkpoint of step {2 * EVERY} (exit status {child.returncode})")
     # The killed run's swap files are still there; no live process holds them, so they are stale.
-    subprocess.run([sys.executable, "-m", "offload.swap_cli", "clean", os.path.join(run, "swap")], check=True)
+    subprocess.run([sys.executable, "-m", "offload.tools.swap_cli", "clean", os.path.join(run, "swap")], check=True)
 
     resumed = train(run, log=lambda text, **kwargs: print(text) if text.startswith("resumed") else None)
     same = child.returncode == -signal.SIGKILL and resumed == straight

@@ -11,7 +11,7 @@ import psutil
 import torch
 
 from .errors import ConfigError, PoolTooSmallError
-from .units import format_size, round_up
+from .sizes import format_size, round_up
 
 PAGE_SIZE = mmap.PAGESIZE
 

@@ -20,7 +20,7 @@ bench() {  # a name, then offload-bench's arguments; skipped once the budget is 
   local name=$1; shift
   [ "$(left)" -gt 30 ] || { echo "### $name: skipped (budget spent)"; return; }
   echo "### $name"
-  timeout $(( $(left) - 10 )) python3 -m offload.bench "$@" 2>&1 | { grep -v " TB of " || true; }
+  timeout $(( $(left) - 10 )) python3 -m offload.tools "$@" 2>&1 | { grep -v " TB of " || true; }
 }
 {
   bench gpu gpu --size 512MiB --rounds 3

@@ -368,7 +368,7 @@ def streamed_checkpoint(out: str) -> dict:
 
 def reservation(out: str) -> dict:
     """Bytes each rank reserves for an FSDP2 model, and for the same shards as plain tensors in one process."""
-    from offload.units import round_up
+    from offload.sizes import round_up
 
     options = dict(small_param_threshold=100, config={"aio": {"block_size": 4096}})
     m = sharded()

@@ -25,7 +25,7 @@ from torch import nn
 from offload import OffloadedAdamW, offload_parameters, restore_parameters
 from offload._proc import reset_peak_rss, status_bytes
 from offload.params import materialized, offloaded
-from offload.units import MIB
+from offload.sizes import MIB
 
 LAYERS, WIDTH, BATCH, STEPS = 4, 1024, 4, 2  # 4.2 M fp32 parameters: 16 MiB of weights, 32 MiB of state
 OPT = dict(lr=1e-3, buffer_count=2, buffer_size=2 * MIB)  # the optimizer's pool: 4 MiB

@@ -15,15 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.aio import gds_status
-from offload.bench import checkpoint as checkpoint_bench
-from offload.bench.cli import main
 from offload.config import AioConfig, config_to_dict, load_config
+from offload.tools import checkpoint as checkpoint_bench
+from offload.tools.cli import main
 
 TINY = ["--size", "8MiB", "--block-size", "64KiB", "--runs", "2"]
 
 
 def bench(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return run_python("-m", "offload.bench", *args, env=env, timeout=timeout, cwd=REPO)
+    return run_python("-m", "offload.tools", *args, env=env, timeout=timeout, cwd=REPO)
 
 
 def bench_in_process(capsys, *args: str) -> tuple[int, str, str]:
@@ -97,8 +97,8 @@ def test_sweep_ranks_a_grid_and_emits_a_config_the_loader_reads_back(tmp_path):
 
 def test_verification_catches_a_chunk_read_from_the_wrong_place():
     """Stamps make every 4 KiB block distinct, so a chunk landing in another chunk's place fails."""
-    from offload.bench.io import Data, VerifyError
     from offload.buffers import BufferPool
+    from offload.tools.io import Data, VerifyError
 
     with BufferPool(2, 64 << 10) as pool:
         data = Data(pool, 64 << 10)
@@ -182,7 +182,7 @@ def test_overlap_benchmark_reports_every_variant_and_the_bytes_saved(tmp_path, c
     """``--overlap`` times the iteration with and without overlap_backward, with nothing overlapped, compute
     alone and I/O alone; with offloaded weights the overlapped iteration moves no gradient; it cleans up."""
     out = tmp_path / "overlap.json"
-    proc = run_python("-m", "offload.bench", *command, "--overlap", "--rounds", "1", "--batch", "4",
+    proc = run_python("-m", "offload.tools", *command, "--overlap", "--rounds", "1", "--batch", "4",
                       "--path", str(tmp_path / "scratch"), "--json", str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
@@ -291,7 +291,7 @@ def test_checkpoint_async_benchmark_times_the_loop_three_ways_and_makes_then_rem
 def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
     """``offload-bench params`` on a tiny model exits 0 and writes every documented key."""
     out = tmp_path / "params.json"
-    proc = run_python("-m", "offload.bench", "params", "--layers", "2", "--hidden", "64", "--steps", "2",
+    proc = run_python("-m", "offload.tools", "params", "--layers", "2", "--hidden", "64", "--steps", "2",
                       "--path", str(tmp_path / "scratch"), "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
@@ -416,7 +416,7 @@ def test_io_gds_reports_kvikio_beside_the_pinned_pool(tmp_path):
 def test_overlap_calibration_finds_the_batch_whose_compute_matches_the_io():
     """The batch search doubles until compute reaches the target and interpolates between the last two;
     noise (time that does not grow with the batch) never sends it to an absurd batch."""
-    from offload.bench.overlap import CALIBRATION_BATCH, _calibrate
+    from offload.tools.overlap import CALIBRATION_BATCH, _calibrate
 
     assert _calibrate(lambda b: 0.05 + 0.01 * b, 0.5) == 45  # 0.05 + 0.01 * 45 = 0.5
     assert _calibrate(lambda b: 1.0, 0.5) == CALIBRATION_BATCH  # already slower than the I/O
@@ -431,8 +431,8 @@ def test_compute_beside_io_times_the_work_while_reads_and_writes_run_and_cleans_
     import threading
     import time
 
-    from offload.bench import workload
     from offload.config import AioConfig
+    from offload.tools import workload
 
     rounds, during = [], threading.Event()
     real = workload._run_ops
@@ -462,7 +462,7 @@ def test_compute_beside_io_times_the_work_while_reads_and_writes_run_and_cleans_
 def test_io_only_moves_any_byte_counts_in_aligned_requests(tmp_path_factory, read_bytes, write_bytes):
     """io_only reads and writes any byte counts (not only multiples of the alignment: a step's are not): every
     request starts aligned, reads and writes cover exactly the counts asked for, and no swap file is left."""
-    from offload.bench import workload
+    from offload.tools import workload
 
     scratch = tmp_path_factory.mktemp("io")
     seen = []
@@ -491,7 +491,7 @@ def test_kvikio_gets_our_parallelism_and_registered_buffers_and_is_put_back(rele
     num_threads_reset and kvikio.memory_register before), and undoes both when the passes close."""
     import types
 
-    from offload.bench.gds import tune_kvikio
+    from offload.tools.gds import tune_kvikio
 
     calls = []
     kvikio = types.SimpleNamespace(defaults=types.SimpleNamespace())
@@ -522,7 +522,7 @@ def test_compare_without_deepspeed_times_ours_and_says_why_not(tmp_path, monkeyp
     """offload-bench compare where DeepSpeed is not importable: ours runs (in a process of its own), with and
     without checksums, the report names why DeepSpeed did not and what checksums cost, the JSON holds every run
     with iterations, step(), bytes moved and peak RSS, and the scratch directories are gone."""
-    from offload.bench import compare
+    from offload.tools import compare
 
     monkeypatch.setattr(compare, "_DEFAULT_PEER", str(tmp_path / "no-python"))
     out = tmp_path / "compare.json"
@@ -564,8 +564,8 @@ def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, ca
     report does not count) fails the benchmark."""
     import argparse
 
-    from offload.bench import compare
-    from offload.bench.cli import BenchError
+    from offload.tools import compare
+    from offload.tools.cli import BenchError
 
     args = argparse.Namespace(params=4_000_000, iterations=3, params_nvme=False, bf16=False, device="cpu")
     reported = tmp_path / "reported"
@@ -589,7 +589,7 @@ def test_bench_scale_runs_checks_its_export_and_removes_every_file(tmp_path):
     peak RSS against the pools and the step's bytes, and leaves nothing in its directory."""
     pytest.importorskip("transformers")
     out = tmp_path / "scale.json"
-    proc = run_python("-m", "offload.bench", "scale", "--params", "400K", "--hidden", "64", "--vocab", "512",
+    proc = run_python("-m", "offload.tools", "scale", "--params", "400K", "--hidden", "64", "--vocab", "512",
                       "--steps", "1", "--seq", "8", "--no-fio", "--path", str(tmp_path / "scratch"),
                       "--json", str(out), timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -606,7 +606,7 @@ def test_scale_compares_each_phase_with_the_fio_runs_around_it(monkeypatch, caps
     it; a fio that fails stops later runs but keeps the earlier ones, and a bound missing a run is None."""
     import types
 
-    from offload.bench import scale
+    from offload.tools import scale
 
     rates = iter([(2.0, 1.0), (4.0, 2.0), None])  # (write, read) GiB/s per run; the third run fails
 
@@ -631,7 +631,7 @@ def test_checksum_cost_switches_the_byte_stores_checksums(tmp_path, capsys, monk
     the steps "on" and none for the steps "off" (a switch on an attribute nobody reads measured on against on)."""
     import importlib.util
 
-    from offload.store import core
+    from offload.bytes import core
 
     seen = []
     real = core.ByteStore.write
@@ -711,7 +711,7 @@ def test_compare_drops_the_rounds_of_a_deepspeed_that_fails_later(tmp_path, caps
 def test_the_ledger_gives_each_phase_what_moved_in_it_per_parameter_and_iteration():
     """What the counters moved between phase boundaries is the phase's: weights read in forward and backward
     apart, the rest wherever it moved; divided by parameters and iterations."""
-    from offload.bench.ledger import Meter, render
+    from offload.tools.ledger import Meter, render
 
     now = {"weights_read": 0, "state_read": 0, "state_written": 0, "grads_written": 0}
     meter = Meter(10, lambda: dict(now))
@@ -752,7 +752,7 @@ def test_quality_trains_each_mode_on_held_out_text_and_draws_the_curves(tmp_path
                  str(tmp_path / "swap"), "--json", str(out), "--png", str(png)]) == 0
     text = capsys.readouterr().out
     doc = json.loads(out.read_text())
-    from offload.bench import quality
+    from offload.tools import quality
 
     assert set(doc["runs"]) == {quality.REFERENCE, "int8", quality.REFERENCE_AGAIN}
     for run in doc["runs"].values():

@@ -18,7 +18,7 @@ from helpers import SMALL, assert_same, assert_same_state, ckpt_file, flip_bit, 
 from offload import OffloadedAdam, OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint.manifest import digest
-from offload.ckpt_cli import main as ckpt_main
+from offload.tools.ckpt_cli import main as ckpt_main
 
 
 def make_opt(params, nvme, cls=OffloadedAdamW, **kw):

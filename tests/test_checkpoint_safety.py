@@ -254,7 +254,7 @@ def test_cli_import_refuses_whatever_is_not_a_checkpoint_and_fills_an_empty_dire
     torch.save(adamw_state_dict(), state)
 
     def run(target, cwd):
-        return subprocess.Popen([sys.executable, "-m", "offload.ckpt_cli", "import", str(state), target], cwd=cwd,
+        return subprocess.Popen([sys.executable, "-m", "offload.tools.ckpt_cli", "import", str(state), target], cwd=cwd,
                                 env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     (tmp_path / "empty").mkdir()

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from helpers import run_python
 
-from offload.bench import compare
+from offload.tools import compare
 
 # A stand-in for deepspeed: its op builders do what torch's cpp_extension does around a build (wait forever while
 # the build directory holds a "lock" file; hold one while building), and record that they built.
@@ -80,7 +80,7 @@ def test_a_build_that_fails_is_reported_in_a_line_and_a_stuck_one_times_out(fake
 
 def test_no_deepspeed_leaves_an_installed_deepspeed_out(fake_deepspeed, tmp_path):
     """With DeepSpeed importable, --no-deepspeed builds nothing and runs ours alone, saying why."""
-    done = run_python("-m", "offload.bench", "compare", "--params", "1M", "--rounds", "1", "--iterations", "3",
+    done = run_python("-m", "offload.tools", "compare", "--params", "1M", "--rounds", "1", "--iterations", "3",
                       "--no-extras", "--no-deepspeed", "--path", str(tmp_path / "nvme"), timeout=300,
                       env={"PYTHONPATH": os.environ["PYTHONPATH"], "XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr

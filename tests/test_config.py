@@ -491,19 +491,19 @@ def test_config_takes_blocks_as_mappings():
 
 
 def test_config_package_imports_neither_the_engine_nor_torch():
-    """offload/config/ and units.py import only the standard library, hjson, offload.errors/units/regular and
+    """offload/config/ and sizes.py import only the standard library, hjson, offload.errors/sizes/regular and
     each other: no native code, no torch, no other layer."""
     package = sorted((REPO / "offload" / "config").glob("*.py"))
     own = {p.stem for p in package}
     assert {"__init__", "rules", "blocks", "loader"} <= own
-    for path in [*package, REPO / "offload" / "units.py"]:
+    for path in [*package, REPO / "offload" / "sizes.py"]:
         in_package = path.parent.name == "config"
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level:
-                # In the package ".x" is a sibling and "..x" is offload.x; in units.py ".x" is offload.x.
+                # In the package ".x" is a sibling and "..x" is offload.x; in sizes.py ".x" is offload.x.
                 sibling = in_package and node.level == 1
-                allowed = own if sibling else {"errors", "units", "regular"}
+                allowed = own if sibling else {"errors", "sizes", "regular"}
                 assert node.module in allowed and node.level <= 1 + in_package, f"{path.name}: {node.module}"
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]

@@ -29,8 +29,8 @@ from offload.checkpoint import (
     verify_checkpoint,
 )
 from offload.checkpoint.verify import read_job_manifest
-from offload.ckpt_cli import main as ckpt_main
 from offload.distributed import Box
+from offload.tools.ckpt_cli import main as ckpt_main
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dist_ckpt_worker.py")
 WORLD = 2

@@ -104,7 +104,7 @@ def check(argv: list[str], where: str) -> None:
     """One command: ours through its parser, make targets in the Makefile, scripts in the repository."""
     argv = [a.strip("[]") for a in argv if a not in ("[", "]", "...")]  # [--bf16 --params-nvme]: optional parts
     name, args = argv[0], argv[1:]
-    if name == "python" and args[:2] == ["-m", "offload.bench"]:
+    if name == "python" and args[:2] == ["-m", "offload.tools"]:
         name, args = "offload-bench", args[2:]
     elif name == "python" and args[:1] == ["-"]:
         return  # its heredoc compiled above
@@ -125,10 +125,10 @@ def check(argv: list[str], where: str) -> None:
 
 
 def parse(name: str, args: list[str], where: str) -> None:
-    from offload.bench.cli import build_parser as bench
-    from offload.bench.doctor import main as report
-    from offload.ckpt_cli import build_parser as ckpt
-    from offload.swap_cli import build_parser as swap
+    from offload.tools.ckpt_cli import build_parser as ckpt
+    from offload.tools.cli import build_parser as bench
+    from offload.tools.doctor import main as report
+    from offload.tools.swap_cli import build_parser as swap
 
     if name == "offload-report":
         return  # its only arguments are paths and a config file: read, not parsed

@@ -26,7 +26,7 @@ from offload._native import HAVE_IO_URING, ffi, lib
 from offload.aio import READ, WRITE, Engine, FutureGroup, Segment
 from offload.aio import files as aio_files
 from offload.buffers import BufferPool, HostBuffer
-from offload.units import KIB, MIB
+from offload.sizes import KIB, MIB
 
 
 def random_bytes(n: int, seed: int = 0) -> np.ndarray:

@@ -327,7 +327,7 @@ def test_offload_bench_adam_with_state_in_host_memory_on_cuda_runs(tmp_path):
     copies of both directions overlap on two streams) runs and reports a step time."""
     out = tmp_path / "adam.json"
     (tmp_path / "scratch").mkdir()
-    proc = run_python("-m", "offload.bench", "adam", "--params", "2M", "--dtype", "bf16", "--device", "cuda",
+    proc = run_python("-m", "offload.tools", "adam", "--params", "2M", "--dtype", "bf16", "--device", "cuda",
                       "--offload-device", "cpu", "--steps", "3", "--no-fio", "--no-torch", "--path",
                       str(tmp_path / "scratch"), "--json", str(out), timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr

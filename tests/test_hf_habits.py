@@ -59,9 +59,9 @@ def test_exports_write_the_weights_dtype_into_config_json(gpt2_dir, nvme, closin
     save_pretrained and by offload-ckpt export --hf --config (whose config says float32), so transformers loads
     them as bf16, equal to ours; the rest of the config is kept."""
     from offload import save_parameters
-    from offload.ckpt_cli import main as ckpt_main
     from offload.integrations.transformers import from_pretrained
     from offload.pretrained import save_pretrained
+    from offload.tools.ckpt_cli import main as ckpt_main
 
     assert _config_dtype(gpt2_dir) == "float32"
     model = closing(from_pretrained(gpt2_dir, nvme_path=nvme, dtype=torch.bfloat16, max_in_cpu=0))
@@ -82,8 +82,8 @@ def test_the_fp32_export_holds_the_masters_by_name_and_loads_with_transformers(g
     the optimizer's fp32 master (masters differ from the bf16 weights in their low bits), loadable by
     transformers' from_pretrained with a float32 config."""
     from offload import OffloadedAdamW
-    from offload.ckpt_cli import main as ckpt_main
     from offload.integrations.transformers import from_pretrained
+    from offload.tools.ckpt_cli import main as ckpt_main
 
     model = closing(from_pretrained(gpt2_dir, nvme_path=nvme + "-w", dtype=torch.bfloat16, max_in_cpu=0,
                                     max_grad_in_cpu=0))
@@ -123,7 +123,7 @@ def test_the_fp32_export_refuses_a_checkpoint_without_names_or_masters(nvme, clo
     """A checkpoint saved without model= (no names) or of weights alone (no masters) is refused with what to do;
     nothing is written."""
     from offload import OffloadedAdamW, save_parameters
-    from offload.ckpt_cli import main as ckpt_main
+    from offload.tools.ckpt_cli import main as ckpt_main
 
     model = torch.nn.Linear(64, 64)
     opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme))
@@ -142,9 +142,9 @@ def test_loads_saves_and_exports_show_progress_where_asked(gpt2_dir, nvme, closi
     """With OFFLOAD_PROGRESS=1 (as into a log; on a terminal it is the default) from_pretrained draws a bar of the
     bytes it loads, save_pretrained and offload-ckpt export one of the bytes they write, each to its end."""
     from offload import save_parameters
-    from offload.ckpt_cli import main as ckpt_main
     from offload.integrations.transformers import from_pretrained
     from offload.pretrained import save_pretrained
+    from offload.tools.ckpt_cli import main as ckpt_main
 
     monkeypatch.setenv("OFFLOAD_PROGRESS", "1")
     model = closing(from_pretrained(gpt2_dir, nvme_path=nvme, max_in_cpu=0))

@@ -384,8 +384,8 @@ def test_a_read_is_checked_against_the_write_before_it_however_often_it_is_waite
     the save's read), it neither raises nor fails the store. Before, each wait compared with the newest
     write's checksum: a false mismatch that stopped training."""
     from offload.buffers import HostBuffer
+    from offload.bytes import ByteStore, Stored
     from offload.space import SwapSpace
-    from offload.store import ByteStore, Stored
 
     block = 64 * 1024
     space = SwapSpace(str(tmp_path), 0, name="checked")

@@ -17,8 +17,8 @@ from test_special_files import deadline
 from offload import OffloadedAdamW, locks
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
-from offload.ckpt_cli import main as ckpt_main
 from offload.locks import LOCK_FILE
+from offload.tools.ckpt_cli import main as ckpt_main
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another user (nobody)")
 

@@ -15,8 +15,8 @@ from helpers import SMALL, assert_same_state, ckpt_file, flip_bit, make_params, 
 
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
-from offload.ckpt_cli import main as ckpt_main
 from offload.errors import ChecksumError
+from offload.tools.ckpt_cli import main as ckpt_main
 
 
 def make_opt(params, nvme, **kw):

@@ -13,8 +13,8 @@ from helpers import saved_checkpoint
 from test_special_files import deadline, plant
 
 from offload.aio import replace_file
-from offload.bench.cli import main as bench_main
-from offload.ckpt_cli import main as ckpt_main
+from offload.tools.ckpt_cli import main as ckpt_main
+from offload.tools.cli import main as bench_main
 
 
 def bench(capsys, *args: str) -> tuple[int, str]:

@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from offload import OffloadedAdamW, StateError, materialized, offload_parameters
 from offload.params import load_grad, offloaded
-from offload.units import round_up
+from offload.sizes import round_up
 
 UNIT = 64 * 1024
 OPT = dict(lr=1e-2, buffer_size=UNIT, buffer_count=3, small_param_threshold=64)

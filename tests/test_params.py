@@ -16,7 +16,7 @@ from torch import nn
 
 from offload import ConfigError, OffloadedAdamW, offload_parameters, restore_parameters
 from offload.params import clip_grad_norm_, load_grad, materialized, offloaded, store_of
-from offload.units import MIB
+from offload.sizes import MIB
 
 
 def make_pair(seed=0, dtype=torch.float32, **kw):

@@ -18,8 +18,8 @@ from offload import OffloadedAdamW, StateError, offload_parameters, restore_para
 from offload import checkpoint as ckpt
 from offload.aio import Engine
 from offload.checkpoint import load_parameters, save_parameters
-from offload.ckpt_cli import main as ckpt_main
 from offload.params import materialized, offloaded, store_of
+from offload.tools.ckpt_cli import main as ckpt_main
 
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")]
 

@@ -11,10 +11,10 @@ import torch
 from helpers import REPO, TINY, Net, loss_of
 
 from offload import OffloadedAdamW, materialized, offload_parameters
-from offload.bench.cli import main
-from offload.bench.plan import model_params, plan
 from offload.config import load_config
 from offload.params import offloaded
+from offload.tools.cli import main
+from offload.tools.plan import model_params, plan
 
 
 def _moved_per_step(opt, params, steps: int) -> list:
@@ -100,7 +100,7 @@ def test_the_plan_of_the_update_inside_backward_counts_no_grad_round_trip_and_no
     """With overlap_backward the update takes each offloaded weight as backward leaves it: the plan's bytes of
     weights and grads per step (read twice, written once, no grads) are what the parameter store moves, and
     the modes comparison lists the leanest mode below the plain one."""
-    from offload.bench.plan import modes
+    from offload.tools.plan import modes
 
     torch.manual_seed(0)
     model = Net(h=4096, layers=4).to(torch.bfloat16)
@@ -137,8 +137,8 @@ def test_a_host_cache_is_planned_as_the_optimizer_keeps_it(nvme, closing):
     units off); "auto" is the share of the memory planned for that the optimizer would take."""
     import psutil
 
-    from offload.store import auto_cache_bytes
-    from offload.store.tier import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN
+    from offload.bytes import auto_cache_bytes
+    from offload.bytes.tier import AUTO_MARGIN_FRACTION, AUTO_MARGIN_MIN
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(1_200_000)) for _ in range(12)]

@@ -13,9 +13,9 @@ from helpers import TINY, Net, proc_status, reset_peak_rss
 from torch import nn
 
 from offload import CheckpointError, offload_parameters, restore_parameters, save_parameters
-from offload.ckpt_cli import main as ckpt_main
 from offload.params import load_grad, materialized, offloaded
 from offload.pretrained import load_safetensors, save_pretrained
+from offload.tools.ckpt_cli import main as ckpt_main
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

@@ -8,9 +8,9 @@ import os
 
 from helpers import REPO, run_python
 
-from offload.bench.cli import main as bench_main
-from offload.bench.doctor import FAIL, checks, main
 from offload.config import load_config
+from offload.tools.cli import main as bench_main
+from offload.tools.doctor import FAIL, checks, main
 
 
 def test_a_usable_directory_passes_every_check_and_the_json_says_the_same(tmp_path, capsys):
@@ -42,8 +42,8 @@ def test_the_command_is_installed_and_runs_in_a_fresh_process(tmp_path):
     """pyproject installs offload-report as this module's main; run as a module in a new process it prints the
     checks and exits 0."""
     with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as f:
-        assert 'offload-report = "offload.bench.doctor:main"' in f.read()
-    done = run_python("-m", "offload.bench.doctor", str(tmp_path))
+        assert 'offload-report = "offload.tools.doctor:main"' in f.read()
+    done = run_python("-m", "offload.tools.doctor", str(tmp_path))
     assert done.returncode == 0, done.stderr
     # One line a check, in order, each starting with its status (advice lines start with blanks).
     lines = [ln for ln in done.stdout.splitlines() if not ln.startswith(" ")]

@@ -21,7 +21,7 @@ from offload import checkpoint as ckpt
 from offload.aio import Engine, PieceDigest
 from offload.checkpoint import Storage
 from offload.checkpoint import snapshot as snapshot_module
-from offload.units import GIB, MIB
+from offload.sizes import GIB, MIB
 
 
 @pytest.fixture
@@ -229,7 +229,7 @@ def test_a_flipped_byte_in_a_cloned_unit_is_refused_by_load_and_verify(xfs, wher
             message = rf"state\.[0-9a-f]+\.bin: bytes \[{u['offset']}, .*unit {i}"
             with pytest.raises(ckpt.ChecksumError, match=message):
                 ckpt.verify_checkpoint(xfs / "c")
-            cli = subprocess.run([sys.executable, "-m", "offload.ckpt_cli", "verify", str(xfs / "c")],
+            cli = subprocess.run([sys.executable, "-m", "offload.tools.ckpt_cli", "verify", str(xfs / "c")],
                                  capture_output=True, text=True)
             assert cli.returncode == 1 and f"unit {i}" in cli.stdout + cli.stderr
             with pytest.raises(ckpt.ChecksumError, match=message):

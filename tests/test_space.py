@@ -24,8 +24,8 @@ from offload.aio import files as aio_files
 from offload.buffers import BufferPool, HostBuffer
 from offload.config import AioConfig
 from offload.errors import ConfigError
+from offload.sizes import KIB, MIB, round_up
 from offload.space import Extent, ExtentAllocator, SwapSpace
-from offload.units import KIB, MIB, round_up
 
 UNIT = 64 * KIB  # small stripes so a few MiB cross many stripe boundaries
 AIO = AioConfig(block_size=UNIT, queue_depth=8)

@@ -18,10 +18,10 @@ from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint.format import DEFAULT_STORAGE, read_checked
 from offload.checkpoint.manifest import read
-from offload.ckpt_cli import main as ckpt_main
 from offload.config import load_config
 from offload.errors import CheckpointError, ConfigError
 from offload.regular import FileTooLargeError, NotRegularFileError, read_regular
+from offload.tools.ckpt_cli import main as ckpt_main
 
 KINDS = ["fifo", "dev-zero"]
 _DEADLINE_S = 20

@@ -9,7 +9,7 @@ import sys
 import pytest
 from helpers import python_env
 
-from offload.swap_cli import EXIT_FAILURE, EXIT_OK, main
+from offload.tools.swap_cli import EXIT_FAILURE, EXIT_OK, main
 
 # ``python -c HOLD DIR NAME``: creates a swap space named NAME in DIR, prints "ready", then waits for a line
 # on stdin; on "use" it writes and reads back its swap space and prints "ok", then exits cleanly.

@@ -12,7 +12,7 @@ from helpers import assert_same, first_os_error, sigkill_then_resume_equals_unin
 
 from offload import OffloadedAdamW, StateError
 from offload import checkpoint as ckpt
-from offload.units import round_up
+from offload.sizes import round_up
 
 UNIT = 256 * 1024
 TIERS = dict(buffer_size=UNIT, buffer_count=3, small_param_threshold=64)
@@ -182,7 +182,7 @@ def test_an_io_error_while_evicting_names_the_file_and_blocks_steps(nvme):
 def test_host_cache_auto_with_little_free_memory_picks_a_small_cache_and_says_so(nvme, monkeypatch):
     """"auto" takes a share of available memory after the pools and a margin: a machine reporting
     little free memory gets a small cache (here none) and a warning saying so."""
-    import offload.store.tier as tiers
+    import offload.bytes.tier as tiers
 
     class Memory:
         total, available = 8 << 30, 2 << 30  # all of it the margin: no room for a cache

@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 
 from ..buffers import BufferPool
-from ..units import ALIGNMENT, round_up
+from ..sizes import ALIGNMENT, round_up
 from .engine import Engine
 from .files import reserve, unlink_if_same
 from .futures import wait_quietly

@@ -17,7 +17,7 @@ from .._proc import reset_after_fork
 from ..errors import user_stacklevel
 from ..modes import file_mode
 from ..regular import kind_of
-from ..units import ALIGNMENT
+from ..sizes import ALIGNMENT
 
 _MODES = {
     "r": os.O_RDONLY,

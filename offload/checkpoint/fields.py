@@ -13,7 +13,7 @@ import torch
 
 from .. import codes
 from ..errors import CheckpointError
-from ..units import ALIGNMENT, round_up
+from ..sizes import ALIGNMENT, round_up
 from .format import DATA, MEMORY, PARAMS_DATA, PIECES_VERSION, dtype_of
 
 # -- reading JSON values, each checked with its field's name ----------------------------------------

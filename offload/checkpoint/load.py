@@ -17,6 +17,7 @@ from ..distributed import like, local, rank_info
 from ..errors import CheckpointError, ChecksumError
 from ..interrupts import deferring
 from ..params import ParamAccess
+from ..sizes import ALIGNMENT
 from ..state import (
     HALF_DTYPES,
     check_param_state,
@@ -26,7 +27,6 @@ from ..state import (
     set_chunk_values,
     step_tensor,
 )
-from ..units import ALIGNMENT
 from .commit import reading, wait_for_save
 from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank

@@ -25,7 +25,7 @@ from ..config.rules import MAX_BLOCK_SIZE
 from ..distributed import Box, local, local_box
 from ..errors import CheckpointError, ChecksumError
 from ..regular import FileTooLargeError, NotRegularFileError, read_regular
-from ..units import ALIGNMENT, MIB
+from ..sizes import ALIGNMENT, MIB
 from .fields import (
     RULES,
     Entry,

@@ -16,8 +16,8 @@ from ..config import AioConfig, config_to_dict
 from ..errors import CheckpointError, ChecksumError, StateError
 from ..interrupts import deferring
 from ..params import named_tensors, store_of
+from ..sizes import ALIGNMENT, round_up
 from ..space import Extent
-from ..units import ALIGNMENT, round_up
 from .commit import Staged, reading, write_atomically
 from .format import DEFAULT_STORAGE, MODEL_MEMORY, PARAMS_DATA, Storage, dtype_name, dtype_of, read_torch, write_file
 from .manifest import LocalPart, Manifest, ModelSection, TensorEntry, read_process

@@ -22,7 +22,7 @@ from ..buffers import BufferPool
 from ..config import AioConfig
 from ..errors import CheckpointError
 from ..pipeline import BufferRing
-from ..units import format_size
+from ..sizes import format_size
 from .commit import Staged
 from .format import DATA, EXTRA, MEMORY, dtype_name, io_error, write_file
 from .manifest import LocalPart, Manifest, ParamEntry, Unit, chunk_table

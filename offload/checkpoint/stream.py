@@ -15,7 +15,7 @@ from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
 from ..pipeline import Pipeline
 from ..progress import progress
-from ..units import ALIGNMENT, round_up
+from ..sizes import ALIGNMENT, round_up
 from .format import DATA
 from .manifest import Unit
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..units import format_size
+from ..sizes import format_size
 from .rules import (
     ALIASES,
     BLOCK_BYTES,

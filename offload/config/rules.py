@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ..errors import ConfigError
-from ..units import ALIGNMENT, format_size, parse_count, parse_size
+from ..sizes import ALIGNMENT, format_size, parse_count, parse_size
 
 __all__ = [
     "ALIASES",

@@ -12,7 +12,7 @@ from ..copies import DONE, Ticket
 from ..distributed import detached
 from ..errors import StateError
 from ..interrupts import deferring
-from ..units import round_up
+from ..sizes import round_up
 from .holds import release_each, resident
 from .registry import store_of
 

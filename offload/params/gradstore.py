@@ -11,10 +11,10 @@ import torch
 from .. import copies
 from ..aio import CompletedFuture, wait_quietly
 from ..buffers import HostBuffer
+from ..bytes import Stored
 from ..copies import DONE, Ticket
+from ..sizes import round_up
 from ..space import Extent
-from ..store import Stored
-from ..units import round_up
 from .guard import make_placeholder
 from .transfer import TensorIO
 

@@ -12,8 +12,8 @@ from typing import Iterable
 import torch
 
 from ..buffers import HostBuffer
+from ..sizes import ALIGNMENT, MIB, round_up
 from ..space import SwapSpace
-from ..units import ALIGNMENT, MIB, round_up
 
 __all__ = ["HostCache", "pool_buffer_bytes", "reserve", "smallest_within"]
 

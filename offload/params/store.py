@@ -12,11 +12,11 @@ from .. import copies
 from .._proc import heap_freed
 from ..aio import wait_quietly
 from ..buffers import BufferPool
+from ..bytes import ByteStore, Stored
 from ..config import Config
 from ..copies import DONE, Ticket
 from ..errors import StateError
 from ..space import Extent, SwapSpace
-from ..store import ByteStore, Stored
 from . import registry
 from .checkpointing import Checkpointing
 from .gradstore import GradStore

@@ -13,9 +13,9 @@ import torch
 from .. import copies
 from ..aio import wait_quietly
 from ..buffers import BufferPool, HostBuffer
+from ..bytes import ByteStore, Stored
 from ..copies import DONE, Ticket
 from ..pipeline import Pipeline
-from ..store import ByteStore, Stored
 
 __all__ = ["BufferLender", "NoPool", "PoolBuffer", "TensorIO"]
 
@@ -128,7 +128,7 @@ class TensorIO:
     over the pool's buffers and the copies between the blocks and the tensor.
 
     Args:
-        store: the :class:`offload.store.ByteStore` the bytes live in. lender: the pool.
+        store: the :class:`offload.bytes.ByteStore` the bytes live in. lender: the pool.
 
     Copies between a block and a tensor on a device are asynchronous (:mod:`offload.copies`): a pool buffer
     a copy reads is lent again only after it completed, and one a copy fills is written only after.

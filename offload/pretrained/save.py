@@ -29,7 +29,7 @@ from ..params import store_of
 from ..pipeline import Pipeline
 from ..progress import progress as progress_bar
 from ..regular import read_regular
-from ..units import parse_size
+from ..sizes import parse_size
 from .files import INDEX, RECORD, RECORD_FORMAT, SINGLE, STAGING, dtype_name, is_record, read_record
 from .load import _named
 

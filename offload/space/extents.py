@@ -6,7 +6,7 @@ import bisect
 import copy
 from dataclasses import dataclass, field
 
-from ..units import ALIGNMENT, round_up
+from ..sizes import ALIGNMENT, round_up
 
 __all__ = ["Extent", "ExtentAllocator"]
 

@@ -18,7 +18,7 @@ from .._proc import pid_alive
 from ..aio import AioFile, unlink_if_same, wrap_fd
 from ..distributed import rank_info
 from ..modes import file_mode
-from ..units import format_size
+from ..sizes import format_size
 
 __all__ = ["create_swap_file", "find_stale", "find_unproven", "remove_stale", "seal", "warn_stale"]
 

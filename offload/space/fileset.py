@@ -17,7 +17,7 @@ from typing import Sequence
 from ..aio import AioFile, Engine, reserve
 from ..buffers import HostBuffer
 from ..config import AioConfig
-from ..units import ALIGNMENT
+from ..sizes import ALIGNMENT
 from . import files as _files
 from .paths import no_space_message
 

@@ -8,7 +8,7 @@ import os
 from typing import Mapping, Sequence, Union
 
 from ..distributed import expand_placeholders
-from ..units import format_size
+from ..sizes import format_size
 
 __all__ = ["PathsLike", "check_paths", "no_space_message"]
 

@@ -14,7 +14,7 @@ from ..aio import READ, WRITE, FutureGroup, Segment, wait_quietly
 from ..buffers import HostBuffer
 from ..config import AioConfig
 from ..errors import ConfigError
-from ..units import round_up
+from ..sizes import round_up
 from . import files as _files
 from .extents import Extent, ExtentAllocator
 from .fileset import FileSet

@@ -8,9 +8,9 @@ from typing import Iterable
 import torch
 
 from .. import codes
+from ..bytes import Stored
 from ..distributed import local
-from ..store import Stored
-from ..units import round_up
+from ..sizes import round_up
 
 SLICE_ALIGN = 64
 GRAIN = 1024  # a multiple of codes.BLOCK: a chunk of 8-bit state holds whole blocks
@@ -86,7 +86,7 @@ class Chunk:
 @dataclass(eq=False)
 class Unit(Stored):
     """Chunks that travel together: one extent on disk (``extent``: None with state in host memory only),
-    one pool buffer in memory. Its bytes are one block of its store (see :class:`offload.store.Stored`)."""
+    one pool buffer in memory. Its bytes are one block of its store (see :class:`offload.bytes.Stored`)."""
 
     chunks: list[Chunk] = field(default_factory=list)
 

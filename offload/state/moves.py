@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from ..buffers import BufferPool
+from ..bytes import ByteStore, HostTier, TierSource
 from ..pipeline import BufferRing, BufferSource, Pipeline
-from ..store import ByteStore, HostTier, TierSource
 from .layout import Layout, Unit
 
 __all__ = ["After", "Fate", "UnitMover"]
@@ -69,7 +69,7 @@ class UnitMover:
         self.layout = layout
         # The pool's buffers in circulation, with the writes still landing from them. It outlives passes:
         # a step returns with its last writes in flight, and with a host tier buffers change hands between
-        # the pool and resident units (see offload.store.TierSource).
+        # the pool and resident units (see offload.bytes.TierSource).
         self.ring = BufferRing(list(pool), prefer=self.holds) if pool is not None else None
         self.pipeline = Pipeline(self.ring, lookahead=lookahead, write_behind=write_behind)
         self._holding: dict[int, Unit] = {}  # id(pool buffer) -> the unit last written from it
@@ -82,7 +82,7 @@ class UnitMover:
              before_write: Callable[[Unit], None]) -> None:
         """Update ``units`` in order: ``update(unit, buffer)``, then ``before_write(unit)`` before a unit's write
         (to wait for device copies into its buffer). The tiers are settled (see :meth:`fates`); the last
-        writes are left landing (see :meth:`offload.store.ByteStore.drain`)."""
+        writes are left landing (see :meth:`offload.bytes.ByteStore.drain`)."""
         self._pass(units, self.fates(units, step=True), update, before_write=before_write, drain=False)
 
     def export(self, units: Sequence[Unit], copy_out: Callable[[Unit, Any], None]) -> None:

@@ -10,12 +10,12 @@ import psutil
 import torch
 
 from ..buffers import BufferPool
+from ..bytes import ByteStore, HostTier, auto_cache_bytes
 from ..config import Config
 from ..distributed import local
 from ..errors import ConfigError, StateError
+from ..sizes import MIB, format_size, round_up
 from ..space import SwapSpace
-from ..store import ByteStore, HostTier, auto_cache_bytes
-from ..units import MIB, format_size, round_up
 from .codec import chunk_values, exported_keys, set_chunk_values
 from .layout import Chunk, Layout, ParamSlot, Unit
 from .moves import UnitMover
@@ -64,7 +64,7 @@ class StateStore:
         space: the :class:`SwapSpace` (``None`` with ``device: "cpu"``).
         tier: the :class:`HostTier` of resident units, or ``None`` without one.
         threshold: the small-parameter threshold.
-        bytes: the :class:`offload.store.ByteStore` the units' bytes move through (failed state, checksums).
+        bytes: the :class:`offload.bytes.ByteStore` the units' bytes move through (failed state, checksums).
     """
 
     def __init__(self, state: dict, param_groups: list, config: Config, *, name: str = "adam"):
@@ -340,7 +340,7 @@ class StateStore:
     def freeze(self, guard: Callable[[Unit, Any], None]) -> Callable[[], None]:
         """Call ``guard(unit, buffer)`` before any run changes a unit's state, with ``buffer`` holding the
         unit's bytes as they are then (read from NVMe, or its host-memory home): see
-        :meth:`offload.store.ByteStore.freeze`. Returns the function that removes the guard. ``write_unit``
+        :meth:`offload.bytes.ByteStore.freeze`. Returns the function that removes the guard. ``write_unit``
         (a load) is not guarded: it replaces state wholesale, and must not run while a copy is being taken.
         """
         return self.bytes.freeze(guard)

@@ -8,8 +8,8 @@ from typing import Any, Callable, Optional
 
 from ..aio import CheckedRead, hex_digest, wait_quietly
 from ..errors import StateError
+from ..sizes import round_up
 from ..space import Extent, SwapSpace
-from ..units import round_up
 
 __all__ = ["ByteStore", "Stored"]
 

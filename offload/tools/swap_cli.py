@@ -19,10 +19,10 @@ import os
 import sys
 from typing import Iterator, Sequence
 
-from ._version import __version__
-from .space import SwapSpace
-from .space.files import find_unproven
-from .units import format_size
+from .._version import __version__
+from ..sizes import format_size
+from ..space import SwapSpace
+from ..space.files import find_unproven
 
 PROG = "offload-swap"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

@@ -1,7 +1,7 @@
 """``offload-bench compare``: nvme-offload beside DeepSpeed ZeRO-3 on the same model, sizes, disk and aio settings,
 interleaved in one run, per iteration (forward, backward, step, zero_grad).
 
-Each run is a process of its own (``python -m offload.bench.peer``), so its peak RSS is its own. DeepSpeed runs
+Each run is a process of its own (``python -m offload.tools.peer``), so its peak RSS is its own. DeepSpeed runs
 where a Python that imports it is given (``--peer-python``; the venv ``scripts/deepspeed-venv.sh`` makes is found
 at ``~/.peer-venv``) and is never a dependency: without it, or with ``--no-deepspeed``, only our variants are timed,
 and the report says so. DeepSpeed's ops are built (JIT, minutes the first time) before the first round, with a
@@ -30,7 +30,7 @@ import time
 from typing import Optional
 
 from ..progress import progress
-from ..units import format_size
+from ..sizes import format_size
 from . import report
 from .cli import EXIT_OK, BenchError, UsageError, add_path_option, bench_paths, count_arg, positive_int_arg
 from .gpu import require_cuda
@@ -97,7 +97,7 @@ PHASES = ("forward", "backward", "step", "zero_grad")
 def _run(python: str, system: str, root: str, args, *, host_cache: int = 0, state_dtype: str = "fp32",
          checksum: str = "on", overlap: bool = False, master: bool = True, clip: Optional[float] = None) -> dict:
     directory = tempfile.mkdtemp(prefix=f"compare-{system}-", dir=root)  # a new one: removed after, nothing else
-    cmd = [python, "-m", "offload.bench.peer", system, directory, str(args.params), "--iterations",
+    cmd = [python, "-m", "offload.tools.peer", system, directory, str(args.params), "--iterations",
            str(args.iterations), "--host-cache", str(host_cache), "--state-dtype", state_dtype, "--checksum", checksum]
     cmd += ["--params-nvme"] * args.params_nvme + ["--bf16"] * args.bf16 + ["--overlap"] * overlap
     cmd += ["--no-master"] * (not master) + (["--max-grad-norm", str(clip)] if clip is not None else [])

@@ -22,7 +22,7 @@ import zlib
 
 import torch
 
-from ..units import format_size
+from ..sizes import format_size
 from . import report
 from .cli import EXIT_OK, BenchError, UsageError, add_path_option, bench_paths, positive_int_arg
 

@@ -14,8 +14,8 @@ from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..params import offload_parameters, offloaded, restore_parameters
 from ..progress import tracked
+from ..sizes import format_size
 from ..state import resolve_pin
-from ..units import format_size
 from . import overlap, report
 from .cli import BenchError, add_config_option, add_path_option, bench_paths, config_given, positive_int_arg
 from .fio import write_read_gib_s

@@ -17,7 +17,7 @@ from .._version import __version__
 from ..aio import check_replaceable
 from ..config import load_config
 from ..errors import OffloadError
-from ..units import ALIGNMENT, format_size, parse_count, parse_size, round_up
+from ..sizes import ALIGNMENT, format_size, parse_count, parse_size, round_up
 
 PROG = "offload-bench"
 
@@ -27,9 +27,9 @@ PROG = "offload-bench"
 # exit code) as the parser's default. Adding a command is one module plus one line in COMMANDS.
 # Exit codes: 0 success, 1 a failure while running (I/O error, failed verification, a missing tool),
 # 2 a bad argument, 130 interrupted.
-COMMANDS = ("offload.bench.io", "offload.bench.sweep", "offload.bench.adam", "offload.bench.checkpoint",
-            "offload.bench.params", "offload.bench.scale", "offload.bench.gpu", "offload.bench.plan",
-            "offload.bench.doctor", "offload.bench.compare", "offload.bench.quality")
+COMMANDS = ("offload.tools.io", "offload.tools.sweep", "offload.tools.adam", "offload.tools.checkpoint",
+            "offload.tools.params", "offload.tools.scale", "offload.tools.gpu", "offload.tools.plan",
+            "offload.tools.doctor", "offload.tools.compare", "offload.tools.quality")
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 

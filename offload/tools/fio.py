@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..progress import tracked
-from ..units import GIB
+from ..sizes import GIB
 
 INSTALL_HINT = (
     "fio is not installed (or not on PATH). Install it with your package manager "

@@ -25,13 +25,13 @@ import os
 import sys
 from typing import Sequence
 
-from . import checkpoint
-from ._version import __version__
-from .checkpoint.commit import reading
-from .checkpoint.format import JOB_FORMAT
-from .checkpoint.manifest import read as read_either
-from .checkpoint.ownership import is_our_format
-from .export import export_fp32, export_hf
+from .. import checkpoint
+from .._version import __version__
+from ..checkpoint.commit import reading
+from ..checkpoint.format import JOB_FORMAT
+from ..checkpoint.manifest import read as read_either
+from ..checkpoint.ownership import is_our_format
+from ..export import export_fp32, export_hf
 
 PROG = "offload-ckpt"
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2

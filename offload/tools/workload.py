@@ -13,8 +13,8 @@ from torch import nn
 
 from ..buffers import BufferPool
 from ..pipeline import Pipeline
+from ..sizes import format_size, round_up
 from ..space import SwapSpace
-from ..units import format_size, round_up
 from .cli import BenchError
 
 IO_PIECE = 8 << 20  # request size of io_only

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 from ..buffers import BufferPool
 from ..config import AioConfig, config_to_dict
 from ..progress import progress
-from ..units import MIB
+from ..sizes import MIB
 from . import report
 from .cli import bench_paths, block_size_arg, list_arg, positive_int_arg, short_size
 from .io import (

@@ -20,7 +20,7 @@ from ..adam import OffloadedAdamW
 from ..params import empty_parameters, offload_parameters, offloaded, resident
 from ..pretrained import SafetensorsCheckpoint, offload_pretrained, save_pretrained
 from ..progress import tracked
-from ..units import GIB, format_size
+from ..sizes import GIB, format_size
 from . import report
 from .cli import BenchError, add_path_option, bench_paths, count_arg, positive_int_arg
 from .fio import write_read_gib_s

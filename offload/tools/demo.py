@@ -1,4 +1,4 @@
-"""``python -m offload.demo``: train a small transformer with OffloadedAdamW next to torch's AdamW.
+"""``python -m offload.tools.demo``: train a small transformer with OffloadedAdamW next to torch's AdamW.
 
 It shows the library's promise on any machine in under a minute: the optimizer state goes to the
 swap files under ``--path`` (removed afterwards), host memory for it is the pool alone, and the
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from . import OffloadedAdamW
-from .units import format_size
+from .. import OffloadedAdamW
+from ..sizes import format_size
 
 
 class TinyLM(torch.nn.Module):
@@ -51,7 +51,7 @@ def _batches(steps: int, batch: int, context: int, vocab: int):
 
 def main(argv=None) -> int:
     """Train the demo model beside torch's AdamW and print both losses; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m offload.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m offload.tools.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--path", help="directory for the swap files (default: a scratch directory, removed after)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--dim", type=int, default=256)

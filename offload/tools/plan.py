@@ -21,13 +21,13 @@ import psutil
 import torch
 
 from ..adam.wear import wear_threshold
+from ..bytes import auto_cache_bytes
 from ..config import Config, config_to_dict
 from ..config.files import read_config_bytes
 from ..params import smallest_within
 from ..params.placement import pool_buffer_bytes
+from ..sizes import ALIGNMENT, format_size, round_up
 from ..state import Layout, pool_buffer_size
-from ..store import auto_cache_bytes
-from ..units import ALIGNMENT, format_size, round_up
 from . import report
 from .cli import EXIT_FAILURE, EXIT_OK, UsageError, add_config_option, count_arg, size_arg
 

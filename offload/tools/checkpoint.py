@@ -17,7 +17,7 @@ import torch
 from .. import checkpoint as ckpt
 from ..adam import OffloadedAdamW
 from ..progress import tracked
-from ..units import GIB, format_size
+from ..sizes import GIB, format_size
 from . import report
 from .cli import (
     UsageError,
@@ -73,7 +73,7 @@ def add_parser(sub: argparse._SubParsersAction,
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """Add the ``checkpoint`` subcommand (the hook ``offload.bench.cli`` calls)."""
+    """Add the ``checkpoint`` subcommand (the hook ``offload.tools.cli`` calls)."""
     add_parser(sub, common)
 
 

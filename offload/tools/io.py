@@ -19,8 +19,8 @@ from ..buffers import BufferPool, HostBuffer
 from ..config import AioConfig
 from ..pipeline import Pipeline
 from ..progress import progress
+from ..sizes import ALIGNMENT, GIB, MIB, round_up
 from ..space import Extent, SwapSpace
-from ..units import ALIGNMENT, GIB, MIB, round_up
 from . import report
 from .cli import (
     BenchError,

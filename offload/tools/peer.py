@@ -5,10 +5,10 @@ the compute alone, no I/O). Prints one JSON line, with each iteration's forward,
 timed apart (on a GPU, each phase until the device has finished it). Run by ``offload-bench compare``;
 DeepSpeed's run needs a Python where ``import deepspeed`` works (``--peer-python``), and is never a dependency.
 
-Each run also counts what every iteration moves (:mod:`offload.bench.ledger`): by kind from our stores' counters,
+Each run also counts what every iteration moves (:mod:`offload.tools.ledger`): by kind from our stores' counters,
 and for every system the process's disk bytes.
 
-Usage: ``python -m offload.bench.peer {ours,deepspeed,torch} NVME_DIR PARAMS [--params-nvme] [--bf16]
+Usage: ``python -m offload.tools.peer {ours,deepspeed,torch} NVME_DIR PARAMS [--params-nvme] [--bf16]
 [--host-cache BYTES] [--state-dtype fp32|bf16|int8] [--no-master] [--max-grad-norm X] [--iterations N]
 [--checksum on|off] [--overlap] [--device cpu|cuda]``
 """
@@ -158,7 +158,7 @@ def _loop(phases, dtype, n: int, counters, device: str, params: int) -> dict:
 
 def main(argv=None) -> int:
     """Run one system's measurement (see the module) and print its JSON line; returns the exit code."""
-    p = argparse.ArgumentParser(prog="python -m offload.bench.peer", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m offload.tools.peer", description=__doc__.splitlines()[0])
     p.add_argument("system", choices=("ours", "deepspeed", "torch"))
     p.add_argument("nvme")
     p.add_argument("params", type=int)

@@ -14,7 +14,7 @@ import torch
 from ..adam import OffloadedAdamW
 from ..params import offload_parameters, offloaded, restore_parameters
 from ..progress import tracked
-from ..units import format_size
+from ..sizes import format_size
 from . import report
 from .cli import config_given, positive_int_arg
 from .gpu import pool_pinned, synchronize

@@ -10,7 +10,7 @@ import psutil
 
 from ..buffers import HostBuffer
 from ..pipeline import BufferRing
-from ..units import GIB, format_size
+from ..sizes import GIB, format_size
 
 __all__ = ["HostTier", "TierSource", "auto_cache_bytes"]
 

@@ -17,8 +17,8 @@ from ..aio import gds_status
 from ..buffers import BufferPool
 from ..config import AioConfig
 from ..progress import tracked
+from ..sizes import GIB
 from ..space import SwapSpace
-from ..units import GIB
 from . import report
 from .cli import BenchError, UsageError, bench_paths, short_size
 from .io import Point, VerifyError, _pipeline, check_pass_args, config_doc, setup_run

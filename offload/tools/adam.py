@@ -14,8 +14,8 @@ import torch
 from .._proc import reset_peak_rss
 from ..adam import OffloadedAdamW
 from ..progress import progress
+from ..sizes import format_size, parse_size
 from ..state import resolve_pin
-from ..units import format_size, parse_size
 from . import overlap, report
 from .cli import (
     BenchError,
@@ -291,7 +291,7 @@ def _result(args: argparse.Namespace, cfg, device: torch.device, ours: _Measured
         "checksum_cost": step_med / unchecked_med - 1 if unchecked_med else None,
         "bytes_read_per_step": read,
         "bytes_written_per_step": written,
-        # The ledger (offload.bench.ledger): this benchmark steps on given grads, so only the state moves.
+        # The ledger (offload.tools.ledger): this benchmark steps on given grads, so only the state moves.
         "ledger": {"bytes_per_param_iteration": {"state read": read / args.params,
                                                  "state written": written / args.params},
                    "total": (read + written) / args.params},

@@ -23,7 +23,7 @@ import psutil
 
 from .._version import __version__
 from ..config import Config
-from ..units import ALIGNMENT, format_size, round_up
+from ..sizes import ALIGNMENT, format_size, round_up
 from . import report
 from .cli import EXIT_FAILURE, EXIT_OK, add_config_option, add_version_option, common_parser
 

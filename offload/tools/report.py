@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, TextIO
 
 from .._proc import status_bytes
 from ..aio import replace_file
-from ..units import GIB, format_size
+from ..sizes import GIB, format_size
 from .cli import BenchError, short_size
 
 PLOT_INSTALL_HINT = (

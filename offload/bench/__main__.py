@@ -1,7 +1,0 @@
-"""``python -m offload.bench``: the same as the ``offload-bench`` console script."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())
