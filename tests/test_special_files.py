@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint.format import DEFAULT_STORAGE, read_checked
 from offload.checkpoint.manifest import read
+from offload.config import files as config_files
 from offload.config import load_config
 from offload.errors import CheckpointError, ConfigError
 from offload.regular import FileTooLargeError, NotRegularFileError, read_regular
@@ -135,13 +137,77 @@ class _NoBar:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_config_file_that_is_a_fifo_or_dev_zero_is_a_config_error(tmp_path, kind):
-    """A configuration file that is a FIFO or a link to /dev/zero is a ConfigError naming it, not a hang or an
-    endless read."""
+def test_a_config_file_that_is_a_fifo_or_dev_zero_is_a_config_error(tmp_path, kind, monkeypatch):
+    """A configuration file that is a FIFO no process writes to, or a link to /dev/zero, is a ConfigError naming
+    it, not a hang or an endless read (a pipe is waited on only while its writer may still come)."""
+    monkeypatch.setattr(config_files, "PIPE_QUIET_S", 0.5)
     path = tmp_path / "ds_config.json"
     plant(path, kind)
-    with deadline(), pytest.raises(ConfigError, match=r"ds_config.json is (a FIFO|a character device)"):
+    with deadline(), pytest.raises(ConfigError, match=r"ds_config.json is (a FIFO \(named pipe\) that no process "
+                                   r"wrote to or closed within 0.5 s|a character device)"):
         load_config(str(path))
+
+
+def _writer(path, data: bytes):
+    """A thread that opens ``path`` for writing (waiting for a reader, as a shell's writer does), writes
+    ``data`` and closes it."""
+    def run():
+        with open(path, "wb") as f:
+            f.write(data)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_config_given_through_a_pipe_is_read(tmp_path):
+    """``--config <(jq ... ds_config.json)``: a named pipe with a writer, or /dev/fd/N of a pipe, is read to its
+    end like the file it carries."""
+    text = json.dumps({"aio": {"block_size": 262144}, "zero_optimization": {"offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path)}}}).encode()
+    (tmp_path / "ds_config.json").write_bytes(text)
+    want = load_config(str(tmp_path / "ds_config.json"))
+    fifo = tmp_path / "named"
+    os.mkfifo(fifo, 0o600)
+    with deadline():
+        writer = _writer(fifo, text)
+        assert load_config(str(fifo)) == want
+        writer.join()
+        r, w = os.pipe()
+        try:
+            os.write(w, text)
+            os.close(w)
+            w = -1
+            assert load_config(f"/dev/fd/{r}") == want
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+
+
+def test_a_config_pipe_that_gives_too_much_is_refused(tmp_path, monkeypatch):
+    """A pipe is read only up to a configuration's bound; past it the read stops and the config is refused."""
+    monkeypatch.setattr(config_files, "CONFIG_LIMIT", 1000)
+    fifo = tmp_path / "named"
+    os.mkfifo(fifo, 0o600)
+    with deadline():
+        writer = _writer(fifo, b" " * 5000 + b"{}")
+        with pytest.raises(ConfigError, match="named is a pipe that gave more than the 1000 bytes"):
+            load_config(str(fifo))
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))  # ends the writer's wait, if it still waits
+        writer.join(5)
+
+
+def test_a_hugging_face_config_json_through_a_pipe_is_still_refused(tmp_path):
+    """Files found inside a directory (a Hugging Face config.json) are regular files or refused, writer or not."""
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo, 0o600)
+    with deadline():
+        writer = _writer(fifo, b"{}")
+        with pytest.raises(ConfigError, match="config.json is a FIFO"):
+            config_files.read_config_bytes(str(fifo))
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(5)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -7,7 +7,11 @@ Every way a file can be unreadable (not UTF-8, bad syntax, duplicate keys, absur
 from __future__ import annotations
 
 import codecs
+import errno
 import json
+import os
+import select
+import stat
 from typing import Any
 
 import hjson
@@ -45,7 +49,7 @@ def read_document(path: str) -> dict:
             top level.
         OSError: the file cannot be read.
     """
-    data = read_config_bytes(path)
+    data = read_config_bytes(path, pipe=True)
     text = _decode(data, path)
     hjson_file = str(path).lower().endswith(HJSON_SUFFIX)
     try:
@@ -103,18 +107,73 @@ def _hjson_hint(text: str) -> str:
             "it read as hjson)")
 
 
-def read_config_bytes(path: str) -> bytes:
+def read_config_bytes(path: str, *, pipe: bool = False) -> bytes:
     """The bytes of the configuration file ``path``: a regular file of at most :data:`CONFIG_LIMIT` bytes (a
-    FIFO, a device or a link to one is never read).
+    device, a socket or a link to one is never read).
+
+    Args:
+        path: the file.
+        pipe: also read a pipe (``--config <(jq ... ds_config.json)``, a named pipe with a writer) up to the same
+            bound. A pipe with no writer reads as empty and is refused as one; nothing waits for a writer to come.
+            Only for a configuration the user names: files found inside a checkpoint are regular files or refused.
 
     Raises:
-        ConfigError: not a regular file, or too large; the message names it.
+        ConfigError: not a regular file (or pipe), too large, or a pipe that gave nothing; the message names it.
         OSError: it cannot be opened or read.
     """
     try:
+        if pipe:
+            data = _read_pipe(path)
+            if data is not None:
+                return data
         return read_regular(path, limit=CONFIG_LIMIT)
     except (NotRegularFileError, FileTooLargeError) as err:
         raise ConfigError(f"{path} is {err.strerror}; give a JSON configuration file") from None
+
+
+# NOTE: open(2) of a FIFO with O_NONBLOCK returns at once, whether or not a writer has it open, and a named pipe's
+# writer may open it only after we do (its open waits for a reader). read(2) of a pipe that no one holds for
+# writing returns end of file, so a read is made only once poll(2) says there are bytes or the writer hung up
+# (Linux reports a hang-up only for a writer that came after our open); a pipe quiet for PIPE_QUIET_S seconds is
+# refused instead of waited on for ever. The read stops one byte past the bound.
+PIPE_QUIET_S = 10.0
+
+
+def _read_pipe(path: str) -> bytes | None:
+    """The bytes of ``path`` if it is a pipe (read to its end, at most CONFIG_LIMIT), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None  # read_regular opens it again and says why it cannot be read
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return None
+        out = _drain_pipe(fd, path)
+    finally:
+        os.close(fd)
+    if not out:
+        raise NotRegularFileError(errno.ENODATA, "a FIFO (named pipe) whose writer wrote nothing", path)
+    return out
+
+
+def _drain_pipe(fd: int, path: str) -> bytes:
+    """Everything the writer of the non-blocking pipe ``fd`` writes before it closes it, up to the bound."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    out = bytearray()
+    while len(out) <= CONFIG_LIMIT:
+        if not poller.poll(PIPE_QUIET_S * 1000):
+            raise NotRegularFileError(errno.ETIMEDOUT, f"a FIFO (named pipe) that no process wrote to or closed "
+                                      f"within {PIPE_QUIET_S:g} s", path)
+        try:
+            chunk = os.read(fd, CONFIG_LIMIT + 1 - len(out))
+        except BlockingIOError:
+            continue
+        if not chunk:
+            return bytes(out)
+        out += chunk
+    raise FileTooLargeError(errno.EFBIG, f"a pipe that gave more than the {CONFIG_LIMIT} bytes a configuration "
+                            "holds", path)
 
 
 class _Object(dict):
