@@ -9,10 +9,12 @@ import errno
 import json
 import os
 import pathlib
+import re
 
 import pytest
 from helpers import FOUR_SIZES, SMALL, assert_same_state, make_params, train
 
+import offload as offload_package
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
@@ -247,3 +249,17 @@ def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_ne
             assert sorted(os.listdir(root / f"k{k}")) == ["notes.txt", "step-0000000002", "step-0000000002.keep"]
     saver.close()
     assert "new" in seen, seen
+
+
+def test_every_rename_of_the_library_is_in_its_commit_module():
+    """The one commit shape holds because only offload/commit.py renames: no other module of the package calls
+    os.rename, os.replace or renameat (a new writer goes through offload.commit, never around it)."""
+    root = pathlib.Path(offload_package.__file__).parent
+    found, files = [], sorted(root.rglob("*.py"))
+    assert len(files) > 100, root  # the walk reached the package
+    for path in files:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"os\.replace\b|os\.rename\b|renameat", line):
+                found.append(f"{path.relative_to(root.parent)}:{number}: {line.strip()}")
+    assert [f for f in found if not f.startswith("offload/commit.py:")] == []
+    assert any("os.rename(src, dst)" in f for f in found)

@@ -13,9 +13,9 @@ import torch
 import xxhash
 
 from ..aio import Engine, create_private
+from ..commit import fsync_fd, make_dirs, rename
 from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
-from ..modes import dir_mode
 from ..regular import FileTooLargeError, NotRegularFileError, open_regular, read_regular
 
 # A checkpoint is a directory of these files; what each holds is docs/checkpoint.md's "Format".
@@ -96,8 +96,8 @@ class Storage:
         return Engine(aio)
 
     def rename(self, src: str, dst: str) -> None:
-        """Rename ``src`` to ``dst`` (``os.rename``)."""
-        os.rename(src, dst)
+        """Rename the staged file ``src`` over ``dst``, a regular file or nothing (:func:`offload.commit.rename`)."""
+        rename(src, dst)
 
     def unlink(self, path: str) -> None:
         """Remove the file ``path`` (``os.unlink``)."""
@@ -105,30 +105,12 @@ class Storage:
 
     def fsync(self, fd: int, path: str) -> None:
         """Make the file ``fd`` durable; an error names ``path``."""
-        try:
-            os.fsync(fd)
-        except OSError as err:
-            raise io_error(err, path, "cannot fsync") from err
+        fsync_fd(fd, path)
 
     def make_dirs(self, path: str) -> bool:
-        """Create directory ``path`` and its missing parents (0700, see :mod:`offload.modes`), durably: each
-        new name's directory is fsynced, so a power loss cannot take away a directory whose files were made
-        durable. Returns whether ``path`` was made."""
-        missing = []
-        while not os.path.isdir(path):
-            missing.append(path)
-            parent = os.path.dirname(path)
-            if parent == path:
-                break
-            path = parent
-        for new in reversed(missing):
-            try:
-                os.mkdir(new, dir_mode())
-            except FileExistsError:
-                if not os.path.isdir(new):
-                    raise
-            self.fsync_dir(os.path.dirname(new))
-        return bool(missing)
+        """Create directory ``path`` and its missing parents durably (:func:`offload.commit.make_dirs`, each
+        directory fsynced through :meth:`fsync_dir`); returns whether ``path`` was made."""
+        return make_dirs(path, self.fsync_dir)
 
     def fsync_dir(self, path: str) -> None:
         """Make the entries of directory ``path`` durable (an fsync of the directory)."""
