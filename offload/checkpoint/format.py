@@ -16,7 +16,7 @@ from ..aio import Engine, create_private
 from ..commit import fsync_fd, make_dirs, rename
 from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
-from ..regular import FileTooLargeError, NotRegularFileError, open_regular, read_regular
+from ..regular import CHUNK, FileTooLargeError, NotRegularFileError, open_regular, read_regular
 
 # A checkpoint is a directory of these files; what each holds is docs/checkpoint.md's "Format".
 FORMAT = "nvme-offload-checkpoint"
@@ -78,7 +78,6 @@ def io_error(err: OSError, path: str, doing: str) -> OSError:
 # The calls by which checkpoints touch files, in one object: the engine that moves the data files, and
 # the file-system operations of the commit rule. Saves and loads take one (``storage=``); the default
 # does what it says, and the fault tests hand in one that fails where they want.
-_COPY_CHUNK = 64 << 20
 # The small files (memory.pt, extra.pt, model.pt) are read whole, up to their manifest's size; a file larger
 # than that is refused before it is read (a bigger one may be read up to this many bytes).
 _SMALL_LIMIT = 1 << 20
@@ -137,7 +136,7 @@ class Storage:
                     size = os.fstat(fin.fileno()).st_size
                     pos, ranged = 0, True
                     while pos < size:
-                        want = min(_COPY_CHUNK, size - pos)
+                        want = min(CHUNK, size - pos)
                         if ranged:
                             try:
                                 n = os.copy_file_range(fin.fileno(), fout.fileno(), want, pos, pos)

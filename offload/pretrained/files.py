@@ -18,7 +18,7 @@ from ..commit import fsync_path, is_staged, rename
 from ..config.files import CONFIG_LIMIT
 from ..errors import CheckpointError
 from ..locks import lock_directory
-from ..regular import FileTooLargeError, NotRegularFileError, open_regular, read_regular
+from ..regular import SMALL_FILE_LIMIT, FileTooLargeError, NotRegularFileError, open_regular, read_regular
 
 __all__ = ["DTYPES", "INDEX", "SINGLE", "Entry", "SafetensorsCheckpoint", "dtype_name"]
 
@@ -63,7 +63,6 @@ class Entry:
 # files against it.
 RECORD = "nvme_offload"
 RECORD_FORMAT = "nvme-offload-hf-save"
-_RECORD_LIMIT = 64 << 20  # the most bytes of a header or index read for it
 
 
 def is_record(value) -> bool:
@@ -84,7 +83,7 @@ def read_record(directory: str) -> Optional[dict]:
             try:
                 head = os.pread(fd, 8, 0)
                 n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                if n > _RECORD_LIMIT:
+                if n > SMALL_FILE_LIMIT:
                     return None
                 header = json.loads(os.pread(fd, n, 8))
             finally:
@@ -92,7 +91,7 @@ def read_record(directory: str) -> Optional[dict]:
             raw = header.get("__metadata__", {}).get(RECORD) if isinstance(header, dict) else None
             value = json.loads(raw) if isinstance(raw, str) else None
         elif os.path.lexists(index):
-            doc = json.loads(read_regular(index, limit=_RECORD_LIMIT))
+            doc = json.loads(read_regular(index, limit=SMALL_FILE_LIMIT))
             value = doc.get("metadata", {}).get(RECORD) if isinstance(doc, dict) else None
         else:
             return None
@@ -112,7 +111,7 @@ def _check_config(directory: str) -> None:
     for name, digest in (record or {}).get("config", {}).items():
         path = os.path.join(directory, name)
         try:
-            found = xxhash.xxh3_64(read_regular(path, limit=_RECORD_LIMIT)).hexdigest()
+            found = xxhash.xxh3_64(read_regular(path, limit=SMALL_FILE_LIMIT)).hexdigest()
         except (OSError, ValueError):
             found = None
         if found == digest:
@@ -135,7 +134,7 @@ def _entry_record(path: str) -> Optional[dict]:
     d, name = os.path.split(path)
     if name == INDEX:
         try:
-            doc = json.loads(read_regular(path, limit=_RECORD_LIMIT))
+            doc = json.loads(read_regular(path, limit=SMALL_FILE_LIMIT))
             value = doc.get("metadata", {}).get(RECORD)
         except (OSError, ValueError, AttributeError):
             return None
@@ -174,7 +173,7 @@ def _marker(stage: str) -> Optional[dict]:
         st = os.lstat(stage)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             return None
-        doc = json.loads(read_regular(os.path.join(stage, MARKER), limit=_RECORD_LIMIT))
+        doc = json.loads(read_regular(os.path.join(stage, MARKER), limit=SMALL_FILE_LIMIT))
     except (OSError, ValueError):
         return None
     generation = os.path.basename(stage)[len(STAGING):]

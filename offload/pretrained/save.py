@@ -29,7 +29,7 @@ from ..modes import dir_mode, file_mode
 from ..params import store_of
 from ..pipeline import Pipeline
 from ..progress import progress as progress_bar
-from ..regular import read_regular
+from ..regular import SMALL_FILE_LIMIT, read_regular
 from ..units import parse_size
 from .files import (
     INDEX,
@@ -127,11 +127,8 @@ def _header(tensors: list[Tensor], record: Optional[dict] = None) -> bytes:
 # an uncommitted one (its moved files deleted, replaced config files restored), so what loads is one save
 # whole. A save cut by an exception settles itself by the same rule (_settle), committed or not as the disk
 # says. Every rename is offload.commit.rename (over a regular file or nothing).
-_LIMIT = 64 << 20  # the most bytes a config file of a save may hold
-
-
 def _hexdigest(path: str) -> str:
-    return xxhash.xxh3_64(read_regular(path, limit=_LIMIT)).hexdigest()
+    return xxhash.xxh3_64(read_regular(path, limit=SMALL_FILE_LIMIT)).hexdigest()
 
 
 def _listing(names: Iterable[str]) -> str:
@@ -313,7 +310,8 @@ class _Save:
             old = os.path.join(self.directory, name)
             if not _regular(old):
                 self.adding.append(name)
-            elif read_regular(old, limit=_LIMIT) != read_regular(os.path.join(self.stage, name), limit=_LIMIT):
+            elif (read_regular(old, limit=SMALL_FILE_LIMIT)
+                  != read_regular(os.path.join(self.stage, name), limit=SMALL_FILE_LIMIT)):
                 self.replacing.append(name)
         self._mark(entry=self.entry)
 
