@@ -263,3 +263,76 @@ def test_every_rename_of_the_library_is_in_its_commit_module():
                 found.append(f"{path.relative_to(root.parent)}:{number}: {line.strip()}")
     assert [f for f in found if not f.startswith("offload/commit.py:")] == []
     assert any("os.rename(src, dst)" in f for f in found)
+
+
+def test_a_replaced_file_killed_at_every_change_is_the_old_or_the_new_and_the_next_replace_sweeps(tmp_path):
+    """offload.commit.replace_file (the .pt export's, the Lightning .ckpt's, a report's commit), the process dying
+    at each of its changes of a name in turn: the output holds the old bytes or the new ones, never a part, and the
+    next replace leaves nothing staged beside it; with O_TMPFILE refused the same holds for the named stage."""
+    from helpers import Died, dies_at
+
+    from offload import commit as one_commit
+
+    for tmpfile in (True, False):
+        total = [0]
+        probe = tmp_path / f"probe{tmpfile}"
+        probe.mkdir()
+        one_commit.replace_file(probe / "out.pt", lambda f: f.write(b"old"))
+        with dies_at(10**9, total), _NoTmpfile(not tmpfile):
+            one_commit.replace_file(probe / "out.pt", lambda f: f.write(b"new"))
+        assert total[0] >= 1
+        for k in range(1, total[0] + 1):
+            d = tmp_path / f"run{tmpfile}{k}"
+            d.mkdir()
+            (d / "notes.txt").write_text("mine")
+            one_commit.replace_file(d / "out.pt", lambda f: f.write(b"old"))
+            with pytest.raises(Died), dies_at(k, [0]), _NoTmpfile(not tmpfile):
+                one_commit.replace_file(d / "out.pt", lambda f: f.write(b"new"))
+            assert (d / "out.pt").read_bytes() in (b"old", b"new")
+            one_commit.replace_file(d / "out.pt", lambda f: f.write(b"newer"))
+            assert sorted(os.listdir(d)) == ["notes.txt", "out.pt"] and (d / "out.pt").read_bytes() == b"newer"
+
+
+class _NoTmpfile:
+    """os.open refuses O_TMPFILE (as a file system without it does) inside the block, where ``on``."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.real = os.open
+
+        def refusing(path, flags, *args, **kwargs):
+            if flags & os.O_TMPFILE == os.O_TMPFILE:
+                raise OSError(errno.EOPNOTSUPP, "no O_TMPFILE here", path)
+            return self.real(path, flags, *args, **kwargs)
+
+        if self.on:
+            os.open = refusing
+
+    def __exit__(self, *exc):
+        os.open = self.real
+
+
+@pytest.mark.parametrize("kind", ["link", "directory", "fifo"])
+def test_a_commit_renames_only_over_a_regular_file_or_nothing(tmp_path, kind):
+    """offload.commit.rename (every rename of the library) refuses a link, a directory or a FIFO where the staged
+    file would go, naming it; the staged file and what is there stay as they were."""
+    from offload import commit as one_commit
+
+    staged, there, victim = tmp_path / "staged", tmp_path / "out", tmp_path / "victim"
+    staged.write_bytes(b"new")
+    victim.write_bytes(b"mine")
+    if kind == "link":
+        there.symlink_to(victim)
+    elif kind == "directory":
+        there.mkdir()
+    else:
+        os.mkfifo(there)
+    with pytest.raises(FileExistsError, match="only a regular file"):
+        one_commit.rename(staged, there)
+    assert staged.read_bytes() == b"new" and victim.read_bytes() == b"mine" and os.path.lexists(there)
+    there_is_regular = tmp_path / "regular"
+    there_is_regular.write_bytes(b"old")
+    one_commit.rename(staged, there_is_regular)
+    assert there_is_regular.read_bytes() == b"new" and not staged.exists()
