@@ -170,12 +170,12 @@ def _which(state: dict, candidates: dict) -> list:
     return found
 
 
-@pytest.mark.parametrize("path", ["import", "mirror", "retention-milestone"])
+@pytest.mark.parametrize("path", ["save", "async-save", "import", "mirror", "retention-milestone"])
 def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_new(tmp_path, path):
-    """An import, a mirror and a Retention save (a milestone, pruning the step before) over what an earlier one
-    left, the process dying at each of their changes of names in turn (renames, unlinks, mkdirs): what loads is
-    the old state or the new one, whole, a user's file is intact, and the next run of the same path completes
-    and leaves nothing of the dead one (no file of a generation no manifest names)."""
+    """A blocking save, an asynchronous one, an import, a mirror and a Retention save (a milestone, pruning the step
+    before) over what an earlier one left, the process dying at each of their changes of names in turn (renames,
+    unlinks, mkdirs): what loads is the old state or the new one, whole, a user's file is intact, and the next run
+    of the same path completes and leaves nothing of the dead one (no file of a generation no manifest names)."""
     from helpers import Died, dies_at
 
     params = make_params(FOUR_SIZES)
@@ -207,6 +207,10 @@ def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_ne
             ckpt.import_state_dict(torch_path, target(k), like=tmp_path / "c1")
         elif path == "mirror":
             ckpt.mirror_checkpoint(tmp_path / "c1", target(k))
+        elif path.endswith("save"):
+            ckpt.load_checkpoint(saver, tmp_path / "c1")
+            ckpt.save_checkpoint(saver, target(k))
+            ckpt.load_checkpoint(saver, tmp_path / "c2")
         else:
             ckpt.load_checkpoint(saver, tmp_path / "c1")
             ckpt.Retention(root / f"k{k}", keep_last=1).save(saver, 1)
@@ -217,6 +221,10 @@ def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_ne
             ckpt.import_state_dict(tmp_path / "new.pt", target(k), like=tmp_path / "c1")
         elif path == "mirror":
             ckpt.mirror_checkpoint(tmp_path / "c2", target(k))
+        elif path == "save":
+            ckpt.save_checkpoint(saver, target(k))
+        elif path == "async-save":
+            ckpt.save_checkpoint(saver, target(k), blocking=False).wait()
         else:
             ckpt.Retention(root / f"k{k}", keep_last=1).save(saver, 2, milestone=True)
 
