@@ -8,7 +8,13 @@ import os
 import stat
 from typing import Optional
 
-__all__ = ["KIND_NAMES", "FileTooLargeError", "NotRegularFileError", "kind_of", "open_regular", "read_regular"]
+__all__ = ["CHUNK", "KIND_NAMES", "SMALL_FILE_LIMIT", "FileTooLargeError", "NotRegularFileError", "kind_of",
+           "open_regular", "read_regular"]
+
+# The most bytes moved by one read or copy call, or held by one buffer of a tool that reads a whole file.
+CHUNK = 64 << 20
+# The most bytes a small file read whole may hold: a header, an index, a save's marker or record.
+SMALL_FILE_LIMIT = 64 << 20
 
 # What stat's file types are called in messages.
 KIND_NAMES = (
@@ -97,7 +103,7 @@ def read_regular(path: str | os.PathLike, *, limit: int, follow: bool = True, si
         # A file that grows while it is read is cut at one byte past what it may hold: its size is then wrong.
         out = bytearray()
         while len(out) <= want:
-            chunk = os.read(fd, min(want + 1 - len(out), 64 << 20))
+            chunk = os.read(fd, min(want + 1 - len(out), CHUNK))
             if not chunk:
                 break
             out += chunk

@@ -9,10 +9,12 @@ import errno
 import json
 import os
 import pathlib
+import re
 
 import pytest
 from helpers import FOUR_SIZES, SMALL, assert_same_state, make_params, train
 
+import offload as offload_package
 from offload import OffloadedAdamW
 from offload import checkpoint as ckpt
 from offload.checkpoint import commit
@@ -168,12 +170,12 @@ def _which(state: dict, candidates: dict) -> list:
     return found
 
 
-@pytest.mark.parametrize("path", ["import", "mirror", "retention-milestone"])
+@pytest.mark.parametrize("path", ["save", "async-save", "import", "mirror", "retention-milestone"])
 def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_new(tmp_path, path):
-    """An import, a mirror and a Retention save (a milestone, pruning the step before) over what an earlier one
-    left, the process dying at each of their changes of names in turn (renames, unlinks, mkdirs): what loads is
-    the old state or the new one, whole, a user's file is intact, and the next run of the same path completes
-    and leaves nothing of the dead one (no file of a generation no manifest names)."""
+    """A blocking save, an asynchronous one, an import, a mirror and a Retention save (a milestone, pruning the step
+    before) over what an earlier one left, the process dying at each of their changes of names in turn (renames,
+    unlinks, mkdirs): what loads is the old state or the new one, whole, a user's file is intact, and the next run
+    of the same path completes and leaves nothing of the dead one (no file of a generation no manifest names)."""
     from helpers import Died, dies_at
 
     params = make_params(FOUR_SIZES)
@@ -205,6 +207,10 @@ def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_ne
             ckpt.import_state_dict(torch_path, target(k), like=tmp_path / "c1")
         elif path == "mirror":
             ckpt.mirror_checkpoint(tmp_path / "c1", target(k))
+        elif path.endswith("save"):
+            ckpt.load_checkpoint(saver, tmp_path / "c1")
+            ckpt.save_checkpoint(saver, target(k))
+            ckpt.load_checkpoint(saver, tmp_path / "c2")
         else:
             ckpt.load_checkpoint(saver, tmp_path / "c1")
             ckpt.Retention(root / f"k{k}", keep_last=1).save(saver, 1)
@@ -215,6 +221,10 @@ def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_ne
             ckpt.import_state_dict(tmp_path / "new.pt", target(k), like=tmp_path / "c1")
         elif path == "mirror":
             ckpt.mirror_checkpoint(tmp_path / "c2", target(k))
+        elif path == "save":
+            ckpt.save_checkpoint(saver, target(k))
+        elif path == "async-save":
+            ckpt.save_checkpoint(saver, target(k), blocking=False).wait()
         else:
             ckpt.Retention(root / f"k{k}", keep_last=1).save(saver, 2, milestone=True)
 
@@ -247,3 +257,90 @@ def test_every_save_path_killed_between_any_two_changes_leaves_the_old_or_the_ne
             assert sorted(os.listdir(root / f"k{k}")) == ["notes.txt", "step-0000000002", "step-0000000002.keep"]
     saver.close()
     assert "new" in seen, seen
+
+
+def test_every_rename_of_the_library_is_in_its_commit_module():
+    """The one commit shape holds because only offload/commit.py renames: no other module of the package calls
+    os.rename, os.replace or renameat (a new writer goes through offload.commit, never around it)."""
+    root = pathlib.Path(offload_package.__file__).parent
+    found, files = [], sorted(root.rglob("*.py"))
+    assert len(files) > 100, root  # the walk reached the package
+    for path in files:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"os\.replace\b|os\.rename\b|renameat", line):
+                found.append(f"{path.relative_to(root.parent)}:{number}: {line.strip()}")
+    assert [f for f in found if not f.startswith("offload/commit.py:")] == []
+    assert any("os.rename(src, dst)" in f for f in found)
+
+
+def test_a_replaced_file_killed_at_every_change_is_the_old_or_the_new_and_the_next_replace_sweeps(tmp_path):
+    """offload.commit.replace_file (the .pt export's, the Lightning .ckpt's, a report's commit), the process dying
+    at each of its changes of a name in turn: the output holds the old bytes or the new ones, never a part, and the
+    next replace leaves nothing staged beside it; with O_TMPFILE refused the same holds for the named stage."""
+    from helpers import Died, dies_at
+
+    from offload import commit as one_commit
+
+    for tmpfile in (True, False):
+        total = [0]
+        probe = tmp_path / f"probe{tmpfile}"
+        probe.mkdir()
+        one_commit.replace_file(probe / "out.pt", lambda f: f.write(b"old"))
+        with dies_at(10**9, total), _NoTmpfile(not tmpfile):
+            one_commit.replace_file(probe / "out.pt", lambda f: f.write(b"new"))
+        assert total[0] >= 1
+        for k in range(1, total[0] + 1):
+            d = tmp_path / f"run{tmpfile}{k}"
+            d.mkdir()
+            (d / "notes.txt").write_text("mine")
+            one_commit.replace_file(d / "out.pt", lambda f: f.write(b"old"))
+            with pytest.raises(Died), dies_at(k, [0]), _NoTmpfile(not tmpfile):
+                one_commit.replace_file(d / "out.pt", lambda f: f.write(b"new"))
+            assert (d / "out.pt").read_bytes() in (b"old", b"new")
+            one_commit.replace_file(d / "out.pt", lambda f: f.write(b"newer"))
+            assert sorted(os.listdir(d)) == ["notes.txt", "out.pt"] and (d / "out.pt").read_bytes() == b"newer"
+
+
+class _NoTmpfile:
+    """os.open refuses O_TMPFILE (as a file system without it does) inside the block, where ``on``."""
+
+    def __init__(self, on: bool):
+        self.on = on
+
+    def __enter__(self):
+        self.real = os.open
+
+        def refusing(path, flags, *args, **kwargs):
+            if flags & os.O_TMPFILE == os.O_TMPFILE:
+                raise OSError(errno.EOPNOTSUPP, "no O_TMPFILE here", path)
+            return self.real(path, flags, *args, **kwargs)
+
+        if self.on:
+            os.open = refusing
+
+    def __exit__(self, *exc):
+        os.open = self.real
+
+
+@pytest.mark.parametrize("kind", ["link", "directory", "fifo"])
+def test_a_commit_renames_only_over_a_regular_file_or_nothing(tmp_path, kind):
+    """offload.commit.rename (every rename of the library) refuses a link, a directory or a FIFO where the staged
+    file would go, naming it; the staged file and what is there stay as they were."""
+    from offload import commit as one_commit
+
+    staged, there, victim = tmp_path / "staged", tmp_path / "out", tmp_path / "victim"
+    staged.write_bytes(b"new")
+    victim.write_bytes(b"mine")
+    if kind == "link":
+        there.symlink_to(victim)
+    elif kind == "directory":
+        there.mkdir()
+    else:
+        os.mkfifo(there)
+    with pytest.raises(FileExistsError, match="only a regular file"):
+        one_commit.rename(staged, there)
+    assert staged.read_bytes() == b"new" and victim.read_bytes() == b"mine" and os.path.lexists(there)
+    there_is_regular = tmp_path / "regular"
+    there_is_regular.write_bytes(b"old")
+    one_commit.rename(staged, there_is_regular)
+    assert there_is_regular.read_bytes() == b"new" and not staged.exists()

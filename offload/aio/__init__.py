@@ -5,16 +5,14 @@ The only layer that talks to the native engine (through ``offload._native``): ``
 a new file front to back through it.
 """
 
+from ..commit import check_replaceable, fsync_path, replace_file
 from .append import AppendFile
 from .engine import HAVE_IO_URING, HAVE_XXHASH, Engine
 from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
 from .files import (
     AioFile,
-    check_replaceable,
     create_private,
-    fsync_path,
     open_file,
-    replace_file,
     reserve,
     unlink_if_same,
     wrap_fd,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno as _errno
 import fcntl
 import os
-import secrets
 import stat
 import threading
 import warnings
@@ -16,7 +15,6 @@ from .._native import ffi, lib
 from .._proc import reset_after_fork
 from ..errors import user_stacklevel
 from ..modes import file_mode
-from ..regular import kind_of
 from ..sizes import ALIGNMENT
 
 _MODES = {
@@ -137,125 +135,6 @@ def create_private(path: str | os.PathLike, *, text: bool = False, within: int =
     planted there (a link, a file) raises FileExistsError and is never written through or truncated."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode() & within)
     return os.fdopen(fd, "w" if text else "wb")
-
-
-def check_replaceable(path: str | os.PathLike) -> None:
-    """Refuse to write a file in place of ``path`` unless it is missing or a regular file (never a link, a
-    device, a FIFO, a socket or a directory, which would be replaced by a file or written through).
-
-    Raises:
-        FileExistsError: ``path`` is something else; the message says what and what to do.
-    """
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(mode):
-        raise FileExistsError(_errno.EEXIST, f"{kind_of(mode)} is there, and only a regular file (or nothing) is "
-                              "replaced by an output; give the name of a new file", os.fspath(path))
-
-
-# NOTE: outputs (reports, configs, exports) are written under a fresh hidden name beside their target, created
-# exclusively without following a link (O_EXCL|O_NOFOLLOW: a link planted there is never written through),
-# fsynced, and renamed over the target, which must be a regular file or nothing (checked before the write and
-# again before the rename): a device or a link given as the output is refused, never replaced by a file.
-def replace_file(path: str | os.PathLike, write, *, private: bool = True) -> None:
-    """Write a new file in place of ``path`` atomically: ``write(f)`` fills a binary file object of a file
-    created beside it under a fresh name, which is then fsynced and renamed over ``path``.
-
-    Args:
-        path: the output; missing, or a regular file (replaced).
-        write: fills the file.
-        private: create it as state and weights are (0600, see :mod:`offload.modes`); else readable as the
-            umask allows (a report, a configuration).
-
-    Raises:
-        FileExistsError: ``path`` is not a regular file (see :func:`check_replaceable`).
-        OSError: writing failed, naming the file; ``path`` is as it was and the new file is gone.
-    """
-    path = os.path.abspath(os.fspath(path))
-    check_replaceable(path)
-    parent, base = os.path.split(path)
-    mode = file_mode() if private else 0o666
-    tmp = None
-    try:
-        # Unnamed while it is written (O_TMPFILE): a crash then leaves nothing behind; named only for the
-        # moment between its link and its rename. A file system without it gets a named file from the start.
-        fd = os.open(parent, os.O_WRONLY | os.O_TMPFILE | os.O_CLOEXEC, mode)
-    except OSError as err:
-        if err.errno not in (_errno.EOPNOTSUPP, _errno.EISDIR, _errno.EINVAL, _errno.ENOENT):
-            raise
-        fd, tmp = _fresh(parent, base, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-            if tmp is None:
-                for _ in range(16):
-                    name = os.path.join(parent, f".{base}.{secrets.token_hex(6)}.tmp")
-                    try:
-                        _link_open_file(f.fileno(), name)
-                        tmp = name
-                        break
-                    except FileExistsError:
-                        continue
-                else:
-                    raise FileExistsError(_errno.EEXIST, "no free temporary name beside it", path)
-        check_replaceable(path)
-        os.rename(tmp, path)
-    except BaseException:
-        if tmp is not None:
-            unlink_if_same_name(tmp)
-        raise
-    fsync_path(parent)
-
-
-_AT_FDCWD, _AT_SYMLINK_FOLLOW = -100, 0x400
-
-
-def _link_open_file(fd: int, name: str) -> None:
-    """Give the file open on ``fd`` (an O_TMPFILE one) the name ``name``: linkat(2) of /proc/self/fd/N with
-    AT_SYMLINK_FOLLOW, as open(2) documents (os.link does not follow that link)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.linkat(_AT_FDCWD, f"/proc/self/fd/{fd}".encode(), _AT_FDCWD, os.fsencode(name), _AT_SYMLINK_FOLLOW) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code), name)
-
-
-def _fresh(parent: str, base: str, mode: int) -> tuple[int, str]:
-    """A new file beside ``base`` in ``parent`` under a fresh hidden name, created exclusively without following a
-    link: its descriptor and path."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    for _ in range(16):
-        tmp = os.path.join(parent, f".{base}.{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, flags, mode), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(_errno.EEXIST, "no free temporary name beside it", os.path.join(parent, base))
-
-
-def unlink_if_same_name(path: str) -> None:
-    """Remove the regular file ``path`` if it is there (a temporary file of ours); never raises."""
-    try:
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            os.unlink(path)
-    except OSError:
-        pass
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync the file or directory ``path`` (a directory: the names in it). An error names ``path``."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as err:
-        raise OSError(err.errno, f"cannot fsync: {err.strerror}", os.fspath(path)) from err
-    finally:
-        os.close(fd)
 
 
 def open_file(path: str | os.PathLike, mode: str = "r", *, o_direct: Union[bool, str] = "auto",

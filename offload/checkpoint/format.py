@@ -13,10 +13,10 @@ import torch
 import xxhash
 
 from ..aio import Engine, create_private
+from ..commit import fsync_fd, make_dirs, rename
 from ..config import AioConfig
 from ..errors import CheckpointError, ChecksumError
-from ..modes import dir_mode
-from ..regular import FileTooLargeError, NotRegularFileError, open_regular, read_regular
+from ..regular import CHUNK, FileTooLargeError, NotRegularFileError, open_regular, read_regular
 
 # A checkpoint is a directory of these files; what each holds is docs/checkpoint.md's "Format".
 FORMAT = "nvme-offload-checkpoint"
@@ -78,7 +78,6 @@ def io_error(err: OSError, path: str, doing: str) -> OSError:
 # The calls by which checkpoints touch files, in one object: the engine that moves the data files, and
 # the file-system operations of the commit rule. Saves and loads take one (``storage=``); the default
 # does what it says, and the fault tests hand in one that fails where they want.
-_COPY_CHUNK = 64 << 20
 # The small files (memory.pt, extra.pt, model.pt) are read whole, up to their manifest's size; a file larger
 # than that is refused before it is read (a bigger one may be read up to this many bytes).
 _SMALL_LIMIT = 1 << 20
@@ -96,8 +95,8 @@ class Storage:
         return Engine(aio)
 
     def rename(self, src: str, dst: str) -> None:
-        """Rename ``src`` to ``dst`` (``os.rename``)."""
-        os.rename(src, dst)
+        """Rename the staged file ``src`` over ``dst``, a regular file or nothing (:func:`offload.commit.rename`)."""
+        rename(src, dst)
 
     def unlink(self, path: str) -> None:
         """Remove the file ``path`` (``os.unlink``)."""
@@ -105,30 +104,12 @@ class Storage:
 
     def fsync(self, fd: int, path: str) -> None:
         """Make the file ``fd`` durable; an error names ``path``."""
-        try:
-            os.fsync(fd)
-        except OSError as err:
-            raise io_error(err, path, "cannot fsync") from err
+        fsync_fd(fd, path)
 
     def make_dirs(self, path: str) -> bool:
-        """Create directory ``path`` and its missing parents (0700, see :mod:`offload.modes`), durably: each
-        new name's directory is fsynced, so a power loss cannot take away a directory whose files were made
-        durable. Returns whether ``path`` was made."""
-        missing = []
-        while not os.path.isdir(path):
-            missing.append(path)
-            parent = os.path.dirname(path)
-            if parent == path:
-                break
-            path = parent
-        for new in reversed(missing):
-            try:
-                os.mkdir(new, dir_mode())
-            except FileExistsError:
-                if not os.path.isdir(new):
-                    raise
-            self.fsync_dir(os.path.dirname(new))
-        return bool(missing)
+        """Create directory ``path`` and its missing parents durably (:func:`offload.commit.make_dirs`, each
+        directory fsynced through :meth:`fsync_dir`); returns whether ``path`` was made."""
+        return make_dirs(path, self.fsync_dir)
 
     def fsync_dir(self, path: str) -> None:
         """Make the entries of directory ``path`` durable (an fsync of the directory)."""
@@ -155,7 +136,7 @@ class Storage:
                     size = os.fstat(fin.fileno()).st_size
                     pos, ranged = 0, True
                     while pos < size:
-                        want = min(_COPY_CHUNK, size - pos)
+                        want = min(CHUNK, size - pos)
                         if ranged:
                             try:
                                 n = os.copy_file_range(fin.fileno(), fout.fileno(), want, pos, pos)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 from ..aio import create_private
+from ..commit import fsync_fd, fsync_path
 from ..distributed import rank_info
 from ..errors import CheckpointError
 from .commit import DirectoryLock, SaveHandle, lock_directory
@@ -302,14 +303,14 @@ def _mark(path: str) -> None:
     plain file (a link to someone's file) is refused, never followed."""
     keep = path + ".keep"
     try:
-        with create_private(keep) as f:
-            os.fsync(f.fileno())
+        with create_private(keep) as f:  # the marker's commit: created exclusively, fsynced, then its name
+            fsync_fd(f.fileno(), keep)
     except FileExistsError:
         if not stat.S_ISREG(os.lstat(keep).st_mode):
             raise CheckpointError(f"cannot mark {path} as a milestone: {keep} exists and is not a plain file (a "
                                   "link?); it is left as it is. Remove it, then mark the step again") from None
         return  # marked before
-    DEFAULT_STORAGE.fsync_dir(os.path.dirname(keep))
+    fsync_path(os.path.dirname(keep))
 
 
 def save_with_retention(optimizer, root: str | os.PathLike, step: int, *, keep_last: int = 2,

@@ -15,12 +15,10 @@ from ..config import AioConfig, load_config
 from ..errors import CheckpointError, ChecksumError
 from ..pipeline import Pipeline
 from ..progress import progress
+from ..regular import CHUNK
 from ..sizes import ALIGNMENT, round_up
 from .format import DATA
 from .manifest import Unit
-
-# Pool for tools that read a checkpoint without an optimizer (verify, export): per buffer.
-TOOL_BUFFER_MAX = 64 << 20
 
 
 # NOTE: save, load, verify, export and import all move state.bin (and params.bin) with the native engine
@@ -29,7 +27,7 @@ TOOL_BUFFER_MAX = 64 << 20
 # one buffer and the writes behind; ``write_data`` lays units out in a data file and hashes them as they
 # pass; ``read_verified`` reads ranges of one back, checking each range's checksum and the file's.
 # Every engine that touches a data file comes from the save's or load's ``Storage``.
-def tool_pool(lengths, cap: Optional[int] = TOOL_BUFFER_MAX) -> BufferPool:
+def tool_pool(lengths, cap: Optional[int] = CHUNK) -> BufferPool:
     """Three buffers for a tool's read of ranges of ``lengths`` bytes: as long as the longest (at most
     ``cap``, where not None: longer ranges are read in parts)."""
     longest = round_up(max([ALIGNMENT, *lengths]), ALIGNMENT)

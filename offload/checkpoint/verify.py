@@ -9,7 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..aio import Engine, replace_file
+from ..aio import Engine
+from ..commit import replace_file
 from ..errors import CheckpointError, ChecksumError
 from ..state import step_tensor
 from .commit import reading
@@ -297,6 +298,6 @@ def export_model_checkpoint(directory: str | os.PathLike, out: str | os.PathLike
 
 def _save_file(obj: Any, out: str | os.PathLike) -> None:
     """``torch.save(obj, out)``, fsynced, under a fresh name beside ``out`` until complete, then renamed over it
-    (``out`` must be a regular file or nothing: :func:`offload.aio.replace_file`)."""
+    (``out`` must be a regular file or nothing: :func:`offload.commit.replace_file`)."""
     out = os.path.abspath(os.fspath(out))
     replace_file(out, lambda f: write_into(obj, f, out))

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..aio import replace_file
+from ..commit import make_dirs, replace_file
 from ..errors import CheckpointError
 from ._common import check_fingerprint, fingerprint, has_offloaded_weights, offloaded_optimizer
 
@@ -133,10 +133,10 @@ def _save_streamed(trainer, checkpoint: dict, path: str) -> None:
 
 
 def _write_whole(checkpoint: dict, path: str) -> None:
-    """``torch.save`` ``checkpoint`` to ``path`` as one durable replacement (:func:`offload.aio.replace_file`:
+    """``torch.save`` ``checkpoint`` to ``path`` as one durable replacement (:func:`offload.commit.replace_file`:
     written unnamed, fsynced, renamed over ``path`` only if that is a regular file or nothing, the directory
     fsynced after; Lightning's own write leaves the directory unsynced)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    make_dirs(os.path.dirname(os.path.abspath(path)))  # durably: a new directory's name survives a power loss too
     replace_file(path, lambda f: torch.save(checkpoint, f), private=False)
 
 

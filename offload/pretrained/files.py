@@ -6,16 +6,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import warnings
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 import xxhash
 
+from ..commit import fsync_path, is_staged, rename
 from ..config.files import CONFIG_LIMIT
 from ..errors import CheckpointError
-from ..regular import FileTooLargeError, NotRegularFileError, open_regular, read_regular
+from ..locks import lock_directory
+from ..regular import SMALL_FILE_LIMIT, FileTooLargeError, NotRegularFileError, open_regular, read_regular
 
 __all__ = ["DTYPES", "INDEX", "SINGLE", "Entry", "SafetensorsCheckpoint", "dtype_name"]
 
@@ -60,7 +63,6 @@ class Entry:
 # files against it.
 RECORD = "nvme_offload"
 RECORD_FORMAT = "nvme-offload-hf-save"
-_RECORD_LIMIT = 64 << 20  # the most bytes of a header or index read for it
 
 
 def is_record(value) -> bool:
@@ -81,7 +83,7 @@ def read_record(directory: str) -> Optional[dict]:
             try:
                 head = os.pread(fd, 8, 0)
                 n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                if n > _RECORD_LIMIT:
+                if n > SMALL_FILE_LIMIT:
                     return None
                 header = json.loads(os.pread(fd, n, 8))
             finally:
@@ -89,7 +91,7 @@ def read_record(directory: str) -> Optional[dict]:
             raw = header.get("__metadata__", {}).get(RECORD) if isinstance(header, dict) else None
             value = json.loads(raw) if isinstance(raw, str) else None
         elif os.path.lexists(index):
-            doc = json.loads(read_regular(index, limit=_RECORD_LIMIT))
+            doc = json.loads(read_regular(index, limit=SMALL_FILE_LIMIT))
             value = doc.get("metadata", {}).get(RECORD) if isinstance(doc, dict) else None
         else:
             return None
@@ -109,7 +111,7 @@ def _check_config(directory: str) -> None:
     for name, digest in (record or {}).get("config", {}).items():
         path = os.path.join(directory, name)
         try:
-            found = xxhash.xxh3_64(read_regular(path, limit=_RECORD_LIMIT)).hexdigest()
+            found = xxhash.xxh3_64(read_regular(path, limit=SMALL_FILE_LIMIT)).hexdigest()
         except (OSError, ValueError):
             found = None
         if found == digest:
@@ -122,6 +124,153 @@ def _check_config(directory: str) -> None:
             f"{path} is not the {name} the weights in {directory} were saved with (a save into the directory "
             "was cut short before its weights were in place): it holds parts of two saves. Save the model "
             "there again")
+
+
+MARKER = "save.json"  # a staging directory's marker: what its save moves in, its entry point, what it replaces
+
+
+def _entry_record(path: str) -> Optional[dict]:
+    """The record in the entry point file ``path`` itself (an index, or a single file), or None."""
+    d, name = os.path.split(path)
+    if name == INDEX:
+        try:
+            doc = json.loads(read_regular(path, limit=SMALL_FILE_LIMIT))
+            value = doc.get("metadata", {}).get(RECORD)
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if is_record(value) else None
+    return read_record(d) if name == SINGLE else None
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _unlink(path: str) -> None:
+    """Delete ``path`` if it is a regular file (never a directory, a link's target or anything else)."""
+    if _regular(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _remove_staging(stage: str) -> None:
+    """Delete a staging directory of ours: its regular files, its marker last (while anything else is in it, the
+    marker proves it ours to the next save), then it (left if anything else is in it)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for name in sorted(os.listdir(stage), key=lambda n: n == MARKER):
+            _unlink(os.path.join(stage, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(stage)
+
+
+def _marker(stage: str) -> Optional[dict]:
+    """The marker of staging directory ``stage`` if it is ours (a directory of this user, holding the marker
+    of its own generation), else None."""
+    try:
+        st = os.lstat(stage)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            return None
+        doc = json.loads(read_regular(os.path.join(stage, MARKER), limit=SMALL_FILE_LIMIT))
+    except (OSError, ValueError):
+        return None
+    generation = os.path.basename(stage)[len(STAGING):]
+    names = [*doc.get("moved", []), *doc.get("obsolete", []), doc.get("entry") or SINGLE] if isinstance(doc, dict) \
+        else []
+    if (not isinstance(doc, dict) or doc.get("generation") != generation
+            or not all(isinstance(n, str) and os.path.basename(n) == n and n not in ("", ".", "..") for n in names)
+            or not isinstance(doc.get("backups", {}), dict)):
+        return None
+    return doc
+
+
+def _barely_begun(stage: str) -> bool:
+    """Whether ``stage`` is a staging directory of this user holding nothing but (part of) its first marker: a
+    save that died as it began, which moved nothing in."""
+    try:
+        st = os.lstat(stage)
+        names = os.listdir(stage)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
+            and all(n in (MARKER, MARKER + ".new") or is_staged(n, MARKER) for n in names)
+            and all(_regular(os.path.join(stage, n)) for n in names))
+
+
+def _finish(directory: str, stage: str, obsolete: Iterable[str], files: Iterable[str]) -> None:
+    """A committed save's last step: delete the previous save's files it made obsolete (never one of its own,
+    ``files``), then its staging directory."""
+    keep = set(files)
+    for n in obsolete:
+        if n not in keep:
+            _unlink(os.path.join(directory, n))
+    fsync_path(directory)
+    _remove_staging(stage)
+    fsync_path(directory)
+
+
+def _roll_back(directory: str, stage: str, doc: dict) -> None:
+    """Undo a save that never committed (its marker ``doc``): the config files it replaced put back, the files
+    it moved in deleted, then its staging directory; the previous save stays as it was."""
+    for n, backup in doc.get("backups", {}).items():
+        if _regular(os.path.join(stage, backup)):
+            rename(os.path.join(stage, backup), os.path.join(directory, n))
+    if doc.get("entry") == INDEX and os.path.lexists(os.path.join(directory, SINGLE)):
+        # An index moved in behind a model.safetensors that still wins (a model.safetensors of this save would
+        # have committed it, so it is never deleted here).
+        found = _entry_record(os.path.join(directory, INDEX)) if _regular(os.path.join(directory, INDEX)) else None
+        if found is not None and found["generation"] == doc["generation"]:
+            _unlink(os.path.join(directory, INDEX))
+    for n in doc.get("moved", []):
+        _unlink(os.path.join(directory, n))
+    fsync_path(directory)
+    _remove_staging(stage)
+    fsync_path(directory)
+
+
+def _settle(directory: str, stage: str) -> None:
+    """Finish or undo the save that staging directory ``stage`` belongs to, as the disk says: committed when the
+    record loaders find in ``directory`` is of the stage's generation (its rename, or the deletion of the
+    model.safetensors in front of its index, happened), else never. The one rule for a save cut short, whether
+    the next save sweeps it or the save itself unwinds from an exception. A stage not provably ours is left."""
+    doc = _marker(stage)
+    if doc is None:
+        if _barely_begun(stage):
+            _remove_staging(stage)  # died before it wrote its marker: nothing of it moved in
+        return
+    record = read_record(directory)
+    if record is not None and record["generation"] == doc["generation"]:
+        _finish(directory, stage, doc.get("obsolete", []), record["files"])
+    else:
+        _roll_back(directory, stage, doc)
+
+
+def _sweep(directory: str) -> None:
+    """Finish or undo what saves cut short left in ``directory`` (see the note above); under its lock."""
+    for name in os.listdir(directory):
+        if name.startswith(STAGING):
+            _settle(directory, os.path.join(directory, name))
+
+
+def settle_cut_short(directory: str) -> None:
+    """Finish or undo, before a load, a save into ``directory`` that was cut short (a crash, a power loss), as the
+    next save would (:func:`_sweep`): the load then reads the previous save or the new one whole, never config
+    files of one beside the weights of the other. Nothing where no staging directory is there; a directory this
+    user may not lock or change is read as it is (its loader refuses a mix)."""
+    try:
+        if not any(n.startswith(STAGING) for n in os.listdir(directory)):
+            return
+        held = lock_directory(directory, exclusive=True)
+    except (OSError, CheckpointError):
+        return
+    try:
+        with contextlib.suppress(OSError):
+            _sweep(directory)
+    finally:
+        if held is not None:
+            held.release()
 
 
 def not_regular(err: OSError, what: str) -> CheckpointError:
@@ -235,6 +384,8 @@ class SafetensorsCheckpoint:
         self.drop_behind = not _several_here() if drop_behind is None else bool(drop_behind)
         self._unread: dict[str, set] = {}  # file -> names of its tensors not read to their end yet
         self._touched: set[str] = set()  # files read_into has read from
+        if os.path.isdir(path):
+            settle_cut_short(path)
         self.files = self._files(path)
         if os.path.isdir(path):
             _check_config(path)

@@ -12,13 +12,14 @@ from torch import nn
 from ..errors import CheckpointError
 from ..params import empty_parameters, named_tensors, offload_parameters, store_of
 from ..progress import progress as progress_bar
+from ..regular import CHUNK
 from .files import Entry, SafetensorsCheckpoint
 
 __all__ = ["Plan", "fill_modules", "load_safetensors", "match", "offload_pretrained"]
 
 # Bytes of a tensor read from its file at once: a large embedding comes in slices of rows, so what is
 # in memory besides the destination is this much, whatever the tensor's size.
-READ_BYTES = 64 << 20
+READ_BYTES = CHUNK  # the most bytes of one tensor read at a time (a test narrows it)
 
 
 @dataclass

@@ -18,8 +18,9 @@ import torch
 import xxhash
 from torch import nn
 
-from ..aio import AppendFile, Engine, create_private, fsync_path
+from ..aio import AppendFile, Engine, create_private
 from ..buffers import BufferPool
+from ..commit import fsync_fd, fsync_path, is_staged, make_dirs, rename, replace_file
 from ..config import AioConfig
 from ..errors import CheckpointError, StateError
 from ..interrupts import deferred
@@ -28,9 +29,23 @@ from ..modes import dir_mode, file_mode
 from ..params import store_of
 from ..pipeline import Pipeline
 from ..progress import progress as progress_bar
-from ..regular import read_regular
+from ..regular import SMALL_FILE_LIMIT, read_regular
 from ..sizes import parse_size
-from .files import INDEX, RECORD, RECORD_FORMAT, SINGLE, STAGING, dtype_name, is_record, read_record
+from .files import (
+    INDEX,
+    MARKER,
+    RECORD,
+    RECORD_FORMAT,
+    SINGLE,
+    STAGING,
+    _finish,
+    _regular,
+    _settle,
+    _sweep,
+    _unlink,
+    dtype_name,
+    read_record,
+)
 from .load import _named
 
 __all__ = ["Tensor", "save_into", "save_pretrained", "saved_dtype", "write_checkpoint", "write_dtype"]
@@ -106,162 +121,14 @@ def _header(tensors: list[Tensor], record: Optional[dict] = None) -> bytes:
 #      which loaders read first, is deleted: so a save into a directory refuses a model.safetensors its
 #      previous record does not list), fsync; a Ctrl-C during 3 and 4 is held off until 4 is done;
 #   5. delete the previous save's files the new one does not have, then the staging directory.
-# A crash before 4 leaves the previous save loadable (and config files of the new one beside its weights,
-# which the record's checksums tell: our loader refuses that mix until a save completes); after 4 the new
-# one. The next save sweeps a staging directory proven ours by its marker: it finishes a committed save's
-# deletions, or undoes an uncommitted one (its moved files deleted, replaced config files restored). A save
-# cut by an exception settles itself by the same rule (_settle), committed or not as the disk says.
-MARKER = "save.json"
-_LIMIT = 64 << 20  # the most bytes a header, an index or a marker may hold
-
-
+# A crash before 4 leaves the previous save (config files of the new one may stand beside its weights until
+# the next load or save settles it), after 4 the new one. The next save, or load (files.settle_cut_short),
+# sweeps a staging directory proven ours by its marker: it finishes a committed save's deletions, or undoes
+# an uncommitted one (its moved files deleted, replaced config files restored), so what loads is one save
+# whole. A save cut by an exception settles itself by the same rule (_settle), committed or not as the disk
+# says. Every rename is offload.commit.rename (over a regular file or nothing).
 def _hexdigest(path: str) -> str:
-    return xxhash.xxh3_64(read_regular(path, limit=_LIMIT)).hexdigest()
-
-
-def _entry_record(path: str) -> Optional[dict]:
-    """The record in the entry point file ``path`` itself (an index, or a single file), or None."""
-    d, name = os.path.split(path)
-    if name == INDEX:
-        try:
-            doc = json.loads(read_regular(path, limit=_LIMIT))
-            value = doc.get("metadata", {}).get(RECORD)
-        except (OSError, ValueError, AttributeError):
-            return None
-        return value if is_record(value) else None
-    return read_record(d) if name == SINGLE else None
-
-
-def _regular(path: str) -> bool:
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _unlink(path: str) -> None:
-    """Delete ``path`` if it is a regular file (never a directory, a link's target or anything else)."""
-    if _regular(path):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-
-
-def _remove_staging(stage: str) -> None:
-    """Delete a staging directory of ours: its regular files, its marker last (while anything else is in it, the
-    marker proves it ours to the next save), then it (left if anything else is in it)."""
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for name in sorted(os.listdir(stage), key=lambda n: n == MARKER):
-            _unlink(os.path.join(stage, name))
-    with contextlib.suppress(OSError):
-        os.rmdir(stage)
-
-
-def _marker(stage: str) -> Optional[dict]:
-    """The marker of staging directory ``stage`` if it is ours (a directory of this user, holding the marker
-    of its own generation), else None."""
-    try:
-        st = os.lstat(stage)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            return None
-        doc = json.loads(read_regular(os.path.join(stage, MARKER), limit=_LIMIT))
-    except (OSError, ValueError):
-        return None
-    generation = os.path.basename(stage)[len(STAGING):]
-    names = [*doc.get("moved", []), *doc.get("obsolete", []), doc.get("entry") or SINGLE] if isinstance(doc, dict) \
-        else []
-    if (not isinstance(doc, dict) or doc.get("generation") != generation
-            or not all(isinstance(n, str) and os.path.basename(n) == n and n not in ("", ".", "..") for n in names)
-            or not isinstance(doc.get("backups", {}), dict)):
-        return None
-    return doc
-
-
-def _barely_begun(stage: str) -> bool:
-    """Whether ``stage`` is a staging directory of this user holding nothing but (part of) its first marker: a
-    save that died as it began, which moved nothing in."""
-    try:
-        st = os.lstat(stage)
-        names = os.listdir(stage)
-    except OSError:
-        return False
-    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-            and set(names) <= {MARKER, MARKER + ".new"}
-            and all(_regular(os.path.join(stage, n)) for n in names))
-
-
-def _finish(directory: str, stage: str, obsolete: Iterable[str], files: Iterable[str]) -> None:
-    """A committed save's last step: delete the previous save's files it made obsolete (never one of its own,
-    ``files``), then its staging directory."""
-    keep = set(files)
-    for n in obsolete:
-        if n not in keep:
-            _unlink(os.path.join(directory, n))
-    fsync_path(directory)
-    _remove_staging(stage)
-    fsync_path(directory)
-
-
-def _roll_back(directory: str, stage: str, doc: dict) -> None:
-    """Undo a save that never committed (its marker ``doc``): the config files it replaced put back, the files
-    it moved in deleted, then its staging directory; the previous save stays as it was."""
-    for n, backup in doc.get("backups", {}).items():
-        if _regular(os.path.join(stage, backup)):
-            os.replace(os.path.join(stage, backup), os.path.join(directory, n))
-    if doc.get("entry") == INDEX and os.path.lexists(os.path.join(directory, SINGLE)):
-        # An index moved in behind a model.safetensors that still wins (a model.safetensors of this save would
-        # have committed it, so it is never deleted here).
-        found = _entry_record(os.path.join(directory, INDEX)) if _regular(os.path.join(directory, INDEX)) else None
-        if found is not None and found["generation"] == doc["generation"]:
-            _unlink(os.path.join(directory, INDEX))
-    for n in doc.get("moved", []):
-        _unlink(os.path.join(directory, n))
-    fsync_path(directory)
-    _remove_staging(stage)
-    fsync_path(directory)
-
-
-def _settle(directory: str, stage: str) -> None:
-    """Finish or undo the save that staging directory ``stage`` belongs to, as the disk says: committed when the
-    record loaders find in ``directory`` is of the stage's generation (its rename, or the deletion of the
-    model.safetensors in front of its index, happened), else never. The one rule for a save cut short, whether
-    the next save sweeps it or the save itself unwinds from an exception. A stage not provably ours is left."""
-    doc = _marker(stage)
-    if doc is None:
-        if _barely_begun(stage):
-            _remove_staging(stage)  # died before it wrote its marker: nothing of it moved in
-        return
-    record = read_record(directory)
-    if record is not None and record["generation"] == doc["generation"]:
-        _finish(directory, stage, doc.get("obsolete", []), record["files"])
-    else:
-        _roll_back(directory, stage, doc)
-
-
-def _sweep(directory: str) -> None:
-    """Finish or undo what saves cut short left in ``directory`` (see the note above); under its lock."""
-    for name in os.listdir(directory):
-        if name.startswith(STAGING):
-            _settle(directory, os.path.join(directory, name))
-
-
-def _make_dir(path: str) -> bool:
-    """Create directory ``path`` and its missing parents (0700, see :mod:`offload.modes`), each new name made
-    durable; returns whether ``path`` was made."""
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for new in reversed(missing):
-        try:
-            os.mkdir(new, dir_mode())
-        except FileExistsError:
-            if not os.path.isdir(new):
-                raise
-        fsync_path(os.path.dirname(new))
-    return bool(missing)
+    return xxhash.xxh3_64(read_regular(path, limit=SMALL_FILE_LIMIT)).hexdigest()
 
 
 def _listing(names: Iterable[str]) -> str:
@@ -330,7 +197,7 @@ def write_checkpoint(directory: str | os.PathLike, tensors: Iterable[Tensor], *,
         raise ValueError(f"max_shard_size must be positive, got {max_shard_size!r}")
     if os.path.lexists(directory) and (not os.path.isdir(directory) or os.path.islink(directory)):
         raise CheckpointError(f"{directory} exists and is not a directory; choose another path for the checkpoint")
-    made = _make_dir(directory)
+    made = make_dirs(directory)
     try:
         held = lock_directory(directory, exclusive=True)
     except BaseException:
@@ -389,7 +256,7 @@ class _Save:
         if extra is not None:
             extra(self.stage)
         self.config = sorted(n for n in os.listdir(self.stage)
-                             if n not in (MARKER, MARKER + ".new") and _regular(os.path.join(self.stage, n)))
+                             if n != MARKER and not is_staged(n, MARKER) and _regular(os.path.join(self.stage, n)))
         for name in self.config:
             path = os.path.join(self.stage, name)
             # What extra() wrote (config.json): narrowed to the mode, never widened past the umask.
@@ -433,7 +300,7 @@ class _Save:
                            "weight_map": weight_map}, f, indent=2, sort_keys=True)
                 f.write("\n")
                 f.flush()
-                os.fsync(f.fileno())
+                fsync_fd(f.fileno(), os.path.join(self.stage, INDEX))
         previous_files = set(self.previous["files"]) if self.previous is not None else set()
         self.obsolete = sorted(previous_files - writes)
         # Config files: new ones move in (and go again if the save dies), replaced ones keep the file they replace
@@ -443,37 +310,32 @@ class _Save:
             old = os.path.join(self.directory, name)
             if not _regular(old):
                 self.adding.append(name)
-            elif read_regular(old, limit=_LIMIT) != read_regular(os.path.join(self.stage, name), limit=_LIMIT):
+            elif (read_regular(old, limit=SMALL_FILE_LIMIT)
+                  != read_regular(os.path.join(self.stage, name), limit=SMALL_FILE_LIMIT)):
                 self.replacing.append(name)
         self._mark(entry=self.entry)
 
     def _mark(self, *, entry: Optional[str]) -> None:
         """Write the staging directory's marker (what moves in, the entry point, what becomes obsolete), fsynced,
         in place of the one before (a fresh file renamed over it)."""
-        new = os.path.join(self.stage, MARKER + ".new")
         doc = {"generation": self.generation, "entry": entry,
                "moved": [*self.shard_names, *self.adding] if entry else [], "obsolete": self.obsolete if entry else [],
                "backups": {c: c + ".replaced" for c in self.replacing} if entry else {}}
-        with create_private(new, text=True) as f:
-            json.dump(doc, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(new, os.path.join(self.stage, MARKER))
-        fsync_path(self.stage)
+        replace_file(os.path.join(self.stage, MARKER), lambda f: f.write(json.dumps(doc).encode()))
 
     def _move_in(self) -> None:
         d, stage = self.directory, self.stage
         for name in [*self.shard_names, *self.adding]:  # nothing reads these names yet
-            os.rename(os.path.join(stage, name), os.path.join(d, name))
+            rename(os.path.join(stage, name), os.path.join(d, name))
         for name in self.replacing:
             os.link(os.path.join(d, name), os.path.join(stage, name + ".replaced"))
             fsync_path(stage)
-            os.rename(os.path.join(stage, name), os.path.join(d, name))
+            rename(os.path.join(stage, name), os.path.join(d, name))
         fsync_path(d)
 
     def _commit(self) -> None:
         d, stage = self.directory, self.stage
-        os.rename(os.path.join(stage, self.entry), os.path.join(d, self.entry))
+        rename(os.path.join(stage, self.entry), os.path.join(d, self.entry))
         if self.entry == SINGLE:
             self.committed = True  # loaders read model.safetensors first
         elif _regular(os.path.join(d, SINGLE)):

@@ -7,7 +7,6 @@ import fcntl
 import mmap
 import os
 import re
-import secrets
 import socket
 import stat
 import struct
@@ -16,6 +15,7 @@ from typing import Mapping
 
 from .._proc import pid_alive
 from ..aio import AioFile, unlink_if_same, wrap_fd
+from ..commit import fresh, rename
 from ..distributed import rank_info
 from ..modes import file_mode
 from ..sizes import format_size
@@ -30,7 +30,6 @@ _FIELDS = (r"nvme-offload-(?P<name>[A-Za-z0-9_]+)-(?P<host>[A-Za-z0-9.\-]+)-(?P<
 _PATTERN = re.compile(rf"^{_FIELDS}$")
 # A file being created: hidden, and a name the stale scan of live files never matches.
 _NEW_PATTERN = re.compile(rf"^\.{_FIELDS}\.new$")
-_TRIES = 16
 # The seal: the last bytes of a swap file's guard block, which say the file is ours and how long we made it:
 # a magic, the bytes of address space before the guard block, the guard block's size, and the random part
 # of the file's name.
@@ -69,16 +68,13 @@ def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
     if info.distributed:
         tag += f"_rank{info.rank}"
     base = f"{_PREFIX}{tag}-{_host()}-{os.getpid()}-"
-    for _ in range(_TRIES):
-        final = os.path.join(directory, f"{base}{secrets.token_hex(4)}{_SUFFIX}")
+
+    def create(final: str) -> AioFile:
         temp = os.path.join(directory, "." + os.path.basename(final) + ".new")
         if os.path.lexists(final):
-            continue
+            raise FileExistsError(_errno.EEXIST, "taken", final)
         try:
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         file_mode())
-        except FileExistsError:
-            continue
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, file_mode())
         except PermissionError as err:
             raise PermissionError(
                 err.errno, f"cannot create a swap file in {directory} ({err.strerror}); "
@@ -92,13 +88,14 @@ def create_swap_file(directory: str, name: str, *, o_direct) -> AioFile:
             raise
         try:
             seal(f, 0, max(4096, f.alignment))  # ours from its first moment under a swap-file name
-            os.rename(temp, final)
+            rename(temp, final)
         except BaseException:
             unlink_if_same(temp, f.fd)
             f.close()
             raise
         return f
-    raise FileExistsError(_errno.EEXIST, f"no free swap file name after {_TRIES} tries", directory)
+
+    return fresh(create, lambda token: os.path.join(directory, f"{base}{token}{_SUFFIX}"), directory, nbytes=4)
 
 
 def seal(f: AioFile, data_bytes: int, guard: int) -> None:
