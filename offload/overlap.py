@@ -393,10 +393,14 @@ class _Run:
         self.norms: dict = {}
         # Per unit, how many of its chunks still wait for their parameter's final gradient.
         self.waiting: dict = {id(u): sum(1 for c in u.chunks if c.slot.param.requires_grad) for u in order}
+        # Per parameter, the units holding its chunks, each once: with int8 state a parameter split at a unit's
+        # edge may have several chunks in one unit, and ready() counts them all down at that unit's one entry.
         self.chunks_of: dict = {}
         for u in order:
             for c in u.chunks:
-                self.chunks_of.setdefault(id(c.slot.param), []).append(u)
+                units = self.chunks_of.setdefault(id(c.slot.param), [])
+                if not units or units[-1] is not u:
+                    units.append(u)
         self.ready_units: dict = {id(u): threading.Event() for u in order}
         self.finished_order: list = []
         self.all_final = threading.Event()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 
 import pytest
 import torch
@@ -60,6 +61,56 @@ def test_int8_state_trains_as_torchaos_8bit_adam_bit_for_bit(monkeypatch, closin
             theirs = ref.state[p][key]
             theirs = theirs.dequantize() if hasattr(theirs, "codes") else theirs
             assert torch.equal(sd["state"][i][key], theirs), (i, key)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward waits: the update inside backward, on its worker, runs ahead of the grads."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)
+        return grad
+
+
+class _Slow(nn.Module):
+    def forward(self, x):
+        return _SlowBackward.apply(x)
+
+
+@pytest.mark.parametrize("mode", [{"state_dtype": "int8"}, {"state_dtype": "int8", "master_weights": False}],
+                         ids=["int8", "int8 no master"])
+def test_the_update_inside_backward_waits_for_every_chunk_of_a_unit_with_int8_state(closing, nvme, mode):
+    """With overlap_backward the worker updates a unit only once every parameter with a chunk in it has its final
+    grad, though with int8 state a parameter split at a unit's edge has several chunks there (the absmax of its
+    blocks makes its bytes per element uneven). Here the last parameter of two units is such a one, so its grad,
+    final first in backward, must not open the unit alone; a backward slowed between layers lets the worker run
+    ahead, and the weights and state still equal the plain step's."""
+    dtype = torch.float32 if mode.get("master_weights", True) else torch.bfloat16
+    runs = []
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        layers = [nn.Linear(128, 128, bias=False) for _ in range(4)]
+        model = nn.Sequential(layers[0], _Slow(), layers[1], _Slow(), layers[2], _Slow(), layers[3]).to(dtype)
+        opt = closing(OffloadedAdamW(model.parameters(), lr=1e-3, nvme_path=nvme, buffer_size=65536,
+                                     overlap_backward=overlap, **mode))
+        order = {id(p): i for i, p in enumerate(model.parameters())}
+        split_last = [ps for u in opt.state_store.layout.units
+                      for ps in [[order[id(c.slot.param)] for c in u.chunks]]
+                      if len(set(ps)) > 1 and ps.count(max(ps)) > 1]
+        assert len(split_last) == 2, split_last
+        torch.manual_seed(1)
+        for _ in range(4):
+            model(torch.randn(8, 128, dtype=dtype)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(([p.detach().clone() for p in model.parameters()], opt.state_dict()))
+        opt.close()
+    assert_same(runs[1][0], runs[0][0])
+    assert_same_state(runs[1][1], runs[0][1])
 
 
 def test_bf16_weights_with_int8_state_keep_masters_as_torchao_updates_fp32_weights(monkeypatch, closing, nvme):
