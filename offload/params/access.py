@@ -14,7 +14,7 @@ from ..errors import StateError
 from ..interrupts import deferring
 from ..units import round_up
 from .holds import release_each, resident
-from .registry import store_of
+from .registry import holder, store_of
 
 __all__ = ["ParamAccess"]
 
@@ -220,10 +220,10 @@ class UnitPass:
         i = self._position[id(unit)]
         if i + 1 < len(self.units):
             for c in self.units[i + 1].chunks:
-                store = store_of(c.slot.param)
+                store, key = holder(c.slot.param)
                 if store is not None and id(c.slot) in self.active and c.slot not in self._held \
                         and not skip_read(c.slot):
-                    store.prefetch(c.slot.param)
+                    store.prefetch(key)
         for c in unit.chunks:
             if c.slot in changing:
                 self._hold(c.slot, read=not skip_read(c.slot))
@@ -248,17 +248,17 @@ class UnitPass:
     def _hold(self, slot, *, read: bool) -> None:
         if slot in self._held:
             return
-        store = store_of(slot.param)
+        store, key = holder(slot.param)  # a DTensor's local shard (FSDP2) is held as a tensor of its own
         if store is None:
             return
         if self.access._take_handed(slot.param) is not None:
             self._adopted.add(slot)  # resident since backward, its gradient in p.grad
         else:
-            store.fetch(slot.param, read=read)
+            store.fetch(key, read=read)
         self._held[slot] = store
 
     def _release(self, slot, store) -> None:
-        store.release(slot.param, dirty=self.write_back)
+        store.release(holder(slot.param)[1], dirty=self.write_back)
         if slot in self._adopted:
             self._adopted.discard(slot)
             if store.offload_grads:
