@@ -187,26 +187,19 @@ class ShardHooks:
 
     # -- the all-gather -------------------------------------------------------------------------
 
+    # FSDP2's own unshard and wait run outside ``deferring``: a Ctrl-C stops a collective that hangs. Fetches and
+    # releases are held off it, each counted to be released.
     def _unshard(self, index: int, unshard):
-        group, shards = self.groups[index]
+        group = self.groups[index][0]
 
-        @deferring
         def wrapped(async_op: bool = False):
             if group._all_gather_result is not None or group.is_unsharded:
                 return unshard(async_op)  # FSDP2 issues nothing: it reads no shard
-            self._release_pending(index)  # an all-gather dropped unwaited (FSDP2 reset after an error)
-            fetched = self._pending.setdefault(index, [])
-            self._event(index)
-            for s in shards:
-                if s.fsdp_param.sharded_state != self._sharded:
-                    continue  # SHARDED_POST_FORWARD: FSDP2 gathers its own resharded copy
-                if _storage_id(s.fsdp_param._sharded_param_data) != _storage_id(s.held):
-                    raise StateError(
-                        f"FSDP2 replaced the sharded data of {s.name} (load_state_dict or model.to() before the first "
-                        "forward re-padded it), so its weights on NVMe are no longer the ones FSDP2 gathers. Call "
-                        "offload_parameters after such changes: restore_parameters(model), then offload again")
-                self.store.fetch(s.held)
-                fetched.append(s.held)
+            try:
+                self._fetch_for(index)
+            except BaseException:
+                self._release_pending(index)  # the shards fetched before the failure
+                raise
             try:
                 return unshard(async_op)
             finally:
@@ -214,8 +207,24 @@ class ShardHooks:
                     self._release_pending(index)  # nothing was issued (or it failed): nothing reads them
         return wrapped
 
+    @deferring
+    def _fetch_for(self, index: int) -> None:
+        """Fetch the shards of group ``index`` that FSDP2's all-gather about to be issued reads."""
+        self._release_pending(index)  # an all-gather dropped unwaited (FSDP2 reset after an error)
+        fetched = self._pending.setdefault(index, [])
+        self._event(index)
+        for s in self.groups[index][1]:
+            if s.fsdp_param.sharded_state != self._sharded:
+                continue  # SHARDED_POST_FORWARD: FSDP2 gathers its own resharded copy
+            if _storage_id(s.fsdp_param._sharded_param_data) != _storage_id(s.held):
+                raise StateError(
+                    f"FSDP2 replaced the sharded data of {s.name} (load_state_dict or model.to() re-padded it), so "
+                    "its weights on NVMe are no longer the ones FSDP2 gathers. Call offload_parameters after such "
+                    "changes: restore_parameters(model), then offload again")
+            self.store.fetch(s.held)
+            fetched.append(s.held)
+
     def _wait(self, index: int, wait):
-        @deferring
         def wrapped():
             try:
                 return wait()
@@ -223,6 +232,7 @@ class ShardHooks:
                 self._release_pending(index)  # the copy-in completed: the all-gather holds its own copy
         return wrapped
 
+    @deferring
     def _release_pending(self, index: int) -> None:
         fetched = self._pending.pop(index, None)
         if fetched:
