@@ -287,13 +287,29 @@ def weights_against_torch(out: str, runs, *, max_norm: float, steps: int, path=N
     return result
 
 
+def fsdp2_bf16_reordered() -> nn.Module:
+    """FSDP2's other orders and layouts: the first layer kept unsharded after forward, the second resharded to a
+    mesh of 1 (``reshard_after_forward=1``: backward gathers FSDP2's own copy, not the shards), explicit forward and
+    backward prefetches."""
+    m = model()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(m[0], mp_policy=mp, reshard_after_forward=False)
+    fully_shard(m[2], mp_policy=mp, reshard_after_forward=1)
+    fully_shard(m[4], mp_policy=mp)
+    fully_shard(m, mp_policy=mp)
+    m[0].set_modules_to_forward_prefetch([m[2]])
+    m[4].set_modules_to_backward_prefetch([m[2]])
+    return m
+
+
 def fsdp2_weights(out: str) -> dict:
     """Weights on NVMe under FSDP2 on 2 ranks, 3 steps: fp32 and bf16 mixed precision, with and without the clip
     and overlap_backward, against FSDP2 + torch's (clip and) fused AdamW."""
     return weights_against_torch(out, [("w_fp32", fsdp2_fp32, False, False),
                                        ("w_bf16_clip", fsdp2_bf16_mp, False, True),
                                        ("w_bf16_overlap", fsdp2_bf16_mp, True, False),
-                                       ("w_fp32_overlap_clip", fsdp2_fp32, True, True)], max_norm=0.2, steps=3)
+                                       ("w_fp32_overlap_clip", fsdp2_fp32, True, True),
+                                       ("w_bf16_reordered", fsdp2_bf16_reordered, False, False)], max_norm=0.2, steps=3)
 
 
 def fsdp2_weights_4(out: str) -> dict:

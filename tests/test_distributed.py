@@ -144,10 +144,13 @@ def test_fsdp2_weights_on_nvme_are_bitwise_fsdp2_with_torch_adamw(job, job4):
     all-gather and released after it; with OffloadedAdamW's state on NVMe too, 3 steps end with the weights and
     state of FSDP2 + torch's (clip and) fused AdamW with weights in memory, bit for bit: fp32 and bf16 mixed
     precision, with and without max_grad_norm and overlap_backward (updates inside backward checked by the
-    probe), on 2 ranks and on 4 (where one rank's shard of the last layer is empty)."""
+    probe), on 2 ranks and on 4 (where one rank's shard of the last layer is empty); and with FSDP2's other orders
+    and layouts (reshard_after_forward=False and =1, explicit forward and backward prefetches)."""
     for r, runs in enumerate(outcome(job, "fsdp2_weights")):
-        assert set(runs) == {"w_fp32", "w_bf16_clip", "w_bf16_overlap", "w_fp32_overlap_clip"}
+        assert set(runs) == {"w_fp32", "w_bf16_clip", "w_bf16_overlap", "w_fp32_overlap_clip", "w_bf16_reordered"}
         assert_weights_as_torch(runs, r)
+        # Groups FSDP2 keeps unsharded, or gathers from its own resharded copy, read no shard in backward.
+        assert runs["w_bf16_reordered"]["weights_read"] < runs["w_fp32"]["weights_read"]
     for r, runs in enumerate(outcome(job4, "fsdp2_weights_4")):
         assert set(runs) == {"w_bf16", "w_fp32_clip", "w_fp32_overlap", "w_bf16_overlap_clip"}
         assert_weights_as_torch(runs, r)

@@ -33,7 +33,9 @@ class ParamOffload:
     Attributes:
         store: the :class:`offload.params.store.ParamStore` (I/O counters, ``resident_bytes``,
             ``resident_bytes_max``, ``bytes_read``, ``bytes_written``, ``swap_space``).
-        scheduler: the hooks and the recorded execution order (``trace``, ``order_changes``).
+        scheduler: the hooks and the recorded execution order (``trace``, ``order_changes``): a
+            :class:`offload.params.hooks.Scheduler`, or under FSDP2 a :class:`offload.params.shards.ShardHooks`
+            (its trace is of FSDP2's parameter groups).
         config: the configuration in use.
     """
 
