@@ -149,7 +149,7 @@ class UnitPass:
         self.active = active
         self.write_back = write_back
         self._position = {id(u): i for i, u in enumerate(self.units)}
-        self._held: dict = {}  # slot -> store
+        self._held: dict = {}  # slot -> (store, the tensor fetched in it: the parameter, or FSDP2's shard)
         self._adopted: set = set()  # slots whose hold came from backward (ParamAccess.adopt)
         # Chunks of each slot still to come in this pass: a parameter's weights are released after the
         # last of them, whichever order the units are visited in.
@@ -255,10 +255,11 @@ class UnitPass:
             self._adopted.add(slot)  # resident since backward, its gradient in p.grad
         else:
             store.fetch(key, read=read)
-        self._held[slot] = store
+        self._held[slot] = (store, key)
 
-    def _release(self, slot, store) -> None:
-        store.release(holder(slot.param)[1], dirty=self.write_back)
+    def _release(self, slot, held: tuple) -> None:
+        store, key = held
+        store.release(key, dirty=self.write_back)
         if slot in self._adopted:
             self._adopted.discard(slot)
             if store.offload_grads:
