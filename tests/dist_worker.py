@@ -246,6 +246,182 @@ def fsdp2_clip_overlap_4(out: str) -> dict:
                                ("fp32_overlap", fsdp2_fp32, True, False)], max_norm=0.2, steps=3)
 
 
+# -- weights on NVMe under FSDP2 --------------------------------------------------------------------
+
+WEIGHTS = dict(max_in_cpu=0, offload_grads=False, buffer_count=4, buffer_size=4096)
+
+
+def weights_against_torch(out: str, runs, *, max_norm: float, steps: int, path=None) -> dict:
+    """Each of ``runs`` (name, make, overlap_backward, clip) of OffloadedAdamW on ``make()`` with its local shards on
+    NVMe (offload_parameters) against FSDP2 + torch's (clip and) fused AdamW with weights in memory: the differences
+    (weights, state), both sides' norms, the weights' bytes moved and what stayed resident between uses."""
+    from offload.params import materialized, offloaded
+
+    refs, result = {}, {}
+    for name, make, overlap, clip in runs:
+        key = (make, clip)
+        if key not in refs:
+            ref = make()
+            ref_opt = torch.optim.AdamW(ref.parameters(), **LR, fused=True)
+            refs[key] = (ref, ref_opt, train(ref, ref_opt, range(steps), clip=max_norm if clip else None))
+        ours = make()
+        offload_parameters(ours, nvme_path=path or swap_dir(out, name + "_weights"), **WEIGHTS)
+        store = offloaded(ours).store
+        opt = OffloadedAdamW(ours.parameters(), **LR, **OFFLOAD, nvme_path=swap_dir(out, name),
+                             overlap_backward=overlap, max_grad_norm=max_norm if clip else None)
+        try:
+            probe, seen = overlap_probe(opt, list(ours.parameters()), clip=clip) if overlap else (None, [])
+            norms = train(ours, opt, range(steps), probe=probe)
+            ref, ref_opt, ref_norms = refs[key]
+            resident_after = store.resident_bytes
+            with materialized(ours):
+                diffs = differences(ref, ours, ref_opt, opt)
+            result[name] = {"differences": diffs, "norms": norms, "torch_norms": ref_norms, "backward": seen,
+                            "clipped": sum(1 for n in ref_norms if n > max_norm),
+                            "resident_after": resident_after, "weights_read": store.bytes_read,
+                            "weights_written": store.bytes_written, "shards": len(store.records),
+                            "swap_files": [os.path.relpath(f, out) for f in store.space.files]}
+        finally:
+            opt.close()
+            restore_parameters(ours)
+    return result
+
+
+def fsdp2_bf16_reordered() -> nn.Module:
+    """FSDP2's other orders and layouts: the first layer kept unsharded after forward, the second resharded to a
+    mesh of 1 (``reshard_after_forward=1``: backward gathers FSDP2's own copy, not the shards), explicit forward and
+    backward prefetches."""
+    m = model()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(m[0], mp_policy=mp, reshard_after_forward=False)
+    fully_shard(m[2], mp_policy=mp, reshard_after_forward=1)
+    fully_shard(m[4], mp_policy=mp)
+    fully_shard(m, mp_policy=mp)
+    m[0].set_modules_to_forward_prefetch([m[2]])
+    m[4].set_modules_to_backward_prefetch([m[2]])
+    return m
+
+
+def fsdp2_weights(out: str) -> dict:
+    """Weights on NVMe under FSDP2 on 2 ranks, 3 steps: fp32 and bf16 mixed precision, with and without the clip
+    and overlap_backward, against FSDP2 + torch's (clip and) fused AdamW."""
+    return weights_against_torch(out, [("w_fp32", fsdp2_fp32, False, False),
+                                       ("w_bf16_clip", fsdp2_bf16_mp, False, True),
+                                       ("w_bf16_overlap", fsdp2_bf16_mp, True, False),
+                                       ("w_fp32_overlap_clip", fsdp2_fp32, True, True),
+                                       ("w_bf16_reordered", fsdp2_bf16_reordered, False, False)], max_norm=0.2, steps=3)
+
+
+def fsdp2_weights_4(out: str) -> dict:
+    """The same on 4 ranks (the last layer's 3 rows leave one rank an empty shard), the combinations swapped."""
+    return weights_against_torch(out, [("w_bf16", fsdp2_bf16_mp, False, False),
+                                       ("w_fp32_clip", fsdp2_fp32, False, True),
+                                       ("w_fp32_overlap", fsdp2_fp32, True, False),
+                                       ("w_bf16_overlap_clip", fsdp2_bf16_mp, True, True)], max_norm=0.2, steps=3)
+
+
+def fsdp2_weights_nodes(out: str) -> dict:
+    """4 ranks as 2 nodes of 2 (LOCAL_RANK, LOCAL_WORLD_SIZE as torchrun sets them there): each node's drives are
+    a directory of its own (out/node<n>, standing for the node's mount) that only its ranks use, each rank's files
+    under ``nvme{local_rank}``; weights and state on NVMe, bf16 mixed precision, the clip. Saved after 2 steps to
+    a node-local checkpoint directory, loaded into a new model (its weights offloaded) and optimizer, 2 more steps:
+    compared with 4 uninterrupted steps. Returns the differences and what each node's directories hold."""
+    from offload.params import materialized
+
+    world, per_node = dist.get_world_size(), 2
+    node, local_rank = rank() // per_node, rank() % per_node
+    before = {k: os.environ.get(k) for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    os.environ.update(LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(per_node))
+    base = os.path.join(out, f"node{node}")
+    weights_path = os.path.join(base, "nvme{local_rank}", "weights")
+    state_path = os.path.join(base, "nvme{local_rank}", "state")
+    os.makedirs(os.path.join(base, f"nvme{local_rank}"), exist_ok=True)
+    models, opts = [], []
+
+    def make():
+        m = fsdp2_bf16_mp()
+        offload_parameters(m, nvme_path=weights_path, **WEIGHTS)
+        models.append(m)
+        opts.append(OffloadedAdamW(m.parameters(), **LR, **OFFLOAD, nvme_path=state_path, max_grad_norm=0.2))
+        return m, opts[-1]
+
+    try:
+        (whole, whole_opt), (first, first_opt) = make(), make()
+        train(whole, whole_opt, range(STEPS))
+        train(first, first_opt, range(2))
+        ckpt = os.path.join(base, "ckpt")
+        first_opt.save_checkpoint(ckpt, model=first)
+        resumed, resumed_opt = make()
+        resumed_opt.load_checkpoint(ckpt, model=resumed)
+        train(resumed, resumed_opt, range(2, STEPS))
+        dist.barrier()  # every rank's files exist
+        listing = sorted(os.path.relpath(os.path.join(d, f), base) for d, _, files in os.walk(base) for f in files
+                         if f.endswith(".swap"))
+        shards = sorted(d for d in os.listdir(ckpt) if d.startswith("rank"))
+        with materialized(whole), materialized(resumed):
+            diffs = differences(whole, resumed, whole_opt, resumed_opt)
+        dist.barrier()
+        return {"differences": diffs, "node": node, "local_rank": local_rank, "world": world, "listing": listing,
+                "checkpoint_shards": shards}
+    finally:
+        for o in opts:
+            o.close()
+        for m in models:
+            restore_parameters(m)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def fsdp2_weights_rules(out: str) -> dict:
+    """state_dict() of a model whose shards are on NVMe equals the one in memory, load_state_dict() writes new
+    values to NVMe; what cannot be offloaded under FSDP2 is refused with what to do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from offload.params import materialized, offloaded
+
+    result = {}
+    ref, ours = fsdp2_fp32(), fsdp2_fp32()
+    offload_parameters(ours, nvme_path=swap_dir(out, "w_rules"), **WEIGHTS)
+    try:
+        theirs, mine = ref.state_dict(), ours.state_dict()
+        result["state_dict_same"] = sorted(theirs) == sorted(mine) and all(
+            same(local(theirs[k]), local(mine[k])) for k in theirs)
+        result["resident_after_state_dict"] = offloaded(ours).store.resident_bytes
+        with torch.no_grad():
+            for p in ref.parameters():
+                local(p).mul_(2).add_(1)
+        ours.load_state_dict(ref.state_dict())
+        result["resident_after_load"] = offloaded(ours).store.resident_bytes
+        with materialized(ours):
+            result["loaded_same"] = all(same(local(p.detach()), local(q.detach()))
+                                        for p, q in zip(ref.parameters(), ours.parameters()))
+        ours(batch(0)).square().mean().backward()  # the loaded weights are the ones FSDP2 gathers
+        ref(batch(0)).square().mean().backward()
+        result["grads_same"] = all(same(local(p.grad), local(q.grad)) for p, q in zip(ref.parameters(),
+                                                                                      ours.parameters()))
+    finally:
+        restore_parameters(ours)
+    result["restored_same"] = all(same(local(p.detach()), local(q.detach()))
+                                  for p, q in zip(ref.parameters(), ours.parameters()))
+    for key, make, kw in (("grads", fsdp2_fp32, dict(max_in_cpu=0)),
+                          ("not_root", lambda: nn.Sequential(fsdp2_fp32()), WEIGHTS),
+                          ("tensor_parallel", lambda: parallelize_module(
+                              nn.Sequential(nn.Linear(8, 8)), init_device_mesh("cpu", (dist.get_world_size(),)),
+                              {"0": ColwiseParallel()}), WEIGHTS)):
+        m = make()
+        try:
+            offload_parameters(m, nvme_path=swap_dir(out, "w_refused"), **kw)
+            restore_parameters(m)
+            result[key] = "offloaded"
+        except (ConfigError, ValueError) as err:
+            result[key] = f"{type(err).__name__}: {err}"
+    return result
+
+
 def tensor_parallel(out: str) -> dict:
     """Tensor parallelism: a column-wise then a row-wise Linear (its bias replicated), max_grad_norm and
     overlap_backward against torch's clip and fused AdamW; with a LayerNorm under SequenceParallel, whose
@@ -519,8 +695,9 @@ def zero_redundancy(out: str) -> dict:
 
 
 SCENARIOS = {f.__name__: f for f in (fsdp2_parity, fsdp2_bf16, fsdp2_int8, fsdp2_clip_overlap, fsdp2_clip_overlap_4,
-                                      tensor_parallel, dcp_resume, streamed_checkpoint, reservation, placement,
-                                      ddp_offload_parameters, zero_redundancy)}
+                                      fsdp2_weights, fsdp2_weights_4, fsdp2_weights_nodes, fsdp2_weights_rules,
+                                      tensor_parallel, dcp_resume, streamed_checkpoint,
+                                      reservation, placement, ddp_offload_parameters, zero_redundancy)}
 
 
 def rank_main(out: str, names: list[str], rank: int, world: int) -> None:

@@ -1,6 +1,7 @@
-"""Scale-out on torch.distributed (CPU, gloo, 2 ranks; 4 for clipping and overlap under FSDP2): FSDP2 parity,
-max_grad_norm and overlap_backward with DTensor parameters (FSDP2, tensor parallelism), DCP resume, per-rank
-reservation and placement, DDP with offloaded parameters, ZeRO's partitions offloaded.
+"""Scale-out on torch.distributed (CPU, gloo, 2 ranks; 4 for clipping and overlap under FSDP2, weights on NVMe and
+2 nodes of 2): FSDP2 parity, max_grad_norm and overlap_backward with DTensor parameters (FSDP2, tensor
+parallelism), FSDP2's local shards on NVMe, DCP resume, per-rank reservation and placement, DDP with offloaded
+parameters, ZeRO's partitions offloaded.
 
 The ranks are forked once per job (tests/dist_worker.py, with torchrun's variables), two for most of the module
 and four for SCENARIOS_4, and run every scenario in turn; each test reads its own scenario's outcome on every
@@ -21,9 +22,10 @@ from helpers import REPO, python_env
 from offload.distributed import RankInfo, expand_placeholders, is_dtensor, like, local, rank_info, shard_like
 
 WORLD = 2
-SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "fsdp2_clip_overlap", "tensor_parallel", "dcp_resume",
-             "streamed_checkpoint", "reservation", "placement", "ddp_offload_parameters", "zero_redundancy")
-SCENARIOS_4 = ("fsdp2_clip_overlap_4",)  # on 4 ranks
+SCENARIOS = ("fsdp2_parity", "fsdp2_bf16", "fsdp2_int8", "fsdp2_clip_overlap", "fsdp2_weights", "fsdp2_weights_rules",
+             "tensor_parallel", "dcp_resume", "streamed_checkpoint", "reservation", "placement",
+             "ddp_offload_parameters", "zero_redundancy")
+SCENARIOS_4 = ("fsdp2_clip_overlap_4", "fsdp2_weights_4", "fsdp2_weights_nodes")  # on 4 ranks
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -126,6 +128,60 @@ def test_fsdp2_overlap_backward_updates_each_shard_after_its_reduce_scatter(job,
         assert_as_torch(runs, ("fp32_overlap_clip", "bf16_overlap_accumulate"), r)
     for r, runs in enumerate(outcome(job4, "fsdp2_clip_overlap_4")):
         assert_as_torch(runs, ("bf16_overlap_clip", "fp32_overlap"), r)
+
+
+def assert_weights_as_torch(runs: dict, rank: int) -> None:
+    """Each run ended with torch's weights and state bit for bit (see assert_as_torch), its weights read from and
+    written to the swap space, and none of them resident between iterations."""
+    for name, res in runs.items():
+        assert_as_torch(runs, (name,), rank)
+        assert res["resident_after"] == 0 and res["weights_read"] > 0 and res["weights_written"] > 0, f"{name}"
+        assert res["shards"] == 6 and len(res["swap_files"]) == 1, f"rank {rank}, {name}"
+
+
+def test_fsdp2_weights_on_nvme_are_bitwise_fsdp2_with_torch_adamw(job, job4):
+    """offload_parameters under FSDP2 keeps each rank's local shards on its drive, fetched ahead of FSDP2's
+    all-gather and released after it; with OffloadedAdamW's state on NVMe too, 3 steps end with the weights and
+    state of FSDP2 + torch's (clip and) fused AdamW with weights in memory, bit for bit: fp32 and bf16 mixed
+    precision, with and without max_grad_norm and overlap_backward (updates inside backward checked by the
+    probe), on 2 ranks and on 4 (where one rank's shard of the last layer is empty); and with FSDP2's other orders
+    and layouts (reshard_after_forward=False and =1, explicit forward and backward prefetches)."""
+    for r, runs in enumerate(outcome(job, "fsdp2_weights")):
+        assert set(runs) == {"w_fp32", "w_bf16_clip", "w_bf16_overlap", "w_fp32_overlap_clip", "w_bf16_reordered"}
+        assert_weights_as_torch(runs, r)
+        # Groups FSDP2 keeps unsharded, or gathers from its own resharded copy, read no shard in backward.
+        assert runs["w_bf16_reordered"]["weights_read"] < runs["w_fp32"]["weights_read"]
+    for r, runs in enumerate(outcome(job4, "fsdp2_weights_4")):
+        assert set(runs) == {"w_bf16", "w_fp32_clip", "w_fp32_overlap", "w_bf16_overlap_clip"}
+        assert_weights_as_torch(runs, r)
+
+
+def test_fsdp2_weights_on_node_local_drives_save_and_resume(job4):
+    """4 ranks as 2 nodes of 2: each rank's weights and state go to its node's directory, under its local rank,
+    and nowhere else; a checkpoint saved to node-local directories (each holding its node's two shards) resumes
+    into a new model with its weights offloaded, bit for bit where the uninterrupted run goes."""
+    ranks = outcome(job4, "fsdp2_weights_nodes")
+    for r, res in enumerate(ranks):
+        assert res["differences"] == [], f"rank {r}"
+        assert (res["node"], res["local_rank"]) == (r // 2, r % 2)
+        mine = [f for f in res["listing"] if f"_rank{r}-" in f]
+        assert len(mine) == 6 and all(f.startswith(f"nvme{r % 2}/") for f in mine), f"rank {r}: {res['listing']}"
+        node_ranks = {2 * res["node"], 2 * res["node"] + 1}
+        assert all(any(f"_rank{n}-" in f for n in node_ranks) for f in res["listing"]), f"rank {r}"
+        assert res["checkpoint_shards"] == [f"rank-{n:05d}" for n in sorted(node_ranks)]
+
+
+def test_fsdp2_weights_state_dict_and_refusals(job):
+    """state_dict() of a model whose shards are on NVMe is the in-memory model's, load_state_dict() puts new
+    values on NVMe (the next all-gather uses them), neither leaves a shard resident, and restore_parameters
+    brings them back; offloaded gradients, a module that is not FSDP2's root and tensor parallel DTensors are
+    refused with what to do."""
+    for res in outcome(job, "fsdp2_weights_rules"):
+        assert res["state_dict_same"] and res["loaded_same"] and res["grads_same"] and res["restored_same"]
+        assert res["resident_after_state_dict"] == res["resident_after_load"] == 0
+        assert res["grads"].startswith("ConfigError") and "offload_grads=False" in res["grads"]
+        assert res["not_root"].startswith("ValueError") and "root module that fully_shard wrapped" in res["not_root"]
+        assert "tensor parallelism" in res["tensor_parallel"] and "OffloadedAdamW" in res["tensor_parallel"]
 
 
 def test_tensor_parallel_clip_and_overlap_are_bitwise_torch(job):

@@ -13,6 +13,7 @@ from .api import (
     offloaded,
     register_external_parameter,
     restore_parameters,
+    shards_held,
 )
 from .checkpointing import weight_loads
 from .grads import clip_grad_norm_, grad_reads, load_grad
@@ -43,6 +44,7 @@ __all__ = [
     "register_external_parameter",
     "resident",
     "restore_parameters",
+    "shards_held",
     "named_tensors",
     "store_of",
     "weight_loads",

@@ -14,7 +14,7 @@ from ..errors import StateError
 from ..interrupts import deferring
 from ..sizes import round_up
 from .holds import release_each, resident
-from .registry import store_of
+from .registry import holder, store_of
 
 __all__ = ["ParamAccess"]
 
@@ -149,7 +149,7 @@ class UnitPass:
         self.active = active
         self.write_back = write_back
         self._position = {id(u): i for i, u in enumerate(self.units)}
-        self._held: dict = {}  # slot -> store
+        self._held: dict = {}  # slot -> (store, the tensor fetched in it: the parameter, or FSDP2's shard)
         self._adopted: set = set()  # slots whose hold came from backward (ParamAccess.adopt)
         # Chunks of each slot still to come in this pass: a parameter's weights are released after the
         # last of them, whichever order the units are visited in.
@@ -220,10 +220,10 @@ class UnitPass:
         i = self._position[id(unit)]
         if i + 1 < len(self.units):
             for c in self.units[i + 1].chunks:
-                store = store_of(c.slot.param)
+                store, key = holder(c.slot.param)
                 if store is not None and id(c.slot) in self.active and c.slot not in self._held \
                         and not skip_read(c.slot):
-                    store.prefetch(c.slot.param)
+                    store.prefetch(key)
         for c in unit.chunks:
             if c.slot in changing:
                 self._hold(c.slot, read=not skip_read(c.slot))
@@ -248,17 +248,18 @@ class UnitPass:
     def _hold(self, slot, *, read: bool) -> None:
         if slot in self._held:
             return
-        store = store_of(slot.param)
+        store, key = holder(slot.param)  # a DTensor's local shard (FSDP2) is held as a tensor of its own
         if store is None:
             return
         if self.access._take_handed(slot.param) is not None:
             self._adopted.add(slot)  # resident since backward, its gradient in p.grad
         else:
-            store.fetch(slot.param, read=read)
-        self._held[slot] = store
+            store.fetch(key, read=read)
+        self._held[slot] = (store, key)
 
-    def _release(self, slot, store) -> None:
-        store.release(slot.param, dirty=self.write_back)
+    def _release(self, slot, held: tuple) -> None:
+        store, key = held
+        store.release(key, dirty=self.write_back)
         if slot in self._adopted:
             self._adopted.discard(slot)
             if store.offload_grads:

@@ -16,11 +16,12 @@ from .holds import resident
 from .hooks import _EXTERNAL, DDP_GRADS, Scheduler
 from .meta import Init, initialise, replace_meta
 from .registry import store_of
+from .shards import FSDP2_GRADS, ShardHooks, fsdp_shards
 from .store import ParamStore
 
 __all__ = [
     "ParamOffload", "compile_offloaded", "materialized", "offload_parameters", "offloaded",
-    "register_external_parameter", "restore_parameters",
+    "register_external_parameter", "restore_parameters", "shards_held",
 ]
 
 _ATTR = "_nvme_offload_params"
@@ -32,7 +33,9 @@ class ParamOffload:
     Attributes:
         store: the :class:`offload.params.store.ParamStore` (I/O counters, ``resident_bytes``,
             ``resident_bytes_max``, ``bytes_read``, ``bytes_written``, ``swap_space``).
-        scheduler: the hooks and the recorded execution order (``trace``, ``order_changes``).
+        scheduler: the hooks and the recorded execution order (``trace``, ``order_changes``): a
+            :class:`offload.params.hooks.Scheduler`, or under FSDP2 a :class:`offload.params.shards.ShardHooks`
+            (its trace is of FSDP2's parameter groups).
         config: the configuration in use.
     """
 
@@ -74,6 +77,10 @@ def offload_parameters(
     initialiser sets are zeros until a load (:func:`offload.pretrained.load_safetensors`). A model may
     mix meta and real parameters.
 
+    Under FSDP2 (``model`` the root module ``fully_shard`` wrapped) each rank offloads its local shards, which are
+    fetched ahead of FSDP2's all-gather and released once it has copied them in; pass ``offload_grads=False``
+    (FSDP2's sharded gradients stay in memory). See docs/distributed.md.
+
     Args:
         model: the module whose parameters (all of them, recursively) are offloaded.
         nvme_path: a directory, or a list of directories (one per drive, striped), for the swap file;
@@ -108,11 +115,12 @@ def offload_parameters(
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
-        ConfigError: no ``nvme_path``, or a bad setting; or ``model`` is a ``DistributedDataParallel`` and
-            ``offload_grads`` is True (DDP reduces gradients in its own buckets: pass ``offload_grads=False``;
-            the same is refused at the first forward of a model a DDP wrapper calls).
+        ConfigError: no ``nvme_path``, or a bad setting; or ``model`` is sharded by FSDP2 and ``offload_grads`` is
+            True; or ``model`` is a ``DistributedDataParallel`` and ``offload_grads`` is True (DDP reduces gradients
+            in its own buckets: pass ``offload_grads=False``; the same is refused at the first forward of a model a
+            DDP wrapper calls).
         ValueError: the model is offloaded already, its parameters are on several devices, are DTensors
-            (FSDP2), or two parameters share storage.
+            other than FSDP2's (tensor parallelism), or two parameters share storage.
         OSError: the swap file cannot be created or the disk cannot hold the parameters.
     """
     if not isinstance(model, nn.Module):
@@ -131,13 +139,13 @@ def offload_parameters(
         raise TypeError(f"offload_grads must be True or False, got {offload_grads!r}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) and offload_grads:
         raise ConfigError(DDP_GRADS)
-    if any(is_dtensor(p) for p in model.parameters()):
-        raise ValueError(
-            "offload_parameters cannot offload DTensor parameters (FSDP2's fully_shard, tensor parallelism): "
-            "FSDP2 gathers and frees weights itself. Offload the optimizer state instead (OffloadedAdamW takes "
-            "DTensor parameters); offload_parameters works with DDP and with single-process models.")
     if init is not None and init is not False and not callable(init):
         raise TypeError(f"init must be None, False or a callable taking a module, got {init!r}")
+    if any(is_dtensor(p) for p in model.parameters()):
+        if offload_grads:
+            fsdp_shards(model)  # a model FSDP2 does not shard is refused for that first
+            raise ConfigError(FSDP2_GRADS)
+        return _offload_shards(model, cfg, prefetch)
     real = {p.device for p in model.parameters() if not p.is_meta}
     target = torch.device(device) if device is not None else next(iter(real)) if len(real) == 1 else \
         torch.device("cpu")
@@ -162,6 +170,33 @@ def offload_parameters(
     return model
 
 
+def _offload_shards(model: nn.Module, cfg: Config, prefetch: int) -> nn.Module:
+    """:func:`offload_parameters` of a model sharded by FSDP2: each rank's local shards on its drive."""
+    groups = fsdp_shards(model)
+    assert groups is not None  # the caller saw DTensor parameters (fsdp_shards refuses other ones)
+    shards = [s for _, group in groups for s in group]
+    store = ParamStore([s.held for s in shards], cfg, name="params", names={s.held: s.name for s in shards},
+                       guard=False)
+    try:
+        hooks = ShardHooks(model, store, prefetch, groups)
+    except BaseException:
+        store.restore()
+        raise
+    setattr(model, _ATTR, ParamOffload(store, hooks, cfg))  # type: ignore[arg-type]
+    return model
+
+
+@contextlib.contextmanager
+def shards_held(model: Optional[nn.Module], *, modified: bool = False) -> Iterator[None]:
+    """For the block, every local shard of ``model`` that :func:`offload_parameters` put on NVMe under FSDP2 in
+    memory (a checkpoint reads and writes them as in-memory DTensors); nothing for other models, whose offloaded
+    weights a checkpoint streams through the parameter pool. ``modified``: written back after the block."""
+    state = offloaded(model) if isinstance(model, nn.Module) else None
+    if state is None or not isinstance(state.scheduler, ShardHooks):
+        yield
+        return
+    with resident([s.held for s in state.scheduler.shards], dirty=modified):
+        yield
 def restore_parameters(model: nn.Module) -> nn.Module:
     """Undo :func:`offload_parameters`: every weight back in memory, hooks removed, swap file deleted.
 

@@ -8,7 +8,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..interrupts import deferred
-from .registry import store_of
+from .registry import holder
 
 __all__ = ["release_each", "resident"]
 
@@ -17,16 +17,17 @@ __all__ = ["release_each", "resident"]
 def resident(params: Iterable[torch.Tensor], *, dirty: bool = False) -> Iterator[None]:
     """Fetch those of ``params`` whose weights are on NVMe for the block; release them after it.
 
-    Ordinary parameters are left alone. ``dirty=True`` writes the fetched ones back afterwards.
+    A DTensor parameter whose local shard is on NVMe (FSDP2) has the shard fetched. Ordinary parameters are left
+    alone. ``dirty=True`` writes the fetched ones back afterwards.
     """
     held = []
     try:
         with deferred():  # a Ctrl-C stops the fetches between two of them, each counted to be released
             for p in params:
-                store = store_of(p)
+                store, key = holder(p)
                 if store is not None:
-                    store.fetch(p)
-                    held.append((store, p))
+                    store.fetch(key)
+                    held.append((store, key))
         yield
     finally:
         with deferred(urgent=False):

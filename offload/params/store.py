@@ -78,6 +78,9 @@ class ParamStore(Checkpointing):
         handoff: the overlap hand-off between this store's hooks and an optimizer (a new one if None).
         fresh: parameters with no values yet (their storage empty; see :mod:`offload.params.meta`): they
             get their place but nothing is written for them.
+        guard: make each released parameter an ``OffloadedParameter`` (any torch use raises). ``False`` for
+            tensors that are not the user's parameters (FSDP2's sharded buffers, see :mod:`offload.params.shards`):
+            their class stays, and their owner's hooks keep every read of them inside a fetch.
 
     Every parameter is written to the swap space (or copied into the host cache) and released before
     this returns. The pool holds ``buffer_count`` buffers of at most ``buffer_size`` elements of the widest
@@ -87,8 +90,9 @@ class ParamStore(Checkpointing):
 
     def __init__(self, params: Iterable[torch.Tensor], config: Config, *, name: str = "params",
                  offload_grads: bool = False, names: Optional[dict] = None, handoff: Optional[Handoff] = None,
-                 fresh: Iterable[torch.Tensor] = ()):
+                 fresh: Iterable[torch.Tensor] = (), guard: bool = True):
         pc = config.offload_param
+        self._guard = guard
         params = list(params)
         self.config = config
         self.offload_grads = offload_grads
@@ -364,7 +368,8 @@ class ParamStore(Checkpointing):
         self.resident_bytes += nbytes
         # From here on a use of the released parameter raises instead of reading freed memory.
         p._nvme_name = rec.name
-        p.__class__ = OffloadedParameter
+        if self._guard:
+            p.__class__ = OffloadedParameter
         self._map(rec)
         self._shrink(rec)
 
