@@ -25,9 +25,9 @@ from ranks import fork_ranks
 from torch import nn
 
 from offload import OffloadedAdamW, offload_parameters, restore_parameters
-from offload.bench.ledger import Meter, counters_of
 from offload.distributed import local
 from offload.params import offloaded
+from offload.tools.ledger import Meter, counters_of
 
 WIDTH = 1024
 

@@ -748,3 +748,66 @@ def test_auto_never_updates_inside_backward_when_ordinary_grads_change_before_st
     assert not oa._overlap.armed
     with materialized(a), materialized(b):
         assert_same(list(a.parameters()), list(b.parameters()))
+
+
+def _stack(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
+
+
+def _state_read_per_step(model, opt, steps, between=lambda s: None):
+    """The optimizer's state bytes read in each of ``steps`` iterations (forward, backward, step); torch's: 0."""
+    read = getattr(opt, "io_bytes", lambda: (0, 0))
+    out = []
+    for s in steps:
+        before = read()[0]
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(s))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(read()[0] - before)
+        between(s)
+    return out
+
+
+@pytest.mark.parametrize("buffers", [3, 4, 6])
+def test_overlap_reads_no_unit_the_pool_holds_for_backward_and_stays_torchs_adamw(nvme, closing, buffers):
+    """Eight units of state (one Linear's each), updated inside backward in backward's order: every step after the
+    first reads all but the units the pool set aside for it (the first ones backward finishes: all buffers but
+    two, which stream the rest), where before it read every unit; the plain step, in snake order, reads all but
+    the whole pool. Counted in bytes, and the weights stay bit for bit torch's fused AdamW's."""
+    unit = 64 * 64 * 8  # exp_avg and exp_avg_sq of one 64 x 64 fp32 weight: one unit, one 4096-aligned extent
+    kw = dict(lr=1e-2, weight_decay=0.1, buffer_size=unit, buffer_count=buffers, small_param_threshold=64)
+    over, plain, ref = _stack(), _stack(), _stack()
+    oa = closing(OffloadedAdamW(over.parameters(), nvme_path=nvme + "-a", overlap_backward=True, **kw))
+    ob = closing(OffloadedAdamW(plain.parameters(), nvme_path=nvme + "-b", **kw))
+    assert len(oa.state_store.layout.units) == 8
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    reads = _state_read_per_step(over, oa, range(5))
+    assert reads == [0] + [(8 - (buffers - 2)) * unit] * 4  # the first step has no state to read
+    assert _state_read_per_step(plain, ob, range(5)) == [0] + [(8 - buffers) * unit] * 4
+    _state_read_per_step(ref, torch_opt, range(5))
+    assert_same(list(over.parameters()), list(ref.parameters()))
+    assert_same(list(plain.parameters()), list(ref.parameters()))
+
+
+def test_units_the_pool_holds_for_backward_survive_saves_and_loads_in_between(nvme, closing, tmp_path):
+    """Between overlapped steps a state_dict() (every unit read through the pool), a checkpoint save and a
+    load_state_dict() (units overwritten): the buffers set aside for the next backward hold what they should, or
+    are let go, and the training stays bit for bit torch's AdamW's."""
+    unit = 64 * 64 * 8
+    kw = dict(lr=1e-2, buffer_size=unit, buffer_count=4, small_param_threshold=64)
+    over, ref = _stack(1), _stack(1)
+    oa = closing(OffloadedAdamW(over.parameters(), nvme_path=nvme, overlap_backward=True, **kw))
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+
+    def between(s):
+        if s == 1:
+            oa.save_checkpoint(str(tmp_path / "ck"))
+        if s == 2:
+            oa.load_state_dict(oa.state_dict())
+
+    reads = _state_read_per_step(over, oa, range(5), between)
+    _state_read_per_step(ref, torch_opt, range(5))
+    assert_same(list(over.parameters()), list(ref.parameters()))
+    assert reads[4] == 6 * unit  # holding again after the load

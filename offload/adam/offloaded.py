@@ -20,7 +20,8 @@ def update_offloaded(store: StateStore, access: ParamAccess, state: dict, slots:
                      order: Optional[list] = None, math: Math = TORCH_MATH) -> set:
     """Update the units of ``slots`` (in ``order``, else the store's snake order); ``gate(unit)`` runs
     before each update (overlap_backward: until its grads are final). A chunk is updated when its slot
-    is one of ``slots`` and its parameter has a grad then. Returns the slots updated.
+    is one of ``slots`` and its parameter has a grad then. Returns the slots updated. An ``order`` given is
+    backward's, which the next step follows again: the pool holds its first units for it.
 
     Args:
         store: the owner of the offloaded state.
@@ -38,7 +39,7 @@ def update_offloaded(store: StateStore, access: ParamAccess, state: dict, slots:
             updates.unit_pass = unit_pass
             # Its last writes land while the caller goes on (the next forward); reading a unit back, a
             # checkpoint, state_dict() or close() waits for them.
-            store.step(units, updates.update, updates.before_write)
+            store.step(units, updates.update, updates.before_write, keep_first=order is not None)
     finally:
         # Units resident in host memory are never written: their copies back must land before the step
         # ends (and after a failure, before anyone reuses their buffers).

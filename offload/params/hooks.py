@@ -12,6 +12,7 @@ from ..errors import ConfigError
 from ..interrupts import deferring
 from .holds import release_each, resident
 from .store import ParamStore
+from .turn import Turn
 
 _EXTERNAL = "_nvme_external_params"  # a module's declared external parameters (a list)
 
@@ -89,6 +90,7 @@ class Scheduler:
         self.params: list[list[torch.Tensor]] = []
         self._handles: list = []
         self._held: set = set()
+        self.turn = Turn(store)  # forward's last weights, kept for backward's first fetches
         self._calls: dict[int, list] = {}
         self._callback_queued = False
         self.trace: list[tuple[int, int]] = []
@@ -163,6 +165,7 @@ class Scheduler:
     def _on_root_call(self, module, args) -> None:
         if self.store.offload_grads and _inside_ddp(self.root):
             raise ConfigError(DDP_GRADS)
+        self.turn.release_all()  # kept by the last forward, which no backward followed
         if self._following and self._pos != len(self.trace):
             self._following = False  # the last call stopped early: the order changed
             self.order_changes += 1
@@ -210,8 +213,7 @@ class Scheduler:
         @deferring
         def hook(module, args, output):
             stack = self._calls.get(index)
-            for p in stack.pop() if stack else ():
-                self.store.release(p)
+            self.turn.release_or_keep(stack.pop() if stack else [], backward_next=self._backward_next(index))
             if torch.is_grad_enabled():
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
                 if outs:
@@ -219,6 +221,11 @@ class Scheduler:
                     for t in outs:
                         t.register_hook(self._before_backward(index, fired))
         return hook
+
+    def _backward_next(self, index: int) -> bool:
+        """Whether the recorded order says that the next fetch is module ``index``'s own backward (so forward
+        keeps its weights for it: :class:`offload.params.turn.Turn`)."""
+        return self._following and self._pos < len(self.trace) and self.trace[self._pos] == (index, BACKWARD)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -231,7 +238,8 @@ class Scheduler:
             self._event((index, BACKWARD))
             for p in self.params[index]:
                 if p not in self._held:
-                    self.store.fetch(p)
+                    if not self.turn.take(p):  # else forward kept it resident: no read
+                        self.store.fetch(p)
                     self._held.add(p)
             if not self._callback_queued:
                 self._callback_queued = True
@@ -270,7 +278,10 @@ class Scheduler:
 
     def _release_held(self) -> None:
         held, self._held = self._held, set()
-        release_each(held, self.store.release)
+        try:
+            release_each(held, self.store.release)
+        finally:
+            self.turn.release_all()
 
     # -- state dicts ----------------------------------------------------------------------------
 

@@ -14,6 +14,10 @@ from .layout import Layout, Unit
 
 __all__ = ["After", "Fate", "UnitMover"]
 
+# With ``keep_first`` (a step in backward's order, see :meth:`UnitMover.step`), the pool buffers left to stream
+# the other units through: a read of the next unit while the current one is updated and the last one written.
+STREAMING = 2
+
 
 class After(enum.Enum):
     """What becomes of a unit once a pass has updated it."""
@@ -73,17 +77,25 @@ class UnitMover:
         self.ring = BufferRing(list(pool), prefer=self.holds) if pool is not None else None
         self.pipeline = Pipeline(self.ring, lookahead=lookahead, write_behind=write_behind)
         self._holding: dict[int, Unit] = {}  # id(pool buffer) -> the unit last written from it
+        # Pool buffers kept out of the ring (see step's keep_first), each holding a unit for the next step, with
+        # the write still landing from it: id(buffer) -> (buffer, write future or None).
+        self._aside: dict[int, tuple[Any, Any]] = {}
         self._spare: Optional[BufferPool] = None  # see lend
         bytes.on_failure.append(self._holding.clear)
 
     # -- the three passes ---------------------------------------------------------------------
 
     def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
-             before_write: Callable[[Unit], None]) -> None:
+             before_write: Callable[[Unit], None], *, keep_first: bool = False) -> None:
         """Update ``units`` in order: ``update(unit, buffer)``, then ``before_write(unit)`` before a unit's write
         (to wait for device copies into its buffer). The tiers are settled (see :meth:`fates`); the last
-        writes are left landing (see :meth:`offload.bytes.ByteStore.drain`)."""
-        self._pass(units, self.fates(units, step=True), update, before_write=before_write, drain=False)
+        writes are left landing (see :meth:`offload.bytes.ByteStore.drain`).
+
+        ``keep_first``: the next step visits ``units`` in the same order (backward's, with overlap_backward), so
+        the pool buffers of the first units are set aside once written, holding them for it, and the rest
+        stream through :data:`STREAMING` buffers (see :meth:`kept`). Without a host tier only."""
+        keep = self.kept(units) if keep_first else set()
+        self._pass(units, self.fates(units, step=True), update, before_write=before_write, drain=False, keep=keep)
 
     def export(self, units: Sequence[Unit], copy_out: Callable[[Unit, Any], None]) -> None:
         """Read ``units`` and give each to ``copy_out(unit, buffer)``; nothing is written or frozen."""
@@ -135,12 +147,21 @@ class UnitMover:
         room = max(0, tier.capacity - elsewhere)
         return {id(u) for u in list(units)[len(units) - room:]} if room else set()
 
+    def kept(self, units: Sequence[Unit]) -> set:
+        """Ids of the units of a step in a repeated order whose buffers are set aside for the next step: the
+        first ones, as many as the pool has beyond :data:`STREAMING` (none with a host tier, whose resident
+        units are never read anyway, or without a pool)."""
+        if self.tier is not None or self.pool is None:
+            return set()
+        return {id(u) for u in list(units)[:max(0, len(self.pool) - STREAMING)]}
+
     # -- the pass -----------------------------------------------------------------------------
 
     def _pass(self, units: Sequence[Unit], fates: dict, update: Callable[[Unit, Any], None], *,
               before_write: Optional[Callable[[Unit], None]] = None, changes: bool = True,
-              drain: bool = True) -> None:
-        """Stream ``units`` through the pool, each as ``fates`` decided.
+              drain: bool = True, keep: frozenset | set = frozenset()) -> None:
+        """Stream ``units`` through the pool, each as ``fates`` decided; the buffers of the units in ``keep``
+        (ids) are set aside once written (see :class:`_Aside`).
 
         Raises:
             OSError: a read or write failed (file and offset named), in this pass or a write an earlier
@@ -154,6 +175,9 @@ class UnitMover:
         store.check_intact()
         source: Optional[BufferSource] = self.ring
         tiered: Optional[TierSource] = None  # the source over the pool and the tier, where there is a tier
+        self._put_back(keep)
+        if keep:
+            source = _Aside(self, keep)
         if tier is not None:
             settling = {i for i, f in fates.items() if f.after is After.SETTLES}
             source = tiered = TierSource(self.ring, len(self.pool) if self.pool is not None else 0, tier, settling)
@@ -226,10 +250,21 @@ class UnitMover:
         for key in [k for k, u in self._holding.items() if u is unit]:
             del self._holding[key]
 
+    def _put_back(self, keep: frozenset | set = frozenset()) -> None:
+        """Buffers set aside go back to the ring, but those holding a unit of ``keep`` (ids): a buffer
+        whose unit is not to be kept any more, or that holds nothing now (forgotten), is the pool's again."""
+        for key, (buf, pending) in list(self._aside.items()):
+            unit = self._holding.get(key)
+            if unit is None or id(unit) not in keep:
+                del self._aside[key]
+                assert self.ring is not None, "only pool buffers are set aside"
+                self.ring.give(buf, pending)
+
     def lend(self) -> list:
         """Buffers for a caller that fills them with whatever it likes (a checkpoint): every pool buffer, or
         with ``device: "cpu"`` (no pool) two of a unit's size, made once for the purpose."""
         self.forget()
+        self._put_back()
         if self.ring is not None:
             return self.ring.buffers()
         if self._spare is None:
@@ -237,6 +272,51 @@ class UnitMover:
             # Freed with the mover, not at close(): a save still streaming through them may outlive it.
             weakref.finalize(self, self._spare.close)
         return list(self._spare)
+
+
+# NOTE: the pool doubles as a cache (holds): a buffer keeps the bytes of the unit last written from it until it is
+# used for another. A step after backward visits units in snake order, so the units it writes last are the next
+# one's first, and the whole pool hits. A step inside backward (overlap_backward) follows backward's order, the
+# same every iteration: the units it writes first are the next one's first, and every later unit would reuse
+# their buffers. So those buffers are set aside once written, out of the ring, holding their units (written
+# back all the same: the swap space stays current, checkpoints see nothing of it) for the next step, which
+# takes each back at its unit's turn; the other units stream through the rest. A buffer set aside whose unit
+# the next step does not keep, or whose hold was forgotten (a failure, a load), goes back to the ring when a
+# pass starts, and every one of them when the pool is lent.
+class _Aside:
+    """The source of a step that sets buffers aside (a :class:`offload.pipeline.BufferSource` over the ring).
+
+    Args:
+        mover: the mover, whose ring, holds and buffers set aside this works on.
+        keep: ids of the units whose buffers are set aside once written.
+    """
+
+    def __init__(self, mover: UnitMover, keep: frozenset | set):
+        assert mover.ring is not None, "only pool buffers are set aside"
+        self.mover = mover
+        self.ring = mover.ring
+        self.keep = keep
+
+    def lends(self, item: Any) -> bool:
+        """Every unit takes a buffer of the pool (one set aside for it, or the ring's)."""
+        return True
+
+    def take(self, wait: bool, item: Any = None) -> Any:
+        """The buffer set aside holding ``item`` (once its write has landed), else one of the ring's."""
+        for key, (buf, pending) in list(self.mover._aside.items()):
+            if self.mover.holds(item, buf):
+                del self.mover._aside[key]
+                self.ring.give(buf, pending)  # the ring's take prefers it, and waits for its write
+                return self.ring.take(wait, item)
+        return self.ring.take(wait, item)
+
+    def give(self, buf: Any, pending: Any = None) -> None:
+        """Set ``buf`` aside if it holds a unit to keep (just written from it), else give it to the ring."""
+        unit = self.mover._holding.get(id(buf))
+        if unit is not None and id(unit) in self.keep:
+            self.mover._aside[id(buf)] = (buf, pending)
+        else:
+            self.ring.give(buf, pending)
 
 
 def _has_state(unit: Unit) -> bool:

@@ -249,14 +249,15 @@ class StateStore:
     # -- moving units ---------------------------------------------------------------------------
 
     def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
-             before_write: Callable[[Unit], None]) -> None:
+             before_write: Callable[[Unit], None], *, keep_first: bool = False) -> None:
         """One step over ``units`` (in the order given): each is read (unless it is resident in host memory, still
         in a pool buffer, or has no state yet), ``update(unit, buffer)`` changes it, and it is written back,
         kept resident or evicted as :meth:`UnitMover.fates` decides; ``before_write(unit)`` runs before its
         write is issued (to wait for device copies into its buffer). Every unit read is checked against the
         checksum of its last write. The last writes are left landing (they land during the next forward); a
         unit read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
-        for all of them.
+        for all of them. ``keep_first``: the next step visits ``units`` in this order again (backward's, with
+        overlap_backward), so the pool holds its first units for it (:meth:`UnitMover.step`).
 
         Raises:
             OSError: a read or write failed (file and offset named), in this step or a write an earlier
@@ -269,7 +270,7 @@ class StateStore:
         self._step_started = now
         self.steps_started += 1
         try:
-            self.moves.step(units, update, before_write)
+            self.moves.step(units, update, before_write, keep_first=keep_first)
         finally:
             self.steps_done += 1
 
