@@ -375,6 +375,50 @@ def fsdp2_weights_nodes(out: str) -> dict:
                 os.environ[k] = v
 
 
+def fsdp2_weights_other_paths(out: str) -> dict:
+    """torch's own AdamW over shards on NVMe is refused before it changes anything (it would update released
+    shards, zeros); the module-level save_checkpoint/load_checkpoint hold the shards as the methods do."""
+    import offload
+    from offload.params import materialized
+
+    result = {}
+    m = fsdp2_fp32()
+    offload_parameters(m, nvme_path=swap_dir(out, "w_paths"), **WEIGHTS)
+    try:
+        with materialized(m):
+            before = [local(p.detach()).clone() for p in m.parameters()]
+        plain = torch.optim.AdamW(m.parameters(), **LR)
+        m(batch(0)).square().mean().backward()
+        try:
+            plain.step()
+            result["torch_step"] = "stepped"
+        except StateError as err:
+            result["torch_step"] = f"StateError: {err}"
+        with materialized(m):
+            result["unchanged_by_refused_step"] = all(same(b, local(p.detach()))
+                                                      for b, p in zip(before, m.parameters()))
+        m.zero_grad()
+        opt = OffloadedAdamW(m.parameters(), **LR, **OFFLOAD, nvme_path=swap_dir(out, "w_paths_state"))
+        train(m, opt, range(2))
+        ckpt = os.path.join(out, "module_level_ckpt")
+        offload.save_checkpoint(opt, ckpt, model=m)
+        m2 = fsdp2_fp32()
+        offload_parameters(m2, nvme_path=swap_dir(out, "w_paths2"), **WEIGHTS)
+        opt2 = OffloadedAdamW(m2.parameters(), **LR, **OFFLOAD, nvme_path=swap_dir(out, "w_paths_state2"))
+        try:
+            offload.load_checkpoint(opt2, ckpt, model=m2)
+            with materialized(m), materialized(m2):
+                result["module_level_round_trip"] = all(same(local(p.detach()), local(q.detach()))
+                                                        for p, q in zip(m.parameters(), m2.parameters()))
+        finally:
+            opt2.close()
+            restore_parameters(m2)
+        opt.close()
+    finally:
+        restore_parameters(m)
+    return result
+
+
 def fsdp2_weights_rules(out: str) -> dict:
     """state_dict() of a model whose shards are on NVMe equals the one in memory, load_state_dict() writes new
     values to NVMe; what cannot be offloaded under FSDP2 is refused with what to do."""
@@ -407,6 +451,7 @@ def fsdp2_weights_rules(out: str) -> dict:
         restore_parameters(ours)
     result["restored_same"] = all(same(local(p.detach()), local(q.detach()))
                                   for p, q in zip(ref.parameters(), ours.parameters()))
+    result.update(fsdp2_weights_other_paths(out))
     for key, make, kw in (("grads", fsdp2_fp32, dict(max_in_cpu=0)),
                           ("not_root", lambda: nn.Sequential(fsdp2_fp32()), WEIGHTS),
                           ("tensor_parallel", lambda: parallelize_module(

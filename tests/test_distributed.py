@@ -175,13 +175,16 @@ def test_fsdp2_weights_state_dict_and_refusals(job):
     """state_dict() of a model whose shards are on NVMe is the in-memory model's, load_state_dict() puts new
     values on NVMe (the next all-gather uses them), neither leaves a shard resident, and restore_parameters
     brings them back; offloaded gradients, a module that is not FSDP2's root and tensor parallel DTensors are
-    refused with what to do."""
+    refused with what to do, and so is a step of torch's own AdamW over the shards (before it changes them); the
+    module-level save_checkpoint and load_checkpoint round-trip the shards."""
     for res in outcome(job, "fsdp2_weights_rules"):
         assert res["state_dict_same"] and res["loaded_same"] and res["grads_same"] and res["restored_same"]
         assert res["resident_after_state_dict"] == res["resident_after_load"] == 0
         assert res["grads"].startswith("ConfigError") and "offload_grads=False" in res["grads"]
         assert res["not_root"].startswith("ValueError") and "root module that fully_shard wrapped" in res["not_root"]
         assert "tensor parallelism" in res["tensor_parallel"] and "OffloadedAdamW" in res["tensor_parallel"]
+        assert res["torch_step"].startswith("StateError") and "OffloadedAdamW" in res["torch_step"]
+        assert res["unchanged_by_refused_step"] and res["module_level_round_trip"]
 
 
 def test_tensor_parallel_clip_and_overlap_are_bitwise_torch(job):

@@ -14,7 +14,7 @@ from ..distributed import is_dtensor
 from ..errors import StateError
 from ..interrupts import deferred, deferring
 from ..overlap import BackwardOverlap, NoOverlap
-from ..params import ParamAccess, shards_held, store_of
+from ..params import UPDATES_SHARDS, ParamAccess, store_of
 from ..state import ParamSlot, StateStore, check_state_dict
 from .checks import (
     check_dtensor_options,
@@ -387,9 +387,8 @@ class OffloadedAdam(torch.optim.Adam):
         checkpoint for the job), unless ``alone=True`` (one rank saving by itself, e.g. rank 0 under DDP). See
         :func:`offload.checkpoint.save_checkpoint`.
         """
-        with shards_held(model):  # FSDP2's shards on NVMe are saved as the in-memory DTensors they are
-            return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking,
-                                   snapshot=snapshot, progress=progress, alone=alone)
+        return save_checkpoint(self, directory, model=model, extra=extra, blocking=blocking,
+                               snapshot=snapshot, progress=progress, alone=alone)
 
     def load_checkpoint(self, directory, *, model=None, progress: Optional[bool] = None,
                         alone: bool = False):
@@ -397,8 +396,7 @@ class OffloadedAdam(torch.optim.Adam):
         weights if given; returns its ``extra``. ``alone`` as for :meth:`save_checkpoint`. See
         :func:`offload.checkpoint.load_checkpoint`.
         """
-        with shards_held(model, modified=True):
-            return load_checkpoint(self, directory, model=model, progress=progress, alone=alone)
+        return load_checkpoint(self, directory, model=model, progress=progress, alone=alone)
 
     def __getstate__(self):
         raise TypeError(
@@ -510,6 +508,10 @@ class OffloadedAdam(torch.optim.Adam):
 
 def _sharded(groups: list) -> bool:
     return any(is_dtensor(p) for g in groups for p in g["params"])
+
+
+# Its step fetches each local FSDP2 shard on NVMe for the update (offload.params refuses other optimizers' steps).
+setattr(OffloadedAdam, UPDATES_SHARDS, True)
 
 
 class OffloadedAdamW(OffloadedAdam):

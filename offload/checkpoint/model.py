@@ -15,7 +15,7 @@ from ..aio import Engine
 from ..config import AioConfig, config_to_dict
 from ..errors import CheckpointError, ChecksumError, StateError
 from ..interrupts import deferring
-from ..params import named_tensors, store_of
+from ..params import named_tensors, shards_held, store_of
 from ..sizes import ALIGNMENT, round_up
 from ..space import Extent
 from .commit import Staged, reading, write_atomically
@@ -157,7 +157,13 @@ class _Unit:
 def save_model(model: nn.Module, staged: Staged, index_of: Optional[dict] = None) -> tuple[ModelSection, dict]:
     """Write params.bin and model.pt into ``staged``; returns the manifest's model section and the two
     files' entries (as ``write_file`` returns them). ``index_of``: ``id(param) ->`` the optimizer's index of it,
-    recorded with each parameter it holds."""
+    recorded with each parameter it holds. FSDP2's local shards on NVMe are held in memory meanwhile: they are
+    saved as the in-memory DTensors they are."""
+    with shards_held(model):
+        return _save_model(model, staged, index_of)
+
+
+def _save_model(model: nn.Module, staged: Staged, index_of: Optional[dict]) -> tuple[ModelSection, dict]:
     first: dict[int, str] = {}
     entries, offloaded, memory = [], [], {}
     for name, t, kind in named_tensors(model):
@@ -328,7 +334,14 @@ def load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig] = 
     engine of ``storage``); raises as :func:`load_parameters` says, calling ``on_partial(err)`` first
     where streaming failed after the first bytes changed. ``memory``: model.pt's tensors to load (read
     and checked by the caller, some of them this rank's parts gathered from several shards), instead of
-    the checkpoint's own."""
+    the checkpoint's own. FSDP2's local shards on NVMe are held in memory meanwhile and written back after."""
+    with shards_held(model, modified=True):
+        _load_model(model, manifest, aio, on_partial=on_partial, storage=storage, memory=memory)
+
+
+def _load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig], *,
+                on_partial: Optional[Callable[[BaseException], None]], storage: Storage,
+                memory: Optional[dict]) -> None:
     jobs = _match(model, manifest)
     memory = model_memory(manifest) if memory is None else memory
     manifest.sized_path(PARAMS_DATA)

@@ -23,6 +23,7 @@ from .meta import empty_parameters
 from .names import named_tensors
 from .placement import smallest_within
 from .registry import store_of
+from .shards import UPDATES_SHARDS
 from .store import ParamStore
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "ParamAccess",
     "ParamOffload",
     "ParamStore",
+    "UPDATES_SHARDS",
     "clip_grad_norm_",
     "compile_offloaded",
     "empty_parameters",

@@ -197,6 +197,8 @@ def shards_held(model: Optional[nn.Module], *, modified: bool = False) -> Iterat
         return
     with resident([s.held for s in state.scheduler.shards], dirty=modified):
         yield
+
+
 def restore_parameters(model: nn.Module) -> nn.Module:
     """Undo :func:`offload_parameters`: every weight back in memory, hooks removed, swap file deleted.
 

@@ -8,13 +8,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .. import copies
 from ..errors import StateError
 from ..interrupts import deferring
 from . import registry
 from .holds import release_each, resident
 from .store import ParamStore
 
-__all__ = ["FSDP2_GRADS", "Shard", "ShardHooks", "fsdp_shards"]
+__all__ = ["FSDP2_GRADS", "UPDATES_SHARDS", "Shard", "ShardHooks", "fsdp_shards"]
 
 FSDP2_GRADS = (
     "offload_parameters under FSDP2 (fully_shard) keeps gradients in memory: FSDP2 reduce-scatters each gradient "
@@ -36,6 +37,40 @@ class Shard:
 
 def _storage_id(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+# Set on the optimizer classes that update through offload.params.ParamAccess (OffloadedAdam/AdamW), which fetch
+# each local shard for its update and write it back.
+UPDATES_SHARDS = "_nvme_offload_updates_shards"
+
+
+# NOTE: a released local shard is not guarded (FSDP2 needs its buffer to stay a plain tensor): its pages read as
+# zeros. An optimizer that does not fetch it (torch.optim.AdamW) would update zeros and write to pages the next
+# fetch overwrites: it would train nothing, silently. So one hook, on every optimizer's step, refuses a step of
+# any other optimizer over such shards before it changes anything.
+def _refuse_other_optimizers(optimizer, args, kwargs) -> None:
+    if getattr(type(optimizer), UPDATES_SHARDS, False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if registry.holder(p)[1] is not None and registry.store_of(p) is None:
+                raise StateError(
+                    f"{type(optimizer).__name__}.step() over parameters whose FSDP2 shards offload_parameters keeps on "
+                    "NVMe: it would read and update released shards (zeros) and train nothing. Use "
+                    "offload.OffloadedAdamW (or OffloadedAdam), which fetches each shard for its update, or call "
+                    "restore_parameters(model) first")
+
+
+_step_hook = None
+
+
+def _watch_optimizers() -> None:
+    """Install :func:`_refuse_other_optimizers` on every optimizer's step, once per process."""
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _step_hook = register_optimizer_step_pre_hook(_refuse_other_optimizers)
 
 
 def fsdp_shards(model: nn.Module) -> Optional[list[tuple[Any, list[Shard]]]]:
@@ -145,6 +180,7 @@ class ShardHooks:
         self._wrapped: list = []  # (object, attribute) set here
         for s in self.shards:
             registry.register_shard(s.param, s.held, store)
+        _watch_optimizers()
         from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
         self._sharded = ShardedState.SHARDED
@@ -223,6 +259,19 @@ class ShardHooks:
                     "changes: restore_parameters(model), then offload again")
             self.store.fetch(s.held)
             fetched.append(s.held)
+        self._order_copy_in(self.groups[index][0], fetched)
+
+    @staticmethod
+    def _order_copy_in(group: Any, fetched: list) -> None:
+        """FSDP2 copies a group's shards in on a stream of its own (forward, pre-backward), which waits for the
+        current stream only in the root's pre-forward, while a fetch orders only the current stream after its copy
+        to the device: make that stream wait for the fetches too (nothing to wait for on the CPU)."""
+        ticket = copies.produced(fetched)
+        stream = getattr(group.comm_ctx, "all_gather_copy_in_stream", None)
+        if not ticket.parts or stream is None:
+            return
+        with group.comm_ctx.device_handle.stream(stream):
+            copies.after(ticket)
 
     def _wait(self, index: int, wait):
         def wrapped():
