@@ -16,6 +16,7 @@ import os
 import re
 import secrets
 import stat
+import time
 from typing import Callable, TypeVar
 
 from .modes import dir_mode, file_mode
@@ -150,9 +151,14 @@ def is_staged(name: str, base: str) -> bool:
     return re.fullmatch(re.escape(f".{base}.") + r"[0-9a-f]{12}\.tmp", name) is not None
 
 
+# A staged file younger than this may be another process's commit of the same output still being written (ranks
+# writing one shared file, on a file system without O_TMPFILE): only older ones are what a cut-short commit left.
+STALE_S = 600.0
+
+
 def sweep_staged(path: str | os.PathLike) -> None:
     """Delete what commits of ``path`` cut short left beside it: regular files of this user named as
-    :func:`replace_file` stages (``.<name>.<12 hex>.tmp``). Never raises."""
+    :func:`replace_file` stages (``.<name>.<12 hex>.tmp``), unchanged for :data:`STALE_S` seconds. Never raises."""
     parent, base = os.path.split(os.path.abspath(os.fspath(path)))
     try:
         names = [n for n in os.listdir(parent) if is_staged(n, base)]
@@ -163,7 +169,7 @@ def sweep_staged(path: str | os.PathLike) -> None:
             st = os.lstat(os.path.join(parent, n))
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid():
+        if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and time.time() - st.st_mtime > STALE_S:
             unlink_if_same_name(os.path.join(parent, n))
 
 

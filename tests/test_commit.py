@@ -297,8 +297,24 @@ def test_a_replaced_file_killed_at_every_change_is_the_old_or_the_new_and_the_ne
             with pytest.raises(Died), dies_at(k, [0]), _NoTmpfile(not tmpfile):
                 one_commit.replace_file(d / "out.pt", lambda f: f.write(b"new"))
             assert (d / "out.pt").read_bytes() in (b"old", b"new")
+            for n in os.listdir(d):  # what the dead commit left, as old as a stale one
+                os.utime(d / n, (1e9, 1e9))
             one_commit.replace_file(d / "out.pt", lambda f: f.write(b"newer"))
             assert sorted(os.listdir(d)) == ["notes.txt", "out.pt"] and (d / "out.pt").read_bytes() == b"newer"
+
+
+def test_a_replace_leaves_a_fresh_staged_file_of_another_writer_alone(tmp_path):
+    """A staged file that is not stale may be another process's commit of the same output in progress (ranks
+    writing one shared file): the sweep leaves it, and deletes it only once it is older than STALE_S."""
+    from offload import commit as one_commit
+
+    other = tmp_path / ".out.pt.0123456789ab.tmp"
+    other.write_bytes(b"theirs, still being written")
+    one_commit.replace_file(tmp_path / "out.pt", lambda f: f.write(b"mine"))
+    assert other.read_bytes() == b"theirs, still being written"
+    os.utime(other, (1e9, 1e9))
+    one_commit.replace_file(tmp_path / "out.pt", lambda f: f.write(b"mine again"))
+    assert sorted(os.listdir(tmp_path)) == ["out.pt"]
 
 
 class _NoTmpfile:

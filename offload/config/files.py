@@ -113,9 +113,10 @@ def read_config_bytes(path: str, *, pipe: bool = False) -> bytes:
 
     Args:
         path: the file.
-        pipe: also read a pipe (``--config <(jq ... ds_config.json)``, a named pipe with a writer) up to the same
-            bound. A pipe with no writer reads as empty and is refused as one; nothing waits for a writer to come.
-            Only for a configuration the user names: files found inside a checkpoint are regular files or refused.
+        pipe: also read a pipe (``--config <(jq ... ds_config.json)``, a named pipe with a writer) to its end, up to
+            the same bound. A pipe quiet for :data:`PIPE_QUIET_S` seconds (no writer came, or it stopped writing
+            without closing) is refused rather than waited on for ever. Only for a configuration the user names:
+            files found inside a checkpoint are regular files or refused.
 
     Raises:
         ConfigError: not a regular file (or pipe), too large, or a pipe that gave nothing; the message names it.
@@ -136,7 +137,7 @@ def read_config_bytes(path: str, *, pipe: bool = False) -> bytes:
 # writing returns end of file, so a read is made only once poll(2) says there are bytes or the writer hung up
 # (Linux reports a hang-up only for a writer that came after our open); a pipe quiet for PIPE_QUIET_S seconds is
 # refused instead of waited on for ever. The read stops one byte past the bound.
-PIPE_QUIET_S = 10.0
+PIPE_QUIET_S = 60.0
 
 
 def _read_pipe(path: str) -> bytes | None:
