@@ -452,7 +452,9 @@ def fsdp2_weights_rules(out: str) -> dict:
     result["restored_same"] = all(same(local(p.detach()), local(q.detach()))
                                   for p, q in zip(ref.parameters(), ours.parameters()))
     result.update(fsdp2_weights_other_paths(out))
-    for key, make, kw in (("grads", fsdp2_fp32, dict(max_in_cpu=0)),
+    for key, make, kw in (("grads", fsdp2_fp32, dict(max_in_cpu=0, offload_grads=True)),
+                          ("default_grads", fsdp2_fp32, dict(max_in_cpu=0)),
+                          ("device", fsdp2_fp32, dict(max_in_cpu=0, device="cpu")),
                           ("not_root", lambda: nn.Sequential(fsdp2_fp32()), WEIGHTS),
                           ("tensor_parallel", lambda: parallelize_module(
                               nn.Sequential(nn.Linear(8, 8)), init_device_mesh("cpu", (dist.get_world_size(),)),

@@ -181,6 +181,8 @@ def test_fsdp2_weights_state_dict_and_refusals(job):
         assert res["state_dict_same"] and res["loaded_same"] and res["grads_same"] and res["restored_same"]
         assert res["resident_after_state_dict"] == res["resident_after_load"] == 0
         assert res["grads"].startswith("ConfigError") and "offload_grads=False" in res["grads"]
+        assert res["default_grads"] == "offloaded"  # gradients stay FSDP2's unless asked otherwise
+        assert res["device"].startswith("ValueError") and "leave device and init out" in res["device"]
         assert res["not_root"].startswith("ValueError") and "root module that fully_shard wrapped" in res["not_root"]
         assert "tensor parallelism" in res["tensor_parallel"] and "OffloadedAdamW" in res["tensor_parallel"]
         assert res["torch_step"].startswith("StateError") and "OffloadedAdamW" in res["torch_step"]

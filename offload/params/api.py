@@ -56,7 +56,7 @@ def offload_parameters(
     buffer_count: Optional[int] = None,
     buffer_size: Optional[int] = None,
     pin_memory: Optional[bool] = None,
-    offload_grads: bool = True,
+    offload_grads: Optional[bool] = None,
     device=None,
     init: Init = None,
 ) -> nn.Module:
@@ -98,7 +98,8 @@ def offload_parameters(
         prefetch: how many upcoming submodules (in the order recorded on the first call) to read ahead.
         buffer_count, buffer_size, pin_memory: override the config's ``offload_param`` settings
             (``buffer_size`` in elements).
-        offload_grads: move each offloaded parameter's gradient to NVMe as backward produces it,
+        offload_grads: (default: True, except under FSDP2, whose sharded gradients stay in memory) move each
+            offloaded parameter's gradient to NVMe as backward produces it,
             leaving a placeholder in ``p.grad`` (read it with :func:`load_grad`; clip with
             :func:`clip_grad_norm_`; step with ``OffloadedAdam``), so grads need no memory for the
             whole model. ``False``: ordinary ``p.grad`` tensors, every torch utility works, and the
@@ -135,17 +136,22 @@ def offload_parameters(
                          buffer_count=buffer_count, buffer_size=buffer_size, pin_memory=pin_memory)
     if cfg.aio.use_gds:
         warn_use_gds()  # once per process: what GPUDirect Storage gives here
-    if not isinstance(offload_grads, bool):
+    if offload_grads is not None and not isinstance(offload_grads, bool):
         raise TypeError(f"offload_grads must be True or False, got {offload_grads!r}")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and offload_grads:
-        raise ConfigError(DDP_GRADS)
     if init is not None and init is not False and not callable(init):
         raise TypeError(f"init must be None, False or a callable taking a module, got {init!r}")
     if any(is_dtensor(p) for p in model.parameters()):
         if offload_grads:
             fsdp_shards(model)  # a model FSDP2 does not shard is refused for that first
             raise ConfigError(FSDP2_GRADS)
+        if device is not None or init not in (None, False):
+            raise ValueError("under FSDP2 the shards stay on the device fully_shard put them on and are not "
+                             "initialised here: leave device and init out (materialise a meta model before "
+                             "fully_shard's lazy init, then offload_parameters)")
         return _offload_shards(model, cfg, prefetch)
+    offload_grads = True if offload_grads is None else offload_grads
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) and offload_grads:
+        raise ConfigError(DDP_GRADS)
     real = {p.device for p in model.parameters() if not p.is_meta}
     target = torch.device(device) if device is not None else next(iter(real)) if len(real) == 1 else \
         torch.device("cpu")
