@@ -73,27 +73,7 @@ def scratch(tmp_path):
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-# The files that take longest, longest first (measured with ``--durations``; refresh when one grows). With ``-n 2
-# --dist loadfile`` each file runs whole on one worker, handed out in collection order: the long ones go first, so
-# the many short files fill in at the end and the two workers finish together instead of one running a long file
-# alone at the end. The rest keep their order.
-LONGEST_FIRST = (
-    "test_bench_cli.py", "test_fork.py", "test_space.py", "test_integrations.py", "test_pretrained_saves.py",
-    "test_examples.py", "test_tiers.py", "test_distributed_checkpoint.py", "test_docs.py",
-    "test_checkpoint_safety.py", "test_mirror.py", "test_distributed.py", "test_overlap.py", "test_plan.py",
-    "test_compare.py", "test_power_loss.py", "test_interrupts.py",
-)
-
-
-def pytest_configure(config):
-    # xdist otherwise hands out files by their number of tests, most first: a long file of few tests comes last.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
