@@ -1,4 +1,5 @@
-"""``offload-bench`` run as a user runs it: in a subprocess, on tiny sizes, JSON output checked."""
+"""``offload-bench`` run as a user runs it, on tiny sizes, JSON output checked: once in a subprocess (the
+``python -m offload.tools`` entry point), otherwise through ``main(argv)`` in this process."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -27,13 +29,21 @@ def bench(*args: str, env: dict | None = None, timeout: float = 60) -> subproces
 
 
 def bench_in_process(capsys, *args: str) -> tuple[int, str, str]:
-    """main() in this process (argument errors need no subprocess): exit code, stdout, stderr."""
+    """main() in this process (what a subprocess would add is the interpreter's start): exit code, stdout,
+    stderr."""
     try:
         code = main(list(args))
     except SystemExit as exit_:
         code = exit_.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def bench_ok(capsys, *args: str) -> tuple[str, str]:
+    """main() in this process, which must exit 0: stdout, stderr."""
+    code, out, err = bench_in_process(capsys, *args)
+    assert code == 0, out + err
+    return out, err
 
 
 def check_result(r: dict) -> None:
@@ -61,21 +71,20 @@ def test_io_verifies_and_writes_a_json_report(tmp_path):
     assert not (tmp_path / "swap").exists(), "the directory the benchmark created is removed"
 
 
-def test_io_stripes_over_two_paths(tmp_path):
+def test_io_stripes_over_two_paths(tmp_path, capsys):
     """Two paths give a striped swap space whose data reads back intact."""
-    p = bench("io", "--path", str(tmp_path / "a"), str(tmp_path / "b"), *TINY, "--verify")
-    assert p.returncode == 0, p.stderr
-    assert "over 2 paths" in p.stdout
+    out, _ = bench_ok(capsys, "io", "--path", str(tmp_path / "a"), str(tmp_path / "b"), *TINY, "--verify")
+    assert "over 2 paths" in out
 
 
-def test_sweep_ranks_a_grid_and_emits_a_config_the_loader_reads_back(tmp_path):
+def test_sweep_ranks_a_grid_and_emits_a_config_the_loader_reads_back(tmp_path, capsys, monkeypatch):
     """A 2x2 sweep reports every point, its best is the top mean, and --emit-config loads back unchanged."""
     out, cfg = tmp_path / "sweep.json", tmp_path / "aio.json"
-    p = bench("sweep", "--path", str(tmp_path), "--size", "8MiB", "--runs", "1", "--block-sizes", "64KiB,256KiB",
-              "--queue-depths", "4,16", "--threads", "1", "--json", str(out), "--emit-config", str(cfg),
-              env={"OFFLOAD_PROGRESS": "1"})
-    assert p.returncode == 0, p.stderr
-    assert "8/8" in p.stderr, "the progress bar (a write and a read per point) reaches the end"
+    monkeypatch.setenv("OFFLOAD_PROGRESS", "1")
+    _, err = bench_ok(capsys, "sweep", "--path", str(tmp_path), "--size", "8MiB", "--runs", "1", "--block-sizes",
+                      "64KiB,256KiB", "--queue-depths", "4,16", "--threads", "1", "--json", str(out),
+                      "--emit-config", str(cfg))
+    assert "8/8" in err, "the progress bar (a write and a read per point) reaches the end"
     doc = json.loads(out.read_text())
     points = {(r["block_size"], r["queue_depth"], r["threads"]) for r in doc["results"]}
     assert points == {(b, q, 1) for b in (64 << 10, 256 << 10) for q in (4, 16)}
@@ -145,13 +154,14 @@ def test_sweep_rejects_a_bad_list(tmp_path, capsys):
     assert code == 2 and "comma-separated" in err
 
 
-def test_default_scratch_directory_is_removed_after_the_run(tmp_path):
+def test_default_scratch_directory_is_removed_after_the_run(tmp_path, capsys, monkeypatch):
     """Without --path the benchmark works in a scratch directory under TMPDIR and removes it."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    p = bench("io", *TINY, env={"TMPDIR": str(tmp)})
-    assert p.returncode == 0, p.stderr
-    assert f"scratch directory: {tmp}" in p.stdout
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # as in a fresh process: gettempdir() reads TMPDIR again
+    out, _ = bench_ok(capsys, "io", *TINY)
+    assert f"scratch directory: {tmp}" in out
     assert list(tmp.iterdir()) == []
 
 
@@ -178,13 +188,12 @@ def test_missing_fio_is_explained_and_fails(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("command", [["adam", "--params", "300K", "--hidden", "64", "--steps", "3"],
                                      ["params", "--layers", "2", "--hidden", "64", "--steps", "2"]],
                          ids=["adam", "params"])
-def test_overlap_benchmark_reports_every_variant_and_the_bytes_saved(tmp_path, command):
+def test_overlap_benchmark_reports_every_variant_and_the_bytes_saved(tmp_path, capsys, command):
     """``--overlap`` times the iteration with and without overlap_backward, with nothing overlapped, compute
     alone and I/O alone; with offloaded weights the overlapped iteration moves no gradient; it cleans up."""
     out = tmp_path / "overlap.json"
-    proc = run_python("-m", "offload.tools", *command, "--overlap", "--rounds", "1", "--batch", "4",
-                      "--path", str(tmp_path / "scratch"), "--json", str(out), timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    bench_ok(capsys, *command, "--overlap", "--rounds", "1", "--batch", "4", "--path", str(tmp_path / "scratch"),
+             "--json", str(out))
     doc = json.loads(out.read_text())
     assert set(doc["iteration_s_median"]) == {"overlap", "plain", "serial", "compute_only"}
     assert all(v > 0 for v in doc["iteration_s_median"].values()) and doc["io_only_s"] > 0
@@ -203,13 +212,12 @@ def test_overlap_benchmark_reports_every_variant_and_the_bytes_saved(tmp_path, c
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
-def test_fio_comparison_gives_ratios(tmp_path):
+def test_fio_comparison_gives_ratios(tmp_path, capsys):
     """With --fio each operation gets fio's GiB/s and our/fio ratio, and fio's files are removed."""
     out = tmp_path / "io.json"
     swap = tmp_path / "swap"
     swap.mkdir()
-    p = bench("io", "--path", str(swap), *TINY, "--fio", "--json", str(out))
-    assert p.returncode == 0, p.stderr
+    bench_ok(capsys, "io", "--path", str(swap), *TINY, "--fio", "--json", str(out))
     for r in json.loads(out.read_text())["results"]:
         check_result(r)
         assert r["fio_gib_s"] > 0 and r["ratio_to_fio"] > 0
@@ -221,16 +229,15 @@ ADAM_KEYS = {"params", "step_s_median", "bytes_read_per_step", "bytes_written_pe
              "host_pool_bytes", "torch_step_s_median", "torch_peak_rss_bytes"}
 
 
-def test_adam_reports_step_time_io_and_memory_against_torch(tmp_path):
+def test_adam_reports_step_time_io_and_memory_against_torch(tmp_path, capsys):
     """`adam` on a tiny model writes the issue's JSON keys with consistent values, and cleans its path."""
     out = tmp_path / "adam.json"
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps({"offload_optimizer": {"buffer_count": 3, "buffer_size": "1MiB"},
                                "aio": {"block_size": "256KiB", "queue_depth": 8}}))
     nvme = tmp_path / "nvme"
-    p = bench("adam", "--params", "1M", "--steps", "3", "--no-fio", "--config", str(cfg),
-              "--path", str(nvme), "--json", str(out), timeout=120)
-    assert p.returncode == 0, p.stderr
+    bench_ok(capsys, "adam", "--params", "1M", "--steps", "3", "--no-fio", "--config", str(cfg), "--path", str(nvme),
+             "--json", str(out))
     r = json.loads(out.read_text())
     assert ADAM_KEYS <= r.keys()
     assert r["params"] == 1_000_000
@@ -250,15 +257,14 @@ def test_adam_rejects_a_bad_parameter_count(tmp_path, capsys):
     assert "lots" in err
 
 
-def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
+def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path, capsys):
     """`checkpoint` on a tiny state writes the issue's JSON keys with positive rates, and cleans up (a --ckpt-dir
     that did not exist is made, then removed)."""
     out = tmp_path / "ckpt.json"
     nvme = tmp_path / "nvme"
     ckpt_dir = tmp_path / "ckpts"
-    p = bench("checkpoint", "--params", "1M", "--repeat", "1", "--no-fio", "--path", str(nvme),
-              "--ckpt-dir", str(ckpt_dir), "--json", str(out), timeout=120)
-    assert p.returncode == 0, p.stderr
+    bench_ok(capsys, "checkpoint", "--params", "1M", "--repeat", "1", "--no-fio", "--path", str(nvme),
+             "--ckpt-dir", str(ckpt_dir), "--json", str(out))
     assert not ckpt_dir.exists(), "a --ckpt-dir the run made is removed again"
     r = json.loads(out.read_text())
     assert set(checkpoint_bench.JSON_KEYS) <= r.keys()
@@ -268,15 +274,15 @@ def test_checkpoint_benchmark_reports_save_and_load_rates(tmp_path):
     assert not nvme.exists() or not os.listdir(nvme)
 
 
-def test_checkpoint_async_benchmark_times_the_loop_three_ways_and_makes_then_removes_its_ckpt_dir(tmp_path):
+def test_checkpoint_async_benchmark_times_the_loop_three_ways_and_makes_then_removes_its_ckpt_dir(tmp_path,
+                                                                                                 capsys):
     """`checkpoint --async` on a tiny state reports the loop's iteration without a save, with an asynchronous
     save in flight and with a blocking save, the window of iterations from each call on, the save alone, and
     the snapshot; a --ckpt-dir that did not exist is made and removed again."""
     out = tmp_path / "async.json"
     ckpt_dir = tmp_path / "ckpts"
-    p = bench("checkpoint", "--async", "--params", "1M", "--repeat", "1", "--iterations", "2", "--compute-ms", "0",
-              "--path", str(tmp_path / "nvme"), "--ckpt-dir", str(ckpt_dir), "--json", str(out), timeout=120)
-    assert p.returncode == 0, p.stderr
+    bench_ok(capsys, "checkpoint", "--async", "--params", "1M", "--repeat", "1", "--iterations", "2", "--compute-ms",
+             "0", "--path", str(tmp_path / "nvme"), "--ckpt-dir", str(ckpt_dir), "--json", str(out))
     r = json.loads(out.read_text())
     assert set(checkpoint_bench.ASYNC_JSON_KEYS) <= r.keys()
     for key in ("iteration_s", "iteration_async_save_s", "iteration_blocking_save_s", "snapshot_s",
@@ -288,12 +294,11 @@ def test_checkpoint_async_benchmark_times_the_loop_three_ways_and_makes_then_rem
     assert not ckpt_dir.exists()
 
 
-def test_bench_params_runs_and_writes_the_documented_json(tmp_path):
+def test_bench_params_runs_and_writes_the_documented_json(tmp_path, capsys):
     """``offload-bench params`` on a tiny model exits 0 and writes every documented key."""
     out = tmp_path / "params.json"
-    proc = run_python("-m", "offload.tools", "params", "--layers", "2", "--hidden", "64", "--steps", "2",
-                      "--path", str(tmp_path / "scratch"), "--json", str(out))
-    assert proc.returncode == 0, proc.stderr
+    bench_ok(capsys, "params", "--layers", "2", "--hidden", "64", "--steps", "2", "--path", str(tmp_path / "scratch"),
+             "--json", str(out))
     doc = json.loads(out.read_text())
     keys = {"params", "step_s_median", "fetch_bytes_per_step", "write_bytes_per_step", "io_only_s",
             "compute_only_s", "peak_rss_bytes", "resident_param_bytes_max", "grad_bytes_resident_max"}
@@ -584,20 +589,18 @@ def test_compare_keeps_figures_a_peer_reported_before_dying_on_exit(tmp_path, ca
     assert sorted(os.listdir(tmp_path)) == ["reported", "silent"]  # each run's scratch directory removed
 
 
-def test_bench_scale_runs_checks_its_export_and_removes_every_file(tmp_path):
+def test_bench_scale_runs_checks_its_export_and_removes_every_file(tmp_path, capsys):
     """``offload-bench scale`` on a tiny Llama writes, loads, trains, exports and checks a checkpoint, reports
     peak RSS against the pools and the step's bytes, and leaves nothing in its directory."""
     pytest.importorskip("transformers")
     out = tmp_path / "scale.json"
-    proc = run_python("-m", "offload.tools", "scale", "--params", "400K", "--hidden", "64", "--vocab", "512",
-                      "--steps", "1", "--seq", "8", "--no-fio", "--path", str(tmp_path / "scratch"),
-                      "--json", str(out), timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    stdout, _ = bench_ok(capsys, "scale", "--params", "400K", "--hidden", "64", "--vocab", "512", "--steps", "1",
+                         "--seq", "8", "--no-fio", "--path", str(tmp_path / "scratch"), "--json", str(out))
     doc = json.loads(out.read_text())
     assert doc["layers"] >= 2 and doc["params"] > 300_000
     assert doc["read_bytes_per_step"] > 0 and doc["write_bytes_per_step"] >= doc["optimizer_state_bytes"]
     assert 0 < doc["pool_bytes"] and doc["peak_rss_growth_bytes"] > 0
-    assert "equal, loaded by from_pretrained" in proc.stdout and doc["export_checked"] == "loaded by from_pretrained"
+    assert "equal, loaded by from_pretrained" in stdout and doc["export_checked"] == "loaded by from_pretrained"
     assert not (tmp_path / "scratch").exists()
 
 
