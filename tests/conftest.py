@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -26,6 +27,18 @@ from offload import copies, restore_parameters
 from offload._native import HAVE_IO_URING
 from offload.aio import Engine
 from offload.params import offloaded
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_python_starts():
+    """Every test starts with SIGINT raising KeyboardInterrupt, as in a fresh interpreter, whatever handler the
+    process running it (a test worker) or an earlier test left; the handler found is put back after."""
+    before = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
 
 
 def _io_uring_refusal() -> str | None:
