@@ -31,10 +31,13 @@ __all__ = [
 PLACEHOLDERS = ("rank", "local_rank", "world_size")
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
-try:  # a build of torch without distributed support has no DTensor
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover - every build this project supports has it
-    _DTensor = None
+# NOTE: torch.distributed.tensor takes about a second to import, which every process importing offload paid. No
+# tensor is a DTensor before that module is imported (by FSDP2, tensor parallelism or DCP), so it is looked up
+# where it already is, never imported here.
+def _dtensor_class():
+    """DTensor, where torch.distributed.tensor is imported already; else None (then nothing is one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,8 @@ def expand_placeholders(path: str, info: Optional[RankInfo] = None) -> str:
 
 def is_dtensor(t) -> bool:
     """Whether ``t`` is a DTensor (a parameter sharded by FSDP2's ``fully_shard`` or tensor parallelism)."""
-    return _DTensor is not None and isinstance(t, _DTensor)
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
 
 
 # NOTE: a DTensor's local shard (``_local_tensor``) is the tensor that holds this rank's elements; FSDP2
@@ -159,7 +163,7 @@ def like(shard: torch.Tensor, ref) -> torch.Tensor:
     shape); ``shard`` itself when ``ref`` is not a DTensor."""
     if not is_dtensor(ref):
         return shard
-    return _DTensor.from_local(shard, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
+    return type(ref).from_local(shard, ref.device_mesh, ref.placements, run_check=False, shape=ref.shape,
                                stride=ref.stride())
 
 
