@@ -122,11 +122,15 @@ def test_an_export_onto_a_link_or_a_device_is_refused(tmp_path, capsys):
     (["--hf-config", "{zero}"], "is a character device"),
 ], ids=["huge-params", "sweep-fifo", "sweep-zero", "config-fifo", "config-zero", "negative", "string", "float",
         "huge-layers", "bad-heads", "no-model-type", "hf-zero"])
-def test_plan_inputs_are_bounded_and_a_mistake_is_a_message(tmp_path, capsys, args, says):
+def test_plan_inputs_are_bounded_and_a_mistake_is_a_message(tmp_path, capsys, monkeypatch, args, says):
     """offload-bench plan with an absurd --params, a FIFO or /dev/zero as --sweep/--config/--hf-config, or a
     Hugging Face config with a negative, fractional, text or huge size answers at once with exit code 2 and a
-    message naming the problem: no traceback, no hang, no memory blow-up."""
+    message naming the problem: no traceback, no hang, no memory blow-up. (A --config pipe no process writes to
+    is refused once it has been quiet for PIPE_QUIET_S, made short here.)"""
     pytest.importorskip("transformers")
+    from offload.config import files as config_files
+
+    monkeypatch.setattr(config_files, "PIPE_QUIET_S", 0.5)
     fifo, zero = tmp_path / "fifo.json", tmp_path / "zero.json"
     plant(fifo, "fifo")
     plant(zero, "dev-zero")

@@ -13,6 +13,7 @@ from helpers import REPO, TINY, Net, loss_of
 from offload import OffloadedAdamW, materialized, offload_parameters
 from offload.config import load_config
 from offload.params import offloaded
+from offload.sizes import ALIGNMENT, round_up
 from offload.tools.cli import main
 from offload.tools.plan import model_params, plan
 
@@ -120,7 +121,10 @@ def test_the_plan_of_the_update_inside_backward_counts_no_grad_round_trip_and_no
     read, written, grads_read, grads_written = (b - a for a, b in zip(before, after))
     assert grads_read == grads_written == 0
     assert written == with_weights.write_bytes - alone.write_bytes == with_weights.weights_nvme_bytes
-    assert 0 <= read - (with_weights.read_bytes - alone.read_bytes) <= 0.03 * read
+    # The plan does not model the turn into backward (forward's last module keeps its weights for backward, no
+    # read), which may save up to one module's weights; otherwise reads are the plan's within 3%.
+    last_module = sum(round_up(p.numel() * p.element_size(), ALIGNMENT) for p in params[-2:])  # as read: aligned
+    assert -last_module <= read - (with_weights.read_bytes - alone.read_bytes) <= 0.03 * read
     table = dict(modes(params, config, offload_params=True, nvme_paths=[nvme]))
     moved = {label: p.read_bytes + p.write_bytes for label, p in table.items()}
     # Each row is its own mode, whatever the config says (here: overlap on): the leaner, the fewer bytes, and
