@@ -266,3 +266,31 @@ def test_a_config_edited_after_the_save_loads_with_a_warning(tmp_path):
     (d / (STAGE_PREFIX + "0123") / "notes.txt").write_text("mine")
     with pytest.raises(CheckpointError, match="parts of two saves"):
         weights_in(d)
+
+
+def test_a_load_beside_a_save_in_progress_does_not_wait_for_its_lock(tmp_path):
+    """Settling a cut-short save before a load takes the directory's lock without waiting: where a save holds it
+    (in this very process, a save whose tensors this load feeds, which would deadlock), the load reads what is
+    there and the staging directory is left to that save."""
+    from offload.locks import lock_directory
+    from offload.pretrained.files import settle_cut_short
+
+    d = tmp_path / "run"
+    d.mkdir()
+    save_into(model_of(1, config=1), d, max_shard_size="3KB")
+    stage = d / f"{STAGE_PREFIX}in-progress"
+    stage.mkdir()
+    held = lock_directory(str(d), exclusive=True)
+
+    def hung(signum, frame):
+        raise AssertionError("settle_cut_short waits for the lock a save holds: it would wait for ever")
+
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(30)
+    try:
+        settle_cut_short(str(d))
+        assert stage.exists()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        held.release()

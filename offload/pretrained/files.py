@@ -258,11 +258,13 @@ def settle_cut_short(directory: str) -> None:
     """Finish or undo, before a load, a save into ``directory`` that was cut short (a crash, a power loss), as the
     next save would (:func:`_sweep`): the load then reads the previous save or the new one whole, never config
     files of one beside the weights of the other. Nothing where no staging directory is there; a directory this
-    user may not lock or change is read as it is (its loader refuses a mix)."""
+    user may not lock or change, or whose lock a save holds now, is read as it is (its loader refuses a mix)."""
     try:
         if not any(n.startswith(STAGING) for n in os.listdir(directory)):
             return
-        held = lock_directory(directory, exclusive=True)
+        # Without waiting: a save in progress there (another process's, or one in this process whose tensors this
+        # load feeds) holds the lock and settles its own staging; the load reads what is there meanwhile.
+        held = lock_directory(directory, exclusive=True, timeout=0)
     except (OSError, CheckpointError):
         return
     try:
