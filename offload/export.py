@@ -23,10 +23,10 @@ from .config.files import read_config_bytes
 from .errors import CheckpointError
 from .pretrained import write_checkpoint
 from .pretrained.save import Tensor, saved_dtype, write_dtype
+from .regular import CHUNK
 
 __all__ = ["export_fp32", "export_hf"]
 
-_SLICE = 64 << 20  # bytes of a tensor read from a data file at once
 _HF_CONFIGS = ("config.json", "generation_config.json")
 
 
@@ -155,7 +155,7 @@ class _ModelReader:
                 return
             digest = xxhash.xxh3_64()
             item = saved.itemsize
-            step = max(item, _SLICE // item * item)  # whole elements per slice, to convert them
+            step = max(item, CHUNK // item * item)  # whole elements per slice, to convert them
             with open(self.params, "rb") as src:
                 for start in range(0, e.length, step):
                     data = os.pread(src.fileno(), min(step, e.length - start), e.offset + start)
@@ -182,9 +182,9 @@ def _master_writer(manifest, state, memory: dict, name: str) -> Callable:
         with open(manifest.path(DATA), "rb") as src:
             for c in sorted(state.chunks, key=lambda c: c.start):
                 at, length = manifest.units[c.unit].offset + c.key_offset(k), c.numel * dtype.itemsize
-                for start in range(0, length, _SLICE):
-                    data = os.pread(src.fileno(), min(_SLICE, length - start), at + start)
-                    if len(data) != min(_SLICE, length - start):
+                for start in range(0, length, CHUNK):
+                    data = os.pread(src.fileno(), min(CHUNK, length - start), at + start)
+                    if len(data) != min(CHUNK, length - start):
                         raise CheckpointError(f"{manifest.path(DATA)}: the master of {name!r} ends early")
                     f.write(data)
     if state.where != "memory" and dtype != torch.float32:

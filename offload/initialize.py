@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .adam import OffloadedAdam, OffloadedAdamW
-from .aio import replace_file
+from .commit import replace_file
 from .config import Config
 from .config.deepspeed import Training, document, hints_for, read_training, unused_message
 from .config.loader import config_from_document

@@ -12,7 +12,7 @@ import pytest
 from helpers import saved_checkpoint
 from test_special_files import deadline, plant
 
-from offload.aio import replace_file
+from offload.commit import replace_file
 from offload.tools.ckpt_cli import main as ckpt_main
 from offload.tools.cli import main as bench_main
 
@@ -166,7 +166,7 @@ def test_a_process_killed_while_it_writes_an_output_leaves_nothing_beside_it(tmp
     out.write_bytes(b"previous")
     code = """
 import os, signal, sys
-from offload.aio import replace_file
+from offload.commit import replace_file
 
 def write(f):
     f.write(b"x" * (1 << 20))

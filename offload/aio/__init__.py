@@ -5,7 +5,6 @@ The only layer that talks to the native engine (through ``offload._native``): ``
 a new file front to back through it.
 """
 
-from ..commit import check_replaceable, fsync_path, replace_file
 from .append import AppendFile
 from .engine import HAVE_IO_URING, HAVE_XXHASH, Engine
 from .engine import _test_refuse_io_uring as _test_refuse_io_uring  # a testing hook
@@ -33,11 +32,8 @@ from .gds import gds_status, warn_use_gds
 
 __all__ = [
     "AppendFile",
-    "check_replaceable",
     "create_private",
-    "replace_file",
     "reserve",
-    "fsync_path",
     "HAVE_IO_URING",
     "HAVE_XXHASH",
     "READ",

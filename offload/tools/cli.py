@@ -14,7 +14,7 @@ import traceback
 from typing import Callable, Iterator, Sequence
 
 from .._version import __version__
-from ..aio import check_replaceable
+from ..commit import check_replaceable
 from ..config import load_config
 from ..errors import OffloadError
 from ..sizes import ALIGNMENT, format_size, parse_count, parse_size, round_up

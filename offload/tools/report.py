@@ -10,7 +10,7 @@ import sys
 from typing import Any, Optional, Sequence, TextIO
 
 from .._proc import status_bytes
-from ..aio import replace_file
+from ..commit import replace_file
 from ..sizes import GIB, format_size
 from .cli import BenchError, short_size
 
@@ -162,7 +162,7 @@ def fmt_ratio(x: float | None) -> str:
 
 def write_json(path: str, doc: dict[str, Any]) -> None:
     """Write ``doc`` atomically in place of ``path``, a regular file or nothing (see
-    :func:`offload.aio.replace_file`: a device or a link given as the output is refused, never replaced)."""
+    :func:`offload.commit.replace_file`: a device or a link given as the output is refused, never replaced)."""
     text = (json.dumps(doc, indent=2) + "\n").encode()
     replace_file(path, lambda f: f.write(text), private=False)
 
