@@ -13,7 +13,14 @@ import weakref
 
 import pytest
 import torch
-from helpers import TINY, Net, assert_same, first_os_error, loss_of, sigkill_then_resume_equals_uninterrupted
+from helpers import (
+    TINY,
+    Net,
+    assert_same,
+    first_os_error,
+    loss_of,
+    sigkill_then_resume_equals_uninterrupted,
+)
 from torch.utils.checkpoint import checkpoint
 
 from offload import OffloadedAdamW, StateError, materialized, offload_parameters
@@ -224,7 +231,9 @@ def test_an_io_error_during_backward_is_reported_and_blocks_steps(nvme, closing,
     ours = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme, overlap_backward=True, **OPT))
     train(a, ours, range(2))
     ours.state_store.drain()
-    skip = len(ours.state_store.layout.units) - 1 if tail else 0
+    units = ours.state_store.layout.units
+    # A step writes every unit but those the pool holds unwritten for the next one: fail its last write.
+    skip = len(units) - len(ours.state_store.moves.kept(units)) - 1 if tail else 0
     ours.swap_space.inject_fault("error", op=op, skip=skip, count=1, errno=errno.EIO)
     def backward(s):
         x, y = batch(s)
@@ -755,27 +764,35 @@ def _stack(seed=0):
     return torch.nn.Sequential(*[torch.nn.Linear(64, 64, bias=False) for _ in range(8)])
 
 
-def _state_read_per_step(model, opt, steps, between=lambda s: None):
-    """The optimizer's state bytes read in each of ``steps`` iterations (forward, backward, step); torch's: 0."""
-    read = getattr(opt, "io_bytes", lambda: (0, 0))
+def _state_moved_per_step(model, opt, steps, between=lambda s: None):
+    """The optimizer's state bytes (read, written) in each of ``steps`` iterations (forward, backward, step);
+    torch's: (0, 0)."""
+    moved = getattr(opt, "io_bytes", lambda: (0, 0))
     out = []
     for s in steps:
-        before = read()[0]
+        before = moved()
         x = torch.randn(4, 64, generator=torch.Generator().manual_seed(s))
         model(x).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-        out.append(read()[0] - before)
+        after = moved()
+        out.append((after[0] - before[0], after[1] - before[1]))
         between(s)
     return out
 
 
+def _state_read_per_step(model, opt, steps, between=lambda s: None):
+    """The optimizer's state bytes read in each of ``steps`` iterations; torch's: 0."""
+    return [r for r, _ in _state_moved_per_step(model, opt, steps, between)]
+
+
 @pytest.mark.parametrize("buffers", [3, 4, 6])
-def test_overlap_reads_no_unit_the_pool_holds_for_backward_and_stays_torchs_adamw(nvme, closing, buffers):
+def test_overlap_moves_no_unit_the_pool_holds_for_backward_and_stays_torchs_adamw(nvme, closing, buffers):
     """Eight units of state (one Linear's each), updated inside backward in backward's order: every step after the
     first reads all but the units the pool set aside for it (the first ones backward finishes: all buffers but
-    two, which stream the rest), where before it read every unit; the plain step, in snake order, reads all but
-    the whole pool. Counted in bytes, and the weights stay bit for bit torch's fused AdamW's."""
+    two, which stream the rest), where before it read every unit, and writes all but those too (the next step
+    overwrites them); the plain step, in snake order, reads all but the whole pool and writes every unit.
+    Counted in bytes, and the weights stay bit for bit torch's fused AdamW's."""
     unit = 64 * 64 * 8  # exp_avg and exp_avg_sq of one 64 x 64 fp32 weight: one unit, one 4096-aligned extent
     kw = dict(lr=1e-2, weight_decay=0.1, buffer_size=unit, buffer_count=buffers, small_param_threshold=64)
     over, plain, ref = _stack(), _stack(), _stack()
@@ -783,9 +800,10 @@ def test_overlap_reads_no_unit_the_pool_holds_for_backward_and_stays_torchs_adam
     ob = closing(OffloadedAdamW(plain.parameters(), nvme_path=nvme + "-b", **kw))
     assert len(oa.state_store.layout.units) == 8
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
-    reads = _state_read_per_step(over, oa, range(5))
-    assert reads == [0] + [(8 - (buffers - 2)) * unit] * 4  # the first step has no state to read
-    assert _state_read_per_step(plain, ob, range(5)) == [0] + [(8 - buffers) * unit] * 4
+    moved = _state_moved_per_step(over, oa, range(5))
+    streamed = (8 - (buffers - 2)) * unit
+    assert moved == [(0, streamed)] + [(streamed, streamed)] * 4  # the first step has no state to read
+    assert _state_moved_per_step(plain, ob, range(5)) == [(0, 8 * unit)] + [((8 - buffers) * unit, 8 * unit)] * 4
     _state_read_per_step(ref, torch_opt, range(5))
     assert_same(list(over.parameters()), list(ref.parameters()))
     assert_same(list(plain.parameters()), list(ref.parameters()))
@@ -811,3 +829,26 @@ def test_units_the_pool_holds_for_backward_survive_saves_and_loads_in_between(nv
     _state_read_per_step(ref, torch_opt, range(5))
     assert_same(list(over.parameters()), list(ref.parameters()))
     assert reads[4] == 6 * unit  # holding again after the load
+
+
+@pytest.mark.parametrize("snapshot", ["stream", "auto"])
+def test_a_checkpoint_taken_while_the_pool_holds_units_unwritten_resumes_bit_for_bit(nvme, closing, tmp_path,
+                                                                                      snapshot):
+    """The units the pool holds for the next backward are not written back after their update; a checkpoint
+    saved then (streamed, or cloned from the swap file where it can be) holds their latest bytes: a model and
+    optimizer loaded from it train on bit for bit as torch's AdamW does without a break, and so does the run
+    that saved it."""
+    unit = 64 * 64 * 8
+    kw = dict(lr=1e-2, buffer_size=unit, buffer_count=5, small_param_threshold=64, overlap_backward=True)
+    a, b, ref = _stack(2), _stack(3), _stack(2)
+    oa = closing(OffloadedAdamW(a.parameters(), nvme_path=nvme + "-a", **kw))
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    _state_moved_per_step(a, oa, range(2))
+    assert oa.state_store.moves._unwritten  # what this test is about: units whose extent is older
+    oa.save_checkpoint(str(tmp_path / "ck"), model=a, snapshot=snapshot)
+    ob = closing(OffloadedAdamW(b.parameters(), nvme_path=nvme + "-b", **kw))
+    ob.load_checkpoint(str(tmp_path / "ck"), model=b)
+    for model, opt, steps in ((a, oa, range(2, 5)), (b, ob, range(2, 5)), (ref, torch_opt, range(5))):
+        _state_moved_per_step(model, opt, steps)
+    assert_same(list(b.parameters()), list(ref.parameters()))
+    assert_same(list(a.parameters()), list(ref.parameters()))

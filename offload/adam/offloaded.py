@@ -33,13 +33,13 @@ def update_offloaded(store: StateStore, access: ParamAccess, state: dict, slots:
         math: the formula, and the rounding stream of weights without a master.
     """
     units = order if order is not None else store.step_order(store.units_of(slots))
-    updates = _UnitUpdates(state, slots, scaling, gate, math)
+    updates = _UnitUpdates(state, slots, scaling, math)
     try:
         with access.units(units, updates.candidates) as unit_pass:
             updates.unit_pass = unit_pass
             # Its last writes land while the caller goes on (the next forward); reading a unit back, a
             # checkpoint, state_dict() or close() waits for them.
-            store.step(units, updates.update, updates.before_write, keep_first=order is not None)
+            store.step(units, updates.update, updates.before_write, keep_first=order is not None, gate=gate)
     finally:
         # Units resident in host memory are never written: their copies back must land before the step
         # ends (and after a failure, before anyone reuses their buffers).
@@ -52,21 +52,17 @@ class _UnitUpdates:
     """The update of each unit of one pass, and what it leaves: the slots updated, the copies of their
     state back into the units' buffers."""
 
-    def __init__(self, state: dict, slots: list[ParamSlot], scaling: Callable[[], GradScaling],
-                 gate: Optional[Callable], math: Math):
+    def __init__(self, state: dict, slots: list[ParamSlot], scaling: Callable[[], GradScaling], math: Math):
         self.state = state
         self.math = math
         self.candidates = {id(s) for s in slots}
         self.scaling = scaling
-        self.gate = gate
         self.unit_pass = None  # the ParamAccess pass over the units, set once it starts
         self.copying: dict[int, Ticket] = {}  # id(unit) -> the copies of its updated state back into its buffer
         self.updated: set = set()
 
     def update(self, unit, buf) -> None:
         """The pipeline's process step for ``unit``, swapped in to ``buf``."""
-        if self.gate is not None:
-            self.gate(unit)
         chunks = self._chunks_to_update(unit)
         grads = self.unit_pass.grads(unit)
         # With an fp32 master copy the old weights are not read: the update rewrites all of them.

@@ -80,22 +80,30 @@ class UnitMover:
         # Pool buffers kept out of the ring (see step's keep_first), each holding a unit for the next step, with
         # the write still landing from it: id(buffer) -> (buffer, write future or None).
         self._aside: dict[int, tuple[Any, Any]] = {}
+        # Ids of the units held aside whose bytes there are newer than their extent's (not written back: see
+        # flush); every other unit's extent holds its state, once its writes land.
+        self._unwritten: set[int] = set()
         self._spare: Optional[BufferPool] = None  # see lend
         bytes.on_failure.append(self._holding.clear)
+        bytes.on_failure.append(self._unwritten.clear)
 
     # -- the three passes ---------------------------------------------------------------------
 
     def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
-             before_write: Callable[[Unit], None], *, keep_first: bool = False) -> None:
+             before_write: Callable[[Unit], None], *, keep_first: bool = False,
+             gate: Optional[Callable[[Unit], None]] = None) -> None:
         """Update ``units`` in order: ``update(unit, buffer)``, then ``before_write(unit)`` before a unit's write
         (to wait for device copies into its buffer). The tiers are settled (see :meth:`fates`); the last
         writes are left landing (see :meth:`offload.bytes.ByteStore.drain`).
 
         ``keep_first``: the next step visits ``units`` in the same order (backward's, with overlap_backward), so
-        the pool buffers of the first units are set aside once written, holding them for it, and the rest
-        stream through :data:`STREAMING` buffers (see :meth:`kept`). Without a host tier only."""
+        the pool buffers of the first units are set aside once updated, holding them unwritten for it (see
+        :meth:`flush`), and the rest stream through :data:`STREAMING` buffers (see :meth:`kept`). Without a
+        host tier only. ``gate(unit)`` runs before a unit's update; raising there leaves the unit as it was.
+        """
         keep = self.kept(units) if keep_first else set()
-        self._pass(units, self.fates(units, step=True), update, before_write=before_write, drain=False, keep=keep)
+        self._pass(units, self.fates(units, step=True), update, before_write=before_write, drain=False, keep=keep,
+                   gate=gate)
 
     def export(self, units: Sequence[Unit], copy_out: Callable[[Unit, Any], None]) -> None:
         """Read ``units`` and give each to ``copy_out(unit, buffer)``; nothing is written or frozen."""
@@ -159,7 +167,8 @@ class UnitMover:
 
     def _pass(self, units: Sequence[Unit], fates: dict, update: Callable[[Unit, Any], None], *,
               before_write: Optional[Callable[[Unit], None]] = None, changes: bool = True,
-              drain: bool = True, keep: frozenset | set = frozenset()) -> None:
+              drain: bool = True, keep: frozenset | set = frozenset(),
+              gate: Optional[Callable[[Unit], None]] = None) -> None:
         """Stream ``units`` through the pool, each as ``fates`` decided; the buffers of the units in ``keep``
         (ids) are set aside once written (see :class:`_Aside`).
 
@@ -194,6 +203,8 @@ class UnitMover:
 
         def process(unit: Unit, buf) -> bool:
             fate = fates[id(unit)]
+            if gate is not None:
+                gate(unit)  # before anything changes: the buffer keeps what it holds
             if changes:
                 store.changing(unit, buf)
             try:
@@ -206,6 +217,10 @@ class UnitMover:
                 self._holding.pop(id(buf), None)
                 tier.keep(unit, buf)
                 tiered.settled()
+            if id(unit) in keep and fate.after is After.WRITTEN:
+                self._holding[id(buf)] = unit  # set aside unwritten: the next step updates it there
+                self._unwritten.add(id(unit))
+                return False
             return fate.after in (After.EVICTED, After.WRITTEN)
 
         def write(unit: Unit, buf):
@@ -236,6 +251,18 @@ class UnitMover:
         self.forget(unit)
         return self.bytes.write(unit, buf, landing=landing)
 
+    def flush(self) -> None:
+        """Write back every unit held aside unwritten (see step's ``keep_first``), left landing (the store's
+        drain waits for them): its extent then holds its state, and it stays held for the next step."""
+        for key, (buf, pending) in list(self._aside.items()):
+            unit = self._holding.get(key)
+            if unit is None or id(unit) not in self._unwritten:
+                continue
+            self._unwritten.discard(id(unit))
+            fut = self.write(unit, buf, landing=True)
+            self._holding[key] = unit
+            self._aside[key] = (buf, fut)
+
     def holds(self, unit: Unit, buf) -> bool:
         """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
         used for anything since. A step that visits it first (the snake order visits first the units the last
@@ -246,16 +273,23 @@ class UnitMover:
         """No pool buffer holds ``unit``'s state any more (every unit's with None)."""
         if unit is None:
             self._holding.clear()
+            self._unwritten.clear()
             return
+        self._unwritten.discard(id(unit))
         for key in [k for k, u in self._holding.items() if u is unit]:
             del self._holding[key]
 
     def _put_back(self, keep: frozenset | set = frozenset()) -> None:
         """Buffers set aside go back to the ring, but those holding a unit of ``keep`` (ids): a buffer
-        whose unit is not to be kept any more, or that holds nothing now (forgotten), is the pool's again."""
+        whose unit is not to be kept any more (written back first if it was not), or that holds nothing now
+        (forgotten), is the pool's again."""
         for key, (buf, pending) in list(self._aside.items()):
             unit = self._holding.get(key)
             if unit is None or id(unit) not in keep:
+                if unit is not None and id(unit) in self._unwritten:
+                    self._unwritten.discard(id(unit))
+                    pending = self.write(unit, buf, landing=True)
+                    self._holding[key] = unit  # it still holds the unit's bytes, as last written
                 del self._aside[key]
                 assert self.ring is not None, "only pool buffers are set aside"
                 self.ring.give(buf, pending)
@@ -263,8 +297,9 @@ class UnitMover:
     def lend(self) -> list:
         """Buffers for a caller that fills them with whatever it likes (a checkpoint): every pool buffer, or
         with ``device: "cpu"`` (no pool) two of a unit's size, made once for the purpose."""
+        self._put_back()  # units held aside unwritten are written back first
+        self.bytes.drain()
         self.forget()
-        self._put_back()
         if self.ring is not None:
             return self.ring.buffers()
         if self._spare is None:
@@ -278,11 +313,13 @@ class UnitMover:
 # used for another. A step after backward visits units in snake order, so the units it writes last are the next
 # one's first, and the whole pool hits. A step inside backward (overlap_backward) follows backward's order, the
 # same every iteration: the units it writes first are the next one's first, and every later unit would reuse
-# their buffers. So those buffers are set aside once written, out of the ring, holding their units (written
-# back all the same: the swap space stays current, checkpoints see nothing of it) for the next step, which
-# takes each back at its unit's turn; the other units stream through the rest. A buffer set aside whose unit
-# the next step does not keep, or whose hold was forgotten (a failure, a load), goes back to the ring when a
-# pass starts, and every one of them when the pool is lent.
+# their buffers. So those buffers are set aside once updated, out of the ring, holding their units for the next
+# step, which takes each back at its unit's turn and updates it there; the other units stream through the rest.
+# A unit set aside is not written back: the next step would only overwrite it (that saves its write as well as
+# its read). Whatever reads the swap space first drains the store (a checkpoint, state_dict(), a load; see
+# flush), which writes such units back and keeps them held. A buffer set aside whose unit the next step does not
+# keep goes back to the ring when a pass starts, written back first; one whose hold was forgotten (a failure, a
+# load), as it is; and every one of them when the pool is lent.
 class _Aside:
     """The source of a step that sets buffers aside (a :class:`offload.pipeline.BufferSource` over the ring).
 

@@ -249,7 +249,8 @@ class StateStore:
     # -- moving units ---------------------------------------------------------------------------
 
     def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
-             before_write: Callable[[Unit], None], *, keep_first: bool = False) -> None:
+             before_write: Callable[[Unit], None], *, keep_first: bool = False,
+             gate: Optional[Callable[[Unit], None]] = None) -> None:
         """One step over ``units`` (in the order given): each is read (unless it is resident in host memory, still
         in a pool buffer, or has no state yet), ``update(unit, buffer)`` changes it, and it is written back,
         kept resident or evicted as :meth:`UnitMover.fates` decides; ``before_write(unit)`` runs before its
@@ -257,7 +258,8 @@ class StateStore:
         checksum of its last write. The last writes are left landing (they land during the next forward); a
         unit read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
         for all of them. ``keep_first``: the next step visits ``units`` in this order again (backward's, with
-        overlap_backward), so the pool holds its first units for it (:meth:`UnitMover.step`).
+        overlap_backward), so the pool holds its first units for it (:meth:`UnitMover.step`). ``gate(unit)`` runs
+        before a unit's update (to wait until its grads are final); raising there leaves the unit as it was.
 
         Raises:
             OSError: a read or write failed (file and offset named), in this step or a write an earlier
@@ -270,7 +272,7 @@ class StateStore:
         self._step_started = now
         self.steps_started += 1
         try:
-            self.moves.step(units, update, before_write, keep_first=keep_first)
+            self.moves.step(units, update, before_write, keep_first=keep_first, gate=gate)
         finally:
             self.steps_done += 1
 
@@ -418,7 +420,7 @@ class StateStore:
         return not self._finalizer.alive
 
     def drain(self, *, quiet: bool = False) -> None:
-        """Wait for every write a step left landing.
+        """Write back what the pool holds unwritten, then wait for every write a step left landing.
 
         Args:
             quiet: ignore their errors (state is about to be overwritten: a load).
@@ -426,6 +428,8 @@ class StateStore:
         Raises:
             OSError: one of them failed (file and offset named); the store is then failed.
         """
+        if self.bytes.usable:
+            self.moves.flush()  # units the pool holds for the next step, not written back yet
         self.bytes.drain(quiet=quiet)
         if quiet:
             self.moves.forget()  # the state is about to be replaced
