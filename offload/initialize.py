@@ -103,10 +103,6 @@ def initialize(model: Optional[nn.Module] = None, config=None, *, model_paramete
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     _cast(model, training.precision)
     weights_offloaded = "offload_param" in cfg.given and cfg.offload_param.device == "nvme"
-    if weights_offloaded and not _sets_overlap(doc):
-        # The engine drives the loop (no_step() for the micro-batches that accumulate, the schedule after the
-        # optimizer): "auto" updates inside backward once two iterations showed it exact (docs/overlap.md).
-        cfg = cfg.replace(offload_optimizer={"overlap_backward": "auto"})
     opt = sched = None
     try:
         if weights_offloaded:
@@ -133,14 +129,6 @@ def initialize(model: Optional[nn.Module] = None, config=None, *, model_paramete
                                  suggest_initialize=False) if unused else ""
         warnings.warn(" ".join(filter(None, [message, *notes])), ConfigWarning, stacklevel=user_stacklevel())
     return engine, opt, loader, sched
-
-
-def _sets_overlap(doc) -> bool:
-    """Whether the config document says overlap_backward itself (in either place the optimizer block may be)."""
-    if not isinstance(doc, dict):
-        return True  # a Config object: its values stand
-    blocks = [doc.get("offload_optimizer"), (doc.get("zero_optimization") or {}).get("offload_optimizer")]
-    return any(isinstance(b, dict) and "overlap_backward" in b for b in blocks)
 
 
 def _config_source(config, config_params, args) -> tuple[Any, Optional[str]]:

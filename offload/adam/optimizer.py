@@ -70,7 +70,8 @@ class OffloadedAdam(torch.optim.Adam):
             ``master_weights=False`` keeps bf16 parameters without an fp32 master, rounding their updates
             stochastically.
         overlap_backward: update each unit inside backward once its grads are final (docs/overlap.md);
-            ``"auto"`` from the third iteration, for weights on NVMe, once two iterations showed it exact.
+            ``"auto"`` (the config's default) from the third iteration, for weights on NVMe, once two iterations
+            showed it exact; ``False``: every update in ``step()``.
         max_grad_norm: clip the grads to this total norm (torch's ``clip_grad_norm_``, bit for bit) as part
             of the step.
         seed: the seed of the stochastic rounding's random stream (a run resumed with the same seed draws

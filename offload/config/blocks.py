@@ -141,12 +141,12 @@ class OptimizerOffloadConfig:
                              "engine's threads as requests complete (measure its cost with ``offload-bench adam "
                              "--checksum-cost``).")
     overlap_backward: bool | str = setting(
-        False, PIN, "read and update state during backward, as each unit's grads become final, so an iteration "
+        "auto", PIN, "read and update state during backward, as each unit's grads become final, so an iteration "
         "costs about max(compute, I/O), and weights on NVMe are updated while backward holds them (no grad round "
         "trip, no second read); accumulation then needs ``no_step()``, and the grads and hyperparameters must not "
-        'change between backward and step. ``"auto"``: from the third iteration, once two have shown that for a '
-        "model whose weights are on NVMe (later departures are refused). ``offload.initialize`` turns it on where "
-        "its engine drives the loop.")
+        'change between backward and step. ``"auto"`` (the default): from the third iteration, once two have '
+        "shown that for a model whose weights are on NVMe (later departures are refused); ``false``: every "
+        "update in step().", shown="auto")
 
     def __post_init__(self) -> None:
         _validate(self, "offload_optimizer")
