@@ -9,7 +9,7 @@ from .aio import wait_quietly
 from .errors import PoolTooSmallError
 from .interrupts import safe_point
 
-__all__ = ["BufferRing", "BufferSource", "Pipeline"]
+__all__ = ["BufferRing", "BufferSource", "Pipeline", "Stream"]
 
 
 class BufferSource(Protocol):
@@ -133,6 +133,33 @@ class Pipeline:
         self.bytes_read = 0
         self.bytes_written = 0
 
+    def stream(self, items: Sequence, *, read: Optional[Callable[[Any, Any], Any]] = None,
+               write: Optional[Callable[[Any, Any], Any]] = None, drain: bool = True,
+               source: Optional[BufferSource] = None) -> Stream:
+        """A pass over ``items`` as a loop, in a ``with`` block.
+
+        ::
+
+            with pipeline.stream(items, read=read, write=write) as stream:
+                for item, buf in stream:
+                    ...  # change buf; stream.skip_write() to leave it unwritten
+
+        Each item's ``read(item, buf)`` is issued ahead (up to ``lookahead`` items beyond the one in the body) and
+        waited for before the item is handed out; once the body is done with it, ``write(item, buf)`` is issued
+        (unless skipped). ``read`` and ``write`` start I/O and return a future (``wait()`` gives the bytes
+        moved), or ``None`` when the item needs no read (state not created yet: the buffer then holds stale
+        bytes that the body must overwrite) or no write. ``drain=False`` returns with the last writes still
+        landing (a :class:`BufferSource` holds them as pending, so their buffers are not reused before; the
+        caller keeps the futures ``write`` returned and waits for them before reading those bytes back); they
+        are then not counted in ``bytes_written``. ``source`` lends the buffers instead of the pipeline's own.
+
+        Whatever happens, every request the pass issued has finished when the ``with`` block ends, and every
+        buffer is back with its source: a buffer must never be reused (or freed) while the engine may still be
+        filling or reading it. An error in the body, in ``read``, ``write`` or a future (an ``OSError`` naming
+        the file and offset for I/O) leaves the block after that.
+        """
+        return Stream(self, items, self._source_for(source, drain), read, write, drain)
+
     def run(
         self,
         items: Sequence,
@@ -143,38 +170,12 @@ class Pipeline:
         drain: bool = True,
         source: Optional[BufferSource] = None,
     ) -> None:
-        """For each item in order: ``read(item, buf)``, ``process(item, buf)``, then ``write(item, buf)``
-        if ``process`` returned True.
-
-        ``read`` and ``write`` start I/O and return a future (``wait()`` gives the bytes moved), or
-        ``None`` when the item needs no read (state not created yet: the buffer then holds stale bytes
-        that ``process`` must overwrite) or no write. ``drain=False`` returns with the last writes still
-        landing (a :class:`BufferSource` holds them as pending, so their buffers are not reused before;
-        the caller keeps the futures ``write`` returned and waits for them before reading those bytes
-        back); they are then not counted in ``bytes_written``. On an error everything is drained.
-        ``source`` lends the buffers for this run instead of the pipeline's own.
-
-        Raises:
-            Whatever ``read``, ``process``, ``write`` or a future raises (an ``OSError`` naming the file
-            and offset for I/O), after every request in flight has finished.
-        """
-        source = self._source_for(source, drain)
-        ahead = _ReadAhead(items, source, read, self.lookahead)
-        writes: list = []
-        try:
-            for i in range(len(items)):
-                safe_point()  # a Ctrl-C held off stops the run here, where every buffer is accounted for
-                ahead.issue(i)
-                item, buf, fut = ahead.pop()
-                self._process(item, buf, fut, process, write, source, writes)
-            for w in writes if drain else ():
-                self.bytes_written += w.wait()
-        except BaseException:
-            wait_quietly(fut for _, _, fut in ahead.reads if fut is not None)
-            wait_quietly(writes)
-            for _, buf, _ in ahead.reads:
-                source.give(buf)
-            raise
+        """:meth:`stream` with ``process(item, buf)`` as the body: ``write(item, buf)`` follows if it returned
+        True."""
+        with self.stream(items, read=read, write=write, drain=drain, source=source) as stream:
+            for item, buf in stream:
+                if not process(item, buf):
+                    stream.skip_write()
 
     def _source_for(self, source: Optional[BufferSource], drain: bool) -> BufferSource:
         """The source of a run's buffers: ``source``, else the pipeline's own."""
@@ -188,27 +189,95 @@ class Pipeline:
             raise ValueError("this pipeline has no buffers of its own: pass a source to run()")
         return source
 
-    def _process(self, item: Any, buf: Any, fut: Any, process: Callable[[Any, Any], bool],
-                 write: Optional[Callable[[Any, Any], Any]], source: BufferSource, writes: list) -> None:
-        """Wait for ``item``'s read (``fut``), process it, and write it if asked: the write is waited for at
-        once, or, with ``write_behind``, added to ``writes`` and left landing. ``buf`` goes back to
-        ``source`` (pending on that write)."""
+
+class Stream:
+    """One pass of a :class:`Pipeline` over its items, as a loop (see :meth:`Pipeline.stream`)."""
+
+    def __init__(self, pipeline: Pipeline, items: Sequence, source: BufferSource,
+                 read: Optional[Callable[[Any, Any], Any]], write: Optional[Callable[[Any, Any], Any]], drain: bool):
+        self.pipeline = pipeline
+        self.items = items
+        self.source = source
+        self.write = write
+        self.drain = drain
+        self.ahead = _ReadAhead(items, source, read, pipeline.lookahead)
+        self.writes: list = []  # the writes left landing (write-behind)
+        self.next = 0  # the index of the next item to hand out
+        self.current: Optional[tuple] = None  # (item, buffer) in the body now
+        self.writing = True  # whether the current item is written once the body is done with it
+        self.entered = False
+
+    def __enter__(self) -> Stream:
+        self.entered = True
+        return self
+
+    def __iter__(self) -> Stream:
+        if not self.entered:
+            raise RuntimeError("iterate a pipeline's stream inside its with block (it waits for the I/O at the end)")
+        return self
+
+    def __next__(self) -> tuple:
+        """The body is done with the current item: write it (or not); then hand out the next, once read."""
+        if self.current is not None:
+            self._finish()
+        if self.next >= len(self.items):
+            raise StopIteration
+        safe_point()  # a Ctrl-C held off stops the pass here, where every buffer is accounted for
+        self.ahead.issue(self.next)
+        item, buf, fut = self.ahead.pop()
+        self.current, self.writing = (item, buf), True
+        self.next += 1
+        if fut is not None:
+            self.pipeline.bytes_read += fut.wait()
+        return item, buf
+
+    def skip_write(self) -> None:
+        """Leave the current item unwritten."""
+        self.writing = False
+
+    def _finish(self) -> None:
+        """Issue the current item's write, if any: waited for at once or, with write-behind, left landing.
+        Its buffer goes back to the source (pending on that write)."""
+        item, buf = self.current
+        self.current = None
         try:
-            if fut is not None:
-                self.bytes_read += fut.wait()
-            wfut = write(item, buf) if process(item, buf) and write is not None else None
+            wfut = self.write(item, buf) if self.writing and self.write is not None else None
         except BaseException:
-            source.give(buf)
+            self.source.give(buf)
             raise
-        if wfut is not None and not self.write_behind:
+        if wfut is not None and not self.pipeline.write_behind:
             try:
-                self.bytes_written += wfut.wait()
+                self.pipeline.bytes_written += wfut.wait()
             finally:
-                source.give(buf)
+                self.source.give(buf)
             return
         if wfut is not None:
-            writes.append(wfut)
-        source.give(buf, wfut)
+            self.writes.append(wfut)
+        self.source.give(buf, wfut)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                if self.current is not None:  # the loop was left early: the item in it is done with
+                    self._finish()
+                for w in self.writes if self.drain else ():
+                    self.pipeline.bytes_written += w.wait()
+                return
+            except BaseException:
+                self._abort()
+                raise
+        self._abort()
+
+    def _abort(self) -> None:
+        """After an error: every request in flight finished, every buffer back with the source."""
+        wait_quietly(fut for _, _, fut in self.ahead.reads if fut is not None)
+        wait_quietly(self.writes)
+        for _, buf, _ in self.ahead.reads:
+            self.source.give(buf)
+        self.ahead.reads.clear()
+        if self.current is not None:
+            self.source.give(self.current[1])
+            self.current = None
 
 
 class _ReadAhead:
