@@ -35,11 +35,18 @@ def update_offloaded(store: StateStore, access: ParamAccess, state: dict, slots:
     units = order if order is not None else store.step_order(store.units_of(slots))
     updates = _UnitUpdates(state, slots, scaling, math)
     try:
-        with access.units(units, updates.candidates) as unit_pass:
+        # The step's last writes land while the caller goes on (the next forward); reading a unit back, a
+        # checkpoint, state_dict() or close() waits for them.
+        with access.units(units, updates.candidates) as unit_pass, \
+                store.step(units, keep_first=order is not None) as units_in:
             updates.unit_pass = unit_pass
-            # Its last writes land while the caller goes on (the next forward); reading a unit back, a
-            # checkpoint, state_dict() or close() waits for them.
-            store.step(units, updates.update, updates.before_write, keep_first=order is not None, gate=gate)
+            for unit, buf in units_in:
+                if gate is not None:
+                    gate(unit)  # overlap_backward: until the unit's grads are final
+                units_in.changing(unit, buf)  # an asynchronous checkpoint copies the unit first
+                updates.update(unit, buf)
+                if units_in.written(unit):
+                    updates.before_write(unit)  # its state back from the device before its write
     finally:
         # Units resident in host memory are never written: their copies back must land before the step
         # ends (and after a failure, before anyone reuses their buffers).

@@ -5,14 +5,14 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..buffers import BufferPool
 from ..bytes import ByteStore, HostTier, TierSource
 from ..pipeline import BufferRing, BufferSource, Pipeline
 from .layout import Layout, Unit
 
-__all__ = ["After", "Fate", "UnitMover"]
+__all__ = ["After", "Fate", "UnitMover", "UnitStream"]
 
 # With ``keep_first`` (a step in backward's order, see :meth:`UnitMover.step`), the pool buffers left to stream
 # the other units through: a read of the next unit while the current one is updated and the last one written.
@@ -89,31 +89,26 @@ class UnitMover:
 
     # -- the three passes ---------------------------------------------------------------------
 
-    def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
-             before_write: Callable[[Unit], None], *, keep_first: bool = False,
-             gate: Optional[Callable[[Unit], None]] = None) -> None:
-        """Update ``units`` in order: ``update(unit, buffer)``, then ``before_write(unit)`` before a unit's write
-        (to wait for device copies into its buffer). The tiers are settled (see :meth:`fates`); the last
-        writes are left landing (see :meth:`offload.bytes.ByteStore.drain`).
+    def step(self, units: Sequence[Unit], *, keep_first: bool = False) -> UnitStream:
+        """A pass that updates ``units`` in order, as a loop (see :class:`UnitStream`). The tiers are settled
+        (see :meth:`fates`); the last writes are left landing (see :meth:`offload.bytes.ByteStore.drain`).
 
         ``keep_first``: the next step visits ``units`` in the same order (backward's, with overlap_backward), so
         the pool buffers of the first units are set aside once updated, holding them unwritten for it (see
         :meth:`flush`), and the rest stream through :data:`STREAMING` buffers (see :meth:`kept`). Without a
-        host tier only. ``gate(unit)`` runs before a unit's update; raising there leaves the unit as it was.
+        host tier only.
         """
         keep = self.kept(units) if keep_first else set()
-        self._pass(units, self.fates(units, step=True), update, before_write=before_write, drain=False, keep=keep,
-                   gate=gate)
+        return UnitStream(self, units, self.fates(units, step=True), drain=False, keep=keep)
 
-    def export(self, units: Sequence[Unit], copy_out: Callable[[Unit, Any], None]) -> None:
-        """Read ``units`` and give each to ``copy_out(unit, buffer)``; nothing is written or frozen."""
-        self._pass(units, self.fates(units, changes=False), copy_out, changes=False)
+    def export(self, units: Sequence[Unit]) -> UnitStream:
+        """A pass that reads ``units``, as a loop: nothing is written or frozen."""
+        return UnitStream(self, units, self.fates(units, changes=False), changes=False)
 
-    def restore(self, units: Sequence[Unit], copy_in: Callable[[Unit, Any], None],
-                keeps_state: Callable[[Unit], bool]) -> None:
-        """Overwrite ``units`` with ``copy_in(unit, buffer)``; a unit is read first only if
-        ``keeps_state(unit)`` (it also holds state that is not replaced)."""
-        self._pass(units, self.fates(units, exists=keeps_state), copy_in)
+    def restore(self, units: Sequence[Unit], keeps_state: Callable[[Unit], bool]) -> UnitStream:
+        """A pass that overwrites ``units``, as a loop; a unit is read first only if ``keeps_state(unit)`` (it
+        also holds state that is not replaced)."""
+        return UnitStream(self, units, self.fates(units, exists=keeps_state))
 
     # -- each unit's fate ---------------------------------------------------------------------
 
@@ -163,80 +158,6 @@ class UnitMover:
             return set()
         return {id(u) for u in list(units)[:max(0, len(self.pool) - STREAMING)]}
 
-    # -- the pass -----------------------------------------------------------------------------
-
-    def _pass(self, units: Sequence[Unit], fates: dict, update: Callable[[Unit, Any], None], *,
-              before_write: Optional[Callable[[Unit], None]] = None, changes: bool = True,
-              drain: bool = True, keep: frozenset | set = frozenset(),
-              gate: Optional[Callable[[Unit], None]] = None) -> None:
-        """Stream ``units`` through the pool, each as ``fates`` decided; the buffers of the units in ``keep``
-        (ids) are set aside once written (see :class:`_Aside`).
-
-        Raises:
-            OSError: a read or write failed (file and offset named), in this pass or a write an earlier
-                pass left landing; the store is then failed.
-            StateError: a unit's bytes on disk are not the bytes last written there.
-        """
-        store, tier = self.bytes, self.tier
-        store.collect_landed()
-        # Units kept in host memory (resident, or still in a pool buffer) are written without being read
-        # first: a write past a cut in a truncated file would leave holes that read back as zeros.
-        store.check_intact()
-        source: Optional[BufferSource] = self.ring
-        tiered: Optional[TierSource] = None  # the source over the pool and the tier, where there is a tier
-        self._put_back(keep)
-        if keep:
-            source = _Aside(self, keep)
-        if tier is not None:
-            settling = {i for i, f in fates.items() if f.after is After.SETTLES}
-            source = tiered = TierSource(self.ring, len(self.pool) if self.pool is not None else 0, tier, settling)
-
-        def read(unit: Unit, buf):
-            fate = fates[id(unit)]
-            if fate.home:
-                return None
-            if self.holds(unit, buf):
-                store.land(unit)  # its bytes are in the buffer: no read, once its write has landed
-                return None
-            self._holding.pop(id(buf), None)
-            return self.read(unit, buf) if fate.read else None
-
-        def process(unit: Unit, buf) -> bool:
-            fate = fates[id(unit)]
-            if gate is not None:
-                gate(unit)  # before anything changes: the buffer keeps what it holds
-            if changes:
-                store.changing(unit, buf)
-            try:
-                update(unit, buf)
-            except BaseException:
-                self._holding.pop(id(buf), None)  # the update may have changed the buffer part-way
-                raise
-            if fate.after is After.SETTLES:
-                assert tier is not None and tiered is not None, "a unit settles only in a tier"
-                self._holding.pop(id(buf), None)
-                tier.keep(unit, buf)
-                tiered.settled()
-            if id(unit) in keep and fate.after is After.WRITTEN:
-                self._holding[id(buf)] = unit  # set aside unwritten: the next step updates it there
-                self._unwritten.add(id(unit))
-                return False
-            return fate.after in (After.EVICTED, After.WRITTEN)
-
-        def write(unit: Unit, buf):
-            if before_write is not None:
-                before_write(unit)
-            if fates[id(unit)].after is After.EVICTED:
-                assert tier is not None and tiered is not None, "only a tier's units are evicted"
-                tier.leave(unit)
-                tiered.evicted()
-            fut = self.write(unit, buf, landing=not drain)
-            self._holding[id(buf)] = unit
-            return fut
-
-        self.pipeline.run(units, read=read, process=process, write=write, source=source, drain=drain)
-        store.check_intact()  # a cut made while this pass went on (the units read there may have been zeros)
-
     # -- single units and the pool's buffers --------------------------------------------------
 
     def read(self, unit: Unit, buf):
@@ -254,7 +175,7 @@ class UnitMover:
     def flush(self) -> None:
         """Write back every unit held aside unwritten (see step's ``keep_first``), left landing (the store's
         drain waits for them): its extent then holds its state, and it stays held for the next step."""
-        for key, (buf, pending) in list(self._aside.items()):
+        for key, (buf, _) in list(self._aside.items()):
             unit = self._holding.get(key)
             if unit is None or id(unit) not in self._unwritten:
                 continue
@@ -307,6 +228,118 @@ class UnitMover:
             # Freed with the mover, not at close(): a save still streaming through them may outlive it.
             weakref.finalize(self, self._spare.close)
         return list(self._spare)
+
+
+# NOTE: a pass is a loop over the units, each handed out in a buffer as its fate decided (read, or a resident unit's
+# home, or the pool buffer that still holds it), with the pipeline's reads ahead and writes behind. The caller's
+# body changes the buffer; going on to the next unit writes it, keeps it unwritten, settles it in the tier or
+# evicts it, as decided. Only the body knows when a unit starts to change (a step first waits for its grads):
+# it says so with changing(), which lets an asynchronous save copy the unit first, and tells an error after it
+# (the buffer may be half changed: not the unit's bytes any more) from one before (the buffer is as it was).
+class UnitStream:
+    """One pass of a :class:`UnitMover` over units, as a loop in a ``with`` block.
+
+    ::
+
+        with mover.step(units) as units_in:
+            for unit, buf in units_in:
+                units_in.changing(unit, buf)
+                ...  # update buf
+
+    Raises:
+        OSError: a read or write failed (file and offset named), in this pass or a write an earlier pass left
+            landing; the store is then failed.
+        StateError: a unit's bytes on disk are not the bytes last written there.
+    """
+
+    def __init__(self, mover: UnitMover, units: Sequence[Unit], fates: dict, *, changes: bool = True,
+                 drain: bool = True, keep: frozenset | set = frozenset()):
+        self.mover = mover
+        self.units = units
+        self.fates = fates
+        self.changes = changes
+        self.drain = drain
+        self.keep = keep
+        self.tiered: Optional[TierSource] = None  # the source over the pool and the tier, where there is a tier
+        self.stream: Any = None
+        self.current: Optional[Unit] = None
+        self.changed = False  # whether the current unit's buffer may have changed
+
+    def __enter__(self) -> UnitStream:
+        mover, store, tier = self.mover, self.mover.bytes, self.mover.tier
+        store.collect_landed()
+        # Units kept in host memory (resident, or still in a pool buffer) are written without being read
+        # first: a write past a cut in a truncated file would leave holes that read back as zeros.
+        store.check_intact()
+        mover._put_back(self.keep)
+        source: Optional[BufferSource] = mover.ring
+        if self.keep:
+            source = _Aside(mover, self.keep)
+        if tier is not None:
+            settling = {i for i, f in self.fates.items() if f.after is After.SETTLES}
+            source = self.tiered = TierSource(mover.ring, len(mover.pool) if mover.pool is not None else 0, tier,
+                                              settling)
+        self.stream = mover.pipeline.stream(self.units, read=self._read, write=self._write, source=source,
+                                            drain=self.drain).__enter__()
+        return self
+
+    def __iter__(self) -> Iterator[tuple[Unit, Any]]:
+        for unit, buf in self.stream:
+            self.current, self.changed = unit, False
+            yield unit, buf
+            if not self._after(unit, buf):
+                self.stream.skip_write()
+            self.current = None
+
+    def changing(self, unit: Unit, buf) -> None:
+        """The body is about to change ``unit``'s bytes in ``buf``: every freeze guard sees them first."""
+        self.changed = True
+        self.mover.bytes.changing(unit, buf)
+
+    def written(self, unit: Unit) -> bool:
+        """Whether ``unit`` is written once the body is done with it."""
+        return self.fates[id(unit)].after in (After.EVICTED, After.WRITTEN) and id(unit) not in self.keep
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None and self.current is not None and self.changed:
+            self.mover._holding.pop(id(self.stream.current[1]), None)  # the buffer may be changed part-way
+        self.stream.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            self.mover.bytes.check_intact()  # a cut made during the pass (units read there may have been zeros)
+
+    def _read(self, unit: Unit, buf):
+        fate, mover = self.fates[id(unit)], self.mover
+        if fate.home:
+            return None
+        if mover.holds(unit, buf):
+            mover.bytes.land(unit)  # its bytes are in the buffer: no read, once its write has landed
+            return None
+        mover._holding.pop(id(buf), None)
+        return mover.read(unit, buf) if fate.read else None
+
+    def _after(self, unit: Unit, buf) -> bool:
+        """The body is done with ``unit``: settle it, or hold it unwritten; whether it is written."""
+        fate, mover, tier = self.fates[id(unit)], self.mover, self.mover.tier
+        if fate.after is After.SETTLES:
+            assert tier is not None and self.tiered is not None, "a unit settles only in a tier"
+            mover._holding.pop(id(buf), None)
+            tier.keep(unit, buf)
+            self.tiered.settled()
+        if id(unit) in self.keep and fate.after is After.WRITTEN:
+            mover._holding[id(buf)] = unit  # set aside unwritten: the next step updates it there
+            mover._unwritten.add(id(unit))
+            return False
+        return fate.after in (After.EVICTED, After.WRITTEN)
+
+    def _write(self, unit: Unit, buf):
+        mover, tier = self.mover, self.mover.tier
+        if self.fates[id(unit)].after is After.EVICTED:
+            assert tier is not None and self.tiered is not None, "only a tier's units are evicted"
+            tier.leave(unit)
+            self.tiered.evicted()
+        fut = mover.write(unit, buf, landing=not self.drain)
+        mover._holding[id(buf)] = unit
+        return fut
 
 
 # NOTE: the pool doubles as a cache (holds): a buffer keeps the bytes of the unit last written from it until it is

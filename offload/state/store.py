@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -18,7 +19,7 @@ from ..sizes import MIB, format_size, round_up
 from ..space import SwapSpace
 from .codec import chunk_values, exported_keys, set_chunk_values
 from .layout import Chunk, Layout, ParamSlot, Unit
-from .moves import UnitMover
+from .moves import UnitMover, UnitStream
 
 __all__ = ["StateStore", "pool_buffer_size"]
 
@@ -248,18 +249,24 @@ class StateStore:
 
     # -- moving units ---------------------------------------------------------------------------
 
-    def step(self, units: Sequence[Unit], update: Callable[[Unit, Any], None],
-             before_write: Callable[[Unit], None], *, keep_first: bool = False,
-             gate: Optional[Callable[[Unit], None]] = None) -> None:
-        """One step over ``units`` (in the order given): each is read (unless it is resident in host memory, still
-        in a pool buffer, or has no state yet), ``update(unit, buffer)`` changes it, and it is written back,
-        kept resident or evicted as :meth:`UnitMover.fates` decides; ``before_write(unit)`` runs before its
-        write is issued (to wait for device copies into its buffer). Every unit read is checked against the
-        checksum of its last write. The last writes are left landing (they land during the next forward); a
-        unit read later waits for its own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``)
-        for all of them. ``keep_first``: the next step visits ``units`` in this order again (backward's, with
-        overlap_backward), so the pool holds its first units for it (:meth:`UnitMover.step`). ``gate(unit)`` runs
-        before a unit's update (to wait until its grads are final); raising there leaves the unit as it was.
+    @contextlib.contextmanager
+    def step(self, units: Sequence[Unit], *, keep_first: bool = False) -> Iterator[UnitStream]:
+        """One step over ``units`` (in the order given), as a loop (:class:`UnitStream`).
+
+        ::
+
+            with store.step(units) as units_in:
+                for unit, buf in units_in:
+                    units_in.changing(unit, buf)
+                    ...  # update the unit's state in buf
+
+        Each unit is read (unless it is resident in host memory, still in a pool buffer, or has no state yet),
+        handed out in a buffer, and once the body is done with it written back, kept resident or evicted as
+        :meth:`UnitMover.fates` decides. Every unit read is checked against the checksum of its last write.
+        The last writes are left landing (they land during the next forward); a unit read later waits for its
+        own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``) for all of them. ``keep_first``:
+        the next step visits ``units`` in this order again (backward's, with overlap_backward), so the pool
+        holds its first units for it (:meth:`UnitMover.step`).
 
         Raises:
             OSError: a read or write failed (file and offset named), in this step or a write an earlier
@@ -272,7 +279,8 @@ class StateStore:
         self._step_started = now
         self.steps_started += 1
         try:
-            self.moves.step(units, update, before_write, keep_first=keep_first, gate=gate)
+            with self.moves.step(units, keep_first=keep_first) as units_in:
+                yield units_in
         finally:
             self.steps_done += 1
 
@@ -287,13 +295,12 @@ class StateStore:
         out = {s: {k: torch.empty(local(s.param).shape, dtype=_export_dtype(s, k)) for k in exported_keys(s)}
                for s in wanted}
 
-        def copy_out(unit: Unit, buf) -> None:
-            for c in unit.chunks:
-                if c.slot in out:
-                    for k, t in out[c.slot].items():
-                        t.view(-1)[c.start:c.start + c.numel].copy_(chunk_values(c, buf, k))
-
-        self.moves.export(self.units_of(wanted), copy_out)
+        with self.moves.export(self.units_of(wanted)) as units_in:
+            for unit, buf in units_in:
+                for c in unit.chunks:
+                    if c.slot in out:
+                        for k, t in out[c.slot].items():
+                            t.view(-1)[c.start:c.start + c.numel].copy_(chunk_values(c, buf, k))
         for s in wanted:
             yield s, out[s]
 
@@ -315,23 +322,11 @@ class StateStore:
         if not any(needs_read(u) for u in self.layout.units):
             self.rewriting_all()
 
-        def copy_in(unit: Unit, buf) -> None:
-            for c in unit.chunks:
-                entry = by_slot.get(c.slot)
-                if entry is None:
-                    continue
-                for k in exported_keys(c.slot):
-                    src = entry.get(k)
-                    if src is not None:
-                        set_chunk_values(c, buf, k, src.detach().reshape(-1)[c.start:c.start + c.numel])
-                    elif k == "master":
-                        set_chunk_values(c, buf, k, master_from(c))
-                    else:
-                        set_chunk_values(c, buf, k, None)
-            after_unit(unit)
-
-        with self.bytes.failing_on(BaseException):
-            self.moves.restore(units, copy_in, keeps_state=needs_read)
+        with self.bytes.failing_on(BaseException), self.moves.restore(units, keeps_state=needs_read) as units_in:
+            for unit, buf in units_in:
+                units_in.changing(unit, buf)
+                _fill(unit, buf, by_slot, master_from)
+                after_unit(unit)
         for slot in by_slot:
             slot.initialized = True
 
@@ -456,6 +451,22 @@ def resolve_pin(setting, params: Iterable[torch.Tensor]) -> bool:
     if setting == "auto":
         return any(p.device.type == "cuda" for p in params)
     return bool(setting)
+
+
+def _fill(unit: Unit, buf, by_slot: dict, master_from: Callable[[Chunk], torch.Tensor]) -> None:
+    """Copy the state ``by_slot`` gives (torch's layout) into ``unit``'s chunks in ``buf`` (see write_state)."""
+    for c in unit.chunks:
+        entry = by_slot.get(c.slot)
+        if entry is None:
+            continue
+        for k in exported_keys(c.slot):
+            src = entry.get(k)
+            if src is not None:
+                set_chunk_values(c, buf, k, src.detach().reshape(-1)[c.start:c.start + c.numel])
+            elif k == "master":
+                set_chunk_values(c, buf, k, master_from(c))
+            else:
+                set_chunk_values(c, buf, k, None)
 
 
 def _export_dtype(slot: ParamSlot, key: str) -> torch.dtype:
