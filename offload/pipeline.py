@@ -218,8 +218,7 @@ class Stream:
 
     def __next__(self) -> tuple:
         """The body is done with the current item: write it (or not); then hand out the next, once read."""
-        if self.current is not None:
-            self._finish()
+        self._finish()
         if self.next >= len(self.items):
             raise StopIteration
         safe_point()  # a Ctrl-C held off stops the pass here, where every buffer is accounted for
@@ -238,6 +237,8 @@ class Stream:
     def _finish(self) -> None:
         """Issue the current item's write, if any: waited for at once or, with write-behind, left landing.
         Its buffer goes back to the source (pending on that write)."""
+        if self.current is None:
+            return
         item, buf = self.current
         self.current = None
         try:
@@ -258,8 +259,8 @@ class Stream:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             try:
-                if self.current is not None:  # the loop was left early: the item in it is done with
-                    self._finish()
+                self._finish()  # the loop was left early: the item in it is done with
+                self._unread()  # and the items read ahead for it are not wanted
                 for w in self.writes if self.drain else ():
                     self.pipeline.bytes_written += w.wait()
                 return
@@ -268,13 +269,18 @@ class Stream:
                 raise
         self._abort()
 
-    def _abort(self) -> None:
-        """After an error: every request in flight finished, every buffer back with the source."""
+    def _unread(self) -> None:
+        """The reads issued ahead finished and their buffers back with the source."""
         wait_quietly(fut for _, _, fut in self.ahead.reads if fut is not None)
-        wait_quietly(self.writes)
         for _, buf, _ in self.ahead.reads:
             self.source.give(buf)
         self.ahead.reads.clear()
+        self.ahead.lent.clear()
+
+    def _abort(self) -> None:
+        """After an error: every request in flight finished, every buffer back with the source."""
+        self._unread()
+        wait_quietly(self.writes)
         if self.current is not None:
             self.source.give(self.current[1])
             self.current = None

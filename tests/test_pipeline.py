@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import pytest
@@ -234,3 +235,35 @@ def test_while_the_current_item_has_its_own_buffer_one_more_read_goes_ahead():
     pipe.run(list(range(8)), read=space.read, process=process, source=source)
     first = space.log.index(("process", 0))
     assert [e for e in space.log[:first] if e[0] == "read"] == [("read", i) for i in range(8)]
+
+
+@pytest.mark.parametrize("leave", ["error", "break"])
+def test_a_stream_left_by_an_error_or_a_break_gives_every_buffer_back_with_its_io_finished(leave):
+    """The loop form of a pass: items come out read, in order; skip_write leaves one unwritten; an error in the
+    body (or a break) ends the pass with every request finished and every buffer back in the ring, and only
+    the items the body was done with are written (the one it raised in is not)."""
+    ring = BufferRing(["a", "b", "c"])
+    space = FakeSpace()
+    seen = []
+    with pytest.raises(RuntimeError) if leave == "error" else contextlib.nullcontext():
+        with Pipeline(ring, lookahead=1).stream(list(range(6)), read=space.read, write=space.write) as stream:
+            for item, _buf in stream:
+                assert ("land", f"read {item}") in space.log  # handed out once read
+                seen.append(item)
+                if item == 1:
+                    stream.skip_write()
+                if item == 3:
+                    if leave == "error":
+                        raise RuntimeError("injected")
+                    break
+    assert seen == [0, 1, 2, 3] and all(f.finished for f in space.futures)
+    assert [e for e in space.log if e[0] == "write"] == [("write", 0), ("write", 2)] + \
+        ([("write", 3)] if leave == "break" else [])
+    assert sorted(ring.take(wait=True) for _ in range(3)) == ["a", "b", "c"]
+
+
+def test_a_stream_is_iterated_inside_its_with_block():
+    """Outside its with block nothing would wait for the stream's I/O at the end: refused."""
+    stream = Pipeline(["a"]).stream([0])
+    with pytest.raises(RuntimeError, match="with block"):
+        iter(stream)
