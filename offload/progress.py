@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Sized
 from typing import Iterable, Iterator, Optional, TypeVar
 
@@ -40,6 +41,17 @@ def shown(enabled: Optional[bool] = None) -> bool:
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
 
+# NOTE: tqdm guards its bars with a class-wide lock that includes a multiprocessing semaphore, shared by every
+# process forked after it was made. A process killed (SIGKILL, OOM) while it held it, in the middle of a save
+# say, leaves it taken for good: every sibling's next bar, and so its save, then waits for ever. The library's
+# bars only need to keep this process's threads apart, so their class has a lock of its own, of threads only.
+class _Bar(tqdm):
+    """tqdm with a lock that no other process shares."""
+
+
+_Bar.set_lock(threading.RLock())
+
+
 def progress(total: Optional[float] = None, desc: str = "", *, unit: str = "it", nbytes: bool = False,
              enabled: Optional[bool] = None, delay: float = DELAY_S, leave: bool = False) -> tqdm:
     """A tqdm bar on stderr.
@@ -55,7 +67,7 @@ def progress(total: Optional[float] = None, desc: str = "", *, unit: str = "it",
     kwargs = dict(unit="B", unit_scale=True, unit_divisor=1024) if nbytes else dict(unit=unit)
     if _forced():
         delay, leave = 0.0, True  # asked for in a log: every bar, from its start to its last state
-    return tqdm(total=total, desc=desc, delay=delay, leave=leave, disable=not shown(enabled), dynamic_ncols=True,
+    return _Bar(total=total, desc=desc, delay=delay, leave=leave, disable=not shown(enabled), dynamic_ncols=True,
                 file=sys.stderr, **kwargs)
 
 
