@@ -195,11 +195,7 @@ class ShardHooks:
             by_module.setdefault(id(module), (module, []))[1].append(s)
         for module, mine in by_module.values():
             self._wrap(module, "_save_to_state_dict", self._save_wrapper(mine, module._save_to_state_dict))
-            held = [s.held for s in mine]
-            self._handles.append(module.register_load_state_dict_pre_hook(
-                lambda *a, held=held: self._fetch_all(held)))
-            self._handles.append(module.register_load_state_dict_post_hook(
-                lambda *a, held=held: self._release_all(held, dirty=True)))
+            self._wrap(module, "_load_from_state_dict", self._load_wrapper(mine, module._load_from_state_dict))
 
     def _wrap(self, obj: Any, name: str, fn) -> None:
         setattr(obj, name, fn)
@@ -335,6 +331,19 @@ class ShardHooks:
                         # A DTensor over the shard's storage, about to be given back: keep a copy.
                         destination[prefix + name] = destination[prefix + name].clone()
         return save_to_state_dict
+
+    def _load_wrapper(self, mine: list, load):
+        held = [s.held for s in mine]
+
+        def load_from_state_dict(*args, **kwargs):
+            # Released whatever happens (an error, a Ctrl-C): a hook pair would leave them resident when the
+            # load stops between the two.
+            self._fetch_all(held)
+            try:
+                return load(*args, **kwargs)
+            finally:
+                self._release_all(held, dirty=True)  # written back as they are, loaded in full or in part
+        return load_from_state_dict
 
     @deferring
     def _fetch_all(self, held: list) -> None:
