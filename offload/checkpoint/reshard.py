@@ -17,7 +17,7 @@ from torch import nn
 from ..distributed import Box, is_dtensor, like, local, local_box
 from ..errors import CheckpointError
 from ..params import named_tensors
-from ..state import check_param_state
+from ..state.dicts import check_param_state
 from .format import MODEL_MEMORY, dtype_of
 from .manifest import JobManifest, LocalPart, Manifest, TensorEntry
 from .model import model_memory, model_section

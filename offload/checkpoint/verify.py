@@ -12,7 +12,7 @@ import torch
 from ..aio import Engine
 from ..commit import replace_file
 from ..errors import CheckpointError, ChecksumError
-from ..state import step_tensor
+from ..state.dicts import step_tensor
 from .commit import reading
 from .format import (
     DATA,
