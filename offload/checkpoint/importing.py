@@ -17,8 +17,8 @@ from ..state.plans import ImportedState, import_plan
 from .commit import Staged, reading, write_atomically
 from .format import dtype_name, dtype_of
 from .manifest import Manifest, ParamEntry, read_process
-from .snapshot import Plan, cpu_state, torch_groups, write_small_files
-from .stream import tool_pool, write_data
+from .snapshot import Plan, StateCopy, cpu_state, torch_groups, write_small_files
+from .stream import progress_bar, tool_pool
 
 __all__ = ["import_state_dict"]
 
@@ -58,17 +58,15 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
     laid = import_plan(state, target.shapes, target.dtypes, amsgrad_of, unit_bytes=target.unit_bytes,
                        state_dtype=oc.state_dtype, master=oc.master_weights, threshold=target.threshold)
 
-    def fill(i: int, buf) -> None:
-        try:
-            laid.fill(i, buf)
-        except KeyError as err:
-            index, key = err.args[0]
-            raise CheckpointError(f"parameter {index}: state {key!r} is missing from the state dict") from None
-
     def write(staged: Staged) -> Manifest:
         with tool_pool([target.unit_bytes], cap=None) as pool:
-            data = write_data(staged, target.cfg.aio, list(pool), list(range(len(laid.nbytes))), read=None, fill=fill,
-                              nbytes_of=laid.nbytes.__getitem__)
+            state = StateCopy(laid, staged, target.cfg.aio)
+            try:
+                state.reserve()
+                with progress_bar(state.total, "import", False) as bar:
+                    data = state.run(list(pool), bar)
+            finally:
+                state.close()
         entries, memory_state, steps = _entries(laid, target)
         taken = Plan(laid, entries, torch_groups(groups, renumber), memory_state, steps, {})
         return write_small_files(staged, taken, data, kind="imported", extra=extra,

@@ -189,7 +189,7 @@ def _check_resharded(optimizer, root: str, sources: list, missing: list, model: 
         s.manifest.sized_path(DATA)
     sources = [with_parts(s) for s in sources]
     manifest, memory, extra, params = _check_source(optimizer, sources[0], model) if sources else (None,) * 4
-    amsgrad = {id(p): bool(g["amsgrad"]) for g in optimizer.param_groups for p in g["params"]}
+    amsgrad = _amsgrad(optimizer)
     resharded = plan(root, sources, missing, params, {i: amsgrad[id(p)] for i, p in enumerate(params or ())}, model)
     return _Checked(manifest, memory, extra, params, resharded.state, resharded)
 
@@ -255,6 +255,11 @@ def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
         return extra
 
 
+def _amsgrad(opt) -> dict:
+    """Per ``id(param)``: whether its group has amsgrad."""
+    return {id(p): bool(g["amsgrad"]) for g in opt.param_groups for p in g["params"]}
+
+
 def _match(opt, manifest: Manifest, memory: dict) -> list:
     """Check the checkpoint against the optimizer; return its parameters in index order."""
     where = f"checkpoint {manifest.root}"
@@ -264,7 +269,7 @@ def _match(opt, manifest: Manifest, memory: dict) -> list:
         if not 0 <= i < len(params):
             raise CheckpointError(f"{where}: parameter index {i} is out of range")
         params[i] = p
-    amsgrad = {id(p): bool(g["amsgrad"]) for g in opt.param_groups for p in g["params"]}
+    amsgrad = _amsgrad(opt)
     for e in manifest.params:
         p = params[e.index]
         keys = None
@@ -288,7 +293,7 @@ def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storag
                                   [u.length for u in manifest.units], manifest.params)
         if plan is not None:
             with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
-                def write(span, buf):
+                def write(span, start, buf):
                     bar.update(span.length)
                     return load.write(plan[span.key], buf)
 

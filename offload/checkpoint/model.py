@@ -12,15 +12,14 @@ from torch import nn
 
 from ..aio import Engine
 from ..config import AioConfig, config_to_dict
-from ..errors import CheckpointError, ChecksumError, StateError
+from ..errors import CheckpointError, StateError
 from ..interrupts import deferring
 from ..params import named_tensors, shards_held, store_of
 from ..params.plans import block_size, flat_bytes, held, load_blocks, save_blocks, stores_of
-from ..sizes import ALIGNMENT, round_up
 from .commit import Staged, reading, write_atomically
 from .format import DEFAULT_STORAGE, MODEL_MEMORY, PARAMS_DATA, Storage, dtype_name, dtype_of, read_torch, write_file
 from .manifest import LocalPart, Manifest, ModelSection, TensorEntry, read_process
-from .stream import DONE, read_verified, stream, tensor_spans, tool_pool, write_data
+from .stream import read_verified, stream, tensor_spans, tool_pool, write_data
 
 __all__ = ["load_parameters", "save_parameters"]
 
@@ -88,6 +87,11 @@ def model_section(manifest: Manifest) -> ModelSection:
     return manifest.model
 
 
+def _aio(stores: list) -> AioConfig:
+    """The engine settings of the first store (the defaults without one)."""
+    return stores[0].config.aio if stores else AioConfig()
+
+
 # -- saving -----------------------------------------------------------------------------------
 
 
@@ -132,17 +136,17 @@ def _save_model(model: nn.Module, staged: Staged, index_of: Optional[dict]) -> t
         unit_bytes = block_size(buffers, stores) if offloaded else 0
         units = save_blocks(offloaded, unit_bytes) if offloaded else []
 
-        def read(u, buf):
+        def read(i: int, buf):
             # Checked as it lands: a checkpoint never copies weights changed on disk behind our back.
-            return u.read(buf, unit_bytes)
+            return units[i].read(buf, unit_bytes)
 
-        def fill(u, buf) -> None:
-            hashes[u.name].update(buf.tensor[:u.n].numpy())
+        def fill(i: int, buf) -> None:
+            hashes[units[i].name].update(buf.tensor[:units[i].n].numpy())
 
-        aio = stores[0].config.aio if stores else AioConfig()
-        data, table = write_data(staged, aio, buffers or [], units, read=read, fill=fill, nbytes_of=lambda u: u.n,
-                                 name=PARAMS_DATA, unit_digests=False)
-    offset = {u.name: row.offset for u, row in zip(units, table) if u.start == 0}
+        aio = _aio(stores)
+        data, offsets = write_data(staged, aio, buffers or [], [u.n for u in units], read=read, fill=fill,
+                                   name=PARAMS_DATA)
+    offset = {u.name: at for u, at in zip(units, offsets) if u.start == 0}
     length = {name: t.numel() * t.element_size() for name, t, _ in offloaded}
     entries = [e if e.where != PARAMS_DATA else
                TensorEntry(**{**e.__dict__, "offset": offset[e.name], "length": length[e.name],
@@ -278,7 +282,7 @@ def _load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig], 
     manifest.sized_path(PARAMS_DATA)
     stores = stores_of(t for _, t, _ in jobs)
     if aio is None:
-        aio = stores[0].config.aio if stores else AioConfig()
+        aio = _aio(stores)
     own_pool = None if stores else _tool_pool(manifest)
     with own_pool or contextlib.nullcontext(), storage.engine(aio) as engine, held(stores) as lent:
         buffers = lent if lent is not None else list(own_pool)
@@ -298,35 +302,18 @@ def _load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig], 
 
 def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buffers: list, stores: list) -> None:
     """Second pass: every tensor's new bytes into the extents and the in-memory copies."""
-    path = manifest.path(PARAMS_DATA)
     unit_bytes = block_size(buffers, stores)
-    units, direct, after = load_blocks([(name, t, e, memory[e.name] if e.where == MODEL_MEMORY else None)
-                                        for name, t, e in jobs], unit_bytes)
-    hashes = {id(u.entry): xxhash.xxh3_64() for u in units if u.entry is not None}
-    with engine.open(path, "r", no_links=True) as f:
-        def read(u, buf):
-            if u.entry is None:
-                return DONE
-            return engine.read_async(f, buf, u.entry.offset + u.start, round_up(u.n, ALIGNMENT))
-
-        def process(u, buf) -> bool:
-            data = buf.tensor[:u.n]
-            if u.entry is not None:
-                h = hashes[id(u.entry)]
-                h.update(data.numpy())
-                if u.start + u.n == u.entry.length and h.hexdigest() != u.entry.xxh3_64:
-                    # Verified a moment ago: the file changed under us.
-                    raise ChecksumError(f"{path}: parameter {u.entry.name!r} has xxh3_64 {h.hexdigest()} now, "
-                                          f"the manifest says {u.entry.xxh3_64}: the file changed while it was read")
-            else:
-                data.copy_(u.memory[u.start:u.start + u.n])
-            u.refresh(data)
-            return u.on_disk  # the tail of its last block goes to disk too: zeros, as the store writes it
-
-        def write(u, buf):
-            return u.write(buf, unit_bytes)
-
-        stream(units, buffers, read=read, process=process, write=write)
+    blocks, direct, after = load_blocks([(name, t, e, memory[e.name] if e.where == MODEL_MEMORY else None)
+                                         for name, t, e in jobs], unit_bytes)
+    # From params.bin, checked again as it passes (verified a moment ago: a mismatch is a file changed under us).
+    from_file = {(id(b.entry), b.start): b for b in blocks if b.entry is not None}
+    spans = [s for s in tensor_spans(manifest) if (id(s.key), 0) in from_file]
+    read_verified(engine, manifest.path(PARAMS_DATA), spans, buffers, None, part_bytes=unit_bytes,
+                  sink=lambda span, start, data: from_file[(id(span.key), start)].refresh(data),
+                  write=lambda span, start, buf: from_file[(id(span.key), start)].write(buf, unit_bytes))
+    # From model.pt (a weight offloaded here that was not when saved).
+    stream([b for b in blocks if b.entry is None], buffers, process=lambda b, buf: b.take(buf),
+           write=lambda b, buf: b.write(buf, unit_bytes))
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for t, src in direct:
             t.copy_(src)

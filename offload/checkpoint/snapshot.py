@@ -27,7 +27,7 @@ from ..state.plans import StateItems, save_plan
 from .commit import Staged
 from .format import DATA, EXTRA, MEMORY, dtype_name, io_error, write_file
 from .manifest import LocalPart, Manifest, ParamEntry, Unit
-from .stream import DataFile, packed, stream
+from .stream import DataFile, stream
 
 # -- cloning extents (reflink) -------------------------------------------------------------------------
 
@@ -146,7 +146,8 @@ class StateCopy:
     def __init__(self, items: StateItems, staged: Staged, aio: AioConfig):
         self.items = items
         n = len(items.nbytes)
-        self.offsets, self.lengths, self.total = packed(items.nbytes)
+        self.data = DataFile(staged, aio, DATA, items.nbytes)
+        self.offsets, self.lengths, self.total = self.data.offsets, self.data.lengths, self.data.total
         self.state = [_PENDING] * n
         self.reads: list = [None] * n  # the save's read of a unit from the store (the guard waits for it)
         self.written: list = [None] * n  # the guard's write of a unit
@@ -171,7 +172,6 @@ class StateCopy:
         self.spares: Optional[BufferPool] = None
         self.spares_ready = threading.Event()
         self.ring: Optional[BufferRing] = None
-        self.data = DataFile(staged, aio, DATA)
         self.path, self.engine, self.file = self.data.path, self.data.engine, self.data.file
 
     def reserve(self) -> None:
@@ -449,12 +449,9 @@ class StateCopy:
             bar.update(length)
             return from_store[i]
 
-        def write(i: int, buf):
-            return self.engine.write_async(self.file, buf, self.offsets[i], self.lengths[i])
-
         self.data.register(buffers)
-        stream(walk, list(buffers), read=read, process=process, write=write)
-        self.data.storage.fsync(self.file.fd, self.path)
+        stream(walk, list(buffers), read=read, process=process, write=self.data.write)
+        self.data.sync()
         table = [Unit(o, n, size, d, k) for size, o, n, d, k in
                  zip(self.items.nbytes, self.offsets, self.lengths, self.digests, self.pieces)]
         return {"bytes": self.total, "xxh3_64": whole.hexdigest() if whole is not None else None}, table

@@ -81,15 +81,26 @@ class WeightBlock:
         return self.extent is not None
 
     def read(self, buf, unit_bytes: int):
-        """Start reading the bytes into ``buf`` (a future; checked against their last write), or copy them from
-        memory (None)."""
+        """Saving: start reading the bytes into ``buf`` (a future; checked against their last write), or copy
+        them from memory (None)."""
         if self.extent is None:
             buf.tensor[:self.n].copy_(self.memory[self.start:self.start + self.n])
             return None
         return self._swap(buf, unit_bytes, write=False)
 
+    def take(self, buf) -> bool:
+        """Loading from memory: copy the new bytes into ``buf`` and every in-memory copy; whether they go to disk
+        (:meth:`write`)."""
+        data = buf.tensor[:self.n]
+        data.copy_(self.memory[self.start:self.start + self.n])
+        self.refresh(data)
+        return self.on_disk
+
     def write(self, buf, unit_bytes: int):
-        """Start writing ``buf``'s bytes to the swap space, zeros to the end of the space's last block."""
+        """Loading: start writing ``buf``'s bytes to the swap space, zeros to the end of the space's last block;
+        None where the bytes go to memory only."""
+        if self.extent is None:
+            return None
         buf.tensor[self.n:round_up(self.n, self.store.space.alignment)].zero_()
         return self._swap(buf, unit_bytes, write=True)
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from .. import codes
+from ..errors import CheckpointError
 from ..pipeline import Pipeline
 from .codec import exported_keys, set_chunk_values
 from .layout import HALF_DTYPES, Layout
@@ -161,11 +162,20 @@ class ImportedState(StateItems):
         """The size of a unit."""
         return self.layout.unit_bytes
 
-    def fill(self, i: int, buf) -> None:
-        """``buf`` filled with item ``i``'s state from the state dict (the read of imported items).
+    @property
+    def swap_files(self) -> Optional[list]:
+        """None: the items are made in host memory."""
+        return None
+
+    def in_host(self, i: int) -> bool:
+        """True: every item is made in host memory."""
+        return True
+
+    def read(self, i: int, buf) -> None:
+        """``buf`` filled with item ``i``'s state from the state dict (at once: returns None).
 
         Raises:
-            KeyError: a state key of a parameter is missing from the state dict (named as ``(index, key)``).
+            CheckpointError: a state key of a parameter is missing from the state dict (named).
         """
         for c in self.units[i].chunks:
             index = self.meta_index[id(c.slot.param)]
@@ -175,7 +185,7 @@ class ImportedState(StateItems):
                     if key == "master":
                         set_chunk_values(c, buf, key, None)  # never read: "master" is absent from the keys saved
                         continue
-                    raise KeyError((index, key))
+                    raise CheckpointError(f"parameter {index}: state {key!r} is missing from the state dict")
                 set_chunk_values(c, buf, key, src.detach().reshape(-1)[c.start:c.start + c.numel])
 
     def params(self) -> dict:
