@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 import errno as _errno
-import fcntl
 import os
-import struct
 import sys
 import threading
 import time
@@ -28,28 +26,6 @@ from .commit import Staged
 from .format import DATA, EXTRA, MEMORY, dtype_name, io_error, write_file
 from .manifest import LocalPart, Manifest, ParamEntry, Unit
 from .stream import DataFile, stream
-
-# -- cloning extents (reflink) -------------------------------------------------------------------------
-
-FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range)
-# What a file system says when it cannot share extents between these two files: no reflink support
-# (ext4, tmpfs), two file systems, or offsets and lengths that are not multiples of its block size.
-NO_CLONE_ERRORS = frozenset({_errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EXDEV, _errno.EINVAL, _errno.ENOTTY,
-                       _errno.ENOSYS, _errno.EBADF})
-
-
-def clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
-    """Make ``length`` bytes of ``dst_fd`` at ``dst_offset`` share the extents of ``src_fd`` at
-    ``src_offset`` (``FICLONERANGE``: XFS with reflink, btrfs): metadata only, whatever the length.
-    False where the file system cannot (the caller copies the bytes instead); OSError on any other
-    failure (ENOSPC, EIO, ...)."""
-    try:
-        fcntl.ioctl(dst_fd, FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, length, dst_offset))
-    except OSError as err:
-        if err.errno in NO_CLONE_ERRORS:
-            return False
-        raise
-    return True
 
 
 @dataclass
@@ -185,48 +161,29 @@ class StateCopy:
     def clone(self) -> None:
         """Clone every unit that lies on the swap files into state.bin (metadata only), where the file
         system can; the rest is copied later. The swap files must have no write in flight."""
-        items, files = self.items, self.items.swap_files
-        if files is None or not self.on_disk:
-            self.why_not = "the state lives in host memory" if files is None else None
-            return
-        devices = {os.stat(p).st_dev for p in files}
-        if devices != {os.stat(self.path).st_dev}:
-            self.why_not = "the checkpoint is not on the swap files' file system"
-            return
-        need = sum(n for i, n in enumerate(self.lengths) if not items.in_host(i))
-        sources = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in files}
+        need = sum(n for i, n in enumerate(self.lengths) if not self.items.in_host(i))
         pad = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)  # buffered: padding is not block-sized
+
+        def cloned(i: int, known) -> None:
+            if not self.cloned:
+                self._check_room(need)
+            nbytes = self.items.nbytes[i]
+            if known is not None:
+                # The store zeroes a unit's padding as it writes it, so the clone is what a copy
+                # writes; the checksum is of the bytes shared, padding included.
+                self.digests[i], self.pieces[i] = hex_digest(known[0]), known[1]
+            elif self.lengths[i] > nbytes:
+                os.pwrite(pad, bytes(self.lengths[i] - nbytes), self.offsets[i] + nbytes)  # as a copy pads: zeros
+            self.state[i] = _IN_FILE
+            self.issued[i].set()
+            self.cloned += 1
+            self.cloned_bytes += self.lengths[i]
+
         try:
-            for i, nbytes in enumerate(items.nbytes):
-                if not items.on_disk(i):
-                    continue  # resident: its bytes are in memory, copied by the walk
-                # What the store knows of the bytes about to be shared, taken now: no write is in flight
-                # and no step runs until the call returns, so it is the checksum of exactly these bytes.
-                known = items.landed_digest(i)
-                if known is not None and known[2] != self.lengths[i]:
-                    known = None  # the swap space's alignment is not the checkpoint's: not the same bytes
-                for path, offset, within, n in items.file_ranges(i, self.lengths[i]):
-                    if not clone_range(sources[path], offset, n, self.file.fd, self.offsets[i] + within):
-                        self.why_not = "the file system cannot clone these extents (no reflink)"
-                        return  # this unit (maybe cloned in part) and the rest are copied by the walk
-                    if not self.cloned:
-                        self._check_room(need)
-                gap = self.lengths[i] - nbytes
-                if known is not None:
-                    # The store zeroes a unit's padding as it writes it, so the clone is what a copy
-                    # writes; the checksum is of the bytes shared, padding included.
-                    self.digests[i], self.pieces[i] = hex_digest(known[0]), known[1]
-                elif gap:
-                    os.pwrite(pad, bytes(gap), self.offsets[i] + nbytes)  # as a copy pads: zeros
-                self.state[i] = _IN_FILE
-                self.issued[i].set()
-                self.cloned += 1
-                self.cloned_bytes += self.lengths[i]
+            self.why_not = self.items.clone_into(self.file.fd, self.path, self.offsets, self.lengths, cloned)
         except OSError as err:
             raise io_error(err, self.path, "cannot clone the state into") from err
         finally:
-            for fd in sources.values():
-                os.close(fd)
             os.close(pad)
 
     def _check_room(self, need: int) -> None:

@@ -12,8 +12,12 @@ where the saved rows match this layout (:meth:`StateLoad.packed_as`), re-chunked
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import math
+import os
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -26,7 +30,30 @@ from .codec import exported_keys, set_chunk_values
 from .layout import HALF_DTYPES, Layout
 
 __all__ = ["HALF_DTYPES", "ImportedState", "SavedParam", "StateItems", "StateLoad", "ValueSource", "clear_initialized",
-           "import_plan", "save_plan"]
+           "clone_range", "import_plan", "save_plan"]
+
+
+# -- cloning extents (reflink) -------------------------------------------------------------------------
+
+FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range)
+# What a file system says when it cannot share extents between these two files: no reflink support
+# (ext4, tmpfs), two file systems, or offsets and lengths that are not multiples of its block size.
+NO_CLONE_ERRORS = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EINVAL, errno.ENOTTY,
+                             errno.ENOSYS, errno.EBADF})
+
+
+def clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
+    """Make ``length`` bytes of ``dst_fd`` at ``dst_offset`` share the extents of ``src_fd`` at
+    ``src_offset`` (``FICLONERANGE``: XFS with reflink, btrfs): metadata only, whatever the length.
+    False where the file system cannot (the caller copies the bytes instead); OSError on any other
+    failure (ENOSPC, EIO, ...)."""
+    try:
+        fcntl.ioctl(dst_fd, FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, length, dst_offset))
+    except OSError as err:
+        if err.errno in NO_CLONE_ERRORS:
+            return False
+        raise
+    return True
 
 
 @dataclass(frozen=True)
@@ -78,7 +105,7 @@ class StateItems:
         return self.store.layout.unit_bytes
 
     @property
-    def swap_files(self) -> Optional[list]:
+    def _swap_files(self) -> Optional[list]:
         """The paths of the swap files the items' bytes lie on, or None where the state lives in host memory."""
         return None if self.store.space is None else list(self.store.space.files)
 
@@ -91,13 +118,42 @@ class StateItems:
         """Whether item ``i``'s bytes are on the swap files only (not resident in host memory)."""
         return self.units[i].extent is not None and not self.in_host(i)
 
-    def file_ranges(self, i: int, length: int) -> list:
-        """Where the first ``length`` bytes of item ``i`` lie: ``(path, offset, within, n)`` per swap file."""
-        return self.store.space.file_ranges(self.units[i].extent, length)
+    def clone_into(self, fd: int, path: str, offsets: Sequence[int], lengths: Sequence[int],
+                   cloned: Callable[[int, Optional[tuple]], None]) -> Optional[str]:
+        """Make each item that lies on the swap files share its extents with ``lengths[i]`` bytes of the file
+        ``fd`` (at ``path``) at ``offsets[i]`` (``FICLONERANGE``: metadata only, whatever the length) where the
+        file system can, calling ``cloned(i, known)`` for each (``known``: the store's checksum of the bytes
+        shared, as :meth:`StateStore.landed_digest` gives it, or None); returns why the others were not
+        cloned (None: all were, or none lies on the swap files). The swap files must have no write in flight.
 
-    def landed_digest(self, i: int) -> Optional[tuple[int, int, int]]:
-        """The store's checksum of item ``i``'s bytes on disk (:meth:`StateStore.landed_digest`)."""
-        return self.store.landed_digest(self.units[i])
+        Raises:
+            OSError: a clone failed otherwise than for want of support (ENOSPC, EIO, ...).
+        """
+        files = self._swap_files
+        if files is None:
+            return "the state lives in host memory"
+        on_disk = [i for i in range(len(self.units)) if self.on_disk(i)]
+        if not on_disk:
+            return None
+        if {os.stat(p).st_dev for p in files} != {os.stat(path).st_dev}:
+            return "the checkpoint is not on the swap files' file system"
+        sources = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in files}
+        try:
+            for i in on_disk:
+                # What the store knows of the bytes about to be shared, taken now: no write is in flight and no
+                # step runs until the save's call returns, so it is the checksum of exactly these bytes.
+                known = self.store.landed_digest(self.units[i])
+                if known is not None and known[2] != lengths[i]:
+                    known = None  # the swap space's alignment is not the checkpoint's: not the same bytes
+                for src, offset, within, n in self.store.space.file_ranges(self.units[i].extent, lengths[i]):
+                    if not clone_range(sources[src], offset, n, fd, offsets[i] + within):
+                        # This item (maybe cloned in part) and the rest are copied by the caller.
+                        return "the file system cannot clone these extents (no reflink)"
+                cloned(i, known)
+        finally:
+            for source in sources.values():
+                os.close(source)
+        return None
 
     def read(self, i: int, buf):
         """Start reading item ``i`` into ``buf`` (checked against its last write); a future, or None."""
@@ -163,7 +219,7 @@ class ImportedState(StateItems):
         return self.layout.unit_bytes
 
     @property
-    def swap_files(self) -> Optional[list]:
+    def _swap_files(self) -> Optional[list]:
         """None: the items are made in host memory."""
         return None
 
