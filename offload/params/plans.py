@@ -84,7 +84,7 @@ class WeightBlock:
         """Saving: start reading the bytes into ``buf`` (a future; checked against their last write), or copy
         them from memory (None)."""
         if self.extent is None:
-            buf.tensor[:self.n].copy_(self.memory[self.start:self.start + self.n])
+            buf.tensor[:self.n].copy_(self._in_memory())
             return None
         return self._swap(buf, unit_bytes, write=False)
 
@@ -92,7 +92,7 @@ class WeightBlock:
         """Loading from memory: copy the new bytes into ``buf`` and every in-memory copy; whether they go to disk
         (:meth:`write`)."""
         data = buf.tensor[:self.n]
-        data.copy_(self.memory[self.start:self.start + self.n])
+        data.copy_(self._in_memory())
         self.refresh(data)
         return self.on_disk
 
@@ -103,6 +103,11 @@ class WeightBlock:
             return None
         buf.tensor[self.n:round_up(self.n, self.store.space.alignment)].zero_()
         return self._swap(buf, unit_bytes, write=True)
+
+    def _in_memory(self) -> torch.Tensor:
+        """The bytes where they are in memory (a block with no extent, or one loaded from model.pt, has them)."""
+        assert self.memory is not None
+        return self.memory[self.start:self.start + self.n]
 
     def refresh(self, data: torch.Tensor) -> None:
         """Copy the block's new bytes ``data`` into every in-memory copy."""
@@ -151,7 +156,9 @@ def load_blocks(jobs: Sequence[tuple[str, torch.Tensor, Any, Optional[torch.Tens
     each ``unit_bytes`` of a tensor filled on a swap space or through a buffer (from the data file at the entry,
     or from the source), ``(tensor, source)`` copied memory to memory, and ``(tensor, copy)`` of tensors filled
     through a contiguous copy. Call inside :func:`held`; the stores are told their bytes are rewritten."""
-    blocks, direct, after = [], [], []
+    blocks: list = []
+    direct: list = []
+    after: list = []
     for name, t, e, src in jobs:
         store = store_of(t)
         if store is None and src is not None:
