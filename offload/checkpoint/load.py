@@ -19,7 +19,7 @@ from ..interrupts import deferring
 from ..params import ParamAccess
 from ..sizes import ALIGNMENT
 from ..state.dicts import check_param_state, in_memory_state, match_groups, step_tensor
-from ..state.plans import HALF_DTYPES, StateLoad, clear_initialized
+from ..state.plans import HALF_DTYPES, StateLoad, mark_initialized
 from .commit import reading, wait_for_save
 from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank
@@ -208,7 +208,7 @@ def _apply(optimizer, model: nn.Module | None, progress: Optional[bool], checked
     try:
         _load_into(optimizer, checked, progress, storage)
     except BaseException as err:
-        clear_initialized(store)
+        mark_initialized(store, False)
         store.failed(err)
         raise
     return checked.extra
@@ -289,7 +289,7 @@ def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storag
     with storage.engine(opt.config.aio) as engine:
         manifest, plan = checked.manifest, None
         if checked.resharded is None:
-            plan = load.packed_as(manifest.buffer_size or 0, [u.nbytes for u in manifest.units],
+            plan = load.packed_as(manifest.buffer_size, [u.nbytes for u in manifest.units],
                                   [u.length for u in manifest.units], manifest.params)
         if plan is not None:
             with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
@@ -315,7 +315,7 @@ def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storag
     restore_in_memory(opt, checked.memory["param_groups"],
                       {checked.params[i]: {**state, "step": checked.saved[i].step} for i, state in small.items()},
                       offloaded)
-    clear_initialized(store, list(offloaded), value=True)
+    mark_initialized(store, True, list(offloaded))
     store.restored()
 
 
@@ -335,7 +335,7 @@ def restore_in_memory(optimizer, groups: list, small: dict, offloaded: dict) -> 
     for g, s in zip(optimizer.param_groups, groups):
         g.update({k: v for k, v in s.items() if k != "params"})
     optimizer.state.clear()
-    clear_initialized(optimizer.state_store)
+    mark_initialized(optimizer.state_store, False)
     master = optimizer.config.offload_optimizer.master_weights
     for p, source in small.items():
         # The weights are fetched (if offloaded) only where a master copy is to be made from them.

@@ -29,8 +29,8 @@ from ..pipeline import Pipeline
 from .codec import exported_keys, set_chunk_values
 from .layout import HALF_DTYPES, Layout
 
-__all__ = ["HALF_DTYPES", "ImportedState", "SavedParam", "StateItems", "StateLoad", "ValueSource", "clear_initialized",
-           "clone_range", "import_plan", "save_plan"]
+__all__ = ["HALF_DTYPES", "ImportedState", "SavedParam", "StateItems", "StateLoad", "ValueSource", "clone_range",
+           "import_plan", "mark_initialized", "save_plan"]
 
 
 # -- cloning extents (reflink) -------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def save_plan(store, params: Sequence[torch.Tensor]) -> tuple[StateItems, dict]:
     return StateItems(store, units), out
 
 
-def clear_initialized(store, params: Optional[Sequence[torch.Tensor]] = None, *, value: bool = False) -> None:
+def mark_initialized(store, value: bool, params: Optional[Sequence[torch.Tensor]] = None) -> None:
     """Mark the state of ``params`` (None: of every offloaded parameter) as existing (``value``) or not."""
     slots = store.layout.slots
     for slot in (slots.values() if params is None else (slots[p] for p in params)):
