@@ -9,16 +9,16 @@ from typing import Any, Optional
 
 import torch
 
-from .. import codes
 from ..config import Config, config_to_dict, load_config
 from ..errors import CheckpointError
 from ..regular import NotRegularFileError, open_regular
-from ..state import Layout, exported_keys, set_chunk_values, step_tensor
+from ..state.dicts import step_tensor
+from ..state.plans import ImportedState, import_plan
 from .commit import Staged, reading, write_atomically
 from .format import dtype_name, dtype_of
-from .manifest import Manifest, ParamEntry, chunk_table, read_process
-from .snapshot import Plan, cpu_state, torch_groups, write_small_files
-from .stream import tool_pool, write_data
+from .manifest import Manifest, ParamEntry, read_process
+from .snapshot import Plan, StateCopy, cpu_state, torch_groups, write_small_files
+from .stream import progress_bar, tool_pool
 
 __all__ = ["import_state_dict"]
 
@@ -54,15 +54,21 @@ def import_state_dict(state_dict: dict | str | os.PathLike, directory: str | os.
     target = _target(like, config, sum(len(g["params"]) for g in groups))
     amsgrad_of = {renumber[old]: bool(g.get("amsgrad", False)) for g in groups for old in g["params"]}
     _take_shapes(state, target)
-    laid = _Laid.out(state, target, amsgrad_of)
+    oc = target.cfg.offload_optimizer
+    laid = import_plan(state, target.shapes, target.dtypes, amsgrad_of, unit_bytes=target.unit_bytes,
+                       state_dtype=oc.state_dtype, master=oc.master_weights, threshold=target.threshold)
 
     def write(staged: Staged) -> Manifest:
-        units = laid.layout.units
         with tool_pool([target.unit_bytes], cap=None) as pool:
-            data = write_data(staged, target.cfg.aio, list(pool), units, read=None, fill=laid.fill,
-                              nbytes_of=lambda u: u.nbytes)
-        entries, memory_state, steps = laid.entries()
-        taken = Plan(units, entries, torch_groups(groups, renumber), memory_state, steps, {})
+            state = StateCopy(laid, staged, target.cfg.aio)
+            try:
+                state.reserve()
+                with progress_bar(state.total, "import", False) as bar:
+                    data = state.run(list(pool), bar)
+            finally:
+                state.close()
+        entries, memory_state, steps = _entries(laid, target)
+        taken = Plan(laid, entries, torch_groups(groups, renumber), memory_state, steps, {})
         return write_small_files(staged, taken, data, kind="imported", extra=extra,
                                  config=config_to_dict(target.cfg, only=None), unit_bytes=target.unit_bytes,
                                  threshold=target.threshold)
@@ -143,64 +149,23 @@ def _take_shapes(state: dict, target: _Target) -> None:
             target.dtypes[i] = ref_t.dtype
 
 
-@dataclass
-class _Laid:
-    """The parameters with state laid out in units, as an optimizer with the target's config would, and
-    what the checkpoint says of each."""
-
-    state: dict  # {index: state}
-    target: _Target
-    layout: Layout
-    metas: dict  # {index: a meta tensor standing for the offloaded parameter}
-    meta_index: dict  # {id(meta tensor): index}
-
-    @classmethod
-    def out(cls, state: dict, target: _Target, amsgrad_of: dict) -> _Laid:
-        """Lay out the parameters with state, as an optimizer with this config would."""
-        metas = {}
-        oc = target.cfg.offload_optimizer
-        layout = Layout(target.unit_bytes, oc.state_dtype, master=oc.master_weights)
-        offloaded = []
-        for i in range(len(target.shapes)):
-            if i in state and math.prod(map(int, target.shapes[i])) >= target.threshold:
-                metas[i] = torch.empty(target.shapes[i], dtype=target.dtypes[i], device="meta")
-                offloaded.append((metas[i], {"index": i}, amsgrad_of[i]))
-        layout.commit(layout.plan(offloaded))
-        return cls(state, target, layout, metas, {id(t): i for i, t in metas.items()})
-
-    def fill(self, unit, buf) -> None:
-        """``buf`` filled with ``unit``'s state from the state dict."""
-        for c in unit.chunks:
-            i = self.meta_index[id(c.slot.param)]
-            for key in exported_keys(c.slot):
-                src = self.state[i].get(key)
-                if src is None:
-                    if key == "master":
-                        set_chunk_values(c, buf, key, None)  # never read: "master" is absent from the keys below
-                        continue
-                    raise CheckpointError(f"parameter {i}: state {key!r} is missing from the state dict")
-                set_chunk_values(c, buf, key, src.detach().reshape(-1)[c.start:c.start + c.numel])
-
-    def entries(self) -> tuple[list, dict, dict]:
-        """The manifest's entry of each parameter, the state kept in memory, and the steps of the offloaded."""
-        chunks_of = chunk_table(self.layout.units, lambda param: self.meta_index[id(param)])
-        entries, memory_state, steps = [], {}, {}
-        for i in range(len(self.target.shapes)):
-            shape, dtype = self.target.shapes[i], self.target.dtypes[i]
-            numel = math.prod(map(int, shape)) if shape is not None else None
-            name = dtype_name(dtype) if dtype is not None else None
-            if i not in self.state:
-                entries.append(ParamEntry(i, "none", False, shape, name, numel))
-                continue
-            step = float(self.state[i].get("step", 0.0))
-            if i in self.metas:
-                slot = self.layout.slots[self.metas[i]]
-                keys = [k for k in slot.keys if k in self.state[i] or (k.endswith(codes.ABSMAX) and
-                                                                      k.removesuffix(codes.ABSMAX) in self.state[i])]
-                entries.append(ParamEntry.offloaded(i, shape, dtype, slot, keys, chunks_of.get(i, ()), step=step))
-                steps[i] = step_tensor(self.state[i].get("step", 0.0))
-            else:
-                memory_state[i] = cpu_state(self.state[i])
-                keys = tuple(sorted(k for k in self.state[i] if k != "step"))
-                entries.append(ParamEntry(i, "memory", True, shape, name, numel, keys, name, step=step))
-        return entries, memory_state, steps
+def _entries(laid: ImportedState, target: _Target) -> tuple[list, dict, dict]:
+    """The manifest's entry of each parameter, the state kept in memory, and the steps of the offloaded."""
+    saved = laid.params()
+    entries, memory_state, steps = [], {}, {}
+    for i in range(len(target.shapes)):
+        shape, dtype = target.shapes[i], target.dtypes[i]
+        numel = math.prod(map(int, shape)) if shape is not None else None
+        name = dtype_name(dtype) if dtype is not None else None
+        if i not in laid.state:
+            entries.append(ParamEntry(i, "none", False, shape, name, numel))
+            continue
+        step = float(laid.state[i].get("step", 0.0))
+        if i in saved:
+            entries.append(ParamEntry.offloaded(i, shape, dtype, saved[i], initialized=True, step=step))
+            steps[i] = step_tensor(laid.state[i].get("step", 0.0))
+        else:
+            memory_state[i] = cpu_state(laid.state[i])
+            keys = tuple(sorted(k for k in laid.state[i] if k != "step"))
+            entries.append(ParamEntry(i, "memory", True, shape, name, numel, keys, name, step=step))
+    return entries, memory_state, steps

@@ -18,15 +18,8 @@ from ..errors import CheckpointError, ChecksumError
 from ..interrupts import deferring
 from ..params import ParamAccess
 from ..sizes import ALIGNMENT
-from ..state import (
-    HALF_DTYPES,
-    check_param_state,
-    exported_keys,
-    in_memory_state,
-    match_groups,
-    set_chunk_values,
-    step_tensor,
-)
+from ..state.dicts import check_param_state, in_memory_state, match_groups, step_tensor
+from ..state.plans import HALF_DTYPES, StateLoad, mark_initialized
 from .commit import reading, wait_for_save
 from .format import DATA, DEFAULT_STORAGE, EXTRA, Storage, dtype_of, read_torch
 from .job import failures, job_world, on_every_rank
@@ -43,7 +36,7 @@ from .reshard import (
     sources_here,
     with_parts,
 )
-from .stream import progress_bar, read_verified, stream, unit_spans
+from .stream import progress_bar, read_verified, unit_spans
 from .verify import shard_manifest, verify_data
 
 
@@ -196,7 +189,7 @@ def _check_resharded(optimizer, root: str, sources: list, missing: list, model: 
         s.manifest.sized_path(DATA)
     sources = [with_parts(s) for s in sources]
     manifest, memory, extra, params = _check_source(optimizer, sources[0], model) if sources else (None,) * 4
-    amsgrad = {id(p): bool(g["amsgrad"]) for g in optimizer.param_groups for p in g["params"]}
+    amsgrad = _amsgrad(optimizer)
     resharded = plan(root, sources, missing, params, {i: amsgrad[id(p)] for i, p in enumerate(params or ())}, model)
     return _Checked(manifest, memory, extra, params, resharded.state, resharded)
 
@@ -215,8 +208,7 @@ def _apply(optimizer, model: nn.Module | None, progress: Optional[bool], checked
     try:
         _load_into(optimizer, checked, progress, storage)
     except BaseException as err:
-        for slot in store.layout.slots.values():
-            slot.initialized = False
+        mark_initialized(store, False)
         store.failed(err)
         raise
     return checked.extra
@@ -263,6 +255,11 @@ def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
         return extra
 
 
+def _amsgrad(opt) -> dict:
+    """Per ``id(param)``: whether its group has amsgrad."""
+    return {id(p): bool(g["amsgrad"]) for g in opt.param_groups for p in g["params"]}
+
+
 def _match(opt, manifest: Manifest, memory: dict) -> list:
     """Check the checkpoint against the optimizer; return its parameters in index order."""
     where = f"checkpoint {manifest.root}"
@@ -272,7 +269,7 @@ def _match(opt, manifest: Manifest, memory: dict) -> list:
         if not 0 <= i < len(params):
             raise CheckpointError(f"{where}: parameter index {i} is out of range")
         params[i] = p
-    amsgrad = {id(p): bool(g["amsgrad"]) for g in opt.param_groups for p in g["params"]}
+    amsgrad = _amsgrad(opt)
     for e in manifest.params:
         p = params[e.index]
         keys = None
@@ -288,22 +285,28 @@ def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storag
     store.drain(quiet=True)  # the last step's writes land first; their state is overwritten now
     store.rewriting_all()  # all of the state is replaced: a swap file cut behind our back is whole again
     store.place_late(opt.param_groups, (checked.params[i] for i, s in checked.saved.items() if s is not None))
+    load = StateLoad(store, checked.params, {i for i, s in checked.saved.items() if s is not None})
     with storage.engine(opt.config.aio) as engine:
-        plan = None if checked.resharded is not None else _same_packing(store, checked.manifest, checked.params)
+        manifest, plan = checked.manifest, None
+        if checked.resharded is None:
+            plan = load.packed_as(manifest.buffer_size, [u.nbytes for u in manifest.units],
+                                  [u.length for u in manifest.units], manifest.params)
         if plan is not None:
-            manifest = checked.manifest
             with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
-                def write(span, buf):
+                def write(span, start, buf):
                     bar.update(span.length)
-                    return store.write_unit(plan[span.key], buf)
+                    return load.write(plan[span.key], buf)
 
                 read_verified(engine, manifest.path(DATA), unit_spans(manifest), store.buffers,
                               manifest.files[DATA].xxh3_64, write=write)
         with contextlib.ExitStack() as files:
-            refill = _Refill(store, checked, engine, files, verified=plan is not None)
+            values = _SavedValues(checked, engine, files, store.buffers, verified=plan is not None)
             if plan is None:
-                refill.run()
-            small = {i: refill.small(i) for i, s in checked.saved.items()
+                # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
+                # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
+                with ParamAccess().units(load.units, load.active, write_back=False) as weights:
+                    load.run(values, weights)
+            small = {i: values.small(i) for i, s in checked.saved.items()
                      if s is not None and store.is_small(checked.params[i])}
 
     # The data is in place: now the in-memory side, which cannot fail half way.
@@ -312,8 +315,7 @@ def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storag
     restore_in_memory(opt, checked.memory["param_groups"],
                       {checked.params[i]: {**state, "step": checked.saved[i].step} for i, state in small.items()},
                       offloaded)
-    for p in offloaded:
-        store.layout.slots[p].initialized = True
+    mark_initialized(store, True, list(offloaded))
     store.restored()
 
 
@@ -333,8 +335,7 @@ def restore_in_memory(optimizer, groups: list, small: dict, offloaded: dict) -> 
     for g, s in zip(optimizer.param_groups, groups):
         g.update({k: v for k, v in s.items() if k != "params"})
     optimizer.state.clear()
-    for slot in optimizer.state_store.layout.slots.values():
-        slot.initialized = False
+    mark_initialized(optimizer.state_store, False)
     master = optimizer.config.offload_optimizer.master_weights
     for p, source in small.items():
         # The weights are fetched (if offloaded) only where a master copy is to be made from them.
@@ -343,37 +344,6 @@ def restore_in_memory(optimizer, groups: list, small: dict, offloaded: dict) -> 
         optimizer.state[p] = {k: like(v, p) if k != "step" and torch.is_tensor(v) else v for k, v in state.items()}
     for p, step in offloaded.items():
         optimizer.state[p] = {"step": step_tensor(step)}
-
-
-def _same_packing(store, manifest: Manifest, params: list) -> Optional[dict]:
-    """{checkpoint unit: optimizer unit} when every saved unit is packed exactly like one of the
-    optimizer's, so bytes can move as they are; None when state must be re-chunked."""
-    if manifest.buffer_size != store.layout.unit_bytes or \
-            any(u.length > min(b.nbytes for b in store.buffers) for u in manifest.units):
-        return None
-    index = {p: i for i, p in enumerate(params)}
-    signature: list[list] = [[] for _ in manifest.units]
-    for e in manifest.params:
-        if e.initialized:
-            slot = store.slot(params[e.index])
-            if (e.where == "memory") != (slot is None):
-                return None  # small here and offloaded there, or the other way round
-            if slot is not None and (list(slot.keys) != list(e.keys) or list(slot.dtypes) != e.state_dtypes()):
-                return None  # e.g. an imported state without the fp32 master copy, or another state_dtype
-        for c in e.chunks:
-            signature[c.unit].append((e.index, c.start, c.numel, c.offset, c.stride, c.slices or ()))
-    by_sig = {}
-    for unit in store.layout.units:
-        sig = tuple(sorted((index[c.slot.param], c.start, c.numel, c.offset, c.stride,
-                            () if c.stride else tuple(c.slices)) for c in unit.chunks))
-        by_sig[sig] = unit
-    plan = {}
-    for u, sig in enumerate(signature):
-        target = by_sig.get(tuple(sorted(sig)))
-        if target is None or target.nbytes != manifest.units[u].nbytes:
-            return None
-        plan[u] = target
-    return plan
 
 
 class RangeReader:
@@ -420,20 +390,21 @@ def _saved_dtype(e: ParamEntry, key: str) -> Optional[torch.dtype]:
 # blocks); otherwise as values, converted as load_state_dict converts what state_dict() gave: 8-bit codes
 # dequantized, then encoded again where the state is 8-bit here. A master copy the checkpoint lacks is
 # seeded from the weights.
-class _Refill:
-    """Fills the optimizer's units from ``checked.saved``, and gives the state of parameters small here."""
+class _SavedValues:
+    """The saved state of ``checked.saved`` by element ranges (what :class:`offload.state.plans.StateLoad`
+    fills the units from), and the state of parameters small here."""
 
-    def __init__(self, store, checked: _Checked, engine: Engine, files: contextlib.ExitStack, *, verified: bool):
-        self.store, self.checked, self.engine = store, checked, engine
+    def __init__(self, checked: _Checked, engine: Engine, files: contextlib.ExitStack, buffers: list, *,
+                 verified: bool):
+        self.checked, self.engine = checked, engine
         self.exact = checked.resharded is None  # the saving rank's elements are this rank's
-        self.index = {p: i for i, p in enumerate(checked.params)}
         self.files: dict = {}
         sources = {id(x.source): x.source for s in checked.saved.values() if s is not None for x in s.pieces
                    if x.entry.where == "swap"}
-        self.reader = RangeReader(engine, store.buffers[0], files=len(sources))
+        self.reader = RangeReader(engine, buffers[0], files=len(sources))
         for source in sources.values():
             if not verified:
-                verify_data(source.manifest, engine, store.buffers)
+                verify_data(source.manifest, engine, buffers)
             self.files[id(source)] = files.enter_context(engine.open(source.manifest.path(DATA), "r", no_links=True))
 
     def read(self, dest: torch.Tensor, x: Piece, key: str, lo: int, hi: int) -> None:
@@ -449,7 +420,7 @@ class _Refill:
                 at = manifest.units[c.unit].offset + c.key_offset(k) + (a - first) * itemsize
                 self.reader.copy(dest[a - lo: b - lo], self.files[id(x.source)], manifest.files[DATA].bytes, at)
 
-    def values(self, x: Piece, key: str) -> Optional[torch.Tensor]:
+    def piece_values(self, x: Piece, key: str) -> Optional[torch.Tensor]:
         """``x``'s elements of state ``key`` as values (8-bit codes dequantized), or None where its shard
         saved no ``key``."""
         saved = _saved_dtype(x.entry, key)
@@ -471,28 +442,30 @@ class _Refill:
         """Whether ``x``'s elements of ``key`` are copied as the bytes its shard saved."""
         return _saved_dtype(x.entry, key) == dtype and (dtype != torch.uint8 or (self.exact and x.old == x.new))
 
-    def fill_key(self, c, buf, state: SavedState, key: str, weights) -> None:
-        """State ``key`` of chunk ``c`` from its pieces."""
-        lo, hi = c.start, c.start + c.numel
-        parts = state.within(lo, hi)
-        dtype = c.slot.dtype_of(key)
-        if not all(self._as_saved(x, key, dtype) for x in parts):
-            flat_weights = functools.cache(lambda: weights.weights(c))  # fetched once, where a master is not saved
-            set_chunk_values(c, buf, key, self.assemble(parts, key, lo, hi, flat_weights))
-            return
+    def copy(self, index: int, key: str, lo: int, hi: int, dest: torch.Tensor, absmax) -> bool:
+        """Elements [lo, hi) of state ``key`` of parameter ``index`` into ``dest`` as the bytes saved (codes with
+        their absmax into ``absmax()``), where every piece saved them in ``dest``'s dtype; else False."""
+        parts = self.checked.saved[index].within(lo, hi)
+        if not all(self._as_saved(x, key, dest.dtype) for x in parts):
+            return False
         for x in parts:
-            self.read(c.slice(buf, key)[x.new - lo: x.new - lo + x.n], x, key, x.old, x.old + x.n)
-            if dtype == torch.uint8:  # the same elements: the same blocks, and their absmax
-                absmax = key + codes.ABSMAX
-                self.read(c.slice(buf, absmax), x, absmax, codes.elements(absmax, lo),
-                          codes.elements(absmax, lo) + codes.elements(absmax, c.numel))
+            self.read(dest[x.new - lo: x.new - lo + x.n], x, key, x.old, x.old + x.n)
+            if dest.dtype == torch.uint8:  # the same elements: the same blocks, and their absmax
+                name = key + codes.ABSMAX
+                first = codes.elements(name, lo)
+                self.read(absmax(), x, name, first, first + codes.elements(name, hi - lo))
+        return True
+
+    def values(self, index: int, key: str, lo: int, hi: int, weights) -> Optional[torch.Tensor]:
+        """Elements [lo, hi) of state ``key`` of parameter ``index`` as values (see :meth:`assemble`)."""
+        return self.assemble(self.checked.saved[index].within(lo, hi), key, lo, hi, weights)
 
     def assemble(self, parts: list, key: str, lo: int, hi: int, weights) -> Optional[torch.Tensor]:
         """Elements [lo, hi) of state ``key`` as values from ``parts``; a master copy not saved is taken from
         ``weights()`` (the elements' flat weights); None where ``key`` is not saved and no weights are given."""
         found = []
         for x in parts:
-            v = self.values(x, key)
+            v = self.piece_values(x, key)
             if v is None:
                 if key != "master":
                     raise CheckpointError(f"parameter {x.entry.index}: state {key!r} is not in the checkpoint")
@@ -507,27 +480,6 @@ class _Refill:
         for x, v in found:
             out[x.new - lo: x.new - lo + x.n].copy_(v)
         return out
-
-    def fill(self, unit, buf, weights) -> bool:
-        for c in unit.chunks:
-            state = self.checked.saved.get(self.index[c.slot.param])
-            if state is not None:
-                for key in exported_keys(c.slot):
-                    self.fill_key(c, buf, state, key, weights)
-        weights.done(unit)
-        return True
-
-    def run(self) -> None:
-        """Every unit holding a parameter with saved state, filled and written."""
-        saved = self.checked.saved
-        wanted = [u for u in self.store.layout.units
-                  if any(saved.get(self.index[c.slot.param]) is not None for c in u.chunks)]
-        active = {id(c.slot) for u in wanted for c in u.chunks if saved.get(self.index[c.slot.param]) is not None}
-        # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
-        # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
-        with ParamAccess().units(wanted, active, write_back=False) as weights:
-            stream(wanted, self.store.buffers[1:], process=lambda unit, buf: self.fill(unit, buf, weights),
-                   write=self.store.write_unit)
 
     def small(self, index: int) -> dict:
         """The state of parameter ``index``, small here, as this rank's part of it (a master copy not saved

@@ -14,7 +14,7 @@ import os
 import re
 import stat
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import xxhash
@@ -223,14 +223,15 @@ class ParamEntry(Entry):
     local: Optional[LocalPart] = json_field(LocalPart.parse, None)
 
     @classmethod
-    def offloaded(cls, index: int, shape, dtype, slot, keys, chunks, *, initialized: bool = True,
+    def offloaded(cls, index: int, shape, dtype, saved, *, initialized: Optional[bool] = None,
                   step: Optional[float] = None, local: Optional[LocalPart] = None) -> ParamEntry:
-        """The entry of a parameter whose state ``keys`` (of ``slot``'s, a ``state.layout`` slot) lie in
-        state.bin in ``chunks``."""
-        dtypes = tuple(dtype_name(slot.dtype_of(k)) for k in keys)
-        return cls(index, "swap", initialized, tuple(shape), dtype_name(dtype), math.prod(shape), tuple(keys),
-                   dtype_name(slot.dtype), dtypes if len(set(slot.dtypes)) > 1 else None, tuple(chunks), step,
-                   local)
+        """The entry of a parameter whose state lies in state.bin as ``saved`` (a save plan's
+        :class:`offload.state.plans.SavedParam`) says (``initialized``: as ``saved`` says where None)."""
+        dtypes = None if saved.key_dtypes is None else tuple(dtype_name(d) for d in saved.key_dtypes)
+        chunks = tuple(Chunk(*row) for row in saved.chunks)
+        initialized = saved.initialized if initialized is None else initialized
+        return cls(index, "swap", initialized, tuple(shape), dtype_name(dtype), math.prod(shape),
+                   tuple(saved.keys), dtype_name(saved.state_dtype), dtypes, chunks, step, local)
 
     def check(self, name: str) -> None:
         """Refuse a ``numel`` that is not the product of the shape, and a list of dtypes or of slice offsets
@@ -339,17 +340,6 @@ class ModelSection(Entry):
     def on_disk(self) -> list:
         """The entries in params.bin, by offset."""
         return sorted((t for t in self.tensors if t.where == PARAMS_DATA), key=lambda t: t.offset)
-
-
-def chunk_table(units, index_of: Callable[[Any], int]) -> dict:
-    """Per parameter index, the :class:`Chunk` of each of its chunks in ``units`` (a ``state.layout``'s,
-    in state.bin's order); ``index_of(param)`` is a parameter's index."""
-    chunks_of: dict = {}
-    for ui, u in enumerate(units):
-        for c in u.chunks:
-            row = Chunk(ui, c.start, c.numel, c.offset, c.stride, None if c.stride else tuple(c.slices))
-            chunks_of.setdefault(index_of(c.slot.param), []).append(row)
-    return chunks_of
 
 
 def _group(value: Any, name: str) -> dict:

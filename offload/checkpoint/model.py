@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import xxhash
@@ -13,15 +12,14 @@ from torch import nn
 
 from ..aio import Engine
 from ..config import AioConfig, config_to_dict
-from ..errors import CheckpointError, ChecksumError, StateError
+from ..errors import CheckpointError, StateError
 from ..interrupts import deferring
 from ..params import named_tensors, shards_held, store_of
-from ..sizes import ALIGNMENT, round_up
-from ..space import Extent
+from ..params.plans import block_size, flat_bytes, held, load_blocks, save_blocks, stores_of
 from .commit import Staged, reading, write_atomically
 from .format import DEFAULT_STORAGE, MODEL_MEMORY, PARAMS_DATA, Storage, dtype_name, dtype_of, read_torch, write_file
 from .manifest import LocalPart, Manifest, ModelSection, TensorEntry, read_process
-from .stream import DONE, read_verified, stream, tensor_spans, tool_pool, write_data
+from .stream import read_verified, stream, tensor_spans, tool_pool, write_data
 
 __all__ = ["load_parameters", "save_parameters"]
 
@@ -50,7 +48,7 @@ def save_parameters(model: nn.Module, directory) -> str:
 
     def write(staged: Staged) -> Manifest:
         section, files = save_model(model, staged)
-        stores = _stores_of(t for _, t, _ in named_tensors(model))
+        stores = stores_of(t for _, t, _ in named_tensors(model))
         config = config_to_dict(stores[0].config, only=None) if stores else {}
         return Manifest.new(None, files=files, config=config, model=section)
 
@@ -89,65 +87,12 @@ def model_section(manifest: Manifest) -> ModelSection:
     return manifest.model
 
 
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    with torch._C.DisableTorchFunctionSubclass():
-        return t.detach().reshape(-1).view(torch.uint8)
-
-
-def _unit_size(buffers: Sequence, stores: Sequence) -> int:
-    """Bytes per request: fits every buffer, a multiple of the checkpoint's and every swap space's
-    alignment (so a parameter's units lie back to back in params.bin and in its extent)."""
-    step = max([ALIGNMENT] + [s.space.alignment for s in stores])
-    unit_bytes = min(b.nbytes for b in buffers) // step * step
-    if unit_bytes <= 0:
-        raise CheckpointError(f"the parameter pool's buffers ({min(b.nbytes for b in buffers)} bytes) are "
-                              f"smaller than the {step}-byte alignment; use a larger buffer_size")
-    return unit_bytes
-
-
-@contextlib.contextmanager
-def _held(stores: Sequence):
-    """Every store held still (``ParamStore.exclusive``); yields buffers to move bytes through: the
-    first store's pool, or ``None`` when the model has no offloaded parameters."""
-    with contextlib.ExitStack() as stack:
-        lent = [stack.enter_context(s.exclusive()) for s in stores]
-        yield lent[0] if lent else None
-
-
-def _stores_of(tensors) -> list:
-    out = []
-    for t in tensors:
-        s = store_of(t)
-        if s is not None and s not in out:
-            out.append(s)
-    return out
+def _aio(stores: list) -> AioConfig:
+    """The engine settings of the first store (the defaults without one)."""
+    return stores[0].config.aio if stores else AioConfig()
 
 
 # -- saving -----------------------------------------------------------------------------------
-
-
-@dataclass(eq=False)
-class _Unit:
-    """Bytes ``[start, start + n)`` of one tensor (``name``) on their way to or from params.bin."""
-
-    name: str
-    start: int
-    n: int
-    extent: Optional[Extent] = None  # on a swap space (of ``store``)
-    store: Any = None
-    memory: Optional[torch.Tensor] = None  # or in memory (flat uint8)
-    copies: tuple = ()  # loading: in-memory copies to refresh
-    entry: Optional[TensorEntry] = None  # loading: read from params.bin at this entry (else from ``memory``)
-    param: Optional[torch.Tensor] = None  # the parameter whose extent this is (with ``store``)
-
-    def swap(self, buf, unit_bytes: int, *, write: bool):
-        """Read (or write) these bytes of the swap space through ``buf``: as one of the store's own units
-        where they are one (``unit_bytes`` is the store's), checked against (or keeping) its checksum."""
-        if self.store.unit_bytes == unit_bytes:
-            move = self.store.write_unit if write else self.store.read_unit
-            return move(self.param, self.start // unit_bytes, buf)
-        space = self.store.space
-        return (space.write if write else space.read)(space.sub(self.extent, self.start, self.n), buf, nbytes=self.n)
 
 
 # The model's part of a checkpoint (params.bin, model.pt, the manifest's "model" section) and how it is
@@ -181,37 +126,27 @@ def _save_model(model: nn.Module, staged: Staged, index_of: Optional[dict]) -> t
         else:
             offloaded.append((name, t, store))
 
-    stores = _stores_of(t for _, t, _ in offloaded)
+    stores = stores_of(t for _, t, _ in offloaded)
     for s in stores:
         if s.error is not None:
             raise StateError(f"not saving the model: its offloaded weights were lost or half loaded ({s.error}). "
                              "Load a checkpoint again first.")
     hashes = {name: xxhash.xxh3_64() for name, _, _ in offloaded}
-    with _held(stores) as buffers:
-        units = []
-        if offloaded:
-            unit_bytes = _unit_size(buffers, stores)
-            for name, t, store in offloaded:
-                nbytes = t.numel() * t.element_size()
-                extent, current = store.current_bytes(t)
-                for start in range(0, nbytes, unit_bytes):
-                    units.append(_Unit(name, start, min(unit_bytes, nbytes - start), extent, store, current, param=t))
+    with held(stores) as buffers:
+        unit_bytes = block_size(buffers, stores) if offloaded else 0
+        units = save_blocks(offloaded, unit_bytes) if offloaded else []
 
-        def read(u: _Unit, buf):
-            if u.extent is None:
-                return DONE
+        def read(i: int, buf):
             # Checked as it lands: a checkpoint never copies weights changed on disk behind our back.
-            return u.swap(buf, unit_bytes, write=False)
+            return units[i].read(buf, unit_bytes)
 
-        def fill(u: _Unit, buf) -> None:
-            if u.memory is not None:
-                buf.tensor[:u.n].copy_(u.memory[u.start:u.start + u.n])
-            hashes[u.name].update(buf.tensor[:u.n].numpy())
+        def fill(i: int, buf) -> None:
+            hashes[units[i].name].update(buf.tensor[:units[i].n].numpy())
 
-        aio = stores[0].config.aio if stores else AioConfig()
-        data, table = write_data(staged, aio, buffers or [], units, read=read, fill=fill, nbytes_of=lambda u: u.n,
-                                 name=PARAMS_DATA, unit_digests=False)
-    offset = {u.name: row.offset for u, row in zip(units, table) if u.start == 0}
+        aio = _aio(stores)
+        data, offsets = write_data(staged, aio, buffers or [], [u.n for u in units], read=read, fill=fill,
+                                   name=PARAMS_DATA)
+    offset = {u.name: at for u, at in zip(units, offsets) if u.start == 0}
     length = {name: t.numel() * t.element_size() for name, t, _ in offloaded}
     entries = [e if e.where != PARAMS_DATA else
                TensorEntry(**{**e.__dict__, "offset": offset[e.name], "length": length[e.name],
@@ -285,7 +220,7 @@ def state_dict(manifest: Manifest, aio: AioConfig) -> OrderedDict:
             out[e.name] = memory[e.name]
         else:
             out[e.name] = torch.empty(e.shape, dtype=dtype_of(e.dtype))
-            flat[e.name] = _flat_bytes(out[e.name])
+            flat[e.name] = flat_bytes(out[e.name])
 
     def sink(e: TensorEntry, start: int, data: torch.Tensor) -> None:
         flat[e.name][start:start + data.numel()].copy_(data)
@@ -345,11 +280,11 @@ def _load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig], 
     jobs = _match(model, manifest)
     memory = model_memory(manifest) if memory is None else memory
     manifest.sized_path(PARAMS_DATA)
-    stores = _stores_of(t for _, t, _ in jobs)
+    stores = stores_of(t for _, t, _ in jobs)
     if aio is None:
-        aio = stores[0].config.aio if stores else AioConfig()
+        aio = _aio(stores)
     own_pool = None if stores else _tool_pool(manifest)
-    with own_pool or contextlib.nullcontext(), storage.engine(aio) as engine, _held(stores) as lent:
+    with own_pool or contextlib.nullcontext(), storage.engine(aio) as engine, held(stores) as lent:
         buffers = lent if lent is not None else list(own_pool)
         # First pass: every checksum, before anything changes.
         scan_params(manifest, engine, buffers)
@@ -365,78 +300,20 @@ def _load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig], 
             s.loaded([t for _, t, _ in jobs if store_of(t) is s])
 
 
-def _targets(t: torch.Tensor, store, after: list) -> tuple[Optional[Extent], list]:
-    """Where tensor ``t``'s new bytes go: its extent in ``store`` and its in-memory copies, or (not offloaded)
-    its own memory, through a contiguous CPU copy (recorded in ``after``) where it is not that itself."""
-    if store is not None:
-        return store.load_targets(t)
-    with torch._C.DisableTorchFunctionSubclass():
-        dest = t.detach()
-        if not (dest.is_contiguous() and dest.device.type == "cpu"):
-            tmp = torch.empty(dest.shape, dtype=dest.dtype)
-            after.append((dest, tmp))
-            dest = tmp
-    return None, [_flat_bytes(dest)]
-
-
-def _load_units(jobs: list, memory: dict, unit_bytes: int) -> tuple[list, list, list]:
-    """The second pass's work: the :class:`_Unit` of each ``unit_bytes`` of a tensor that params.bin or
-    model.pt fills on a swap space or through a buffer, ``(tensor, source)`` copied memory to memory, and
-    ``(tensor, copy)`` of tensors filled through a contiguous copy."""
-    units, direct, after = [], [], []
-    for name, t, e in jobs:
-        store = store_of(t)
-        src = memory[e.name] if e.where == MODEL_MEMORY else None
-        if store is None and src is not None:
-            direct.append((t, src))  # memory to memory
-            continue
-        nbytes = t.numel() * t.element_size()
-        extent, copies = _targets(t, store, after)
-        memory_bytes = _flat_bytes(src.contiguous()) if src is not None else None
-        for start in range(0, nbytes, unit_bytes):
-            units.append(_Unit(name, start, min(unit_bytes, nbytes - start), extent, store, memory_bytes,
-                               tuple(copies), entry=e if src is None else None, param=t))
-    return units, direct, after
-
-
 def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buffers: list, stores: list) -> None:
     """Second pass: every tensor's new bytes into the extents and the in-memory copies."""
-    path = manifest.path(PARAMS_DATA)
-    unit_bytes = _unit_size(buffers, stores)
-    units, direct, after = _load_units(jobs, memory, unit_bytes)
-
-    for store in {id(u.store): u.store for u in units if u.store is not None}.values():
-        store.rewriting([u.param for u in units if u.store is store])
-    hashes = {id(u.entry): xxhash.xxh3_64() for u in units if u.entry is not None}
-    with engine.open(path, "r", no_links=True) as f:
-        def read(u: _Unit, buf):
-            if u.entry is None:
-                return DONE
-            return engine.read_async(f, buf, u.entry.offset + u.start, round_up(u.n, ALIGNMENT))
-
-        def process(u: _Unit, buf) -> bool:
-            data = buf.tensor[:u.n]
-            if u.entry is not None:
-                h = hashes[id(u.entry)]
-                h.update(data.numpy())
-                if u.start + u.n == u.entry.length and h.hexdigest() != u.entry.xxh3_64:
-                    # Verified a moment ago: the file changed under us.
-                    raise ChecksumError(f"{path}: parameter {u.entry.name!r} has xxh3_64 {h.hexdigest()} now, "
-                                          f"the manifest says {u.entry.xxh3_64}: the file changed while it was read")
-            else:
-                data.copy_(u.memory[u.start:u.start + u.n])
-            for c in u.copies:
-                c[u.start:u.start + u.n].copy_(data)
-            if u.extent is None:
-                return False
-            # The tail of the last block goes to disk too: zeros, as the store writes it.
-            buf.tensor[u.n:round_up(u.n, u.store.space.alignment)].zero_()
-            return True
-
-        def write(u: _Unit, buf):
-            return u.swap(buf, unit_bytes, write=True)
-
-        stream(units, buffers, read=read, process=process, write=write)
+    unit_bytes = block_size(buffers, stores)
+    blocks, direct, after = load_blocks([(name, t, e, memory[e.name] if e.where == MODEL_MEMORY else None)
+                                         for name, t, e in jobs], unit_bytes)
+    # From params.bin, checked again as it passes (verified a moment ago: a mismatch is a file changed under us).
+    from_file = {(id(b.entry), b.start): b for b in blocks if b.entry is not None}
+    spans = [s for s in tensor_spans(manifest) if (id(s.key), 0) in from_file]
+    read_verified(engine, manifest.path(PARAMS_DATA), spans, buffers, None, part_bytes=unit_bytes,
+                  sink=lambda span, start, data: from_file[(id(span.key), start)].refresh(data),
+                  write=lambda span, start, buf: from_file[(id(span.key), start)].write(buf, unit_bytes))
+    # From model.pt (a weight offloaded here that was not when saved).
+    stream([b for b in blocks if b.entry is None], buffers, process=lambda b, buf: b.take(buf),
+           write=lambda b, buf: b.write(buf, unit_bytes))
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for t, src in direct:
             t.copy_(src)

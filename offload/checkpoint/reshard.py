@@ -17,11 +17,11 @@ from torch import nn
 from ..distributed import Box, is_dtensor, like, local, local_box
 from ..errors import CheckpointError
 from ..params import named_tensors
-from ..state import check_param_state
+from ..state.dicts import check_param_state
 from .format import MODEL_MEMORY, dtype_of
 from .manifest import JobManifest, LocalPart, Manifest, TensorEntry
 from .model import model_memory, model_section
-from .verify import shard_manifest
+from .verify import missing_shards, shard_manifest
 
 
 @dataclass(eq=False)
@@ -120,13 +120,8 @@ def saved_step(source: Source, entry) -> Any:
 def sources_here(job: JobManifest) -> tuple[list[Source], list[str]]:
     """The shards of ``job`` in its directory here, by rank (each checked against the job manifest), and
     the names of those that are not here (node-local directories: on other nodes)."""
-    here, missing = [], []
-    for s in job.shards:
-        if os.path.isdir(os.path.join(job.root, s.name)):
-            here.append(Source(shard_manifest(job, s.rank), s.rank))
-        else:
-            missing.append(s.name)
-    return here, missing
+    missing = missing_shards(job)
+    return [Source(shard_manifest(job, s.rank), s.rank) for s in job.shards if s.name not in missing], missing
 
 
 def same_layout(source: Source, params: list, model: Optional[nn.Module]) -> bool:

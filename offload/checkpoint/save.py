@@ -139,7 +139,7 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
             memory = torch_bytes({"param_groups": taken.groups, "state": taken.memory_state, "steps": taken.steps})
             extra = torch_bytes(extra) if extra is not None else None
         model_part = None  # the model's files: written at the call, after state.bin's for a blocking save
-        state = StateCopy(store, staged, optimizer.config.aio, taken.units)
+        state = StateCopy(taken.units, staged, optimizer.config.aio)
         try:
             if snapshot != "stream":
                 state.clone()
@@ -152,7 +152,7 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
             def finish(data: tuple) -> None:
                 manifest = write_small_files(
                     staged, taken, data, kind=type(optimizer).__name__, extra=extra,
-                    config=config_to_dict(optimizer.config, only=None), unit_bytes=store.layout.unit_bytes,
+                    config=config_to_dict(optimizer.config, only=None), unit_bytes=taken.units.unit_bytes,
                     threshold=store.threshold, memory=memory)
                 manifest = replace(manifest, snapshot=state.summary(asynchronous=not blocking))
                 if model_part is not None:
@@ -220,7 +220,7 @@ def _finish_in_background(handle: SaveHandle, staged: Staged, state: StateCopy, 
     lock goes with ``staged`` (an open descriptor), which it closes."""
     try:
         state.make_spares()
-        pool = BufferPool(2, state.store.layout.unit_bytes)
+        pool = BufferPool(2, state.items.unit_bytes)
         try:
             with progress_bar(state.total, "save (background)", bool(show)) as bar:
                 data = state.run(list(pool), bar)

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 import errno as _errno
-import fcntl
 import os
-import struct
 import sys
 import threading
 import time
@@ -23,32 +21,11 @@ from ..config import AioConfig
 from ..errors import CheckpointError
 from ..pipeline import BufferRing
 from ..sizes import format_size
+from ..state.plans import StateItems, save_plan
 from .commit import Staged
 from .format import DATA, EXTRA, MEMORY, dtype_name, io_error, write_file
-from .manifest import LocalPart, Manifest, ParamEntry, Unit, chunk_table
-from .stream import DataFile, packed, stream
-
-# -- cloning extents (reflink) -------------------------------------------------------------------------
-
-FICLONERANGE = 0x4020940D  # _IOW(0x94, 13, struct file_clone_range)
-# What a file system says when it cannot share extents between these two files: no reflink support
-# (ext4, tmpfs), two file systems, or offsets and lengths that are not multiples of its block size.
-NO_CLONE_ERRORS = frozenset({_errno.EOPNOTSUPP, _errno.ENOTSUP, _errno.EXDEV, _errno.EINVAL, _errno.ENOTTY,
-                       _errno.ENOSYS, _errno.EBADF})
-
-
-def clone_range(src_fd: int, src_offset: int, length: int, dst_fd: int, dst_offset: int) -> bool:
-    """Make ``length`` bytes of ``dst_fd`` at ``dst_offset`` share the extents of ``src_fd`` at
-    ``src_offset`` (``FICLONERANGE``: XFS with reflink, btrfs): metadata only, whatever the length.
-    False where the file system cannot (the caller copies the bytes instead); OSError on any other
-    failure (ENOSPC, EIO, ...)."""
-    try:
-        fcntl.ioctl(dst_fd, FICLONERANGE, struct.pack("qQQQ", src_fd, src_offset, length, dst_offset))
-    except OSError as err:
-        if err.errno in NO_CLONE_ERRORS:
-            return False
-        raise
-    return True
+from .manifest import LocalPart, Manifest, ParamEntry, Unit
+from .stream import DataFile, stream
 
 
 @dataclass
@@ -57,7 +34,7 @@ class Plan:
     state, the manifest's parameter entries, the param groups in torch's layout, small parameters'
     state and offloaded parameters' steps (by index)."""
 
-    units: list
+    units: StateItems
     entries: list
     groups: list
     memory_state: dict
@@ -81,23 +58,19 @@ def plan(opt) -> Plan:
     store = opt.state_store
     params = [p for g in opt.param_groups for p in g["params"]]
     index = {p: i for i, p in enumerate(params)}
-    slots = store.layout.slots
-    units = [u for u in store.layout.units if any(c.slot.initialized for c in u.chunks)]
+    units, saved = save_plan(store, params)
     entries = []
-    chunks_of = chunk_table(units, index.__getitem__)
     memory_state, steps = {}, {}
     for i, p in enumerate(params):
-        slot = slots.get(p)
         st = opt.state.get(p, {})
         part = LocalPart.of(p)  # a DTensor's state is its local shard's: where that lies in the whole
-        if slot is not None and (slot.initialized or i in chunks_of):
+        if i in saved:
             step = None
-            if slot.initialized:
+            if saved[i].initialized:
                 steps[i] = st["step"].detach().to("cpu", copy=True)
                 step = float(steps[i])
-            entries.append(ParamEntry.offloaded(i, p.shape, p.dtype, slot, slot.keys, chunks_of.get(i, ()),
-                                                initialized=slot.initialized, step=step, local=part))
-        elif slot is None and len(st) > 0:
+            entries.append(ParamEntry.offloaded(i, p.shape, p.dtype, saved[i], step=step, local=part))
+        elif store.slot(p) is None and len(st) > 0:
             memory_state[i] = cpu_state(st)
             entries.append(ParamEntry(i, "memory", True, tuple(p.shape), dtype_name(p.dtype), p.numel(),
                                       tuple(sorted(k for k in st if k != "step")), dtype_name(p.dtype),
@@ -146,25 +119,20 @@ RIDE_STEPS = 2.0
 class StateCopy:
     """state.bin of one save: offsets, what each unit's bytes are doing, the clone, the walk and the guard."""
 
-    def __init__(self, store, staged: Staged, aio: AioConfig, units: Sequence):
-        self.store = store
-        self.units = list(units)
-        n = len(self.units)
-        self.index = {id(u): i for i, u in enumerate(self.units)}
-        self.offsets, self.lengths, self.total = packed([u.nbytes for u in self.units])
+    def __init__(self, items: StateItems, staged: Staged, aio: AioConfig):
+        self.items = items
+        n = len(items.nbytes)
+        self.data = DataFile(staged, aio, DATA, items.nbytes)
+        self.offsets, self.lengths, self.total = self.data.offsets, self.data.lengths, self.data.total
         self.state = [_PENDING] * n
         self.reads: list = [None] * n  # the save's read of a unit from the store (the guard waits for it)
         self.written: list = [None] * n  # the guard's write of a unit
         self.issued = [threading.Event() for _ in range(n)]  # reads[i] is set, or the unit is in file
-        # The slots that had state at the call: the guard trusts a step's buffer only while they still
-        # do (a step reads such a unit; load_state_dict resets them all and then does not read).
-        self.had_state = [[c.slot for c in u.chunks if c.slot.initialized] for u in self.units]
         self.digests = [""] * n
         # Per unit, the piece size of a checksum taken from the store at the clone (the engine's, of the
         # bytes the clone shared); None: the walk hashes the unit as it passes.
         self.pieces: list = [None] * n
-        tier = store.tier
-        self.on_disk = sum(1 for u in self.units if u.extent is not None and not (tier and tier.resident(u)))
+        self.on_disk = sum(1 for i in range(n) if items.on_disk(i))
         self.cloned = self.cloned_bytes = 0
         self.why_not: Optional[str] = None
         self.mu = threading.Condition()
@@ -180,62 +148,42 @@ class StateCopy:
         self.spares: Optional[BufferPool] = None
         self.spares_ready = threading.Event()
         self.ring: Optional[BufferRing] = None
-        self.data = DataFile(staged, aio, DATA)
         self.path, self.engine, self.file = self.data.path, self.data.engine, self.data.file
 
     def reserve(self) -> None:
         """Allocate state.bin's space for the units that were not cloned (a full disk is reported now,
         before any data moves)."""
         self.data.reserve([(self.offsets[i], self.offsets[i] + self.lengths[i])
-                           for i in range(len(self.units)) if self.state[i] != _IN_FILE])
+                           for i in range(len(self.lengths)) if self.state[i] != _IN_FILE])
 
     # -- the clone -----------------------------------------------------------------------------------
 
     def clone(self) -> None:
         """Clone every unit that lies on the swap files into state.bin (metadata only), where the file
         system can; the rest is copied later. The swap files must have no write in flight."""
-        space, tier = self.store.space, self.store.tier
-        if space is None or not self.on_disk:
-            self.why_not = "the state lives in host memory" if space is None else None
-            return
-        devices = {os.stat(p).st_dev for p in space.files}
-        if devices != {os.stat(self.path).st_dev}:
-            self.why_not = "the checkpoint is not on the swap files' file system"
-            return
-        need = sum(self.lengths[i] for i, u in enumerate(self.units) if not (tier and tier.resident(u)))
-        sources = {p: os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in space.files}
+        need = sum(n for i, n in enumerate(self.lengths) if not self.items.in_host(i))
         pad = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC)  # buffered: padding is not block-sized
+
+        def cloned(i: int, known) -> None:
+            if not self.cloned:
+                self._check_room(need)
+            nbytes = self.items.nbytes[i]
+            if known is not None:
+                # The store zeroes a unit's padding as it writes it, so the clone is what a copy
+                # writes; the checksum is of the bytes shared, padding included.
+                self.digests[i], self.pieces[i] = hex_digest(known[0]), known[1]
+            elif self.lengths[i] > nbytes:
+                os.pwrite(pad, bytes(self.lengths[i] - nbytes), self.offsets[i] + nbytes)  # as a copy pads: zeros
+            self.state[i] = _IN_FILE
+            self.issued[i].set()
+            self.cloned += 1
+            self.cloned_bytes += self.lengths[i]
+
         try:
-            for i, u in enumerate(self.units):
-                if u.extent is None or (tier and tier.resident(u)):
-                    continue  # resident: its bytes are in memory, copied by the walk
-                # What the store knows of the bytes about to be shared, taken now: no write is in flight
-                # and no step runs until the call returns, so it is the checksum of exactly these bytes.
-                known = self.store.landed_digest(u)
-                if known is not None and known[2] != self.lengths[i]:
-                    known = None  # the swap space's alignment is not the checkpoint's: not the same bytes
-                for path, offset, within, n in space.file_ranges(u.extent, self.lengths[i]):
-                    if not clone_range(sources[path], offset, n, self.file.fd, self.offsets[i] + within):
-                        self.why_not = "the file system cannot clone these extents (no reflink)"
-                        return  # this unit (maybe cloned in part) and the rest are copied by the walk
-                    if not self.cloned:
-                        self._check_room(need)
-                gap = self.lengths[i] - u.nbytes
-                if known is not None:
-                    # The store zeroes a unit's padding as it writes it, so the clone is what a copy
-                    # writes; the checksum is of the bytes shared, padding included.
-                    self.digests[i], self.pieces[i] = hex_digest(known[0]), known[1]
-                elif gap:
-                    os.pwrite(pad, bytes(gap), self.offsets[i] + u.nbytes)  # as a copy pads: zeros
-                self.state[i] = _IN_FILE
-                self.issued[i].set()
-                self.cloned += 1
-                self.cloned_bytes += self.lengths[i]
+            self.why_not = self.items.clone_into(self.file.fd, self.path, self.offsets, self.lengths, cloned)
         except OSError as err:
             raise io_error(err, self.path, "cannot clone the state into") from err
         finally:
-            for fd in sources.values():
-                os.close(fd)
             os.close(pad)
 
     def _check_room(self, need: int) -> None:
@@ -262,24 +210,22 @@ class StateCopy:
         if all(s == _IN_FILE for s in self.state):
             self.spares_ready.set()
             return
-        self._remove_guard = self.store.add_change_guard(self._guard)
+        self._remove_guard = self.items.guard(self._guard)
         self._ride()
 
     def _ride(self) -> None:
         """Let the walk wait for the steps to capture the units (see the note above :class:`StateCopy`)."""
         # Only units read from disk are worth waiting for: one in host memory is copied either way, and
         # better by the save's thread than by the step.
-        tier = self.store.tier
-        rides = [self.state[i] == _PENDING and u.extent is not None and not (tier is not None and tier.resident(u))
-                 for i, u in enumerate(self.units)]
+        rides = [s == _PENDING and self.items.on_disk(i) for i, s in enumerate(self.state)]
         if not any(rides):
             return
-        interval = self.store.step_interval
+        started, done, interval = self.items.steps()
         wait = RIDE_FIRST_S if interval is None else min(RIDE_MAX_S, max(RIDE_MIN_S, RIDE_STEPS * interval))
         with self.mu:
             self.rides = rides
             self.riding = True
-            self._ride_from = (self.store.steps_started, self.store.steps_done)
+            self._ride_from = (started, done)
             self._ride_until = time.monotonic() + wait
 
     def hurry(self) -> None:
@@ -294,8 +240,9 @@ class StateCopy:
         while (self.riding and self.rides[i] and self.state[i] == _PENDING and self.failure is None
                and not self.closed):
             started, done = self._ride_from
-            if (self.store.steps_done > done or not main.is_alive()
-                    or (self.store.steps_started == started and time.monotonic() > self._ride_until)):
+            now_started, now_done, _ = self.items.steps()
+            if (now_done > done or not main.is_alive()
+                    or (now_started == started and time.monotonic() > self._ride_until)):
                 self.riding = False
                 return
             self.mu.wait(0.05)
@@ -305,7 +252,7 @@ class StateCopy:
         a guard call before then waits for them."""
         try:
             if self._remove_guard is not None and self.spares is None:
-                self.spares = BufferPool(2, self.store.layout.unit_bytes)
+                self.spares = BufferPool(2, self.items.unit_bytes)
                 self.ring = BufferRing(list(self.spares))
         finally:
             self.spares_ready.set()
@@ -317,7 +264,7 @@ class StateCopy:
     # waits for a capture looks, when the wait grows long, whether that call is still running (its thread's
     # frames, sys._current_frames): a capture whose call is gone is ended as a failure of the save.
     def _guard(self, unit, buf) -> None:
-        i = self.index.get(id(unit))
+        i = self.items.index(unit)
         if i is None:
             return  # no state at the call: not in this checkpoint
         token = object()
@@ -386,18 +333,17 @@ class StateCopy:
             with self.mu:
                 self._reap()
     def _capture(self, i: int, unit, buf) -> None:
-        n, length = unit.nbytes, self.lengths[i]
+        n, length = self.items.nbytes[i], self.lengths[i]
         self.spares_ready.wait()
         if self.ring is None:
             raise CheckpointError("the save's spare buffers could not be made")
         spare = self.ring.take(wait=True)
         pending = None
         try:
-            tier = self.store.tier
-            if (tier is not None and tier.home(unit) is buf) or all(s.initialized for s in self.had_state[i]):
+            if self.items.step_has(i, buf):
                 spare.tensor[:n].copy_(buf.tensor[:n])
             else:  # the step did not read this unit: its bytes are still where the store keeps them
-                self.store.read_unit(unit, spare).wait()
+                self.items.read(i, spare).wait()
             spare.tensor[n:length].zero_()
             pending = self.engine.write_async(self.file, spare, self.offsets[i], length)
             self.written[i] = pending
@@ -413,10 +359,11 @@ class StateCopy:
         (as ``stream.write_data``). Units cloned with the store's checksum and units the guard wrote (it took
         their checksum as it wrote them) are not read back. The file has a checksum of its own only when
         every unit passes here in order (a blocking save that cloned nothing); else its units' cover it."""
-        walk = [i for i in range(len(self.units)) if self.pieces[i] is None]
-        whole = xxhash.xxh3_64() if len(walk) == len(self.units) and self._remove_guard is None else None
-        bar.update(sum(self.lengths[i] for i in range(len(self.units)) if self.pieces[i] is not None))
-        from_store = [False] * len(self.units)
+        count = len(self.lengths)
+        walk = [i for i in range(count) if self.pieces[i] is None]
+        whole = xxhash.xxh3_64() if len(walk) == count and self._remove_guard is None else None
+        bar.update(sum(self.lengths[i] for i in range(count) if self.pieces[i] is not None))
+        from_store = [False] * count
 
         def read(i: int, buf):
             with self.mu:
@@ -430,7 +377,7 @@ class StateCopy:
                 from_store[i] = True
                 fut = None
                 try:
-                    fut = self.store.read_unit(self.units[i], buf)  # checked against the unit's last write
+                    fut = self.items.read(i, buf)  # checked against the unit's last write
                 finally:
                     self.reads[i] = fut
                     self.issued[i].set()
@@ -445,7 +392,7 @@ class StateCopy:
             return self.engine.read_async(self.file, buf, self.offsets[i], self.lengths[i])
 
         def process(i: int, buf) -> bool:
-            n, length = self.units[i].nbytes, self.lengths[i]
+            n, length = self.items.nbytes[i], self.lengths[i]
             if self.written[i] is not None:  # the guard wrote it: nothing read, its checksum taken
                 bar.update(length)
                 return False
@@ -459,14 +406,11 @@ class StateCopy:
             bar.update(length)
             return from_store[i]
 
-        def write(i: int, buf):
-            return self.engine.write_async(self.file, buf, self.offsets[i], self.lengths[i])
-
         self.data.register(buffers)
-        stream(walk, list(buffers), read=read, process=process, write=write)
-        self.data.storage.fsync(self.file.fd, self.path)
-        table = [Unit(o, n, u.nbytes, d, k) for u, o, n, d, k in
-                 zip(self.units, self.offsets, self.lengths, self.digests, self.pieces)]
+        stream(walk, list(buffers), read=read, process=process, write=self.data.write)
+        self.data.sync()
+        table = [Unit(o, n, size, d, k) for size, o, n, d, k in
+                 zip(self.items.nbytes, self.offsets, self.lengths, self.digests, self.pieces)]
         return {"bytes": self.total, "xxh3_64": whole.hexdigest() if whole is not None else None}, table
 
     def close(self) -> None:

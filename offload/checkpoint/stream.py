@@ -17,8 +17,6 @@ from ..pipeline import Pipeline
 from ..progress import progress
 from ..regular import CHUNK
 from ..sizes import ALIGNMENT, round_up
-from .format import DATA
-from .manifest import Unit
 
 
 # NOTE: save, load, verify, export and import all move state.bin (and params.bin) with the native engine
@@ -74,9 +72,11 @@ def packed(sizes: Sequence[int]) -> tuple[list[int], list[int], int]:
 
 class DataFile:
     """A new data file ``name`` of the checkpoint being written into ``staged``, open for the engine of
-    ``staged``'s storage (O_DIRECT where the file system allows)."""
+    ``staged``'s storage (O_DIRECT where the file system allows), to hold items of ``sizes`` bytes (each at
+    ``offsets[i]``, ``lengths[i]`` long: padded to ALIGNMENT), ``total`` bytes in all."""
 
-    def __init__(self, staged, aio: AioConfig, name: str):
+    def __init__(self, staged, aio: AioConfig, name: str, sizes: Sequence[int]):
+        self.offsets, self.lengths, self.total = packed(sizes)
         self.path = staged.path(name)
         self.storage = staged.storage
         self.engine = staged.storage.engine(aio)
@@ -111,6 +111,14 @@ class DataFile:
         for a, b in merged:
             reserve(self.file.fd, a, b - a, self.path)  # where the file system can
 
+    def write(self, i: int, buf):
+        """Start writing item ``i`` (its padded length) from ``buf``."""
+        return self.engine.write_async(self.file, buf, self.offsets[i], self.lengths[i])
+
+    def sync(self) -> None:
+        """fsync the file (with ``staged``'s storage)."""
+        self.storage.fsync(self.file.fd, self.path)
+
     def close(self) -> None:
         """Close the file, then the engine."""
         if self.file is not None:
@@ -119,44 +127,30 @@ class DataFile:
         self.engine.close()
 
 
-def write_data(staged, aio: AioConfig, buffers: Sequence, units: Sequence, *, read: Optional[Callable],
-               fill: Optional[Callable], nbytes_of: Callable[[Any], int], name: str = DATA,
-               unit_digests: bool = True) -> tuple[dict, list]:
-    """Write ``units`` to the data file ``name`` in order through ``buffers``, each at a 4096-aligned
-    offset; returns the file entry (size, xxh3_64) and the units' :class:`manifest.Unit` (with
-    ``unit_digests``, each unit's xxh3_64 over its padded length)."""
-    sizes = [nbytes_of(u) for u in units]
-    offsets, lengths, total = packed(sizes)
-    data = DataFile(staged, aio, name)
+def write_data(staged, aio: AioConfig, buffers: Sequence, sizes: Sequence[int], *, read: Optional[Callable],
+               fill: Optional[Callable], name: str) -> tuple[dict, list]:
+    """Write items of ``sizes`` bytes to the data file ``name`` in order through ``buffers``, each at a
+    4096-aligned offset (``read(i, buffer)`` and ``fill(i, buffer)`` put item ``i``'s bytes there); returns the
+    file entry (size, xxh3_64) and the items' offsets."""
+    data = DataFile(staged, aio, name, sizes)
     whole = xxhash.xxh3_64()
-    digests: list = [None] * len(units)
-    index = {id(u): i for i, u in enumerate(units)}
     try:
         data.register(buffers)
-        if total:
-            data.reserve([(0, total)])
+        if data.total:
+            data.reserve([(0, data.total)])
 
-        def process(u, buf) -> bool:
-            i = index[id(u)]
+        def process(i: int, buf) -> bool:
             if fill is not None:
-                fill(u, buf)
-            buf.tensor[sizes[i]: lengths[i]].zero_()  # padding: same state, same bytes
-            block = buf.tensor[: lengths[i]].numpy()
-            if unit_digests:
-                digests[i] = xxhash.xxh3_64(block).hexdigest()
-            whole.update(block)
+                fill(i, buf)
+            buf.tensor[sizes[i]: data.lengths[i]].zero_()  # padding: same state, same bytes
+            whole.update(buf.tensor[: data.lengths[i]].numpy())
             return True
 
-        def write(u, buf):
-            i = index[id(u)]
-            return data.engine.write_async(data.file, buf, offsets[i], lengths[i])
-
-        stream(list(units), list(buffers), read=read, process=process, write=write)
-        data.storage.fsync(data.file.fd, data.path)
+        stream(list(range(len(sizes))), list(buffers), read=read, process=process, write=data.write)
+        data.sync()
     finally:
         data.close()
-    table = [Unit(o, n, size, d) for o, n, size, d in zip(offsets, lengths, sizes, digests)]
-    return {"bytes": total, "xxh3_64": whole.hexdigest()}, table
+    return {"bytes": data.total, "xxh3_64": whole.hexdigest()}, data.offsets
 
 
 # -- reading a data file back, checked --------------------------------------------------------------
@@ -183,19 +177,21 @@ class Span:
 
 def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Sequence, whole: Optional[str], *,
                   sink: Optional[Callable[[Span, int, Any], None]] = None,
-                  write: Optional[Callable[[Span, Any], Any]] = None, label: Optional[str] = None) -> None:
-    """Read ``spans`` of the data file ``path`` through ``buffers`` (in parts where a span is longer than
-    a buffer), check each span's checksum and then ``whole``, the file's (its spans must cover it; None:
-    the file has none of its own, and the spans' checksums, which the manifest's checks make cover the
-    file, are all there is). ``sink(span, start, bytes)`` gets a span's bytes (its first ``nbytes``) as
-    they pass, checked only once its last part is in; with ``write(span, buffer)`` (spans no longer than
-    a buffer) each span is written on, once checked. ``label``: a progress bar of the bytes read, so labelled
-    (where :mod:`offload.progress` shows bars), for a read that is the whole of what a caller does.
+                  write: Optional[Callable[[Span, int, Any], Any]] = None, label: Optional[str] = None,
+                  part_bytes: Optional[int] = None) -> None:
+    """Read ``spans`` of the data file ``path`` through ``buffers`` (in parts of ``part_bytes`` bytes, a multiple of
+    ALIGNMENT, where a span is longer; None: as long as a buffer), check each span's checksum and then
+    ``whole``, the file's (its spans must cover it; None: the file has none of its own, and the spans'
+    checksums, which the manifest's checks make cover the file, are all there is). ``sink(span, start,
+    bytes)`` gets a span's bytes (its first ``nbytes``) as they pass, checked only once its last part is in;
+    ``write(span, start, buffer)`` writes each part on as it passes (a span of one part: once checked).
+    ``label``: a progress bar of the bytes read, so labelled (where :mod:`offload.progress` shows bars), for a
+    read that is the whole of what a caller does.
 
     Raises:
         ChecksumError: a span's checksum, or the file's, differs (the first named).
     """
-    size = min(b.nbytes for b in buffers) // ALIGNMENT * ALIGNMENT
+    size = part_bytes or min(b.nbytes for b in buffers) // ALIGNMENT * ALIGNMENT
     parts = [(s, off, min(size, s.length - off)) for s in spans for off in range(0, s.length, size)]
     hashes = {id(s): s.hasher() for s in spans}
     file_hash = xxhash.xxh3_64() if whole is not None else None
@@ -221,7 +217,7 @@ def read_verified(engine: Engine, path: str, spans: Sequence[Span], buffers: Seq
             return write is not None
 
         stream(parts, list(buffers), read=read, process=process,
-               write=None if write is None else lambda part, buf: write(part[0], buf))
+               write=None if write is None else lambda part, buf: write(part[0], part[1], buf))
     if file_hash is not None and file_hash.hexdigest() != whole:
         raise ChecksumError(f"{path}: xxh3_64 is {file_hash.hexdigest()}, the manifest says {whole}")
 

@@ -12,7 +12,7 @@ import torch
 from ..aio import Engine
 from ..commit import replace_file
 from ..errors import CheckpointError, ChecksumError
-from ..state import step_tensor
+from ..state.dicts import step_tensor
 from .commit import reading
 from .format import (
     DATA,
@@ -122,14 +122,15 @@ def verify_checkpoint(directory: str | os.PathLike, *, local: bool = False) -> d
     return manifest.to_json()
 
 
-def _missing_shards(job: JobManifest) -> list[str]:
+def missing_shards(job: JobManifest) -> list[str]:
+    """The names of ``job``'s shards that are not here (node-local directories: on other nodes)."""
     return [s.name for s in job.shards if not os.path.isdir(os.path.join(job.root, s.name))]
 
 
 def verify_job(job: JobManifest, *, local: bool = False, ranks=None) -> None:
     """Verify the shards of a job's checkpoint that are here (``ranks``: those ranks' only, which must
     be here); without ``local``, a shard that is not here fails it, named."""
-    missing = _missing_shards(job)
+    missing = missing_shards(job)
     wanted = [s for s in job.shards if ranks is None or s.rank in ranks]
     lost = [s.name for s in wanted if s.name in missing]
     if lost and (ranks is not None or not local):
@@ -192,7 +193,7 @@ def inspect_checkpoint(directory: str | os.PathLike) -> str:
 
 
 def _inspect_job(job: JobManifest) -> str:
-    missing = set(_missing_shards(job))
+    missing = set(missing_shards(job))
     lines = [
         f"checkpoint: {job.root}",
         f"format: {JOB_FORMAT} v{job.version}: a job of {job.world_size} ranks, job id {job.job}",
