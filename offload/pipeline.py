@@ -204,6 +204,7 @@ class Stream:
         self.writes: list = []  # the writes left landing (write-behind)
         self.next = 0  # the index of the next item to hand out
         self.current: Optional[tuple] = None  # (item, buffer) in the body now
+        self.reading: Any = None  # the read of the current item, until it has been waited for
         self.writing = True  # whether the current item is written once the body is done with it
         self.entered = False
 
@@ -223,12 +224,13 @@ class Stream:
             raise StopIteration
         safe_point()  # a Ctrl-C held off stops the pass here, where every buffer is accounted for
         self.ahead.issue(self.next)
-        item, buf, fut = self.ahead.pop()
-        self.current, self.writing = (item, buf), True
+        self.current, self.writing, self.reading = self.ahead.reads[0][:2], True, self.ahead.reads[0][2]
+        self.ahead.pop()
         self.next += 1
-        if fut is not None:
-            self.pipeline.bytes_read += fut.wait()
-        return item, buf
+        if self.reading is not None:
+            self.pipeline.bytes_read += self.reading.wait()
+            self.reading = None
+        return self.current
 
     def skip_write(self) -> None:
         """Leave the current item unwritten."""
@@ -278,12 +280,15 @@ class Stream:
         self.ahead.lent.clear()
 
     def _abort(self) -> None:
-        """After an error: every request in flight finished, every buffer back with the source."""
+        """After an error: every request in flight finished, every buffer back with the source (once)."""
+        current, self.current = self.current, None
+        if current is not None and any(buf is current[1] for _, buf, _ in self.ahead.reads):
+            current = None  # stopped as it was handed out: still among the reads ahead, given back with them
         self._unread()
+        wait_quietly([self.reading] if self.reading is not None else [])
         wait_quietly(self.writes)
-        if self.current is not None:
-            self.source.give(self.current[1])
-            self.current = None
+        if current is not None:
+            self.source.give(current[1])
 
 
 class _ReadAhead:

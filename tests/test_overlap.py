@@ -852,3 +852,41 @@ def test_a_checkpoint_taken_while_the_pool_holds_units_unwritten_resumes_bit_for
         _state_moved_per_step(model, opt, steps)
     assert_same(list(b.parameters()), list(ref.parameters()))
     assert_same(list(a.parameters()), list(ref.parameters()))
+
+
+def test_a_pass_left_by_break_carries_out_the_fate_of_the_unit_in_it(nvme, closing):
+    """A loop over units left by break: the unit in the body still meets its fate, so an export that stops
+    early writes nothing, and a changing pass that went past a unit without saying so is refused."""
+    unit = 64 * 64 * 8
+    over = _stack(4)
+    oa = closing(OffloadedAdamW(over.parameters(), nvme_path=nvme, buffer_size=unit, buffer_count=4,
+                                small_param_threshold=64))
+    _state_moved_per_step(over, oa, range(2))
+    store = oa.state_store
+    store.drain()
+    written = store.bytes_written
+    with store.moves.export(store.layout.units) as units_in:
+        for _unit, _buf in units_in:
+            break
+    assert store.bytes_written == written
+    with pytest.raises(RuntimeError, match="without changing"), store.step(store.layout.units) as units_in:
+        for _unit, _buf in units_in:
+            pass
+
+
+def test_a_step_stopped_in_a_unit_held_unwritten_fails_the_state(nvme, closing):
+    """A unit the pool held unwritten has its only current copy in that buffer: a step stopped after it began to
+    change it leaves the state failed (steps refused until a load), never the extent's older bytes used."""
+    unit = 64 * 64 * 8
+    over = _stack(5)
+    oa = closing(OffloadedAdamW(over.parameters(), nvme_path=nvme, buffer_size=unit, buffer_count=4,
+                                small_param_threshold=64, overlap_backward=True))
+    _state_moved_per_step(over, oa, range(2))
+    store = oa.state_store
+    first = next(u for u in store.layout.units if not store.moves.written_back(u))
+    with pytest.raises(RuntimeError, match="stopped"), store.step([first], keep_first=True) as units_in:
+        for unit, buf in units_in:
+            units_in.changing(unit, buf)
+            raise RuntimeError("stopped")
+    with pytest.raises(StateError):
+        _state_moved_per_step(over, oa, [2])

@@ -69,7 +69,7 @@ class _UnitUpdates:
         self.updated: set = set()
 
     def update(self, unit, buf) -> None:
-        """The pipeline's process step for ``unit``, swapped in to ``buf``."""
+        """Update ``unit``, swapped in to ``buf`` (the body of the step's loop)."""
         chunks = self._chunks_to_update(unit)
         grads = self.unit_pass.grads(unit)
         # With an fp32 master copy the old weights are not read: the update rewrites all of them.

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from ..buffers import BufferPool
 from ..bytes import ByteStore, HostTier, TierSource
+from ..errors import StateError
 from ..pipeline import BufferRing, BufferSource, Pipeline
 from .layout import Layout, Unit
 
@@ -76,9 +77,9 @@ class UnitMover:
         # the pool and resident units (see offload.bytes.TierSource).
         self.ring = BufferRing(list(pool), prefer=self.holds) if pool is not None else None
         self.pipeline = Pipeline(self.ring, lookahead=lookahead, write_behind=write_behind)
-        self._holding: dict[int, Unit] = {}  # id(pool buffer) -> the unit last written from it
-        # Pool buffers kept out of the ring (see step's keep_first), each holding a unit for the next step, with
-        # the write still landing from it: id(buffer) -> (buffer, write future or None).
+        self._holding: dict[int, Unit] = {}  # id(pool buffer) -> the unit whose latest bytes it holds
+        # Pool buffers kept out of the ring (see step's keep_first), each holding a unit for the next step, unwritten
+        # or with its write-back still landing: id(buffer) -> (buffer, write future or None).
         self._aside: dict[int, tuple[Any, Any]] = {}
         # Ids of the units held aside whose bytes there are newer than their extent's (not written back: see
         # flush); every other unit's extent holds its state, once its writes land.
@@ -177,17 +178,31 @@ class UnitMover:
         drain waits for them): its extent then holds its state, and it stays held for the next step."""
         for key, (buf, _) in list(self._aside.items()):
             unit = self._holding.get(key)
-            if unit is None or id(unit) not in self._unwritten:
-                continue
-            self._unwritten.discard(id(unit))
-            fut = self.write(unit, buf, landing=True)
-            self._holding[key] = unit
-            self._aside[key] = (buf, fut)
+            if unit is not None and id(unit) in self._unwritten:
+                self._aside[key] = (buf, self._write_back(unit, buf))
+
+    def _write_back(self, unit: Unit, buf):
+        """Write ``unit``, held unwritten in ``buf``, left landing; the buffer still holds it. Returns the future."""
+        self._unwritten.discard(id(unit))
+        fut = self.write(unit, buf, landing=True)
+        self._holding[id(buf)] = unit
+        return fut
+
+    def written_back(self, unit: Unit) -> bool:
+        """Whether ``unit``'s extent is to hold its latest state once its writes land (False while the pool holds
+        it unwritten: see :meth:`flush`)."""
+        return id(unit) not in self._unwritten
+
+    def check_written(self, unit: Unit) -> None:
+        """Refuse to read ``unit`` from its extent while the pool holds its latest state unwritten."""
+        if not self.written_back(unit):
+            raise StateError(f"{self.describe(unit)} is held in a pool buffer, newer than its extent: drain the "
+                             "store before reading units one at a time (a bug)")
 
     def holds(self, unit: Unit, buf) -> bool:
-        """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from, not
-        used for anything since. A step that visits it first (the snake order visits first the units the last
-        step wrote last) then updates it there instead of reading it back."""
+        """Whether pool buffer ``buf`` holds ``unit``'s state: the buffer ``unit`` was last written from (or set
+        aside unwritten in), not used for anything since. A step that visits it first (the snake order visits
+        first the units the last step wrote last) then updates it there instead of reading it back."""
         return self._holding.get(id(buf)) is unit
 
     def forget(self, unit: Optional[Unit] = None) -> None:
@@ -208,9 +223,7 @@ class UnitMover:
             unit = self._holding.get(key)
             if unit is None or id(unit) not in keep:
                 if unit is not None and id(unit) in self._unwritten:
-                    self._unwritten.discard(id(unit))
-                    pending = self.write(unit, buf, landing=True)
-                    self._holding[key] = unit  # it still holds the unit's bytes, as last written
+                    pending = self._write_back(unit, buf)
                 del self._aside[key]
                 assert self.ring is not None, "only pool buffers are set aside"
                 self.ring.give(buf, pending)
@@ -262,7 +275,7 @@ class UnitStream:
         self.keep = keep
         self.tiered: Optional[TierSource] = None  # the source over the pool and the tier, where there is a tier
         self.stream: Any = None
-        self.current: Optional[Unit] = None
+        self.current: Optional[tuple] = None  # (unit, buffer) in the body now
         self.changed = False  # whether the current unit's buffer may have changed
 
     def __enter__(self) -> UnitStream:
@@ -284,15 +297,18 @@ class UnitStream:
         return self
 
     def __iter__(self) -> Iterator[tuple[Unit, Any]]:
+        if self.stream is None:
+            raise RuntimeError("iterate a pass over units inside its with block (it ends the pass's I/O)")
         for unit, buf in self.stream:
-            self.current, self.changed = unit, False
+            self.current, self.changed = (unit, buf), False
             yield unit, buf
-            if not self._after(unit, buf):
-                self.stream.skip_write()
-            self.current = None
+            self._done()
 
     def changing(self, unit: Unit, buf) -> None:
-        """The body is about to change ``unit``'s bytes in ``buf``: every freeze guard sees them first."""
+        """The body is about to change ``unit``'s bytes in ``buf``: every freeze guard sees them first. A pass
+        that changes units must say so for each (an export changes none)."""
+        if not self.changes:
+            raise RuntimeError("an export pass changes no unit")
         self.changed = True
         self.mover.bytes.changing(unit, buf)
 
@@ -300,9 +316,31 @@ class UnitStream:
         """Whether ``unit`` is written once the body is done with it."""
         return self.fates[id(unit)].after in (After.EVICTED, After.WRITTEN) and id(unit) not in self.keep
 
+    def _done(self) -> None:
+        """The body is done with the current unit: its fate is carried out (the stream then writes it or not)."""
+        if self.current is None:
+            return
+        (unit, buf), self.current = self.current, None
+        if self.changes and not self.changed:
+            raise RuntimeError("a pass that changes units went past one without changing() (a bug)")
+        if not self._after(unit, buf):
+            self.stream.skip_write()
+
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None and self.current is not None and self.changed:
-            self.mover._holding.pop(id(self.stream.current[1]), None)  # the buffer may be changed part-way
+        if exc_type is None:
+            try:
+                self._done()  # the loop was left by a break: the unit in it still meets its fate
+            except BaseException as err:
+                self.stream.__exit__(type(err), err, err.__traceback__)
+                raise
+        elif self.current is not None and self.changed:
+            unit, buf = self.current
+            self.mover._holding.pop(id(buf), None)  # the buffer may be changed part-way
+            if id(unit) in self.mover._unwritten:
+                # Its only current copy was that buffer: the extent is steps older. The state is lost.
+                self.mover._unwritten.discard(id(unit))
+                self.mover.bytes.mark_failed(exc if isinstance(exc, Exception) else StateError(
+                    f"a step stopped part-way through a unit held in memory for it ({exc!r})"))
         self.stream.__exit__(exc_type, exc, tb)
         if exc_type is None:
             self.mover.bytes.check_intact()  # a cut made during the pass (units read there may have been zeros)
@@ -328,8 +366,7 @@ class UnitStream:
         if id(unit) in self.keep and fate.after is After.WRITTEN:
             mover._holding[id(buf)] = unit  # set aside unwritten: the next step updates it there
             mover._unwritten.add(id(unit))
-            return False
-        return fate.after in (After.EVICTED, After.WRITTEN)
+        return self.written(unit)
 
     def _write(self, unit: Unit, buf):
         mover, tier = self.mover, self.mover.tier
@@ -358,7 +395,7 @@ class _Aside:
 
     Args:
         mover: the mover, whose ring, holds and buffers set aside this works on.
-        keep: ids of the units whose buffers are set aside once written.
+        keep: ids of the units whose buffers are set aside once updated (unwritten).
     """
 
     def __init__(self, mover: UnitMover, keep: frozenset | set):
@@ -372,7 +409,7 @@ class _Aside:
         return True
 
     def take(self, wait: bool, item: Any = None) -> Any:
-        """The buffer set aside holding ``item`` (once its write has landed), else one of the ring's."""
+        """The buffer set aside holding ``item`` (once a write-back from it has landed), else one of the ring's."""
         for key, (buf, pending) in list(self.mover._aside.items()):
             if self.mover.holds(item, buf):
                 del self.mover._aside[key]
@@ -381,7 +418,7 @@ class _Aside:
         return self.ring.take(wait, item)
 
     def give(self, buf: Any, pending: Any = None) -> None:
-        """Set ``buf`` aside if it holds a unit to keep (just written from it), else give it to the ring."""
+        """Set ``buf`` aside if it holds a unit to keep (just updated in it), else give it to the ring."""
         unit = self.mover._holding.get(id(buf))
         if unit is not None and id(unit) in self.keep:
             self.mover._aside[id(buf)] = (buf, pending)

@@ -264,7 +264,8 @@ class StateStore:
         handed out in a buffer, and once the body is done with it written back, kept resident or evicted as
         :meth:`UnitMover.fates` decides. Every unit read is checked against the checksum of its last write.
         The last writes are left landing (they land during the next forward); a unit read later waits for its
-        own write, and :meth:`drain` (checkpoints, ``state_dict``, ``close``) for all of them. ``keep_first``:
+        own write, and :meth:`drain` (checkpoints, loads) for all of them, after writing back the units the pool
+        holds unwritten. ``keep_first``:
         the next step visits ``units`` in this order again (backward's, with overlap_backward), so the pool
         holds its first units for it (:meth:`UnitMover.step`).
 
@@ -355,6 +356,7 @@ class StateStore:
         if home is not None:
             buf.tensor[:unit.nbytes].copy_(home.tensor[:unit.nbytes])
             return None
+        self.moves.check_written(unit)
         return self.moves.read(unit, buf)
 
     def write_unit(self, unit: Unit, buf):
@@ -373,8 +375,10 @@ class StateStore:
         first ``length`` bytes of the extent, the unit's bytes and zeros to the alignment, as its last write
         put them there. None where that is not known in this one form: checksums off, no write yet (or
         forgotten), a write still landing, a unit resident in host memory (its extent may be older), or
-        one striped over several swap files (a checksum per file). Call with no step running."""
-        if self.space is None or unit.extent is None or (self.tier is not None and self.tier.resident(unit)):
+        one striped over several swap files (a checksum per file), a unit the pool holds unwritten (see
+        :meth:`drain`). Call with no step running."""
+        if self.space is None or unit.extent is None or (self.tier is not None and self.tier.resident(unit)) or \
+                not self.moves.written_back(unit):
             return None
         digest = self.bytes.landed_digest(unit)
         length = round_up(unit.nbytes, self.space.alignment)
