@@ -338,17 +338,19 @@ class ShardHooks:
         def load_from_state_dict(*args, **kwargs):
             # Released whatever happens (an error, a Ctrl-C): a hook pair would leave them resident when the
             # load stops between the two.
-            self._fetch_all(held)
+            fetched: list = []
             try:
+                self._fetch_all(held, fetched)
                 return load(*args, **kwargs)
             finally:
-                self._release_all(held, dirty=True)  # written back as they are, loaded in full or in part
+                self._release_all(fetched, dirty=True)  # written back as they are, loaded in full or in part
         return load_from_state_dict
 
     @deferring
-    def _fetch_all(self, held: list) -> None:
+    def _fetch_all(self, held: list, fetched: list) -> None:
         for t in held:
             self.store.fetch(t)
+            fetched.append(t)
 
     @deferring
     def _release_all(self, held: list, *, dirty: bool) -> None:
