@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from typing import Callable, Iterator, Optional
@@ -16,6 +17,8 @@ from .errors import StateError
 from .params import ParamAccess, grad_reads, store_of
 
 __all__ = ["BackwardOverlap", "Learning", "NoOverlap"]
+
+log = logging.getLogger("offload")
 
 
 # NOTE: with overlap_backward, a post-accumulate-grad hook on every parameter tells a step in progress
@@ -97,6 +100,8 @@ class BackwardOverlap:
             self.armed = True
             self.armed_at = self.learning.steps
             self.learning = None
+            log.info('overlap_backward="auto": %d iterations showed updating inside backward exact; it does so from '
+                     "now on (overlap_backward=False keeps every update in step())", self.armed_at)
             # Watched again, now through the stores' hand-off: weights offloaded since are taken too.
             _remove_hooks(self._handles)
             params, self._params = self._params, []
@@ -172,7 +177,8 @@ class BackwardOverlap:
             f"a backward was interrupted (or failed, or was not followed by step()) with {self.described}, and "
             f"{what} ended the update it had started: that update had already changed part of the optimizer state "
             "with the backward's gradients, so the state is neither that before nor that after a step. Restore it "
-            "with load_checkpoint() or load_state_dict() before stepping again."))
+            "with load_checkpoint() or load_state_dict() before stepping again; a loop that must be able to skip "
+            "step() after a backward needs overlap_backward=False."))
 
     def remove(self) -> None:
         """Take the hooks off the parameters."""
@@ -433,7 +439,8 @@ class _Run:
                 "backward that failed or was not followed by step()): the optimizer updates state as soon as a "
                 "backward makes the grads final, so the earlier backward's update has already run. Put the "
                 "micro-batches that must not step inside `with optimizer.no_step():` (as with DDP's no_sync), "
-                "and restore the state (load_checkpoint) before going on.")
+                "and restore the state (load_checkpoint) before going on; or build the optimizer with "
+                "overlap_backward=False, which keeps every update in step().")
             self.abort(err)
             raise err
         try:

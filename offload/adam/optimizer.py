@@ -179,8 +179,12 @@ class OffloadedAdam(torch.optim.Adam):
         """With overlap_backward, the hooks through which backward starts the updates (``"auto"``: once it has
         seen that they may, see :class:`offload.overlap.Learning`); else a NoOverlap."""
         mode = self.config.offload_optimizer.overlap_backward
-        if mode is False or (mode == "auto" and (self.max_grad_norm is not None or _sharded(self.param_groups))):
-            return NoOverlap()  # "auto" never updates inside backward when clipping waits, nor for DTensors
+        weights_offloaded = any(store_of(p) is not None for g in self.param_groups for p in g["params"])
+        if mode is False or (mode == "auto" and (self.max_grad_norm is not None or _sharded(self.param_groups)
+                                                 or not weights_offloaded)):
+            # "auto" never updates inside backward when clipping waits, for DTensors, or without weights on NVMe
+            # (offload_parameters comes first), where it saves little: no hooks then, nothing watched.
+            return NoOverlap()
         # NOTE: the worker a backward starts holds what the update needs, never the optimizer itself: dropped
         # without close() or step() (after an interrupted backward), the optimizer is collected, and that
         # ends the step in progress, so the worker does not wait for ever holding the pool and swap files.
