@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Sized
 from typing import Iterable, Iterator, Optional, TypeVar
 
@@ -50,6 +51,7 @@ class _Bar(tqdm):
 
 
 _Bar.set_lock(threading.RLock())
+_Bar._instances = weakref.WeakSet()  # their screen positions too, changed under that lock only
 
 
 def progress(total: Optional[float] = None, desc: str = "", *, unit: str = "it", nbytes: bool = False,
