@@ -766,11 +766,16 @@ def rank_main(out: str, names: list[str], rank: int, world: int) -> None:
 
 
 def main() -> int:
-    """``dist_worker.py OUT SCENARIO,... WORLD``: fork WORLD ranks (torch imported once) and wait for them,
-    killing any still running after 180 s; exits 0 when every rank did."""
-    out, names, world = sys.argv[1], sys.argv[2].split(","), int(sys.argv[3])
-    codes = fork_ranks(world, lambda rank: rank_main(out, names, rank, world), timeout=180)
-    return 0 if all(c == 0 for c in codes) else 1
+    """``dist_worker.py OUT SCENARIO,... WORLD [OUT SCENARIO,... WORLD]...``: for each job in turn, fork WORLD
+    ranks (torch imported once for all the jobs) and wait for them, killing any still running after 180 s;
+    exits 0 when every rank of every job did."""
+    ok = True
+    for i in range(1, len(sys.argv), 3):
+        out, names, world = sys.argv[i], sys.argv[i + 1].split(","), int(sys.argv[i + 2])
+        codes = fork_ranks(world, lambda rank, out=out, names=names, world=world: rank_main(out, names, rank, world),
+                           timeout=180)
+        ok = ok and all(c == 0 for c in codes)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

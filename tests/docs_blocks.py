@@ -5,7 +5,9 @@ A Python block runs for real, on the CPU, at its own sizes, after a prelude of t
 reader (``model``, ``loader``, ``opt``, ...: tiny ones), with every absolute path it names (``/mnt/...``,
 ``/ckpt``, ``/data/...``, ``/tmp/...``) moved under TMP. The blocks of a walk-through page share one namespace,
 in order (a later block uses what an earlier one built); the others each get a fresh one. A whole script meant
-for torchrun runs as two forked gloo ranks; the SIGTERM script runs as a process and is sent SIGTERM.
+for torchrun runs as two forked gloo ranks, its training loop (``for step in range(N):``) cut to its first
+STEPS_OF_RANKS steps: each step is like the one before, and one costs each rank about a second on the CPU; the
+SIGTERM script runs as a process and is sent SIGTERM.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ WALKTHROUGHS = {"docs/big-models.md"}
 LANGUAGES = ("python", "sh", "text")
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 _PATHS = re.compile(r"""(["'])/(mnt|ckpt|data|tmp)\b""")
+_TRAINING_LOOP = re.compile(r"^for step in range\((\d+)\):", re.M)
+STEPS_OF_RANKS = 2
 
 
 @dataclass(frozen=True)
@@ -234,10 +238,17 @@ def _cleanup(namespace: dict) -> None:
         dist.destroy_process_group()
 
 
+def fewer_steps(code: str) -> str:
+    """``code`` with each top-level ``for step in range(N):`` running at most STEPS_OF_RANKS steps."""
+    return _TRAINING_LOOP.sub(lambda m: f"for step in range({min(int(m.group(1)), STEPS_OF_RANKS)}):", code)
+
+
 def _run_ranks(code: str, tmp: str) -> None:
-    """A torchrun script as two forked gloo ranks of this process."""
+    """A torchrun script as two forked gloo ranks of this process, its training loop cut short (fewer_steps)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from ranks import fork_ranks
+
+    code = fewer_steps(code)
 
     port = str(29700 + os.getpid() % 1000)
 

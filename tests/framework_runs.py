@@ -1,13 +1,14 @@
 """Training runs inside frameworks with the offload adapters, for tests/test_integrations.py (in a subprocess).
 
-``python tests/framework_runs.py ROOT FRAMEWORK...`` trains, for each framework, an offloaded model whose
+``python tests/framework_runs.py ROOT FRAMEWORK[@STATE_DTYPE]...`` trains, for each framework, an offloaded model whose
 Adam state is several times the host pools, saves through the framework after steps 1 and 2, resumes
 from step 1 in fresh objects, trains step 2 again, and prints one JSON line: the peak RSS growth of
 the framework's save and of its load (VmHWM after ``clear_refs`` = 5, around each), the pools, the
 state's size, whether the resumed run ended bit for bit where the first did, and for comparison the
 growth of ``torch.save(opt.state_dict())``. The frameworks are imported before anything is measured
 (an import's memory is not a save's). Run it with ``MALLOC_MMAP_THRESHOLD_`` set, so that freed tensors
-leave RSS at once and each window sees only its own.
+leave RSS at once and each window sees only its own. ``FRAMEWORK@int8`` (or another state dtype) runs the
+framework with OffloadedAdamW(state_dtype=...), its line's "framework" being the whole argument.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from offload.sizes import MIB
 
 LAYERS, WIDTH, BATCH, STEPS = 4, 1024, 4, 2  # 4.2 M fp32 parameters: 16 MiB of weights, 32 MiB of state
 OPT = dict(lr=1e-3, buffer_count=2, buffer_size=2 * MIB)  # the optimizer's pool: 4 MiB
-OPT.update(json.loads(os.environ.get("OFFLOAD_TEST_OPTIMIZER", "{}")))  # a state mode under test
 PARAMS = dict(max_in_cpu=0, max_grad_in_cpu=0, buffer_count=2, buffer_size=WIDTH * WIDTH // 2)  # 2 x 2 MiB
 
 growth = {"save": 0, "load": 0}
@@ -329,14 +329,18 @@ IMPORTS = {"transformers": ["transformers", "accelerate"], "lightning": ["lightn
            "dcp": ["torch.distributed.checkpoint"]}
 
 if __name__ == "__main__":
-    root, frameworks = sys.argv[1], sys.argv[2:]
-    for framework in frameworks:
-        for module in IMPORTS[framework]:
+    root, runs = sys.argv[1], sys.argv[2:]
+    for run in runs:
+        for module in IMPORTS[run.partition("@")[0]]:
             importlib.import_module(module)
-    for framework in frameworks:
-        where = os.path.join(root, framework)
+    defaults = dict(OPT)
+    for run in runs:
+        framework, _, state_dtype = run.partition("@")
+        OPT.clear()
+        OPT.update(defaults, **({"state_dtype": state_dtype} if state_dtype else {}))
+        where = os.path.join(root, run)
         os.makedirs(os.path.join(where, "swap"))
         growth.clear()
         growth.update(save=0, load=0)
         result = globals()[f"run_{framework}"](where)
-        print(json.dumps({"framework": framework, **result}), flush=True)
+        print(json.dumps({"framework": run, **result}), flush=True)

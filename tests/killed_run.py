@@ -4,6 +4,9 @@ Usage: killed_run.py ROOT NVME KILL_STEP KILL_UNITS OUT OPTIONS_JSON. The run re
 checkpoint, and kills itself (SIGKILL) in step KILL_STEP once KILL_UNITS units of state have started to
 change (during backward with overlap_backward), or runs to the end and saves its weights and state to OUT.
 OPTIONS_JSON: optimizer keyword arguments, plus "offload_parameters": true to keep the weights on NVMe.
+
+The run that is killed needs a process of its own; the runs that end (resumed, uninterrupted) may call
+:func:`run` in the test's process, with KILL_STEP -1.
 """
 
 import json
@@ -13,15 +16,15 @@ import sys
 
 import torch
 
-from offload import OffloadedAdamW, offload_parameters
+from offload import OffloadedAdamW, offload_parameters, restore_parameters
 from offload.checkpoint import Retention
 
 STEPS = 6
 
 
-def main() -> None:
-    root, nvme, kill_step, kill_units, out, options = sys.argv[1:7]
-    kill_step, kill_units, options = int(kill_step), int(kill_units), json.loads(options)
+def run(root: str, nvme: str, kill_step: int, kill_units: int, out: str, options: dict) -> None:
+    """One run, as the command line describes (``options`` is not changed)."""
+    options = dict(options)
     weights_offloaded = options.pop("offload_parameters", False)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(),
@@ -54,6 +57,13 @@ def main() -> None:
         keep.save(opt, step + 1, model=model, extra={"step": step + 1})
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, out)
     opt.close()
+    if weights_offloaded:
+        restore_parameters(model)
+
+
+def main() -> None:
+    root, nvme, kill_step, kill_units, out, options = sys.argv[1:7]
+    run(root, nvme, int(kill_step), int(kill_units), out, json.loads(options))
 
 
 if __name__ == "__main__":

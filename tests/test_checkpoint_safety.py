@@ -246,30 +246,33 @@ def test_what_a_dead_save_left_is_removed_and_nothing_else(tmp_path):
 # -- offload-ckpt import -----------------------------------------------------------------------------
 
 
-def test_cli_import_refuses_whatever_is_not_a_checkpoint_and_fills_an_empty_directory(tmp_path):
+def test_cli_import_refuses_whatever_is_not_a_checkpoint_and_fills_an_empty_directory(tmp_path, monkeypatch, capsys):
     """``offload-ckpt import X.pt DIR`` with DIR ``.`` in a working directory, a run folder, an
     nvme_path or a link to a directory exits 1 with an error naming it, every user file byte for byte
-    as it was; into an empty directory it writes a checkpoint."""
+    as it was; into an empty directory it writes a checkpoint. The refusals run the command's main in this
+    process; the import into the empty directory runs as the command, in a process of its own."""
+    from offload.tools.ckpt_cli import main as ckpt_main
+
     state = tmp_path / "adamw.pt"
     torch.save(adamw_state_dict(), state)
-
-    def run(target, cwd):
-        return subprocess.Popen([sys.executable, "-m", "offload.tools.ckpt_cli", "import", str(state), target], cwd=cwd,
-                                env=python_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
     (tmp_path / "empty").mkdir()
-    empty = run(str(tmp_path / "empty"), str(tmp_path))
-    cases = {}
-    for kind in ("cwd", "run-folder", "nvme-path", "link-to-dir"):
-        home = tmp_path / kind
-        target, cwd, named = make_refused(kind, home, weights_checkpoint)
-        cases[kind] = (home, named, tree(home), run(target, cwd))
-    for kind, (home, named, before, proc) in cases.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 1, f"{kind}: {out} {err}"
-        assert named in err and "remove" in err and "Errno" not in err, f"{kind}: {err}"
-        assert tree(home) == before, kind
-    out, err = empty.communicate(timeout=120)
+    empty = subprocess.Popen([sys.executable, "-m", "offload.tools.ckpt_cli", "import", str(state),
+                              str(tmp_path / "empty")], cwd=str(tmp_path), env=python_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        for kind in ("cwd", "run-folder", "nvme-path", "link-to-dir"):
+            home = tmp_path / kind
+            target, cwd, named = make_refused(kind, home, weights_checkpoint)
+            before = tree(home)
+            with monkeypatch.context() as m:
+                m.chdir(cwd)
+                code = ckpt_main(["import", str(state), target])
+            err = capsys.readouterr().err
+            assert code == 1, f"{kind}: {err}"
+            assert named in err and "remove" in err and "Errno" not in err, f"{kind}: {err}"
+            assert tree(home) == before, kind
+    finally:
+        out, err = empty.communicate(timeout=120)
     assert empty.returncode == 0, err
     ckpt.verify_checkpoint(tmp_path / "empty")
     assert leftovers(tmp_path) == ["adamw.pt"]

@@ -3,9 +3,9 @@
 parallelism), FSDP2's local shards on NVMe, DCP resume, per-rank reservation and placement, DDP with offloaded
 parameters, ZeRO's partitions offloaded.
 
-The ranks are forked once per job (tests/dist_worker.py, with torchrun's variables), two for most of the module
-and four for SCENARIOS_4, and run every scenario in turn; each test reads its own scenario's outcome on every
-rank. Pure helpers of offload.distributed are tested in-process.
+The ranks are forked once per job (tests/dist_worker.py, with torchrun's variables; one process forks both jobs'
+ranks), two for most of the module and four for SCENARIOS_4, and run every scenario in turn; each test reads its
+own scenario's outcome on every rank. Pure helpers of offload.distributed are tested in-process.
 """
 
 from __future__ import annotations
@@ -31,31 +31,45 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available() or not torc
                                 reason="needs torch.distributed with gloo")
 
 
-def run_job(out, scenarios: tuple, world: int):
-    """Fork ``world`` ranks that run ``scenarios`` in turn: ``({scenario: [each rank's record]}, swap files left)``."""
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "dist_worker.py"), str(out), ",".join(scenarios),
-                           str(world)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(),
-                          cwd=out, timeout=300)
-    records = {}
-    for name in scenarios:
-        records[name] = []
-        for r in range(world):
-            path = out / f"{name}.rank{r}.json"
-            records[name].append(json.loads(path.read_text()) if path.exists() else {"ok": False, "error": proc.stdout})
-    swaps = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files if f.endswith(".swap")]
-    return records, swaps
+def run_jobs(jobs: list[tuple]) -> list[tuple[dict, list]]:
+    """Fork the ranks of each job ``(out, scenarios, world)`` in turn, from one process: for each job,
+    ``({scenario: [each rank's record]}, swap files left)``."""
+    argv = [str(a) for out, scenarios, world in jobs for a in (out, ",".join(scenarios), world)]
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "dist_worker.py"), *argv],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=python_env(),
+                          cwd=jobs[0][0], timeout=300 * len(jobs))
+    done = []
+    for out, scenarios, world in jobs:
+        records = {}
+        for name in scenarios:
+            records[name] = []
+            for r in range(world):
+                path = out / f"{name}.rank{r}.json"
+                records[name].append(json.loads(path.read_text()) if path.exists() else
+                                     {"ok": False, "error": proc.stdout})
+        swaps = [os.path.join(d, f) for d, _, files in os.walk(out) for f in files if f.endswith(".swap")]
+        done.append((records, swaps))
+    return done
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def jobs(tmp_path_factory):
+    """The two jobs' outcomes, their ranks forked by one process (one import of torch): WORLD ranks running
+    SCENARIOS, then 4 running SCENARIOS_4."""
+    yield run_jobs([(tmp_path_factory.mktemp("dist"), SCENARIOS, WORLD),
+                    (tmp_path_factory.mktemp("dist4"), SCENARIOS_4, 4)])
+
+
+@pytest.fixture(scope="module")
+def job(jobs):
     """The outcome of every scenario on every rank: ``{scenario: [rank 0's record, rank 1's record]}``."""
-    yield run_job(tmp_path_factory.mktemp("dist"), SCENARIOS, WORLD)
+    yield jobs[0]
 
 
 @pytest.fixture(scope="module")
-def job4(tmp_path_factory):
+def job4(jobs):
     """The outcome of SCENARIOS_4 on each of 4 ranks."""
-    yield run_job(tmp_path_factory.mktemp("dist4"), SCENARIOS_4, 4)
+    yield jobs[1]
 
 
 def outcome(job, name: str) -> list[dict]:

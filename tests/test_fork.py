@@ -87,23 +87,27 @@ def trial(path, how, aio):
     engine.close()
     print(how, "removed", not any(os.path.exists(f) for f in files), os.listdir(path), flush=True)
 
-for how in ("close", "gc", "exit"):
-    trial(sys.argv[1], how, AioConfig(block_size=65536, queue_depth=1, backend=sys.argv[2]))
+for backend in sys.argv[2:]:
+    print("backend", backend, flush=True)
+    for how in ("close", "gc", "exit"):
+        trial(sys.argv[1], how, AioConfig(block_size=65536, queue_depth=1, backend=backend))
 """
 
 
-def test_child_refuses_a_parent_swap_space_and_exits_at_once(nvme, backend):
+def test_child_refuses_a_parent_swap_space_and_exits_at_once(nvme, backends):
     """In a child forked while a swap space and an engine (with a write in flight) exist, every use
     raises RuntimeError naming the parent process, a new engine works, and closing them explicitly,
     by garbage collection or at interpreter exit returns at once; the parent's files stay intact and
-    usable, and the parent removes them on close."""
-    done = run_code(_SPACE_SCRIPT, nvme, backend, timeout=300)
+    usable, and the parent removes them on close. Each backend that runs here in turn, in one process."""
+    done = run_code(_SPACE_SCRIPT, nvme, *backends, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     uses = ("space.read", "space.write", "space.alloc", "space.stats", "engine.stats", "pending.wait")
     expected = []
-    for how in ("close", "gc", "exit"):
-        expected += [" ".join([how, *(f"{u}:clear" for u in uses), "fresh:65536"]), f"{how} child-exit 0",
-                     f"{how} files-intact True", f"{how} parent-data True True", f"{how} removed True []"]
+    for backend in backends:
+        expected.append(f"backend {backend}")
+        for how in ("close", "gc", "exit"):
+            expected += [" ".join([how, *(f"{u}:clear" for u in uses), "fresh:65536"]), f"{how} child-exit 0",
+                         f"{how} files-intact True", f"{how} parent-data True True", f"{how} removed True []"]
     assert done.stdout.splitlines() == expected, done.stdout + done.stderr
 
 

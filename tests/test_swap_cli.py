@@ -31,11 +31,12 @@ if sys.stdin.readline().strip() == "use":
 space.close()
 pool.close()
 """
-# ``python -c DIE DIR NAME``: creates a swap space and dies without any clean-up (its file stays, unlocked).
+# ``python -c DIE DIR NAME [DIR NAME]...``: creates a swap space in each DIR, named NAME, and dies without any
+# clean-up (their files stay, unlocked).
 DIE = """
 import os, sys
 from offload.space import SwapSpace
-space = SwapSpace(sys.argv[1], 1 << 20, name=sys.argv[2])
+spaces = [SwapSpace(d, 1 << 20, name=n) for d, n in zip(sys.argv[1::2], sys.argv[2::2])]
 os._exit(0)
 """
 
@@ -50,8 +51,7 @@ def swap_dirs(tmp_path_factory):
     below.mkdir(parents=True)
     live = subprocess.Popen([sys.executable, "-c", HOLD, str(top), "live"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=python_env())
-    dead = [subprocess.Popen([sys.executable, "-c", DIE, str(d), name], env=python_env())
-            for d, name in ((top, "dead"), (below, "deeper"))]
+    dead = [subprocess.Popen([sys.executable, "-c", DIE, str(top), "dead", str(below), "deeper"], env=python_env())]
     try:
         assert live.stdout.readline().strip() == "ready"
         assert all(p.wait(timeout=120) == 0 for p in dead)
