@@ -23,8 +23,9 @@ def make_pair(seed=0):
 
 
 def train_pair(ref, off, nvme, closing, steps=3, between=None):
-    """Both models, the same steps (``between(step)`` runs after each backward); bit for bit at the end."""
-    opts = [closing(OffloadedAdamW(m.parameters(), nvme_path=nvme, **OPT)) for m in (ref, off)]
+    """Both models, the same steps (``between(step)`` runs after each backward, while the gradients wait in the grad
+    store for step(): the update stays there, not inside backward); bit for bit at the end."""
+    opts = [closing(OffloadedAdamW(m.parameters(), nvme_path=nvme, overlap_backward=False, **OPT)) for m in (ref, off)]
     for step in range(steps):
         for model, opt in zip((ref, off), opts):
             loss_of(model, step).backward()
