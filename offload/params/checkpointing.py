@@ -37,9 +37,9 @@ class Checkpointing:
     """
 
     @property
-    def unit_bytes(self) -> int:
-        """Bytes per block (the checkpoint interface's name): parameters move in blocks of one pool buffer."""
-        return self.io.unit_bytes
+    def block_bytes(self) -> int:
+        """Bytes per block: parameters move in blocks of one pool buffer."""
+        return self.io.block_bytes
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[list[HostBuffer]]:
@@ -75,7 +75,7 @@ class Checkpointing:
             return None, rec.host.reshape(-1)
         return rec.extent, None
 
-    def read_unit(self, param: torch.Tensor, k: int, buffer):
+    def read_block(self, param: torch.Tensor, k: int, buffer):
         """Start reading block ``k`` of ``param``'s extent into ``buffer``; waiting for the future checks the
         bytes against the block's last write (``StateError`` if they changed on disk behind our back)."""
         rec = self.records[param]
@@ -89,7 +89,7 @@ class Checkpointing:
     def load_targets(self, param: torch.Tensor) -> tuple[Optional[Extent], list[torch.Tensor]]:
         """Where new bytes for ``param`` must go: its extent (if any) and the in-memory copies to
         overwrite with them (its storage while resident, the host cache's copy). Call inside
-        :meth:`exclusive`, write blocks of :attr:`unit_bytes` bytes (with :meth:`write_unit`, which keeps
+        :meth:`exclusive`, write blocks of :attr:`block_bytes` bytes (with :meth:`write_block`, which keeps
         their checksums), then call :meth:`loaded`."""
         rec = self.records[param]
         targets = []
@@ -100,7 +100,7 @@ class Checkpointing:
         self.bytes.forget_digests(rec)
         return rec.extent, targets
 
-    def write_unit(self, param: torch.Tensor, k: int, buffer):
+    def write_block(self, param: torch.Tensor, k: int, buffer):
         """Start writing block ``k`` of ``param``'s extent from ``buffer``, recording its checksum."""
         return self.bytes.write(self.records[param], buffer, k)
 

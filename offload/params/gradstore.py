@@ -389,7 +389,7 @@ class GradStore:
                 src = src.contiguous()
             raw = src.view(torch.uint8)
             size = src.element_size()
-            unit = self.io.unit_bytes
+            unit = self.io.block_bytes
             state, scales = g.state, g.scales
 
             crossing = copies.crosses(src.device)

@@ -52,11 +52,11 @@ def block_size(buffers: Sequence, stores: Sequence) -> int:
     """Bytes per block: fits every buffer, a multiple of the checkpoint's and every swap space's alignment (so a
     parameter's blocks lie back to back in the data file and in its extent)."""
     step = max([ALIGNMENT] + [s.space.alignment for s in stores])
-    unit_bytes = min(b.nbytes for b in buffers) // step * step
-    if unit_bytes <= 0:
+    block_bytes = min(b.nbytes for b in buffers) // step * step
+    if block_bytes <= 0:
         raise CheckpointError(f"the parameter pool's buffers ({min(b.nbytes for b in buffers)} bytes) are "
                               f"smaller than the {step}-byte alignment; use a larger buffer_size")
-    return unit_bytes
+    return block_bytes
 
 
 @dataclass(eq=False)
@@ -80,13 +80,13 @@ class WeightBlock:
         """Whether the bytes are (or go) on a swap space."""
         return self.extent is not None
 
-    def read(self, buf, unit_bytes: int):
+    def read(self, buf, block_bytes: int):
         """Saving: start reading the bytes into ``buf`` (a future; checked against their last write), or copy
         them from memory (None)."""
         if self.extent is None:
             buf.tensor[:self.n].copy_(self._in_memory())
             return None
-        return self._swap(buf, unit_bytes, write=False)
+        return self._swap(buf, block_bytes, write=False)
 
     def take(self, buf) -> bool:
         """Loading from memory: copy the new bytes into ``buf`` and every in-memory copy; whether they go to disk
@@ -96,13 +96,13 @@ class WeightBlock:
         self.refresh(data)
         return self.on_disk
 
-    def write(self, buf, unit_bytes: int):
+    def write(self, buf, block_bytes: int):
         """Loading: start writing ``buf``'s bytes to the swap space, zeros to the end of the space's last block;
         None where the bytes go to memory only."""
         if self.extent is None:
             return None
         buf.tensor[self.n:round_up(self.n, self.store.space.alignment)].zero_()
-        return self._swap(buf, unit_bytes, write=True)
+        return self._swap(buf, block_bytes, write=True)
 
     def _in_memory(self) -> torch.Tensor:
         """The bytes where they are in memory (a block with no extent, or one loaded from model.pt, has them)."""
@@ -114,25 +114,25 @@ class WeightBlock:
         for c in self.copies:
             c[self.start:self.start + self.n].copy_(data)
 
-    def _swap(self, buf, unit_bytes: int, *, write: bool):
-        """As one of the store's own blocks where it is one (``unit_bytes`` is the store's), checked against
+    def _swap(self, buf, block_bytes: int, *, write: bool):
+        """As one of the store's own blocks where it is one (``block_bytes`` is the store's), checked against
         (or keeping) its checksum."""
-        if self.store.unit_bytes == unit_bytes:
-            move = self.store.write_unit if write else self.store.read_unit
-            return move(self.param, self.start // unit_bytes, buf)
+        if self.store.block_bytes == block_bytes:
+            move = self.store.write_block if write else self.store.read_block
+            return move(self.param, self.start // block_bytes, buf)
         space = self.store.space
         return (space.write if write else space.read)(space.sub(self.extent, self.start, self.n), buf, nbytes=self.n)
 
 
-def save_blocks(offloaded: Sequence[tuple[str, torch.Tensor, Any]], unit_bytes: int) -> list[WeightBlock]:
-    """The blocks of ``unit_bytes`` of each ``(name, tensor, store)`` to save, from its latest bytes (a resident
+def save_blocks(offloaded: Sequence[tuple[str, torch.Tensor, Any]], block_bytes: int) -> list[WeightBlock]:
+    """The blocks of ``block_bytes`` of each ``(name, tensor, store)`` to save, from its latest bytes (a resident
     or host-cached copy is newer than its extent). Call inside :func:`held`."""
     blocks = []
     for name, t, store in offloaded:
         nbytes = t.numel() * t.element_size()
         extent, current = store.current_bytes(t)
-        for start in range(0, nbytes, unit_bytes):
-            blocks.append(WeightBlock(name, start, min(unit_bytes, nbytes - start), extent, store, current, param=t))
+        for start in range(0, nbytes, block_bytes):
+            blocks.append(WeightBlock(name, start, min(block_bytes, nbytes - start), extent, store, current, param=t))
     return blocks
 
 
@@ -151,9 +151,9 @@ def _targets(t: torch.Tensor, store, after: list) -> tuple[Optional[Extent], lis
 
 
 def load_blocks(jobs: Sequence[tuple[str, torch.Tensor, Any, Optional[torch.Tensor]]],
-                unit_bytes: int) -> tuple[list, list, list]:
+                block_bytes: int) -> tuple[list, list, list]:
     """A load's work, per ``(name, tensor, saved entry, source in memory or None)``: the :class:`WeightBlock` of
-    each ``unit_bytes`` of a tensor filled on a swap space or through a buffer (from the data file at the entry,
+    each ``block_bytes`` of a tensor filled on a swap space or through a buffer (from the data file at the entry,
     or from the source), ``(tensor, source)`` copied memory to memory, and ``(tensor, copy)`` of tensors filled
     through a contiguous copy. Call inside :func:`held`; the stores are told their bytes are rewritten."""
     blocks: list = []
@@ -167,8 +167,8 @@ def load_blocks(jobs: Sequence[tuple[str, torch.Tensor, Any, Optional[torch.Tens
         nbytes = t.numel() * t.element_size()
         extent, copies = _targets(t, store, after)
         memory = flat_bytes(src.contiguous()) if src is not None else None
-        for start in range(0, nbytes, unit_bytes):
-            blocks.append(WeightBlock(name, start, min(unit_bytes, nbytes - start), extent, store, memory,
+        for start in range(0, nbytes, block_bytes):
+            blocks.append(WeightBlock(name, start, min(block_bytes, nbytes - start), extent, store, memory,
                                       tuple(copies), entry=e if src is None else None, param=t))
     for store in {id(b.store): b.store for b in blocks if b.store is not None}.values():
         store.rewriting([b.param for b in blocks if b.store is store])

@@ -138,7 +138,7 @@ class TensorIO:
         self.store = store
         self.space = store.space
         self.lender = lender
-        self.unit_bytes = store.block_bytes
+        self.block_bytes = store.block_bytes
         self.pipeline = Pipeline(lender, lookahead=max(0, len(lender) - 1))
 
     def count(self, nbytes: int) -> int:
@@ -159,8 +159,8 @@ class TensorIO:
         crossing = copies.crosses(dst.device)
 
         def copy(k: int, pbuf: PoolBuffer) -> bool:
-            start = k * self.unit_bytes
-            n = min(self.unit_bytes, nbytes - start)
+            start = k * self.block_bytes
+            n = min(self.block_bytes, nbytes - start)
             if crossing:
                 pbuf.copying = copies.into_device(dst[start:start + n], pbuf.buffer.tensor[:n])
             else:
@@ -221,9 +221,9 @@ class TensorIO:
             n = self.store.block(stored, k)[1]
             view = pbuf.buffer.tensor[:n]
             if fill is None and crossing:
-                landing[k] = copies.to_host(view, src[k * self.unit_bytes:k * self.unit_bytes + n])
+                landing[k] = copies.to_host(view, src[k * self.block_bytes:k * self.block_bytes + n])
             elif fill is None:
-                view.copy_(src[k * self.unit_bytes:k * self.unit_bytes + n])
+                view.copy_(src[k * self.block_bytes:k * self.block_bytes + n])
             else:
                 ticket = fill(k, view, read_first is not None and read_first(k))
                 if ticket is not None:

@@ -383,14 +383,14 @@ def _stream_offloaded(f, store, param: torch.Tensor) -> None:
         if current is not None:
             _write_tensor(f, current)
             return
-        nbytes, unit = param.numel() * param.element_size(), store.unit_bytes
+        nbytes, unit = param.numel() * param.element_size(), store.block_bytes
 
         def write(k: int, buf) -> bool:
             f.write(buf.tensor[:min(unit, nbytes - k * unit)].numpy())
             return False  # nothing goes back to the swap space
 
         # The pipeline reads ahead as far as the pool allows and drains its reads on an error.
-        Pipeline(list(buffers)).run(range(-(-nbytes // unit)), read=lambda k, buf: store.read_unit(param, k, buf),
+        Pipeline(list(buffers)).run(range(-(-nbytes // unit)), read=lambda k, buf: store.read_block(param, k, buf),
                                     process=write)
 
 
