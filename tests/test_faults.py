@@ -8,6 +8,7 @@ write fully until a checkpoint is loaded.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import importlib.util
@@ -296,7 +297,8 @@ def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_p
 
     threads = torch.get_num_threads()
     zygote = subprocess.Popen([sys.executable, str(tmp_path / "zygote.py"), str(tmp_path)], cwd=REPO,
-                              env=python_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              env=python_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)  # its group: what a failed test leaves is killed with it
     try:
         # The reference run, while the zygote imports torch.
         ref_model, ref_opt = loop.run(None, str(tmp_path / "nvme-ref"))
@@ -338,7 +340,11 @@ def test_sigkill_at_random_points_then_resume_equals_the_uninterrupted_run(tmp_p
     finally:
         torch.set_num_threads(threads)
         zygote.stdin.close()
-        zygote.wait(timeout=30)
+        try:
+            zygote.wait(timeout=30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(zygote.pid, signal.SIGKILL)  # a run the zygote forked and nobody reaped (a failed test)
 
 
 def _wait_for_checkpoint(keep, step: int, pid: int, timeout: float = 120.0) -> None:
