@@ -627,7 +627,7 @@ def test_no_overlap_answers_every_call_the_optimizer_makes_on_its_overlap():
     import re
 
     from offload.adam import optimizer
-    from offload.overlap import BackwardOverlap, NoOverlap
+    from offload.adam.overlap import BackwardOverlap, NoOverlap
 
     used = set(re.findall(r"self\._overlap\.(\w+)", inspect.getsource(optimizer)))
     assert {"refuse_while_running", "end_for_load", "finish"} <= used

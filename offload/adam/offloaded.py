@@ -1,4 +1,4 @@
-"""The update of offloaded state: one pass over units of a StateStore, and the step count of what it updated."""
+"""The offloaded part of a step: one loop over the units of a StateStore, the update in its body."""
 
 from __future__ import annotations
 
@@ -10,49 +10,75 @@ from .. import copies
 from ..copies import DONE, Ticket
 from ..params import ParamAccess
 from ..state import ParamSlot, StateStore
-from .update import TORCH_MATH, GradScaling, Math, update_chunks
+from .update import NO_SCALING, GradScaling, Math, update_chunks
+from .weights import WeightWatch
 
-__all__ = ["update_offloaded"]
+__all__ = ["OffloadedStep"]
 
 
-def update_offloaded(store: StateStore, access: ParamAccess, state: dict, slots: list[ParamSlot], *,
-                     scaling: Callable[[], GradScaling], gate: Optional[Callable] = None,
-                     order: Optional[list] = None, math: Math = TORCH_MATH) -> set:
-    """Update the units of ``slots`` (in ``order``, else the store's snake order); ``gate(unit)`` runs
-    before each update (overlap_backward: until its grads are final). A chunk is updated when its slot
-    is one of ``slots`` and its parameter has a grad then. Returns the slots updated. An ``order`` given is
-    backward's, which the next step follows again: the pool holds its first units for it.
+# NOTE: the overlap worker runs this with nothing but what it holds, never the optimizer itself: dropped without
+# close() or step() (after an interrupted backward), the optimizer is collected, and that ends the step in
+# progress, so the worker does not wait for ever holding the pool and swap files.
+class OffloadedStep:
+    """The update of an optimizer's offloaded units, and what it needs of the optimizer.
 
     Args:
         store: the owner of the offloaded state.
         access: the optimizer's access to weights and grads that ``offload_parameters`` holds.
         state: the optimizer's ``state`` (``{param: {"step": ...}}``), whose steps are counted here.
-        slots: the slots to update.
-        scaling: what the step does to the grads it reads, asked at each unit's update after its gate
-            (with overlap_backward and clipping, step() sets it once the norms are known).
+        weights: the optimizer's watch over weights replaced under a master.
+        groups: the optimizer's ``param_groups``.
         math: the formula, and the rounding stream of weights without a master.
+
+    Attributes:
+        scaling: what this step does to the grads it reads, asked at each unit's update after its gate (with
+            overlap_backward and clipping, step() sets it once the norms are known).
     """
-    units = order if order is not None else store.step_order(store.units_of(slots))
-    updates = _UnitUpdates(state, slots, scaling, math)
-    try:
-        # The step's last writes land while the caller goes on (the next forward); reading a unit back, a
-        # checkpoint, state_dict() or close() waits for them.
-        with access.units(units, updates.candidates) as unit_pass, \
-                store.step(units, keep_first=order is not None) as units_in:
-            updates.unit_pass = unit_pass
-            for unit, buf in units_in:
-                if gate is not None:
-                    gate(unit)  # overlap_backward: until the unit's grads are final
-                units_in.changing(unit, buf)  # an asynchronous checkpoint copies the unit first
-                updates.update(unit, buf)
-                if units_in.written(unit):
-                    updates.before_write(unit)  # its state back from the device before its write
-    finally:
-        # Units resident in host memory are never written: their copies back must land before the step
-        # ends (and after a failure, before anyone reuses their buffers).
-        copies.waited(updates.copying.values())
-    _count_steps(state, updates.updated)
-    return updates.updated
+
+    def __init__(self, store: StateStore, access: ParamAccess, state: dict, weights: WeightWatch, groups: list,
+                 math: Math):
+        self.store, self.access, self.state, self.weights, self.groups = store, access, state, weights, groups
+        self.math = math
+        self.scaling: GradScaling = NO_SCALING
+
+    def run(self, slots: list[ParamSlot], gate: Optional[Callable] = None, order: Optional[list] = None) -> set:
+        """Update the units of ``slots`` (in ``order``, else the store's snake order); ``gate(unit)`` runs
+        before each update (overlap_backward: until its grads are final). A chunk is updated when its slot
+        is one of ``slots`` and its parameter has a grad then. Returns the slots updated. An ``order`` given is
+        backward's, which the next step follows again: the pool holds its first units for it."""
+        store = self.store
+        units = order if order is not None else store.step_order(store.units_of(slots))
+        updates = _UnitUpdates(self.state, slots, lambda: self.scaling, self.math)
+        try:
+            # The step's last writes land while the caller goes on (the next forward); reading a unit back, a
+            # checkpoint, state_dict() or close() waits for them.
+            with self.access.units(units, updates.candidates) as unit_pass, \
+                    store.step(units, keep_first=order is not None) as units_in:
+                updates.unit_pass = unit_pass
+                for unit, buf in units_in:
+                    if gate is not None:
+                        gate(unit)  # overlap_backward: until the unit's grads are final
+                    units_in.changing(unit, buf)  # an asynchronous checkpoint copies the unit first
+                    updates.update(unit, buf)
+                    if units_in.written(unit):
+                        updates.before_write(unit)  # its state back from the device before its write
+        finally:
+            # Units resident in host memory are never written: their copies back must land before the step
+            # ends (and after a failure, before anyone reuses their buffers).
+            copies.waited(updates.copying.values())
+        _count_steps(self.state, updates.updated)
+        return updates.updated
+
+    def slots_now(self) -> list[ParamSlot]:
+        """The slots a step may update now: placed parameters that require grad."""
+        self.weights.check()  # before backward starts any update
+        return [self.store.slot(p) for g in self.groups for p in g["params"]
+                if p.requires_grad and self.store.slot(p) is not None]
+
+    def hyperparameters(self) -> list:
+        """The groups' hyperparameters now (for the update inside backward: those it ran with)."""
+        return [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k not in ("params", "param_names")}
+                for g in self.groups]
 
 
 class _UnitUpdates:

@@ -13,9 +13,8 @@ from ..config import offload_config
 from ..distributed import is_dtensor
 from ..errors import StateError
 from ..interrupts import deferred, deferring
-from ..overlap import BackwardOverlap, NoOverlap
 from ..params import UPDATES_SHARDS, ParamAccess, store_of
-from ..state import ParamSlot, StateStore, check_state_dict
+from ..state import StateStore, check_state_dict
 from .checks import (
     check_dtensor_options,
     check_master_weights,
@@ -27,7 +26,8 @@ from .checks import (
     no_duplicate_warning,
     params_with_grads,
 )
-from .offloaded import update_offloaded
+from .offloaded import OffloadedStep
+from .overlap import BackwardOverlap, NoOverlap
 from .scaling import step_scaling
 from .statedict import add_offloaded_state, load_state
 from .update import NO_SCALING, Math, kernel_flags, update_in_memory
@@ -145,7 +145,6 @@ class OffloadedAdam(torch.optim.Adam):
         check_max_grad_norm(max_grad_norm)
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: Optional[torch.Tensor] = None
-        self._scaling_now = [NO_SCALING]  # what step() does to the grads, for its updates (one item, shared)
         check_params(self.param_groups)
         oc = self.config.offload_optimizer
         check_master_weights(self.param_groups, oc.master_weights)
@@ -163,6 +162,8 @@ class OffloadedAdam(torch.optim.Adam):
         self._access = ParamAccess(pin_memory=self.state_store.pin_memory, handoff_bytes=handoff)
         self._weights = WeightWatch(self.param_groups, self.state_store, self.state)
         self.state_store.on_restored.append(self._weights.note)  # a load of ours restores masters with them
+        self._offloaded = OffloadedStep(self.state_store, self._access, self.state, self._weights, self.param_groups,
+                                        self._math)
         self._overlap = self._start_overlap()
 
     def _place_state(self) -> None:
@@ -177,7 +178,7 @@ class OffloadedAdam(torch.optim.Adam):
 
     def _start_overlap(self) -> BackwardOverlap | NoOverlap:
         """With overlap_backward, the hooks through which backward starts the updates (``"auto"``: once it has
-        seen that they may, see :class:`offload.overlap.Learning`); else a NoOverlap."""
+        seen that they may, see :class:`offload.adam.overlap.Learning`); else a NoOverlap."""
         mode = self.config.offload_optimizer.overlap_backward
         weights_offloaded = any(store_of(p) is not None for g in self.param_groups for p in g["params"])
         if mode is False or (mode == "auto" and (self.max_grad_norm is not None or _sharded(self.param_groups)
@@ -185,14 +186,8 @@ class OffloadedAdam(torch.optim.Adam):
             # "auto" never updates inside backward when clipping waits, for DTensors, or without weights on NVMe
             # (offload_parameters comes first), where it saves little: no hooks then, nothing watched.
             return NoOverlap()
-        # NOTE: the worker a backward starts holds what the update needs, never the optimizer itself: dropped
-        # without close() or step() (after an interrupted backward), the optimizer is collected, and that
-        # ends the step in progress, so the worker does not wait for ever holding the pool and swap files.
-        parts = _UpdateParts(self.state_store, self._access, self.state, self._weights, self.param_groups,
-                             self._scaling_now, self._math)
-        overlap = BackwardOverlap(parts.run_step, parts.slots_now, self.state_store.units_of,
-                                  clip=self.max_grad_norm is not None, mark_failed=self.state_store.mark_failed,
-                                  access=self._access, armed=mode is True, hyper=parts.hyperparameters)
+        # The worker a backward starts holds the OffloadedStep, never the optimizer (see its note).
+        overlap = BackwardOverlap(self._offloaded, clip=self.max_grad_norm is not None, armed=mode is True)
         weakref.finalize(self, overlap.abandon, StateError("the optimizer was dropped during backward"))
         overlap.hook(p for g in self.param_groups for p in g["params"])
         return overlap
@@ -295,7 +290,7 @@ class OffloadedAdam(torch.optim.Adam):
         done = self._overlap.finish()
         rest = [self.state_store.slot(p) for _, p in offloaded if self.state_store.slot(p) not in done]
         if rest:
-            self._step_offloaded(rest)
+            self._offloaded.run(rest)
 
     def _fail_step(self, err: BaseException, changing: bool) -> None:
         """A step that raised ``err``: one running since backward ends, and state that was changing is failed."""
@@ -482,18 +477,12 @@ class OffloadedAdam(torch.optim.Adam):
 
     @property
     def _scaling(self):
-        return self._scaling_now[0]
+        """What this step does to the grads (``NO_SCALING`` outside step())."""
+        return self._offloaded.scaling
 
     @_scaling.setter
     def _scaling(self, value) -> None:
-        self._scaling_now[0] = value
-
-    def _step_offloaded(self, slots: list[ParamSlot], gate: Optional[Callable] = None,
-                        order: Optional[list] = None) -> set:
-        """Update the units of ``slots`` with this step's grad scaling (:func:`update_offloaded`): what step()
-        runs, and with overlap_backward what backward runs on the worker. Returns the slots updated."""
-        return update_offloaded(self.state_store, self._access, self.state, slots, scaling=lambda: self._scaling,
-                                gate=gate, order=order, math=self._math)
+        self._offloaded.scaling = value
 
     def _note_positions(self) -> None:
         """Each parameter's index over the groups (``state_dict``'s), which keys its rounding stream."""
@@ -530,26 +519,3 @@ class OffloadedAdamW(OffloadedAdam):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
-
-
-class _UpdateParts:
-    """What a step needs of its optimizer (its state store, access, state, weight watch, groups, this step's grad
-    scaling and the update's math), without the optimizer: the overlap worker runs with these alone."""
-
-    def __init__(self, store, access, state, weights, groups, scaling_now: list, math):
-        self.store, self.access, self.state, self.weights, self.groups = store, access, state, weights, groups
-        self.scaling_now, self.math = scaling_now, math
-
-    def run_step(self, slots: list, gate: Optional[Callable] = None, order: Optional[list] = None) -> set:
-        return update_offloaded(self.store, self.access, self.state, slots, scaling=lambda: self.scaling_now[0],
-                                gate=gate, order=order, math=self.math)
-
-    def slots_now(self) -> list:
-        self.weights.check()  # before backward starts any update
-        return [self.store.slot(p) for g in self.groups for p in g["params"]
-                if p.requires_grad and self.store.slot(p) is not None]
-
-    def hyperparameters(self) -> list:
-        """The groups' hyperparameters now (for the update inside backward: those it ran with)."""
-        return [{k: float(v) if torch.is_tensor(v) else v for k, v in g.items() if k not in ("params", "param_names")}
-                for g in self.groups]

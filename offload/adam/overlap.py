@@ -10,11 +10,12 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import copies
-from .clipping import grad_norm
-from .distributed import check_grad_layout, local, rank_info
-from .errors import StateError
-from .params import ParamAccess, grad_reads, store_of
+from .. import copies
+from ..clipping import grad_norm
+from ..distributed import check_grad_layout, local, rank_info
+from ..errors import StateError
+from ..params import ParamAccess, grad_reads, store_of
+from .offloaded import OffloadedStep
 
 __all__ = ["BackwardOverlap", "Learning", "NoOverlap"]
 
@@ -37,36 +38,28 @@ class BackwardOverlap:
     """Hooks and the step in progress of an optimizer built with ``overlap_backward=True``.
 
     Args:
-        run_step: ``run_step(slots, gate, order)`` runs the optimizer's offloaded step over the units of
-            ``slots`` in ``order``, calling ``gate(unit)`` before each update; returns the slots updated.
-            It runs on the worker thread; a clip factor it needs is set before :meth:`finish` opens the gates.
-        slots_now: the slots a step may update now (placed parameters that require grad).
-        units_of: ``units_of(slots)`` in layout order.
+        step: the optimizer's offloaded step, which the worker runs (``step.run(slots, gate, order)``, calling
+            ``gate(unit)`` before each update); a clip factor it needs is set before :meth:`finish` opens the
+            gates. When the step in progress fails, its store is marked failed (on the worker): the state may
+            then be half updated, and the optimizer refuses further steps until it is restored. Its
+            ``access`` is the optimizer's :class:`ParamAccess`, through which gradients are watched and
+            parameters whose weights live on NVMe are taken as backward finishes them.
         clip: whether updates must wait for the global gradient norm (``max_grad_norm``).
-        mark_failed: ``mark_failed(err)`` is called (on the worker) when the step in progress fails: the state
-            may then be half updated, and the owner refuses further steps until it is restored.
-        access: the optimizer's :class:`ParamAccess`, through which gradients are watched and parameters
-            whose weights live on NVMe are taken as backward finishes them.
         armed: whether updates run inside backward from the first one (``overlap_backward=True``); else
-            (``"auto"``) they do once :class:`Learning` has seen that they may.
-        hyper: ``hyper()`` gives the groups' hyperparameters now: an update that ran inside backward used them
-            as they were then, so step() refuses a change made in between.
+            (``"auto"``) they do once :class:`Learning` has seen that they may. An update that ran inside
+            backward used the groups' hyperparameters as they were then, so step() refuses a change made in
+            between.
     """
 
-    def __init__(self, run_step: Callable, slots_now: Callable, units_of: Callable, *, clip: bool,
-                 mark_failed: Callable[[BaseException], None], access: ParamAccess, armed: bool = True,
-                 hyper: Callable[[], list] = list):
+    def __init__(self, step: OffloadedStep, *, clip: bool, armed: bool = True):
         self.armed = armed
         self.armed_at: Optional[int] = None  # with "auto", the steps seen when it armed
-        self.hyper = hyper
-        self.learning = None if armed else Learning(hyper)
+        self.step = step
+        self.hyper = step.hyperparameters
+        self.learning = None if armed else Learning(self.hyper)
         self._params: list = []  # every parameter watched, to watch again once armed
-        self._run_step = run_step
-        self._mark_failed = mark_failed
-        self._slots_now = slots_now
-        self._units_of = units_of
         self.clip = clip
-        self.access = access
+        self.access = step.access
         self._handles: dict[int, object] = {}
         # The hooks on the parameters reach this object only weakly, so a model outliving its optimizer does
         # not keep the optimizer (its pool, its swap files) alive; once it is gone the hooks go too.
@@ -234,7 +227,7 @@ class BackwardOverlap:
             "(load_checkpoint), then train without the GradScaler (bf16 autocast needs none) or without "
             "overlap_backward.")
         self.abandon(err)
-        self._mark_failed(err)
+        self.step.store.mark_failed(err)
         raise err
 
     # -- what the parameter layer calls (ParamAccess.watch) --------------------------------------
@@ -262,7 +255,7 @@ class BackwardOverlap:
             "the gradients as backward left them. Restore the state (load_checkpoint), then clip with the "
             "optimizer's max_grad_norm=, and use a GradScaler only without overlap_backward.")
         self.abandon(err)
-        self._mark_failed(err)
+        self.step.store.mark_failed(err)
 
     def final(self, p: torch.Tensor) -> None:
         """``p``'s gradient is final for this backward."""
@@ -276,8 +269,8 @@ class BackwardOverlap:
     def _current_run(self) -> _Run:
         with self._lock:
             if self._run is None:
-                slots = self._slots_now()
-                self._run = _Run(self, slots, self._predict(self._units_of(slots)))
+                slots = self.step.slots_now()
+                self._run = _Run(self, slots, self._predict(self.step.store.units_of(slots)))
             return self._run
 
     def _predict(self, units: list) -> list:
@@ -540,7 +533,7 @@ class _Run:
             # issued so far (and hold it up); gate() orders each update after the grads it reads instead.
             with copies.own_streams(self.params):
                 try:
-                    self.updated = self.owner._run_step(slots, self.gate, self.order)
+                    self.updated = self.owner.step.run(slots, self.gate, self.order)
                 except BaseException:
                     with contextlib.suppress(Exception):  # the step's error is the one to report
                         self.done = copies.produced(self.params)
@@ -549,7 +542,7 @@ class _Run:
         except BaseException as err:  # reported by the next hook and by step()
             self.error = self.error or err
             if self.begun or not self.cancelled:
-                self.owner._mark_failed(self.error)
+                self.owner.step.store.mark_failed(self.error)
         finally:
             with self.lock:
                 self.ended = True
