@@ -50,11 +50,10 @@ def ours() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("offload")]
 
 
-@contextlib.contextmanager
-def ctrl_c(delays: list[float]):
-    """SIGINT delivered to this (the main) thread at each of ``delays`` seconds from now, as Ctrl-C delivers it,
-    only inside the block (outside it SIGINT is ignored, so a late one cannot hit the test's own code). Yields
-    a list that holds "interrupted" if a KeyboardInterrupt ended the block."""
+def ctrl_c(delays: list[float], work) -> bool:
+    """Run ``work()`` with SIGINT delivered to this (the main) thread at each of ``delays`` seconds from now, as
+    Ctrl-C delivers it, only while it runs (before and after, SIGINT is ignored, so a late one cannot hit the
+    test's own code). Returns whether a KeyboardInterrupt ended it."""
     main = threading.main_thread().ident
     start = time.perf_counter()
     stop = threading.Event()
@@ -65,8 +64,9 @@ def ctrl_c(delays: list[float]):
                 return
             signal.pthread_kill(main, signal.SIGINT)
 
-    # Ctrl-C's KeyboardInterrupt, raised once at most: a shot landing while the block ends (in its except or
-    # finally clause) would otherwise escape the test as a KeyboardInterrupt of the whole run.
+    # Ctrl-C's KeyboardInterrupt, raised once at most and only while armed. Everything from arming to disarming
+    # sits inside one try of this frame (no context manager's exit in between): a shot landing as work() returns,
+    # or in its except or finally clause, is caught here, never a KeyboardInterrupt of the whole run.
     armed = [True]
 
     def interrupt(signum, frame):
@@ -77,17 +77,21 @@ def ctrl_c(delays: list[float]):
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     shooter = threading.Thread(target=shoot)
     shooter.start()
-    seen: list = []
+    interrupted = False
     try:
-        signal.signal(signal.SIGINT, interrupt)
-        yield seen
+        try:
+            signal.signal(signal.SIGINT, interrupt)
+            work()
+        finally:
+            armed[0] = False
     except KeyboardInterrupt:
-        seen.append("interrupted")
+        interrupted = True
     finally:
         armed[0] = False
         stop.set()
         shooter.join()
         signal.signal(signal.SIGINT, before)
+    return interrupted
 
 
 def timed(work) -> float:
@@ -141,8 +145,7 @@ def test_one_ctrl_c_in_a_step_finishes_it_and_the_state_is_torchs(tmp_path):
                 for p in ps:
                     p.grad = torch.randn(p.shape, generator=g)
             length = timed(ref.step)
-            with ctrl_c([rng.uniform(0, length)]) as seen:
-                mine.step()
+            seen = ctrl_c([rng.uniform(0, length)], mine.step)
             interrupted += bool(seen)
             if seen and steps_of(mine, params[0]) == k:  # it came before the step began (torch's wrappers): none ran
                 mine.step()
@@ -179,8 +182,7 @@ def test_ctrl_c_at_random_moments_leaves_state_that_a_step_or_a_load_takes_up(tm
             if n >= TRIALS and outcomes["interrupted"] >= LANDED:
                 break
             began = time.perf_counter()
-            with ctrl_c(shots(rng, length, n)) as seen:
-                work()
+            seen = ctrl_c(shots(rng, length, n), work)
             if not seen:  # the shots came late: aim within the shortest run seen (the first may be a slow one)
                 length = min(length, time.perf_counter() - began)
             outcomes["interrupted"] += bool(seen)
@@ -205,8 +207,7 @@ def test_ctrl_c_during_close_and_close_again_returns(tmp_path):
         iteration(model, opt, 0)
         opt.save_checkpoint(tmp_path / f"c{n}", blocking=False)
         backward(model, 1)
-        with ctrl_c([rng.uniform(0, 0.05)]):
-            opt.close()
+        ctrl_c([rng.uniform(0, 0.05)], opt.close)
         opt.close()
         assert not [f for f in os.listdir(tmp_path / f"s{n}") if f.endswith(".swap")]
     assert not ours(), ours()
@@ -304,8 +305,7 @@ def test_an_optimizer_dropped_during_backward_is_collected_and_its_worker_ends(t
         iteration(model, opt, 0)
         length = timed(lambda: backward(model, 1))
         opt.zero_grad()
-        with ctrl_c([rng.uniform(0, length)] if interrupted else []):
-            backward(model, 2)
+        ctrl_c([rng.uniform(0, length)] if interrupted else [], lambda: backward(model, 2))
         gone = weakref.ref(opt)
         del opt
         gc.collect()
