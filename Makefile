@@ -23,10 +23,11 @@ lint: $(STAMP)
 	$(PYTHON) -m mypy
 
 # The suite in TEST_WORKERS processes (pytest-xdist), each test file whole in one of them (its module fixtures
-# run once); TEST_WORKERS=0 runs it in this process.
+# run once); TEST_WORKERS=0 runs it in this process. The lint checks are tests of it (tests/test_lint.py), run
+# beside the others rather than before them.
 TEST_WORKERS ?= 2
 
-test: lint
+test: $(STAMP)
 	$(PYTHON) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 bench: $(STAMP)
