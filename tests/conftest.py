@@ -91,7 +91,8 @@ def scratch(tmp_path):
 # these first, the short files fill in at the end and the two workers end together, instead of one of them
 # running a long file alone after the other has finished. Any file may be missing or misplaced here: it only
 # runs later or earlier.
-LONGEST_FIRST = ("test_examples.py", "test_docs.py", "test_bench_cli.py", "test_lint.py", "test_distributed_checkpoint.py",
+LONGEST_FIRST = ("test_examples.py", "test_docs.py", "test_bench_cli.py", "test_lint.py",
+                 "test_distributed_checkpoint.py",
                  "test_integrations.py", "test_pretrained_saves.py", "test_tiers.py", "test_distributed.py",
                  "test_fork.py", "test_power_loss.py", "test_space.py", "test_overlap.py", "test_interrupts.py",
                  "test_mirror.py", "test_engine.py", "test_plan.py", "test_faults.py", "test_combinations.py",
