@@ -180,14 +180,24 @@ class Staged:
             self._lock.release()
             self._lock = None
 
+    @contextlib.contextmanager
+    def owned(self) -> Iterator[Staged]:
+        """The save's block: an error in it aborts the save; at its end the directory's lock goes."""
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.close()
+
 
 def write_atomically(directory: str | os.PathLike, write: Callable[[Staged], Manifest],
                      storage: Storage = DEFAULT_STORAGE) -> str:
     """Stage ``directory`` (refused as :func:`ownership.check_target` says before anything is written),
     let ``write`` fill it and return its manifest, then commit; returns the path. On any error what was
     written is removed; an OSError that names no file names the checkpoint directory."""
-    staged = Staged(directory, storage=storage)
-    try:
+    with Staged(directory, storage=storage).owned() as staged:
         try:
             manifest = write(staged)
         except OSError as err:
@@ -196,11 +206,6 @@ def write_atomically(directory: str | os.PathLike, write: Callable[[Staged], Man
                               f"{err.strerror or os.strerror(err.errno)}", staged.directory) from err
             raise
         staged.commit(manifest)
-    except BaseException:
-        staged.abort()
-        raise
-    finally:
-        staged.close()
     return staged.directory
 
 

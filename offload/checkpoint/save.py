@@ -209,22 +209,18 @@ def _after(directory: str, then, mirror, then_mirror, *, background: bool, owner
 def _finish_in_background(handle: SaveHandle, staged: Staged, state: StateCopy, finish, show) -> None:
     """The thread of an asynchronous save: the units not copied yet, memory.pt, the commit. The directory's
     lock goes with ``staged`` (an open descriptor), which it closes."""
-    try:
-        state.make_spares()
-        pool = BufferPool(2, state.items.unit_bytes)
+    with staged.owned():
         try:
-            with progress_bar(state.total, "save (background)", bool(show)) as bar:
-                data = state.run(list(pool), bar)
+            state.make_spares()
+            with BufferPool(2, state.items.unit_bytes) as pool:
+                try:
+                    with progress_bar(state.total, "save (background)", bool(show)) as bar:
+                        data = state.run(list(pool), bar)
+                finally:
+                    state.close()  # the engine lets go of the pool's buffers before they are freed
+            finish(data)
         finally:
-            state.close()  # the engine lets go of the pool's buffers before they are freed
-            pool.close()
-        finish(data)
-    except BaseException:
-        staged.abort()
-        raise
-    finally:
-        state.close()
-        staged.close()
+            state.close()
     handle.committed = True
 
 
