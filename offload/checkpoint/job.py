@@ -148,9 +148,7 @@ def save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Cal
         _discard(shard, target, made=False)
         with contextlib.suppress(CheckpointError):  # every rank has deleted its shard after this
             gather(None, f"cleaning up {given}")
-        if made:  # then the directory this save made goes too
-            with contextlib.suppress(OSError):
-                os.rmdir(target)
+        _discard(None, target, made)  # then the directory this save made goes too
         raise own or CheckpointError(f"the job's save to {given} failed on rank {failed[0]['rank']} "
                                      f"({failed[0]['error']}); nothing was committed on any rank, and the "
                                      "checkpoint that was there (if any) is as it was")
