@@ -46,21 +46,14 @@ def lock_directory(path: str, *, exclusive: bool, timeout: float | None = None) 
 def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> Iterator[str]:
     """Hold a checkpoint still while it is read: no save into it commits or deletes meanwhile.
 
-    Takes the checkpoint directory's lock shared (saves take it exclusively), so it waits for a save
-    in progress in another process or thread, and a save started meanwhile waits until the block
-    ends. Hold it for the whole of a load (manifest, small files and data).
-
-    Args:
-        directory: the checkpoint directory (a symbolic link is followed).
-        timeout: seconds to wait for a save in progress; None waits as long as the save takes.
-
-    Yields:
-        ``directory``, absolute.
+    Takes the checkpoint directory's lock shared (saves take it exclusively): waits for a save in
+    progress in another process or thread, and a save started meanwhile waits until the block ends.
+    Hold it for the whole of a load (manifest, small files and data). Yields ``directory``, absolute
+    (a symbolic link is followed for the lock).
 
     Raises:
-        CheckpointError: ``timeout`` passed with a save still in progress (the message says so).
-            A save into the same directory started inside ``reading`` of it, in the same thread,
-            raises it too, instead of waiting forever for its own reader.
+        CheckpointError: ``timeout`` seconds (None: no limit) passed with a save still in progress, or
+            this thread saves into the directory inside ``reading`` of it (it would wait for itself).
 
     Example::
 
@@ -68,23 +61,23 @@ def reading(directory: str | os.PathLike, *, timeout: float | None = None) -> It
             extra = load_checkpoint(opt, ckpt_dir)
     """
     given = os.path.abspath(os.fspath(directory))
-    held = lock_directory(os.path.realpath(given), exclusive=False, timeout=timeout)
-    key = None
-    if held is not None:
-        try:
-            st = os.stat(os.path.realpath(given))
-        except BaseException:
-            held.release()
-            raise
-        key = (st.st_dev, st.st_ino)
-        dirs = _READING.__dict__.setdefault("dirs", [])
-        dirs.append(key)
+    real = os.path.realpath(given)
+    held = lock_directory(real, exclusive=False, timeout=timeout)
+    if held is None:
+        yield given
+        return
+    try:
+        st = os.stat(real)
+    except BaseException:
+        held.release()
+        raise
+    key = (st.st_dev, st.st_ino)
+    _READING.__dict__.setdefault("dirs", []).append(key)
     try:
         yield given
     finally:
-        if held is not None:
-            _READING.dirs.remove(key)
-            held.release()
+        _READING.dirs.remove(key)
+        held.release()
 
 
 # -- writing and committing ------------------------------------------------------------------------
@@ -187,14 +180,24 @@ class Staged:
             self._lock.release()
             self._lock = None
 
+    @contextlib.contextmanager
+    def owned(self) -> Iterator[Staged]:
+        """The save's block: an error in it aborts the save; at its end the directory's lock goes."""
+        try:
+            yield self
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.close()
+
 
 def write_atomically(directory: str | os.PathLike, write: Callable[[Staged], Manifest],
                      storage: Storage = DEFAULT_STORAGE) -> str:
     """Stage ``directory`` (refused as :func:`ownership.check_target` says before anything is written),
     let ``write`` fill it and return its manifest, then commit; returns the path. On any error what was
     written is removed; an OSError that names no file names the checkpoint directory."""
-    staged = Staged(directory, storage=storage)
-    try:
+    with Staged(directory, storage=storage).owned() as staged:
         try:
             manifest = write(staged)
         except OSError as err:
@@ -203,11 +206,6 @@ def write_atomically(directory: str | os.PathLike, write: Callable[[Staged], Man
                               f"{err.strerror or os.strerror(err.errno)}", staged.directory) from err
             raise
         staged.commit(manifest)
-    except BaseException:
-        staged.abort()
-        raise
-    finally:
-        staged.close()
     return staged.directory
 
 
@@ -253,11 +251,21 @@ class SaveHandle:
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
         """
-        self._hurry()
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"the save to {self.directory} is still in progress after {timeout:g} s")
+        self._finished(timeout)
         self._observed = True
         return self._error
+
+    def _finished(self, timeout: float | None) -> None:
+        """Hurry the save and wait for it to end; TimeoutError where ``timeout`` seconds pass first. Where a
+        Ctrl-C is held off (:func:`offload.interrupts.holding`), the wait polls for it."""
+        self._hurry()
+        poll = holding()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._done.wait(timeout if not poll else 0.05 if deadline is None
+                                  else max(0.0, min(0.05, deadline - time.monotonic()))):
+            if not poll or (deadline is not None and time.monotonic() >= deadline):
+                raise TimeoutError(f"the save to {self.directory} is still in progress after {timeout:g} s")
+            safe_point()
 
     def __repr__(self) -> str:
         state = "running" if not self.done() else "failed" if self._error is not None else "done"
@@ -299,9 +307,7 @@ def wait_for_save(owner, *, report: bool, timeout: float | None = None) -> None:
         handle = _IN_FLIGHT.get(owner)
     if handle is None:
         return
-    handle._hurry()
-    if not _wait(handle._done, timeout):
-        raise TimeoutError(f"the save to {handle.directory} is still in progress after {timeout:g} s")
+    handle._finished(timeout)
     unseen = handle._error is not None and not handle._observed
     with _IN_FLIGHT_LOCK:
         if _IN_FLIGHT.get(owner) is handle and (report or not unseen):  # else the next save reports it
@@ -312,15 +318,3 @@ def wait_for_save(owner, *, report: bool, timeout: float | None = None) -> None:
         done = "was committed, but its copy to the mirror failed" if handle.committed else "failed"
         raise CheckpointError(f"the previous asynchronous save to {handle.directory} {done}: {err}. Nothing "
                               "of it was lost silently; save again (this save did not start)") from err
-
-
-def _wait(event: threading.Event, timeout: float | None) -> bool:
-    """``event.wait(timeout)``, polling for a Ctrl-C held off (:func:`offload.interrupts.holding`)."""
-    if not holding():
-        return event.wait(timeout)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while not event.wait(0.05 if deadline is None else max(0.0, min(0.05, deadline - time.monotonic()))):
-        safe_point()
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-    return True

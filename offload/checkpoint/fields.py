@@ -14,7 +14,7 @@ import torch
 from .. import codes
 from ..errors import CheckpointError
 from ..sizes import ALIGNMENT, round_up
-from .format import DATA, MEMORY, PARAMS_DATA, PIECES_VERSION, dtype_of
+from .format import DATA, MEMORY, PARAMS_DATA, PIECES_VERSION, dtype_of, jsonable
 
 # -- reading JSON values, each checked with its field's name ----------------------------------------
 
@@ -84,17 +84,6 @@ def json_field(check: Callable[[Any, str], Any], default: Any = None, *, require
     return field(default=default, metadata=meta)
 
 
-def to_json_value(value: Any) -> Any:
-    """``value`` as JSON holds it: an entry by its ``to_json``, lists, tuples and dicts element by element."""
-    if hasattr(value, "to_json"):
-        return value.to_json()
-    if isinstance(value, (list, tuple)):
-        return [to_json_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: to_json_value(v) for k, v in value.items()}
-    return value
-
-
 class Entry:
     """Parsing and writing of a frozen dataclass, from the checks of its :func:`json_field` fields."""
 
@@ -130,7 +119,7 @@ class Entry:
 
     def to_json(self) -> dict:
         """The entry as the manifest's JSON holds it."""
-        return {f.name: to_json_value(getattr(self, f.name)) for f in fields(self)
+        return {f.name: jsonable(getattr(self, f.name)) for f in fields(self)
                 if "check" in f.metadata and (getattr(self, f.name) is not None or f.metadata["null"])}
 
 

@@ -52,7 +52,11 @@ def dtype_of(name: str) -> torch.dtype:
 
 
 def jsonable(value: Any) -> Any:
-    """Hyperparameters as JSON (tensors become numbers); exact values live in memory.pt."""
+    """``value`` as JSON holds it: a manifest entry by its ``to_json``, lists, tuples and dicts element by
+    element, tensors as numbers (hyperparameters: exact values live in memory.pt), anything else not JSON's
+    by its repr."""
+    if hasattr(value, "to_json"):
+        return value.to_json()
     if torch.is_tensor(value):
         return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, (list, tuple)):

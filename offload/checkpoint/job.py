@@ -33,12 +33,10 @@ def job_world() -> int | None:
 _GROUP: list = []  # [(the default process group, the checkpoints' group made for it)]
 
 
-# NOTE: the ranks of a job agree on a save or a load with all_gather_object over a gloo group of their
-# own, made at the first checkpoint of the job (every rank saves or loads, so every rank makes it, as
-# new_group requires). gloo moves CPU objects whatever the default backend (nccl would need the right
-# CUDA device), the group has the default group's timeout, and its collectives never interleave with
-# the training's own on the default group. A rank that dies makes the others' collective fail at once
-# (its connections close); one that hangs, once the timeout has passed. Either way a CheckpointError.
+# NOTE: the ranks agree over a gloo group of the checkpoints' own, made at the job's first checkpoint (every
+# rank makes it, as new_group requires) with the default group's timeout: CPU objects whatever the default
+# backend, never interleaved with training's collectives. A rank that dies or hangs fails the others' collective
+# (at once, or at the timeout): a CheckpointError.
 def _group():
     world = dist.group.WORLD
     if _GROUP and _GROUP[0][0] is world:
@@ -105,16 +103,10 @@ def failures(statuses: list) -> list:
     return [s for s in statuses if not s["ok"]]
 
 
-# NOTE: a job's checkpoint follows the commit rule of one process's. Every rank writes its shard into
-# ``<dir>/rank-<r>`` under the save's generation (rank 0 draws it), as a save of its own would (streamed
-# from its own swap space, checksummed, fsynced), its shard's manifest last and under a fresh name too;
-# the ranks then exchange what they did (all_gather over the checkpoints' gloo group). If any failed, or
-# one does not answer (dead, or past the process group's timeout), every rank deletes what it wrote and
-# raises: nothing names those files, the previous checkpoint is as it was. Else the lowest rank among
-# those whose shards are in the same directory (all of them on a shared file system, those of one node
-# with node-local directories) writes the job manifest there, which names every shard's manifest, and
-# commits it with one rename onto manifest.json, then deletes the files of the previous checkpoint
-# there. A last exchange tells every rank whether every directory committed.
+# NOTE: a job's save is the commit rule of one process's with one rename of the job manifest per directory,
+# step by step in docs/checkpoint.md, "The commit, step by step": shards written under the save's generation,
+# the ranks' outcome exchanged (any failure: every rank deletes what it wrote and raises), then the lowest rank
+# in each directory commits the job manifest there, and a last exchange says whether every directory did.
 def save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Callable[[str], None]],
               write_shard: Callable[[Staged], None], storage: Storage) -> str:
     """``save_checkpoint`` on every rank of a job (see the NOTE above), ``write_shard(shard)`` writing this
@@ -156,9 +148,7 @@ def save_job(optimizer, directory, *, blocking: bool, mirror, then: Optional[Cal
         _discard(shard, target, made=False)
         with contextlib.suppress(CheckpointError):  # every rank has deleted its shard after this
             gather(None, f"cleaning up {given}")
-        if made:  # then the directory this save made goes too
-            with contextlib.suppress(OSError):
-                os.rmdir(target)
+        _discard(None, target, made)  # then the directory this save made goes too
         raise own or CheckpointError(f"the job's save to {given} failed on rank {failed[0]['rank']} "
                                      f"({failed[0]['error']}); nothing was committed on any rank, and the "
                                      "checkpoint that was there (if any) is as it was")

@@ -40,38 +40,21 @@ from .stream import progress_bar, read_verified, unit_spans
 from .verify import shard_manifest, verify_data
 
 
-# NOTE: loading checks the manifest, the sizes and every unit's checksum as the bytes pass, and the
-# shapes, dtypes and param groups against the optimizer before touching it. When the optimizer
-# packs state like the checkpoint (same buffer_size and parameters, each rank its own part), units
-# stream back to the swap space as they are; otherwise each parameter's element ranges are re-chunked
-# into the new units, from whichever shards hold them.
+# NOTE: everything is checked before the optimizer changes (docs/checkpoint.md, "Loading checks first, then
+# streams"); units packed as this optimizer packs them stream back as they are, else they are re-chunked by
+# element ranges, from whichever shards hold them (reshard.py).
 @deferring
 def load_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module | None = None,
                     progress: Optional[bool] = None, alone: bool = False,
                     storage: Optional[Storage] = None) -> Any:
     """Restore an offloaded optimizer from ``directory``; returns the ``extra`` saved with it (or None).
 
-    Everything that can be checked without touching the optimizer is checked first: the manifest,
-    file sizes, ``memory.pt``'s checksum, param groups, and every parameter's shape and dtype. The
-    data then streams back to the swap space with each unit's checksum verified before it is
-    written. Works across buffer sizes and small-parameter thresholds (state is re-chunked by
-    parameter element ranges). Clears a failed step.
-
-    With ``model`` (the checkpoint must have been saved with one), the model's weights are loaded
-    first: names, shapes, dtypes and every parameter's checksum in ``params.bin`` are checked (one
-    read of the file) before anything changes, then the weights stream into the parameter store's
-    swap space through its pool (a resident or cached copy is overwritten too) and the model's
-    other tensors are copied in. Offloaded gradients are cleared.
-
-    A job's checkpoint loads on any number of ranks, and in one process: where this rank holds other
-    parts of the parameters than the rank that saved a shard (another number of ranks, or FSDP2's
-    DTensors where a process saved whole tensors), it reads its local shard of each parameter, in the
-    flat order of the full tensor, from the shards that hold those elements, and gets what
-    ``torch.distributed.checkpoint`` would give ``load_state_dict``, bit for bit. A tensor that is
-    not a DTensor is taken whole from the lowest-ranked shard here (replicated, as under DDP), as are
-    the param groups and ``extra``.
-
-    A save of this optimizer still going on in the background is waited for first.
+    Everything that can be checked without touching the optimizer is checked first (manifest, sizes,
+    ``memory.pt``, param groups, every parameter's shape and dtype, and with ``model`` its names, shapes,
+    dtypes and ``params.bin``'s checksums); then the data streams back, each unit's checksum verified before
+    it is written. Works across buffer sizes and small-parameter thresholds (state is re-chunked by element
+    ranges) and, for a job's checkpoint, on any number of ranks (``docs/checkpoint.md``, "Another number of
+    ranks"). Clears a failed step; waits first for a save of this optimizer still going on.
 
     Args:
         optimizer: the :class:`offload.OffloadedAdam` or ``OffloadedAdamW`` to restore.
@@ -131,11 +114,8 @@ class _Checked:
     resharded: Optional[Resharded] = None
 
 
-# NOTE: a checkpoint is loaded as it was saved where this rank holds the part of every parameter (and model
-# tensor) that the saving rank did: a process's checkpoint, or this rank's own shard of a job's saved on
-# as many ranks. Otherwise (a job's checkpoint on another number of ranks or alone, a process's under
-# FSDP2, a layout changed) each rank reads its parts from every shard that holds some of their elements
-# (offload.checkpoint.reshard), as torch.distributed.checkpoint would give them to load_state_dict.
+# NOTE: a checkpoint loads as saved where this rank holds the part of every tensor the saving rank did;
+# otherwise each rank reads its parts from every shard holding some of their elements (reshard.py).
 def _check(optimizer, directory: str, model: nn.Module | None, *, world: int = 1,
            rank: int = 0) -> tuple[_Checked, Optional[str]]:
     """Everything a load into rank ``rank`` of a job of ``world`` ranks checks before it changes anything;
@@ -214,11 +194,8 @@ def _apply(optimizer, model: nn.Module | None, progress: Optional[bool], checked
     return checked.extra
 
 
-# NOTE: the ranks of a job load together: each checks everything it can without changing anything (the
-# job manifest, the shards it reads and those against its optimizer), then they exchange
-# the outcome, and only if every rank passed does any rank change its state: either all load or all
-# raise. A failure while streaming (a unit that fails its checksum, an I/O error) is exchanged too: the
-# ranks that loaded then refuse to step, as the one that failed does, until a load succeeds.
+# NOTE: the ranks of a job load together: all check, exchange the outcome, and only if every rank passed does
+# any change its state; a failure while streaming is exchanged too (docs/checkpoint.md, "Loading").
 def _load_job(optimizer, directory, model, progress, storage: Storage) -> Any:
     """:func:`load_checkpoint` on every rank of a job (see the NOTE above)."""
     given = os.path.abspath(os.fspath(directory))

@@ -105,10 +105,10 @@ def save_model(model: nn.Module, staged: Staged, index_of: Optional[dict] = None
     recorded with each parameter it holds. FSDP2's local shards on NVMe are held in memory meanwhile: they are
     saved as the in-memory DTensors they are."""
     with shards_held(model):
-        return _save_model(model, staged, index_of)
+        return _save_model(model, staged, index_of or {})
 
 
-def _save_model(model: nn.Module, staged: Staged, index_of: Optional[dict]) -> tuple[ModelSection, dict]:
+def _save_model(model: nn.Module, staged: Staged, index_of: dict) -> tuple[ModelSection, dict]:
     first: dict[int, str] = {}
     entries, offloaded, memory = [], [], {}
     for name, t, kind in named_tensors(model):
@@ -118,7 +118,7 @@ def _save_model(model: nn.Module, staged: Staged, index_of: Optional[dict]) -> t
         first[id(t)] = name
         store = store_of(t) if kind == "param" else None
         where = MODEL_MEMORY if store is None else PARAMS_DATA
-        index = (index_of or {}).get(id(t)) if kind == "param" else None
+        index = index_of.get(id(t)) if kind == "param" else None
         entries.append(TensorEntry(name, None, kind, tuple(t.shape), dtype_name(t.dtype), where, param=index,
                                    local=LocalPart.of(t)))
         if store is None:
@@ -143,8 +143,7 @@ def _save_model(model: nn.Module, staged: Staged, index_of: Optional[dict]) -> t
         def fill(i: int, buf) -> None:
             hashes[units[i].name].update(buf.tensor[:units[i].n].numpy())
 
-        aio = _aio(stores)
-        data, offsets = write_data(staged, aio, buffers or [], [u.n for u in units], read=read, fill=fill,
+        data, offsets = write_data(staged, _aio(stores), buffers or [], [u.n for u in units], read=read, fill=fill,
                                    name=PARAMS_DATA)
     offset = {u.name: at for u, at in zip(units, offsets) if u.start == 0}
     length = {name: t.numel() * t.element_size() for name, t, _ in offloaded}
@@ -271,33 +270,26 @@ def load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig] = 
     and checked by the caller, some of them this rank's parts gathered from several shards), instead of
     the checkpoint's own. FSDP2's local shards on NVMe are held in memory meanwhile and written back after."""
     with shards_held(model, modified=True):
-        _load_model(model, manifest, aio, on_partial=on_partial, storage=storage, memory=memory)
-
-
-def _load_model(model: nn.Module, manifest: Manifest, aio: Optional[AioConfig], *,
-                on_partial: Optional[Callable[[BaseException], None]], storage: Storage,
-                memory: Optional[dict]) -> None:
-    jobs = _match(model, manifest)
-    memory = model_memory(manifest) if memory is None else memory
-    manifest.sized_path(PARAMS_DATA)
-    stores = stores_of(t for _, t, _ in jobs)
-    if aio is None:
-        aio = _aio(stores)
-    own_pool = None if stores else _tool_pool(manifest)
-    with own_pool or contextlib.nullcontext(), storage.engine(aio) as engine, held(stores) as lent:
-        buffers = lent if lent is not None else list(own_pool)
-        # First pass: every checksum, before anything changes.
-        scan_params(manifest, engine, buffers)
-        try:
-            _stream_in(manifest, jobs, memory, engine, buffers, stores)
-        except BaseException as err:
+        jobs = _match(model, manifest)
+        memory = model_memory(manifest) if memory is None else memory
+        manifest.sized_path(PARAMS_DATA)
+        stores = stores_of(t for _, t, _ in jobs)
+        aio = aio or _aio(stores)
+        own_pool = None if stores else _tool_pool(manifest)
+        with own_pool or contextlib.nullcontext(), storage.engine(aio) as engine, held(stores) as lent:
+            buffers = lent if lent is not None else list(own_pool)
+            # First pass: every checksum, before anything changes.
+            scan_params(manifest, engine, buffers)
+            try:
+                _stream_in(manifest, jobs, memory, engine, buffers, stores)
+            except BaseException as err:
+                for s in stores:
+                    s.error = err
+                if on_partial is not None:
+                    on_partial(err)
+                raise
             for s in stores:
-                s.error = err
-            if on_partial is not None:
-                on_partial(err)
-            raise
-        for s in stores:
-            s.loaded([t for _, t, _ in jobs if store_of(t) is s])
+                s.loaded([t for _, t, _ in jobs if store_of(t) is s])
 
 
 def _stream_in(manifest: Manifest, jobs: list, memory: dict, engine: Engine, buffers: list, stores: list) -> None:

@@ -187,25 +187,21 @@ def _remove_directory(path: str, *, warn: bool) -> bool:
     """Remove checkpoint directory ``path`` once only its lock file is left (deleted first: the caller holds
     the lock, and a process waiting for it opens it again, finding no directory); True if it is gone. A user's
     file keeps it in place (with a warning, if ``warn``)."""
-    if _user_names(path):
-        if warn:
-            warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
-                          f"{_listing(_user_names(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
-        return False
-    lock = os.path.join(path, LOCK_FILE)
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISREG(os.lstat(lock).st_mode):
-            os.unlink(lock)
-    try:
-        os.rmdir(path)
-    except OSError as err:
-        if err.errno not in (_errno.ENOTEMPTY, _errno.EEXIST):
-            raise
-        if warn:
-            warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
-                          f"{_listing(os.listdir(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+    if not _user_names(path):
+        lock = os.path.join(path, LOCK_FILE)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(os.lstat(lock).st_mode):
+                os.unlink(lock)
+        try:
+            os.rmdir(path)
+            return True
+        except OSError as err:
+            if err.errno not in (_errno.ENOTEMPTY, _errno.EEXIST):
+                raise
+    if warn:
+        warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
+                      f"{_listing(_user_names(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
+    return False
 
 
 def remove_leftovers(path: str) -> bool:

@@ -130,23 +130,22 @@ def same_layout(source: Source, params: list, model: Optional[nn.Module]) -> boo
     as many elements as this rank holds (or none): the same ranks in the same layout, as such checkpoints
     always loaded."""
     manifest = source.manifest
-    for e in manifest.params:
-        p = params[e.index]
-        if e.local is None and held(source, e) not in (None, local(p).numel()):
-            return False
-        if e.local is not None and not _holds(e.local, p):
-            return False
-    if model is not None and manifest.model is not None:
-        saved = {t.name: t for t in manifest.model.tensors}
-        for name, t, _ in named_tensors(model):
-            e = saved.get(name)
-            if e is None or e.same_as is not None:
-                continue
-            if e.local is None and held(source, e) != local(t).numel():
-                return False
-            if e.local is not None and not _holds(e.local, t):
-                return False
-    return True
+    if not all(_as_held(source, e, params[e.index], unknown=True) for e in manifest.params):
+        return False
+    if model is None or manifest.model is None:
+        return True
+    saved = {t.name: t for t in manifest.model.tensors}
+    return all(_as_held(source, saved[name], t, unknown=False) for name, t, _ in named_tensors(model)
+               if name in saved and saved[name].same_as is None)
+
+
+def _as_held(source: Source, e, t: torch.Tensor, *, unknown: bool) -> bool:
+    """Whether ``source`` saved the part of ``t`` this rank holds (entry ``e``); a part not recorded, where the
+    saving rank held as many elements (or, with ``unknown``, saved no state)."""
+    if e.local is not None:
+        return _holds(e.local, t)
+    n = held(source, e)
+    return n == local(t).numel() or (unknown and n is None)
 
 
 def _holds(part: LocalPart, t: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@ newer one verified, never what is in use, and only what is ours."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -10,13 +11,13 @@ import stat
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from ..aio import create_private
 from ..commit import fsync_fd, fsync_path
 from ..distributed import rank_info
 from ..errors import CheckpointError
-from .commit import DirectoryLock, SaveHandle, lock_directory
+from .commit import SaveHandle, lock_directory
 from .format import DEFAULT_STORAGE, JOB_FORMAT
 from .job import gather, job_world
 from .load import load_checkpoint
@@ -118,12 +119,8 @@ class Retention:
              alone: bool = False) -> str | SaveHandle:
         """Save ``step`` (with ``model``'s weights if given), verify it, then delete what is no longer kept;
         with a mirror level, copy it there in the background and prune that level once the copy is verified.
-
-        With ``blocking=False`` it returns the save's :class:`SaveHandle` at once (see
-        :func:`offload.checkpoint.save_checkpoint`); verification and pruning happen in the
-        background after the commit. Otherwise it returns the checkpoint's directory. In a job of
-        several ranks (torch.distributed) every rank calls it, as :func:`offload.checkpoint.save_checkpoint`
-        says, unless ``alone``.
+        The arguments are :func:`offload.checkpoint.save_checkpoint`'s; with ``blocking=False`` the
+        verification and pruning follow the commit in the background.
         """
         DEFAULT_STORAGE.make_dirs(self.root)  # durably: a power loss must not take the root away
 
@@ -146,13 +143,8 @@ class Retention:
                      progress=progress, then=then, then_mirror=then_mirror, alone=alone)
 
     def prune(self) -> list[str]:
-        """Delete checkpoints beyond the last ``keep_last`` that are not milestones; returns them.
-
-        Only checkpoints older than the newest one that verifies are deleted (verified now if this
-        object has not verified it yet), only complete ones of ours with nothing else in them, and
-        none while a process reads this directory or holds a file of that checkpoint open (pruning
-        is then left to the next save).
-        """
+        """Delete checkpoints beyond the last ``keep_last`` that are not milestones, as the class says (older
+        than the newest that verifies, ours, not in use: else left to the next save); returns them."""
         self._remove_leftovers()
         found = self.checkpoints()
         doomed = [p for p in found[: max(0, len(found) - self.keep_last)] if not self.is_milestone(p)]
@@ -175,24 +167,18 @@ class Retention:
     def _remove_leftovers(self) -> None:
         """Delete ``step-<n>`` directories that hold only what a save or a deletion cut short left."""
         for path in (e.path for e in self._named()):
-            if is_our_format(path) or not os.path.isdir(path):
-                continue
-            fd = _lock_now(path)
-            if fd is None:
-                continue  # a save is writing it
-            try:
-                remove_leftovers(path)
-            finally:
-                fd.release()
+            if not is_our_format(path) and os.path.isdir(path):
+                with _locked_now(path) as free:
+                    if free:  # else a save is writing it
+                        remove_leftovers(path)
 
     def _remove(self, path: str) -> bool:
         """Delete checkpoint ``path`` unless it is in use: read or written (its lock) or held open by
         another process; True if it is gone."""
-        fd = _lock_now(path)
-        if fd is None:
-            log.info("not deleting %s now: it is being read or written", path)
-            return False
-        try:
+        with _locked_now(path) as free:
+            if not free:
+                log.info("not deleting %s now: it is being read or written", path)
+                return False
             pid = used_elsewhere(path)
             for _ in range(_USE_RETRIES):  # another rank pruning the same directory reads a manifest briefly
                 if pid is None:
@@ -203,8 +189,6 @@ class Retention:
                 log.info("not deleting %s now: process %d has a file of it open", path, pid)
                 return False
             return remove_checkpoint(path)
-        finally:
-            fd.release()
 
     def load_latest(self, optimizer, *, model=None, alone: bool = False) -> tuple[Optional[str], Any]:
         """Load the newest checkpoint that loads, from this level or else from the mirror level; returns
@@ -273,12 +257,18 @@ class Retention:
 _USE_RETRIES, _USE_WAIT = 5, 0.1  # a file of a checkpoint open elsewhere for under half a second is not a use
 
 
-def _lock_now(path: str) -> Optional[DirectoryLock]:
-    """Directory ``path``'s lock, taken exclusively if nobody holds it now, else None."""
+@contextlib.contextmanager
+def _locked_now(path: str) -> Iterator[bool]:
+    """Hold directory ``path``'s lock exclusively if nobody holds it now; yields whether it is held."""
     try:
-        return lock_directory(path, exclusive=True, timeout=0)
+        held = lock_directory(path, exclusive=True, timeout=0)
     except (CheckpointError, OSError):
-        return None
+        held = None
+    try:
+        yield held is not None
+    finally:
+        if held is not None:
+            held.release()
 
 
 def _verify(path: str) -> None:

@@ -35,22 +35,13 @@ def save_checkpoint(optimizer, directory: str | os.PathLike, *, model: nn.Module
                     storage: Optional[Storage] = None) -> str | SaveHandle:
     """Save an offloaded optimizer's whole state to ``directory``, atomically, without materialising it.
 
-    Offloaded state goes from the swap space to ``state.bin``: where the checkpoint directory is on
-    the same XFS (reflink) or btrfs file system as the swap files, its extents are cloned (metadata
-    only, whatever the size); elsewhere it streams through host buffers with the native engine.
-    Small parameters' state and the steps go to ``memory.pt``. With ``model``, its weights go into
-    the same directory: offloaded parameters stream from the parameter store's swap space through
-    its pool to ``params.bin`` (nothing is fetched), the rest of the model (other parameters,
-    persistent buffers) to ``model.pt``. ``extra`` (e.g. ``{"step": step}``) goes to ``extra.pt``.
-    An existing checkpoint at ``directory`` is replaced only once the new one is complete on disk.
-
-    With ``blocking=False`` the call returns a :class:`SaveHandle` as soon as the state at the call
-    is pinned down, and training goes on: the checkpoint holds exactly the state at the call. A step
-    that would change a unit not yet copied first copies that unit (from the buffer the step has it
-    in) and writes it to the checkpoint; small parameters' state, the steps and ``extra`` are copied
-    in memory at the call, and the model's weights (``model``) are written before the call returns.
-    The checkpoint is committed only once everything is in; a second save (or a load) waits for it.
-    Its errors come from ``handle.wait()`` and, if nobody looked, from the next save.
+    Offloaded state goes from the swap space to ``state.bin`` (its extents cloned where the checkpoint is
+    on the swap files' XFS or btrfs, else streamed through host buffers), small parameters' state and the
+    steps to ``memory.pt``, ``extra`` to ``extra.pt``; with ``model``, offloaded weights stream to
+    ``params.bin`` (nothing is fetched) and the rest of the model to ``model.pt``. An existing checkpoint at
+    ``directory`` is replaced only once the new one is complete on disk. With ``blocking=False`` training
+    goes on while the state at the call is written (``docs/checkpoint.md``, "Saves that do not stop
+    training"); its errors come from ``handle.wait()`` and, if nobody looked, from the next save.
 
     Args:
         optimizer: an :class:`offload.OffloadedAdam` or ``OffloadedAdamW``.
@@ -218,22 +209,18 @@ def _after(directory: str, then, mirror, then_mirror, *, background: bool, owner
 def _finish_in_background(handle: SaveHandle, staged: Staged, state: StateCopy, finish, show) -> None:
     """The thread of an asynchronous save: the units not copied yet, memory.pt, the commit. The directory's
     lock goes with ``staged`` (an open descriptor), which it closes."""
-    try:
-        state.make_spares()
-        pool = BufferPool(2, state.items.unit_bytes)
+    with staged.owned():
         try:
-            with progress_bar(state.total, "save (background)", bool(show)) as bar:
-                data = state.run(list(pool), bar)
+            state.make_spares()
+            with BufferPool(2, state.items.unit_bytes) as pool:
+                try:
+                    with progress_bar(state.total, "save (background)", bool(show)) as bar:
+                        data = state.run(list(pool), bar)
+                finally:
+                    state.close()  # the engine lets go of the pool's buffers before they are freed
+            finish(data)
         finally:
-            state.close()  # the engine lets go of the pool's buffers before they are freed
-            pool.close()
-        finish(data)
-    except BaseException:
-        staged.abort()
-        raise
-    finally:
-        state.close()
-        staged.close()
+            state.close()
     handle.committed = True
 
 

@@ -96,26 +96,14 @@ RIDE_FIRST_S = 10.0
 RIDE_STEPS = 2.0
 
 
-# NOTE: state.bin holds every unit as it was when the save was called, while training may go on.
-# Each unit is in one of four states: pending; being read from the store by the save's thread
-# (reading); being copied by the change guard (capturing); or already in state.bin (in file: cloned
-# at the call, or written by the guard). A step calls the guard before it changes a unit: a pending
-# unit is then copied from the step's own buffer (no extra read) into a spare buffer and written
-# to state.bin, and a unit being read is waited for (that unit alone). The save's thread goes
-# through the units in file order: it reads pending ones from the store and writes them, and reads
-# back those cloned without a checksum, so that every unit's checksum and the file's are computed in
-# order. A unit the guard wrote has the checksum the guard took of the bytes it wrote; one cloned with
-# the checksum the store recorded of its last write (taken at the clone) has that one, in the engine's
-# form. Neither is read back, and state.bin then has no checksum of its own. A blocking save is the
-# same walk with no guard, through the optimizer's own pool.
-#
-# An asynchronous save rides on the steps: the next step reads every unit it updates anyway, so the
-# walk first waits for the guard to capture a pending unit rather than reading it from the store
-# itself (the save then adds only its writes to the drive's work). It stops waiting, and reads what
-# is left, once a whole step has run since the call (what it did not capture it will not), when no
-# step has started within about two step intervals (one that has is waited for), when somebody waits
-# for the save (the handle, the next save, a load, close) or when the main thread has ended. Units in
-# host memory are not waited for.
+# NOTE: state.bin holds every unit as it was at the call while training goes on (docs/checkpoint.md, "Saves
+# that do not stop training", says how; this is the mechanism). Each unit is pending, being read from the store
+# by the save's thread (reading), being copied by the change guard from a step's own buffer (capturing), or in
+# file (cloned at the call, or written by the guard). The walk goes through the units in file order so that
+# every checksum is computed in order; a unit the guard wrote keeps the checksum of the bytes it wrote, a clone
+# the store's, and neither is read back (state.bin then has no checksum of its own). While riding, the walk
+# waits for the next step to capture pending units on disk instead of reading them itself. A blocking save is
+# the same walk with no guard, through the optimizer's own pool.
 class StateCopy:
     """state.bin of one save: offsets, what each unit's bytes are doing, the clone, the walk and the guard."""
 
@@ -295,16 +283,19 @@ class StateCopy:
 
     def _captured(self, i: int, token) -> None:
         """The capture of unit ``i`` by the guard call of ``token`` is over (a no-op if that call captures
-        nothing): a unit not in the file by then fails the save."""
+        nothing)."""
         with self.mu:
-            if self.capturing.get(i, (None, None))[1] is not token:
-                return
-            if self.state[i] != _IN_FILE:
-                self.failure = self.failure or CheckpointError(
-                    f"the save did not get unit {i} from the step that was capturing it (the step was interrupted)")
-            self.issued[i].set()
-            del self.capturing[i]  # last: until here a reaper that finds the call gone ends the capture itself
-            self.mu.notify_all()
+            if self.capturing.get(i, (None, None))[1] is token:
+                self._end_capture(i, "interrupted")
+
+    def _end_capture(self, i: int, how: str) -> None:
+        """Under ``mu``: the capture of unit ``i`` is over; a unit not in the file by then fails the save."""
+        if self.state[i] != _IN_FILE:
+            self.failure = self.failure or CheckpointError(
+                f"the save did not get unit {i} from the step that was capturing it (the step was {how})")
+        self.issued[i].set()
+        del self.capturing[i]  # last: until here a reaper that finds the call gone ends the capture itself
+        self.mu.notify_all()
 
     def _fail(self, failure: BaseException) -> None:
         with self.mu:
@@ -320,12 +311,7 @@ class StateCopy:
             while frame is not None and not (frame.f_code is _GUARD_CODE and frame.f_locals.get("token") is token):
                 frame = frame.f_back
             if frame is None:
-                if self.state[i] != _IN_FILE:
-                    self.failure = self.failure or CheckpointError(
-                        f"the save did not get unit {i} from the step that was capturing it (the step was cut short)")
-                self.issued[i].set()
-                del self.capturing[i]
-                self.mu.notify_all()
+                self._end_capture(i, "cut short")
 
     def _wait_issued(self, i: int) -> None:
         """Wait until unit ``i`` is read or in the file; a capture whose guard call is gone ends the wait."""

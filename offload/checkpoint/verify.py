@@ -32,19 +32,13 @@ from .stream import aio_of, read_verified, tool_pool, unit_spans
 
 def read_manifest(directory: str | os.PathLike) -> dict:
     """The manifest of a checkpoint as its JSON, checked whole (:mod:`offload.checkpoint.manifest`) and
-    against its own checksum.
-
-    A job's checkpoint (saved by every rank of a torch.distributed job) has one per rank's shard,
-    in ``directory/rank-<n>``; read them there (:func:`read_job_manifest` reads the job's).
-
-    Read under :func:`offload.checkpoint.commit.reading`, which waits for a save into the same directory
-    in progress. To read the rest of the checkpoint consistently with this manifest, hold
-    ``reading(directory)`` around the whole read.
+    against its own checksum, read under :func:`offload.checkpoint.commit.reading` (hold that around the
+    whole read to read the rest of the checkpoint consistently with it). A job's checkpoint has one per
+    rank's shard, in ``directory/rank-<n>`` (:func:`read_job_manifest` reads the job's).
 
     Raises:
         FileNotFoundError: no such directory.
-        CheckpointError: not a (complete) checkpoint, or a format this version cannot read, or the
-            checkpoint of a job (the message says how to load it).
+        CheckpointError: not a (complete) checkpoint, a format this version cannot read, or a job's.
     """
     with reading(directory) as directory:
         return read_process(directory).to_json()
