@@ -268,16 +268,17 @@ def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storag
         if checked.resharded is None:
             plan = load.packed_as(manifest.buffer_size, [u.nbytes for u in manifest.units],
                                   [u.length for u in manifest.units], manifest.params)
+        buffers = store.lend_buffers()
         if plan is not None:
             with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
                 def write(span, start, buf):
                     bar.update(span.length)
                     return load.write(plan[span.key], buf)
 
-                read_verified(engine, manifest.path(DATA), unit_spans(manifest), store.buffers,
+                read_verified(engine, manifest.path(DATA), unit_spans(manifest), buffers,
                               manifest.files[DATA].xxh3_64, write=write)
         with contextlib.ExitStack() as files:
-            values = _SavedValues(checked, engine, files, store.buffers, verified=plan is not None)
+            values = _SavedValues(checked, engine, files, buffers, verified=plan is not None)
             if plan is None:
                 # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
                 # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.

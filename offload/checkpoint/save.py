@@ -154,7 +154,7 @@ def save(optimizer, directory, *, model=None, extra=None, blocking=True, mirror=
 
             if blocking:
                 with progress_bar(state.total, "save", show) as bar:
-                    data = state.run(store.buffers, bar)
+                    data = state.run(store.lend_buffers(), bar)
                 model_part = save_model(model, staged, taken.index) if model is not None else None
                 finish(data)
             else:

@@ -306,7 +306,10 @@ class StateLoad:
         when state must be re-chunked. ``entries``: the saved parameters (``index``, ``where``,
         ``initialized``, ``keys``, ``state_dtypes()``, ``chunks`` of rows)."""
         store = self.store
-        if buffer_size != store.layout.unit_bytes or any(n > min(b.nbytes for b in store.buffers) for n in lengths):
+        if buffer_size != store.layout.unit_bytes:
+            return None
+        smallest = min(b.nbytes for b in store.lend_buffers())
+        if any(n > smallest for n in lengths):
             return None
         signature: list[list] = [[] for _ in nbytes]
         for e in entries:
@@ -354,5 +357,5 @@ class StateLoad:
         """Every unit holding a parameter with saved state, filled from ``source`` and written (``weights``: a
         pass of the optimizer's access to the weights over :attr:`units`, for :attr:`active`)."""
         if self.units:
-            Pipeline(list(self.store.buffers[1:])).run(self.units, write=self.store.write_unit,
+            Pipeline(list(self.store.lend_buffers()[1:])).run(self.units, write=self.store.write_unit,
                                                        process=lambda unit, buf: self.fill(unit, buf, source, weights))

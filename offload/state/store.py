@@ -388,10 +388,10 @@ class StateStore:
 
     # -- introspection and lifetime -------------------------------------------------------------
 
-    @property
-    def buffers(self) -> list:
-        """Buffers a caller may stream units through itself (checkpoints): the pool's, or with ``device:
-        "cpu"`` a few of the tier's size made for the purpose."""
+    def lend_buffers(self) -> list:
+        """Buffers a caller may stream units through itself (checkpoints): the pool's, after every write a
+        step left landing has landed and the units the pool held are put back, or with ``device: "cpu"`` a few
+        of the tier's size made for the purpose. No step may run while the caller uses them."""
         if self.pool is not None:
             self.drain()
         return self.moves.lend()
