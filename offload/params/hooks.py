@@ -12,11 +12,9 @@ from ..errors import ConfigError
 from ..interrupts import deferring
 from .holds import release_each, resident
 from .store import ParamStore
-from .turn import Turn
+from .turn import BACKWARD, FORWARD, Turn
 
 _EXTERNAL = "_nvme_external_params"  # a module's declared external parameters (a list)
-
-FORWARD, BACKWARD = 0, 1
 
 DDP_GRADS = (
     "DistributedDataParallel cannot reduce gradients that offload_parameters moves to NVMe "
@@ -55,7 +53,8 @@ def _tensors(value: Any, out: list) -> list:
 # and holds them in ``_held`` (a set, so a module called twice holds them once). Each parameter is
 # released by its post-accumulate-grad hook, which fires once per backward after every node that
 # produces its grad (the nodes that read it) has run. An end-of-backward callback releases whatever is
-# still held (frozen parameters, ``autograd.grad`` that accumulates nothing).
+# still held (frozen parameters, ``autograd.grad`` that accumulates nothing); autograd runs no callback for a
+# backward that raised, so the next root call (outside any backward) releases what that one held.
 #
 # Gradients (``store.offload_grads``): a tensor hook on each parameter (before torch accumulates into
 # ``p.grad``) and the post-accumulate-grad hook (after) hand the gradient to the store, which moves it
@@ -92,7 +91,7 @@ class Scheduler:
         self._held: set = set()
         self.turn = Turn(store)  # forward's last weights, kept for backward's first fetches
         self._calls: dict[int, list] = {}
-        self._callback_queued = False
+        self._callback_queued = False  # an end-of-backward callback is queued, not run yet
         self.trace: list[tuple[int, int]] = []
         self._recording: list[tuple[int, int]] = []
         self._pos = 0
@@ -139,6 +138,7 @@ class Scheduler:
         if param not in self.store.records or any(q is param for q in self.params[index]):
             return
         self.params[index].append(param)
+        self.turn.replan()
         self._hook_forward(index)
 
     def _hook_forward(self, index: int) -> None:
@@ -165,6 +165,10 @@ class Scheduler:
     def _on_root_call(self, module, args) -> None:
         if self.store.offload_grads and _inside_ddp(self.root):
             raise ConfigError(DDP_GRADS)
+        if self._callback_queued and torch._C._current_graph_task_id() == -1:
+            # The last backward raised: autograd ran no callback of its, so release here what it held.
+            self._callback_queued = False
+            self._release_held()
         self.turn.release_all()  # kept by the last forward, which no backward followed
         if self._following and self._pos != len(self.trace):
             self._following = False  # the last call stopped early: the order changed
@@ -201,9 +205,10 @@ class Scheduler:
         @deferring
         def hook(module, args):
             self._event((index, FORWARD))
-            # What this call fetched, for its post-hook, which also runs when a fetch here fails.
+            # Where in the recorded order this call is (None: not following it), and what it fetched, for its
+            # post-hook, which also runs when a fetch here fails.
             fetched: list = []
-            self._calls.setdefault(index, []).append(fetched)
+            self._calls.setdefault(index, []).append((self._pos - 1 if self._following else None, fetched))
             for p in self.params[index]:
                 self.store.fetch(p)
                 fetched.append(p)
@@ -213,7 +218,8 @@ class Scheduler:
         @deferring
         def hook(module, args, output):
             stack = self._calls.get(index)
-            self.turn.release_or_keep(stack.pop() if stack else [], backward_next=self._backward_next(index))
+            pos, fetched = stack.pop() if stack else (None, [])
+            self.turn.release_or_keep(fetched, keep=self._keeps_for_backward(pos))
             if torch.is_grad_enabled():
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
                 if outs:
@@ -222,10 +228,12 @@ class Scheduler:
                         t.register_hook(self._before_backward(index, fired))
         return hook
 
-    def _backward_next(self, index: int) -> bool:
-        """Whether the recorded order says that the next fetch is module ``index``'s own backward (so forward
-        keeps its weights for it: :class:`offload.params.turn.Turn`)."""
-        return self._following and self._pos < len(self.trace) and self.trace[self._pos] == (index, BACKWARD)
+    def _keeps_for_backward(self, pos):
+        """The weights that the forward event at ``pos`` of the recorded order (None: none) keeps for backward
+        (:class:`offload.params.turn.Turn`), the order being followed still: a dict, maybe empty."""
+        if pos is None or not self._following:
+            return {}
+        return self.turn.plan(self.trace, self.params).get(pos, {})
 
     # -- backward -----------------------------------------------------------------------------
 
