@@ -119,7 +119,7 @@ class Entry:
 
     def to_json(self) -> dict:
         """The entry as the manifest's JSON holds it."""
-        return {f.name: jsonable(getattr(self, f.name)) for f in fields(self)
+        return {f.name: jsonable(getattr(self, f.name), strict=True) for f in fields(self)
                 if "check" in f.metadata and (getattr(self, f.name) is not None or f.metadata["null"])}
 
 

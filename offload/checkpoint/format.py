@@ -51,20 +51,22 @@ def dtype_of(name: str) -> torch.dtype:
     return value
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: Any, *, strict: bool = False) -> Any:
     """``value`` as JSON holds it: a manifest entry by its ``to_json``, lists, tuples and dicts element by
     element, tensors as numbers (hyperparameters: exact values live in memory.pt), anything else not JSON's
-    by its repr."""
+    by its repr, or with ``strict`` (a manifest entry's fields, which a load checks) a TypeError."""
     if hasattr(value, "to_json"):
         return value.to_json()
     if torch.is_tensor(value):
         return value.item() if value.numel() == 1 else value.tolist()
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [jsonable(v, strict=strict) for v in value]
     if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v, strict=strict) for k, v in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
+    if strict:
+        raise TypeError(f"a manifest field holds {type(value).__name__} {value!r}, which JSON cannot hold")
     return repr(value)
 
 

@@ -263,12 +263,12 @@ def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storag
     store.rewriting_all()  # all of the state is replaced: a swap file cut behind our back is whole again
     store.place_late(opt.param_groups, (checked.params[i] for i, s in checked.saved.items() if s is not None))
     load = StateLoad(store, checked.params, {i for i, s in checked.saved.items() if s is not None})
+    buffers = store.lend_buffers()  # the first reads saved values, the others carry units to their extents
     with storage.engine(opt.config.aio) as engine:
         manifest, plan = checked.manifest, None
         if checked.resharded is None:
             plan = load.packed_as(manifest.buffer_size, [u.nbytes for u in manifest.units],
-                                  [u.length for u in manifest.units], manifest.params)
-        buffers = store.lend_buffers()
+                                  [u.length for u in manifest.units], manifest.params, buffers)
         if plan is not None:
             with progress_bar(manifest.files[DATA].bytes, "load", progress) as bar:
                 def write(span, start, buf):
@@ -283,7 +283,7 @@ def _load_into(opt, checked: _Checked, progress: Optional[bool], storage: Storag
                 # A master copy seeded from weights that live on NVMe (offload_parameters) needs them resident:
                 # fetched at the parameter's first chunk, released after its last, as the optimizer's step does.
                 with ParamAccess().units(load.units, load.active, write_back=False) as weights:
-                    load.run(values, weights)
+                    load.run(values, weights, buffers)
             small = {i: values.small(i) for i, s in checked.saved.items()
                      if s is not None and store.is_small(checked.params[i])}
 

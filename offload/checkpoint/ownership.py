@@ -198,9 +198,10 @@ def _remove_directory(path: str, *, warn: bool) -> bool:
         except OSError as err:
             if err.errno not in (_errno.ENOTEMPTY, _errno.EEXIST):
                 raise
-    if warn:
+    if warn:  # a user's file, or one made after the lock's removal (a waiting process opened the lock again)
         warnings.warn(f"left {path} in place: besides a checkpoint's files it holds "
-                      f"{_listing(_user_names(path))}, which are not ours to delete", RuntimeWarning, stacklevel=3)
+                      f"{_listing(_user_names(path) or os.listdir(path))}, which are not ours to delete",
+                      RuntimeWarning, stacklevel=3)
     return False
 
 

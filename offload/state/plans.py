@@ -300,16 +300,13 @@ class StateLoad:
         self.active = {id(c.slot) for u in self.units for c in u.chunks if self.index[c.slot.param] in self.saved}
 
     def packed_as(self, buffer_size: int, nbytes: Sequence[int], lengths: Sequence[int],
-                  entries: Sequence) -> Optional[dict]:
+                  entries: Sequence, buffers: Sequence) -> Optional[dict]:
         """{saved item: unit} when every saved item (``nbytes``, padded to ``lengths``, of a save with units of
-        ``buffer_size``) is packed exactly like one of this store's units, so bytes move as they are; None
-        when state must be re-chunked. ``entries``: the saved parameters (``index``, ``where``,
-        ``initialized``, ``keys``, ``state_dtypes()``, ``chunks`` of rows)."""
+        ``buffer_size``) is packed exactly like one of this store's units, so bytes move as they are, through
+        ``buffers`` (:meth:`StateStore.lend_buffers`); None when state must be re-chunked. ``entries``: the saved
+        parameters (``index``, ``where``, ``initialized``, ``keys``, ``state_dtypes()``, ``chunks`` of rows)."""
         store = self.store
-        if buffer_size != store.layout.unit_bytes:
-            return None
-        smallest = min(b.nbytes for b in store.lend_buffers())
-        if any(n > smallest for n in lengths):
+        if buffer_size != store.layout.unit_bytes or any(n > min(b.nbytes for b in buffers) for n in lengths):
             return None
         signature: list[list] = [[] for _ in nbytes]
         for e in entries:
@@ -353,9 +350,10 @@ class StateLoad:
         weights.done(unit)
         return True
 
-    def run(self, source: ValueSource, weights) -> None:
+    def run(self, source: ValueSource, weights, buffers: Sequence) -> None:
         """Every unit holding a parameter with saved state, filled from ``source`` and written (``weights``: a
-        pass of the optimizer's access to the weights over :attr:`units`, for :attr:`active`)."""
+        pass of the optimizer's access to the weights over :attr:`units`, for :attr:`active`), through
+        ``buffers`` (:meth:`StateStore.lend_buffers`) but the first, which ``source`` reads into."""
         if self.units:
-            Pipeline(list(self.store.lend_buffers()[1:])).run(self.units, write=self.store.write_unit,
-                                                       process=lambda unit, buf: self.fill(unit, buf, source, weights))
+            Pipeline(list(buffers[1:])).run(self.units, write=self.store.write_unit,
+                                            process=lambda unit, buf: self.fill(unit, buf, source, weights))
