@@ -270,20 +270,20 @@ class OffloadedAdam(torch.optim.Adam):
         since backward; after that, a failure marks the state failed."""
         changing = self._overlap.running
         try:
-            self._scaling = self._grad_scaling(with_grad, scale)
+            self._offloaded.scaling = self._grad_scaling(with_grad, scale)
             self.state_store.place_late(self.param_groups, (p for _, p in offloaded))
             changing = True
             # Parameters whose weights live on NVMe (offload_parameters) are fetched for the update and
             # written back after it; ordinary parameters are untouched by this.
             with self._access.resident([p for _, p in in_memory], dirty=True):
-                update_in_memory(self.state, in_memory, grad_of=self._access.grad, scaling=self._scaling,
+                update_in_memory(self.state, in_memory, grad_of=self._access.grad, scaling=self._offloaded.scaling,
                                  math=self._math, master=self.config.offload_optimizer.master_weights)
             self._update_rest(offloaded)
         except BaseException as err:
             self._fail_step(err, changing)
             raise
         finally:
-            self._scaling = NO_SCALING
+            self._offloaded.scaling = NO_SCALING
 
     def _update_rest(self, offloaded: list) -> None:
         """With overlap_backward most units were updated during backward: finish that, then the rest."""
@@ -474,15 +474,6 @@ class OffloadedAdam(torch.optim.Adam):
         return self.state_store.bytes_read, self.state_store.bytes_written
 
     # -- the step ----------------------------------------------------------------------------
-
-    @property
-    def _scaling(self):
-        """What this step does to the grads (``NO_SCALING`` outside step())."""
-        return self._offloaded.scaling
-
-    @_scaling.setter
-    def _scaling(self, value) -> None:
-        self._offloaded.scaling = value
 
     def _note_positions(self) -> None:
         """Each parameter's index over the groups (``state_dict``'s), which keys its rounding stream."""

@@ -55,8 +55,7 @@ class BackwardOverlap:
         self.armed = armed
         self.armed_at: Optional[int] = None  # with "auto", the steps seen when it armed
         self.step = step
-        self.hyper = step.hyperparameters
-        self.learning = None if armed else Learning(self.hyper)
+        self.learning = None if armed else Learning(step.hyperparameters)
         self._params: list = []  # every parameter watched, to watch again once armed
         self.clip = clip
         self.access = step.access
@@ -130,7 +129,7 @@ class BackwardOverlap:
         run, self._run = self._run, None
         if run is None:
             return set()
-        if run.begun and run.hyper != self.hyper():  # updates that begin from here on use the new ones
+        if run.begun and run.hyper != self.step.hyperparameters():  # updates that begin from here on use the new ones
             err = StateError(
                 "the optimizer's hyperparameters (a learning rate, say) changed between backward and step(), but "
                 f"with {self.described} the update ran during backward with those it had then. Change them before "
@@ -383,7 +382,7 @@ class _Run:
     def __init__(self, owner: BackwardOverlap, slots: list, order: list):
         self.owner = owner
         self.order = order
-        self.hyper = owner.hyper()  # what the updates run with
+        self.hyper = owner.step.hyperparameters()  # what the updates run with
         self.fired: set = set()
         # Per parameter whose grad the update reads as backward left it: where the stream that produced it
         # was when it became final. The worker runs on its own streams, so it waits for that first.
