@@ -167,15 +167,30 @@ class _Data(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
-def _fit(trainer_cls, model, opt, out, steps, resume=None):
+def _fit(trainer_cls, model, opt, out, steps, resume=None, max_grad_norm=0.5):
     from transformers import TrainingArguments
 
     args = TrainingArguments(output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, save_steps=2,
-                             logging_steps=1, report_to=[], use_cpu=True, seed=0, max_grad_norm=0.5,
+                             logging_steps=1, report_to=[], use_cpu=True, seed=0, max_grad_norm=max_grad_norm,
                              disable_tqdm=True)
     trainer = trainer_cls(model=model, args=args, train_dataset=_Data(), optimizers=(opt, None))
     trainer.train(resume_from_checkpoint=resume)
     return [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+
+
+def test_offload_trainer_logging_the_norm_keeps_auto_overlap_off(nvme, closing, tmp_path):
+    """Without clipping (max_grad_norm=0) OffloadTrainer still reads the offloaded grads after each backward, to
+    log their norm: overlap_backward="auto" (the default) never switches on, and every norm is logged."""
+    pytest.importorskip("transformers")
+    from offload.integrations.transformers import OffloadTrainer
+
+    torch.manual_seed(0)
+    model = closing(offload_parameters(_Regression(), nvme, **TINY))
+    opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme, **OPT))
+    assert opt.config.offload_optimizer.overlap_backward == "auto"
+    norms = _fit(OffloadTrainer, model, opt, tmp_path / "out", 5, max_grad_norm=0)
+    assert len(norms) == 5 and all(n > 0 for n in norms)
+    assert not opt._overlap.armed
 
 
 def test_plain_trainer_on_offloaded_grads_points_to_offload_trainer(nvme, closing, tmp_path):
@@ -205,7 +220,10 @@ def test_offload_trainer_with_offloaded_model_trains_and_resumes_like_plain_trai
     def offloaded_run(out, steps, resume=None):
         model = closing(offload_parameters(copy.deepcopy(start), nvme, **TINY))
         opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme, **OPT))
-        return model, _fit(OffloadTrainer, model, opt, out, steps, resume)
+        norms = _fit(OffloadTrainer, model, opt, out, steps, resume)
+        # Trainer clips after every backward, reading the grads: overlap_backward="auto" never switches on.
+        assert not opt._overlap.armed
+        return model, norms
 
     off, norms = offloaded_run(tmp_path / "off", 6)
     assert norms == ref_norms and max(norms) > 0.5  # clipping happened
