@@ -488,9 +488,10 @@ def test_a_step_longer_than_the_wait_still_hands_over_every_unit(tmp_path, nvme,
     moves = opt.state_store.moves
     real_step = moves.step
 
-    def slow_step(*args, **kwargs):  # started at once, lasting well past the save's wait
+    def slow_step(*args, **kwargs):  # started at once (counted), lasting well past the save's wait
+        units_in = real_step(*args, **kwargs)
         threading.Event().wait(1.5)
-        return real_step(*args, **kwargs)
+        return units_in
 
     monkeypatch.setattr(moves, "step", slow_step)
     expected, reads, handle = riding_save(opt, tmp_path / "c", monkeypatch)

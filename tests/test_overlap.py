@@ -873,7 +873,7 @@ def test_a_pass_left_by_break_carries_out_the_fate_of_the_unit_in_it(nvme, closi
         for _unit, _buf in units_in:
             break
     assert store.bytes_written == written
-    with pytest.raises(RuntimeError, match="without changing"), store.step(store.layout.units) as units_in:
+    with pytest.raises(RuntimeError, match="without changing"), store.moves.step(store.layout.units) as units_in:
         for _unit, _buf in units_in:
             pass
 
@@ -888,7 +888,7 @@ def test_a_step_stopped_in_a_unit_held_unwritten_fails_the_state(nvme, closing):
     _state_moved_per_step(over, oa, range(2))
     store = oa.state_store
     first = next(u for u in store.layout.units if not store.moves.written_back(u))
-    with pytest.raises(RuntimeError, match="stopped"), store.step([first], keep_first=True) as units_in:
+    with pytest.raises(RuntimeError, match="stopped"), store.moves.step([first], keep_first=True) as units_in:
         for unit, buf in units_in:
             units_in.changing(unit, buf)
             raise RuntimeError("stopped")

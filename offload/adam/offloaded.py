@@ -53,7 +53,7 @@ class OffloadedStep:
             # The step's last writes land while the caller goes on (the next forward); reading a unit back, a
             # checkpoint, state_dict() or close() waits for them.
             with self.access.units(units, updates.candidates) as unit_pass, \
-                    store.step(units, keep_first=order is not None) as units_in:
+                    store.moves.step(units, keep_first=order is not None) as units_in:
                 updates.unit_pass = unit_pass
                 for unit, buf in units_in:
                     if gate is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -89,22 +90,49 @@ class UnitMover:
         # flush); every other unit's extent holds its state, once its writes land.
         self._unwritten: set[int] = set()
         self._spare: Optional[BufferPool] = None  # see lend
+        # Steps begun and ended (an asynchronous save rides on the next one), and the time between the last two.
+        self.steps_started = self.steps_done = 0
+        self.step_interval: Optional[float] = None
+        self._step_started: Optional[float] = None
         bytes.on_failure.append(self._holding.clear)
         bytes.on_failure.append(self._unwritten.clear)
 
     # -- the three passes ---------------------------------------------------------------------
 
     def step(self, units: Sequence[Unit], *, keep_first: bool = False) -> UnitStream:
-        """A pass that updates ``units`` in order, as a loop (see :class:`UnitStream`). The tiers are settled
-        (see :meth:`fates`); the last writes are left landing (see :meth:`offload.bytes.ByteStore.drain`).
+        """One step over ``units`` (in the order given), as a loop (:class:`UnitStream`).
+
+        ::
+
+            with store.moves.step(units) as units_in:
+                for unit, buf in units_in:
+                    units_in.changing(unit, buf)
+                    ...  # update the unit's state in buf
+
+        Each unit is read (unless it is resident in host memory, still in a pool buffer, or has no state yet),
+        handed out in a buffer, and once the body is done with it written back, kept resident or evicted as
+        :meth:`fates` decides. Every unit read is checked against the checksum of its last write. The last
+        writes are left landing (they land during the next forward); a unit read later waits for its own write,
+        and the store's drain (checkpoints, loads) for all of them, after :meth:`flush`.
 
         ``keep_first``: the next step visits ``units`` in the same order (backward's, with overlap_backward), so
         the pool buffers of the first units are set aside once updated, holding them unwritten for it (see
         :meth:`flush`), and the rest stream through :data:`STREAMING` buffers (see :meth:`kept`). Without a
         host tier only.
+
+        Raises:
+            OSError: a read or write failed (file and offset named), in this step or a write an earlier
+                step left landing; the store is then failed.
+            StateError: a unit's bytes on disk are not the bytes last written there.
         """
+        now = time.monotonic()
+        if self._step_started is not None:
+            self.step_interval = now - self._step_started
+        self._step_started = now
         keep = self.kept(units) if keep_first else set()
-        return UnitStream(self, units, self.fates(units, step=True), drain=False, keep=keep)
+        fates = self.fates(units, step=True)
+        self.steps_started += 1
+        return UnitStream(self, units, fates, drain=False, keep=keep, counts_step=True)
 
     def export(self, units: Sequence[Unit]) -> UnitStream:
         """A pass that reads ``units``, as a loop: nothing is written or frozen."""
@@ -270,8 +298,9 @@ class UnitStream:
     """
 
     def __init__(self, mover: UnitMover, units: Sequence[Unit], fates: dict, *, changes: bool = True,
-                 drain: bool = True, keep: frozenset | set = frozenset()):
+                 drain: bool = True, keep: frozenset | set = frozenset(), counts_step: bool = False):
         self.mover = mover
+        self.counts_step = counts_step  # a step's: its end is counted (UnitMover.steps_done) however it ends
         self.units = units
         self.fates = fates
         self.changes = changes
@@ -283,6 +312,18 @@ class UnitStream:
         self.changed = False  # whether the current unit's buffer may have changed
 
     def __enter__(self) -> UnitStream:
+        try:
+            return self._start()
+        except BaseException:
+            self._ended()
+            raise
+
+    def _ended(self) -> None:
+        if self.counts_step:
+            self.counts_step = False
+            self.mover.steps_done += 1
+
+    def _start(self) -> UnitStream:
         mover, store, tier = self.mover, self.mover.bytes, self.mover.tier
         store.collect_landed()
         # Units kept in host memory (resident, or still in a pool buffer) are written without being read
@@ -331,6 +372,12 @@ class UnitStream:
             self.stream.skip_write()
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self._finish(exc_type, exc, tb)
+        finally:
+            self._ended()
+
+    def _finish(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             try:
                 self._done()  # the loop was left by a break: the unit in it still meets its fate

@@ -177,7 +177,8 @@ class StateItems:
 
     def steps(self) -> tuple[int, int, Optional[float]]:
         """The store's steps started and done, and the time between the starts of the last two (None: unknown)."""
-        return self.store.steps_started, self.store.steps_done, self.store.step_interval
+        moves = self.store.moves
+        return moves.steps_started, moves.steps_done, moves.step_interval
 
 
 def save_plan(store, params: Sequence[torch.Tensor]) -> tuple[StateItems, dict]:

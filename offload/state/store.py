@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -19,7 +17,7 @@ from ..sizes import MIB, format_size, round_up
 from ..space import SwapSpace
 from .codec import chunk_values, exported_keys, set_chunk_values
 from .layout import Chunk, Layout, ParamSlot, Unit
-from .moves import UnitMover, UnitStream
+from .moves import UnitMover
 
 __all__ = ["StateStore", "pool_buffer_size"]
 
@@ -66,6 +64,8 @@ class StateStore:
         tier: the :class:`HostTier` of resident units, or ``None`` without one.
         threshold: the small-parameter threshold.
         bytes: the :class:`offload.bytes.ByteStore` the units' bytes move through (failed state, checksums).
+        moves: the :class:`UnitMover` that moves units in passes; a step is ``with store.moves.step(units) as
+            units_in: for unit, buf in units_in: ...`` (:meth:`UnitMover.step`).
     """
 
     def __init__(self, state: dict, param_groups: list, config: Config, *, name: str = "adam"):
@@ -96,9 +96,6 @@ class StateStore:
         self.on_restored: list[Callable[[], None]] = []  # what an owner redoes after a load
         # Steps started and finished, and the time between the starts of the last two (an asynchronous save
         # waits about that long for a step to start and hand it the units, see offload.checkpoint.snapshot).
-        self.steps_started = self.steps_done = 0
-        self.step_interval: Optional[float] = None
-        self._step_started: Optional[float] = None
         self.bytes = ByteStore(self.space, unit_bytes, checksum=oc.checksum, mismatch_fails=True, remedy=(
             "Training on it would be silently wrong; restore the state with load_checkpoint() (or "
             "load_state_dict()) before stepping again."))
@@ -248,42 +245,6 @@ class StateStore:
         return self.bytes.bytes_written
 
     # -- moving units ---------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def step(self, units: Sequence[Unit], *, keep_first: bool = False) -> Iterator[UnitStream]:
-        """One step over ``units`` (in the order given), as a loop (:class:`UnitStream`).
-
-        ::
-
-            with store.step(units) as units_in:
-                for unit, buf in units_in:
-                    units_in.changing(unit, buf)
-                    ...  # update the unit's state in buf
-
-        Each unit is read (unless it is resident in host memory, still in a pool buffer, or has no state yet),
-        handed out in a buffer, and once the body is done with it written back, kept resident or evicted as
-        :meth:`UnitMover.fates` decides. Every unit read is checked against the checksum of its last write.
-        The last writes are left landing (they land during the next forward); a unit read later waits for its
-        own write, and :meth:`drain` (checkpoints, loads) for all of them, after writing back the units the pool
-        holds unwritten. ``keep_first``:
-        the next step visits ``units`` in this order again (backward's, with overlap_backward), so the pool
-        holds its first units for it (:meth:`UnitMover.step`).
-
-        Raises:
-            OSError: a read or write failed (file and offset named), in this step or a write an earlier
-                step left landing; the store is then failed.
-            StateError: a unit's bytes on disk are not the bytes last written there.
-        """
-        now = time.monotonic()
-        if self._step_started is not None:
-            self.step_interval = now - self._step_started
-        self._step_started = now
-        self.steps_started += 1
-        try:
-            with self.moves.step(units, keep_first=keep_first) as units_in:
-                yield units_in
-        finally:
-            self.steps_done += 1
 
     def read_state(self) -> Iterator[tuple[ParamSlot, dict]]:
         """Every initialized slot's state read back: ``(slot, {key: CPU tensor shaped like the parameter})``,
