@@ -281,7 +281,7 @@ def _run_sigterm(code: str, tmp: str) -> None:
         deadline = time.monotonic() + 60
         while not swap_files() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)  # its optimizer exists: the handler is set, training starts
-        time.sleep(1.0)
+        time.sleep(0.2)  # a step or more (one at least comes before the flag is read, whenever it lands)
         proc.send_signal(15)
         out, _ = proc.communicate(timeout=120)
         if proc.returncode != 0 or "after SIGTERM; exiting" not in out:
