@@ -165,7 +165,7 @@ class Scheduler:
     def _on_root_call(self, module, args) -> None:
         if self.store.offload_grads and _inside_ddp(self.root):
             raise ConfigError(DDP_GRADS)
-        if self._callback_queued and torch._C._current_graph_task_id() == -1:
+        if self._callback_queued and _outside_backward():
             # The last backward raised: autograd ran no callback of its, so release here what it held.
             self._callback_queued = False
             self._release_held()
@@ -219,7 +219,11 @@ class Scheduler:
         def hook(module, args, output):
             stack = self._calls.get(index)
             pos, fetched = stack.pop() if stack else (None, [])
-            self.turn.release_or_keep(fetched, keep=self._keeps_for_backward(pos))
+            keep: dict = {}
+            try:
+                keep = self._keeps_for_backward(pos)
+            finally:  # whatever happened, this call's holds are kept or released
+                self.turn.release_or_keep(fetched, keep=keep)
             if torch.is_grad_enabled():
                 outs = [t for t in _tensors(output, []) if t.requires_grad]
                 if outs:
@@ -230,8 +234,9 @@ class Scheduler:
 
     def _keeps_for_backward(self, pos):
         """The weights that the forward event at ``pos`` of the recorded order (None: none) keeps for backward
-        (:class:`offload.params.turn.Turn`), the order being followed still: a dict, maybe empty."""
-        if pos is None or not self._following:
+        (:class:`offload.params.turn.Turn`), the order being followed still: a dict, maybe empty. Nothing in eval
+        mode (a validation pass with grad enabled has no backward to keep them for)."""
+        if pos is None or not self._following or not self.root.training:
             return {}
         return self.turn.plan(self.trace, self.params).get(pos, {})
 
@@ -329,3 +334,10 @@ def _inside_ddp(root: nn.Module) -> bool:
     """Whether ``root`` is being called by a DistributedDataParallel forward (``root`` is in its module)."""
     ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
     return ddp is not None and any(m is root for m in ddp.module.modules())
+
+
+def _outside_backward() -> bool:
+    """Whether no backward is running on this thread (autograd's current graph task; a torch without the call
+    answers False, and nothing is released early)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() == -1

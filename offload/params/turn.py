@@ -46,9 +46,9 @@ FORWARD, BACKWARD = 0, 1  # the kinds of event in the recorded order of fetches 
 # the turn: for a model whose forward and backward hold one module at a time, the pool's bytes plus the largest
 # module's.
 #
-# Released: only while grad is enabled (no_grad, eval) is anything kept. What is still kept when backward ends,
-# when the next forward begins (no backward came: a skipped iteration, or one whose backward raised), or when the
-# hooks are removed, is released then. Forward only reads a kept weight.
+# Released: only while grad is enabled and the model trains is anything kept (not under no_grad, not in eval).
+# What is still kept when backward ends, when the next forward begins (no backward came: a skipped iteration, or
+# one whose backward raised), or when the hooks are removed, is released then. Forward only reads a kept weight.
 class Turn:
     """Holds of the weights forward used last, kept into backward, within the parameter pool's bytes.
 
@@ -60,7 +60,7 @@ class Turn:
         self.store = store
         self.budget = store.pool.nbytes
         self._kept: dict[torch.Tensor, None] = {}  # the params kept, oldest first
-        self.kept_bytes = 0
+        self.held_bytes = 0
         self.taken = 0  # holds backward took instead of fetching (reads saved), since the store was made
         self._planned: tuple = (None, {})  # (the order played, its plan)
 
@@ -122,12 +122,12 @@ class Turn:
                 del self._kept[p]
                 released.append(p)
             else:
-                self.kept_bytes += self.store.records[p].nbytes
+                self.held_bytes += self.store.records[p].nbytes
             self._kept[p] = None
-        while self.kept_bytes > self.budget:
+        while self.held_bytes > self.budget:
             oldest = next(iter(self._kept))
             del self._kept[oldest]
-            self.kept_bytes -= self.store.records[oldest].nbytes
+            self.held_bytes -= self.store.records[oldest].nbytes
             released.append(oldest)
         release_each(released, self.store.release)
 
@@ -136,11 +136,11 @@ class Turn:
         if p not in self._kept:
             return False
         del self._kept[p]
-        self.kept_bytes -= self.store.records[p].nbytes
+        self.held_bytes -= self.store.records[p].nbytes
         self.taken += 1
         return True
 
     def release_all(self) -> None:
         """Release every hold still kept."""
-        kept, self._kept, self.kept_bytes = list(self._kept), {}, 0
+        kept, self._kept, self.held_bytes = list(self._kept), {}, 0
         release_each(kept, self.store.release)
