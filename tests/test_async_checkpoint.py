@@ -17,6 +17,7 @@ from offload import checkpoint as ckpt
 from offload.checkpoint import snapshot as snapshot_module
 from offload.checkpoint import stream as stream_module
 from offload.errors import CheckpointError
+from offload.state.moves import UnitStream
 
 
 @pytest.fixture
@@ -485,20 +486,42 @@ def test_a_step_longer_than_the_wait_still_hands_over_every_unit(tmp_path, nvme,
     for name in ("RIDE_MIN_S", "RIDE_MAX_S", "RIDE_FIRST_S"):
         monkeypatch.setattr(snapshot_module, name, 0.5)
     opt, params = trained(nvme, closing)
-    moves = opt.state_store.moves
-    real_step = moves.step
+    real_start = UnitStream._start
 
-    def slow_step(*args, **kwargs):  # started at once (counted), lasting well past the save's wait
-        units_in = real_step(*args, **kwargs)
-        threading.Event().wait(1.5)
-        return units_in
+    def slow_start(self):  # started at once (counted), lasting well past the save's wait
+        started = real_start(self)
+        if self.counts_step:
+            threading.Event().wait(1.5)
+        return started
 
-    monkeypatch.setattr(moves, "step", slow_step)
+    monkeypatch.setattr(UnitStream, "_start", slow_start)
     expected, reads, handle = riding_save(opt, tmp_path / "c", monkeypatch)
     train(opt, params, range(2, 3))
     assert commits_unwaited(handle)
     assert reads == []
     assert_same_state(loaded_state(tmp_path / "c", str(tmp_path / "nvme2")), expected)
+
+
+def test_a_step_is_counted_once_entered_and_done_however_it_ends(nvme, closing, monkeypatch):
+    """An asynchronous save rides on the next step by its counts: a step's stream counts as started once entered
+    (not when made), and as done when it ends, by an error in its body or in its start as well as normally."""
+    opt, _ = trained(nvme, closing)
+    moves, units = opt.state_store.moves, opt.state_store.layout.units
+    counts = lambda: (moves.steps_started, moves.steps_done)  # noqa: E731
+    before = counts()
+    moves.step(units)  # never entered: not a step
+    assert counts() == before
+    with pytest.raises(RuntimeError, match="in the body"), moves.step(units):
+        raise RuntimeError("in the body")
+    assert counts() == (before[0] + 1, before[1] + 1)
+
+    def failing_start(self):
+        raise OSError(5, "in the start")
+
+    monkeypatch.setattr(UnitStream, "_start", failing_start)
+    with pytest.raises(OSError, match="in the start"), moves.step(units):
+        pass
+    assert counts() == (before[0] + 2, before[1] + 2)
 
 
 def test_units_in_host_memory_are_not_waited_for(tmp_path, nvme, closing, patient):

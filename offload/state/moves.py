@@ -125,14 +125,16 @@ class UnitMover:
                 step left landing; the store is then failed.
             StateError: a unit's bytes on disk are not the bytes last written there.
         """
+        keep = self.kept(units) if keep_first else set()
+        return UnitStream(self, units, self.fates(units, step=True), drain=False, keep=keep, counts_step=True)
+
+    def _step_begins(self) -> None:
+        """A step's stream is entered: counted, and the time since the last one's start noted."""
         now = time.monotonic()
         if self._step_started is not None:
             self.step_interval = now - self._step_started
         self._step_started = now
-        keep = self.kept(units) if keep_first else set()
-        fates = self.fates(units, step=True)
         self.steps_started += 1
-        return UnitStream(self, units, fates, drain=False, keep=keep, counts_step=True)
 
     def export(self, units: Sequence[Unit]) -> UnitStream:
         """A pass that reads ``units``, as a loop: nothing is written or frozen."""
@@ -300,7 +302,8 @@ class UnitStream:
     def __init__(self, mover: UnitMover, units: Sequence[Unit], fates: dict, *, changes: bool = True,
                  drain: bool = True, keep: frozenset | set = frozenset(), counts_step: bool = False):
         self.mover = mover
-        self.counts_step = counts_step  # a step's: its end is counted (UnitMover.steps_done) however it ends
+        # A step's: counted (UnitMover.steps_started) once entered, and its end (steps_done) however it ends.
+        self.counts_step = counts_step
         self.units = units
         self.fates = fates
         self.changes = changes
@@ -312,6 +315,8 @@ class UnitStream:
         self.changed = False  # whether the current unit's buffer may have changed
 
     def __enter__(self) -> UnitStream:
+        if self.counts_step:
+            self.mover._step_begins()
         try:
             return self._start()
         except BaseException:
