@@ -159,3 +159,20 @@ def test_kept_weights_stay_within_the_pool_bytes_whatever_the_plan_keeps(nvme, c
     with materialized(model):
         assert_same(list(model.parameters()), list(plain.parameters()))
     assert store.resident_bytes == 0
+
+
+def test_keep_for_backward_false_keeps_nothing_and_resident_weights_stay_two_modules(nvme, closing):
+    """offload_parameters(keep_for_backward=False): backward reads every module again (no kept hold taken), the
+    weights resident at once stay within two modules' (the one running and the one before), and a value that is
+    not a bool is refused before anything is offloaded."""
+    model = _stack()
+    with pytest.raises(TypeError, match="keep_for_backward must be True or False"):
+        offload_parameters(model, nvme_path=nvme, keep_for_backward="no", **TINY)
+    closing(offload_parameters(model, nvme_path=nvme, keep_for_backward=False, **TINY))
+    # The update in step(): inside backward, weights also wait resident for their update (the hand-off).
+    opt = closing(OffloadedAdamW(model.parameters(), nvme_path=nvme + "-o", overlap_backward=False, **OPT))
+    rows = _train(model, opt, range(4))
+    assert offloaded(model).scheduler.turn.taken == 0
+    assert all(fwd_peak <= 2 * LAYER and bwd_peak <= 2 * LAYER for _, _, fwd_peak, bwd_peak, _, _ in rows[1:]), rows
+    # Every module read in forward and again in backward (forward may prefetch backward's first).
+    assert all(fwd + bwd >= 2 * LAYERS * LAYER for fwd, bwd, *_ in rows[1:]), rows

@@ -53,6 +53,7 @@ def offload_parameters(
     max_in_cpu: Optional[int] = None,
     max_grad_in_cpu: Optional[int] = None,
     prefetch: int = 2,
+    keep_for_backward: bool = True,
     buffer_count: Optional[int] = None,
     buffer_size: Optional[int] = None,
     pin_memory: Optional[bool] = None,
@@ -96,6 +97,9 @@ def offload_parameters(
             to the step instead of written to NVMe and read back (smallest first). Default: the
             config's (1e9).
         prefetch: how many upcoming submodules (in the order recorded on the first call) to read ahead.
+        keep_for_backward: forward's last submodules keep their weights resident into backward, which needs
+            them first, up to the parameter pool's bytes (in host memory, or the device's for a device model):
+            fewer reads per iteration. False: none kept, resident weights stay about two modules'.
         buffer_count, buffer_size, pin_memory: override the config's ``offload_param`` settings
             (``buffer_size`` in elements).
         offload_grads: (default: True, except under FSDP2, whose sharded gradients stay in memory) move each
@@ -130,6 +134,8 @@ def offload_parameters(
         raise ValueError("this model's parameters are offloaded already; call restore_parameters(model) first")
     if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
         raise ValueError(f"prefetch must be a non-negative number of submodules, got {prefetch!r}")
+    if not isinstance(keep_for_backward, bool):
+        raise TypeError(f"keep_for_backward must be True or False, got {keep_for_backward!r}")
     cfg = offload_config(config, "offload_param", user="offload_parameters", what="parameters",
                          otherwise="or leave the model as it is to keep parameters in memory",
                          nvme_path=nvme_path, max_in_cpu=max_in_cpu, max_grad_in_cpu=max_grad_in_cpu,
@@ -159,7 +165,7 @@ def offload_parameters(
     params = _check_params(model, fresh)
     store = ParamStore(params, cfg, name="params", offload_grads=offload_grads, names=_names(model), fresh=fresh)
     try:
-        scheduler = Scheduler(model, store, prefetch)
+        scheduler = Scheduler(model, store, prefetch, keep_for_backward=keep_for_backward)
     except BaseException:
         store.restore()
         raise

@@ -80,7 +80,7 @@ class Scheduler:
         prefetch: how many upcoming fetch events to read ahead for (0: none).
     """
 
-    def __init__(self, root: nn.Module, store: ParamStore, prefetch: int):
+    def __init__(self, root: nn.Module, store: ParamStore, prefetch: int, *, keep_for_backward: bool = True):
         self.root = root
         self.store = store
         store.handoff.join(self)  # final gradients are reported to an optimizer updating during backward
@@ -89,7 +89,8 @@ class Scheduler:
         self.params: list[list[torch.Tensor]] = []
         self._handles: list = []
         self._held: set = set()
-        self.turn = Turn(store)  # forward's last weights, kept for backward's first fetches
+        # Forward's last weights, kept for backward's first fetches (none without keep_for_backward).
+        self.turn = Turn(store, budget=store.pool.nbytes if keep_for_backward else 0)
         self._calls: dict[int, list] = {}
         self._callback_queued = False  # an end-of-backward callback is queued, not run yet
         self.trace: list[tuple[int, int]] = []

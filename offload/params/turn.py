@@ -53,12 +53,14 @@ class Turn:
     """Holds of the weights forward used last, kept into backward, within the parameter pool's bytes.
 
     Args:
-        store: the parameter store whose weights are held (its pool's bytes are the budget).
+        store: the parameter store whose weights are held.
+        budget: the most bytes kept at once: the store's pool's (``offload_parameters(keep_for_backward=True)``),
+            or 0 (nothing kept).
     """
 
-    def __init__(self, store: ParamStore):
+    def __init__(self, store: ParamStore, *, budget: int):
         self.store = store
-        self.budget = store.pool.nbytes
+        self.budget = budget
         self._kept: dict[torch.Tensor, None] = {}  # the params kept, oldest first
         self.held_bytes = 0
         self.taken = 0  # holds backward took instead of fetching (reads saved), since the store was made
