@@ -74,6 +74,7 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing,
     opt = closing(OffloadedAdamW(model.parameters(), config=config))
     for step in range(2):
         before = (store.bytes_read, store.bytes_written, store.grad_bytes_read, store.grad_bytes_written)
+        dropped = store.prefetches_dropped
         loss_of(model, step, dtype).backward()
         opt.step()
         opt.zero_grad()
@@ -92,9 +93,10 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing,
     reads = 3 if dtype == torch.float32 or not master else 2
     planned = predicted.read_bytes - predicted.grads_nvme_bytes - plan(params, config, nvme_paths=[nvme]).read_bytes
     assert planned == reads * predicted.weights_nvme_bytes
-    # A prefetch dropped when the pool is full is read again (up to 3% of this small model's weights); the turn
+    # A prefetch dropped when the pool is full is read again (how many depends on timing: counted), and the turn
     # into backward saves reading up to the parameter pool's bytes (forward's last weights, params/turn.py).
-    assert -store.pool.nbytes <= read - planned <= 0.03 * read
+    largest = max(r.nbytes for r in store.records.values())
+    assert -store.pool.nbytes <= read - planned <= (store.prefetches_dropped - dropped) * largest
 
 
 def test_the_plan_of_the_update_inside_backward_counts_no_grad_round_trip_and_no_step_read(nvme, closing):
