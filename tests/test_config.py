@@ -839,7 +839,8 @@ def test_every_key_of_a_block_is_a_keyword_of_what_uses_it():
                                              "capturable", "differentiable", "fused", "config", "max_grad_norm",
                                              "seed"})
     assert adam == {f.name for f in dataclasses.fields(OptimizerOffloadConfig)}
-    params = keywords(offload_parameters, {"config", "prefetch", "offload_grads", "device", "init"})
+    per_model = {"config", "prefetch", "keep_for_backward", "offload_grads", "device", "init"}
+    params = keywords(offload_parameters, per_model)
     assert params <= {f.name for f in dataclasses.fields(ParamOffloadConfig)}
 
 
