@@ -71,6 +71,9 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing,
     predicted = plan(params, config, offload_params=True, nvme_paths=[nvme])
     store = offloaded(model).store
     assert predicted.host_bytes["parameter pool"] == store.pool.nbytes > 0  # sized to what is on NVMe
+    # The weights forward keeps resident for backward: at most the turn's budget (the pool's bytes).
+    turn = offloaded(model).scheduler.turn
+    assert predicted.host_bytes["weights kept for backward"] == min(turn.budget, predicted.weights_nvme_bytes) > 0
     opt = closing(OffloadedAdamW(model.parameters(), config=config))
     for step in range(2):
         before = (store.bytes_read, store.bytes_written, store.grad_bytes_read, store.grad_bytes_written)

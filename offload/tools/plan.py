@@ -345,7 +345,13 @@ def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool, oc) -> 
     weights = sum(nbytes(p) for p in offloaded)
     unmastered = sum(nbytes(p) for p in offloaded if not _keeps_master(p, oc))
     grads = sum(nbytes(p) for p in offloaded if p not in grad_kept)
-    return host, weights, unmastered, grads, 2 * host.get("parameter pool", 0) if on_gpu else 0
+    pool = host.get("parameter pool", 0)
+    # Forward's last modules stay resident into backward, up to the pool's bytes (offload_parameters'
+    # keep_for_backward, on by default): in host memory, or the device's for a model on a GPU.
+    turn = min(pool, weights)
+    if turn and not on_gpu:
+        host["weights kept for backward"] = turn
+    return host, weights, unmastered, grads, 2 * pool + turn if on_gpu else 0
 
 
 def _existing(path: str) -> str:
