@@ -74,6 +74,8 @@ def test_the_plan_of_offloaded_weights_equals_the_parameter_store(nvme, closing,
     # The weights forward keeps resident for backward: at most the turn's budget (the pool's bytes).
     turn = offloaded(model).scheduler.turn
     assert predicted.host_bytes["weights kept for backward"] == min(turn.budget, predicted.weights_nvme_bytes) > 0
+    unkept = plan(params, config, offload_params=True, nvme_paths=[nvme], keep_for_backward=False)
+    assert "weights kept for backward" not in unkept.host_bytes  # offload_parameters(keep_for_backward=False)
     opt = closing(OffloadedAdamW(model.parameters(), config=config))
     for step in range(2):
         before = (store.bytes_read, store.bytes_written, store.grad_bytes_read, store.grad_bytes_written)

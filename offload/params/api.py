@@ -99,7 +99,8 @@ def offload_parameters(
         prefetch: how many upcoming submodules (in the order recorded on the first call) to read ahead.
         keep_for_backward: forward's last submodules keep their weights resident into backward, which needs
             them first, up to the parameter pool's bytes (in host memory, or the device's for a device model):
-            fewer reads per iteration. False: none kept, resident weights stay about two modules'.
+            fewer reads per iteration. False: none kept, resident weights stay about two modules'. Under FSDP2
+            nothing is kept either way (each group's shards are released once gathered).
         buffer_count, buffer_size, pin_memory: override the config's ``offload_param`` settings
             (``buffer_size`` in elements).
         offload_grads: (default: True, except under FSDP2, whose sharded gradients stay in memory) move each

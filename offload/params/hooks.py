@@ -338,7 +338,6 @@ def _inside_ddp(root: nn.Module) -> bool:
 
 
 def _outside_backward() -> bool:
-    """Whether no backward is running on this thread (autograd's current graph task; a torch without the call
-    answers False, and nothing is released early)."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() == -1
+    """Whether no backward is running on this thread (autograd's current graph task: every torch this library
+    supports has the call)."""
+    return torch._C._current_graph_task_id() == -1

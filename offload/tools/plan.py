@@ -200,7 +200,8 @@ def _check_sizes(doc, path: str, where: str = "") -> None:
 
 def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool = False, on_gpu: bool = False,
          amsgrad: bool = False, nvme_paths: Sequence[str] = (), read_gib_s: Optional[float] = None,
-         write_gib_s: Optional[float] = None, available_host_bytes: Optional[int] = None) -> Plan:
+         write_gib_s: Optional[float] = None, available_host_bytes: Optional[int] = None,
+         keep_for_backward: bool = True) -> Plan:
     """What training ``params`` with OffloadedAdam(W) (and, with ``offload_params``, offload_parameters) under
     ``config`` needs and moves: sizes as the optimizer and the parameter store lay them out.
 
@@ -213,6 +214,8 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
     memory: no grad round trip and no read by the step (so long as
     what waits for its update stays within twice the optimizer pool or 256 MiB, as it does when the update
     keeps up with backward; and not with ``max_grad_norm``, whose updates wait for every grad).
+    ``keep_for_backward``: ``offload_parameters``' (forward's last modules resident into backward, up to the
+    parameter pool's bytes, counted in memory).
     """
     oc = config.offload_optimizer
     dtype = next((k for k, v in _DTYPES.items() if params and params[0].dtype == v), "fp32")
@@ -228,7 +231,8 @@ def plan(params: Sequence[torch.Tensor], config: Config, *, offload_params: bool
         host["small parameters' state"] = in_memory
     weights_nvme = grads_nvme = gpu = 0
     if offload_params:
-        held, weights_nvme, unmastered, grads_nvme, gpu = _offloaded_weights(params, config.offload_param, on_gpu, oc)
+        held, weights_nvme, unmastered, grads_nvme, gpu = _offloaded_weights(params, config.offload_param, on_gpu, oc,
+                                                                              keep_for_backward)
         host.update(held)
         # Read for forward and backward; weights without a master by the step too, and grads read by the
         # optimizer, unless the update runs inside backward.
@@ -323,7 +327,7 @@ def _keeps_master(p: torch.Tensor, oc) -> bool:
     return p.dtype == torch.float16 or (p.dtype == torch.bfloat16 and oc.master_weights)
 
 
-def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool, oc) -> tuple:
+def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool, oc, keep_for_backward: bool) -> tuple:
     """(host memory by name, weights on NVMe, those among them without an fp32 master, grads on NVMe, GPU
     bytes) with offload_parameters, whose rule (``smallest_within``) keeps the smallest parameters within
     max_in_cpu in memory, and the smallest offloaded grads within max_grad_in_cpu."""
@@ -348,7 +352,7 @@ def _offloaded_weights(params: Sequence[torch.Tensor], pc, on_gpu: bool, oc) -> 
     pool = host.get("parameter pool", 0)
     # Forward's last modules stay resident into backward, up to the pool's bytes (offload_parameters'
     # keep_for_backward, on by default): in host memory, or the device's for a model on a GPU.
-    turn = min(pool, weights)
+    turn = min(pool, weights) if keep_for_backward else 0
     if turn and not on_gpu:
         host["weights kept for backward"] = turn
     return host, weights, unmastered, grads, 2 * pool + turn if on_gpu else 0
@@ -382,6 +386,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                    help="an nvme_path (repeat for several drives; default: the config's)")
     p.add_argument("--offload-params", action="store_true", help="weights and grads on NVMe too (offload_parameters; "
                    "the default when --config has an offload_param block with device nvme)")
+    p.add_argument("--no-keep-for-backward", dest="keep_for_backward", action="store_false",
+                   help="offload_parameters(keep_for_backward=False): no weights kept from forward into backward")
     p.add_argument("--gpu", action="store_true", help="the model trains on a GPU (weights and grads in its memory)")
     p.add_argument("--amsgrad", action="store_true", help="AMSGrad (one more moment)")
     p.add_argument("--read-gib-s", type=float, metavar="X", help="drive read bandwidth, GiB/s (all paths together)")
@@ -413,11 +419,12 @@ def run_plan(args: argparse.Namespace) -> int:
             raise UsageError(f"{name} must be a positive number of GiB/s, got {value}")
     params = model_params(hf_config=args.hf_config, count=args.params, dtype=args.dtype)
     result = plan(params, config, offload_params=offload_params, on_gpu=args.gpu, amsgrad=args.amsgrad,
-                  nvme_paths=paths, read_gib_s=read, write_gib_s=write, available_host_bytes=args.host_memory)
+                  nvme_paths=paths, read_gib_s=read, write_gib_s=write, available_host_bytes=args.host_memory,
+                  keep_for_backward=args.keep_for_backward)
     print(render(result))
     print(render_modes(modes(params, config, offload_params=offload_params, on_gpu=args.gpu,
                              amsgrad=args.amsgrad, nvme_paths=paths, read_gib_s=read, write_gib_s=write,
-                             available_host_bytes=args.host_memory)))
+                             available_host_bytes=args.host_memory, keep_for_backward=args.keep_for_backward)))
     if args.json:
         report.write_json(args.json, result.to_dict())
         print(f"wrote {args.json}")
